@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import math
 import os
 import queue
+import subprocess
 import sys
 import threading
 import time
@@ -21,8 +23,549 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
 
 # -----------------------------------------------------------------------------------------------
+# Hyperparameters: every field is a command-line override, `--field value`.
+# Defaults are the public speedrun record of 2025-09-03 (#29: 1670 steps, 8xH100).
+
+DATA_PATH = os.environ.get("DATA_PATH", os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Hyperparameters:
+    # data
+    train_files: str = os.path.join(DATA_PATH, "data/fineweb10B/fineweb_train_*.bin")
+    val_files: str = os.path.join(DATA_PATH, "data/fineweb10B/fineweb_val_*.bin")
+    val_tokens: int = 10_485_760  # fixed validation set, the same on any world size
+    bos_id: int = 50256  # GPT-2 <|endoftext|>, which starts every document
+    # batches: one micro-batch is a 1-D buffer of whole documents (varlen attention)
+    batch_size: int = 8 * 49152  # tokens per optimizer step, summed over ranks and accumulation steps
+    seq_len: int = 49152  # tokens per micro-batch (one rank, one accumulation step)
+    val_seq_len: int = 65536  # tokens per validation micro-batch
+    max_doc_len: int = 2048  # longer documents are cut; the remainder continues as its own sequence
+    max_num_docs: int = 256  # cu_seqlens is padded to this many sequences, so shapes stay static
+    # model
+    vocab_size: int = 50304  # GPT-2's 50,257 padded to a multiple of 128 for fast matmuls
+    num_layers: int = 12
+    model_dim: int = 768
+    num_heads: int = 6
+    head_dim: int = 128
+    mlp_ratio: int = 4
+    no_attn_layers: tuple[int, ...] = (7,)  # blocks without attention (record #29)
+    num_value_embeds: int = 3  # value-embedding tables for the first and, mirrored, last blocks
+    window_pattern: str = "LSSSLSSLSSSL"  # per block: L = long window, S = short window (half)
+    window_schedule: tuple[int, ...] = (3, 7, 11)  # long window in blocks, stepped in equal parts
+    window_block: int = 128  # tokens per window block
+    attn_scale: float = 0.12  # attention logit scale (instead of 1/sqrt(head_dim); QK are normed)
+    gate_channels: int = 12  # input channels of the sparse head gate
+    rotary_min_freq: float = 1 / 1024  # lowest rotary frequency (the highest is 1)
+    logit_softcap: float = 30.0  # logits = cap * sigmoid(z / softcap_temp)
+    softcap_temp: float = 7.5
+    # optimization
+    num_iterations: int = 1670
+    cooldown_frac: float = 0.45  # linear decay of both learning rates over this final fraction
+    final_lr_frac: float = 0.1
+    muon_lr: float = 0.05
+    muon_momentum: float = 0.95
+    muon_momentum_start: float = 0.85
+    muon_momentum_warmup: int = 300
+    ns_steps: int = 5
+    adam_lr: float = 0.008
+    adam_beta1: float = 0.8
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-10
+    embed_lr_mult: float = 75.0  # token and value embeddings
+    head_lr_mult: float = 1.0
+    scalar_lr_mult: float = 5.0
+    # run
+    val_every: int = 125  # validate every N steps (and at the end); 0 = only at the end
+    warmup_steps: int = 3  # untimed compile warm-up steps per window size (weights restored after)
+    seed: int = 0
+    compile: bool = True
+    fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
+    attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
+    run_id: str = ""  # default: a fresh uuid
+    log_dir: str = "logs"
+
+    def __post_init__(self):
+        h = self
+        if h.batch_size % h.seq_len:
+            raise ValueError(f"batch_size={h.batch_size} must be a multiple of seq_len={h.seq_len}")
+        if len(h.window_pattern) != h.num_layers or set(h.window_pattern) - {"L", "S"}:
+            raise ValueError(f"window_pattern={h.window_pattern!r} needs one L or S per layer ({h.num_layers})")
+        if h.num_value_embeds * 2 > h.num_layers:
+            raise ValueError(f"num_value_embeds={h.num_value_embeds} needs at least {2 * h.num_value_embeds} layers")
+        if h.bos_id >= h.vocab_size:
+            raise ValueError(f"bos_id={h.bos_id} must be < vocab_size={h.vocab_size}")
+        if h.attention not in ("auto", "fa3", "fa4", "varlen", "reference"):
+            raise ValueError(f"attention={h.attention!r}: choose auto, fa3, fa4, varlen or reference")
+
+
+def parse_args(argv: list[str] | None = None) -> Hyperparameters:
+    """Build Hyperparameters from `--field value` pairs (booleans take true/false)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(Hyperparameters):
+        default = f.default
+        if isinstance(default, bool):
+            kind = lambda s: {"true": True, "1": True, "false": False, "0": False}[s.lower()]
+        elif isinstance(default, tuple):
+            kind = lambda s: tuple(int(v) for v in s.split(",") if v.strip())
+        else:
+            kind = type(default)
+        parser.add_argument(f"--{f.name}", type=kind, default=default, metavar=type(default).__name__.upper(),
+                            help=f"default: {default}")
+    return Hyperparameters(**vars(parser.parse_args(argv)))
+
+
+# -----------------------------------------------------------------------------------------------
+# Kernels and custom ops
+
+# FP8 LM head (record: @YouJiacheng). Forward in e4m3 with fixed scales, backward grads in e5m2; the
+# op is opaque to torch.compile, which would otherwise not keep the FP8 casts next to _scaled_mm.
+@torch.library.custom_op("speedrun::mm_fp8", mutates_args=())
+def mm_fp8(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
+    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
+                           scale_a=x.new_tensor(x_s, dtype=torch.float32),
+                           scale_b=x.new_tensor(w_s, dtype=torch.float32))
+    return out, x_f8, w_f8
+
+
+@mm_fp8.register_fake
+def _(x, w, x_s, w_s, grad_s):
+    return (x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16),
+            x.new_empty(x.shape, dtype=torch.float8_e4m3fn), w.new_empty(w.shape, dtype=torch.float8_e4m3fn))
+
+
+@torch.library.custom_op("speedrun::mm_fp8_backward", mutates_args=())
+def mm_fp8_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    scale = lambda v: g.new_tensor(v, dtype=torch.float32)
+    g_f8 = g.div(grad_s).to(torch.float8_e5m2)
+    # _scaled_mm wants its first operand row-major and its second column-major.
+    grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
+                              scale_a=scale(grad_s), scale_b=scale(w_s))
+    grad_w = torch._scaled_mm(g_f8.T.contiguous(), x_f8.T.contiguous().T, out_dtype=torch.float32,
+                              scale_a=scale(grad_s), scale_b=scale(x_s))
+    return grad_x, grad_w
+
+
+@mm_fp8_backward.register_fake
+def _(g, x_f8, w_f8, x_s, w_s, grad_s):
+    return x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32)
+
+
+def _mm_fp8_setup_context(ctx, inputs, output):
+    _, _, x_s, w_s, grad_s = inputs
+    _, x_f8, w_f8 = output
+    ctx.save_for_backward(x_f8, w_f8)
+    ctx.scales = (x_s, w_s, grad_s)
+
+
+def _mm_fp8_backward(ctx, grad_out, *_):
+    x_f8, w_f8 = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.speedrun.mm_fp8_backward(grad_out, x_f8, w_f8, *ctx.scales)
+    return grad_x, grad_w, None, None, None
+
+
+mm_fp8.register_autograd(_mm_fp8_backward, setup_context=_mm_fp8_setup_context)
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """FP8 matmuls need Hopper/Ada (sm89+) tensor cores; _scaled_mm also runs on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu"
+
+
+# Varlen attention: q, k, v are (tokens, heads, head_dim) for a whole micro-batch; cu_seqlens marks
+# the documents (padded with repeats of the buffer length); each query sees itself and the `window`
+# tokens before it in its own document. Every backend below computes exactly this.
+
+def attention_reference(q, k, v, cu_seqlens, max_seqlen, window, scale):
+    """Plain PyTorch: an explicit (T, T) mask and SDPA. O(T^2) memory, for CPUs and tests."""
+    pos = torch.arange(q.size(0), device=q.device)
+    doc = torch.searchsorted(cu_seqlens, pos, right=True)
+    delta = pos[:, None] - pos[None, :]
+    mask = (doc[:, None] == doc[None, :]) & (delta >= 0) & (delta <= window)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def _attention_varlen(q, k, v, cu_seqlens, max_seqlen, window, scale):
+    """PyTorch's built-in varlen attention (FlashAttention-2 kernels), any recent CUDA GPU."""
+    from torch.nn.attention.varlen import varlen_attn
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, window_size=(window, 0))
+
+
+def _attention_fa3(q, k, v, cu_seqlens, max_seqlen, window, scale):
+    """FlashAttention-3 (Hopper build, `flash_attn_interface`): what the public records use."""
+    from flash_attn_interface import flash_attn_varlen_func
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                 softmax_scale=scale, causal=True, window_size=(window, 0))
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _attention_fa4(q, k, v, cu_seqlens, max_seqlen, window, scale):
+    """FlashAttention-4 (CuTe DSL, pip flash-attn-4), sm90+."""
+    from flash_attn.cute import flash_attn_varlen_func
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                 softmax_scale=scale, causal=True, window_size=(window, 0))
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except Exception:
+        return False
+
+
+ATTENTION_BACKENDS = {"fa3": _attention_fa3, "fa4": _attention_fa4, "varlen": _attention_varlen,
+                      "reference": attention_reference}
+
+
+def available_attention_backends(device: torch.device) -> list[str]:
+    """Backends that can run on `device`, best first."""
+    if device.type != "cuda":
+        return ["reference"]
+    names = []
+    if _importable("flash_attn_interface"):
+        names.append("fa3")
+    if torch.cuda.get_device_capability(device) >= (9, 0) and _importable("flash_attn.cute"):
+        names.append("fa4")
+    if _importable("torch.nn.attention.varlen"):
+        names.append("varlen")
+    return names + ["reference"]
+
+
+def select_attention(name: str, device: torch.device) -> str:
+    available = available_attention_backends(device)
+    if name == "auto":
+        return available[0]
+    if name not in available:
+        raise RuntimeError(f"attention backend {name!r} is not available on {device} (available: {available})")
+    return name
+
+
+# -----------------------------------------------------------------------------------------------
+# Model
+
+def norm(x: Tensor) -> Tensor:
+    """RMS norm without a learned gain."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def uniform_init_(w: Tensor, fan_in: int) -> Tensor:
+    """Uniform init with the std of 0.5/sqrt(fan_in) (bound sqrt(3) times that), as in the record."""
+    bound = math.sqrt(3) * 0.5 / math.sqrt(fan_in)
+    return w.uniform_(-bound, bound)
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    num_layers: int
+    model_dim: int
+    num_heads: int
+    head_dim: int
+    mlp_ratio: int
+    no_attn_layers: tuple[int, ...]
+    num_value_embeds: int
+    window_pattern: str
+    window_block: int
+    attn_scale: float
+    gate_channels: int
+    rotary_min_freq: float
+    logit_softcap: float
+    softcap_temp: float
+    max_seq_len: int  # longest buffer the rotary tables must cover
+
+    @classmethod
+    def from_args(cls, args: Hyperparameters) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)} - {"max_seq_len"}
+        return cls(**{n: getattr(args, n) for n in names}, max_seq_len=max(args.seq_len, args.val_seq_len))
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding on half of each head's dims; the other half carries no position
+    (record: @YouJiacheng's half-truncated RoPE). Positions run over the whole buffer: rotary is
+    relative, so offsets between documents do not matter."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, min_freq: float):
+        super().__init__()
+        freqs = min_freq ** torch.linspace(0, 1, steps=head_dim // 4)
+        freqs = torch.cat([freqs, freqs.new_zeros(head_dim // 4)])
+        theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+        self.register_buffer("cos", theta.cos(), persistent=False)
+        self.register_buffer("sin", theta.sin(), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (T, H, D)
+        cos, sin = self.cos[: x.size(0), None, :], self.sin[: x.size(0), None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.attn_scale
+        hdim = cfg.num_heads * cfg.head_dim
+        # One fused weight for Q, K, V and the output projection (stored transposed, hdim x dim):
+        # one matmul for QKV and one Muon group of same-shape matrices.
+        self.qkvo_w = nn.Parameter(uniform_init_(torch.empty(4, hdim, cfg.model_dim), cfg.model_dim))
+        with torch.no_grad():
+            self.qkvo_w[3].zero_()  # output projection starts at zero: each block starts as identity
+        # Sparse head gate (record #29): sigmoid(W x[:12]) scales each head's output; zero init = 0.5.
+        self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels))
+
+    def forward(self, x, ve, lambdas, cu_seqlens, max_seqlen, window, rotary, attn_fn):
+        T, H, D = x.size(0), self.num_heads, self.head_dim
+        q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x)).view(T, 3 * H, D).chunk(3, dim=1)
+        q, k = rotary(norm(q)), rotary(norm(k))  # QK-norm, then rotary
+        # Value embeddings (record: @KoszarskyB): v mixes in a per-token table lookup.
+        v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
+        y = attn_fn(q, k, v, cu_seqlens, max_seqlen, window, self.scale)
+        y = y * torch.sigmoid(F.linear(x[:, : self.gate_w.size(1)], self.gate_w.type_as(x))).unsqueeze(-1)
+        return y.reshape(T, H * D) @ self.qkvo_w[3].type_as(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = cfg.mlp_ratio * cfg.model_dim
+        self.fc_w = nn.Parameter(uniform_init_(torch.empty(hidden, cfg.model_dim), cfg.model_dim))
+        self.proj_w = nn.Parameter(torch.zeros(cfg.model_dim, hidden))  # zero init, as the attention output
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(F.relu(F.linear(x, self.fc_w.type_as(x))).square(), self.proj_w.type_as(x))  # ReLU^2
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, has_attn: bool):
+        super().__init__()
+        self.attn = CausalSelfAttention(cfg) if has_attn else None
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rotary, attn_fn):
+        x = lambdas[0] * x + lambdas[1] * x0  # learned mix with the embedding stream x0
+        if self.attn is not None:
+            x = x + self.attn(norm(x), ve, ve_lambdas, cu_seqlens, max_seqlen, window, rotary, attn_fn)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn_fn=attention_reference, fp8_head: bool = False):
+        super().__init__()
+        self.cfg, self.attn_fn, self.fp8_head = cfg, attn_fn, fp8_head
+        L, dim = cfg.num_layers, cfg.model_dim
+        self.embed = nn.Embedding(cfg.vocab_size, dim)
+        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in range(cfg.num_value_embeds))
+        self.blocks = nn.ModuleList(Block(cfg, i not in cfg.no_attn_layers) for i in range(L))
+        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq)
+        self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (record)
+        # All scalars in one tensor (one Adam group, one collective): per block the residual mix
+        # (a, b) = (1, 0) and the value mix (c, d) = (0.5, 0.5), then one U-net skip weight per
+        # skipped block (1.0); padded to a multiple of 64 so it shards over any world size <= 64.
+        n = 4 * L + L // 2
+        scalars = torch.cat([torch.tensor([1.0, 0.0, 0.5, 0.5]).repeat(L), torch.ones(L // 2)])
+        self.scalars = nn.Parameter(F.pad(scalars, (0, -n % 64)))
+        for m in (self.embed, *self.value_embeds):
+            m.weight.data = m.weight.data.bfloat16()  # embeddings live in bf16 (record)
+
+    def value_embed_layers(self) -> list[int | None]:
+        """Which value-embedding table each block uses: tables 0..k-1 on the first k blocks and
+        again on the last k blocks (record: 0,1,2 ... 9,10,11), none in between."""
+        k, L = self.cfg.num_value_embeds, self.cfg.num_layers
+        return [i if i < k else i - (L - k) if i >= L - k else None for i in range(L)]
+
+    def window_sizes(self, ws: int) -> list[int]:
+        """Left attention window per block in tokens: L blocks see ws*128, S blocks (ws//2)*128."""
+        b = self.cfg.window_block
+        return [(ws if p == "L" else ws // 2) * b for p in self.cfg.window_pattern]
+
+    def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, max_seqlen: int, ws: int,
+                reduction: str = "sum") -> Tensor:
+        cfg, L = self.cfg, self.cfg.num_layers
+        s = self.scalars
+        block_scalars, skip_w = s[: 4 * L].view(L, 4), s[4 * L: 4 * L + L // 2]
+        lambdas, ve_lambdas = block_scalars[:, :2], block_scalars[:, 2:]
+        x = x0 = norm(self.embed(inputs))
+        ves = [self.value_embeds[i](inputs) if i is not None else None for i in self.value_embed_layers()]
+        windows = self.window_sizes(ws)
+        skips = []  # U-net: outputs of the first half feed, in reverse order, the inputs of the second
+        for i, block in enumerate(self.blocks):
+            if i >= L - L // 2:
+                x = x + skip_w[i - (L - L // 2)] * skips.pop()
+            x = block(x, x0, lambdas[i], ves[i], ve_lambdas[i], cu_seqlens, max_seqlen, windows[i], self.rotary, self.attn_fn)
+            if i < L // 2:
+                skips.append(x)
+        x = norm(x)
+        if self.fp8_head and self.training:
+            logits = torch.ops.speedrun.mm_fp8(x, self.lm_head_w, math.sqrt(cfg.model_dim) / 448, 2**-9, 1 / 448)[0]
+        else:
+            logits = F.linear(x, self.lm_head_w.type_as(x))
+        # Logit soft-cap (record): bounded logits, smoother early training.
+        logits = cfg.logit_softcap * torch.sigmoid(logits.float() / cfg.softcap_temp)
+        return F.cross_entropy(logits, targets.long(), reduction=reduction)
+
+
+# -----------------------------------------------------------------------------------------------
+# Optimizers. Gradients arrive as per-rank sums (no DDP); each optimizer reduce-scatters them so
+# every rank updates only its share, then all-gathers the new parameters. Summing (not averaging)
+# makes world size x accumulation steps interchangeable.
+
+def newton_schulz(G: Tensor, steps: int) -> Tensor:
+    """Approximately orthogonalize a batch of matrices (..., m, n): quintic Newton-Schulz in bf16 with
+    the coefficients (3.4445, -4.7750, 2.0315) of Muon (Keller Jordan), which push all singular
+    values into roughly [0.7, 1.2] in 5 steps."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G.bfloat16()
+    transposed = X.size(-2) > X.size(-1)
+    if transposed:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if transposed else X
+
+
+class Muon(torch.optim.Optimizer):
+    """MomentUm Orthogonalized by Newton-Schulz (Keller Jordan): SGD-Nesterov whose update is
+    replaced by its nearest semi-orthogonal matrix, scaled by max(1, rows/cols)^0.5.
+
+    Parameters are grouped by shape. Per group, the stacked gradients are reduce-scattered, so rank r
+    owns a contiguous share of the matrices: it keeps their momentum, orthogonalizes them in one
+    batched Newton-Schulz, and updates them; then all ranks all-gather the group. Collectives run
+    asynchronously, so one group's communication overlaps another's math."""
+
+    def __init__(self, params, lr: float, momentum: float, ns_steps: int, rank: int = 0, world_size: int = 1,
+                 orthogonalize=newton_schulz):
+        params = list(params)
+        shapes = sorted({tuple(p.shape) for p in params}, key=lambda s: (-math.prod(s), s))
+        groups = [{"params": [p for p in params if tuple(p.shape) == s]} for s in shapes]
+        super().__init__(groups, dict(lr=lr, momentum=momentum, ns_steps=ns_steps))
+        self.rank, self.world_size, self.orthogonalize = rank, world_size, orthogonalize
+
+    def _owned(self, group) -> tuple[int, int]:
+        per_rank = -(-len(group["params"]) // self.world_size)  # ceil
+        return per_rank, self.rank * per_rank
+
+    @torch.no_grad()
+    def step(self):
+        W = self.world_size
+        pending = []
+        for group in self.param_groups:  # 1) launch every group's reduce-scatter
+            params = group["params"]
+            per_rank, _ = self._owned(group)
+            grads = torch.stack([p.grad for p in params])
+            if per_rank * W > len(params):  # pad so every rank gets the same share
+                grads = torch.cat([grads, grads.new_zeros(per_rank * W - len(params), *grads.shape[1:])])
+            if W > 1:
+                mine = grads.new_empty(per_rank, *grads.shape[1:])
+                work = dist.reduce_scatter_tensor(mine, grads, op=dist.ReduceOp.SUM, async_op=True)
+            else:
+                mine, work = grads, None
+            pending.append((group, mine, work))
+        gathers = []
+        for group, grad, work in pending:  # 2) per group: wait, update own share, launch all-gather
+            if work is not None:
+                work.wait()
+            params = group["params"]
+            per_rank, first = self._owned(group)
+            owned = params[first: first + per_rank]
+            momentum = group["momentum"]
+            bufs = []
+            for p in owned:
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                bufs.append(state["momentum_buffer"])
+            grad = grad[: len(owned)]
+            if owned:
+                buf = torch.stack(bufs)
+                buf.lerp_(grad, 1 - momentum)
+                for b_old, b_new in zip(bufs, buf):
+                    b_old.copy_(b_new)
+                update = self.orthogonalize(grad.lerp_(buf, momentum), group["ns_steps"])  # Nesterov
+                shape = owned[0].shape
+                scale = max(1, shape[-2] / shape[-1]) ** 0.5
+                for p, u in zip(owned, update):
+                    p.add_(u.to(p.dtype), alpha=-group["lr"] * scale)
+            if W > 1:
+                out = torch.empty(per_rank * W, *params[0].shape, dtype=params[0].dtype, device=params[0].device)
+                local = torch.stack(owned) if owned else out.new_empty(0, *params[0].shape)
+                local = torch.cat([local, out.new_zeros(per_rank - len(owned), *params[0].shape)])
+                gathers.append((params, out, dist.all_gather_into_tensor(out, local, async_op=True)))
+        for params, out, work in gathers:  # 3) every rank gets every updated matrix
+            work.wait()
+            for p, new in zip(params, out):
+                p.copy_(new)
+
+
+class DistAdam(torch.optim.Optimizer):
+    """Adam without weight decay, its state sharded over ranks (ZeRO-1 style): each parameter is
+    split along dim 0; rank r reduce-scatters the gradient, updates its slice with fp32 moments, and
+    the slices are all-gathered back into the full parameter."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, rank: int = 0, world_size: int = 1):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+        self.rank, self.world_size = rank, world_size
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.size(0) % world_size:
+                    raise ValueError(f"DistAdam shards dim 0: a parameter of shape {tuple(p.shape)} "
+                                     f"does not split over world_size={world_size}")
+
+    @torch.no_grad()
+    def step(self):
+        W, r = self.world_size, self.rank
+        pending = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                rows = p.size(0) // W
+                if W > 1:
+                    g = p.grad.new_empty(rows, *p.shape[1:])
+                    pending.append((group, p, g, dist.reduce_scatter_tensor(g, p.grad, op=dist.ReduceOp.SUM, async_op=True)))
+                else:
+                    pending.append((group, p, p.grad, None))
+        gathers = []
+        for group, p, g, work in pending:
+            if work is not None:
+                work.wait()
+            rows = p.size(0) // W
+            p_slice = p[r * rows: (r + 1) * rows]
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p_slice, dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(p_slice, dtype=torch.float32)
+            state["step"] += 1
+            beta1, beta2 = group["betas"]
+            g = g.float()
+            state["exp_avg"].lerp_(g, 1 - beta1)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            t = state["step"]
+            step_size = group["lr"] * math.sqrt(1 - beta2**t) / (1 - beta1**t)
+            denom = state["exp_avg_sq"].sqrt().add_(group["eps"])
+            p_slice.copy_(p_slice.float().addcdiv_(state["exp_avg"], denom, value=-step_size))
+            if W > 1:
+                gathers.append(dist.all_gather_into_tensor(p, p_slice, async_op=True))
+        for work in gathers:
+            work.wait()
+
+
+# -----------------------------------------------------------------------------------------------
+# Data
+
 # Shard format (used by train_gpt.py, data/tokenize.py, data/cached_fineweb10B.py and the tests)
 # A shard is a 256 x int32 header -- magic, version, token count, zeros -- followed by the tokens
 # as uint16. This is the format of llm.c and the public speedrun's FineWeb shards.
@@ -87,3 +630,428 @@ def write_shard(path: str | os.PathLike, tokens) -> None:
         f.write(header.tobytes())
         f.write(tokens.astype("<u2", copy=False).tobytes())
     os.replace(tmp, path)
+
+
+def shard_files(pattern: str, what: str) -> list[str]:
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise FileNotFoundError(f"no {what} shards match {pattern!r}: download them with "
+                                "`python data/cached_fineweb10B.py 9`, tokenize your own text with "
+                                "`python data/tokenize.py`, or point --train_files/--val_files (or DATA_PATH) at them")
+    return files
+
+
+class TokenStream:
+    """Walks the tokens of a list of shards in order and cuts them into pieces for the batches.
+
+    A piece is a range [a, b) of input positions in one shard; its targets are positions a+1..b, so
+    the last token of a shard is only ever a target. A piece never crosses a document start (a BOS)
+    and is at most `max_doc_len` long; a document cut there -- or at the end of a buffer, or a shard
+    that starts mid-document -- continues as its own piece, so no token is dropped. Each shard's BOS
+    positions are indexed once, when it is loaded; the next shard loads in the background."""
+
+    def __init__(self, files: list[str], bos_id: int, wrap: bool, log=print, state: dict | None = None):
+        self.files, self.bos_id, self.wrap, self.log = files, bos_id, wrap, log
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._next = None
+        state = state or dict(shard=0, pos=0, epoch=0)
+        self.epoch = state["epoch"]
+        self._open(state["shard"])
+        self.pos = state["pos"]
+
+    def _index(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        tokens = load_shard(self.files[i])
+        if tokens.size < 2:
+            raise ShardError(f"{self.files[i]}: holds {tokens.size} tokens; a shard needs at least 2")
+        return tokens, np.flatnonzero(tokens == self.bos_id)
+
+    def _open(self, i: int):
+        if self._next is not None and self._next[0] == i:
+            self.tokens, self.bos = self._next[1].result()
+        else:
+            self.tokens, self.bos = self._index(i)
+        self.shard, self.pos = i, 0
+        nxt = (i + 1) % len(self.files)
+        if i + 1 < len(self.files) or self.wrap:
+            self._next = (nxt, self._pool.submit(self._index, nxt))
+
+    def _advance_shard(self):
+        if self.shard + 1 < len(self.files):
+            self._open(self.shard + 1)
+        elif self.wrap:
+            self.epoch += 1
+            self.log(f"data: all {len(self.files)} training shards used; starting pass {self.epoch + 1} over them")
+            self._open(0)
+        else:
+            raise EOFError(f"data: ran out of tokens at the end of {self.files[-1]}")
+
+    def state(self) -> dict:
+        return dict(shard=self.shard, pos=self.pos, epoch=self.epoch)
+
+    def take(self, num_tokens: int, max_doc_len: int) -> list[tuple[np.ndarray, int, int]]:
+        """The next pieces, exactly `num_tokens` input positions in all."""
+        pieces, room = [], num_tokens
+        while room > 0:
+            if self.pos >= self.tokens.size - 1:
+                self._advance_shard()
+            a = self.pos
+            k = np.searchsorted(self.bos, a, side="right")
+            doc_end = min(int(self.bos[k]) if k < self.bos.size else self.tokens.size, self.tokens.size - 1)
+            b = min(doc_end, a + max_doc_len, a + room)
+            pieces.append((self.tokens, a, b))
+            room -= b - a
+            self.pos = b
+        return pieces
+
+
+def assemble(pieces, num_tokens: int, max_num_docs: int, bos_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pack pieces into one micro-batch: inputs, targets (inputs shifted by one) and cu_seqlens.
+
+    Every sequence starts with a BOS: a piece that continues a cut document has its first input
+    replaced by BOS (its first target is still the real next token), so each sequence opens with
+    the token the model attends to as a sink. cu_seqlens has max_num_docs + 1 entries, padded with
+    num_tokens (empty sequences)."""
+    if len(pieces) > max_num_docs:
+        raise ValueError(f"a micro-batch of {num_tokens} tokens holds {len(pieces)} documents, more than "
+                         f"max_num_docs={max_num_docs}: raise --max_num_docs (very short documents?)")
+    x = np.empty(num_tokens, dtype=np.int32)
+    y = np.empty(num_tokens, dtype=np.int32)
+    cu = np.full(max_num_docs + 1, num_tokens, dtype=np.int32)
+    o = 0
+    for i, (tokens, a, b) in enumerate(pieces):
+        x[o: o + b - a] = tokens[a:b]
+        y[o: o + b - a] = tokens[a + 1: b + 1]
+        x[o] = bos_id
+        cu[i] = o
+        o += b - a
+    return x, y, cu
+
+
+@dataclass
+class BatchSpec:
+    batch_size: int  # tokens per step, all ranks
+    seq_len: int  # tokens per micro-batch
+    max_doc_len: int
+
+
+class BatchLoader:
+    """Training micro-batches for one rank, produced ahead by a background thread.
+
+    The global stream is cut into slots of seq_len tokens; step s uses the next batch_size/seq_len
+    slots, and rank r's micro-step m gets slot m * world_size + r. The tokens a step sees therefore
+    do not depend on how world size and accumulation split the batch. `plan(step)` gives each
+    step's BatchSpec, so batch size and max_doc_len may change between steps. Batches are pinned
+    and copied to the device without blocking."""
+
+    def __init__(self, files: list[str], plan, rank: int, world_size: int, max_num_docs: int, bos_id: int,
+                 device: torch.device, start_step: int = 0, state: dict | None = None, prefetch: int = 3, log=print):
+        self.plan, self.rank, self.world_size = plan, rank, world_size
+        self.max_num_docs, self.bos_id, self.device = max_num_docs, bos_id, device
+        self.stream = TokenStream(files, bos_id, wrap=True, log=log, state=state)
+        self.state = self.stream.state()  # stream position at the start of the next step handed out
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(start_step,), daemon=True)
+        self._thread.start()
+
+    def cpu_step(self, spec: BatchSpec) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        num_slots = spec.batch_size // spec.seq_len
+        if spec.batch_size % spec.seq_len or num_slots % self.world_size:
+            raise ValueError(f"batch_size={spec.batch_size} must be seq_len={spec.seq_len} times a multiple "
+                             f"of world_size={self.world_size}")
+        out = []
+        for slot in range(num_slots):
+            pieces = self.stream.take(spec.seq_len, spec.max_doc_len)
+            if slot % self.world_size == self.rank:
+                out.append(assemble(pieces, spec.seq_len, self.max_num_docs, self.bos_id))
+        return out
+
+    def _produce(self, step: int):
+        pin = self.device.type == "cuda"
+        try:
+            while not self._stop.is_set():
+                spec = self.plan(step)
+                micro = [tuple(torch.from_numpy(a) for a in arrays) for arrays in self.cpu_step(spec)]
+                if pin:
+                    micro = [tuple(t.pin_memory() for t in m) for m in micro]
+                item = (step, spec, micro, self.stream.state())
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+                step += 1
+        except BaseException as e:  # hand the error to the training loop, which raises it
+            self._queue.put(e)
+
+    def next(self) -> tuple[BatchSpec, list[tuple[Tensor, Tensor, Tensor]]]:
+        """This rank's micro-batches (inputs, targets, cu_seqlens) for the next step, on the device."""
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        _, spec, micro, self.state = item
+        return spec, [tuple(t.to(self.device, non_blocking=True) for t in m) for m in micro]
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+
+
+def validation_batches(pattern: str, val_tokens: int, seq_len: int, max_doc_len: int, max_num_docs: int,
+                       bos_id: int, rank: int, world_size: int):
+    """This rank's share of the fixed validation set: the first val_tokens positions of the val
+    shards, cut like the training data; rank r takes slots r, r + world_size, ..."""
+    files = shard_files(pattern, "validation")
+    usable = sum(read_shard_header(f) - 1 for f in files)
+    if usable < val_tokens:
+        raise ValueError(f"validation shards {pattern!r} hold {usable} usable tokens, fewer than "
+                         f"val_tokens={val_tokens}: use the full validation shard or lower --val_tokens")
+    if val_tokens % (seq_len * world_size):
+        raise ValueError(f"val_tokens={val_tokens} must be a multiple of val_seq_len * world_size = {seq_len * world_size}")
+    stream = TokenStream(files, bos_id, wrap=False)
+    for slot in range(val_tokens // seq_len):
+        pieces = stream.take(seq_len, max_doc_len)
+        if slot % world_size == rank:
+            yield tuple(torch.from_numpy(a) for a in assemble(pieces, seq_len, max_num_docs, bos_id))
+
+
+# -----------------------------------------------------------------------------------------------
+# Training loop
+
+def lr_factor(step: int, args: Hyperparameters) -> float:
+    """Constant, then linear decay to final_lr_frac over the last cooldown_frac of the steps."""
+    x = step / args.num_iterations
+    if x < 1 - args.cooldown_frac:
+        return 1.0
+    w = (1 - x) / args.cooldown_frac
+    return w + (1 - w) * args.final_lr_frac
+
+
+def muon_momentum(step: int, args: Hyperparameters) -> float:
+    """Momentum warmed up linearly from muon_momentum_start over muon_momentum_warmup steps."""
+    frac = min(step / args.muon_momentum_warmup, 1) if args.muon_momentum_warmup else 1
+    return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
+
+
+def window_size(step: int, args: Hyperparameters) -> int:
+    """Long attention window, in blocks of window_block tokens: window_schedule in equal parts."""
+    n = len(args.window_schedule)
+    return args.window_schedule[min(step * n // args.num_iterations, n - 1)]
+
+
+def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, orthogonalize=newton_schulz):
+    """Muon for every matrix inside the blocks; Adam for embeddings, LM head and scalars."""
+    matrices = [p for p in model.blocks.parameters() if p.ndim >= 2]
+    embeds = [model.embed.weight, *(m.weight for m in model.value_embeds)]
+    adam_groups = [dict(params=embeds, lr=args.adam_lr * args.embed_lr_mult),
+                   dict(params=[model.lm_head_w], lr=args.adam_lr * args.head_lr_mult),
+                   dict(params=[model.scalars], lr=args.adam_lr * args.scalar_lr_mult)]
+    adam = DistAdam(adam_groups, lr=args.adam_lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                    rank=rank, world_size=world_size)
+    muon = Muon(matrices, lr=args.muon_lr, momentum=args.muon_momentum, ns_steps=args.ns_steps,
+                rank=rank, world_size=world_size, orthogonalize=orthogonalize)
+    for opt in (adam, muon):
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    return adam, muon
+
+
+class Logger:
+    """Rank 0 prints and appends to logs/<run_id>.txt; other ranks stay silent."""
+
+    def __init__(self, args: Hyperparameters, rank: int):
+        self.path = None
+        if rank == 0:
+            os.makedirs(args.log_dir, exist_ok=True)
+            self.path = os.path.join(args.log_dir, f"{args.run_id}.txt")
+
+    def __call__(self, msg: str = "", console: bool = True):
+        if self.path is None:
+            return
+        if console:
+            print(msg, flush=True)
+        with open(self.path, "a") as f:
+            f.write(msg + "\n")
+
+
+def environment_report(device: torch.device) -> str:
+    lines = [f"Python {sys.version.split()[0]}", f"PyTorch {torch.__version__}",
+             f"CUDA {torch.version.cuda}", f"Triton {_version('triton')}"]
+    if device.type == "cuda":
+        try:
+            lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout)
+        except (OSError, subprocess.SubprocessError) as e:
+            lines.append(f"nvidia-smi unavailable: {e}")
+    return "\n".join(lines)
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except Exception:
+        return "not installed"
+
+
+@dataclass
+class RunResult:
+    train_losses: list[float]  # mean loss per token of each step, all ranks
+    val_losses: list[tuple[int, float]]  # (step, validation loss)
+    train_time_ms: float
+    log_path: str | None
+
+
+def train(args: Hyperparameters) -> RunResult:
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    num_slots = args.batch_size // args.seq_len
+    if num_slots % world_size:
+        raise ValueError(f"world_size={world_size} must divide the {num_slots} micro-batches of a step "
+                         f"(batch_size/seq_len): use 1, 2, 4 or 8 GPUs with the default batch")
+    grad_accum = num_slots // world_size
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                               "lower --nproc_per_node")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    if not args.run_id:
+        run_id = [str(uuid.uuid4())]
+        if world_size > 1:
+            dist.broadcast_object_list(run_id, src=0)
+        args = dataclasses.replace(args, run_id=run_id[0])
+    log = Logger(args, rank)
+    loader = None
+    try:
+        log(Path(__file__).read_text(), console=False)
+        log("=" * 100, console=False)
+        log(environment_report(device), console=False)
+        log("=" * 100, console=False)
+        for f in dataclasses.fields(args):
+            log(f"{f.name}: {getattr(args, f.name)}", console=False)
+
+        attention = select_attention(args.attention, device)
+        fp8 = args.fp8_head and fp8_supported(device)
+        torch.manual_seed(args.seed)
+        model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8).to(device)
+        orthogonalize = newton_schulz
+        compiled = model
+        if args.compile:
+            compiled = torch.compile(model, dynamic=False, fullgraph=True)
+            orthogonalize = torch.compile(newton_schulz, dynamic=False, fullgraph=True)
+        optimizers = build_optimizers(model, args, rank, world_size, orthogonalize)
+        adam, muon = optimizers
+        n_params = sum(p.numel() for p in model.parameters())
+        log(f"device: {device} x {world_size}, grad accumulation {grad_accum}, attention backend: {attention}, "
+            f"LM head: {'fp8' if fp8 else 'bf16'}, compile: {args.compile}, parameters: {n_params:,}")
+        log(f"logging to {log.path}")
+
+        spec = BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
+        train_files = shard_files(args.train_files, "training")
+        loader_kw = dict(rank=rank, world_size=world_size, max_num_docs=args.max_num_docs, bos_id=args.bos_id,
+                         device=device, log=log)
+        val = [tuple(t.to(device) for t in b) for b in validation_batches(
+            args.val_files, args.val_tokens, args.val_seq_len, args.max_doc_len, args.max_num_docs, args.bos_id,
+            rank, world_size)]
+
+        def train_step(loader: BatchLoader, step: int, ws: int) -> Tensor:
+            spec, micro = loader.next()
+            loss = torch.zeros((), device=device)
+            for inputs, targets, cu_seqlens in micro:
+                step_loss = compiled(inputs, targets, cu_seqlens, spec.max_doc_len, ws)
+                step_loss.backward()
+                loss += step_loss.detach()
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = group["initial_lr"] * lr_factor(step, args)
+            for group in muon.param_groups:
+                group["momentum"] = muon_momentum(step, args)
+            for opt in optimizers:
+                opt.step()
+            model.zero_grad(set_to_none=True)
+            return loss
+
+        def evaluate(ws: int) -> float:
+            model.eval()
+            with torch.no_grad():
+                total = torch.zeros((), device=device)
+                for inputs, targets, cu_seqlens in val:
+                    total += compiled(inputs, targets, cu_seqlens, args.max_doc_len, ws, reduction="sum")
+            if world_size > 1:
+                dist.all_reduce(total)
+            model.train()
+            return total.item() / args.val_tokens
+
+        # Untimed warm-up: compile every window size's training and validation graphs on real
+        # batches, then restore the initial weights and optimizer state exactly.
+        if args.warmup_steps > 0:
+            initial_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]
+            warm_loader = BatchLoader(train_files, lambda s: spec, **loader_kw)
+            t = time.perf_counter()
+            for ws in dict.fromkeys(args.window_schedule):
+                for i in range(args.warmup_steps):
+                    train_step(warm_loader, i, ws)
+                evaluate(ws)
+            warm_loader.close()
+            model.load_state_dict(initial_model)
+            for opt, state in zip(optimizers, initial_opts):
+                opt.load_state_dict(state)
+            log(f"warm-up (compile) done in {time.perf_counter() - t:.1f}s")
+
+        loader = BatchLoader(train_files, lambda s: spec, **loader_kw)
+        train_losses, val_losses = [], []
+        training_time_ms = 0.0
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        N = args.num_iterations
+        for step in range(N + 1):
+            last = step == N
+            if last or (args.val_every > 0 and step % args.val_every == 0):
+                sync()
+                training_time_ms += 1000 * (time.perf_counter() - t0)
+                val_loss = evaluate(window_size(min(step, N - 1), args))
+                val_losses.append((step, val_loss))
+                log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
+                    f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
+                sync()
+                t0 = time.perf_counter()
+            if last:
+                break
+            train_losses.append(train_step(loader, step, window_size(step, args)))
+            approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
+            log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
+
+        losses = torch.stack(train_losses) if train_losses else torch.zeros(0, device=device)
+        if world_size > 1:
+            dist.all_reduce(losses)
+        if device.type == "cuda":
+            log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+        return RunResult((losses / args.batch_size).tolist(), val_losses, training_time_ms, log.path)
+    finally:
+        if loader is not None:
+            loader.close()
+        if world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def copy_state_dict(state):
+    """Deep copy of a (nested) optimizer state dict, tensors cloned."""
+    if isinstance(state, Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: copy_state_dict(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(copy_state_dict(v) for v in state)
+    return state
+
+
+if __name__ == "__main__":
+    train(parse_args())
