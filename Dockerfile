@@ -1,0 +1,32 @@
+# The speedrun in a container, for an NVIDIA host with Docker and the NVIDIA Container Toolkit
+# (driver for CUDA 12.6 or newer). From the repository root:
+#   docker build -t gpt2-speedrun .
+#   docker run --rm --gpus all --ipc=host -v "$PWD/data:/workspace/data" -v "$PWD/logs:/workspace/logs" gpt2-speedrun
+# Arguments after the image name go to train_gpt.py; -e NPROC=4 runs on 4 GPUs.
+# Not built by this project's CI or on its development machines (they have no Docker engine).
+FROM nvidia/cuda:12.6.3-devel-ubuntu24.04
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# Python 3.12 (Ubuntu 24.04's), with its headers and a C compiler: Triton and torch.compile build
+# small extensions at run time.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3.12 python3.12-venv python3.12-dev build-essential \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3.12 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+# PyTorch built for CUDA 12.6 (it brings its own cuDNN, NCCL and Triton), then the rest.
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+
+WORKDIR /workspace
+COPY requirements.txt .
+RUN pip install -r requirements.txt
+COPY . .
+
+ENTRYPOINT ["./run.sh"]

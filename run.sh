@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Launch the speedrun on this machine's NVIDIA GPUs:
+#   ./run.sh [--field value ...]       arguments go to train_gpt.py
+#   NPROC=4 ./run.sh                   on 1, 2, 4 or 8 GPUs (default 8); gradient accumulation
+#                                      keeps the global batch the same
+# Checks the GPU count with `nvidia-smi -L` first, so a wrong machine fails in a second, not after
+# a long compile.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+NPROC="${NPROC:-8}"
+case "$NPROC" in
+  1|2|4|8) ;;
+  *) echo "run.sh: NPROC=$NPROC: train_gpt.py runs on 1, 2, 4 or 8 GPUs" >&2; exit 1 ;;
+esac
+
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+  if listing="$(nvidia-smi -L 2>/dev/null)"; then
+    gpus="$(printf '%s\n' "$listing" | grep -c '^GPU [0-9]' || true)"
+  fi
+fi
+# CUDA_VISIBLE_DEVICES narrows what the processes can see (nvidia-smi ignores it)
+if [[ -n "${CUDA_VISIBLE_DEVICES+x}" ]]; then
+  visible="$(printf '%s' "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c '[^[:space:]]' || true)"
+  (( visible < gpus )) && gpus="$visible"
+fi
+
+if (( gpus == 0 )); then
+  echo "run.sh: no NVIDIA GPU found (nvidia-smi is missing, failed or lists no GPU, or CUDA_VISIBLE_DEVICES hides them)." >&2
+  echo "The speedrun needs NVIDIA GPUs (8xH100 for the record); see README.md for what runs on CPU." >&2
+  exit 1
+fi
+if (( gpus < NPROC )); then
+  fit=1
+  for n in 8 4 2; do (( n <= gpus )) && { fit=$n; break; }; done
+  echo "run.sh: NPROC=$NPROC but only $gpus NVIDIA GPU(s) found." >&2
+  echo "Run on what is here with:  NPROC=$fit ./run.sh" >&2
+  echo "(train_gpt.py runs on 1, 2, 4 or 8 GPUs; gradient accumulation keeps the global batch.)" >&2
+  exit 1
+fi
+
+if ! command -v torchrun >/dev/null 2>&1; then
+  echo "run.sh: torchrun not found: install PyTorch first (pip install -r requirements.txt)" >&2
+  exit 1
+fi
+exec torchrun --standalone --nproc_per_node="$NPROC" train_gpt.py "$@"

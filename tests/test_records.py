@@ -1,0 +1,323 @@
+"""Tests of the record tools (records/check.py, plot.py, new.py) and of run.sh's GPU check.
+
+Logs are written here in the trainer's format: code, a line of 100 '=', versions, another line of
+100 '=', hyperparameters, then step lines with a validation line every 25 steps and at the end.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDS = ROOT / "records"
+sys.path.insert(0, str(RECORDS))
+
+import check  # noqa: E402
+import new  # noqa: E402
+import plot  # noqa: E402
+
+SEP = "=" * 100
+CODE = "import torch\nprint('the trainer')\n"
+LOSSES = [3.2771, 3.2755, 3.2760, 3.2766, 3.2778]
+TIMES_MS = [163871, 163621, 163848, 163998, 163897]
+
+
+def write_log(path: Path, final_loss: float, final_ms: int, *, steps: int = 100, code: str = CODE,
+              stop_at: int | None = None, final_val: bool = True) -> Path:
+    """A log of `steps` steps; stop_at cuts it after that step (a crashed or copied-short run)."""
+    lines = [code.rstrip("\n"), SEP, "Running Python 3.12.3", "Running PyTorch 2.13.0", SEP,
+             "hyperparameters: num_iterations=%d" % steps,
+             f"step:0/{steps} val_loss:10.8258 train_time:0ms step_avg:0.02ms"]
+    last = steps if stop_at is None else stop_at
+    for s in range(1, last + 1):
+        ms = round(final_ms * s / steps)
+        lines.append(f"step:{s}/{steps} train_time:{ms}ms step_avg:{ms / s:.2f}ms")
+        if s % 25 == 0 and s < steps:
+            loss = final_loss + 0.6 * (steps - s) / steps
+            lines.append(f"step:{s}/{steps} val_loss:{loss:.4f} train_time:{ms}ms step_avg:{ms / s:.2f}ms")
+    if stop_at is None and final_val:
+        lines.append(f"step:{steps}/{steps} val_loss:{final_loss:.4f} train_time:{final_ms}ms "
+                     f"step_avg:{final_ms / steps:.2f}ms")
+    if stop_at is None:
+        lines.append("peak memory allocated: 34217 MiB reserved: 49936 MiB")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> list[Path]:
+    return [write_log(tmp_path / "logs" / f"run{i}.txt", loss, ms)
+            for i, (loss, ms) in enumerate(zip(LOSSES, TIMES_MS))]
+
+
+# --- check.py --------------------------------------------------------------------------------
+
+def test_check_mean_std_and_pvalues_equal_scipy_computed_independently(runs):
+    result = check.check(runs, target=3.28, time_claim=164.5)
+    times = [ms / 1000 for ms in TIMES_MS]
+    assert result.n == len(LOSSES)
+    assert result.mean_loss == pytest.approx(np.mean(LOSSES))
+    assert result.std_loss == pytest.approx(statistics.stdev(LOSSES))
+    assert result.p_loss == pytest.approx(stats.ttest_1samp(LOSSES, 3.28, alternative="less").pvalue)
+    assert result.mean_time == pytest.approx(np.mean(times))
+    assert result.p_time == pytest.approx(stats.ttest_1samp(times, 164.5, alternative="less").pvalue)
+    assert result.passed and result.exit_code == 0
+
+
+def test_check_cli_prints_a_row_per_run_and_exits_0_when_p_below_001(runs):
+    proc = subprocess.run([sys.executable, str(RECORDS / "check.py"), *map(str, runs)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for path, loss, ms in zip(runs, LOSSES, TIMES_MS):
+        row = next(line for line in out.splitlines() if line.startswith(str(path)))
+        assert row.split()[1:] == ["100", f"{loss:.4f}", f"{ms / 1000:.3f}"]
+    p = stats.ttest_1samp(LOSSES, 3.28, alternative="less").pvalue
+    assert f"runs: {len(runs)} of 100 steps" in out
+    assert f"mean {np.mean(LOSSES):.4f}" in out
+    assert check._fmt_p(p) in out and out.rstrip().splitlines()[-1].startswith("PASS")
+
+
+def test_check_cli_help_describes_usage():
+    proc = subprocess.run([sys.executable, str(RECORDS / "check.py"), "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert "--time-claim" in proc.stdout and "--target" in proc.stdout and "LOG_OR_DIR" in proc.stdout
+
+
+def test_check_names_truncated_and_unfinished_logs_and_leaves_them_out(runs, tmp_path):
+    cut = write_log(tmp_path / "cut.txt", 3.2, 160000, stop_at=60)
+    unfinished = write_log(tmp_path / "noval.txt", 3.2, 160000, final_val=False)
+    empty = tmp_path / "empty.log"
+    empty.write_text(CODE + SEP + "\nno steps here\n")
+    result = check.check([*runs, cut, unfinished, empty])
+    assert result.n == len(runs)
+    reasons = dict(result.skipped)
+    assert "truncated" in reasons[cut] and "60 of 100" in reasons[cut]
+    assert "no final validation line" in reasons[unfinished]
+    assert "no step lines" in reasons[empty]
+    report = check.format_report(result)
+    assert "not counted:" in report and str(cut) in report and str(unfinished) in report
+
+
+def test_check_counts_a_file_given_twice_and_an_identical_copy_once(runs, tmp_path):
+    copy = tmp_path / "elsewhere" / "copy.txt"
+    copy.parent.mkdir()
+    shutil.copy(runs[0], copy)
+    result = check.check([*runs, runs[0], copy])
+    assert result.n == len(runs)
+    notes = "\n".join(result.notes)
+    assert "given more than once" in notes
+    assert f"{copy}: same contents as {runs[0]}" in notes
+
+
+def test_check_flags_runs_with_another_step_count_and_keeps_the_majority(runs, tmp_path):
+    odd = write_log(tmp_path / "odd.txt", 3.27, 150000, steps=80)
+    result = check.check([*runs, odd])
+    assert result.total_steps == 100 and result.n == len(runs)
+    assert "80" in dict(result.skipped)[odd]
+    assert any("disagree on the step count" in n for n in result.notes)
+
+
+def test_check_needs_two_runs_for_a_p_value(runs, capsys):
+    assert check.main([str(runs[0])]) == 1
+    out = capsys.readouterr().out
+    assert "a p-value needs at least 2 runs" in out
+
+
+def test_check_exits_1_when_mean_loss_is_not_significantly_below_target(tmp_path, capsys):
+    logs = [write_log(tmp_path / f"r{i}.txt", loss, 160000)
+            for i, loss in enumerate([3.2790, 3.2805, 3.2798])]
+    assert check.main([str(p) for p in logs]) == 1
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("FAIL")
+
+
+def test_check_exits_1_when_the_time_claim_does_not_hold(runs, capsys):
+    assert check.main([*map(str, runs), "--time-claim", "163.9"]) == 1
+    assert "mean time < 163.9 s is not shown" in capsys.readouterr().out
+
+
+def test_check_exits_2_when_no_log_can_be_read(tmp_path, capsys):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("nothing useful\n")
+    assert check.main([str(bad), str(tmp_path / "missing.txt")]) == 2
+    out = capsys.readouterr().out
+    assert "no step lines" in out and "no such file" in out
+
+
+def test_check_ignores_step_lines_inside_the_code_section(tmp_path):
+    code = CODE + '# example: "step:100/100 val_loss:1.0000 train_time:1ms"\n'
+    log = write_log(tmp_path / "r.txt", 3.2766, 163000, code=code)
+    run = check.parse_log(log)
+    assert run.ok and run.final_loss == 3.2766 and run.final_time_s == 163.0
+    assert run.code.startswith(CODE) and "hyperparameters" not in run.code
+
+
+def test_check_expands_directories_recursively(runs, tmp_path):
+    result = check.check([tmp_path / "logs"])
+    assert sorted(r.path for r in result.runs) == sorted(runs)
+
+
+def test_parse_log_takes_the_validation_line_of_the_last_step_in_the_public_format(tmp_path):
+    log = tmp_path / "public.txt"
+    log.write_text("code\n" + SEP + "\nnvidia-smi\n" + SEP + "\n"
+                   "step:0/1670 val_loss:10.8258 train_time:0ms step_avg:0.02ms\n"
+                   "step:1669/1670 train_time:163426ms step_avg:97.92ms\n"
+                   "step:1670/1670 train_time:163524ms step_avg:97.92ms\n"
+                   "step:1670/1670 val_loss:3.2755 train_time:163621ms step_avg:97.98ms\n"
+                   "peak memory allocated: 34217 MiB reserved: 49936 MiB\n")
+    run = check.parse_log(log)
+    assert (run.total_steps, run.final_loss, run.final_time_s) == (1670, 3.2755, 163.621)
+
+
+# --- plot.py ---------------------------------------------------------------------------------
+
+def test_plot_writes_a_png_with_one_line_per_run_and_per_folder_and_the_target(runs, tmp_path):
+    group = tmp_path / "group"
+    for i, loss in enumerate([3.27, 3.29]):
+        write_log(group / f"g{i}.txt", loss, 150000)
+    out = tmp_path / "runs.png"
+    fig = plot.plot_runs([runs[0], runs[1], group], out, ymin=3.2, ymax=4.5)
+    assert out.stat().st_size > 10_000
+    import matplotlib.image
+
+    img = matplotlib.image.imread(out)
+    w, h = fig.get_size_inches() * 110
+    assert img.shape[:2] == (round(h), round(w))
+    assert len(fig.axes) == 2
+    for ax in fig.axes:
+        run_lines = [line for line in ax.get_lines() if line.get_gid() == plot.RUN_GID]
+        assert len(run_lines) == 3
+        assert any(list(line.get_ydata()) == [3.28, 3.28] for line in ax.get_lines())
+        assert ax.get_yscale() == "log"
+        assert ax.get_ylim() == pytest.approx((3.2, 4.5))
+        assert len(ax.collections) == 1  # the folder's min-max band
+    group_line = [line for line in fig.axes[1].get_lines() if line.get_gid() == plot.RUN_GID][2]
+    assert group_line.get_ydata()[-1] == pytest.approx(3.28)  # mean of 3.27 and 3.29
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert "target 3.28" in labels and any("mean of 2 runs" in lab for lab in labels)
+
+
+def test_plot_cli_runs_headless(runs, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "MPLBACKEND")}
+    out = tmp_path / "cli.png"
+    proc = subprocess.run([sys.executable, str(RECORDS / "plot.py"), *map(str, runs), "-o", str(out)],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert out.stat().st_size > 10_000 and f"({len(runs)} line(s))" in proc.stdout
+
+
+# --- new.py ----------------------------------------------------------------------------------
+
+def test_new_creates_the_folder_with_logs_readme_table_and_plot(runs, tmp_path, capsys):
+    recs = tmp_path / "records"
+    rc = new.main(["FA3", *map(str, runs), runs[0].as_posix(), "--records-dir", str(recs),
+                   "--date", "2025-09-03"])
+    assert rc == 0, capsys.readouterr().err
+    folder = recs / "2025-09-03_FA3"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["README.md", "val_loss.png", *[p.name for p in runs]])
+    for p in runs:
+        assert (folder / p.name).read_bytes() == p.read_bytes()
+    readme = (folder / "README.md").read_text()
+    assert "WARNING" not in readme
+    assert "](val_loss.png)" in readme and (folder / "val_loss.png").stat().st_size > 10_000
+    for p, loss in zip(runs, LOSSES):
+        assert any(line.startswith(p.name) and f"{loss:.4f}" in line for line in readme.splitlines())
+    assert "python records/check.py records/2025-09-03_FA3" in readme
+    # the folder checks out by itself, with the same numbers
+    assert check.check([folder]).p_loss == pytest.approx(check.check(runs).p_loss)
+
+
+def test_new_refuses_logs_from_different_code_and_creates_nothing(runs, tmp_path, capsys):
+    other = write_log(tmp_path / "other.txt", 3.2760, 163000, code=CODE + "# changed\n")
+    recs = tmp_path / "records"
+    recs.mkdir()
+    assert new.main(["X", *map(str, runs), str(other), "--records-dir", str(recs)]) == 1
+    assert "different versions of the code" in capsys.readouterr().err
+    assert list(recs.iterdir()) == []
+
+
+def test_new_refuses_when_p_not_below_001_and_force_writes_a_warning(tmp_path, capsys):
+    logs = [write_log(tmp_path / f"r{i}.txt", loss, 160000)
+            for i, loss in enumerate([3.2790, 3.2805, 3.2798])]
+    recs = tmp_path / "records"
+    recs.mkdir()
+    args = ["Slow", *map(str, logs), "--records-dir", str(recs), "--date", "2025-01-01"]
+    assert new.main(args) == 1
+    assert "check.py: FAIL" in capsys.readouterr().err
+    assert list(recs.iterdir()) == []
+    assert new.main(args + ["--force"]) == 0
+    readme = (recs / "2025-01-01_Slow" / "README.md").read_text()
+    assert "WARNING: created with --force" in readme and "is not shown" in readme
+
+
+def test_new_refuses_an_existing_folder_even_with_force(runs, tmp_path, capsys):
+    recs = tmp_path / "records"
+    (recs / "2025-09-03_FA3").mkdir(parents=True)
+    rc = new.main(["FA3", *map(str, runs), "--records-dir", str(recs), "--date", "2025-09-03",
+                   "--force"])
+    assert rc == 1 and "already exists" in capsys.readouterr().err
+    assert list((recs / "2025-09-03_FA3").iterdir()) == []
+
+
+# --- run.sh ----------------------------------------------------------------------------------
+
+def _bin_dir(tmp_path: Path, nvidia_smi: str | None) -> Path:
+    """A PATH with only the tools run.sh needs, plus a fake nvidia-smi and a fake torchrun."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("bash", "dirname", "grep", "tr"):
+        (bindir / tool).symlink_to(shutil.which(tool))
+    if nvidia_smi is not None:
+        (bindir / "nvidia-smi").write_text("#!/bin/bash\n" + nvidia_smi)
+        (bindir / "nvidia-smi").chmod(0o755)
+    (bindir / "torchrun").write_text('#!/bin/bash\necho "torchrun $*"; pwd\n')
+    (bindir / "torchrun").chmod(0o755)
+    return bindir
+
+
+def _run_sh(tmp_path, nvidia_smi, **env):
+    bindir = _bin_dir(tmp_path, nvidia_smi)
+    full_env = {"PATH": str(bindir), "HOME": str(tmp_path), **env}
+    return subprocess.run([str(bindir / "bash"), str(ROOT / "run.sh"), "--seed", "1"],
+                          capture_output=True, text=True, timeout=30, env=full_env, cwd=tmp_path)
+
+
+def test_run_sh_exits_1_with_a_clear_message_when_nvidia_smi_is_missing(tmp_path):
+    proc = _run_sh(tmp_path, None)
+    assert proc.returncode == 1
+    assert "no NVIDIA GPU found" in proc.stderr and "README" in proc.stderr
+    assert "torchrun" not in proc.stdout
+
+
+@pytest.mark.parametrize("fake", ["exit 0\n", "echo 'NVIDIA-SMI has failed' >&2; exit 9\n"])
+def test_run_sh_exits_1_when_nvidia_smi_lists_no_gpu_or_fails(tmp_path, fake):
+    proc = _run_sh(tmp_path, fake)
+    assert proc.returncode == 1 and "no NVIDIA GPU found" in proc.stderr
+
+
+TWO_GPUS = 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)"; echo "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-2)"\n'
+
+
+def test_run_sh_names_both_counts_and_suggests_nproc_when_too_few_gpus(tmp_path):
+    proc = _run_sh(tmp_path, TWO_GPUS, NPROC="8")
+    assert proc.returncode == 1
+    assert "NPROC=8 but only 2 NVIDIA GPU(s) found" in proc.stderr
+    assert "NPROC=2 ./run.sh" in proc.stderr
+
+
+def test_run_sh_launches_torchrun_from_the_repo_with_nproc_and_arguments(tmp_path):
+    proc = _run_sh(tmp_path, TWO_GPUS, NPROC="2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "torchrun --standalone --nproc_per_node=2 train_gpt.py --seed 1", str(ROOT)]
