@@ -857,6 +857,53 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     return adam, muon
 
 
+def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int):
+    """The model (seeded, identical on every rank), its compiled twin, the optimizers, and the
+    attention backend and LM-head kind chosen for this device."""
+    attention = select_attention(args.attention, device)
+    fp8 = args.fp8_head and fp8_supported(device)
+    torch.manual_seed(args.seed)
+    model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8).to(device)
+    orthogonalize, compiled = newton_schulz, model
+    if args.compile:
+        compiled = torch.compile(model, dynamic=False, fullgraph=True)
+        orthogonalize = torch.compile(newton_schulz, dynamic=False, fullgraph=True)
+    return model, compiled, build_optimizers(model, args, rank, world_size, orthogonalize), attention, fp8
+
+
+def train_step(model: GPT, compiled, optimizers, micro, max_seqlen: int, step: int, ws: int,
+               args: Hyperparameters) -> Tensor:
+    """One optimizer step over this rank's micro-batches; returns the summed loss (on the device)."""
+    loss = torch.zeros((), device=model.lm_head_w.device)
+    for inputs, targets, cu_seqlens in micro:
+        micro_loss = compiled(inputs, targets, cu_seqlens, max_seqlen, ws)
+        micro_loss.backward()
+        loss += micro_loss.detach()
+    adam, muon = optimizers
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * lr_factor(step, args)
+    for group in muon.param_groups:
+        group["momentum"] = muon_momentum(step, args)
+    for opt in optimizers:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return loss
+
+
+def evaluate(model: GPT, compiled, val, ws: int, args: Hyperparameters, world_size: int) -> float:
+    """Mean loss per token over the whole validation set (all ranks)."""
+    model.eval()
+    with torch.no_grad():
+        total = torch.zeros((), device=model.lm_head_w.device)
+        for inputs, targets, cu_seqlens in val:
+            total += compiled(inputs, targets, cu_seqlens, args.max_doc_len, ws, reduction="sum")
+    if world_size > 1:
+        dist.all_reduce(total)
+    model.train()
+    return total.item() / args.val_tokens
+
+
 class Logger:
     """Rank 0 prints and appends to logs/<run_id>.txt; other ranks stay silent."""
 
@@ -935,17 +982,7 @@ def train(args: Hyperparameters) -> RunResult:
         for f in dataclasses.fields(args):
             log(f"{f.name}: {getattr(args, f.name)}", console=False)
 
-        attention = select_attention(args.attention, device)
-        fp8 = args.fp8_head and fp8_supported(device)
-        torch.manual_seed(args.seed)
-        model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8).to(device)
-        orthogonalize = newton_schulz
-        compiled = model
-        if args.compile:
-            compiled = torch.compile(model, dynamic=False, fullgraph=True)
-            orthogonalize = torch.compile(newton_schulz, dynamic=False, fullgraph=True)
-        optimizers = build_optimizers(model, args, rank, world_size, orthogonalize)
-        adam, muon = optimizers
+        model, compiled, optimizers, attention, fp8 = build(args, device, rank, world_size)
         n_params = sum(p.numel() for p in model.parameters())
         log(f"device: {device} x {world_size}, grad accumulation {grad_accum}, attention backend: {attention}, "
             f"LM head: {'fp8' if fp8 else 'bf16'}, compile: {args.compile}, parameters: {n_params:,}")
@@ -959,34 +996,6 @@ def train(args: Hyperparameters) -> RunResult:
             args.val_files, args.val_tokens, args.val_seq_len, args.max_doc_len, args.max_num_docs, args.bos_id,
             rank, world_size)]
 
-        def train_step(loader: BatchLoader, step: int, ws: int) -> Tensor:
-            spec, micro = loader.next()
-            loss = torch.zeros((), device=device)
-            for inputs, targets, cu_seqlens in micro:
-                step_loss = compiled(inputs, targets, cu_seqlens, spec.max_doc_len, ws)
-                step_loss.backward()
-                loss += step_loss.detach()
-            for opt in optimizers:
-                for group in opt.param_groups:
-                    group["lr"] = group["initial_lr"] * lr_factor(step, args)
-            for group in muon.param_groups:
-                group["momentum"] = muon_momentum(step, args)
-            for opt in optimizers:
-                opt.step()
-            model.zero_grad(set_to_none=True)
-            return loss
-
-        def evaluate(ws: int) -> float:
-            model.eval()
-            with torch.no_grad():
-                total = torch.zeros((), device=device)
-                for inputs, targets, cu_seqlens in val:
-                    total += compiled(inputs, targets, cu_seqlens, args.max_doc_len, ws, reduction="sum")
-            if world_size > 1:
-                dist.all_reduce(total)
-            model.train()
-            return total.item() / args.val_tokens
-
         # Untimed warm-up: compile every window size's training and validation graphs on real
         # batches, then restore the initial weights and optimizer state exactly.
         if args.warmup_steps > 0:
@@ -996,8 +1005,8 @@ def train(args: Hyperparameters) -> RunResult:
             t = time.perf_counter()
             for ws in dict.fromkeys(args.window_schedule):
                 for i in range(args.warmup_steps):
-                    train_step(warm_loader, i, ws)
-                evaluate(ws)
+                    train_step(model, compiled, optimizers, warm_loader.next()[1], args.max_doc_len, i, ws, args)
+                evaluate(model, compiled, val, ws, args, world_size)
             warm_loader.close()
             model.load_state_dict(initial_model)
             for opt, state in zip(optimizers, initial_opts):
@@ -1016,7 +1025,7 @@ def train(args: Hyperparameters) -> RunResult:
             if last or (args.val_every > 0 and step % args.val_every == 0):
                 sync()
                 training_time_ms += 1000 * (time.perf_counter() - t0)
-                val_loss = evaluate(window_size(min(step, N - 1), args))
+                val_loss = evaluate(model, compiled, val, window_size(min(step, N - 1), args), args, world_size)
                 val_losses.append((step, val_loss))
                 log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
                     f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
@@ -1024,7 +1033,9 @@ def train(args: Hyperparameters) -> RunResult:
                 t0 = time.perf_counter()
             if last:
                 break
-            train_losses.append(train_step(loader, step, window_size(step, args)))
+            spec, micro = loader.next()
+            train_losses.append(train_step(model, compiled, optimizers, micro, spec.max_doc_len, step,
+                                           window_size(step, args), args))
             approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
             log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
 

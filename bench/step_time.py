@@ -1,0 +1,69 @@
+"""Time full training steps of train_gpt.py on one GPU at one attention window size, and optionally
+show where the time goes (torch.profiler, top kernels by GPU time).
+
+    python bench/step_time.py --ws 3 --steps 20 [--profile] [any train_gpt.py --field value ...]
+
+A step is the whole optimizer step of the configured global batch (8 micro-batches of 49,152
+tokens by default, accumulated on one GPU): forward, backward, Muon and Adam. Times are CUDA-event
+medians after compile and warm-up steps."""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_gpt as tg  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ws", type=int, default=3, help="long window in blocks of 128 tokens")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
+    parser.add_argument("--profile", action="store_true", help="profile two extra steps and print the top kernels")
+    own, rest = parser.parse_known_args()
+    args = tg.parse_args(rest)
+    device = torch.device("cuda")
+    model, compiled, optimizers, attention, fp8 = tg.build(args, device, 0, 1)
+    spec = tg.BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
+    loader = tg.BatchLoader(tg.shard_files(args.train_files, "training"), lambda s: spec, 0, 1, args.max_num_docs,
+                            args.bos_id, device)
+    step = 0
+
+    def run_step():
+        nonlocal step
+        _, micro = loader.next()
+        tg.train_step(model, compiled, optimizers, micro, spec.max_doc_len, step, own.ws, args)
+        step += 1
+
+    for _ in range(own.warmup):
+        run_step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(own.steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run_step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    med = statistics.median(times)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, attention: {attention}, "
+          f"LM head: {'fp8' if fp8 else 'bf16'}, ws={own.ws}")
+    print(f"step of {args.batch_size:,} tokens: median {med:.1f} ms (min {min(times):.1f}, max {max(times):.1f}) "
+          f"over {own.steps} steps; {args.batch_size / med * 1e3:,.0f} tokens/s; "
+          f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    if own.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                run_step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90))
+    loader.close()
+
+
+if __name__ == "__main__":
+    main()
