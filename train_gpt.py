@@ -125,51 +125,66 @@ def parse_args(argv: list[str] | None = None) -> Hyperparameters:
 # -----------------------------------------------------------------------------------------------
 # Kernels and custom ops
 
-# FP8 LM head (record: @YouJiacheng). Forward in e4m3 with fixed scales, backward grads in e5m2; the
-# op is opaque to torch.compile, which would otherwise not keep the FP8 casts next to _scaled_mm.
+def _quantize(t: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """t / scale in an FP8 dtype, both row-major and transposed: FP8 matmuls (_scaled_mm) accept only
+    a row-major first and a column-major second operand, so each operand is needed both ways."""
+    t_f8 = t.div(scale).to(dtype)
+    return t_f8, t_f8.T.contiguous()
+
+
+# Compiled, the scale, cast and transpose are one pass; eager PyTorch takes three, its transpose
+# uncoalesced: for the (tokens x vocab) gradient ~24 ms instead of ~4 ms per micro-batch on an H100.
+_quantize_fused = torch.compile(_quantize, dynamic=False, fullgraph=True)
+
+
+def quantize(t: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return (_quantize_fused if t.is_cuda else _quantize)(t, scale, dtype)
+
+
+# FP8 LM head (record: @YouJiacheng). Forward in e4m3 with fixed scales, backward grads in e5m2. A
+# custom op is opaque to torch.compile, which keeps the FP8 operands in the layouts _scaled_mm needs.
 @torch.library.custom_op("speedrun::mm_fp8", mutates_args=())
 def mm_fp8(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
-    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
-    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    x_f8, x_f8_t = quantize(x, x_s, torch.float8_e4m3fn)
+    w_f8, w_f8_t = quantize(w, w_s, torch.float8_e4m3fn)
     out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
                            scale_a=x.new_tensor(x_s, dtype=torch.float32),
                            scale_b=x.new_tensor(w_s, dtype=torch.float32))
-    return out, x_f8, w_f8
+    return out, x_f8_t, w_f8_t  # the transposed operands are what the backward needs
 
 
 @mm_fp8.register_fake
 def _(x, w, x_s, w_s, grad_s):
     return (x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16),
-            x.new_empty(x.shape, dtype=torch.float8_e4m3fn), w.new_empty(w.shape, dtype=torch.float8_e4m3fn))
+            x.new_empty(x.size(1), x.size(0), dtype=torch.float8_e4m3fn),
+            w.new_empty(w.size(1), w.size(0), dtype=torch.float8_e4m3fn))
 
 
 @torch.library.custom_op("speedrun::mm_fp8_backward", mutates_args=())
-def mm_fp8_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+def mm_fp8_backward(g: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
     scale = lambda v: g.new_tensor(v, dtype=torch.float32)
-    g_f8 = g.div(grad_s).to(torch.float8_e5m2)
-    # _scaled_mm wants its first operand row-major and its second column-major.
-    grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
-                              scale_a=scale(grad_s), scale_b=scale(w_s))
-    grad_w = torch._scaled_mm(g_f8.T.contiguous(), x_f8.T.contiguous().T, out_dtype=torch.float32,
-                              scale_a=scale(grad_s), scale_b=scale(x_s))
+    g_f8, g_f8_t = quantize(g, grad_s, torch.float8_e5m2)
+    grad_x = torch._scaled_mm(g_f8, w_f8_t.T, out_dtype=torch.bfloat16, scale_a=scale(grad_s), scale_b=scale(w_s))
+    grad_w = torch._scaled_mm(g_f8_t, x_f8_t.T, out_dtype=torch.float32, scale_a=scale(grad_s), scale_b=scale(x_s))
     return grad_x, grad_w
 
 
 @mm_fp8_backward.register_fake
-def _(g, x_f8, w_f8, x_s, w_s, grad_s):
-    return x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32)
+def _(g, x_f8_t, w_f8_t, x_s, w_s, grad_s):
+    return (g.new_empty(g.size(0), w_f8_t.size(0), dtype=torch.bfloat16),
+            g.new_empty(g.size(1), x_f8_t.size(0), dtype=torch.float32))
 
 
 def _mm_fp8_setup_context(ctx, inputs, output):
     _, _, x_s, w_s, grad_s = inputs
-    _, x_f8, w_f8 = output
-    ctx.save_for_backward(x_f8, w_f8)
+    _, x_f8_t, w_f8_t = output
+    ctx.save_for_backward(x_f8_t, w_f8_t)
     ctx.scales = (x_s, w_s, grad_s)
 
 
 def _mm_fp8_backward(ctx, grad_out, *_):
-    x_f8, w_f8 = ctx.saved_tensors
-    grad_x, grad_w = torch.ops.speedrun.mm_fp8_backward(grad_out, x_f8, w_f8, *ctx.scales)
+    x_f8_t, w_f8_t = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.speedrun.mm_fp8_backward(grad_out, x_f8_t, w_f8_t, *ctx.scales)
     return grad_x, grad_w, None, None, None
 
 

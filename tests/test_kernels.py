@@ -1,0 +1,79 @@
+"""Kernels and custom ops: every attention backend and the FP8 LM-head op against explicit float math.
+Runs on the CPU in CI (reference attention, CPU _scaled_mm) and on a GPU wherever one is present."""
+import math
+
+import pytest
+import torch
+
+import train_gpt as tg
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def explicit_attention(q, k, v, doc_lengths, window, scale):
+    """Query i of a document sees keys j of the same document with i - window <= j <= i."""
+    out = torch.empty_like(q)
+    start = 0
+    for n in doc_lengths:
+        for i in range(start, start + n):
+            lo = max(start, i - window)
+            s = torch.einsum("hd,jhd->hj", q[i], k[lo:i + 1]) * scale
+            out[i] = torch.einsum("hj,jhd->hd", s.softmax(-1), v[lo:i + 1])
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("backend", tg.available_attention_backends(DEVICE))
+@pytest.mark.parametrize("window", [3, 16, 1000])
+def test_attention_backend_matches_explicit_masked_computation(backend, window):
+    g = torch.Generator().manual_seed(window)
+    doc_lengths = [5, 1, 40, 17, 65]  # a one-token document too
+    T, H, D = sum(doc_lengths), 2, 64
+    q, k, v = (torch.randn(T, H, D, generator=g) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(doc_lengths).cumsum(0).tolist()] + [T] * 3, dtype=torch.int32)  # padded
+    expected = explicit_attention(q.double(), k.double(), v.double(), doc_lengths, window, 0.12)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    fn = tg.ATTENTION_BACKENDS[backend]
+    got = fn(*(t.to(DEVICE, dtype) for t in (q, k, v)), cu.to(DEVICE), max(doc_lengths), window, 0.12)
+    err = (got.double().cpu() - expected).norm() / expected.norm()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), f"{backend}: relative error {err:.2e}"
+
+
+def test_fp8_head_op_forward_and_backward_match_float_reference():
+    if not tg.fp8_supported(DEVICE):
+        pytest.skip(f"_scaled_mm FP8 does not run on {DEVICE}")
+    g = torch.Generator().manual_seed(0)
+    T, dim, V = 64, 128, 256
+    x = torch.nn.functional.rms_norm(torch.randn(T, dim, generator=g), (dim,)).to(DEVICE, torch.bfloat16)
+    w = (0.05 * torch.randn(V, dim, generator=g)).to(DEVICE)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    out = torch.ops.speedrun.mm_fp8(x, w, math.sqrt(dim) / 448, 2**-9, 1 / 448)[0]
+    grad_out = torch.randn(T, V, generator=g).to(DEVICE, torch.bfloat16) * 1e-2
+    out.backward(grad_out)
+    xr, wr = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    ref = xr @ wr.T
+    ref.backward(grad_out.double())
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+    # e4m3 keeps 3 mantissa bits (~6% worst-case rounding, ~2-3% on average over a dot product);
+    # e5m2 grads keep 2 bits.
+    assert out.dtype == torch.bfloat16 and out.shape == (T, V)
+    assert rel(out, ref) < 0.05
+    assert rel(x.grad, xr.grad) < 0.1
+    assert rel(w.grad, wr.grad) < 0.1
+    assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+
+
+def test_fp8_head_op_compiles_in_a_graph_without_breaks():
+    if not tg.fp8_supported(DEVICE):
+        pytest.skip(f"_scaled_mm FP8 does not run on {DEVICE}")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():  # the fake (meta) implementations give the real shapes and dtypes
+        x, w = torch.empty(8, 32, dtype=torch.bfloat16), torch.empty(16, 32)
+        out, x8t, w8t = torch.ops.speedrun.mm_fp8(x, w, 0.1, 0.1, 0.1)
+        gx, gw = torch.ops.speedrun.mm_fp8_backward(out, x8t, w8t, 0.1, 0.1, 0.1)
+    assert (out.shape, x8t.shape, w8t.shape) == ((8, 16), (32, 8), (32, 16))
+    assert x8t.dtype == w8t.dtype == torch.float8_e4m3fn
+    assert (gx.shape, gx.dtype, gw.shape, gw.dtype) == ((8, 32), torch.bfloat16, (16, 32), torch.float32)
