@@ -100,6 +100,8 @@ class Hyperparameters:
             raise ValueError(f"window_pattern={h.window_pattern!r} needs one L or S per layer ({h.num_layers})")
         if h.num_value_embeds * 2 > h.num_layers:
             raise ValueError(f"num_value_embeds={h.num_value_embeds} needs at least {2 * h.num_value_embeds} layers")
+        if h.logit_softcap + math.log(h.vocab_size) >= 88:  # exp(cap) * vocab must fit in fp32
+            raise ValueError(f"logit_softcap={h.logit_softcap} is too large for the overflow-free cross-entropy")
         if h.bos_id >= h.vocab_size:
             raise ValueError(f"bos_id={h.bos_id} must be < vocab_size={h.vocab_size}")
         if h.attention not in ("auto", "fa3", "fa4", "varlen", "reference"):
@@ -408,6 +410,7 @@ class GPT(nn.Module):
 
     def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, max_seqlen: int, ws: int,
                 reduction: str = "sum") -> Tensor:
+        """Summed cross-entropy of the micro-batch (reduction="none": per token)."""
         cfg, L = self.cfg, self.cfg.num_layers
         s = self.scalars
         block_scalars, skip_w = s[: 4 * L].view(L, 4), s[4 * L: 4 * L + L // 2]
@@ -428,8 +431,13 @@ class GPT(nn.Module):
         else:
             logits = F.linear(x, self.lm_head_w.type_as(x))
         # Logit soft-cap (record): bounded logits, smoother early training.
-        logits = cfg.logit_softcap * torch.sigmoid(logits.float() / cfg.softcap_temp)
-        return F.cross_entropy(logits, targets.long(), reduction=reduction)
+        z = cfg.logit_softcap * torch.sigmoid(logits.float() / cfg.softcap_temp)
+        # Cross-entropy written out so that it compiles to one pass over the (tokens x vocab) logits
+        # each way: z is bounded by the cap, so exp(z) needs no max-subtraction pass, and the target
+        # logit is picked by a compare instead of a gather (whose backward would be a scatter).
+        is_target = torch.arange(z.size(-1), device=z.device) == targets[:, None]
+        losses = z.exp().sum(-1).log() - torch.where(is_target, z, 0).sum(-1)
+        return losses.sum() if reduction == "sum" else losses
 
 
 # -----------------------------------------------------------------------------------------------
@@ -919,6 +927,21 @@ def evaluate(model: GPT, compiled, val, ws: int, args: Hyperparameters, world_si
     return total.item() / args.val_tokens
 
 
+def warmup(model: GPT, compiled, optimizers, loader: BatchLoader, val, args: Hyperparameters, world_size: int):
+    """Untimed warm-up: compile every window size's training and validation graphs on real batches
+    (warmup_steps optimizer steps each), then restore the initial weights and optimizer state exactly."""
+    initial_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]
+    for ws in dict.fromkeys(args.window_schedule):
+        for i in range(args.warmup_steps):
+            spec, micro = loader.next()
+            train_step(model, compiled, optimizers, micro, spec.max_doc_len, i, ws, args)
+        evaluate(model, compiled, val, ws, args, world_size)
+    model.load_state_dict(initial_model)
+    for opt, state in zip(optimizers, initial_opts):
+        opt.load_state_dict(state)
+
+
 class Logger:
     """Rank 0 prints and appends to logs/<run_id>.txt; other ranks stay silent."""
 
@@ -1011,21 +1034,11 @@ def train(args: Hyperparameters) -> RunResult:
             args.val_files, args.val_tokens, args.val_seq_len, args.max_doc_len, args.max_num_docs, args.bos_id,
             rank, world_size)]
 
-        # Untimed warm-up: compile every window size's training and validation graphs on real
-        # batches, then restore the initial weights and optimizer state exactly.
         if args.warmup_steps > 0:
-            initial_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]
             warm_loader = BatchLoader(train_files, lambda s: spec, **loader_kw)
             t = time.perf_counter()
-            for ws in dict.fromkeys(args.window_schedule):
-                for i in range(args.warmup_steps):
-                    train_step(model, compiled, optimizers, warm_loader.next()[1], args.max_doc_len, i, ws, args)
-                evaluate(model, compiled, val, ws, args, world_size)
+            warmup(model, compiled, optimizers, warm_loader, val, args, world_size)
             warm_loader.close()
-            model.load_state_dict(initial_model)
-            for opt, state in zip(optimizers, initial_opts):
-                opt.load_state_dict(state)
             log(f"warm-up (compile) done in {time.perf_counter() - t:.1f}s")
 
         loader = BatchLoader(train_files, lambda s: spec, **loader_kw)
