@@ -1013,7 +1013,7 @@ def train(args: Hyperparameters) -> RunResult:
     log = Logger(args, rank)
     loader = None
     try:
-        log(Path(__file__).read_text(), console=False)
+        log(Path(__file__).read_text().rstrip("\n"), console=False)  # the code that made this run
         log("=" * 100, console=False)
         log(environment_report(device), console=False)
         log("=" * 100, console=False)

@@ -1,5 +1,58 @@
+"""Shared fixtures: a synthetic corpus written as real shards, and a tiny model configuration."""
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import train_gpt as tg  # noqa: E402
+
+VOCAB, BOS = 64, 63  # tiny vocabulary; the last id plays <|endoftext|>
+
+
+def markov_documents(rng, n_tokens, min_len=5, max_len=300, vocab=VOCAB, bos=BOS):
+    """Documents from a fixed sparse Markov chain (learnable structure), each preceded by BOS."""
+    trans = np.random.default_rng(1234).dirichlet(np.full(vocab - 1, 0.1), size=vocab - 1)
+    out = []
+    while len(out) < n_tokens:
+        state = rng.integers(vocab - 1)
+        out.append(bos)
+        for _ in range(rng.integers(min_len, max_len)):
+            out.append(state)
+            state = rng.choice(vocab - 1, p=trans[state])
+    return np.array(out[:n_tokens])
+
+
+def write_corpus(directory, train_sizes=(20_000, 20_000), val_size=10_000, seed=0, **doc_kw):
+    """val shard + training shards named like the FineWeb ones; returns (train pattern, val pattern)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tg.write_shard(directory / "syn_val_000000.bin", markov_documents(rng, val_size, **doc_kw))
+    for i, n in enumerate(train_sizes, start=1):
+        tg.write_shard(directory / f"syn_train_{i:06d}.bin", markov_documents(rng, n, **doc_kw))
+    return str(directory / "syn_train_*.bin"), str(directory / "syn_val_*.bin")
+
+
+TINY = dict(vocab_size=VOCAB, bos_id=BOS, num_layers=4, model_dim=64, num_heads=2, head_dim=32, gate_channels=8,
+            no_attn_layers=(2,), num_value_embeds=1, window_pattern="LSSL", window_schedule=(1, 2, 3),
+            window_block=16, batch_size=8 * 128, seq_len=128, val_seq_len=256, val_tokens=4096, max_doc_len=96,
+            max_num_docs=32, num_iterations=20, val_every=10, compile=False, warmup_steps=0)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return write_corpus(tmp_path / "data")
+
+
+@pytest.fixture
+def tiny_args(corpus, tmp_path):
+    train, val = corpus
+
+    def make(**overrides):
+        return tg.Hyperparameters(**{**TINY, "train_files": train, "val_files": val, "log_dir": str(tmp_path / "logs"),
+                                     **overrides})
+    return make

@@ -1,0 +1,21 @@
+"""Run a function in N gloo processes on this CPU, the way torchrun would set them up."""
+import os
+import socket
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world_size, port, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    fn(rank, world_size, *args)
+
+
+def spawn(fn, world_size, *args):
+    mp.spawn(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
