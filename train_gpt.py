@@ -689,13 +689,15 @@ class TokenStream:
         return tokens, np.flatnonzero(tokens == self.bos_id)
 
     def _open(self, i: int):
-        if self._next is not None and self._next[0] == i:
+        if i == getattr(self, "shard", None):
+            pass  # a single shard wrapping around: already loaded
+        elif self._next is not None and self._next[0] == i:
             self.tokens, self.bos = self._next[1].result()
         else:
             self.tokens, self.bos = self._index(i)
         self.shard, self.pos = i, 0
         nxt = (i + 1) % len(self.files)
-        if i + 1 < len(self.files) or self.wrap:
+        if nxt != i and (i + 1 < len(self.files) or self.wrap):
             self._next = (nxt, self._pool.submit(self._index, nxt))
 
     def _advance_shard(self):
