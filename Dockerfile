@@ -1,5 +1,5 @@
 # The speedrun in a container, for an NVIDIA host with Docker and the NVIDIA Container Toolkit
-# (driver for CUDA 12.6 or newer). From the repository root:
+# (a driver recent enough for the CUDA build of the PyTorch wheel). From the repository root:
 #   docker build -t gpt2-speedrun .
 #   docker run --rm --gpus all --ipc=host -v "$PWD/data:/workspace/data" -v "$PWD/logs:/workspace/logs" gpt2-speedrun
 # Arguments after the image name go to train_gpt.py; -e NPROC=4 runs on 4 GPUs.
@@ -19,10 +19,9 @@ RUN apt-get update \
 RUN python3.12 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
-# PyTorch built for CUDA 12.6 (it brings its own cuDNN, NCCL and Triton), then the rest.
+# PyTorch: the Linux wheel brings its own CUDA runtime, cuDNN, NCCL and Triton. Then the rest.
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+RUN pip install "torch==${TORCH_VERSION}"
 
 WORKDIR /workspace
 COPY requirements.txt .

@@ -833,7 +833,9 @@ def validation_batches(pattern: str, val_tokens: int, seq_len: int, max_doc_len:
         raise ValueError(f"validation shards {pattern!r} hold {usable} usable tokens, fewer than "
                          f"val_tokens={val_tokens}: use the full validation shard or lower --val_tokens")
     if val_tokens % (seq_len * world_size):
-        raise ValueError(f"val_tokens={val_tokens} must be a multiple of val_seq_len * world_size = {seq_len * world_size}")
+        unit = seq_len * world_size
+        raise ValueError(f"val_tokens={val_tokens} must be a multiple of val_seq_len * world_size = {unit}: "
+                         f"use --val_tokens {val_tokens // unit * unit or unit}")
     stream = TokenStream(files, bos_id, wrap=False)
     for slot in range(val_tokens // seq_len):
         pieces = stream.take(seq_len, max_doc_len)
