@@ -13,11 +13,14 @@ import glob
 import math
 import os
 import queue
+import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,8 +92,18 @@ class Hyperparameters:
     compile: bool = True
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
-    run_id: str = ""  # default: a fresh uuid
+    run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
     log_dir: str = "logs"
+    log_every: int = 25  # loss, tokens/s, MFU and memory every N steps (read without a device sync)
+    peak_tflops: float = 0.0  # dense bf16 peak per GPU for MFU; 0 = look up by device name
+    # checkpoints: model, sharded optimizer states, data position, RNG, hyperparameters, code hash
+    save_every: int = 0  # save every N steps and at the end; 0 = only on SIGTERM / Ctrl-C
+    checkpoint_dir: str = "checkpoints"
+    keep_checkpoints: int = 3  # keep the newest K of a run
+    resume: str = ""  # a checkpoint folder, or "latest" (newest under checkpoint_dir)
+    # presets and the smoke preset's built-in data
+    preset: str = "record"  # record | smoke | single | medium (then any field overrides)
+    markov_corpus: bool = False  # write a synthetic Markov-chain corpus to train/val_files first
 
     def __post_init__(self):
         h = self
@@ -104,15 +117,45 @@ class Hyperparameters:
             raise ValueError(f"logit_softcap={h.logit_softcap} is too large for the overflow-free cross-entropy")
         if h.bos_id >= h.vocab_size:
             raise ValueError(f"bos_id={h.bos_id} must be < vocab_size={h.vocab_size}")
+        if h.preset not in PRESETS:
+            raise ValueError(f"preset={h.preset!r}: choose one of {', '.join(PRESETS)}")
         if h.attention not in ("auto", "fa3", "fa4", "varlen", "reference"):
             raise ValueError(f"attention={h.attention!r}: choose auto, fa3, fa4, varlen or reference")
 
 
+PRESETS = {
+    # The 8-GPU record configuration: the dataclass defaults.
+    "record": {},
+    # A tiny model on a built-in synthetic corpus (a random Markov chain whose entropy per token is
+    # known exactly): about a minute on a laptop CPU, loss falling visibly toward that floor.
+    "smoke": dict(
+        markov_corpus=True, train_files=os.path.join(DATA_PATH, "data/smoke/markov_train_*.bin"),
+        val_files=os.path.join(DATA_PATH, "data/smoke/markov_val_*.bin"), vocab_size=128, bos_id=127,
+        num_layers=4, model_dim=128, num_heads=2, head_dim=64, no_attn_layers=(2,), num_value_embeds=1,
+        window_pattern="LSSL", window_schedule=(1, 2, 3), window_block=64, batch_size=8 * 512, seq_len=512,
+        val_seq_len=1024, val_tokens=32768, max_doc_len=512, max_num_docs=64, num_iterations=150, val_every=50,
+        log_every=10, compile=False, warmup_steps=0),
+    # One GPU with 24-40 GB: micro-batches of 16K tokens, 24 accumulation steps, the same global batch.
+    "single": dict(seq_len=16384, val_seq_len=16384, max_num_docs=128),
+    # GPT-2-medium size (24 blocks x 1024, 16 heads of 64). An untuned starting point: the record's
+    # learning rates and window pattern (repeated), attention in every block, a longer run.
+    "medium": dict(num_layers=24, model_dim=1024, num_heads=16, head_dim=64, no_attn_layers=(),
+                   window_pattern="LSSSLSSLSSSL" * 2, seq_len=24576, val_seq_len=32768, max_num_docs=128,
+                   num_iterations=4000),
+}
+
+
 def parse_args(argv: list[str] | None = None) -> Hyperparameters:
-    """Build Hyperparameters from `--field value` pairs (booleans take true/false)."""
+    """Build Hyperparameters from a preset and `--field value` pairs (booleans take true/false)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default="record")
+    preset = pre.parse_known_args(argv)[0].preset
+    if preset not in PRESETS:
+        raise SystemExit(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
+    base = Hyperparameters(**PRESETS[preset], preset=preset)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Hyperparameters):
-        default = f.default
+        default = getattr(base, f.name)
         if isinstance(default, bool):
             kind = lambda s: {"true": True, "1": True, "false": False, "0": False}[s.lower()]
         elif isinstance(default, tuple):
@@ -548,6 +591,16 @@ class DistAdam(torch.optim.Optimizer):
                     raise ValueError(f"DistAdam shards dim 0: a parameter of shape {tuple(p.shape)} "
                                      f"does not split over world_size={world_size}")
 
+    def load_state_dict(self, state_dict: dict):
+        """Restore exactly: torch.optim would cast the fp32 moments of bf16 parameters to bf16."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.state.clear()
+        for i, saved in state_dict["state"].items():
+            p = params[int(i)]
+            self.state[p] = {k: v.to(p.device) if torch.is_tensor(v) else v for k, v in saved.items()}
+
     @torch.no_grad()
     def step(self):
         W, r = self.world_size, self.rank
@@ -843,6 +896,57 @@ def validation_batches(pattern: str, val_tokens: int, seq_len: int, max_doc_len:
             yield tuple(torch.from_numpy(a) for a in assemble(pieces, seq_len, max_num_docs, bos_id))
 
 
+
+def markov_chain(vocab_size: int, bos_id: int, seed: int = 0, alpha: float = 0.02, p_end: float = 1 / 200):
+    """A fixed random Markov chain over the vocabulary, BOS included: from a token, BOS (end of the
+    document) with probability p_end, else a Dirichlet(alpha) row; after BOS, a uniform token.
+    Returns the transition matrix and its entropy rate in nats per token: the lowest loss any
+    model can reach on text drawn from it."""
+    rng = np.random.default_rng(seed)
+    others = np.array([i for i in range(vocab_size) if i != bos_id])
+    Q = np.zeros((vocab_size, vocab_size))
+    Q[np.ix_(others, others)] = (1 - p_end) * rng.dirichlet(np.full(others.size, alpha), size=others.size)
+    Q[others, bos_id] = p_end
+    Q[bos_id, others] = 1 / others.size
+    mu = np.full(vocab_size, 1 / vocab_size)
+    for _ in range(2000):  # stationary distribution by power iteration
+        mu = mu @ Q
+    row_entropy = -np.sum(Q * np.log(np.where(Q > 0, Q, 1)), axis=1)
+    return Q, float(mu @ row_entropy)
+
+
+def write_markov_corpus(train_pattern: str, val_pattern: str, vocab_size: int, bos_id: int, val_tokens: int,
+                        train_tokens: int = 4_000_000, seed: int = 0) -> float:
+    """Write the smoke preset's corpus (one val and one train shard) unless already there; return
+    its entropy floor. Deterministic: every machine writes the same bytes."""
+    Q, entropy = markov_chain(vocab_size, bos_id, seed)
+    paths = [Path(val_pattern.replace("*", "000000")), Path(train_pattern.replace("*", "000001"))]
+    sizes = [2 * val_tokens, train_tokens]
+    rng = np.random.default_rng(seed + 1)
+    cdf = Q.cumsum(axis=1)
+    cdf[:, -1] = 1.0
+    for path, n in zip(paths, sizes):
+        try:
+            if read_shard_header(path) == n:
+                continue
+        except ShardError:
+            pass
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Sample chains side by side, each starting at a BOS and cut just before its last BOS, so laid
+        # end to end they are one valid realisation of the chain (no impossible transitions).
+        streams = max(1, min(1024, n // 4000))
+        out = np.empty((streams, -(-n // streams) + 2000), dtype=np.uint16)
+        state = np.full(streams, bos_id)
+        for t in range(out.shape[1]):
+            out[:, t] = state
+            state = (cdf[state] < rng.random(streams)[:, None]).sum(axis=1)
+        tokens = np.concatenate([row[: np.flatnonzero(row == bos_id)[-1]] for row in out])
+        if tokens.size < n:
+            raise RuntimeError(f"Markov corpus: sampled {tokens.size} tokens, fewer than {n}")
+        write_shard(path, tokens[:n])
+    return entropy
+
+
 # -----------------------------------------------------------------------------------------------
 # Training loop
 
@@ -882,6 +986,137 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
     return adam, muon
+
+
+# Dense bf16 tensor-core peaks per GPU from the vendors' datasheets (TFLOP/s, no sparsity); the
+# first name found in the device name wins, so specific names come before general ones.
+PEAK_TFLOPS = {"H100 PCIe": 756, "H100 NVL": 835, "H100": 989, "H200": 989, "GH200": 989, "B200": 2250,
+               "A100": 312, "L40S": 362, "L4": 121, "RTX 4090": 165}
+
+
+def peak_tflops(device: torch.device, override: float) -> float | None:
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def flops_per_token(model: GPT, ws: int, max_doc_len: int) -> float:
+    """Training FLOPs per token: 6 x the matmul weights (block matrices + LM head), plus attention:
+    QK^T and AV, 2 x 2 x heads x head_dim multiply-adds per key forward, x3 with the backward, over
+    the keys a query sees (its window + itself, at most a document)."""
+    cfg = model.cfg
+    matmul = sum(p.numel() for p in model.blocks.parameters() if p.ndim >= 2) + model.lm_head_w.numel()
+    attn = sum(12 * cfg.num_heads * cfg.head_dim * min(w + 1, max_doc_len)
+               for w, block in zip(model.window_sizes(ws), model.blocks) if block.attn is not None)
+    return 6 * matmul + attn
+
+
+def size_report(model: GPT, args: Hyperparameters, world_size: int) -> list[str]:
+    """Parameter counts by group, and the memory per GPU that does not depend on activations."""
+    groups = {"token embedding": [model.embed.weight], "value embeddings": [m.weight for m in model.value_embeds],
+              "block matrices": [p for p in model.blocks.parameters() if p.ndim >= 2],
+              "LM head": [model.lm_head_w], "scalars": [model.scalars]}
+    lines = [f"parameters: {name} {sum(p.numel() for p in ps):,}" for name, ps in groups.items()]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    adam = sum(p.numel() for name in ("token embedding", "value embeddings", "LM head", "scalars") for p in groups[name])
+    optimizer = (8 * adam + 4 * sum(p.numel() for p in groups["block matrices"])) / world_size
+    logits = args.seq_len * args.vocab_size * 8  # bf16 logits, fp32 soft-capped copy, bf16 gradient
+    total = 2 * weights + optimizer + logits
+    lines.append(f"memory per GPU: ~{total / 2**30:.1f} GiB for weights + grads ({2 * weights / 2**30:.1f}), optimizer "
+                 f"shards ({optimizer / 2**30:.1f}) and logits ({logits / 2**30:.1f}), plus other activations")
+    return lines
+
+
+def code_hash() -> str:
+    import hashlib
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "max_seq_len"]
+
+
+def save_checkpoint(step: int, model: GPT, optimizers, loader_state: dict, training_time_ms: float,
+                    args: Hyperparameters, rank: int, world_size: int) -> Path:
+    """checkpoint_dir/<run_id>/step_NNNNNN/: model.pt (weights, step, hyperparameters, code hash) and
+    rank<r>.pt per rank (its optimizer shards, data position, RNG states). Written into a .tmp folder
+    renamed when every rank is done, so a checkpoint either exists whole or not at all."""
+    final = Path(args.checkpoint_dir) / args.run_id / f"step_{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(world_size)
+    rng = dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
+    torch.save(dict(optimizers=[o.state_dict() for o in optimizers], loader=loader_state, rng=rng), tmp / f"rank{rank}.pt")
+    if rank == 0:
+        torch.save(dict(model=model.state_dict(), step=step, args=dataclasses.asdict(args), world_size=world_size,
+                        code_hash=code_hash(), training_time_ms=training_time_ms), tmp / "model.pt")
+    barrier(world_size)
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        old = sorted(final.parent.glob("step_??????"))[: -args.keep_checkpoints or None]
+        for path in old if args.keep_checkpoints > 0 else []:
+            shutil.rmtree(path, ignore_errors=True)
+    barrier(world_size)
+    return final
+
+
+def find_checkpoint(resume: str, checkpoint_dir: str) -> Path:
+    if resume != "latest":
+        path = Path(resume)
+        if not (path / "model.pt").is_file():
+            raise FileNotFoundError(f"--resume {resume}: no checkpoint there (expected {path / 'model.pt'})")
+        return path
+    found = sorted(Path(checkpoint_dir).glob("*/step_??????"), key=lambda p: (p.stat().st_mtime, p.name))
+    if not found:
+        raise FileNotFoundError(f"--resume latest: no checkpoint under {checkpoint_dir}/ (save with --save_every N)")
+    return found[-1]
+
+
+def read_checkpoint_file(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: missing: the checkpoint is incomplete; resume from another one") from None
+    except Exception as e:
+        raise ValueError(f"{path}: cannot read the checkpoint ({type(e).__name__}: {e}); it is corrupt or "
+                         "truncated: resume from another one") from e
+
+
+def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, rank: int, world_size: int, log):
+    """Restore weights and this rank's optimizer shards; return (step, data position, training ms).
+    Refuses a checkpoint of another model shape or world size, naming what differs."""
+    meta = read_checkpoint_file(path / "model.pt")
+    diff = [f"{k}: checkpoint {meta['args'][k]!r}, now {getattr(args, k)!r}" for k in MODEL_FIELDS
+            if k in meta["args"] and tuple_or_value(meta["args"][k]) != tuple_or_value(getattr(args, k))]
+    if diff:
+        raise ValueError(f"{path} holds a different model: " + "; ".join(diff))
+    if meta["world_size"] != world_size:
+        raise ValueError(f"{path} was written by {meta['world_size']} processes (optimizer state is sharded per "
+                         f"rank); resume with {meta['world_size']} GPUs, not {world_size}")
+    if meta["code_hash"] != code_hash():
+        log(f"note: {path} was written by another version of train_gpt.py ({meta['code_hash']} vs {code_hash()})")
+    shard = read_checkpoint_file(path / f"rank{rank}.pt")
+    model.load_state_dict(meta["model"])
+    for opt, state in zip(optimizers, shard["optimizers"]):
+        opt.load_state_dict(state)
+    torch.set_rng_state(shard["rng"]["torch"])
+    if shard["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(shard["rng"]["cuda"])
+    return meta["step"], shard["loader"], meta["training_time_ms"]
+
+
+def tuple_or_value(v):
+    return tuple(v) if isinstance(v, (list, tuple)) else v
+
+
+def barrier(world_size: int):
+    if world_size > 1:
+        dist.barrier()
 
 
 def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int):
@@ -984,10 +1219,37 @@ def _version(module: str) -> str:
 
 @dataclass
 class RunResult:
-    train_losses: list[float]  # mean loss per token of each step, all ranks
+    train_losses: list[float]  # mean loss per token of each step this run made, all ranks
     val_losses: list[tuple[int, float]]  # (step, validation loss)
     train_time_ms: float
     log_path: str | None
+    first_step: int = 0  # a resumed run starts after its checkpoint's step
+    checkpoint: str | None = None  # the last checkpoint written
+    interrupted: bool = False  # stopped by SIGTERM / Ctrl-C after saving a checkpoint
+
+
+class LossWatch:
+    """Per-step losses copied to the host without blocking; read once the GPU has produced them,
+    so figures and the non-finite check never add a device->host synchronisation."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: deque = deque()
+
+    def push(self, step: int, loss: Tensor, tokens: int):
+        host = torch.empty((), pin_memory=self.cuda)
+        host.copy_(loss, non_blocking=True)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((step, host, event, tokens))
+
+    def ready(self):
+        """(step, mean loss per token on this rank) for every step the GPU has finished."""
+        while self.pending and (self.pending[0][2] is None or self.pending[0][2].query()):
+            step, host, _, tokens = self.pending.popleft()
+            yield step, host.item() / tokens
 
 
 def train(args: Hyperparameters) -> RunResult:
@@ -1009,26 +1271,46 @@ def train(args: Hyperparameters) -> RunResult:
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
+    resume = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
+    if resume is not None and not args.run_id:
+        args = dataclasses.replace(args, run_id=resume.parent.name)  # continue the same run and log
     if not args.run_id:
         run_id = [str(uuid.uuid4())]
         if world_size > 1:
             dist.broadcast_object_list(run_id, src=0)
         args = dataclasses.replace(args, run_id=run_id[0])
     log = Logger(args, rank)
-    loader = None
+    loader, bar, handlers = None, None, {}
     try:
-        log(Path(__file__).read_text().rstrip("\n"), console=False)  # the code that made this run
-        log("=" * 100, console=False)
-        log(environment_report(device), console=False)
-        log("=" * 100, console=False)
-        for f in dataclasses.fields(args):
-            log(f"{f.name}: {getattr(args, f.name)}", console=False)
+        if resume is not None and log.path and os.path.exists(log.path):
+            log(f"resuming from {resume}")
+        else:
+            log(Path(__file__).read_text().rstrip("\n"), console=False)  # the code that made this run
+            log("=" * 100, console=False)
+            log(environment_report(device), console=False)
+            log("=" * 100, console=False)
+            for f in dataclasses.fields(args):
+                log(f"{f.name}: {getattr(args, f.name)}", console=False)
+        if args.markov_corpus:
+            if rank == 0:
+                write_markov_corpus(args.train_files, args.val_files, args.vocab_size, args.bos_id, args.val_tokens)
+            barrier(world_size)
+            floor = markov_chain(args.vocab_size, args.bos_id)[1]
+            log(f"data: synthetic Markov-chain corpus, entropy floor {floor:.4f} nats/token (uniform: "
+                f"{math.log(args.vocab_size - 1):.4f}): no model can go below the floor")
 
         model, compiled, optimizers, attention, fp8 = build(args, device, rank, world_size)
         n_params = sum(p.numel() for p in model.parameters())
         log(f"device: {device} x {world_size}, grad accumulation {grad_accum}, attention backend: {attention}, "
             f"LM head: {'fp8' if fp8 else 'bf16'}, compile: {args.compile}, parameters: {n_params:,}")
+        for line in size_report(model, args, world_size):
+            log(line)
         log(f"logging to {log.path}")
+        first_step, loader_state, training_time_ms = 0, None, 0.0
+        if resume is not None:
+            first_step, loader_state, training_time_ms = load_checkpoint(resume, model, optimizers, args, rank,
+                                                                         world_size, log)
+            log(f"resumed at step {first_step} from {resume}")
 
         spec = BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
         train_files = shard_files(args.train_files, "training")
@@ -1045,40 +1327,110 @@ def train(args: Hyperparameters) -> RunResult:
             warm_loader.close()
             log(f"warm-up (compile) done in {time.perf_counter() - t:.1f}s")
 
-        loader = BatchLoader(train_files, lambda s: spec, **loader_kw)
+        loader = BatchLoader(train_files, lambda s: spec, start_step=first_step, state=loader_state, **loader_kw)
+        # SIGTERM / Ctrl-C: finish the step, save a checkpoint, exit cleanly. Ranks agree through a
+        # small all-reduce on a CPU (gloo) group, which never waits for the GPU.
+        stop_signals: list[int] = []
+        if threading.current_thread() is threading.main_thread():
+            handlers = {sig: signal.signal(sig, lambda signum, frame: stop_signals.append(signum))
+                        for sig in (signal.SIGINT, signal.SIGTERM)}
+        control = (dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD) if world_size > 1 else None
+        peak = peak_tflops(device, args.peak_tflops)
+        if rank == 0 and sys.stdout.isatty():
+            try:
+                from tqdm import tqdm
+                bar = tqdm(total=args.num_iterations, initial=first_step, unit="step", dynamic_ncols=True)
+            except ImportError:
+                pass
+        watch = LossWatch(device)
         train_losses, val_losses = [], []
-        training_time_ms = 0.0
+        checkpoint, interrupted, latest = None, False, None
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
+        figures_from = (t0, first_step)
         N = args.num_iterations
-        for step in range(N + 1):
+        for step in range(first_step, N + 1):
             last = step == N
-            if last or (args.val_every > 0 and step % args.val_every == 0):
+            if (last or (args.val_every > 0 and step % args.val_every == 0)) and not (resume and step == first_step):
                 sync()
                 training_time_ms += 1000 * (time.perf_counter() - t0)
                 val_loss = evaluate(model, compiled, val, window_size(min(step, N - 1), args), args, world_size)
                 val_losses.append((step, val_loss))
                 log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
-                    f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
+                    f"step_avg:{training_time_ms / max(step, 1):.2f}ms", console=bar is None)
+                if bar is not None:
+                    bar.write(f"step {step}: val_loss {val_loss:.4f}")
                 sync()
                 t0 = time.perf_counter()
+                figures_from = (t0, step)
             if last:
                 break
             spec, micro = loader.next()
-            train_losses.append(train_step(model, compiled, optimizers, micro, spec.max_doc_len, step,
-                                           window_size(step, args), args))
+            ws = window_size(step, args)
+            try:
+                loss = train_step(model, compiled, optimizers, micro, spec.max_doc_len, step, ws, args)
+            except torch.OutOfMemoryError as e:
+                raise torch.OutOfMemoryError(
+                    f"out of GPU memory in step {step + 1}: lower --seq_len (tokens per micro-batch; "
+                    f"--batch_size stays and accumulation grows) or try --preset single. ({e})") from e
+            train_losses.append(loss)
+            watch.push(step + 1, loss, spec.seq_len * len(micro))
             approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
-            log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
-
+            log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms",
+                console=bar is None)
+            for done_step, value in watch.ready():
+                if not math.isfinite(value):
+                    raise FloatingPointError(f"loss is {value} at step {done_step}: stopping. Last good checkpoint: "
+                                             f"{checkpoint or 'none (save them with --save_every N)'}")
+                latest = (done_step, value)
+            if bar is not None:
+                bar.update(1)
+            if args.log_every > 0 and (step + 1) % args.log_every == 0:
+                now = time.perf_counter()
+                tokens_per_s = (step + 1 - figures_from[1]) * args.batch_size / max(now - figures_from[0], 1e-9)
+                mfu = (f"{100 * flops_per_token(model, ws, args.max_doc_len) * tokens_per_s / (peak * 1e12 * world_size):.1f}%"
+                       if peak else "n/a")
+                mem = (f"{torch.cuda.memory_allocated() / 2**30:.1f}/{torch.cuda.memory_reserved() / 2**30:.1f}GiB"
+                       if device.type == "cuda" else "n/a")
+                loss_text = f"{latest[1]:.4f}@{latest[0]}" if latest else "pending"  # the newest finished step
+                figures = (f"train_loss:{loss_text} tokens/s:{tokens_per_s:,.0f} mfu:{mfu} "
+                           f"step_ms:{1000 * (now - figures_from[0]) / max(step + 1 - figures_from[1], 1):.1f} mem:{mem}")
+                log(f"step:{step + 1}/{N} {figures}", console=bar is None)
+                if bar is not None:
+                    bar.set_postfix_str(figures)
+                figures_from = (now, step + 1)
+            flag = torch.tensor([float(bool(stop_signals))])
+            if control is not None:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
+            if flag.item() or (args.save_every > 0 and (step + 1) % args.save_every == 0 and step + 1 < N):
+                sync()
+                training_time_ms += 1000 * (time.perf_counter() - t0)
+                checkpoint = save_checkpoint(step + 1, model, optimizers, loader.state, training_time_ms, args,
+                                             rank, world_size)
+                log(f"checkpoint: {checkpoint}")
+                t0 = time.perf_counter()
+                figures_from = (t0, step + 1)
+                if flag.item():
+                    interrupted = True
+                    log(f"stopped by signal after step {step + 1}; continue with: --resume {checkpoint}")
+                    break
+        if args.save_every > 0 and not interrupted:
+            checkpoint = save_checkpoint(N, model, optimizers, loader.state, training_time_ms, args, rank, world_size)
+            log(f"checkpoint: {checkpoint}")
         losses = torch.stack(train_losses) if train_losses else torch.zeros(0, device=device)
         if world_size > 1:
             dist.all_reduce(losses)
         if device.type == "cuda":
             log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
                 f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-        return RunResult((losses / args.batch_size).tolist(), val_losses, training_time_ms, log.path)
+        return RunResult((losses / args.batch_size).tolist(), val_losses, training_time_ms, log.path, first_step,
+                         str(checkpoint) if checkpoint else None, interrupted)
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        if bar is not None:
+            bar.close()
         if loader is not None:
             loader.close()
         if world_size > 1 and dist.is_initialized():

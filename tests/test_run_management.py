@@ -1,0 +1,160 @@
+"""Run management: presets, figures, checkpoint/resume, interruption, failure messages."""
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt as tg
+from distributed import spawn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_presets_set_their_configuration_and_fields_still_override():
+    assert tg.parse_args([]) == tg.Hyperparameters()
+    single = tg.parse_args(["--preset", "single"])
+    assert single.batch_size == tg.Hyperparameters().batch_size and single.batch_size // single.seq_len == 24
+    medium = tg.parse_args(["--preset", "medium", "--num_iterations", "7"])
+    assert (medium.num_layers, medium.model_dim, medium.num_heads, medium.num_iterations) == (24, 1024, 16, 7)
+    smoke = tg.parse_args(["--preset", "smoke"])
+    assert smoke.markov_corpus and not smoke.compile and smoke.preset == "smoke"
+    with pytest.raises(SystemExit, match="choose one of"):
+        tg.parse_args(["--preset", "huge"])
+
+
+def test_markov_corpus_is_deterministic_and_sits_at_its_entropy_floor(tmp_path):
+    Q, floor = tg.markov_chain(64, 63)
+    assert torch.allclose(torch.tensor(Q.sum(1)), torch.ones(64, dtype=torch.float64))
+    pats = [str(tmp_path / d / "m_train_*.bin") for d in "ab"], [str(tmp_path / d / "m_val_*.bin") for d in "ab"]
+    for train, val in zip(*pats):
+        assert tg.write_markov_corpus(train, val, 64, 63, 4096, train_tokens=50_000) == floor
+    a, b = (tg.load_shard(tmp_path / d / "m_train_000001.bin") for d in "ab")
+    assert (a == b).all() and a.size == 50_000 and a[0] == 63
+    # the empirical cross-entropy under the true chain is the floor (and no transition is impossible)
+    t = a.astype(int)
+    assert abs(-(torch.tensor(Q[t[:-1], t[1:]]).log().mean().item()) - floor) < 0.03
+
+
+def test_flops_per_token_match_a_hand_count():
+    args = tg.Hyperparameters(vocab_size=64, bos_id=63, num_layers=2, model_dim=32, num_heads=2, head_dim=16,
+                              gate_channels=4, no_attn_layers=(1,), num_value_embeds=1, window_pattern="LS",
+                              window_block=8, seq_len=64, val_seq_len=64, batch_size=64)
+    with torch.device("meta"):
+        model = tg.GPT(tg.ModelConfig.from_args(args))
+    # block 0: qkvo 4*32*32, gate 2*4, MLP 2*32*128; block 1: MLP only; head 64*32
+    matmul = (4 * 32 * 32 + 2 * 4 + 2 * 32 * 128) + 2 * 32 * 128 + 64 * 32
+    # attention in block 0 only: long window ws*8 = 24 tokens + itself, 12 * heads * head_dim per key
+    attn = 12 * 2 * 16 * 25
+    assert tg.flops_per_token(model, ws=3, max_doc_len=64) == 6 * matmul + attn
+    assert tg.flops_per_token(model, ws=3, max_doc_len=10) == 6 * matmul + 12 * 2 * 16 * 10
+
+
+def test_peak_lookup_prefers_the_specific_name_and_honours_an_override():
+    assert tg.peak_tflops(torch.device("cpu"), 0) is None
+    assert tg.peak_tflops(torch.device("cpu"), 123.0) == 123.0
+    names = list(tg.PEAK_TFLOPS)
+    assert names.index("H100 PCIe") < names.index("H100")
+
+
+def test_figures_line_reports_loss_throughput_without_blocking(tiny_args):
+    run = tg.train(tiny_args(num_iterations=6, val_every=0, log_every=3))
+    lines = [l for l in open(run.log_path) if l.startswith("step:") and " tokens/s:" in l]
+    assert len(lines) == 2 and all("train_loss:" in l and "mfu:n/a" in l for l in lines)
+    assert any(l.startswith("parameters: block matrices") for l in open(run.log_path))
+
+
+def _losses_from(run):
+    return dict(zip(range(run.first_step + 1, run.first_step + 1 + len(run.train_losses)), run.train_losses))
+
+
+def test_resumed_run_matches_an_uninterrupted_one_step_for_step(tiny_args, tmp_path):
+    full = tg.train(tiny_args(num_iterations=8, val_every=4, save_every=3, run_id="full",
+                              checkpoint_dir=str(tmp_path / "ck")))
+    assert sorted(p.name for p in (tmp_path / "ck" / "full").iterdir()) == ["step_000003", "step_000006", "step_000008"]
+    resumed = tg.train(tiny_args(num_iterations=8, val_every=4, resume=str(tmp_path / "ck" / "full" / "step_000003"),
+                                 run_id="again", checkpoint_dir=str(tmp_path / "ck2")))
+    assert resumed.first_step == 3
+    a, b = _losses_from(full), _losses_from(resumed)
+    assert list(b) == [4, 5, 6, 7, 8] and all(a[k] == b[k] for k in b)
+    assert dict(full.val_losses)[8] == dict(resumed.val_losses)[8]
+
+
+def test_keep_checkpoints_prunes_old_ones_and_latest_finds_the_newest(tiny_args, tmp_path):
+    tg.train(tiny_args(num_iterations=6, val_every=0, save_every=1, keep_checkpoints=2, run_id="r",
+                       checkpoint_dir=str(tmp_path)))
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["step_000005", "step_000006"]
+    assert tg.find_checkpoint("latest", str(tmp_path)).name == "step_000006"
+
+
+def _resume_worker(rank, world_size, args, out):
+    run = tg.train(args)
+    if rank == 0:
+        torch.save((run.first_step, run.train_losses), out)
+
+
+def test_resume_on_two_processes_matches_uninterrupted(tiny_args, tmp_path):
+    ck = str(tmp_path / "ck")
+    full_args = tiny_args(batch_size=2 * 128, num_iterations=6, val_every=0, save_every=2, run_id="two", checkpoint_dir=ck)
+    spawn(_resume_worker, 2, full_args, str(tmp_path / "full.pt"))
+    spawn(_resume_worker, 2, tiny_args(batch_size=2 * 128, num_iterations=6, val_every=0, checkpoint_dir=str(tmp_path / "x"),
+                                       resume=os.path.join(ck, "two", "step_000002"), run_id="two-b"), str(tmp_path / "res.pt"))
+    _, full = torch.load(tmp_path / "full.pt")
+    first, resumed = torch.load(tmp_path / "res.pt")
+    assert first == 2 and resumed == full[2:]
+
+
+def test_sigterm_mid_run_saves_a_valid_checkpoint_and_exits_cleanly(tmp_path, corpus):
+    train, val = corpus
+    cmd = [sys.executable, str(ROOT / "train_gpt.py"), "--preset", "smoke", "--markov_corpus", "false",
+           "--train_files", train, "--val_files", val, "--vocab_size", "64", "--bos_id", "63", "--num_iterations", "100000",
+           "--val_every", "0", "--val_tokens", "4096", "--run_id", "sig", "--checkpoint_dir", str(tmp_path / "ck"),
+           "--log_dir", str(tmp_path / "logs")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    for line in proc.stdout:  # wait until training runs
+        if line.startswith("step:3/"):
+            break
+        assert time.time() < deadline
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    assert "continue with: --resume" in out
+    saved = list((tmp_path / "ck" / "sig").iterdir())
+    assert len(saved) == 1 and not saved[0].name.endswith(".tmp")
+    meta = torch.load(saved[0] / "model.pt", weights_only=True)
+    assert meta["step"] >= 3 and meta["code_hash"] == tg.code_hash()
+
+
+def test_checkpoint_of_another_model_or_a_corrupt_one_is_refused(tiny_args, tmp_path):
+    run = tg.train(tiny_args(num_iterations=2, val_every=0, save_every=1, run_id="m", checkpoint_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="different model: num_layers: checkpoint 4, now 6"):
+        tg.train(tiny_args(num_layers=6, window_pattern="LSSLSS", resume=run.checkpoint, checkpoint_dir=str(tmp_path / "y")))
+    shard = Path(run.checkpoint) / "rank0.pt"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        tg.train(tiny_args(resume=run.checkpoint, checkpoint_dir=str(tmp_path / "z")))
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        tg.train(tiny_args(resume=str(tmp_path / "nowhere")))
+
+
+def test_non_finite_loss_stops_the_run_naming_the_step(tiny_args):
+    with pytest.raises(FloatingPointError, match=r"loss is (nan|inf) at step \d+: stopping\. Last good checkpoint: none"):
+        tg.train(tiny_args(num_iterations=30, val_every=0, adam_lr=1e30, muon_lr=1e30))
+
+
+def test_smoke_preset_gets_within_a_tenth_of_a_nat_of_its_entropy_floor(tmp_path):
+    """The newcomer's main job: --preset smoke (about a minute on a 2-core CPU) must visibly learn."""
+    args = tg.parse_args(["--preset", "smoke", "--train_files", str(tmp_path / "d/markov_train_*.bin"),
+                          "--val_files", str(tmp_path / "d/markov_val_*.bin"), "--log_dir", str(tmp_path / "logs"),
+                          "--log_every", "0"])
+    run = tg.train(args)
+    floor = tg.markov_chain(args.vocab_size, args.bos_id)[1]
+    first, final = run.val_losses[0][1], run.val_losses[-1][1]
+    assert abs(first - math.log(args.vocab_size)) < 0.01  # starts uniform
+    assert floor <= final < floor + 0.1, (final, floor)
