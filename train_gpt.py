@@ -451,10 +451,9 @@ class GPT(nn.Module):
         b = self.cfg.window_block
         return [(ws if p == "L" else ws // 2) * b for p in self.cfg.window_pattern]
 
-    def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, max_seqlen: int, ws: int,
-                reduction: str = "sum") -> Tensor:
-        """Summed cross-entropy of the micro-batch (reduction="none": per token)."""
-        cfg, L = self.cfg, self.cfg.num_layers
+    def hidden(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, ws: int) -> Tensor:
+        """The final normed hidden state of every position (before the LM head)."""
+        L = self.cfg.num_layers
         s = self.scalars
         block_scalars, skip_w = s[: 4 * L].view(L, 4), s[4 * L: 4 * L + L // 2]
         lambdas, ve_lambdas = block_scalars[:, :2], block_scalars[:, 2:]
@@ -468,13 +467,27 @@ class GPT(nn.Module):
             x = block(x, x0, lambdas[i], ves[i], ve_lambdas[i], cu_seqlens, max_seqlen, windows[i], self.rotary, self.attn_fn)
             if i < L // 2:
                 skips.append(x)
-        x = norm(x)
+        return norm(x)
+
+    def softcap(self, logits: Tensor) -> Tensor:
+        """Logit soft-cap (record): bounded logits, smoother early training."""
+        return self.cfg.logit_softcap * torch.sigmoid(logits.float() / self.cfg.softcap_temp)
+
+    def next_token_logits(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, ws: int) -> Tensor:
+        """Soft-capped logits at the last position (for sampling; bf16 head)."""
+        x = self.hidden(inputs, cu_seqlens, max_seqlen, ws)[-1:]
+        return self.softcap(F.linear(x, self.lm_head_w.type_as(x)))[0]
+
+    def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, max_seqlen: int, ws: int,
+                reduction: str = "sum") -> Tensor:
+        """Summed cross-entropy of the micro-batch (reduction="none": per token)."""
+        cfg = self.cfg
+        x = self.hidden(inputs, cu_seqlens, max_seqlen, ws)
         if self.fp8_head and self.training:
             logits = torch.ops.speedrun.mm_fp8(x, self.lm_head_w, math.sqrt(cfg.model_dim) / 448, 2**-9, 1 / 448)[0]
         else:
             logits = F.linear(x, self.lm_head_w.type_as(x))
-        # Logit soft-cap (record): bounded logits, smoother early training.
-        z = cfg.logit_softcap * torch.sigmoid(logits.float() / cfg.softcap_temp)
+        z = self.softcap(logits)
         # Cross-entropy written out so that it compiles to one pass over the (tokens x vocab) logits
         # each way: z is bounded by the cap, so exp(z) needs no max-subtraction pass, and the target
         # logit is picked by a compare instead of a gather (whose backward would be a scatter).
