@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import hashlib
 import math
 import os
 import queue
@@ -1044,7 +1045,6 @@ def size_report(model: GPT, args: Hyperparameters, world_size: int) -> list[str]
 
 
 def code_hash() -> str:
-    import hashlib
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
