@@ -158,3 +158,15 @@ def test_smoke_preset_gets_within_a_tenth_of_a_nat_of_its_entropy_floor(tmp_path
     first, final = run.val_losses[0][1], run.val_losses[-1][1]
     assert abs(first - math.log(args.vocab_size)) < 0.01  # starts uniform
     assert floor <= final < floor + 0.1, (final, floor)
+
+
+def test_medium_preset_builds_a_gpt2_medium_sized_model():
+    args = tg.parse_args(["--preset", "medium"])
+    with torch.device("meta"):
+        model = tg.GPT(tg.ModelConfig.from_args(args))
+    assert len(model.blocks) == 24 and all(b.attn is not None for b in model.blocks)
+    assert model.blocks[0].attn.qkvo_w.shape == (4, 1024, 1024)
+    assert model.value_embed_layers()[:3] == [0, 1, 2] and model.value_embed_layers()[-3:] == [0, 1, 2]
+    blocks = sum(p.numel() for p in model.blocks.parameters() if p.ndim >= 2)
+    assert 300e6 < blocks < 305e6  # 24 x (4 x 1024^2 + 2 x 1024 x 4096) + gates
+    assert args.batch_size % args.seq_len == 0 and (args.batch_size // args.seq_len) % 8 == 0
