@@ -1347,7 +1347,7 @@ def train(args: Hyperparameters) -> RunResult:
         if threading.current_thread() is threading.main_thread():
             handlers = {sig: signal.signal(sig, lambda signum, frame: stop_signals.append(signum))
                         for sig in (signal.SIGINT, signal.SIGTERM)}
-        control = (dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD) if world_size > 1 else None
+        control = dist.new_group(backend="gloo") if world_size > 1 else None
         peak = peak_tflops(device, args.peak_tflops)
         if rank == 0 and sys.stdout.isatty():
             try:
