@@ -4,6 +4,7 @@ import gzip
 import json
 import lzma
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -170,11 +171,12 @@ def test_jsonl_zst_yields_the_text_fields_when_zstandard_imports(tmp_path):
     assert list(tok.iter_documents(tok.expand_inputs([path]))) == TEXTS
 
 
-def test_zst_without_zstandard_is_a_clear_error(tmp_path, monkeypatch):
-    path = tmp_path / "docs.jsonl.zst"
+@pytest.mark.parametrize("name,package", [("docs.jsonl.zst", "zstandard"), ("docs.parquet", "pyarrow")])
+def test_input_needing_a_missing_optional_package_is_a_clear_error(tmp_path, monkeypatch, name, package):
+    path = tmp_path / name
     path.write_bytes(b"")
-    monkeypatch.setattr(tok, "_have", lambda module: module != "zstandard")
-    with pytest.raises(tok.InputError, match=r"docs\.jsonl\.zst.*zstandard"):
+    monkeypatch.setattr(tok, "_have", lambda module: module != package)
+    with pytest.raises(tok.InputError, match=re.escape(name) + ".*" + package):
         tok.expand_inputs([path])
 
 
@@ -198,14 +200,6 @@ def test_parquet_without_text_column_is_a_clear_error(tmp_path):
     pq.write_table(pa.table({"body": ["x"]}), path)
     with pytest.raises(tok.InputError, match=r'notext\.parquet.*"text" column'):
         list(tok.iter_documents(tok.expand_inputs([path])))
-
-
-def test_parquet_without_pyarrow_is_a_clear_error(tmp_path, monkeypatch):
-    path = tmp_path / "docs.parquet"
-    path.write_bytes(b"")
-    monkeypatch.setattr(tok, "_have", lambda module: module != "pyarrow")
-    with pytest.raises(tok.InputError, match=r"docs\.parquet.*pyarrow"):
-        tok.expand_inputs([path])
 
 
 def test_directory_expands_to_its_supported_files_sorted(tmp_path):
