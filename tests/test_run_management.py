@@ -55,6 +55,25 @@ def test_flops_per_token_match_a_hand_count():
     assert tg.flops_per_token(model, ws=3, max_doc_len=10) == 6 * matmul + 12 * 2 * 16 * 10
 
 
+def test_parameter_counts_and_memory_estimate_match_a_hand_count():
+    args = tg.Hyperparameters(vocab_size=64, bos_id=63, num_layers=2, model_dim=32, num_heads=2, head_dim=16,
+                              gate_channels=4, no_attn_layers=(1,), num_value_embeds=1, window_pattern="LS",
+                              window_block=8, seq_len=64, val_seq_len=64, batch_size=128)
+    with torch.device("meta"):
+        model = tg.GPT(tg.ModelConfig.from_args(args))
+    lines = tg.size_report(model, args, world_size=2)
+    assert lines[:5] == ["parameters: token embedding 2,048", "parameters: value embeddings 2,048",
+                         "parameters: block matrices 20,488", "parameters: LM head 2,048", "parameters: scalars 64"]
+    # bf16 embeddings (2 x 2048), fp32 blocks, head and scalars; each with a gradient of its own dtype
+    weights = 2 * (2 * 4096 + 4 * (20488 + 2048 + 64))
+    # over 2 ranks: fp32 Adam moments (2 x 4 bytes) for embeddings, head, scalars; fp32 Muon momentum
+    optimizer = (8 * (4096 + 2048 + 64) + 4 * 20488) // 2
+    assert tg.memory_estimate(model, args, world_size=2) == {
+        "weights + grads": weights, "optimizer shards": optimizer,
+        "logits": 8 * 64 * 64, "activations": 32 * 64 * 32 * 2}
+    assert lines[5].startswith("memory per GPU: ~0.0 GiB: weights + grads 0.0")
+
+
 def test_peak_lookup_prefers_the_specific_name_and_honours_an_override():
     assert tg.peak_tflops(torch.device("cpu"), 0) is None
     assert tg.peak_tflops(torch.device("cpu"), 123.0) == 123.0
