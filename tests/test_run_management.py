@@ -41,12 +41,17 @@ def test_markov_corpus_is_deterministic_and_sits_at_its_entropy_floor(tmp_path):
     assert abs(-(torch.tensor(Q[t[:-1], t[1:]]).log().mean().item()) - floor) < 0.03
 
 
-def test_flops_per_token_match_a_hand_count():
+def _hand_countable_model():
+    """Two blocks of width 32 (attention in the first only), vocabulary 64, 64-token micro-batches."""
     args = tg.Hyperparameters(vocab_size=64, bos_id=63, num_layers=2, model_dim=32, num_heads=2, head_dim=16,
                               gate_channels=4, no_attn_layers=(1,), num_value_embeds=1, window_pattern="LS",
-                              window_block=8, seq_len=64, val_seq_len=64, batch_size=64)
+                              window_block=8, seq_len=64, val_seq_len=64, batch_size=128)
     with torch.device("meta"):
-        model = tg.GPT(tg.ModelConfig.from_args(args))
+        return args, tg.GPT(tg.ModelConfig.from_args(args))
+
+
+def test_flops_per_token_match_a_hand_count():
+    args, model = _hand_countable_model()
     # block 0: qkvo 4*32*32, gate 2*4, MLP 2*32*128; block 1: MLP only; head 64*32
     matmul = (4 * 32 * 32 + 2 * 4 + 2 * 32 * 128) + 2 * 32 * 128 + 64 * 32
     # attention in block 0 only: long window ws*8 = 24 tokens + itself, 12 * heads * head_dim per key
@@ -56,11 +61,7 @@ def test_flops_per_token_match_a_hand_count():
 
 
 def test_parameter_counts_and_memory_estimate_match_a_hand_count():
-    args = tg.Hyperparameters(vocab_size=64, bos_id=63, num_layers=2, model_dim=32, num_heads=2, head_dim=16,
-                              gate_channels=4, no_attn_layers=(1,), num_value_embeds=1, window_pattern="LS",
-                              window_block=8, seq_len=64, val_seq_len=64, batch_size=128)
-    with torch.device("meta"):
-        model = tg.GPT(tg.ModelConfig.from_args(args))
+    args, model = _hand_countable_model()
     lines = tg.size_report(model, args, world_size=2)
     assert lines[:5] == ["parameters: token embedding 2,048", "parameters: value embeddings 2,048",
                          "parameters: block matrices 20,488", "parameters: LM head 2,048", "parameters: scalars 64"]
