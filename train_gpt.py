@@ -1036,7 +1036,7 @@ def flops_per_token(model: GPT, ws: int, max_doc_len: int) -> float:
 
 
 def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[str, int]:
-    """Bytes per GPU at the peak of a training step (the end of the forward), by part."""
+    """Estimated bytes per GPU at the peak of a training step (the LM head's backward), by part."""
     groups = param_groups_by_role(model)
     adam = sum(p.numel() for name, ps in groups.items() if name != "block matrices" for p in ps)
     muon = sum(p.numel() for p in groups["block matrices"])
