@@ -73,7 +73,34 @@ def test_fp8_head_op_compiles_in_a_graph_without_breaks():
     with FakeTensorMode():  # the fake (meta) implementations give the real shapes and dtypes
         x, w = torch.empty(8, 32, dtype=torch.bfloat16), torch.empty(16, 32)
         out, x8t, w8t = torch.ops.speedrun.mm_fp8(x, w, 0.1, 0.1, 0.1)
-        gx, gw = torch.ops.speedrun.mm_fp8_backward(out, x8t, w8t, 0.1, 0.1, 0.1)
+        g8, g8t = tg.quantize(out, 0.1, torch.float8_e5m2)
+        gx, gw = torch.ops.speedrun.mm_fp8_backward(g8, g8t, x8t, w8t, 0.1, 0.1, 0.1)
     assert (out.shape, x8t.shape, w8t.shape) == ((8, 16), (32, 8), (32, 16))
     assert x8t.dtype == w8t.dtype == torch.float8_e4m3fn
     assert (gx.shape, gx.dtype, gw.shape, gw.dtype) == ((8, 32), torch.bfloat16, (16, 32), torch.float32)
+
+
+def test_fp8_head_compiled_with_the_loss_matches_eager():
+    """Compiled, the gradient's FP8 quantization is traced into the backward graph and fused with the
+    cross-entropy backward; the result must equal the eager op's up to rounding."""
+    if not tg.fp8_supported(DEVICE):
+        pytest.skip(f"_scaled_mm FP8 does not run on {DEVICE}")
+    g = torch.Generator().manual_seed(0)
+    T, dim, V = 64, 128, 256
+    x0 = torch.randn(T, dim, generator=g).to(DEVICE, torch.bfloat16)
+    w0 = (0.05 * torch.randn(V, dim, generator=g)).to(DEVICE)
+    target = torch.randint(0, V, (T,), generator=g).to(DEVICE)
+
+    def loss_fn(x, w):
+        logits = torch.ops.speedrun.mm_fp8(x, w, math.sqrt(dim) / 448, 2**-9, 1 / 448)[0]
+        return torch.nn.functional.cross_entropy(30 * torch.sigmoid(logits.float() / 7.5), target)
+
+    results = []
+    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True)):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        loss = fn(x, w)
+        loss.backward()
+        results.append((loss.detach(), x.grad.float(), w.grad))
+    (l0, gx0, gw0), (l1, gx1, gw1) = results
+    assert torch.allclose(l0, l1, rtol=1e-4)
+    assert (gx1 - gx0).norm() / gx0.norm() < 0.02 and (gw1 - gw0).norm() / gw0.norm() < 0.02
