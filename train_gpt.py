@@ -1034,7 +1034,8 @@ def flops_per_token(model: GPT, ws: int, max_doc_len: int) -> float:
     QK^T and AV, 2 x 2 x heads x head_dim multiply-adds per key forward, x3 with the backward, over
     the keys a query sees (its window + itself, at most a document)."""
     cfg = model.cfg
-    matmul = sum(p.numel() for p in model.blocks.parameters() if p.ndim >= 2) + model.lm_head_w.numel()
+    groups = param_groups_by_role(model)
+    matmul = sum(p.numel() for p in groups["block matrices"] + groups["LM head"])
     attn = sum(12 * cfg.num_heads * cfg.head_dim * min(w + 1, max_doc_len)
                for w, block in zip(model.window_sizes(ws), model.blocks) if block.attn is not None)
     return 6 * matmul + attn
