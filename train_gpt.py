@@ -50,8 +50,8 @@ class Hyperparameters:
     # batches: one micro-batch is a 1-D buffer of whole documents (varlen attention)
     batch_size: int = 8 * 49152  # tokens per optimizer step, summed over ranks and accumulation steps
     seq_len: int = 49152  # tokens per micro-batch (one rank, one accumulation step)
-    val_seq_len: int = 65536  # tokens per validation micro-batch
-    max_doc_len: int = 2048  # longer documents are cut; the remainder continues as its own sequence
+    val_seq_len: int = 262144  # validation buffer: context resets at its edges (the public speedrun's 262,144)
+    max_doc_len: int = 2048  # training documents are cut here and the rest dropped (validation: never cut)
     max_num_docs: int = 256  # cu_seqlens is padded to this many sequences, so shapes stay static
     # model
     vocab_size: int = 50304  # GPT-2's 50,257 padded to a multiple of 128 for fast matmuls
@@ -137,11 +137,11 @@ PRESETS = {
         val_seq_len=1024, val_tokens=32768, max_doc_len=512, max_num_docs=64, num_iterations=150, val_every=50,
         log_every=10, compile=False, warmup_steps=0),
     # One GPU with 24-40 GB: micro-batches of 16K tokens, 24 accumulation steps, the same global batch.
-    "single": dict(seq_len=16384, val_seq_len=16384, max_num_docs=128),
+    "single": dict(seq_len=16384, max_num_docs=128),
     # GPT-2-medium size (24 blocks x 1024, 16 heads of 64). An untuned starting point: the record's
     # learning rates and window pattern (repeated), attention in every block, a longer run.
     "medium": dict(num_layers=24, model_dim=1024, num_heads=16, head_dim=64, no_attn_layers=(),
-                   window_pattern="LSSSLSSLSSSL" * 2, seq_len=24576, val_seq_len=32768, max_num_docs=128,
+                   window_pattern="LSSSLSSLSSSL" * 2, seq_len=24576, max_num_docs=128,
                    num_iterations=4000),
 }
 
@@ -407,11 +407,14 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hidden = cfg.mlp_ratio * cfg.model_dim
-        self.fc_w = nn.Parameter(uniform_init_(torch.empty(hidden, cfg.model_dim), cfg.model_dim))
+        # Both matrices are stored (dim, hidden), as in the 2025-09-03 record: one Muon group of
+        # same-shape matrices, and Muon's shape scale max(1, rows/cols)^0.5 is 1 for both. Stored
+        # (hidden, dim), the input matrix got scale 2, i.e. twice the record's learning rate.
+        self.fc_w = nn.Parameter(uniform_init_(torch.empty(cfg.model_dim, hidden), cfg.model_dim))
         self.proj_w = nn.Parameter(torch.zeros(cfg.model_dim, hidden))  # zero init, as the attention output
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(F.relu(F.linear(x, self.fc_w.type_as(x))).square(), self.proj_w.type_as(x))  # ReLU^2
+        return F.linear(F.relu(x @ self.fc_w.type_as(x)).square(), self.proj_w.type_as(x))  # ReLU^2
 
 
 class Block(nn.Module):
@@ -484,11 +487,9 @@ class GPT(nn.Module):
         x = self.hidden(inputs, cu_seqlens, max_seqlen, ws)[-1:]
         return self.softcap(F.linear(x, self.lm_head_w.type_as(x)))[0]
 
-    def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, max_seqlen: int, ws: int,
-                reduction: str = "sum") -> Tensor:
-        """Summed cross-entropy of the micro-batch (reduction="none": per token)."""
+    def head_losses(self, x: Tensor, targets: Tensor) -> Tensor:
+        """Cross-entropy of every position of the final hidden state x against its target."""
         cfg = self.cfg
-        x = self.hidden(inputs, cu_seqlens, max_seqlen, ws)
         if self.fp8_head and self.training:
             logits = torch.ops.speedrun.mm_fp8(x, self.lm_head_w, math.sqrt(cfg.model_dim) / 448, 2**-9, 1 / 448)[0]
         else:
@@ -498,7 +499,21 @@ class GPT(nn.Module):
         # each way: z is bounded by the cap, so exp(z) needs no max-subtraction pass, and the target
         # logit is picked by a compare instead of a gather (whose backward would be a scatter).
         is_target = torch.arange(z.size(-1), device=z.device) == targets[:, None]
-        losses = z.exp().sum(-1).log() - torch.where(is_target, z, 0).sum(-1)
+        return z.exp().sum(-1).log() - torch.where(is_target, z, 0).sum(-1)
+
+    # Evaluation buffers are long (262,144 tokens, as in the public validation): there the head and
+    # the loss run on slices of this many positions, so the (tokens x vocab) logits never exist whole.
+    eval_slice = 16384
+
+    def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, max_seqlen: int, ws: int,
+                reduction: str = "sum") -> Tensor:
+        """Summed cross-entropy of the micro-batch (reduction="none": per token)."""
+        x = self.hidden(inputs, cu_seqlens, max_seqlen, ws)
+        if self.training:
+            losses = self.head_losses(x, targets)
+        else:
+            n = self.eval_slice
+            losses = torch.cat([self.head_losses(x[i: i + n], targets[i: i + n]) for i in range(0, x.size(0), n)])
         return losses.sum() if reduction == "sum" else losses
 
 
@@ -737,13 +752,19 @@ def shard_files(pattern: str, what: str) -> list[str]:
 
 
 class TokenStream:
-    """Walks the tokens of a list of shards in order and cuts them into pieces for the batches.
+    """Walks the documents of a list of shards in order and cuts micro-batches ("slots") from them.
 
-    A piece is a range [a, b) of input positions in one shard; its targets are positions a+1..b, so
-    the last token of a shard is only ever a target. A piece never crosses a document start (a BOS)
-    and is at most `max_doc_len` long; a document cut there -- or at the end of a buffer, or a shard
-    that starts mid-document -- continues as its own piece, so no token is dropped. Each shard's BOS
-    positions are indexed once, when it is loaded; the next shard loads in the background."""
+    A slot is built the way the public record's BOS finder builds a rank's buffer (2025-09-03 record,
+    @varunneal and @classiclarryd): it starts at a document start (a BOS) and takes whole documents,
+    each cut at `max_doc_len` tokens, the last one cut to fill the slot exactly; what a cut leaves of
+    a document is dropped, and the next slot starts at the first document that begins after this
+    slot's last target. Training only ever sees a document from its beginning: measured on the
+    fidelity harness (bench/README.md), continuing the cut-off rest as new sequences behind a
+    substituted BOS cost about half of a 0.1 val-loss gap to the public code at equal steps.
+    A piece is a range [a, b) of input positions in one shard; its targets are positions a+1..b
+    (the true next tokens, also after a cut at max_doc_len). A slot that a shard cannot complete is
+    dropped, and the next starts at the next shard's first document. Each shard's BOS positions are
+    indexed once, when it is loaded; the next shard loads in the background."""
 
     def __init__(self, files: list[str], bos_id: int, wrap: bool, log=print, state: dict | None = None):
         self.files, self.bos_id, self.wrap, self.log = files, bos_id, wrap, log
@@ -752,7 +773,7 @@ class TokenStream:
         state = state or dict(shard=0, pos=0, epoch=0)
         self.epoch = state["epoch"]
         self._open(state["shard"])
-        self.pos = state["pos"]
+        self.pos = state["pos"]  # the next slot starts at the first document start >= pos
 
     def _index(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         tokens = load_shard(self.files[i])
@@ -786,28 +807,28 @@ class TokenStream:
         return dict(shard=self.shard, pos=self.pos, epoch=self.epoch)
 
     def take(self, num_tokens: int, max_doc_len: int) -> list[tuple[np.ndarray, int, int]]:
-        """The next pieces, exactly `num_tokens` input positions in all."""
-        pieces, room = [], num_tokens
-        while room > 0:
-            if self.pos >= self.tokens.size - 1:
-                self._advance_shard()
-            a = self.pos
-            k = np.searchsorted(self.bos, a, side="right")
-            doc_end = min(int(self.bos[k]) if k < self.bos.size else self.tokens.size, self.tokens.size - 1)
-            b = min(doc_end, a + max_doc_len, a + room)
-            pieces.append((self.tokens, a, b))
-            room -= b - a
-            self.pos = b
-        return pieces
+        """The next slot: pieces of exactly `num_tokens` input positions in all."""
+        for _ in range(2 * len(self.files) + 1):
+            k = int(np.searchsorted(self.bos, self.pos))  # first document start >= pos
+            pieces, room = [], num_tokens
+            while room > 0 and k < self.bos.size:
+                a = int(self.bos[k])
+                doc_end = int(self.bos[k + 1]) if k + 1 < self.bos.size else self.tokens.size - 1
+                b = min(doc_end, a + max_doc_len, a + room)
+                pieces.append((self.tokens, a, b))
+                room -= b - a
+                k += 1
+            if room == 0:
+                self.pos = pieces[-1][2] + 1  # past the last target
+                return pieces
+            self._advance_shard()  # this shard cannot complete the slot
+        raise ShardError(f"data: no shard of {self.files[0]}... holds a micro-batch of {num_tokens} tokens "
+                         f"(documents from a BOS on): use longer shards or a smaller --seq_len")
 
 
-def assemble(pieces, num_tokens: int, max_num_docs: int, bos_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pack pieces into one micro-batch: inputs, targets (inputs shifted by one) and cu_seqlens.
-
-    Every sequence starts with a BOS: a piece that continues a cut document has its first input
-    replaced by BOS (its first target is still the real next token), so each sequence opens with
-    the token the model attends to as a sink. cu_seqlens has max_num_docs + 1 entries, padded with
-    num_tokens (empty sequences)."""
+def assemble(pieces, num_tokens: int, max_num_docs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pack pieces into one micro-batch: inputs, targets (inputs shifted by one) and cu_seqlens, which
+    has max_num_docs + 1 entries, padded with num_tokens (empty sequences) so shapes stay static."""
     if len(pieces) > max_num_docs:
         raise ValueError(f"a micro-batch of {num_tokens} tokens holds {len(pieces)} documents, more than "
                          f"max_num_docs={max_num_docs}: raise --max_num_docs (very short documents?)")
@@ -818,7 +839,6 @@ def assemble(pieces, num_tokens: int, max_num_docs: int, bos_id: int) -> tuple[n
     for i, (tokens, a, b) in enumerate(pieces):
         x[o: o + b - a] = tokens[a:b]
         y[o: o + b - a] = tokens[a + 1: b + 1]
-        x[o] = bos_id
         cu[i] = o
         o += b - a
     return x, y, cu
@@ -831,27 +851,20 @@ class BatchSpec:
     max_doc_len: int
 
 
-class BatchLoader:
-    """Training micro-batches for one rank, produced ahead by a background thread.
+class BatchProducer:
+    """One rank's training micro-batches, step by step (CPU arrays).
 
-    The global stream is cut into slots of seq_len tokens; step s uses the next batch_size/seq_len
+    The global stream is cut into slots of seq_len tokens; a step uses the next batch_size/seq_len
     slots, and rank r's micro-step m gets slot m * world_size + r. The tokens a step sees therefore
-    do not depend on how world size and accumulation split the batch. `plan(step)` gives each
-    step's BatchSpec, so batch size and max_doc_len may change between steps. Batches are pinned
-    and copied to the device without blocking."""
+    do not depend on how world size and accumulation split the batch. Each step takes its own
+    BatchSpec, so batch size and max_doc_len may change between steps."""
 
-    def __init__(self, files: list[str], plan, rank: int, world_size: int, max_num_docs: int, bos_id: int,
-                 device: torch.device, start_step: int = 0, state: dict | None = None, prefetch: int = 3, log=print):
-        self.plan, self.rank, self.world_size = plan, rank, world_size
-        self.max_num_docs, self.bos_id, self.device = max_num_docs, bos_id, device
+    def __init__(self, files: list[str], rank: int, world_size: int, max_num_docs: int, bos_id: int,
+                 state: dict | None = None, log=print):
+        self.rank, self.world_size, self.max_num_docs = rank, world_size, max_num_docs
         self.stream = TokenStream(files, bos_id, wrap=True, log=log, state=state)
-        self.state = self.stream.state()  # stream position at the start of the next step handed out
-        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, args=(start_step,), daemon=True)
-        self._thread.start()
 
-    def cpu_step(self, spec: BatchSpec) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def step(self, spec: BatchSpec) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         num_slots = spec.batch_size // spec.seq_len
         if spec.batch_size % spec.seq_len or num_slots % self.world_size:
             raise ValueError(f"batch_size={spec.batch_size} must be seq_len={spec.seq_len} times a multiple "
@@ -860,18 +873,31 @@ class BatchLoader:
         for slot in range(num_slots):
             pieces = self.stream.take(spec.seq_len, spec.max_doc_len)
             if slot % self.world_size == self.rank:
-                out.append(assemble(pieces, spec.seq_len, self.max_num_docs, self.bos_id))
+                out.append(assemble(pieces, spec.seq_len, self.max_num_docs))
         return out
+
+
+class BatchLoader:
+    """A BatchProducer run ahead by a background thread: batches are pinned and copied to the device
+    without blocking. `plan(step)` gives each step's BatchSpec."""
+
+    def __init__(self, producer: BatchProducer, plan, device: torch.device, start_step: int = 0, prefetch: int = 3):
+        self.producer, self.plan, self.device = producer, plan, device
+        self.state = producer.stream.state()  # stream position at the start of the next step handed out
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(start_step,), daemon=True)
+        self._thread.start()
 
     def _produce(self, step: int):
         pin = self.device.type == "cuda"
         try:
             while not self._stop.is_set():
                 spec = self.plan(step)
-                micro = [tuple(torch.from_numpy(a) for a in arrays) for arrays in self.cpu_step(spec)]
+                micro = [tuple(torch.from_numpy(a) for a in arrays) for arrays in self.producer.step(spec)]
                 if pin:
                     micro = [tuple(t.pin_memory() for t in m) for m in micro]
-                item = (step, spec, micro, self.stream.state())
+                item = (step, spec, micro, self.producer.stream.state())
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)
@@ -895,24 +921,39 @@ class BatchLoader:
         self._thread.join()
 
 
-def validation_batches(pattern: str, val_tokens: int, seq_len: int, max_doc_len: int, max_num_docs: int,
-                       bos_id: int, rank: int, world_size: int):
-    """This rank's share of the fixed validation set: the first val_tokens positions of the val
-    shards, cut like the training data; rank r takes slots r, r + world_size, ..."""
+def validation_batches(pattern: str, val_tokens: int, seq_len: int, bos_id: int, rank: int, world_size: int):
+    """This rank's share of the fixed validation set, defined as the public speedrun defines it (so
+    val losses compare with its records): the val shards read as one stream; its first val_tokens + 1
+    tokens cut into buffers of seq_len inputs, each with its targets shifted by one, so each of the
+    first val_tokens targets is scored exactly once. Inside a buffer a document runs from its BOS to
+    the next and sees its whole context (up to the attention window); the first, partial document of
+    a buffer sees its context from the buffer start only, and the last one is cut with the stream.
+    cu_seqlens holds the buffer start and every BOS after it, padded to one static length for all
+    buffers (the largest count, rounded up to a multiple of 128). Rank r takes buffers r, r + W, ..."""
     files = shard_files(pattern, "validation")
-    usable = sum(read_shard_header(f) - 1 for f in files)
-    if usable < val_tokens:
-        raise ValueError(f"validation shards {pattern!r} hold {usable} usable tokens, fewer than "
-                         f"val_tokens={val_tokens}: use the full validation shard or lower --val_tokens")
-    if val_tokens % (seq_len * world_size):
-        unit = seq_len * world_size
-        raise ValueError(f"val_tokens={val_tokens} must be a multiple of val_seq_len * world_size = {unit}: "
-                         f"use --val_tokens {val_tokens // unit * unit or unit}")
-    stream = TokenStream(files, bos_id, wrap=False)
-    for slot in range(val_tokens // seq_len):
-        pieces = stream.take(seq_len, max_doc_len)
-        if slot % world_size == rank:
-            yield tuple(torch.from_numpy(a) for a in assemble(pieces, seq_len, max_num_docs, bos_id))
+    if val_tokens % seq_len:
+        raise ValueError(f"val_tokens={val_tokens} must be a multiple of val_seq_len={seq_len}: "
+                         f"use --val_tokens {val_tokens // seq_len * seq_len or seq_len}")
+    parts, have = [], 0
+    for f in files:
+        if have > val_tokens:
+            break
+        parts.append(load_shard(f))
+        have += parts[-1].size
+    if have < val_tokens + 1:
+        raise ValueError(f"validation shards {pattern!r} hold {have} tokens, fewer than val_tokens + 1 = "
+                         f"{val_tokens + 1}: use the full validation shard or lower --val_tokens")
+    stream = np.concatenate(parts)[: val_tokens + 1]
+    starts = []
+    for i in range(val_tokens // seq_len):
+        x = stream[i * seq_len: (i + 1) * seq_len]
+        starts.append(np.concatenate([[0], np.flatnonzero(x[1:] == bos_id) + 1]))
+    width = -(-max(s.size for s in starts) // 128) * 128 + 1
+    for i in range(rank, len(starts), world_size):
+        x = stream[i * seq_len: (i + 1) * seq_len + 1]
+        cu = np.full(width, seq_len, dtype=np.int32)
+        cu[: starts[i].size] = starts[i]
+        yield torch.from_numpy(x[:-1].astype(np.int32)), torch.from_numpy(x[1:].astype(np.int32)), torch.from_numpy(cu)
 
 
 
@@ -1194,7 +1235,8 @@ def evaluate(model: GPT, compiled, val, ws: int, args: Hyperparameters, world_si
     with torch.no_grad():
         total = torch.zeros((), device=model.lm_head_w.device)
         for inputs, targets, cu_seqlens in val:
-            total += compiled(inputs, targets, cu_seqlens, args.max_doc_len, ws, reduction="sum")
+            # a document may run the whole buffer: max_seqlen is the buffer length
+            total += compiled(inputs, targets, cu_seqlens, args.val_seq_len, ws, reduction="sum")
     if world_size > 1:
         dist.all_reduce(total)
     model.train()
@@ -1349,20 +1391,19 @@ def train(args: Hyperparameters) -> RunResult:
 
         spec = BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
         train_files = shard_files(args.train_files, "training")
-        loader_kw = dict(rank=rank, world_size=world_size, max_num_docs=args.max_num_docs, bos_id=args.bos_id,
-                         device=device, log=log)
+        producer = lambda state=None: BatchProducer(train_files, rank, world_size, args.max_num_docs, args.bos_id,
+                                                    state, log)
         val = [tuple(t.to(device) for t in b) for b in validation_batches(
-            args.val_files, args.val_tokens, args.val_seq_len, args.max_doc_len, args.max_num_docs, args.bos_id,
-            rank, world_size)]
+            args.val_files, args.val_tokens, args.val_seq_len, args.bos_id, rank, world_size)]
 
         if args.warmup_steps > 0:
-            warm_loader = BatchLoader(train_files, lambda s: spec, **loader_kw)
+            warm_loader = BatchLoader(producer(), lambda s: spec, device)
             t = time.perf_counter()
             warmup(model, compiled, optimizers, warm_loader, val, args, world_size)
             warm_loader.close()
             log(f"warm-up (compile) done in {time.perf_counter() - t:.1f}s")
 
-        loader = BatchLoader(train_files, lambda s: spec, start_step=first_step, state=loader_state, **loader_kw)
+        loader = BatchLoader(producer(loader_state), lambda s: spec, device, start_step=first_step)
         # SIGTERM / Ctrl-C: finish the step, save a checkpoint, exit cleanly. Ranks agree through a
         # small all-reduce on a CPU (gloo) group, which never waits for the GPU.
         stop_signals: list[int] = []

@@ -44,13 +44,11 @@ def main():
         print("| world size | micro-batches per rank per step | step production (ms) | tokens/s per rank |")
         print("| --- | --- | --- | --- |")
         for world_size in (1, 8):
-            loader = tg.BatchLoader.__new__(tg.BatchLoader)  # the producer's work, without its thread
-            loader.rank, loader.world_size, loader.max_num_docs, loader.bos_id = 0, world_size, 256, tg.BOS_ID
-            loader.stream = tg.TokenStream([str(path)], tg.BOS_ID, wrap=True)
+            producer = tg.BatchProducer([str(path)], 0, world_size, 256, tg.BOS_ID)
             step_times = []
             for _ in range(args.steps):
                 t = time.perf_counter()
-                micro = loader.cpu_step(spec)
+                micro = producer.step(spec)
                 step_times.append(time.perf_counter() - t)
             per_rank_tokens = sum(m[0].size for m in micro)
             med = statistics.median(step_times)

@@ -28,8 +28,8 @@ def main():
     device = torch.device("cuda")
     model, compiled, optimizers, attention, fp8 = tg.build(args, device, 0, 1)
     spec = tg.BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
-    loader = tg.BatchLoader(tg.shard_files(args.train_files, "training"), lambda s: spec, 0, 1, args.max_num_docs,
-                            args.bos_id, device)
+    producer = tg.BatchProducer(tg.shard_files(args.train_files, "training"), 0, 1, args.max_num_docs, args.bos_id)
+    loader = tg.BatchLoader(producer, lambda s: spec, device)
     step = 0
 
     def run_step():

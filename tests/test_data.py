@@ -1,4 +1,5 @@
-"""Training and validation batches: BOS-aligned varlen micro-batches over pre-indexed shards."""
+"""Training and validation batches: BOS-aligned varlen micro-batches over pre-indexed shards, cut the
+way the public 2025-09-03 record cuts them (tails of cut documents dropped; validation as one stream)."""
 import numpy as np
 import pytest
 import torch
@@ -10,11 +11,9 @@ CPU = torch.device("cpu")
 
 
 def stream_batches(files, spec, steps, rank=0, world_size=1, max_num_docs=64):
-    """(step, micro-batch) pairs straight from the batch producer, without the thread."""
-    loader = tg.BatchLoader.__new__(tg.BatchLoader)  # the producer logic only
-    loader.rank, loader.world_size, loader.max_num_docs, loader.bos_id = rank, world_size, max_num_docs, BOS
-    loader.stream = tg.TokenStream(files, BOS, wrap=True, log=lambda m: None)
-    return [loader.cpu_step(spec(s) if callable(spec) else spec) for s in range(steps)]
+    """Each step's micro-batches straight from the producer (no thread)."""
+    producer = tg.BatchProducer(files, rank, world_size, max_num_docs, BOS, log=lambda m: None)
+    return [producer.step(spec(s) if callable(spec) else spec) for s in range(steps)]
 
 
 def sequences(x, cu):
@@ -22,12 +21,34 @@ def sequences(x, cu):
     return [x[a:b] for a, b in zip(ends[:-1], ends[1:]) if b > a]
 
 
+def public_bos_finder_slots(tokens, num_tokens, max_doc_len, count):
+    """Slots cut by the rules of the public record's BOS finder (one rank), written out here from its
+    description: from the next unused document start, whole documents cut at max_doc_len, the buffer
+    num_tokens + 1 long (inputs and the last target), the last document cut to fit; the next buffer
+    starts at the first document not yet touched. Returns (inputs, targets, sequence lengths)."""
+    bos = np.flatnonzero(tokens == BOS)
+    idx, out = 0, []
+    for _ in range(count):
+        parts, lengths, cur = [], [], 0
+        while cur <= num_tokens:
+            a = bos[idx]
+            end = min(bos[idx + 1] if idx + 1 < bos.size else tokens.size, a + max_doc_len, a + num_tokens - cur + 1)
+            parts.append(tokens[a:end])
+            lengths.append(end - a)
+            cur += end - a
+            idx += 1
+        buf = np.concatenate(parts)
+        lengths[-1] -= 1
+        out.append((buf[:-1], buf[1:], [n for n in lengths if n > 0]))
+    return out
+
+
 @pytest.fixture
 def files(corpus):
     return tg.shard_files(corpus[0], "training")
 
 
-def test_micro_batches_are_bos_aligned_bounded_and_padded(files):
+def test_micro_batches_are_whole_document_starts_bounded_and_padded(files):
     spec = tg.BatchSpec(batch_size=4 * 512, seq_len=512, max_doc_len=100)
     for step in stream_batches(files, spec, steps=10):
         for x, y, cu in step:
@@ -37,34 +58,57 @@ def test_micro_batches_are_bos_aligned_bounded_and_padded(files):
             assert np.all(cu[n:] == 512)
             seqs = sequences(x, cu)
             assert len(seqs) == n
-            assert all(s[0] == BOS for s in seqs), "every sequence starts with BOS"
+            assert all(s[0] == BOS for s in seqs), "every sequence is a document from its BOS"
             assert max(len(s) for s in seqs) <= 100, "no sequence longer than max_doc_len"
-            # no BOS inside a sequence: attention never crosses a document start
-            assert all(np.all(s[1:] != BOS) for s in seqs)
+            assert all(np.all(s[1:] != BOS) for s in seqs), "attention never crosses a document start"
+            np.testing.assert_array_equal(x[1:], np.where(np.isin(np.arange(1, 512), cu), x[1:], y[:-1]))
 
 
-def test_targets_cover_every_token_of_the_stream_exactly_once(files):
-    """Inputs shifted by one, across cuts at max_doc_len, buffer ends and shard ends: the targets of
-    one pass over the data are each shard's tokens 1..n-1, in order (nothing dropped or repeated)."""
-    shards = [tg.load_shard(f) for f in files]
-    expected = np.concatenate([s[1:] for s in shards])
-    spec = tg.BatchSpec(batch_size=2 * 1000, seq_len=1000, max_doc_len=64)
-    got = np.concatenate([y for step in stream_batches(files, spec, steps=len(expected) // 2000) for _, y, _ in step])
-    np.testing.assert_array_equal(got, expected[: got.size])
-    # and each input is the true previous token, except at a sequence start, which is a BOS
-    x_all = np.concatenate([x for step in stream_batches(files, spec, steps=3) for x, _, _ in step])
-    prev = np.concatenate([s[:-1] for s in shards])[: x_all.size]
-    differs = x_all != prev
-    assert np.all(x_all[differs] == BOS)
+def test_slots_match_the_public_bos_finder_except_the_label_after_a_cut(files):
+    """Token for token the public record's batches; the one difference: after a document cut at
+    max_doc_len, the public buffer's next token (the next document's BOS) is the last target, ours is
+    the document's true next token."""
+    shard = tg.load_shard(files[0])
+    ref = public_bos_finder_slots(shard, 300, 64, count=20)
+    ours = [m for step in stream_batches(files[:1], tg.BatchSpec(300, 300, 64), steps=20) for m in step]
+    relabelled = 0
+    for (rx, ry, rlen), (x, y, cu) in zip(ref, ours):
+        np.testing.assert_array_equal(x, rx)
+        assert [len(s) for s in sequences(x, cu)] == rlen
+        differ = np.flatnonzero(y != ry)
+        for i in differ:  # the last position of a sequence cut at max_doc_len
+            assert i + 1 in cu and ry[i] == BOS and y[i] != BOS
+        relabelled += differ.size
+    assert relabelled > 0  # the corpus has documents longer than 64 tokens
 
 
-def test_document_longer_than_the_buffer_is_split_not_dropped(tmp_path):
-    long_doc = np.concatenate([[BOS], np.arange(5000) % 60, [BOS], np.arange(10) % 60])
-    tg.write_shard(tmp_path / "t_000001.bin", long_doc)
-    spec = tg.BatchSpec(batch_size=1024, seq_len=1024, max_doc_len=4096)
-    steps = stream_batches([str(tmp_path / "t_000001.bin")], spec, steps=5)
-    ys = np.concatenate([y for step in steps for _, y, _ in step])
-    np.testing.assert_array_equal(ys[:5010], long_doc[1:5011])
+def test_cut_documents_lose_their_rest_and_targets_are_the_true_next_tokens(tmp_path):
+    doc_a = np.concatenate([[BOS], 1 + np.arange(500) % 60])
+    doc_b = np.concatenate([[BOS], 1 + np.arange(30) % 60])
+    doc_c = np.concatenate([[BOS], 1 + np.arange(40) % 60])
+    shard = np.concatenate([doc_a, doc_b, doc_c, doc_b])
+    tg.write_shard(tmp_path / "t_000001.bin", shard)
+    stream = tg.TokenStream([str(tmp_path / "t_000001.bin")], BOS, wrap=False)
+    first = stream.take(100, 48)  # doc_a cut at 48 (rest dropped), doc_b whole (31), doc_c cut to fill
+    assert [(a, b) for _, a, b in first] == [(0, 48), (501, 532), (532, 553)]
+    x, y, cu = tg.assemble(first, 100, 8)
+    np.testing.assert_array_equal(y[:48], shard[1:49])  # after the cut: the true next token
+    assert list(cu[:3]) == [0, 48, 79]
+    second = stream.take(16, 48)  # starts at the first document after the last target: the last doc_b
+    assert second[0][1] == doc_a.size + doc_b.size + doc_c.size
+
+
+def test_a_slot_the_shard_cannot_complete_is_dropped_and_the_next_shard_starts_at_its_first_document(tmp_path):
+    one = np.concatenate([[BOS], np.arange(1, 40), [BOS], np.arange(1, 30)])
+    two = np.concatenate([[7, 8, 9], [BOS], np.arange(1, 50), [BOS], np.arange(1, 60)])
+    for i, t in enumerate((one, two), start=1):
+        tg.write_shard(tmp_path / f"t_{i:06d}.bin", t)
+    stream = tg.TokenStream(tg.shard_files(str(tmp_path / "t_*.bin"), "training"), BOS, wrap=False)
+    assert [(a, b) for _, a, b in stream.take(30, 100)] == [(0, 30)]
+    got = stream.take(50, 100)  # shard one holds only 29 more inputs from its next BOS: dropped
+    assert stream.shard == 1 and [(a, b) for _, a, b in got] == [(3, 53)]
+    with pytest.raises(EOFError):
+        stream.take(100, 100)
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
@@ -95,18 +139,14 @@ def test_batch_size_and_max_doc_len_may_change_between_steps(files):
     plan = lambda s: tg.BatchSpec(batch_size=(2 + 2 * (s % 2)) * 256, seq_len=256, max_doc_len=32 if s < 2 else 200)
     steps = stream_batches(files, plan, steps=4)
     assert [len(s) for s in steps] == [2, 4, 2, 4]
-    lens = [max(len(q) for q in sequences(x, cu)) for x, _, cu in steps[0]]
-    assert max(lens) <= 32
-    # the stream continues seamlessly: step 1 starts where step 0 ended
-    flat = np.concatenate([y for st in steps for _, y, _ in st])
-    shards = np.concatenate([tg.load_shard(f)[1:] for f in files])
-    np.testing.assert_array_equal(flat, shards[: flat.size])
+    assert max(len(q) for x, _, cu in steps[0] for q in sequences(x, cu)) <= 32
+    assert max(len(q) for x, _, cu in steps[2] for q in sequences(x, cu)) > 32
 
 
 def test_background_loader_yields_the_producer_batches(files):
     spec = tg.BatchSpec(batch_size=4 * 256, seq_len=256, max_doc_len=80)
     direct = stream_batches(files, spec, steps=5, rank=1, world_size=2)
-    loader = tg.BatchLoader(files, lambda s: spec, rank=1, world_size=2, max_num_docs=64, bos_id=BOS, device=CPU)
+    loader = tg.BatchLoader(tg.BatchProducer(files, 1, 2, 64, BOS), lambda s: spec, CPU)
     try:
         for step in direct:
             _, micro = loader.next()
@@ -121,11 +161,12 @@ def test_exhausted_training_data_wraps_around_and_says_so_once_per_pass(tmp_path
     train, _ = write_corpus(tmp_path, train_sizes=(3000,), val_size=100)
     messages = []
     stream = tg.TokenStream(tg.shard_files(train, "training"), BOS, wrap=True, log=messages.append)
-    first = stream.take(1000, 100)
-    for _ in range(5):
-        stream.take(1000, 100)  # 6000 tokens from 2 x 2999 usable ones: two wrap-arounds
-    assert stream.epoch == 2 and len([m for m in messages if "pass 2" in m]) == 1
-    assert any("pass 3" in m for m in messages)
+    first = stream.take(500, 100)
+    for _ in range(11):
+        stream.take(500, 100)
+    assert stream.epoch >= 2
+    for p in range(2, stream.epoch + 2):
+        assert len([m for m in messages if f"pass {p} " in m]) == 1
     assert first[0][1] == 0
 
 
@@ -136,19 +177,60 @@ def test_missing_shards_error_names_the_pattern_and_the_download_command(tmp_pat
     assert pattern in str(e.value) and "cached_fineweb10B.py" in str(e.value)
 
 
-def test_validation_shard_smaller_than_val_tokens_is_an_error(corpus):
-    with pytest.raises(ValueError, match="fewer than val_tokens"):
-        next(tg.validation_batches(corpus[1], 1_000_000, 256, 64, 32, BOS, 0, 1))
-
-
 def test_too_many_documents_for_max_num_docs_is_an_error(files):
     with pytest.raises(ValueError, match="max_num_docs"):
         stream_batches(files, tg.BatchSpec(1024, 1024, 8), steps=1, max_num_docs=16)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+# Validation: the public definition, one stream of val_tokens + 1 tokens in buffers of val_seq_len.
+
+def test_validation_scores_every_target_once_with_context_back_to_the_buffer_start(tmp_path):
+    docs = [[BOS, 1, 2, 3, 4], [BOS, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [BOS, 17], [BOS, 18, 19, 20, 21, 22]]
+    stream = np.array(sum(docs, []) * 2)
+    tg.write_shard(tmp_path / "v_000000.bin", stream)
+    batches = list(tg.validation_batches(str(tmp_path / "v_*.bin"), 32, 8, BOS, 0, 1))
+    assert len(batches) == 4
+    np.testing.assert_array_equal(torch.cat([y for _, y, _ in batches]).numpy(), stream[1:33])
+    np.testing.assert_array_equal(torch.cat([x for x, _, _ in batches]).numpy(), stream[:32])
+    # sequences: the buffer start, then every BOS inside it; never cut at any document length
+    starts = [[int(c) for c in cu if c < 8] for _, _, cu in batches]
+    assert starts == [[0, 5], [0], [0, 2, 4], [0, 2, 7]]  # BOS at 0, 5, 18, 20, 26, 31
+    assert all(cu.shape == (129,) and cu[-1] == 8 for _, _, cu in batches)
+
+
+def test_validation_context_equals_running_each_document_alone(tmp_path):
+    """What the model sees: a token's loss in a validation buffer equals its loss when its document
+    (from its BOS, or from the buffer start for the first one) runs on its own."""
+    from conftest import TINY
+    cfg = tg.ModelConfig.from_args(tg.Hyperparameters(**TINY))
+    torch.manual_seed(0)
+    model = tg.GPT(cfg).float().eval()  # fp32 throughout: bf16 rounding of rotary depends on absolute positions
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    train, val = write_corpus(tmp_path, train_sizes=(100,), val_size=2000, min_len=3, max_len=60)
+    for x, y, cu in tg.validation_batches(val, 512, 256, BOS, 0, 1):
+        with torch.no_grad():
+            together = model(x, y, cu, 256, 3, reduction="none")
+            bounds = sorted(set(int(c) for c in cu))
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                alone = model(x[a:b], y[a:b], torch.tensor([0, b - a], dtype=torch.int32), b - a, 3, reduction="none")
+                torch.testing.assert_close(together[a:b], alone, atol=2e-5, rtol=1e-5)
+
+
+def test_validation_shard_smaller_than_val_tokens_is_an_error(corpus):
+    with pytest.raises(ValueError, match="fewer than val_tokens"):
+        next(tg.validation_batches(corpus[1], 1_048_576, 256, BOS, 0, 1))
+
+
+def test_val_tokens_must_fill_whole_buffers(corpus):
+    with pytest.raises(ValueError, match="--val_tokens 3840"):
+        next(tg.validation_batches(corpus[1], 4000, 256, BOS, 0, 1))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_validation_set_is_the_same_on_any_world_size(corpus, world_size):
-    args = (corpus[1], 4096, 256, 64, 32, BOS)
+    args = (corpus[1], 4096, 256, BOS)
     single = list(tg.validation_batches(*args, 0, 1))
     shares = [list(tg.validation_batches(*args, r, world_size)) for r in range(world_size)]
     assert sum(len(s) for s in shares) == len(single) == 16

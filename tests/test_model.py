@@ -104,3 +104,24 @@ def test_attention_backend_choice_on_cpu_is_the_reference_and_others_are_refused
     assert tg.select_attention("auto", cpu) == "reference"
     with pytest.raises(RuntimeError, match="not available"):
         tg.select_attention("fa3", cpu)
+
+
+def test_evaluation_in_head_slices_gives_the_same_losses_as_one_pass(monkeypatch):
+    model = tiny_model(randomize=True)
+    x, y, cu = batch()
+    with torch.no_grad():
+        whole = model.train()(x, y, cu, 128, 3, reduction="none")  # training mode: never sliced
+        monkeypatch.setattr(tg.GPT, "eval_slice", 48)  # 128 positions: slices of 48, 48 and 32
+        sliced = model.eval()(x, y, cu, 128, 3, reduction="none")
+    assert sliced.shape == (128,)
+    torch.testing.assert_close(sliced, whole, rtol=0, atol=0)
+
+
+def test_mlp_matrices_share_one_shape_so_muon_scales_them_alike():
+    """The 2025-09-03 record stores both MLP matrices (dim, 4 dim): Muon's max(1, rows/cols)^0.5
+    is then 1 for both, where storing the input matrix (4 dim, dim) doubled its learning rate."""
+    model = tiny_model()
+    mlp = model.blocks[0].mlp
+    assert mlp.fc_w.shape == mlp.proj_w.shape == (TINY["model_dim"], 4 * TINY["model_dim"])
+    muon = tg.build_optimizers(model, tg.Hyperparameters(**TINY), 0, 1)[1]
+    assert {tuple(g["params"][0].shape) for g in muon.param_groups} == {(4, 64, 64), (64, 256), (2, 8)}

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import train_gpt as tg
+from conftest import write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,9 +38,10 @@ def test_sample_decodes_text_with_the_gpt2_vocabulary(tiny_args, tmp_path):
     cache = os.environ.get("TIKTOKEN_CACHE_DIR") or str(ROOT.parent / "shared/data/gpt2/tiktoken_cache")
     if not Path(cache).is_dir():
         pytest.skip("GPT-2 BPE files not available offline (set TIKTOKEN_CACHE_DIR)")
-    # a tiny model with GPT-2's vocabulary: the shards' token ids all lie below 64, which is fine
+    # a tiny model with GPT-2's vocabulary: documents open with GPT-2's BOS, other token ids lie below 64
+    train, val = write_corpus(tmp_path / "gpt2ids", bos=50256)
     run = tg.train(tiny_args(vocab_size=50304, bos_id=50256, num_iterations=1, val_every=0, save_every=1,
-                             checkpoint_dir=str(tmp_path / "ck"), max_num_docs=64))
+                             checkpoint_dir=str(tmp_path / "ck"), max_num_docs=64, train_files=train, val_files=val))
     out = _sample(run.checkpoint, "--prompt", "Hello world", "--tokens", "4", "--device", "cpu",
                   env={**os.environ, "TIKTOKEN_CACHE_DIR": cache})
     assert out.returncode == 0, out.stderr

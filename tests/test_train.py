@@ -41,10 +41,9 @@ def test_warmup_leaves_weights_and_optimizer_state_bit_identical(tiny_args):
     before_model = {k: v.clone() for k, v in model.state_dict().items()}
     before_opts = [tg.copy_state_dict(o.state_dict()) for o in optimizers]
     spec = tg.BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
-    loader = tg.BatchLoader(tg.shard_files(args.train_files, "training"), lambda s: spec, 0, 1, args.max_num_docs,
-                            args.bos_id, device)
-    val = list(tg.validation_batches(args.val_files, args.val_tokens, args.val_seq_len, args.max_doc_len,
-                                     args.max_num_docs, args.bos_id, 0, 1))
+    producer = tg.BatchProducer(tg.shard_files(args.train_files, "training"), 0, 1, args.max_num_docs, args.bos_id)
+    loader = tg.BatchLoader(producer, lambda s: spec, device)
+    val = list(tg.validation_batches(args.val_files, args.val_tokens, args.val_seq_len, args.bos_id, 0, 1))
     changed = []
     original_step = optimizers[1].step
     optimizers[1].step = lambda: (original_step(), changed.append(model.blocks[0].mlp.fc_w.clone()))

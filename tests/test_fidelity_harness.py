@@ -1,0 +1,60 @@
+"""bench/fidelity_0903.py: the public script is cut from a record log and staged with only the
+overrides the protocol needs; logs of both codes parse into the same table."""
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import fidelity_0903 as fh  # noqa: E402
+
+PUBLIC_LIKE = '''import os
+@dataclass
+class Hyperparameters:
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin" # input .bin to train on
+    val_tokens: int = 10485760 # how many tokens
+    train_batch_size: int = 2048 * 24 * 8
+    num_iterations: int = 1670 # number of iterations to run
+    run_id: str = str(uuid.uuid4())
+print0(f"step:{step}/{train_steps} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms")
+'''
+
+
+def fake_checkout(tmp_path, source=PUBLIC_LIKE):
+    folder = tmp_path / "ck" / "records" / "track_1_short" / "2025-09-03_FA3"
+    folder.mkdir(parents=True)
+    (folder / "b.txt").write_text(source + "=" * 100 + "\nstep:0/1670 val_loss:10.8258 train_time:0ms\n")
+    return tmp_path / "ck"
+
+
+def test_public_source_is_the_log_text_before_the_separator(tmp_path):
+    source, md5 = fh.public_source(fake_checkout(tmp_path))
+    assert source == PUBLIC_LIKE and len(md5) == 32
+
+
+def test_overrides_replace_one_default_and_keep_the_comment():
+    out = fh.override(PUBLIC_LIKE, "num_iterations", "400")
+    assert "    num_iterations: int = 400 # number of iterations to run\n" in out
+    out = fh.override(out, "train_batch_size", "131072")
+    assert "    train_batch_size: int = 131072\n" in out
+    assert out.count("\n") == PUBLIC_LIKE.count("\n")
+
+
+def test_a_field_the_public_script_lacks_is_a_clear_error():
+    with pytest.raises(SystemExit, match="no single field 'val_batch_size'"):
+        fh.override(PUBLIC_LIKE, "val_batch_size", "1")
+
+
+def test_missing_checkout_names_the_expected_files(tmp_path):
+    with pytest.raises(SystemExit, match="2025-09-03_FA3"):
+        fh.public_source(tmp_path)
+
+
+def test_val_lines_after_the_source_are_read_and_example_lines_in_the_code_are_not(tmp_path):
+    log = tmp_path / "run.txt"
+    log.write_text(PUBLIC_LIKE + "=" * 100 + "\nstep:0/400 val_loss:10.8258 train_time:0ms step_avg:0.02ms\n"
+                   "step:1/400 train_time:300ms step_avg:300.00ms\n"
+                   "step:50/400 val_loss:4.4530 train_time:14000ms step_avg:280.00ms\n")
+    assert fh.val_losses(log) == {0: (10.8258, 0), 50: (4.453, 14000)}
