@@ -1,7 +1,8 @@
 """Tests of the record tools (records/check.py, plot.py, new.py) and of run.sh's GPU check.
 
 Logs are written here in the trainer's format: code, a line of 100 '=', versions, another line of
-100 '=', hyperparameters, then step lines with a validation line every 25 steps and at the end.
+100 '=', hyperparameters (`name: value`), then step lines with a validation line every 25 steps and
+at the end.
 """
 from __future__ import annotations
 
@@ -28,14 +29,29 @@ SEP = "=" * 100
 CODE = "import torch\nprint('the trainer')\n"
 LOSSES = [3.2771, 3.2755, 3.2760, 3.2766, 3.2778]
 TIMES_MS = [163871, 163621, 163848, 163998, 163897]
+# the hyperparameter lines check.py looks at, as train_gpt.py writes them for a record run
+RECORD_PARAMS = {"train_files": "/data/speedrun/data/fineweb10B/fineweb_train_*.bin",
+                 "val_files": "/data/speedrun/data/fineweb10B/fineweb_val_*.bin", "val_tokens": "10485760",
+                 "vocab_size": "50304", "run_id": "r", "preset": "record", "markov_corpus": "False"}
+# and for `python train_gpt.py --preset smoke`
+SMOKE_PARAMS = {**RECORD_PARAMS, "train_files": "/repo/data/smoke/markov_train_*.bin",
+                "val_files": "/repo/data/smoke/markov_val_*.bin", "val_tokens": "32768", "vocab_size": "128",
+                "preset": "smoke", "markov_corpus": "True"}
+NVIDIA_SMI = ["Wed Sep  3 19:58:00 2025       ", "+" + "-" * 89 + "+",
+              "| NVIDIA-SMI 560.35.03              Driver Version: 560.35.03      CUDA Version: 12.6     |"]
 
 
 def write_log(path: Path, final_loss: float, final_ms: int, *, steps: int = 100, code: str = CODE,
-              stop_at: int | None = None, final_val: bool = True) -> Path:
-    """A log of `steps` steps; stop_at cuts it after that step (a crashed or copied-short run)."""
-    lines = [code.rstrip("\n"), SEP, "Running Python 3.12.3", "Running PyTorch 2.13.0", SEP,
-             "hyperparameters: num_iterations=%d" % steps,
-             f"step:0/{steps} val_loss:10.8258 train_time:0ms step_avg:0.02ms"]
+              stop_at: int | None = None, final_val: bool = True, params: dict | None = RECORD_PARAMS,
+              env: list[str] = ()) -> Path:
+    """A log of `steps` steps; stop_at cuts it after that step (a crashed or copied-short run).
+    params=None writes no hyperparameter lines (the public speedrun's logs have none); env: lines
+    of the environment report (e.g. NVIDIA_SMI)."""
+    lines = [code.rstrip("\n"), SEP, "Running Python 3.12.3", "Running PyTorch 2.13.0", *env, SEP]
+    if params is not None:
+        lines += [f"{k}: {v}" for k, v in {**params, "num_iterations": steps}.items()]
+        lines += ["device: cuda:0 x 8, grad accumulation 1, parameters: 123,456"]
+    lines += [f"step:0/{steps} val_loss:10.8258 train_time:0ms step_avg:0.02ms"]
     last = steps if stop_at is None else stop_at
     for s in range(1, last + 1):
         ms = round(final_ms * s / steps)
@@ -149,9 +165,90 @@ def test_check_exits_1_when_the_time_claim_does_not_hold(runs, capsys):
 def test_check_exits_2_when_no_log_can_be_read(tmp_path, capsys):
     bad = tmp_path / "bad.txt"
     bad.write_text("nothing useful\n")
-    assert check.main([str(bad), str(tmp_path / "missing.txt")]) == 2
+    assert check.main([str(bad)]) == 2
     out = capsys.readouterr().out
-    assert "no step lines" in out and "no such file" in out
+    assert "no step lines" in out and out.rstrip().splitlines()[-1] == "FAIL: no run counts (see 'not counted' above)"
+
+
+def test_check_names_a_missing_path_in_one_line_on_stderr_and_exits_2(runs, tmp_path, capsys):
+    missing, empty = tmp_path / "missing.txt", tmp_path / "nologs"
+    empty.mkdir()
+    assert check.main([*map(str, runs), str(missing), str(empty)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"check.py: error: {missing}: no such file or directory; "
+                            f"{empty}: directory holds no .txt or .log file\n")
+
+
+def _cli(tool: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "SPEEDRUN_DEBUG"}
+    return subprocess.run([sys.executable, str(RECORDS / tool), *args], capture_output=True, text=True,
+                          timeout=60, env={**full_env, **env})
+
+
+def test_check_cli_errors_are_one_line_and_speedrun_debug_shows_the_traceback(tmp_path):
+    plain = _cli("check.py", str(tmp_path / "missing.txt"))
+    assert plain.returncode == 2 and plain.stdout == ""
+    assert plain.stderr.splitlines() == [f"check.py: error: {tmp_path / 'missing.txt'}: no such file or directory"]
+    debug = _cli("check.py", str(tmp_path / "missing.txt"), SPEEDRUN_DEBUG="1")
+    assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr
+
+
+def test_check_reports_an_unforeseen_error_in_one_line_naming_the_fix(runs, tmp_path):
+    fake = tmp_path / "fake_site"
+    fake.mkdir()
+    (fake / "scipy.py").write_text("raise ImportError(\"No module named 'scipy'\")\n")
+    proc = _cli("check.py", *map(str, runs), PYTHONPATH=str(fake))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines() == ["check.py: error: No module named 'scipy' (pip install -r requirements.txt)"]
+
+
+def test_check_never_passes_smoke_runs_and_says_why(tmp_path):
+    smoke = [write_log(tmp_path / f"smoke{i}.txt", loss, 95000, steps=150, params=SMOKE_PARAMS)
+             for i, loss in enumerate([1.7276, 1.7301, 1.7290])]
+    result = check.check(smoke)
+    assert result.n == 0 and not result.passed and result.exit_code == 2
+    for path in smoke:
+        why = dict(result.skipped)[path]
+        assert why.startswith("not a record run: ")
+        for part in ("preset smoke, not record", "vocab_size 128, not 50304", "val_tokens 32768, not 10485760",
+                     "val_files /repo/data/smoke/markov_val_*.bin, not fineweb10B/fineweb_val_*.bin"):
+            assert part in why
+    proc = _cli("check.py", *map(str, smoke))
+    assert proc.returncode == 2
+    assert "PASS" not in proc.stdout and "not a record run: preset smoke" in proc.stdout
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"preset": "single"}, "preset single, not record"),
+    ({"vocab_size": "50257"}, "vocab_size 50257, not 50304"),
+    ({"val_tokens": "1048576"}, "val_tokens 1048576, not 10485760"),
+    ({"val_files": "/data/mytext/fineweb_val_*.bin"}, "val_files /data/mytext/fineweb_val_*.bin"),
+    ({"val_files": "data/fineweb10B/finewebedu_val_*.bin"}, "val_files data/fineweb10B/finewebedu_val_*.bin"),
+    ({"markov_corpus": "True"}, "markov_corpus True"),
+])
+def test_check_leaves_out_a_run_off_the_record_configuration_and_names_why(runs, tmp_path, change, needle):
+    odd = write_log(tmp_path / "odd.txt", 3.20, 150000, params={**RECORD_PARAMS, **change})
+    result = check.check([*runs, odd])
+    assert result.n == len(runs) and odd not in [r.path for r in result.runs]
+    why = dict(result.skipped)[odd]
+    assert why.startswith(f"not a record run: {needle}") and ";" not in why  # this one reason only
+    assert f"odd.txt: not a record run: {needle}" in check.format_report(result)
+
+
+def test_check_counts_logs_without_hyperparameter_lines_as_record_runs(tmp_path):
+    public = [write_log(tmp_path / f"p{i}.txt", loss, ms, params=None, env=NVIDIA_SMI)
+              for i, (loss, ms) in enumerate(zip(LOSSES, TIMES_MS))]
+    result = check.check(public)
+    assert result.n == len(public) and result.passed
+    assert check.parse_log(public[0]).params == {} and check.parse_log(public[0]).date == "2025-09-03"
+
+
+def test_parse_log_reads_the_hyperparameter_block_after_the_second_separator(tmp_path):
+    code = CODE + "preset: smoke\n"  # a line of the code that looks like a hyperparameter
+    run = check.parse_log(write_log(tmp_path / "r.txt", 3.2766, 163000, code=code))
+    assert run.preset == "record" and run.params["vocab_size"] == "50304"
+    assert run.params["val_files"] == RECORD_PARAMS["val_files"] and run.date is None
 
 
 def test_check_ignores_step_lines_inside_the_code_section(tmp_path):
