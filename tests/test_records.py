@@ -313,6 +313,70 @@ def test_plot_cli_runs_headless(runs, tmp_path):
     assert out.stat().st_size > 10_000 and f"({len(runs)} line(s))" in proc.stdout
 
 
+def _run_lines(fig):
+    return [line for line in fig.axes[0].get_lines() if line.get_gid() == plot.RUN_GID]
+
+
+def test_plot_fits_the_loss_axis_to_a_small_run_leaving_out_step_0(tmp_path):
+    # a smoke-sized run: 4.85 at step 0, then 2.23 ... 1.73, far below the record's 3.2-4.5
+    log = write_log(tmp_path / "smoke.txt", 1.73, 95000, steps=150, params=SMOKE_PARAMS)
+    fig = plot.plot_runs([log], tmp_path / "smoke.png")
+    after_start = _run_lines(fig)[0].get_ydata()[1:]
+    lo, hi = fig.axes[0].get_ylim()
+    assert lo <= min(after_start) and hi >= max(after_start)  # every point after step 0 is on the axis
+    assert 1.6 < lo and hi < 2.5  # and the axis is fitted to them, not to step 0's 10.8
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert "target 3.28 (off the axis)" in labels
+
+
+def test_plot_axis_takes_in_the_target_when_the_runs_end_near_it(tmp_path):
+    logs = [write_log(tmp_path / f"r{i}.txt", loss, 160000) for i, loss in enumerate([3.30, 3.31])]
+    fig = plot.plot_runs(logs, tmp_path / "near.png")
+    lo, hi = fig.axes[0].get_ylim()
+    highest = max(max(line.get_ydata()[1:]) for line in _run_lines(fig))  # after step 0
+    assert lo < 3.28 and highest <= hi < 4.5
+
+
+def test_plot_explicit_ymin_and_ymax_win_over_the_fit(tmp_path):
+    log = write_log(tmp_path / "smoke.txt", 1.73, 95000, steps=150, params=SMOKE_PARAMS)
+    fig = plot.plot_runs([log], ymin=1.0)
+    assert fig.axes[0].get_ylim()[0] == pytest.approx(1.0) and fig.axes[0].get_ylim()[1] < 2.5
+
+
+def test_plot_legend_names_run_id_preset_final_loss_and_date(tmp_path):
+    ours = write_log(tmp_path / "logs" / "abc.txt", 3.2771, 163871, env=NVIDIA_SMI)
+    public = write_log(tmp_path / "090325_FA3" / "44fc1276-0510-4961-92c0-730c65e5feba.txt", 3.2755, 163621,
+                       params=None)
+    local = write_log(tmp_path / "logs" / "smoke1.txt", 1.7276, 95000, steps=150, params=SMOKE_PARAMS)
+    os.utime(local, (1709208000, 1709208000))  # 2024-02-29 12:00 UTC: a log that names no date
+    fig = plot.plot_runs([ours, public, local])
+    assert [line.get_label() for line in _run_lines(fig)] == [
+        "abc: record, val 3.2771, 2025-09-03",  # date from nvidia-smi's report in the log
+        "44fc1276: val 3.2755, 2025-09-03",     # no preset line; date from the record folder's name
+        "smoke1: smoke, val 1.7276, 2024-02-29",  # date from the file's modification time
+    ]
+
+
+def test_plot_legend_of_a_folder_gives_the_mean_final_loss_and_its_date(tmp_path):
+    group = tmp_path / "2025-09-03_FA3"
+    for i, loss in enumerate([3.27, 3.29]):
+        write_log(group / f"g{i}.txt", loss, 150000)
+    fig = plot.plot_runs([group])
+    assert _run_lines(fig)[0].get_label() == "2025-09-03_FA3: record, mean val 3.2800, 2025-09-03 (mean of 2 runs, min-max band)"
+
+
+def test_plot_cli_with_nothing_to_plot_exits_2_in_one_line_and_writes_no_file(tmp_path):
+    bad, out = tmp_path / "bad.txt", tmp_path / "out.png"
+    bad.write_text("not a log\n")
+    proc = _cli("plot.py", str(bad), "-o", str(out))
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.splitlines() == [f"plot.py: error: nothing to plot ({bad}: no validation lines "
+                                        "(no step lines (step:N/T ...) found))"]
+    missing = _cli("plot.py", str(tmp_path / "missing.txt"), "-o", str(out))
+    assert missing.returncode == 2 and missing.stderr.splitlines() == [
+        f"plot.py: error: {tmp_path / 'missing.txt'}: no such file or directory"]
+
+
 # --- new.py ----------------------------------------------------------------------------------
 
 def test_new_creates_the_folder_with_logs_readme_table_and_plot(runs, tmp_path, capsys):
