@@ -422,6 +422,25 @@ def test_new_refuses_when_p_not_below_001_and_force_writes_a_warning(tmp_path, c
     assert "WARNING: created with --force" in readme and "is not shown" in readme
 
 
+def test_new_refuses_smoke_runs_with_one_line_on_stderr_and_creates_nothing(tmp_path, capsys):
+    smoke = [write_log(tmp_path / f"smoke{i}.txt", loss, 95000, steps=150, params=SMOKE_PARAMS)
+             for i, loss in enumerate([1.7276, 1.7301])]
+    recs = tmp_path / "records"
+    recs.mkdir()
+    assert new.main(["Smoke", *map(str, smoke), "--records-dir", str(recs), "--date", "2025-01-01"]) == 1
+    captured = capsys.readouterr()
+    assert list(recs.iterdir()) == []
+    assert "not a record run: preset smoke" in captured.out
+    assert captured.err.splitlines() == [
+        f"new.py: error: refusing to create {recs / '2025-01-01_Smoke'}: check.py: FAIL: no run counts "
+        "(see 'not counted' above) (--force creates it anyway, with the problems in its README.md)"]
+
+
+def test_new_names_a_missing_log_in_one_line(runs, tmp_path, capsys):
+    assert new.main(["X", str(runs[0]), str(tmp_path / "gone.txt"), "--records-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"new.py: error: {tmp_path / 'gone.txt'}: no such file or directory\n"
+
+
 def test_new_refuses_an_existing_folder_even_with_force(runs, tmp_path, capsys):
     recs = tmp_path / "records"
     (recs / "2025-09-03_FA3").mkdir(parents=True)
