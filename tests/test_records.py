@@ -473,17 +473,20 @@ def _run_sh(tmp_path, nvidia_smi, **env):
                           capture_output=True, text=True, timeout=30, env=full_env, cwd=tmp_path)
 
 
-def test_run_sh_exits_1_with_a_clear_message_when_nvidia_smi_is_missing(tmp_path):
+def test_run_sh_without_nvidia_smi_exits_1_with_one_line_naming_the_cpu_command(tmp_path):
     proc = _run_sh(tmp_path, None)
     assert proc.returncode == 1
-    assert "no NVIDIA GPU found" in proc.stderr and "README" in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("run.sh: error: no NVIDIA GPU found")
+    assert lines[0].endswith("python train_gpt.py --preset smoke")
     assert "torchrun" not in proc.stdout
 
 
 @pytest.mark.parametrize("fake", ["exit 0\n", "echo 'NVIDIA-SMI has failed' >&2; exit 9\n"])
-def test_run_sh_exits_1_when_nvidia_smi_lists_no_gpu_or_fails(tmp_path, fake):
+def test_run_sh_exits_1_naming_the_cpu_command_when_nvidia_smi_lists_no_gpu_or_fails(tmp_path, fake):
     proc = _run_sh(tmp_path, fake)
     assert proc.returncode == 1 and "no NVIDIA GPU found" in proc.stderr
+    assert "python train_gpt.py --preset smoke" in proc.stderr
 
 
 TWO_GPUS = 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)"; echo "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-2)"\n'
@@ -493,7 +496,7 @@ def test_run_sh_names_both_counts_and_suggests_nproc_when_too_few_gpus(tmp_path)
     proc = _run_sh(tmp_path, TWO_GPUS, NPROC="8")
     assert proc.returncode == 1
     assert "NPROC=8 but only 2 NVIDIA GPU(s) found" in proc.stderr
-    assert "NPROC=2 ./run.sh" in proc.stderr
+    assert "NPROC=2 ./run.sh" in proc.stderr and len(proc.stderr.splitlines()) == 1
 
 
 def test_run_sh_launches_torchrun_from_the_repo_with_nproc_and_arguments(tmp_path):
