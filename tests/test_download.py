@@ -117,10 +117,12 @@ def hub(remote):
     server.close()
 
 
-def run_script(tmp_path: Path, endpoint: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+def run_script(tmp_path: Path, endpoint: str, *args: str, timeout: float = 60,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    extra = env or {}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k != "SPEEDRUN_DEBUG"}
     env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DISABLE_TELEMETRY="1",
-               NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")  # never via a proxy
+               NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost", **extra)  # never via a proxy
     return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -202,9 +204,58 @@ def test_unreachable_server_fails_fast_with_one_line_naming_file_and_endpoint(tm
     assert elapsed < 10, f"took {elapsed:.1f}s to give up"
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("cached_fineweb10B.py: error: ")
     assert VAL in lines[0] and endpoint in lines[0] and "HF_ENDPOINT" in lines[0]
     assert "Traceback" not in r.stderr + r.stdout
-    assert not (tmp_path / "out" / VAL).exists()
+    assert not (tmp_path / "out").exists()  # the folder it created for the download is gone again
+
+
+def _refused_endpoint() -> str:
+    with socket.socket() as s:  # a port that nothing listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_failed_first_download_removes_every_folder_it_created_and_no_other(tmp_path):
+    r = run_script(tmp_path, _refused_endpoint(), "1", "--dir", str(tmp_path / "a" / "b" / "fineweb10B"),
+                   "--retries", "0", timeout=30)
+    assert r.returncode == 1 and "could not download" in r.stderr
+    assert not (tmp_path / "a").exists()
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    r = run_script(tmp_path, _refused_endpoint(), "1", "--dir", str(existing / "fineweb10B"), "--retries", "0",
+                   timeout=30)
+    assert r.returncode == 1 and existing.is_dir() and list(existing.iterdir()) == []  # kept: it was there before
+
+
+def test_speedrun_debug_shows_the_traceback_with_its_cause(tmp_path):
+    r = run_script(tmp_path, _refused_endpoint(), "0", "--dir", str(tmp_path / "out"), "--retries", "0",
+                   env={"SPEEDRUN_DEBUG": "1"}, timeout=30)
+    assert r.returncode == 1 and "Traceback (most recent call last)" in r.stderr
+    assert "ConnectError" in r.stderr and "DownloadError: could not download" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_package_is_one_line_naming_the_fix_and_leaves_no_folder(tmp_path):
+    fake = tmp_path / "fake_site"
+    fake.mkdir()
+    (fake / "huggingface_hub.py").write_text("raise ImportError(\"No module named 'huggingface_hub'\")\n")
+    r = run_script(tmp_path, "http://127.0.0.1:9", "0", "--dir", str(tmp_path / "out"),
+                   env={"PYTHONPATH": str(fake)})
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines() == ["cached_fineweb10B.py: error: ImportError: No module named "
+                                     "'huggingface_hub' (pip install -r requirements.txt)"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_failure_after_a_completed_file_keeps_the_folder_and_the_file(tmp_path, remote):
+    server = FakeHub({VAL: remote[VAL]})  # the val shard, then a 404 for train shard 1
+    try:
+        r = run_script(tmp_path, server.endpoint, "1", "--dir", str(tmp_path / "out"))
+    finally:
+        server.close()
+    assert r.returncode == 1 and "fineweb_train_000001.bin" in r.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [VAL]  # and no staging folder
 
 
 def test_invalid_remote_file_fails_clearly_after_a_fresh_retry_and_leaves_nothing(tmp_path, remote):
@@ -218,7 +269,7 @@ def test_invalid_remote_file_fails_clearly_after_a_fresh_retry_and_leaves_nothin
     assert len(lines) == 1 and VAL in lines[0] and "not a valid shard" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
     assert server.gets() == {VAL: 2}  # fetched once, rejected, fetched afresh once more, rejected
-    assert not (tmp_path / "out" / VAL).exists()
+    assert not (tmp_path / "out").exists()  # nor its staging folder, nor the folder itself
 
 
 def test_missing_remote_file_is_reported_as_not_found(tmp_path, hub, downloaded):
