@@ -221,19 +221,14 @@ def test_failed_first_download_removes_every_folder_it_created_and_no_other(tmp_
                    "--retries", "0", timeout=30)
     assert r.returncode == 1 and "could not download" in r.stderr
     assert not (tmp_path / "a").exists()
+    # again into a folder that was there before, with the debug switch: the traceback, and the folder kept
     existing = tmp_path / "mine"
     existing.mkdir()
     r = run_script(tmp_path, _refused_endpoint(), "1", "--dir", str(existing / "fineweb10B"), "--retries", "0",
-                   timeout=30)
-    assert r.returncode == 1 and existing.is_dir() and list(existing.iterdir()) == []  # kept: it was there before
-
-
-def test_speedrun_debug_shows_the_traceback_with_its_cause(tmp_path):
-    r = run_script(tmp_path, _refused_endpoint(), "0", "--dir", str(tmp_path / "out"), "--retries", "0",
                    env={"SPEEDRUN_DEBUG": "1"}, timeout=30)
     assert r.returncode == 1 and "Traceback (most recent call last)" in r.stderr
-    assert "ConnectError" in r.stderr and "DownloadError: could not download" in r.stderr
-    assert not (tmp_path / "out").exists()
+    assert "ConnectError" in r.stderr and "DownloadError: could not download" in r.stderr  # with its cause
+    assert existing.is_dir() and list(existing.iterdir()) == []
 
 
 def test_a_missing_package_is_one_line_naming_the_fix_and_leaves_no_folder(tmp_path):

@@ -65,14 +65,15 @@ def test_sample_names_a_corrupt_checkpoint_in_one_line(tmp_path, capsys):
     assert err.startswith(f"sample.py: error: {tmp_path / 'step_000001' / 'model.pt'}: cannot read the checkpoint")
 
 
-def test_sample_readme_command_on_a_non_gpt2_vocabulary_samples_from_bos_with_a_note(tiny_checkpoint):
+def test_sample_readme_command_on_a_non_gpt2_vocabulary_samples_from_bos_with_a_note(tiny_checkpoint, capsys):
     # README: python sample.py latest --prompt "The" --tokens 100 --temperature 0.8 --top_k 50, here on a
     # checkpoint whose vocabulary cannot encode "The" (as --preset smoke's)
-    out = _sample(tiny_checkpoint, "--prompt", "The", "--tokens", "10", "--temperature", "0.8", "--top_k", "50")
-    assert out.returncode == 0, out.stderr
-    ids = [int(t) for t in out.stdout.split()]
+    assert sample.cli([tiny_checkpoint, "--prompt", "The", "--tokens", "10", "--temperature", "0.8",
+                       "--top_k", "50", "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    ids = [int(t) for t in out.out.split()]
     assert len(ids) == 10 and all(0 <= t < 64 for t in ids)
-    note = [line for line in out.stderr.splitlines() if line.startswith("sample.py: note:")]
+    note = [line for line in out.err.splitlines() if line.startswith("sample.py: note:")]
     assert len(note) == 1 and "not GPT-2's (64 tokens, BOS 63)" in note[0] and "--prompt \"1 2 3\"" in note[0]
 
 
