@@ -210,46 +210,66 @@ def test_unreachable_server_fails_fast_with_one_line_naming_file_and_endpoint(tm
     assert not (tmp_path / "out").exists()  # the folder it created for the download is gone again
 
 
-def _refused_endpoint() -> str:
-    with socket.socket() as s:  # a port that nothing listens on: connection refused
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+class _FakeFetcher:
+    """Stands in for the script's Fetcher (no HTTP): `files` are written as if downloaded, through a
+    staging folder with huggingface_hub-style bookkeeping; any other name fails like an unreachable hub."""
+
+    files: dict[str, bytes] = {}
+    error: type[Exception] = Exception  # the script's DownloadError (set by the `offline` fixture)
+
+    def __init__(self, args):
+        self.args = args
+
+    def fetch(self, name: str) -> int:
+        staging = self.args.dir / ".hf_staging" / ".cache" / "huggingface" / "download"
+        staging.mkdir(parents=True, exist_ok=True)
+        (staging / f"{name}.lock").write_text("")
+        if name not in self.files:
+            raise self.error(f"could not download {name}: cannot reach the server")
+        (self.args.dir / name).write_bytes(self.files[name])
+        return tg.read_shard_header(self.args.dir / name)
 
 
-def test_failed_first_download_removes_every_folder_it_created_and_no_other(tmp_path):
-    r = run_script(tmp_path, _refused_endpoint(), "1", "--dir", str(tmp_path / "a" / "b" / "fineweb10B"),
-                   "--retries", "0", timeout=30)
-    assert r.returncode == 1 and "could not download" in r.stderr
+@pytest.fixture
+def offline(script, monkeypatch):
+    """The script, in this process, with a hub that serves nothing."""
+    fetcher = type("Offline", (_FakeFetcher,), {"files": {}, "error": script.DownloadError})
+    monkeypatch.setattr(script, "Fetcher", fetcher)
+    monkeypatch.delenv("SPEEDRUN_DEBUG", raising=False)
+    return script
+
+
+def test_failed_first_download_removes_every_folder_it_created_and_no_other(offline, tmp_path, capsys):
+    assert offline.cli(["1", "--dir", str(tmp_path / "a" / "b" / "fineweb10B")]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"cached_fineweb10B.py: error: could not download {VAL}: cannot reach the server"]
     assert not (tmp_path / "a").exists()
-    # again into a folder that was there before, with the debug switch: the traceback, and the folder kept
-    existing = tmp_path / "mine"
+    existing = tmp_path / "mine"  # a folder that was there before stays, as it was
     existing.mkdir()
-    r = run_script(tmp_path, _refused_endpoint(), "1", "--dir", str(existing / "fineweb10B"), "--retries", "0",
-                   env={"SPEEDRUN_DEBUG": "1"}, timeout=30)
-    assert r.returncode == 1 and "Traceback (most recent call last)" in r.stderr
-    assert "ConnectError" in r.stderr and "DownloadError: could not download" in r.stderr  # with its cause
+    assert offline.cli(["1", "--dir", str(existing / "fineweb10B")]) == 1
     assert existing.is_dir() and list(existing.iterdir()) == []
 
 
-def test_a_missing_package_is_one_line_naming_the_fix_and_leaves_no_folder(tmp_path):
-    fake = tmp_path / "fake_site"
-    fake.mkdir()
-    (fake / "huggingface_hub.py").write_text("raise ImportError(\"No module named 'huggingface_hub'\")\n")
-    r = run_script(tmp_path, "http://127.0.0.1:9", "0", "--dir", str(tmp_path / "out"),
-                   env={"PYTHONPATH": str(fake)})
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert r.stderr.splitlines() == ["cached_fineweb10B.py: error: ImportError: No module named "
-                                     "'huggingface_hub' (pip install -r requirements.txt)"]
+def test_speedrun_debug_raises_the_error_and_still_tidies_up(offline, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPEEDRUN_DEBUG", "1")
+    with pytest.raises(offline.DownloadError, match="could not download"):
+        offline.cli(["1", "--dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 
 
-def test_failure_after_a_completed_file_keeps_the_folder_and_the_file(tmp_path, remote):
-    server = FakeHub({VAL: remote[VAL]})  # the val shard, then a 404 for train shard 1
-    try:
-        r = run_script(tmp_path, server.endpoint, "1", "--dir", str(tmp_path / "out"))
-    finally:
-        server.close()
-    assert r.returncode == 1 and "fineweb_train_000001.bin" in r.stderr
+def test_a_missing_package_is_one_line_naming_the_fix_and_leaves_no_folder(offline, tmp_path, monkeypatch, capsys):
+    def no_hub(args):
+        raise ImportError("No module named 'huggingface_hub'")
+    monkeypatch.setattr(offline, "Fetcher", no_hub)
+    assert offline.cli(["0", "--dir", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "cached_fineweb10B.py: error: ImportError: No module named 'huggingface_hub' (pip install -r requirements.txt)"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_failure_after_a_completed_file_keeps_the_folder_and_the_file(offline, tmp_path, remote):
+    offline.Fetcher.files = {VAL: remote[VAL]}  # the val shard, then nothing for train shard 1
+    assert offline.cli(["1", "--dir", str(tmp_path / "out")]) == 1
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [VAL]  # and no staging folder
 
 
