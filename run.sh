@@ -11,7 +11,7 @@ cd "$(dirname "$0")"
 NPROC="${NPROC:-8}"
 case "$NPROC" in
   1|2|4|8) ;;
-  *) echo "run.sh: NPROC=$NPROC: train_gpt.py runs on 1, 2, 4 or 8 GPUs" >&2; exit 1 ;;
+  *) echo "run.sh: error: NPROC=$NPROC: train_gpt.py runs on 1, 2, 4 or 8 GPUs" >&2; exit 1 ;;
 esac
 
 gpus=0
@@ -27,21 +27,21 @@ if [[ -n "${CUDA_VISIBLE_DEVICES+x}" ]]; then
 fi
 
 if (( gpus == 0 )); then
-  echo "run.sh: no NVIDIA GPU found (nvidia-smi is missing, failed or lists no GPU, or CUDA_VISIBLE_DEVICES hides them)." >&2
-  echo "The speedrun needs NVIDIA GPUs (8xH100 for the record); see README.md for what runs on CPU." >&2
+  echo "run.sh: error: no NVIDIA GPU found (nvidia-smi is missing, failed or lists no GPU, or" \
+       "CUDA_VISIBLE_DEVICES hides them); the speedrun needs NVIDIA GPUs (8xH100 for the record)." \
+       "On the CPU, run the tiny smoke test instead: python train_gpt.py --preset smoke" >&2
   exit 1
 fi
 if (( gpus < NPROC )); then
   fit=1
   for n in 8 4 2; do (( n <= gpus )) && { fit=$n; break; }; done
-  echo "run.sh: NPROC=$NPROC but only $gpus NVIDIA GPU(s) found." >&2
-  echo "Run on what is here with:  NPROC=$fit ./run.sh" >&2
-  echo "(train_gpt.py runs on 1, 2, 4 or 8 GPUs; gradient accumulation keeps the global batch.)" >&2
+  echo "run.sh: error: NPROC=$NPROC but only $gpus NVIDIA GPU(s) found; run on what is here with" \
+       "NPROC=$fit ./run.sh (gradient accumulation keeps the global batch)" >&2
   exit 1
 fi
 
 if ! command -v torchrun >/dev/null 2>&1; then
-  echo "run.sh: torchrun not found: install PyTorch first (pip install -r requirements.txt)" >&2
+  echo "run.sh: error: torchrun not found: install PyTorch first (pip install -r requirements.txt)" >&2
   exit 1
 fi
 exec torchrun --standalone --nproc_per_node="$NPROC" train_gpt.py "$@"

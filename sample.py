@@ -2,14 +2,19 @@
 
     python sample.py checkpoints/<run_id>/step_001670 --prompt "The meaning of life" --tokens 100
     python sample.py latest --temperature 0.8 --top_k 50
+    python sample.py latest --prompt "5 17 42"      # a non-GPT-2 vocabulary: the prompt is token ids
 
 Attention is the plain masked computation (train_gpt.attention_reference), so no varlen kernels
 are needed; the model sees its trained windows at the final window size. GPT-2 vocabularies are
 decoded with tiktoken (offline: set TIKTOKEN_CACHE_DIR); other vocabularies (e.g. --preset smoke's
-synthetic one) print token ids.
+synthetic one) take the prompt as space-separated token ids and print token ids; a text prompt
+there is ignored, with a note, and sampling starts a new document.
+
+An error is one line, `sample.py: error: ...`; SPEEDRUN_DEBUG=1 shows its Python traceback.
 """
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -18,17 +23,64 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_gpt as tg  # noqa: E402
 
+PROG = "sample.py"
+DEBUG_ENV = "SPEEDRUN_DEBUG"  # set to 1: errors show their Python traceback (the same in every tool)
+GPT2_BOS = 50256  # a checkpoint with this BOS uses GPT-2's BPE
+
+
+class UsageError(Exception):
+    """A mistake in what sample.py was given: reported as one line, exit status 2."""
+
 
 def load_model(checkpoint: Path, device: torch.device, max_len: int) -> tuple[tg.GPT, tg.Hyperparameters]:
-    meta = tg.read_checkpoint_file(checkpoint / "model.pt")
+    try:
+        meta = tg.read_checkpoint_file(checkpoint / "model.pt")
+    except ValueError as e:  # train_gpt's message tells how to resume; here a short one does
+        why = type(e.__cause__).__name__ if e.__cause__ is not None else "unreadable"
+        raise ValueError(f"{checkpoint / 'model.pt'}: cannot read the checkpoint ({why}): it is corrupt or "
+                         "truncated; sample from another one") from e
     known = {f.name for f in dataclasses.fields(tg.Hyperparameters)}
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in meta["args"].items() if k in known}
     args = tg.Hyperparameters(**saved)
     cfg = tg.ModelConfig.from_args(args)
     cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, max_len))
     model = tg.GPT(cfg, tg.attention_reference, fp8_head=False)
-    model.load_state_dict(meta["model"])
+    try:
+        model.load_state_dict(meta["model"])
+    except RuntimeError as e:  # written by a train_gpt.py with another model layout
+        lines = str(e).strip().splitlines()  # "Error(s) in loading state_dict ...", then one line per problem
+        first = (lines[1] if len(lines) > 1 else lines[0]).strip()
+        first = first if len(first) <= 200 else first[:197] + "..."
+        raise ValueError(f"{checkpoint}: its weights do not fit this train_gpt.py's model ({first})") from e
     return model.to(device).eval(), args
+
+
+def encode_prompt(prompt: str, args: tg.Hyperparameters):
+    """(token ids, tiktoken encoding or None). GPT-2 vocabularies encode the text; any other takes
+    space-separated token ids below vocab_size, and ignores a text prompt with a note on stderr."""
+    if args.bos_id == GPT2_BOS:
+        try:
+            import tiktoken
+        except ImportError:
+            raise UsageError("decoding GPT-2 tokens needs the tiktoken package (pip install tiktoken)") from None
+        try:
+            encoder = tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            raise UsageError(f"cannot load the GPT-2 encoding ({type(e).__name__}); offline, set "
+                             "TIKTOKEN_CACHE_DIR to a folder holding tiktoken's GPT-2 files") from None
+        return encoder.encode_ordinary(prompt), encoder
+    words = prompt.split()
+    if not all(w.isascii() and w.isdigit() for w in words):
+        print(f"{PROG}: note: this checkpoint's vocabulary is not GPT-2's ({args.vocab_size} tokens, BOS "
+              f"{args.bos_id}), so text cannot be encoded: --prompt {prompt!r} is ignored and a new document "
+              f"starts; a prompt here is token ids, e.g. --prompt \"1 2 3\"", file=sys.stderr)
+        return [], None
+    ids = [int(w) for w in words]
+    bad = [i for i in ids if i >= args.vocab_size]
+    if bad:
+        raise UsageError(f"--prompt: token id {bad[0]} is out of this checkpoint's vocabulary "
+                         f"(ids 0 to {args.vocab_size - 1})")
+    return ids, None
 
 
 @torch.no_grad()
@@ -56,47 +108,72 @@ def generate(model: tg.GPT, args: tg.Hyperparameters, prompt: list[int], n: int,
     return tokens[1 + len(prompt):]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint folder (checkpoints/<run_id>/step_NNNNNN) or 'latest'")
     parser.add_argument("--checkpoint_dir", default="checkpoints", help="where 'latest' looks")
-    parser.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
-    parser.add_argument("--tokens", type=int, default=100, help="tokens to generate")
+    parser.add_argument("--prompt", default="",
+                        help="text to continue (empty: start a new document); token ids for a non-GPT-2 vocabulary")
+    parser.add_argument("--tokens", type=_positive, default=100, help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest tokens; 0 = all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     try:
         checkpoint = tg.find_checkpoint(opts.checkpoint, opts.checkpoint_dir)
+    except FileNotFoundError:
+        if opts.checkpoint == "latest":
+            raise UsageError(f"no checkpoint under {opts.checkpoint_dir}/: a run saves them with --save_every N, "
+                             "e.g. python train_gpt.py --preset smoke --save_every 50") from None
+        raise UsageError(f"{opts.checkpoint}: no checkpoint there (expected "
+                         f"{Path(opts.checkpoint) / 'model.pt'})") from None
+    try:
         device = torch.device(opts.device)
+    except RuntimeError:
+        raise UsageError(f"--device {opts.device}: not a device name (cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {opts.device}: no CUDA GPU is available here; use --device cpu")
+    try:
         model, args = load_model(checkpoint, device, max_len=args_len(opts))
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"sample.py: {e}")
-    encoder = None
-    if args.bos_id == 50256:  # GPT-2 BPE
-        import tiktoken
-        try:
-            encoder = tiktoken.get_encoding("gpt2")
-        except Exception as e:
-            raise SystemExit(f"sample.py: cannot load the GPT-2 encoding ({e}); offline, set TIKTOKEN_CACHE_DIR")
-        prompt = encoder.encode_ordinary(opts.prompt)
-    elif opts.prompt:
-        raise SystemExit("sample.py: this model's vocabulary is not GPT-2's; it takes no text --prompt")
-    else:
-        prompt = []
+    except (FileNotFoundError, ValueError, TypeError) as e:
+        raise UsageError(str(e)) from e
+    prompt, encoder = encode_prompt(opts.prompt, args)
     generator = torch.Generator().manual_seed(opts.seed)
     out = generate(model, args, prompt, opts.tokens, opts.temperature, opts.top_k, generator, device)
     print(f"# {checkpoint}: {opts.tokens} tokens, temperature {opts.temperature}, top_k {opts.top_k}", file=sys.stderr)
     if encoder is not None:
         print(opts.prompt + encoder.decode(out))
     else:
-        print(" ".join(map(str, out)))
+        print(" ".join(map(str, prompt + out)))
 
 
 def args_len(opts) -> int:
     return 1 + len(opts.prompt.encode()) + opts.tokens  # an upper bound on the tokens ever in context
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """main(), with every error reported as one line `sample.py: error: ...` unless SPEEDRUN_DEBUG=1."""
+    try:
+        main(argv)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 -- one line for the user; the traceback on request
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        text = str(e) if isinstance(e, UsageError) else f"{type(e).__name__}: {e} ({DEBUG_ENV}=1 shows the traceback)"
+        print(f"{PROG}: error: {' '.join(text.split())}", file=sys.stderr)
+        return 2 if isinstance(e, UsageError) else 1
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

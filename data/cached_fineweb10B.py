@@ -10,6 +10,9 @@ with train_gpt.read_shard_header) are skipped without touching the network; trun
 are deleted and fetched again. Downloads go through huggingface_hub, so HF_ENDPOINT, HF_TOKEN,
 HF_HUB_OFFLINE, proxies and its cache apply. Each file is downloaded into the hidden staging folder
 DIR/.hf_staging, validated there and only then renamed to DIR/<name>, so DIR never holds half a file.
+A run that fails before any file is in place removes the folders it created, so a failed first
+download (no network) leaves no empty data/fineweb10B/ behind. Errors are one line,
+`cached_fineweb10B.py: error: ...`; SPEEDRUN_DEBUG=1 shows the Python traceback instead.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ sys.path.insert(0, str(REPO_ROOT))
 from train_gpt import ShardError, read_shard_header  # noqa: E402  (the one shard reader of the project)
 
 STAGING = ".hf_staging"  # subfolder of DIR where huggingface_hub writes before the file is validated and moved
+PROG = "cached_fineweb10B.py"
+DEBUG_ENV = "SPEEDRUN_DEBUG"  # set to 1: errors show their Python traceback (the same in every tool)
 
 
 @dataclass(frozen=True)
@@ -196,7 +201,8 @@ class Fetcher:
                 limit = min(2, self.args.retries) if unreachable else self.args.retries
                 if not transient or failures >= limit:
                     tries = f" after {failures + 1} attempts" if failures else ""
-                    raise DownloadError(f"could not download {name} from {where}{tries}: {what}; {hint}") from None
+                    raise DownloadError(f"could not download {name} from {where}{tries}: {what}; {hint}") \
+                        from error  # the cause shows only in SPEEDRUN_DEBUG=1's traceback
                 wait = (0.5 if unreachable else 2.0) * 2 ** failures
                 failures += 1
                 time.sleep(min(wait, 30.0))
@@ -208,7 +214,7 @@ class Fetcher:
                 if force:
                     raise DownloadError(f"{name} from {where} is not a valid shard even after a fresh download "
                                         f"({_first_line(error)}); the remote file may be broken, try "
-                                        "--revision or another HF_ENDPOINT") from None
+                                        "--revision or another HF_ENDPOINT") from error
                 force = True
                 continue
             os.replace(staged, self.args.dir / name)
@@ -226,15 +232,50 @@ def tidy_staging(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
 
+def debugging() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def make_dir(path: Path) -> list[Path]:
+    """mkdir -p; returns the folders it created, deepest first (remove_if_empty takes them back)."""
+    created = []
+    for folder in [path, *path.parents]:
+        if folder.exists():
+            break
+        created.append(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+def remove_if_empty(folders: list[Path]) -> None:
+    """Remove the given folders, deepest first, as long as they are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or gone): leave it and everything above it
+            return
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        created = make_dir(args.dir)
+    except OSError as e:
+        print(f"{PROG}: error: cannot create {args.dir}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    code = None
+    try:
+        code = download(args)
+        return code
+    finally:
+        if code != 0:  # failed or interrupted: tidy up what this run left and created
+            tidy_staging(args.dir / STAGING)
+            remove_if_empty(created)
+
+
+def download(args: argparse.Namespace) -> int:
     corpus = CORPORA[args.corpus]
     names = shard_names(corpus, args.num_train)
-    try:
-        args.dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        print(f"cached_fineweb10B.py: error: cannot create {args.dir}: {e.strerror or e}", file=sys.stderr)
-        return 1
 
     from tqdm import tqdm
 
@@ -259,16 +300,19 @@ def main(argv: list[str] | None = None) -> int:
             fetched_tokens += num_tokens
     except DownloadError as e:
         bar.close()
-        print(f"cached_fineweb10B.py: error: {e}", file=sys.stderr)
+        if debugging():
+            raise
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # deleting a corrupt file, or other local trouble
         bar.close()
-        print(f"cached_fineweb10B.py: error: {_first_line(e)}", file=sys.stderr)
+        if debugging():
+            raise
+        print(f"{PROG}: error: {_first_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         bar.close()
-        print("cached_fineweb10B.py: interrupted; completed files are kept, run again to continue",
-              file=sys.stderr)
+        print(f"{PROG}: interrupted; completed files are kept, run again to continue", file=sys.stderr)
         return 130
     bar.close()
     tidy_staging(args.dir / STAGING)
@@ -279,5 +323,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """main(), with an unforeseen error (a missing package, ...) reported as one line too, unless
+    SPEEDRUN_DEBUG=1 asks for the traceback."""
+    try:
+        return main(argv)
+    except Exception as e:  # noqa: BLE001
+        if debugging():
+            raise
+        hint = " (pip install -r requirements.txt)" if isinstance(e, ImportError) else \
+            f" ({DEBUG_ENV}=1 shows the traceback)"
+        print(f"{PROG}: error: {type(e).__name__}: {_first_line(e)}{hint}", file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -31,6 +31,8 @@ project keeps them in ../shared/data/gpt2/tiktoken_cache, so from the repository
 
 The output does not depend on --workers: documents are encoded in batches by a process pool and written
 back in input order, byte for byte the same for any number of workers.
+
+Errors are one line, `tokenize.py: error: ...`; SPEEDRUN_DEBUG=1 shows the Python traceback instead.
 """
 import os
 import sys
@@ -55,6 +57,7 @@ import json  # noqa: E402
 import lzma  # noqa: E402
 import multiprocessing  # noqa: E402
 import re  # noqa: E402
+import signal  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Iterable, Iterator, Sequence  # noqa: E402
@@ -67,6 +70,8 @@ DEFAULT_VAL_TOKENS = 10_485_760
 DEFAULT_SHARD_TOKENS = 100_000_000
 DEFAULT_PREFIX = "fineweb"
 GPT2_CACHE_HINT = "../shared/data/gpt2/tiktoken_cache"
+PROG = "tokenize.py"
+DEBUG_ENV = "SPEEDRUN_DEBUG"  # set to 1: errors show their Python traceback (the same in every tool)
 
 
 class InputError(ValueError):
@@ -270,7 +275,8 @@ def encode_documents(texts: Iterable[str], encode: Callable[[str], Sequence[int]
         for batch in batches:
             yield from unpack(*_encode_batch(encode, batch))
         return
-    with multiprocessing.Pool(workers) as pool:
+    # workers ignore Ctrl-C: the main process alone stops, with one line instead of a traceback per worker
+    with multiprocessing.Pool(workers, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
         pending: collections.deque = collections.deque()
         for batch in batches:
             pending.append(pool.apply_async(_encode_batch, (encode, batch)))
@@ -382,7 +388,7 @@ def _positive(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="data/tokenize.py",
+        prog=PROG,
         description="Tokenize raw text (JSON Lines, .txt, parquet; optionally .gz/.xz/.bz2/.zst) with the "
                     "GPT-2 BPE into the project's token shards: a validation shard, then training shards. "
                     "Every document is preceded by <|endoftext|> (50256).",
@@ -419,28 +425,37 @@ offline use:
     return p
 
 
+def fail(message: str):
+    """Stop with one line on stderr, `tokenize.py: error: <message>`, and exit status 1."""
+    sys.exit(f"{PROG}: error: {message}")
+
+
 def load_gpt2() -> None:
     """Load the GPT-2 encoding in this process (the pool's workers inherit or reload it) or exit with one line."""
     try:
         GPT2Encoder.load()
+    except ImportError:
+        fail("the GPT-2 BPE needs the tiktoken package (pip install tiktoken)")
     except Exception as e:  # no network and no cache: requests/urllib errors, a bad cache file, ...
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         reason = reason if len(reason) <= 120 else reason[:117] + "..."
-        sys.exit(f"error: cannot load tiktoken's GPT-2 encoding ({type(e).__name__}: {reason}); "
-                 f"set TIKTOKEN_CACHE_DIR to a folder with its cached files, e.g. "
-                 f"TIKTOKEN_CACHE_DIR={GPT2_CACHE_HINT}")
+        fail(f"cannot load tiktoken's GPT-2 encoding ({type(e).__name__}: {reason}); "
+             f"set TIKTOKEN_CACHE_DIR to a folder with its cached files, e.g. "
+             f"TIKTOKEN_CACHE_DIR={GPT2_CACHE_HINT}")
 
 
 def main(argv: Sequence[str] | None = None) -> ShardReport:
     args = build_parser().parse_args(argv)
     if not re.fullmatch(r"[A-Za-z0-9._-]+", args.prefix):
-        sys.exit(f"error: --prefix {args.prefix!r}: use only letters, digits, '.', '_' and '-'")
+        fail(f"--prefix {args.prefix!r}: use only letters, digits, '.', '_' and '-'")
+    out_dir = Path(args.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        fail(f"--out {out_dir}: exists and is not a directory")
     try:
         files = expand_inputs(args.inputs)
     except InputError as e:
-        sys.exit(f"error: {e}")
+        fail(str(e))
     load_gpt2()
-    out_dir = Path(args.out)
     from tqdm import tqdm
 
     t0 = time.perf_counter()
@@ -462,12 +477,12 @@ def main(argv: Sequence[str] | None = None) -> ShardReport:
         report = write_shards(counted(docs), out_dir, prefix=args.prefix, val_tokens=args.val_tokens,
                               shard_tokens=args.shard_tokens, on_shard=on_shard)
     except InputError as e:
-        sys.exit(f"error: {e}")
+        fail(str(e))
     finally:
         bar.close()
     elapsed = time.perf_counter() - t0
     if report.documents == 0:
-        sys.exit("error: the inputs hold no non-empty documents; nothing written")
+        fail("the inputs hold no non-empty documents; nothing written")
     removed = remove_stale_shards(out_dir, args.prefix, (p for p, _ in report.shards))
 
     print(f"documents: {report.documents:,}" + (f" ({report.empty_documents:,} empty skipped)"
@@ -489,5 +504,25 @@ def main(argv: Sequence[str] | None = None) -> ShardReport:
     return report
 
 
+def cli(argv: Sequence[str] | None = None) -> int:
+    """main(), with any other error (disk full, permissions, Ctrl-C) reported as one line too, unless
+    SPEEDRUN_DEBUG=1 asks for the traceback."""
+    try:
+        main(argv)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; the shards in --out are incomplete", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        if isinstance(e, OSError) and e.strerror:
+            text = f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+        else:
+            text = f"{type(e).__name__}: {e} ({DEBUG_ENV}=1 shows the traceback)"
+        print(f"{PROG}: error: {' '.join(text.split())}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

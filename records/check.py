@@ -13,21 +13,30 @@ and prints one row per run, then the mean and standard deviation of the final lo
 and the one-sided one-sample t-test p-value that the mean loss is below the target. With
 --time-claim S it also gives the one-sided p-value that the mean time is below S seconds.
 
+Only record runs count: a log whose hyperparameter lines say another preset than `record`, a
+vocab_size other than 50304, or a validation set other than the record's (val_tokens 10485760 of
+data/fineweb10B/fineweb_val_*.bin) is listed under "not counted" with the reason, so a smoke run
+never passes against 3.28. Logs without hyperparameter lines (the public speedrun's) count.
+
 Exit status: 0 when p < 0.01 (and, with --time-claim, the time claim holds at p < 0.01 too);
-1 when not, or when fewer than 2 runs count; 2 on a usage error or when no run could be read.
+1 when not, or when fewer than 2 runs count; 2 on a usage error (e.g. a path that does not exist,
+reported as one line `check.py: error: ...`) or when no run counts. SPEEDRUN_DEBUG=1 shows the
+Python traceback of an error instead.
 
 A log is "the source code, a line of 100 '=', versions and nvidia-smi, a line of 100 '=', then
-the run": step lines are only read after the first such line (when there is one), so that
-example lines inside the code are never taken for results. parse_log() is the importable parser
-(plot.py and new.py use it).
+the hyperparameters as `name: value` lines, then the run": step lines are only read after the
+first such line (when there is one), so that example lines inside the code are never taken for
+results. parse_log() is the importable parser (plot.py and new.py use it).
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import dataclasses
+import datetime
 import hashlib
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -41,6 +50,18 @@ ALPHA = 0.01
 _STEP_RE = re.compile(r"^step:(\d+)/(\d+)(?=\s|$)(.*)$")
 _VAL_RE = re.compile(r"(?:^|\s)val_loss:(\S+)")
 _TIME_RE = re.compile(r"(?:^|\s)train_time:([0-9]+(?:\.[0-9]*)?)ms")
+_PARAM_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):(?: (.*))?$")  # a hyperparameter line, `name: value`
+# nvidia-smi's first line, e.g. "Wed Sep  3 19:58:00 2025": the date of a GPU run
+_SMI_DATE_RE = re.compile(r"^(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) ([A-Z][a-z]{2}) +(\d{1,2}) [\d:]{8} (\d{4})\s*$")
+
+# What makes a run a record run (records/README.md, rule 1): the record preset, GPT-2's padded
+# vocabulary, and the first 10,485,760 tokens of the FineWeb 10B validation shard.
+RECORD_PRESET = "record"
+RECORD_VOCAB_SIZE = 50304
+RECORD_VAL_TOKENS = 10_485_760
+RECORD_VAL_DIR = "fineweb10B"  # the folder data/cached_fineweb10B.py downloads into
+_RECORD_VAL_NAME_RE = re.compile(r"fineweb_val_(?:\*|\d{6})\.bin")
+DEBUG_ENV = "SPEEDRUN_DEBUG"  # set to 1: errors show their Python traceback (the same in every tool)
 
 
 @dataclasses.dataclass
@@ -50,6 +71,8 @@ class RunLog:
     path: Path
     sha256: str = ""
     code: str | None = None          # text before the first 100-'=' line; None without one
+    params: dict[str, str] = dataclasses.field(default_factory=dict)  # hyperparameter lines
+    date: str | None = None          # YYYY-MM-DD of the run, from nvidia-smi's report if the log has one
     total_steps: int | None = None   # T of the step:N/T lines
     last_step: int | None = None     # largest N seen
     val: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)  # (step, loss, ms)
@@ -61,6 +84,10 @@ class RunLog:
     def ok(self) -> bool:
         return self.error is None
 
+    @property
+    def preset(self) -> str | None:
+        return self.params.get("preset")
+
 
 def split_code(text: str) -> tuple[str | None, str]:
     """(code, rest): the code is everything before the first line of exactly 100 '='."""
@@ -71,11 +98,41 @@ def split_code(text: str) -> tuple[str | None, str]:
     return None, text
 
 
+def _header(rest: str) -> tuple[dict[str, str], str | None]:
+    """(hyperparameters, date) from what follows the code: the environment report up to the second
+    line of 100 '=', then the block of `name: value` lines right after it (the first value wins)."""
+    env, params = [], {}
+    lines = iter(rest.splitlines())
+    for line in lines:
+        if line.rstrip("\r") == SEPARATOR:
+            break
+        env.append(line)
+    else:
+        return {}, None  # no second separator: no hyperparameter block
+    for line in lines:
+        m = _PARAM_RE.match(line.rstrip("\r"))
+        if m is None:
+            break
+        params.setdefault(m.group(1), (m.group(2) or "").strip())
+    date = None
+    for line in env:
+        m = _SMI_DATE_RE.match(line.strip())
+        if m:
+            try:
+                date = datetime.datetime.strptime(" ".join(m.groups()), "%b %d %Y").date().isoformat()
+            except ValueError:
+                continue
+            break
+    return params, date
+
+
 def parse_text(text: str, path: Path | str = "<text>") -> RunLog:
     """Parse the text of one log; see parse_log."""
     run = RunLog(path=Path(path))
     run.sha256 = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
     run.code, body = split_code(text)
+    if run.code is not None:
+        run.params, run.date = _header(body)
 
     totals: collections.Counter[int] = collections.Counter()
     last_step = None
@@ -160,6 +217,29 @@ def expand_paths(args: Iterable[Path | str]) -> tuple[list[Path], list[tuple[Pat
     return files, problems
 
 
+def _is_record_val_files(pattern: str) -> bool:
+    path = Path(pattern)
+    return path.parent.name == RECORD_VAL_DIR and _RECORD_VAL_NAME_RE.fullmatch(path.name) is not None
+
+
+def record_problems(run: RunLog) -> list[str]:
+    """Why a run is not on the record's preset, vocabulary and validation set; [] when it is. Only
+    the hyperparameter lines present are checked, so a log without them (the public speedrun's)
+    passes."""
+    p = run.params
+    problems = []
+    if "preset" in p and p["preset"] != RECORD_PRESET:
+        problems.append(f"preset {p['preset']}, not {RECORD_PRESET}")
+    if p.get("markov_corpus", "False") not in ("False", "false", "0"):
+        problems.append(f"markov_corpus {p['markov_corpus']} (synthetic data)")
+    for name, want in (("vocab_size", RECORD_VOCAB_SIZE), ("val_tokens", RECORD_VAL_TOKENS)):
+        if name in p and p[name].replace("_", "") != str(want):
+            problems.append(f"{name} {p[name]}, not {want}")
+    if "val_files" in p and not _is_record_val_files(p["val_files"]):
+        problems.append(f"val_files {p['val_files']}, not {RECORD_VAL_DIR}/fineweb_val_*.bin")
+    return problems
+
+
 @dataclasses.dataclass
 class CheckResult:
     runs: list[RunLog]                       # the runs that count, in the order given
@@ -219,8 +299,14 @@ def check(paths: Iterable[Path | str], target: float = DEFAULT_TARGET,
             seen_hash[run.sha256] = f
         parsed.append(run)
 
-    good = [r for r in parsed if r.ok]
-    skipped += [(r.path, r.error) for r in parsed if not r.ok]
+    good = []
+    for r in parsed:
+        if not r.ok:
+            skipped.append((r.path, r.error))
+        elif problems := record_problems(r):
+            skipped.append((r.path, "not a record run: " + "; ".join(problems)))
+        else:
+            good.append(r)
     result = CheckResult(runs=[], skipped=skipped, notes=notes, target=target,
                          time_claim=time_claim, alpha=alpha)
     if good:
@@ -254,7 +340,8 @@ def check(paths: Iterable[Path | str], target: float = DEFAULT_TARGET,
                 notes.append(f"time: {note}")
 
     if not result.runs:
-        result.verdict = "FAIL: no run could be read"
+        result.verdict = ("FAIL: no run counts (see 'not counted' above)" if parsed else
+                          "FAIL: no run could be read")
     elif len(result.runs) < 2:
         result.verdict = "FAIL: a p-value needs at least 2 runs"
     else:
@@ -317,13 +404,58 @@ def format_report(result: CheckResult, label: Callable[[Path], str] = str) -> st
     return "\n".join(out)
 
 
+class UsageError(Exception):
+    """A mistake in what the tool was given: reported as one line, `<tool>: error: <message>`."""
+
+
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, UsageError):
+        text = str(error)
+    elif isinstance(error, OSError) and error.strerror:
+        text = f"{error.filename}: {error.strerror}" if error.filename else error.strerror
+    elif isinstance(error, ImportError):
+        text = f"{error} (pip install -r requirements.txt)"
+    else:  # not foreseen: say what it was and how to see where
+        text = f"{type(error).__name__}: {error} ({DEBUG_ENV}=1 shows the traceback)"
+    return " ".join(text.split())
+
+
+def run_cli(prog: str, main: Callable[[Sequence[str] | None], int],
+            argv: Sequence[str] | None = None) -> int:
+    """main(argv), with any error reported as one line on stderr, `prog: error: ...` (exit 2 for a
+    UsageError, 1 otherwise), unless SPEEDRUN_DEBUG=1 asks for the traceback. plot.py and new.py
+    use it too."""
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 -- every error becomes one line unless debugging
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        print(f"{prog}: error: {_one_line(error)}", file=sys.stderr)
+        return 2 if isinstance(error, UsageError) else 1
+
+
+def require_paths(paths: Iterable[Path | str]) -> None:
+    """Raise UsageError naming every argument that is neither a file nor a directory with logs."""
+    problems = expand_paths(paths)[1]
+    if problems:
+        raise UsageError("; ".join(f"{p}: {why}" for p, why in problems))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("check.py", _main, argv)
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="check.py",
         description="Final validation loss and training time of speedrun logs, with the one-sided "
                     "t-test that their mean loss is below the target. Exit 0 only when p < 0.01 "
-                    "(and the --time-claim holds at p < 0.01); 1 otherwise; 2 when no run could "
-                    "be read.",
+                    "(and the --time-claim holds at p < 0.01); 1 otherwise; 2 when no run counts. "
+                    "Runs of another preset, vocabulary or validation set than the record's are "
+                    "listed as not counted.",
         epilog="example: python records/check.py logs/a.txt logs/b.txt logs/c.txt --time-claim 170")
     ap.add_argument("logs", nargs="+", metavar="LOG_OR_DIR",
                     help="run logs; a directory means every .txt/.log file below it")
@@ -332,6 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--time-claim", type=float, default=None, metavar="SECONDS",
                     help="also test that the mean training time is below SECONDS")
     args = ap.parse_args(argv)
+    require_paths(args.logs)
     result = check(args.logs, target=args.target, time_claim=args.time_claim)
     print(format_report(result))
     return result.exit_code

@@ -13,7 +13,9 @@ check.py table and a link to the plot. Refuses, creating nothing (exit 1), when
     the target, or (with --time-claim) that the mean time is below the claim,
 
 unless --force is given, which creates the folder anyway with a warning at the top of README.md.
-Logs with identical contents are copied once.
+Logs with identical contents are copied once. A refusal prints the check.py table and the problems
+on stdout and one line `new.py: error: ...` on stderr; SPEEDRUN_DEBUG=1 shows the traceback of an
+unexpected error.
 """
 from __future__ import annotations
 
@@ -119,6 +121,10 @@ def render_readme(name: str, date: str, folder: str, result: check.CheckResult, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return check.run_cli("new.py", _main, argv)
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="new.py", description=__doc__.split("\n\n")[0],
                                  epilog="example: python records/new.py FA3 logs/*.txt")
     ap.add_argument("name", metavar="NAME", help="short name: letters, digits, '.', '_', '-'")
@@ -144,28 +150,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     folder = f"{date}_{args.name}"
     dest = args.records_dir / folder
     if dest.exists():
-        print(f"new.py: {dest} already exists; refusing to overwrite it", file=sys.stderr)
+        print(f"new.py: error: {dest} already exists; refusing to overwrite it", file=sys.stderr)
         return 1
 
-    files, missing = check.expand_paths(args.logs)
-    if missing:
-        for p, why in missing:
-            print(f"new.py: {p}: {why}", file=sys.stderr)
-        return 2
-    files = _distinct(files)
+    check.require_paths(args.logs)
+    files = _distinct(check.expand_paths(args.logs)[0])
 
     names = _dest_names(files)  # file -> its name in the record folder
     result = check.check(files, target=args.target, time_claim=args.time_claim)
     check_problems = [] if result.passed else [f"check.py: {result.verdict}"]
     problems = code_problems(files) + check_problems
     if problems and not args.force:
-        print(check.format_report(result), file=sys.stderr)
-        print("", file=sys.stderr)
-        print(f"new.py: refusing to create {dest}:", file=sys.stderr)
-        for p in problems:
-            print(f"  {p}", file=sys.stderr)
-        print("(--force creates it anyway, with these problems written into its README.md)",
-              file=sys.stderr)
+        print(check.format_report(result))
+        print("")
+        print(f"refusing to create {dest}:")
+        print("\n".join(f"  {p}" for p in problems))
+        headlines = [p for p in problems if not p.startswith("  ")]
+        print(f"new.py: error: refusing to create {dest}: " + "; ".join(h.rstrip(":") for h in headlines)
+              + " (--force creates it anyway, with the problems in its README.md)", file=sys.stderr)
         return 1
 
     readme_problems = code_problems(files, label=names.__getitem__) + check_problems
@@ -188,9 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(check.format_report(result, label=lambda p: names.get(Path(p), str(p))))
     print("")
     if problems:
-        print("new.py: WARNING, created with --force despite:", file=sys.stderr)
-        for p in problems:
-            print(f"  {p}", file=sys.stderr)
+        print("created with --force despite:")
+        print("\n".join(f"  {p}" for p in problems))
+        print(f"new.py: warning: {dest} does not meet the record rules (created with --force)",
+              file=sys.stderr)
     print(f"created {dest}/ (README.md, {PLOT_NAME}, {len(names)} log(s)); fill in 'What changed' "
           "and add a row to records/README.md")
     return 0

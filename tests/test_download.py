@@ -117,10 +117,12 @@ def hub(remote):
     server.close()
 
 
-def run_script(tmp_path: Path, endpoint: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+def run_script(tmp_path: Path, endpoint: str, *args: str, timeout: float = 60,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    extra = env or {}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k != "SPEEDRUN_DEBUG"}
     env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DISABLE_TELEMETRY="1",
-               NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")  # never via a proxy
+               NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost", **extra)  # never via a proxy
     return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -202,9 +204,73 @@ def test_unreachable_server_fails_fast_with_one_line_naming_file_and_endpoint(tm
     assert elapsed < 10, f"took {elapsed:.1f}s to give up"
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("cached_fineweb10B.py: error: ")
     assert VAL in lines[0] and endpoint in lines[0] and "HF_ENDPOINT" in lines[0]
     assert "Traceback" not in r.stderr + r.stdout
-    assert not (tmp_path / "out" / VAL).exists()
+    assert not (tmp_path / "out").exists()  # the folder it created for the download is gone again
+
+
+class _FakeFetcher:
+    """Stands in for the script's Fetcher (no HTTP): `files` are written as if downloaded, through a
+    staging folder with huggingface_hub-style bookkeeping; any other name fails like an unreachable hub."""
+
+    files: dict[str, bytes] = {}
+    error: type[Exception] = Exception  # the script's DownloadError (set by the `offline` fixture)
+
+    def __init__(self, args):
+        self.args = args
+
+    def fetch(self, name: str) -> int:
+        staging = self.args.dir / ".hf_staging" / ".cache" / "huggingface" / "download"
+        staging.mkdir(parents=True, exist_ok=True)
+        (staging / f"{name}.lock").write_text("")
+        if name not in self.files:
+            raise self.error(f"could not download {name}: cannot reach the server")
+        (self.args.dir / name).write_bytes(self.files[name])
+        return tg.read_shard_header(self.args.dir / name)
+
+
+@pytest.fixture
+def offline(script, monkeypatch):
+    """The script, in this process, with a hub that serves nothing."""
+    fetcher = type("Offline", (_FakeFetcher,), {"files": {}, "error": script.DownloadError})
+    monkeypatch.setattr(script, "Fetcher", fetcher)
+    monkeypatch.delenv("SPEEDRUN_DEBUG", raising=False)
+    return script
+
+
+def test_failed_first_download_removes_every_folder_it_created_and_no_other(offline, tmp_path, capsys):
+    assert offline.cli(["1", "--dir", str(tmp_path / "a" / "b" / "fineweb10B")]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"cached_fineweb10B.py: error: could not download {VAL}: cannot reach the server"]
+    assert not (tmp_path / "a").exists()
+    existing = tmp_path / "mine"  # a folder that was there before stays, as it was
+    existing.mkdir()
+    assert offline.cli(["1", "--dir", str(existing / "fineweb10B")]) == 1
+    assert existing.is_dir() and list(existing.iterdir()) == []
+
+
+def test_speedrun_debug_raises_the_error_and_still_tidies_up(offline, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPEEDRUN_DEBUG", "1")
+    with pytest.raises(offline.DownloadError, match="could not download"):
+        offline.cli(["1", "--dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_package_is_one_line_naming_the_fix_and_leaves_no_folder(offline, tmp_path, monkeypatch, capsys):
+    def no_hub(args):
+        raise ImportError("No module named 'huggingface_hub'")
+    monkeypatch.setattr(offline, "Fetcher", no_hub)
+    assert offline.cli(["0", "--dir", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "cached_fineweb10B.py: error: ImportError: No module named 'huggingface_hub' (pip install -r requirements.txt)"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_failure_after_a_completed_file_keeps_the_folder_and_the_file(offline, tmp_path, remote):
+    offline.Fetcher.files = {VAL: remote[VAL]}  # the val shard, then nothing for train shard 1
+    assert offline.cli(["1", "--dir", str(tmp_path / "out")]) == 1
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [VAL]  # and no staging folder
 
 
 def test_invalid_remote_file_fails_clearly_after_a_fresh_retry_and_leaves_nothing(tmp_path, remote):
@@ -218,7 +284,7 @@ def test_invalid_remote_file_fails_clearly_after_a_fresh_retry_and_leaves_nothin
     assert len(lines) == 1 and VAL in lines[0] and "not a valid shard" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
     assert server.gets() == {VAL: 2}  # fetched once, rejected, fetched afresh once more, rejected
-    assert not (tmp_path / "out" / VAL).exists()
+    assert not (tmp_path / "out").exists()  # nor its staging folder, nor the folder itself
 
 
 def test_missing_remote_file_is_reported_as_not_found(tmp_path, hub, downloaded):

@@ -1,7 +1,8 @@
 """Tests of the record tools (records/check.py, plot.py, new.py) and of run.sh's GPU check.
 
 Logs are written here in the trainer's format: code, a line of 100 '=', versions, another line of
-100 '=', hyperparameters, then step lines with a validation line every 25 steps and at the end.
+100 '=', hyperparameters (`name: value`), then step lines with a validation line every 25 steps and
+at the end.
 """
 from __future__ import annotations
 
@@ -28,14 +29,29 @@ SEP = "=" * 100
 CODE = "import torch\nprint('the trainer')\n"
 LOSSES = [3.2771, 3.2755, 3.2760, 3.2766, 3.2778]
 TIMES_MS = [163871, 163621, 163848, 163998, 163897]
+# the hyperparameter lines check.py looks at, as train_gpt.py writes them for a record run
+RECORD_PARAMS = {"train_files": "/data/speedrun/data/fineweb10B/fineweb_train_*.bin",
+                 "val_files": "/data/speedrun/data/fineweb10B/fineweb_val_*.bin", "val_tokens": "10485760",
+                 "vocab_size": "50304", "run_id": "r", "preset": "record", "markov_corpus": "False"}
+# and for `python train_gpt.py --preset smoke`
+SMOKE_PARAMS = {**RECORD_PARAMS, "train_files": "/repo/data/smoke/markov_train_*.bin",
+                "val_files": "/repo/data/smoke/markov_val_*.bin", "val_tokens": "32768", "vocab_size": "128",
+                "preset": "smoke", "markov_corpus": "True"}
+NVIDIA_SMI = ["Wed Sep  3 19:58:00 2025       ", "+" + "-" * 89 + "+",
+              "| NVIDIA-SMI 560.35.03              Driver Version: 560.35.03      CUDA Version: 12.6     |"]
 
 
 def write_log(path: Path, final_loss: float, final_ms: int, *, steps: int = 100, code: str = CODE,
-              stop_at: int | None = None, final_val: bool = True) -> Path:
-    """A log of `steps` steps; stop_at cuts it after that step (a crashed or copied-short run)."""
-    lines = [code.rstrip("\n"), SEP, "Running Python 3.12.3", "Running PyTorch 2.13.0", SEP,
-             "hyperparameters: num_iterations=%d" % steps,
-             f"step:0/{steps} val_loss:10.8258 train_time:0ms step_avg:0.02ms"]
+              stop_at: int | None = None, final_val: bool = True, params: dict | None = RECORD_PARAMS,
+              env: list[str] = ()) -> Path:
+    """A log of `steps` steps; stop_at cuts it after that step (a crashed or copied-short run).
+    params=None writes no hyperparameter lines (the public speedrun's logs have none); env: lines
+    of the environment report (e.g. NVIDIA_SMI)."""
+    lines = [code.rstrip("\n"), SEP, "Running Python 3.12.3", "Running PyTorch 2.13.0", *env, SEP]
+    if params is not None:
+        lines += [f"{k}: {v}" for k, v in {**params, "num_iterations": steps}.items()]
+        lines += ["device: cuda:0 x 8, grad accumulation 1, parameters: 123,456"]
+    lines += [f"step:0/{steps} val_loss:10.8258 train_time:0ms step_avg:0.02ms"]
     last = steps if stop_at is None else stop_at
     for s in range(1, last + 1):
         ms = round(final_ms * s / steps)
@@ -149,9 +165,90 @@ def test_check_exits_1_when_the_time_claim_does_not_hold(runs, capsys):
 def test_check_exits_2_when_no_log_can_be_read(tmp_path, capsys):
     bad = tmp_path / "bad.txt"
     bad.write_text("nothing useful\n")
-    assert check.main([str(bad), str(tmp_path / "missing.txt")]) == 2
+    assert check.main([str(bad)]) == 2
     out = capsys.readouterr().out
-    assert "no step lines" in out and "no such file" in out
+    assert "no step lines" in out and out.rstrip().splitlines()[-1] == "FAIL: no run counts (see 'not counted' above)"
+
+
+def test_check_names_a_missing_path_in_one_line_on_stderr_and_exits_2(runs, tmp_path, capsys):
+    missing, empty = tmp_path / "missing.txt", tmp_path / "nologs"
+    empty.mkdir()
+    assert check.main([*map(str, runs), str(missing), str(empty)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"check.py: error: {missing}: no such file or directory; "
+                            f"{empty}: directory holds no .txt or .log file\n")
+
+
+def _cli(tool: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "SPEEDRUN_DEBUG"}
+    return subprocess.run([sys.executable, str(RECORDS / tool), *args], capture_output=True, text=True,
+                          timeout=60, env={**full_env, **env})
+
+
+def test_check_cli_errors_are_one_line_and_speedrun_debug_shows_the_traceback(tmp_path):
+    plain = _cli("check.py", str(tmp_path / "missing.txt"))
+    assert plain.returncode == 2 and plain.stdout == ""
+    assert plain.stderr.splitlines() == [f"check.py: error: {tmp_path / 'missing.txt'}: no such file or directory"]
+    debug = _cli("check.py", str(tmp_path / "missing.txt"), SPEEDRUN_DEBUG="1")
+    assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr
+
+
+def test_check_reports_an_unforeseen_error_in_one_line_naming_the_fix(runs, tmp_path):
+    fake = tmp_path / "fake_site"
+    fake.mkdir()
+    (fake / "scipy.py").write_text("raise ImportError(\"No module named 'scipy'\")\n")
+    proc = _cli("check.py", *map(str, runs), PYTHONPATH=str(fake))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines() == ["check.py: error: No module named 'scipy' (pip install -r requirements.txt)"]
+
+
+def test_check_never_passes_smoke_runs_and_says_why(tmp_path):
+    smoke = [write_log(tmp_path / f"smoke{i}.txt", loss, 95000, steps=150, params=SMOKE_PARAMS)
+             for i, loss in enumerate([1.7276, 1.7301, 1.7290])]
+    result = check.check(smoke)
+    assert result.n == 0 and not result.passed and result.exit_code == 2
+    for path in smoke:
+        why = dict(result.skipped)[path]
+        assert why.startswith("not a record run: ")
+        for part in ("preset smoke, not record", "vocab_size 128, not 50304", "val_tokens 32768, not 10485760",
+                     "val_files /repo/data/smoke/markov_val_*.bin, not fineweb10B/fineweb_val_*.bin"):
+            assert part in why
+    proc = _cli("check.py", *map(str, smoke))
+    assert proc.returncode == 2
+    assert "PASS" not in proc.stdout and "not a record run: preset smoke" in proc.stdout
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"preset": "single"}, "preset single, not record"),
+    ({"vocab_size": "50257"}, "vocab_size 50257, not 50304"),
+    ({"val_tokens": "1048576"}, "val_tokens 1048576, not 10485760"),
+    ({"val_files": "/data/mytext/fineweb_val_*.bin"}, "val_files /data/mytext/fineweb_val_*.bin"),
+    ({"val_files": "data/fineweb10B/finewebedu_val_*.bin"}, "val_files data/fineweb10B/finewebedu_val_*.bin"),
+    ({"markov_corpus": "True"}, "markov_corpus True"),
+])
+def test_check_leaves_out_a_run_off_the_record_configuration_and_names_why(runs, tmp_path, change, needle):
+    odd = write_log(tmp_path / "odd.txt", 3.20, 150000, params={**RECORD_PARAMS, **change})
+    result = check.check([*runs, odd])
+    assert result.n == len(runs) and odd not in [r.path for r in result.runs]
+    why = dict(result.skipped)[odd]
+    assert why.startswith(f"not a record run: {needle}") and ";" not in why  # this one reason only
+    assert f"odd.txt: not a record run: {needle}" in check.format_report(result)
+
+
+def test_check_counts_logs_without_hyperparameter_lines_as_record_runs(tmp_path):
+    public = [write_log(tmp_path / f"p{i}.txt", loss, ms, params=None, env=NVIDIA_SMI)
+              for i, (loss, ms) in enumerate(zip(LOSSES, TIMES_MS))]
+    result = check.check(public)
+    assert result.n == len(public) and result.passed
+    assert check.parse_log(public[0]).params == {} and check.parse_log(public[0]).date == "2025-09-03"
+
+
+def test_parse_log_reads_the_hyperparameter_block_after_the_second_separator(tmp_path):
+    code = CODE + "preset: smoke\n"  # a line of the code that looks like a hyperparameter
+    run = check.parse_log(write_log(tmp_path / "r.txt", 3.2766, 163000, code=code))
+    assert run.preset == "record" and run.params["vocab_size"] == "50304"
+    assert run.params["val_files"] == RECORD_PARAMS["val_files"] and run.date is None
 
 
 def test_check_ignores_step_lines_inside_the_code_section(tmp_path):
@@ -216,6 +313,70 @@ def test_plot_cli_runs_headless(runs, tmp_path):
     assert out.stat().st_size > 10_000 and f"({len(runs)} line(s))" in proc.stdout
 
 
+def _run_lines(fig):
+    return [line for line in fig.axes[0].get_lines() if line.get_gid() == plot.RUN_GID]
+
+
+def test_plot_fits_the_loss_axis_to_a_small_run_leaving_out_step_0(tmp_path):
+    # a smoke-sized run: 4.85 at step 0, then 2.23 ... 1.73, far below the record's 3.2-4.5
+    log = write_log(tmp_path / "smoke.txt", 1.73, 95000, steps=150, params=SMOKE_PARAMS)
+    fig = plot.plot_runs([log], tmp_path / "smoke.png")
+    after_start = _run_lines(fig)[0].get_ydata()[1:]
+    lo, hi = fig.axes[0].get_ylim()
+    assert lo <= min(after_start) and hi >= max(after_start)  # every point after step 0 is on the axis
+    assert 1.6 < lo and hi < 2.5  # and the axis is fitted to them, not to step 0's 10.8
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert "target 3.28 (off the axis)" in labels
+
+
+def test_plot_axis_takes_in_the_target_when_the_runs_end_near_it(tmp_path):
+    logs = [write_log(tmp_path / f"r{i}.txt", loss, 160000) for i, loss in enumerate([3.30, 3.31])]
+    fig = plot.plot_runs(logs, tmp_path / "near.png")
+    lo, hi = fig.axes[0].get_ylim()
+    highest = max(max(line.get_ydata()[1:]) for line in _run_lines(fig))  # after step 0
+    assert lo < 3.28 and highest <= hi < 4.5
+
+
+def test_plot_explicit_ymin_and_ymax_win_over_the_fit(tmp_path):
+    log = write_log(tmp_path / "smoke.txt", 1.73, 95000, steps=150, params=SMOKE_PARAMS)
+    fig = plot.plot_runs([log], ymin=1.0)
+    assert fig.axes[0].get_ylim()[0] == pytest.approx(1.0) and fig.axes[0].get_ylim()[1] < 2.5
+
+
+def test_plot_legend_names_run_id_preset_final_loss_and_date(tmp_path):
+    ours = write_log(tmp_path / "logs" / "abc.txt", 3.2771, 163871, env=NVIDIA_SMI)
+    public = write_log(tmp_path / "090325_FA3" / "44fc1276-0510-4961-92c0-730c65e5feba.txt", 3.2755, 163621,
+                       params=None)
+    local = write_log(tmp_path / "logs" / "smoke1.txt", 1.7276, 95000, steps=150, params=SMOKE_PARAMS)
+    os.utime(local, (1709208000, 1709208000))  # 2024-02-29 12:00 UTC: a log that names no date
+    fig = plot.plot_runs([ours, public, local])
+    assert [line.get_label() for line in _run_lines(fig)] == [
+        "abc: record, val 3.2771, 2025-09-03",  # date from nvidia-smi's report in the log
+        "44fc1276: val 3.2755, 2025-09-03",     # no preset line; date from the record folder's name
+        "smoke1: smoke, val 1.7276, 2024-02-29",  # date from the file's modification time
+    ]
+
+
+def test_plot_legend_of_a_folder_gives_the_mean_final_loss_and_its_date(tmp_path):
+    group = tmp_path / "2025-09-03_FA3"
+    for i, loss in enumerate([3.27, 3.29]):
+        write_log(group / f"g{i}.txt", loss, 150000)
+    fig = plot.plot_runs([group])
+    assert _run_lines(fig)[0].get_label() == "2025-09-03_FA3: record, mean val 3.2800, 2025-09-03 (mean of 2 runs, min-max band)"
+
+
+def test_plot_cli_with_nothing_to_plot_exits_2_in_one_line_and_writes_no_file(tmp_path):
+    bad, out = tmp_path / "bad.txt", tmp_path / "out.png"
+    bad.write_text("not a log\n")
+    proc = _cli("plot.py", str(bad), "-o", str(out))
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.splitlines() == [f"plot.py: error: nothing to plot ({bad}: no validation lines "
+                                        "(no step lines (step:N/T ...) found))"]
+    missing = _cli("plot.py", str(tmp_path / "missing.txt"), "-o", str(out))
+    assert missing.returncode == 2 and missing.stderr.splitlines() == [
+        f"plot.py: error: {tmp_path / 'missing.txt'}: no such file or directory"]
+
+
 # --- new.py ----------------------------------------------------------------------------------
 
 def test_new_creates_the_folder_with_logs_readme_table_and_plot(runs, tmp_path, capsys):
@@ -261,6 +422,25 @@ def test_new_refuses_when_p_not_below_001_and_force_writes_a_warning(tmp_path, c
     assert "WARNING: created with --force" in readme and "is not shown" in readme
 
 
+def test_new_refuses_smoke_runs_with_one_line_on_stderr_and_creates_nothing(tmp_path, capsys):
+    smoke = [write_log(tmp_path / f"smoke{i}.txt", loss, 95000, steps=150, params=SMOKE_PARAMS)
+             for i, loss in enumerate([1.7276, 1.7301])]
+    recs = tmp_path / "records"
+    recs.mkdir()
+    assert new.main(["Smoke", *map(str, smoke), "--records-dir", str(recs), "--date", "2025-01-01"]) == 1
+    captured = capsys.readouterr()
+    assert list(recs.iterdir()) == []
+    assert "not a record run: preset smoke" in captured.out
+    assert captured.err.splitlines() == [
+        f"new.py: error: refusing to create {recs / '2025-01-01_Smoke'}: check.py: FAIL: no run counts "
+        "(see 'not counted' above) (--force creates it anyway, with the problems in its README.md)"]
+
+
+def test_new_names_a_missing_log_in_one_line(runs, tmp_path, capsys):
+    assert new.main(["X", str(runs[0]), str(tmp_path / "gone.txt"), "--records-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"new.py: error: {tmp_path / 'gone.txt'}: no such file or directory\n"
+
+
 def test_new_refuses_an_existing_folder_even_with_force(runs, tmp_path, capsys):
     recs = tmp_path / "records"
     (recs / "2025-09-03_FA3").mkdir(parents=True)
@@ -293,17 +473,20 @@ def _run_sh(tmp_path, nvidia_smi, **env):
                           capture_output=True, text=True, timeout=30, env=full_env, cwd=tmp_path)
 
 
-def test_run_sh_exits_1_with_a_clear_message_when_nvidia_smi_is_missing(tmp_path):
+def test_run_sh_without_nvidia_smi_exits_1_with_one_line_naming_the_cpu_command(tmp_path):
     proc = _run_sh(tmp_path, None)
     assert proc.returncode == 1
-    assert "no NVIDIA GPU found" in proc.stderr and "README" in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("run.sh: error: no NVIDIA GPU found")
+    assert lines[0].endswith("python train_gpt.py --preset smoke")
     assert "torchrun" not in proc.stdout
 
 
 @pytest.mark.parametrize("fake", ["exit 0\n", "echo 'NVIDIA-SMI has failed' >&2; exit 9\n"])
-def test_run_sh_exits_1_when_nvidia_smi_lists_no_gpu_or_fails(tmp_path, fake):
+def test_run_sh_exits_1_naming_the_cpu_command_when_nvidia_smi_lists_no_gpu_or_fails(tmp_path, fake):
     proc = _run_sh(tmp_path, fake)
     assert proc.returncode == 1 and "no NVIDIA GPU found" in proc.stderr
+    assert "python train_gpt.py --preset smoke" in proc.stderr
 
 
 TWO_GPUS = 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)"; echo "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-2)"\n'
@@ -313,7 +496,7 @@ def test_run_sh_names_both_counts_and_suggests_nproc_when_too_few_gpus(tmp_path)
     proc = _run_sh(tmp_path, TWO_GPUS, NPROC="8")
     assert proc.returncode == 1
     assert "NPROC=8 but only 2 NVIDIA GPU(s) found" in proc.stderr
-    assert "NPROC=2 ./run.sh" in proc.stderr
+    assert "NPROC=2 ./run.sh" in proc.stderr and len(proc.stderr.splitlines()) == 1
 
 
 def test_run_sh_launches_torchrun_from_the_repo_with_nproc_and_arguments(tmp_path):

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+import sample
 import train_gpt as tg
-from conftest import write_corpus
+from conftest import TINY, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,6 +16,17 @@ ROOT = Path(__file__).resolve().parents[1]
 def _sample(*args, env=None):
     return subprocess.run([sys.executable, str(ROOT / "sample.py"), *args], capture_output=True, text=True,
                           timeout=300, env=env)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A checkpoint of the tiny model: a 64-token vocabulary with BOS 63, not GPT-2's (like --preset smoke)."""
+    tmp = tmp_path_factory.mktemp("sample")
+    train, val = write_corpus(tmp / "data")
+    args = tg.Hyperparameters(**{**TINY, "train_files": train, "val_files": val, "log_dir": str(tmp / "logs"),
+                                 "num_iterations": 2, "val_every": 0, "save_every": 2,
+                                 "checkpoint_dir": str(tmp / "ck")})
+    return tg.train(args).checkpoint
 
 
 def test_sample_generates_the_requested_number_of_tokens_from_a_tiny_checkpoint(tiny_args, tmp_path):
@@ -29,9 +41,51 @@ def test_sample_generates_the_requested_number_of_tokens_from_a_tiny_checkpoint(
     assert len(greedy.stdout.split()) == 5
 
 
-def test_sample_refuses_a_missing_checkpoint_in_one_line(tmp_path):
-    out = _sample(str(tmp_path / "nope"))
-    assert out.returncode != 0 and "no checkpoint" in out.stderr and "Traceback" not in out.stderr
+def test_sample_refuses_a_missing_checkpoint_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SPEEDRUN_DEBUG", raising=False)
+    out = _sample(str(tmp_path / "nope"))  # through the command line, as a user runs it
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.splitlines() == [
+        f"sample.py: error: {tmp_path / 'nope'}: no checkpoint there (expected {tmp_path / 'nope' / 'model.pt'})"]
+    assert sample.cli(["latest", "--checkpoint_dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"sample.py: error: no checkpoint under {tmp_path}/: a run saves them with --save_every N, "
+        "e.g. python train_gpt.py --preset smoke --save_every 50"]
+    monkeypatch.setenv("SPEEDRUN_DEBUG", "1")  # the debug switch: the exception itself, with its traceback
+    with pytest.raises(sample.UsageError, match="no checkpoint under"):
+        sample.cli(["latest", "--checkpoint_dir", str(tmp_path)])
+
+
+def test_sample_names_a_corrupt_checkpoint_in_one_line(tmp_path, capsys):
+    (tmp_path / "step_000001").mkdir()
+    (tmp_path / "step_000001" / "model.pt").write_bytes(b"not a checkpoint")
+    assert sample.cli([str(tmp_path / "step_000001")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert err.startswith(f"sample.py: error: {tmp_path / 'step_000001' / 'model.pt'}: cannot read the checkpoint")
+
+
+def test_sample_readme_command_on_a_non_gpt2_vocabulary_samples_from_bos_with_a_note(tiny_checkpoint, capsys):
+    # README: python sample.py latest --prompt "The" --tokens 100 --temperature 0.8 --top_k 50, here on a
+    # checkpoint whose vocabulary cannot encode "The" (as --preset smoke's)
+    assert sample.cli([tiny_checkpoint, "--prompt", "The", "--tokens", "10", "--temperature", "0.8",
+                       "--top_k", "50", "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    ids = [int(t) for t in out.out.split()]
+    assert len(ids) == 10 and all(0 <= t < 64 for t in ids)
+    note = [line for line in out.err.splitlines() if line.startswith("sample.py: note:")]
+    assert len(note) == 1 and "not GPT-2's (64 tokens, BOS 63)" in note[0] and "--prompt \"1 2 3\"" in note[0]
+
+
+def test_sample_takes_token_ids_as_the_prompt_of_a_non_gpt2_vocabulary(tiny_checkpoint, capsys):
+    assert sample.cli([tiny_checkpoint, "--prompt", "5 17 42", "--tokens", "4", "--temperature", "0",
+                       "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    ids = [int(t) for t in out.out.split()]
+    assert ids[:3] == [5, 17, 42] and len(ids) == 7 and "note:" not in out.err
+    assert sample.cli([tiny_checkpoint, "--prompt", "5 64", "--tokens", "4", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "sample.py: error: --prompt: token id 64 is out of this checkpoint's vocabulary (ids 0 to 63)"]
 
 
 def test_sample_decodes_text_with_the_gpt2_vocabulary(tiny_args, tmp_path):

@@ -258,7 +258,45 @@ def test_corrupt_compressed_file_is_an_error_naming_the_file(tmp_path):
 def test_cli_reports_input_errors_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         tok.main([str(tmp_path / "absent.jsonl"), "--out", str(tmp_path / "out")])
-    assert str(e.value) == f"error: {tmp_path / 'absent.jsonl'}: no such file or directory"
+    assert str(e.value) == f"tokenize.py: error: {tmp_path / 'absent.jsonl'}: no such file or directory"
+
+
+def test_cli_refuses_an_out_that_is_a_file_in_one_line(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", TEXTS)
+    (tmp_path / "out").write_text("a file")
+    with pytest.raises(SystemExit) as e:
+        tok.main([str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "out")])
+    assert str(e.value) == f"tokenize.py: error: --out {tmp_path / 'out'}: exists and is not a directory"
+
+
+def test_cli_usage_errors_carry_the_same_tool_name(capsys):
+    with pytest.raises(SystemExit) as e:
+        tok.main(["x.jsonl"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "tokenize.py: error: the following arguments are required: --out"
+
+
+def test_cli_reports_any_other_error_in_one_line_and_speedrun_debug_raises_it(tmp_path, monkeypatch, capsys):
+    def disk_full(argv):
+        raise OSError(28, "No space left on device", str(tmp_path / "fineweb_train_000001.bin"))
+    monkeypatch.setattr(tok, "main", disk_full)
+    monkeypatch.delenv("SPEEDRUN_DEBUG", raising=False)
+    assert tok.cli([]) == 1
+    assert capsys.readouterr().err == \
+        f"tokenize.py: error: {tmp_path / 'fineweb_train_000001.bin'}: No space left on device\n"
+    monkeypatch.setenv("SPEEDRUN_DEBUG", "1")
+    with pytest.raises(OSError, match="No space left"):
+        tok.cli([])
+
+
+def test_cli_without_tiktoken_names_the_package(tmp_path, monkeypatch):
+    def missing(cls):
+        raise ImportError("No module named 'tiktoken'")
+    monkeypatch.setattr(tok.GPT2Encoder, "load", classmethod(missing))
+    write_jsonl(tmp_path / "d.jsonl", TEXTS)
+    with pytest.raises(SystemExit) as e:
+        tok.main([str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "out")])
+    assert str(e.value) == "tokenize.py: error: the GPT-2 BPE needs the tiktoken package (pip install tiktoken)"
 
 
 def test_cli_without_gpt2_files_says_to_set_tiktoken_cache_dir(tmp_path, monkeypatch):
@@ -268,6 +306,7 @@ def test_cli_without_gpt2_files_says_to_set_tiktoken_cache_dir(tmp_path, monkeyp
     write_jsonl(tmp_path / "d.jsonl", TEXTS)
     with pytest.raises(SystemExit) as e:
         tok.main([str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "out")])
+    assert str(e.value).startswith("tokenize.py: error: cannot load tiktoken's GPT-2 encoding")
     assert "TIKTOKEN_CACHE_DIR" in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "out").exists()
 
