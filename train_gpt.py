@@ -14,10 +14,12 @@ import hashlib
 import math
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -124,48 +126,78 @@ class Hyperparameters:
             raise ValueError(f"attention={h.attention!r}: choose auto, fa3, fa4, varlen or reference")
 
 
-PRESETS = {
-    # The 8-GPU record configuration: the dataclass defaults.
-    "record": {},
-    # A tiny model on a built-in synthetic corpus (a random Markov chain whose entropy per token is
-    # known exactly): about a minute on a laptop CPU, loss falling visibly toward that floor.
-    "smoke": dict(
+PRESETS = {  # name: (what it is, the fields it sets)
+    "record": ("the 8-GPU record configuration: the dataclass defaults", {}),
+    "smoke": ("a tiny model on a built-in synthetic corpus (a random Markov chain whose entropy per token, "
+              "the lowest loss possible, is known): about a minute on a laptop CPU", dict(
         markov_corpus=True, train_files=os.path.join(DATA_PATH, "data/smoke/markov_train_*.bin"),
         val_files=os.path.join(DATA_PATH, "data/smoke/markov_val_*.bin"), vocab_size=128, bos_id=127,
         num_layers=4, model_dim=128, num_heads=2, head_dim=64, no_attn_layers=(2,), num_value_embeds=1,
         window_pattern="LSSL", window_schedule=(1, 2, 3), window_block=64, batch_size=8 * 512, seq_len=512,
         val_seq_len=1024, val_tokens=32768, max_doc_len=512, max_num_docs=64, num_iterations=150, val_every=50,
-        log_every=10, compile=False, warmup_steps=0),
-    # One GPU with 24-40 GB: micro-batches of 16K tokens, 24 accumulation steps, the same global batch.
-    "single": dict(seq_len=16384, max_num_docs=128),
-    # GPT-2-medium size (24 blocks x 1024, 16 heads of 64). An untuned starting point: the record's
-    # learning rates and window pattern (repeated), attention in every block, a longer run.
-    "medium": dict(num_layers=24, model_dim=1024, num_heads=16, head_dim=64, no_attn_layers=(),
-                   window_pattern="LSSSLSSLSSSL" * 2, seq_len=24576, max_num_docs=128,
-                   num_iterations=4000),
+        log_every=10, compile=False, warmup_steps=0)),
+    "single": ("one GPU with 24-40 GB: micro-batches of 16K tokens, 24 accumulation steps, the same global batch",
+               dict(seq_len=16384, max_num_docs=128)),
+    "medium": ("GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the record's learning "
+               "rates and window pattern (repeated), attention in every block, 4000 steps",
+               dict(num_layers=24, model_dim=1024, num_heads=16, head_dim=64, no_attn_layers=(),
+                    window_pattern="LSSSLSSLSSSL" * 2, seq_len=24576, max_num_docs=128, num_iterations=4000)),
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Command-line errors in one line, naming what was expected (not argparse's usage wall)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (python {self.prog} --help lists every field)\n")
+
+
+def _bool(text: str) -> bool:
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, not {text!r}")
+    return value
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 3,7,11, not {text!r}") from None
+
+
+def field_help() -> dict[str, str]:
+    """Each Hyperparameters field's comment in this file's source: its --help text."""
+    source = Path(__file__).read_text().split("class Hyperparameters:")[1].split("def __post_init__")[0]
+    return {m[1]: m[2] for m in re.finditer(r"^ {4}(\w+): [^=\n]+=[^#\n]*#\s*(.+)$", source, re.M)}
+
+
 def parse_args(argv: list[str] | None = None) -> Hyperparameters:
-    """Build Hyperparameters from a preset and `--field value` pairs (booleans take true/false)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--preset", default="record")
-    preset = pre.parse_known_args(argv)[0].preset
-    if preset not in PRESETS:
-        raise SystemExit(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
-    base = Hyperparameters(**PRESETS[preset], preset=preset)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(Hyperparameters):
-        default = getattr(base, f.name)
-        if isinstance(default, bool):
-            kind = lambda s: {"true": True, "1": True, "false": False, "0": False}[s.lower()]
-        elif isinstance(default, tuple):
-            kind = lambda s: tuple(int(v) for v in s.split(",") if v.strip())
-        else:
-            kind = type(default)
-        parser.add_argument(f"--{f.name}", type=kind, default=default, metavar=type(default).__name__.upper(),
-                            help=f"default: {default}")
-    return Hyperparameters(**vars(parser.parse_args(argv)))
+    """Hyperparameters from `--field value` pairs over a base: the checkpoint's hyperparameters when
+    resuming (so `--resume CKPT` alone continues a run exactly), else the preset's."""
+    fields = {f.name: f for f in dataclasses.fields(Hyperparameters)}
+    defaults, helps = Hyperparameters(), field_help()
+    parser = _Parser(prog="train_gpt.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                     argument_default=argparse.SUPPRESS, epilog="presets (--preset NAME, then any field overrides):\n" + "\n".join(
+                         textwrap.fill(text, 100, initial_indent=f"  {name:9s}", subsequent_indent=" " * 11)
+                         for name, (text, _) in PRESETS.items()))
+    for name in fields:
+        default = getattr(defaults, name)
+        kind = _bool if isinstance(default, bool) else _ints if isinstance(default, tuple) else type(default)
+        parser.add_argument(f"--{name}", type=kind, metavar=type(default).__name__.upper(),
+                            help=f"{helps.get(name, '')} (default: {default})".lstrip())
+    given = vars(parser.parse_args(argv))
+    if given.get("preset", "record") not in PRESETS:
+        parser.error(f"--preset {given['preset']}: choose one of {', '.join(PRESETS)}")
+    base: dict = {}
+    if given.get("resume"):
+        checkpoint = find_checkpoint(given["resume"], given.get("checkpoint_dir", defaults.checkpoint_dir))
+        saved = read_checkpoint_file(checkpoint / "model.pt")["args"]
+        base = {k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in saved.items() if k in fields}
+        given["resume"] = str(checkpoint)
+    if "preset" in given or not base:
+        base.update(PRESETS[given.get("preset", "record")][1], preset=given.get("preset", "record"))
+    return Hyperparameters(**{**base, **given})
 
 
 # -----------------------------------------------------------------------------------------------
@@ -317,7 +349,7 @@ def select_attention(name: str, device: torch.device) -> str:
     if name == "auto":
         return available[0]
     if name not in available:
-        raise RuntimeError(f"attention backend {name!r} is not available on {device} (available: {available})")
+        raise ValueError(f"attention backend {name!r} is not available on {device} (available: {available})")
     return name
 
 
@@ -978,20 +1010,20 @@ def markov_chain(vocab_size: int, bos_id: int, seed: int = 0, alpha: float = 0.0
 def write_markov_corpus(train_pattern: str, val_pattern: str, vocab_size: int, bos_id: int, val_tokens: int,
                         train_tokens: int = 4_000_000, seed: int = 0) -> float:
     """Write the smoke preset's corpus (one val and one train shard) unless already there; return
-    its entropy floor. Deterministic: every machine writes the same bytes."""
+    its entropy floor. Deterministic: every machine writes the same bytes. A `.markov` file beside
+    each shard holds its sha256, so a later run skips the work; an existing file that does not hold
+    exactly the generator's tokens is never overwritten (it may be the user's data)."""
     Q, entropy = markov_chain(vocab_size, bos_id, seed)
     paths = [Path(val_pattern.replace("*", "000000")), Path(train_pattern.replace("*", "000001"))]
     sizes = [2 * val_tokens, train_tokens]
+    markers = [path.with_name(path.name + ".markov") for path in paths]
+    digest = lambda path: hashlib.sha256(path.read_bytes()).hexdigest()
+    if all(m.exists() and p.exists() and m.read_text().strip() == digest(p) for p, m in zip(paths, markers)):
+        return entropy
     rng = np.random.default_rng(seed + 1)
     cdf = Q.cumsum(axis=1)
     cdf[:, -1] = 1.0
-    for path, n in zip(paths, sizes):
-        try:
-            if read_shard_header(path) == n:
-                continue
-        except ShardError:
-            pass
-        path.parent.mkdir(parents=True, exist_ok=True)
+    for path, marker, n in zip(paths, markers, sizes):  # both sampled, in order: the bytes never vary
         # Sample chains side by side, each starting at a BOS and cut just before its last BOS, so laid
         # end to end they are one valid realisation of the chain (no impossible transitions).
         streams = max(1, min(1024, n // 4000))
@@ -1000,10 +1032,22 @@ def write_markov_corpus(train_pattern: str, val_pattern: str, vocab_size: int, b
         for t in range(out.shape[1]):
             out[:, t] = state
             state = (cdf[state] < rng.random(streams)[:, None]).sum(axis=1)
-        tokens = np.concatenate([row[: np.flatnonzero(row == bos_id)[-1]] for row in out])
+        tokens = np.concatenate([row[: np.flatnonzero(row == bos_id)[-1]] for row in out])[:n]
         if tokens.size < n:
             raise RuntimeError(f"Markov corpus: sampled {tokens.size} tokens, fewer than {n}")
-        write_shard(path, tokens[:n])
+        if path.exists():  # ours only if it holds exactly what the generator writes
+            try:
+                ours = np.array_equal(load_shard(path), tokens)
+            except ShardError:
+                ours = False
+            if not ours:
+                raise ValueError(f"{path} exists and was not written by the synthetic-corpus generator: refusing "
+                                 "to overwrite it. Point --train_files/--val_files at a folder of their own, or "
+                                 "train on the file with --markov_corpus false")
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_shard(path, tokens)
+        marker.write_text(digest(path) + "\n")
     return entropy
 
 
@@ -1098,12 +1142,14 @@ def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[
     }
 
 
-def size_report(model: GPT, args: Hyperparameters, world_size: int) -> list[str]:
-    """Parameter counts by group, and the estimate of memory per GPU."""
+def size_report(model: GPT, args: Hyperparameters, world_size: int, device: torch.device | None = None) -> list[str]:
+    """Parameter counts by group, and the estimate of memory per GPU (per process on the CPU)."""
     lines = [f"parameters: {name} {sum(p.numel() for p in ps):,}" for name, ps in param_groups_by_role(model).items()]
     parts = memory_estimate(model, args, world_size)
-    lines.append(f"memory per GPU: ~{sum(parts.values()) / 2**30:.1f} GiB: " +
-                 ", ".join(f"{name} {v / 2**30:.1f}" for name, v in parts.items()))
+    unit, size = ("GiB", 2**30) if sum(parts.values()) >= 2**30 else ("MiB", 2**20)
+    where = "process" if device is not None and device.type == "cpu" else "GPU"
+    lines.append(f"memory per {where}: ~{sum(parts.values()) / size:.1f} {unit}: " +
+                 ", ".join(f"{name} {v / size:.1f}" for name, v in parts.items()))
     return lines
 
 
@@ -1186,6 +1232,12 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
     return meta["step"], shard["loader"], meta["training_time_ms"]
 
 
+def resume_command(checkpoint: Path, world_size: int) -> str:
+    """The complete command that continues from a checkpoint (its hyperparameters come with it)."""
+    launch = f"NPROC={world_size} ./run.sh" if world_size > 1 else "python train_gpt.py"
+    return f"{launch} --resume {checkpoint}"
+
+
 def tuple_or_value(v):
     return tuple(v) if isinstance(v, (list, tuple)) else v
 
@@ -1199,7 +1251,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     """The model (seeded, identical on every rank), its compiled twin, the optimizers, and the
     attention backend and LM-head kind chosen for this device."""
     attention = select_attention(args.attention, device)
-    fp8 = args.fp8_head and fp8_supported(device)
+    fp8 = args.fp8_head and device.type == "cuda" and fp8_supported(device)  # on the CPU FP8 is emulated: bf16
     torch.manual_seed(args.seed)
     model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8).to(device)
     orthogonalize, compiled = newton_schulz, model
@@ -1259,21 +1311,31 @@ def warmup(model: GPT, compiled, optimizers, loader: BatchLoader, val, args: Hyp
 
 
 class Logger:
-    """Rank 0 prints and appends to logs/<run_id>.txt; other ranks stay silent."""
+    """Rank 0 prints and appends to logs/<run_id>.txt; other ranks stay silent. Lines are held in
+    memory until start() (the run has passed its start-up checks), so a refused or failed start
+    leaves no log behind and never appends to the log of the run it tried to resume."""
 
     def __init__(self, args: Hyperparameters, rank: int):
-        self.path = None
-        if rank == 0:
-            os.makedirs(args.log_dir, exist_ok=True)
-            self.path = os.path.join(args.log_dir, f"{args.run_id}.txt")
+        self.path = os.path.join(args.log_dir, f"{args.run_id}.txt") if rank == 0 else None
+        self.held: list[str] | None = []
 
     def __call__(self, msg: str = "", console: bool = True):
         if self.path is None:
             return
         if console:
             print(msg, flush=True)
-        with open(self.path, "a") as f:
-            f.write(msg + "\n")
+        if self.held is not None:
+            self.held.append(msg)
+        else:
+            with open(self.path, "a") as f:
+                f.write(msg + "\n")
+
+    def start(self):
+        if self.path is not None and self.held is not None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            with open(self.path, "a") as f:
+                f.writelines(m + "\n" for m in self.held)
+        self.held = None
 
 
 def environment_report(device: torch.device) -> str:
@@ -1302,7 +1364,7 @@ class RunResult:
     log_path: str | None
     first_step: int = 0  # a resumed run starts after its checkpoint's step
     checkpoint: str | None = None  # the last checkpoint written
-    interrupted: bool = False  # stopped by SIGTERM / Ctrl-C after saving a checkpoint
+    interrupted: int = 0  # the signal (SIGTERM / SIGINT) that stopped the run after saving a checkpoint
 
 
 class LossWatch:
@@ -1339,7 +1401,7 @@ def train(args: Hyperparameters) -> RunResult:
     grad_accum = num_slots // world_size
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+            raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
                                "lower --nproc_per_node")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -1376,25 +1438,27 @@ def train(args: Hyperparameters) -> RunResult:
             log(f"data: synthetic Markov-chain corpus, entropy floor {floor:.4f} nats/token (uniform: "
                 f"{math.log(args.vocab_size - 1):.4f}): no model can go below the floor")
 
+        train_files = shard_files(args.train_files, "training")
+        for f in train_files:  # every shard's header and size now, not when the loader reaches it
+            read_shard_header(f)
+        val = [tuple(t.to(device) for t in b) for b in validation_batches(
+            args.val_files, args.val_tokens, args.val_seq_len, args.bos_id, rank, world_size)]
         model, compiled, optimizers, attention, fp8 = build(args, device, rank, world_size)
         n_params = sum(p.numel() for p in model.parameters())
         log(f"device: {device} x {world_size}, grad accumulation {grad_accum}, attention backend: {attention}, "
             f"LM head: {'fp8' if fp8 else 'bf16'}, compile: {args.compile}, parameters: {n_params:,}")
-        for line in size_report(model, args, world_size):
+        for line in size_report(model, args, world_size, device):
             log(line)
-        log(f"logging to {log.path}")
         first_step, loader_state, training_time_ms = 0, None, 0.0
         if resume is not None:
             first_step, loader_state, training_time_ms = load_checkpoint(resume, model, optimizers, args, rank,
                                                                          world_size, log)
             log(f"resumed at step {first_step} from {resume}")
-
+        log.start()  # start-up checks passed: from here on the run has a log
+        log(f"logging to {log.path}")
         spec = BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
-        train_files = shard_files(args.train_files, "training")
         producer = lambda state=None: BatchProducer(train_files, rank, world_size, args.max_num_docs, args.bos_id,
                                                     state, log)
-        val = [tuple(t.to(device) for t in b) for b in validation_batches(
-            args.val_files, args.val_tokens, args.val_seq_len, args.bos_id, rank, world_size)]
 
         if args.warmup_steps > 0:
             warm_loader = BatchLoader(producer(), lambda s: spec, device)
@@ -1420,7 +1484,10 @@ def train(args: Hyperparameters) -> RunResult:
                 pass
         watch = LossWatch(device)
         train_losses, val_losses = [], []
-        checkpoint, interrupted, latest = None, False, None
+        checkpoint, interrupted, latest = None, 0, None
+        if args.log_every > 0:
+            log(f"every {args.log_every} steps: train_loss (mean per token)@the newest finished step, "
+                "tokens/s, mfu (model FLOPs / peak), step_ms, mem (allocated/reserved)")
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
@@ -1442,7 +1509,15 @@ def train(args: Hyperparameters) -> RunResult:
                 figures_from = (t0, step)
             if last:
                 break
-            spec, micro = loader.next()
+            try:
+                spec, micro = loader.next()
+            except (ShardError, OSError, EOFError) as e:  # the data broke mid-run: save and stop, as on SIGTERM
+                sync()
+                training_time_ms += 1000 * (time.perf_counter() - t0)
+                checkpoint = save_checkpoint(step, model, optimizers, loader.state, training_time_ms, args, rank,
+                                             world_size)
+                raise ShardError(f"{e}. Saved {checkpoint}; once the data is fixed, continue with: "
+                                 f"{resume_command(checkpoint, world_size)}") from e
             ws = window_size(step, args)
             try:
                 loss = train_step(model, compiled, optimizers, micro, spec.max_doc_len, step, ws, args)
@@ -1469,7 +1544,7 @@ def train(args: Hyperparameters) -> RunResult:
                        if peak else "n/a")
                 mem = (f"{torch.cuda.memory_allocated() / 2**30:.1f}/{torch.cuda.memory_reserved() / 2**30:.1f}GiB"
                        if device.type == "cuda" else "n/a")
-                loss_text = f"{latest[1]:.4f}@{latest[0]}" if latest else "pending"  # the newest finished step
+                loss_text = f"{latest[1]:.4f}@step{latest[0]}" if latest else "pending"  # the newest finished step
                 figures = (f"train_loss:{loss_text} tokens/s:{tokens_per_s:,.0f} mfu:{mfu} "
                            f"step_ms:{1000 * (now - figures_from[0]) / max(step + 1 - figures_from[1], 1):.1f} mem:{mem}")
                 log(f"step:{step + 1}/{N} {figures}", console=bar is None)
@@ -1488,8 +1563,9 @@ def train(args: Hyperparameters) -> RunResult:
                 t0 = time.perf_counter()
                 figures_from = (t0, step + 1)
                 if flag.item():
-                    interrupted = True
-                    log(f"stopped by signal after step {step + 1}; continue with: --resume {checkpoint}")
+                    interrupted = stop_signals[0] if stop_signals else signal.SIGTERM
+                    log(f"stopped by signal after step {step + 1}; continue with: "
+                        f"{resume_command(checkpoint, world_size)}")
                     break
         if args.save_every > 0 and not interrupted:
             checkpoint = save_checkpoint(N, model, optimizers, loader.state, training_time_ms, args, rank, world_size)
@@ -1500,6 +1576,11 @@ def train(args: Hyperparameters) -> RunResult:
         if device.type == "cuda":
             log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
                 f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+        done = step if step == N else step + 1
+        log(f"{'stopped' if interrupted else 'finished'} at step {done}/{N}: training time "
+            f"{training_time_ms / 1000:.1f}s ({training_time_ms / max(done, 1):.1f} ms/step)" +
+            (f", val_loss {val_losses[-1][1]:.4f} at step {val_losses[-1][0]}" if val_losses else "") +
+            (f", checkpoint {checkpoint}" if checkpoint else "") + f", log {log.path}")
         return RunResult((losses / args.batch_size).tolist(), val_losses, training_time_ms, log.path, first_step,
                          str(checkpoint) if checkpoint else None, interrupted)
     finally:
@@ -1524,5 +1605,22 @@ def copy_state_dict(state):
     return state
 
 
+# Errors a user can fix (bad flags, data, checkpoints, memory): one line, no traceback, unless
+# SPEEDRUN_DEBUG=1. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, OSError, EOFError, FloatingPointError, torch.OutOfMemoryError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        result = train(parse_args(argv))
+    except USER_ERRORS as e:
+        if os.environ.get("SPEEDRUN_DEBUG"):
+            raise
+        rank = int(os.environ.get("RANK", 0))
+        print(f"train_gpt.py: error{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 128 + result.interrupted if result.interrupted else 0  # the shell's convention for a signal
+
+
 if __name__ == "__main__":
-    train(parse_args())
+    sys.exit(main())

@@ -102,7 +102,7 @@ def test_command_line_overrides_every_kind_of_field():
 def test_attention_backend_choice_on_cpu_is_the_reference_and_others_are_refused():
     cpu = torch.device("cpu")
     assert tg.select_attention("auto", cpu) == "reference"
-    with pytest.raises(RuntimeError, match="not available"):
+    with pytest.raises(ValueError, match="not available"):
         tg.select_attention("fa3", cpu)
 
 

@@ -1,0 +1,123 @@
+"""What a newcomer meets at the command line: one-line errors naming the fix, help that explains
+every field and preset, data never overwritten, failures found at start-up, a resume hint that is
+a whole command, and non-zero exits when a run did not finish."""
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import train_gpt as tg
+from conftest import write_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*argv, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *argv], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--compile", "maybe"], "argument --compile: expected true or false, not 'maybe'"),
+    (["--window_schedule", "3,x"], "expected comma-separated integers such as 3,7,11, not '3,x'"),
+    (["--no_such_field", "1"], "unrecognized arguments: --no_such_field 1"),
+    (["--preset", "huge"], "--preset huge: choose one of record, smoke, single, medium"),
+])
+def test_bad_flags_are_one_line_errors_naming_the_expected_form(capsys, argv, expected):
+    with pytest.raises(SystemExit) as e:
+        tg.parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("train_gpt.py: error: ") and expected in err
+
+
+def test_help_describes_every_commented_field_and_lists_the_presets(capsys):
+    with pytest.raises(SystemExit):
+        tg.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "tokens per optimizer step, summed over ranks and accumulation steps" in " ".join(out.split())
+    helps = tg.field_help()
+    assert {"batch_size", "val_seq_len", "max_doc_len", "save_every", "resume"} <= set(helps)
+    for name in tg.PRESETS:
+        assert f"\n  {name} " in out
+
+
+def test_a_start_up_error_is_one_line_with_a_non_zero_exit_and_leaves_no_log(tmp_path):
+    proc = run_cli("--train_files", str(tmp_path / "none_*.bin"), "--log_dir", str(tmp_path / "logs"),
+                   "--run_id", "failed")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("train_gpt.py: error: no training shards match")
+    assert not (tmp_path / "logs" / "failed.txt").exists()
+
+
+def test_the_smoke_generator_never_overwrites_a_file_it_did_not_write(tmp_path):
+    mine = tmp_path / "mine"
+    write_corpus(mine)
+    real = mine / "syn_train_000001.bin"
+    before = hashlib.md5(real.read_bytes()).hexdigest()
+    with pytest.raises(ValueError, match="not written by the synthetic-corpus generator: refusing"):
+        tg.write_markov_corpus(str(mine / "syn_train_*.bin"), str(tmp_path / "v" / "val_*.bin"), 64, 63, 1024,
+                               train_tokens=20_000)
+    assert hashlib.md5(real.read_bytes()).hexdigest() == before
+    # its own files are recognised, marked and reused; a damaged one of its own is not rewritten either
+    train, val = str(tmp_path / "g" / "train_*.bin"), str(tmp_path / "g" / "val_*.bin")
+    tg.write_markov_corpus(train, val, 64, 63, 1024, train_tokens=20_000)
+    shard = tmp_path / "g" / "train_000001.bin"
+    assert (tmp_path / "g" / "train_000001.bin.markov").read_text().strip() == hashlib.sha256(shard.read_bytes()).hexdigest()
+    tg.write_markov_corpus(train, val, 64, 63, 1024, train_tokens=20_000)
+    shard.write_bytes(shard.read_bytes()[:-2] + b"\x00\x00")
+    with pytest.raises(ValueError, match="refusing"):
+        tg.write_markov_corpus(train, val, 64, 63, 1024, train_tokens=20_000)
+
+
+def test_a_damaged_later_training_shard_is_found_at_start_up(tiny_args, tmp_path):
+    args = tiny_args(num_iterations=2, run_id="bad")
+    second = sorted(Path(args.train_files).parent.glob("syn_train_*.bin"))[1]
+    second.write_bytes(second.read_bytes()[:-100])
+    with pytest.raises(tg.ShardError, match=f"{second.name}: file is .* truncated"):
+        tg.train(args)
+    assert not (Path(args.log_dir) / "bad.txt").exists()
+
+
+def test_a_data_error_mid_run_saves_a_checkpoint_and_says_how_to_continue(tiny_args, tmp_path, monkeypatch):
+    args = tiny_args(num_iterations=40, val_every=0, run_id="mid", checkpoint_dir=str(tmp_path / "ck"))
+    second = sorted(Path(args.train_files).parent.glob("syn_train_*.bin"))[1]
+    real_load = tg.load_shard
+
+    def load(path):  # the second shard breaks after the start-up checks passed
+        if Path(path) == second:
+            raise tg.ShardError(f"{path}: read 7 tokens, header promises 20000")
+        return real_load(path)
+    monkeypatch.setattr(tg, "load_shard", load)
+    with pytest.raises(tg.ShardError) as e:
+        tg.train(args)
+    saved = sorted((tmp_path / "ck" / "mid").glob("step_*"))
+    assert len(saved) == 1 and 0 < int(saved[0].name[5:]) < 40
+    assert f"continue with: python train_gpt.py --resume {saved[0]}" in str(e.value)
+    monkeypatch.setattr(tg, "load_shard", real_load)  # the data fixed: the hint alone continues the run
+    resumed = tg.train(tg.parse_args(["--resume", str(saved[0])]))
+    assert resumed.first_step == int(saved[0].name[5:]) and resumed.val_losses[-1][0] == 40
+
+
+def test_the_resume_hint_alone_continues_with_the_checkpoints_hyperparameters(tiny_args, tmp_path):
+    args = tiny_args(num_iterations=6, val_every=3, save_every=3, run_id="hint", checkpoint_dir=str(tmp_path / "ck"),
+                     max_doc_len=64, muon_lr=0.03)
+    full = tg.train(args)
+    parsed = tg.parse_args(["--resume", str(tmp_path / "ck" / "hint" / "step_000003")])
+    assert parsed == tg.Hyperparameters(**{**vars(args), "resume": str(tmp_path / "ck" / "hint" / "step_000003")})
+    resumed = tg.train(parsed)
+    assert resumed.train_losses == full.train_losses[3:] and resumed.val_losses[-1] == full.val_losses[-1]
+    # a flag given now overrides the checkpoint's value; a different model shape is refused
+    assert tg.parse_args(["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"),
+                          "--num_iterations", "9"]).num_iterations == 9
+    with pytest.raises(ValueError, match="different model: model_dim"):
+        tg.train(tg.parse_args(["--resume", parsed.resume, "--model_dim", "96", "--head_dim", "48"]))
+
+
+def test_cpu_runs_report_a_bf16_head_and_memory_per_process(tiny_args, capsys):
+    tg.train(tiny_args(num_iterations=1, val_every=0, fp8_head=True))
+    out = capsys.readouterr().out
+    assert "LM head: bf16" in out and "memory per process: ~" in out and "MiB" in out
+    assert "finished at step 1/1: training time" in out
