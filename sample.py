@@ -86,16 +86,17 @@ def encode_prompt(prompt: str, args: tg.Hyperparameters):
 @torch.no_grad()
 def generate(model: tg.GPT, args: tg.Hyperparameters, prompt: list[int], n: int, temperature: float, top_k: int,
              generator: torch.Generator, device: torch.device) -> list[int]:
-    """Sample n tokens after [BOS] + prompt. The context is the last max_doc_len tokens; when cut,
-    its first token becomes BOS, as in training."""
+    """Sample n tokens after [BOS] + prompt, with the windows of the last training stage. Training
+    never sees a document past max_doc_len tokens, so the context is the last max_doc_len tokens,
+    opened by a BOS when cut."""
     tokens = [args.bos_id, *prompt]
-    ws = args.window_schedule[-1]
+    windows = tg.training_stages(args)[-1].windows
     for _ in range(n):
         context = tokens[-args.max_doc_len:]
         context[0] = args.bos_id
         x = torch.tensor(context, dtype=torch.int32, device=device)
         cu = torch.tensor([0, len(context)], dtype=torch.int32, device=device)
-        logits = model.next_token_logits(x, cu, len(context), ws)[: args.vocab_size]
+        logits = model.next_token_logits(x, cu, len(context), windows)[: args.vocab_size]
         if temperature <= 0:
             nxt = int(logits.argmax())
         else:

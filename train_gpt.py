@@ -378,7 +378,6 @@ class ModelConfig:
     no_attn_layers: tuple[int, ...]
     num_value_embeds: int
     window_pattern: str
-    window_block: int
     attn_scale: float
     gate_channels: int
     rotary_min_freq: float
@@ -487,12 +486,12 @@ class GPT(nn.Module):
         k, L = self.cfg.num_value_embeds, self.cfg.num_layers
         return [i if i < k else i - (L - k) if i >= L - k else None for i in range(L)]
 
-    def window_sizes(self, ws: int) -> list[int]:
-        """Left attention window per block in tokens: L blocks see ws*128, S blocks (ws//2)*128."""
-        b = self.cfg.window_block
-        return [(ws if p == "L" else ws // 2) * b for p in self.cfg.window_pattern]
+    def block_windows(self, windows: tuple[int, int]) -> list[int]:
+        """Each block's left attention window in tokens, from the stage's (long, short) windows and
+        window_pattern (record #29: L,S,S,S,L,S,S,L,S,S,S,L)."""
+        return [windows[0] if p == "L" else windows[1] for p in self.cfg.window_pattern]
 
-    def hidden(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, ws: int) -> Tensor:
+    def hidden(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int]) -> Tensor:
         """The final normed hidden state of every position (before the LM head)."""
         L = self.cfg.num_layers
         s = self.scalars
@@ -500,7 +499,7 @@ class GPT(nn.Module):
         lambdas, ve_lambdas = block_scalars[:, :2], block_scalars[:, 2:]
         x = x0 = norm(self.embed(inputs))
         ves = [self.value_embeds[i](inputs) if i is not None else None for i in self.value_embed_layers()]
-        windows = self.window_sizes(ws)
+        windows = self.block_windows(windows)
         skips = []  # U-net: outputs of the first half feed, in reverse order, the inputs of the second
         for i, block in enumerate(self.blocks):
             if i >= L - L // 2:
@@ -514,9 +513,9 @@ class GPT(nn.Module):
         """Logit soft-cap (record): bounded logits, smoother early training."""
         return self.cfg.logit_softcap * torch.sigmoid(logits.float() / self.cfg.softcap_temp)
 
-    def next_token_logits(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, ws: int) -> Tensor:
+    def next_token_logits(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int]) -> Tensor:
         """Soft-capped logits at the last position (for sampling; bf16 head)."""
-        x = self.hidden(inputs, cu_seqlens, max_seqlen, ws)[-1:]
+        x = self.hidden(inputs, cu_seqlens, max_seqlen, windows)[-1:]
         return self.softcap(F.linear(x, self.lm_head_w.type_as(x)))[0]
 
     def head_losses(self, x: Tensor, targets: Tensor) -> Tensor:
@@ -537,10 +536,10 @@ class GPT(nn.Module):
     # the loss run on slices of this many positions, so the (tokens x vocab) logits never exist whole.
     eval_slice = 16384
 
-    def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, max_seqlen: int, ws: int,
+    def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int],
                 reduction: str = "sum") -> Tensor:
         """Summed cross-entropy of the micro-batch (reduction="none": per token)."""
-        x = self.hidden(inputs, cu_seqlens, max_seqlen, ws)
+        x = self.hidden(inputs, cu_seqlens, max_seqlen, windows)
         if self.training:
             losses = self.head_losses(x, targets)
         else:
@@ -876,7 +875,7 @@ def assemble(pieces, num_tokens: int, max_num_docs: int) -> tuple[np.ndarray, np
     return x, y, cu
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchSpec:
     batch_size: int  # tokens per step, all ranks
     seq_len: int  # tokens per micro-batch
@@ -1052,7 +1051,38 @@ def write_markov_corpus(train_pattern: str, val_pattern: str, vocab_size: int, b
 
 
 # -----------------------------------------------------------------------------------------------
-# Training loop
+# Schedule: the run as a table of stages; every per-step quantity (batch, windows, learning rate,
+# momentum) is read from here.
+
+@dataclass(frozen=True)
+class TrainingStage:
+    """One stretch of the run; every per-step quantity of the training loop is read from its stage.
+    Token counts throughout: batch sizes, sequence lengths and attention windows."""
+    end: int  # the stage covers steps [previous stage's end, end)
+    batch: BatchSpec  # global batch, micro-batch length and document cut (training)
+    windows: tuple[int, int]  # left attention window of the long and the short blocks (window_pattern)
+    lr_mult: float = 1.0  # multiplies both optimizers' learning rates (on top of the cooldown)
+
+
+def window_tokens(blocks: int, block: int) -> tuple[int, int]:
+    """(long, short) windows in tokens from a long window in blocks: the short one is half of it,
+    rounded down to a block (record #29's sliding windows, @classiclarryd)."""
+    return blocks * block, blocks // 2 * block
+
+
+def training_stages(args: Hyperparameters) -> list[TrainingStage]:
+    """The schedule as a table. Today's (record of 2025-09-03): one batch shape, and the long window
+    stepping through window_schedule (in blocks of window_block tokens) in equal parts of the run."""
+    n, N = len(args.window_schedule), args.num_iterations
+    batch = BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
+    return [TrainingStage(end=-(-(i + 1) * N // n), batch=batch, windows=window_tokens(ws, args.window_block))
+            for i, ws in enumerate(args.window_schedule)]
+
+
+def stage_at(stages: list[TrainingStage], step: int) -> TrainingStage:
+    """The stage a step trains in (validation after the last step: the last stage)."""
+    return next((st for st in stages if step < st.end), stages[-1])
+
 
 def lr_factor(step: int, args: Hyperparameters) -> float:
     """Constant, then linear decay to final_lr_frac over the last cooldown_frac of the steps."""
@@ -1068,12 +1098,8 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
     frac = min(step / args.muon_momentum_warmup, 1) if args.muon_momentum_warmup else 1
     return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
 
-
-def window_size(step: int, args: Hyperparameters) -> int:
-    """Long attention window, in blocks of window_block tokens: window_schedule in equal parts."""
-    n = len(args.window_schedule)
-    return args.window_schedule[min(step * n // args.num_iterations, n - 1)]
-
+# -----------------------------------------------------------------------------------------------
+# Optimizer wiring: which parameters each optimizer gets, at which learning rate.
 
 def param_groups_by_role(model: GPT) -> dict[str, list[nn.Parameter]]:
     """Parameters by what they are (the optimizers and the size report split them so)."""
@@ -1098,6 +1124,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
             group["initial_lr"] = group["lr"]
     return adam, muon
 
+# -----------------------------------------------------------------------------------------------
+# Metrics: model FLOPs per token (MFU), memory estimate, size report.
 
 # Dense bf16 tensor-core peaks per GPU from the vendors' datasheets (TFLOP/s, no sparsity); the
 # first name found in the device name wins, so specific names come before general ones.
@@ -1114,7 +1142,7 @@ def peak_tflops(device: torch.device, override: float) -> float | None:
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
-def flops_per_token(model: GPT, ws: int, max_doc_len: int) -> float:
+def flops_per_token(model: GPT, windows: tuple[int, int], max_doc_len: int) -> float:
     """Training FLOPs per token: 6 x the matmul weights (block matrices + LM head), plus attention:
     QK^T and AV, 2 x 2 x heads x head_dim multiply-adds per key forward, x3 with the backward, over
     the keys a query sees (its window + itself, at most a document)."""
@@ -1122,7 +1150,7 @@ def flops_per_token(model: GPT, ws: int, max_doc_len: int) -> float:
     groups = param_groups_by_role(model)
     matmul = sum(p.numel() for p in groups["block matrices"] + groups["LM head"])
     attn = sum(12 * cfg.num_heads * cfg.head_dim * min(w + 1, max_doc_len)
-               for w, block in zip(model.window_sizes(ws), model.blocks) if block.attn is not None)
+               for w, block in zip(model.block_windows(windows), model.blocks) if block.attn is not None)
     return 6 * matmul + attn
 
 
@@ -1152,12 +1180,30 @@ def size_report(model: GPT, args: Hyperparameters, world_size: int, device: torc
                  ", ".join(f"{name} {v / size:.1f}" for name, v in parts.items()))
     return lines
 
+# -----------------------------------------------------------------------------------------------
+# Checkpoints: whole or absent, sharded optimizer states, exact resume.
 
 def code_hash() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "max_seq_len"]
+
+
+def barrier(world_size: int):
+    if world_size > 1:
+        dist.barrier()
+
+
+def copy_state_dict(state):
+    """Deep copy of a (nested) optimizer state dict, tensors cloned."""
+    if isinstance(state, Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: copy_state_dict(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(copy_state_dict(v) for v in state)
+    return state
 
 
 def save_checkpoint(step: int, model: GPT, optimizers, loader_state: dict, training_time_ms: float,
@@ -1209,6 +1255,10 @@ def read_checkpoint_file(path: Path) -> dict:
                          "truncated: resume from another one") from e
 
 
+def tuple_or_value(v):
+    return tuple(v) if isinstance(v, (list, tuple)) else v
+
+
 def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, rank: int, world_size: int, log):
     """Restore weights and this rank's optimizer shards; return (step, data position, training ms).
     Refuses a checkpoint of another model shape or world size, naming what differs."""
@@ -1237,78 +1287,8 @@ def resume_command(checkpoint: Path, world_size: int) -> str:
     launch = f"NPROC={world_size} ./run.sh" if world_size > 1 else "python train_gpt.py"
     return f"{launch} --resume {checkpoint}"
 
-
-def tuple_or_value(v):
-    return tuple(v) if isinstance(v, (list, tuple)) else v
-
-
-def barrier(world_size: int):
-    if world_size > 1:
-        dist.barrier()
-
-
-def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int):
-    """The model (seeded, identical on every rank), its compiled twin, the optimizers, and the
-    attention backend and LM-head kind chosen for this device."""
-    attention = select_attention(args.attention, device)
-    fp8 = args.fp8_head and device.type == "cuda" and fp8_supported(device)  # on the CPU FP8 is emulated: bf16
-    torch.manual_seed(args.seed)
-    model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8).to(device)
-    orthogonalize, compiled = newton_schulz, model
-    if args.compile:
-        compiled = torch.compile(model, dynamic=False, fullgraph=True)
-        orthogonalize = torch.compile(newton_schulz, dynamic=False, fullgraph=True)
-    return model, compiled, build_optimizers(model, args, rank, world_size, orthogonalize), attention, fp8
-
-
-def train_step(model: GPT, compiled, optimizers, micro, max_seqlen: int, step: int, ws: int,
-               args: Hyperparameters) -> Tensor:
-    """One optimizer step over this rank's micro-batches; returns the summed loss (on the device)."""
-    loss = torch.zeros((), device=model.lm_head_w.device)
-    for inputs, targets, cu_seqlens in micro:
-        micro_loss = compiled(inputs, targets, cu_seqlens, max_seqlen, ws)
-        micro_loss.backward()
-        loss += micro_loss.detach()
-    adam, muon = optimizers
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * lr_factor(step, args)
-    for group in muon.param_groups:
-        group["momentum"] = muon_momentum(step, args)
-    for opt in optimizers:
-        opt.step()
-    model.zero_grad(set_to_none=True)
-    return loss
-
-
-def evaluate(model: GPT, compiled, val, ws: int, args: Hyperparameters, world_size: int) -> float:
-    """Mean loss per token over the whole validation set (all ranks)."""
-    model.eval()
-    with torch.no_grad():
-        total = torch.zeros((), device=model.lm_head_w.device)
-        for inputs, targets, cu_seqlens in val:
-            # a document may run the whole buffer: max_seqlen is the buffer length
-            total += compiled(inputs, targets, cu_seqlens, args.val_seq_len, ws, reduction="sum")
-    if world_size > 1:
-        dist.all_reduce(total)
-    model.train()
-    return total.item() / args.val_tokens
-
-
-def warmup(model: GPT, compiled, optimizers, loader: BatchLoader, val, args: Hyperparameters, world_size: int):
-    """Untimed warm-up: compile every window size's training and validation graphs on real batches
-    (warmup_steps optimizer steps each), then restore the initial weights and optimizer state exactly."""
-    initial_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]
-    for ws in dict.fromkeys(args.window_schedule):
-        for i in range(args.warmup_steps):
-            spec, micro = loader.next()
-            train_step(model, compiled, optimizers, micro, spec.max_doc_len, i, ws, args)
-        evaluate(model, compiled, val, ws, args, world_size)
-    model.load_state_dict(initial_model)
-    for opt, state in zip(optimizers, initial_opts):
-        opt.load_state_dict(state)
-
+# -----------------------------------------------------------------------------------------------
+# Logging
 
 class Logger:
     """Rank 0 prints and appends to logs/<run_id>.txt; other ranks stay silent. Lines are held in
@@ -1355,6 +1335,100 @@ def _version(module: str) -> str:
     except Exception:
         return "not installed"
 
+# -----------------------------------------------------------------------------------------------
+# Training: build, one step, validation, warm-up, the run
+
+def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int):
+    """The model (seeded, identical on every rank), its compiled twin, the optimizers, and the
+    attention backend and LM-head kind chosen for this device."""
+    attention = select_attention(args.attention, device)
+    fp8 = args.fp8_head and device.type == "cuda" and fp8_supported(device)  # on the CPU FP8 is emulated: bf16
+    torch.manual_seed(args.seed)
+    model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8).to(device)
+    orthogonalize, compiled = newton_schulz, model
+    if args.compile:
+        compiled = torch.compile(model, dynamic=False, fullgraph=True)
+        orthogonalize = torch.compile(newton_schulz, dynamic=False, fullgraph=True)
+    return model, compiled, build_optimizers(model, args, rank, world_size, orthogonalize), attention, fp8
+
+
+def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: TrainingStage,
+               args: Hyperparameters) -> Tensor:
+    """One optimizer step over this rank's micro-batches; returns the summed loss (on the device)."""
+    loss = torch.zeros((), device=model.lm_head_w.device)
+    for inputs, targets, cu_seqlens in micro:
+        micro_loss = compiled(inputs, targets, cu_seqlens, stage.batch.max_doc_len, stage.windows)
+        micro_loss.backward()
+        loss += micro_loss.detach()
+    adam, muon = optimizers
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * stage.lr_mult * lr_factor(step, args)
+    for group in muon.param_groups:
+        group["momentum"] = muon_momentum(step, args)
+    for opt in optimizers:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return loss
+
+
+def evaluate(model: GPT, compiled, val, windows: tuple[int, int], args: Hyperparameters, world_size: int) -> float:
+    """Mean loss per token over the whole validation set (all ranks)."""
+    model.eval()
+    with torch.no_grad():
+        total = torch.zeros((), device=model.lm_head_w.device)
+        for inputs, targets, cu_seqlens in val:
+            # a document may run the whole buffer: max_seqlen is the buffer length
+            total += compiled(inputs, targets, cu_seqlens, args.val_seq_len, windows, reduction="sum")
+    if world_size > 1:
+        dist.all_reduce(total)
+    model.train()
+    return total.item() / args.val_tokens
+
+
+def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, stages: list[TrainingStage],
+           args: Hyperparameters, world_size: int):
+    """Untimed warm-up: compile the training and validation graphs of every distinct stage shape on
+    real batches (warmup_steps optimizer steps each), then restore the initial weights and optimizer
+    state exactly. The producer is a fresh one: the timed run starts from the same data."""
+    shapes = list({(st.batch, st.windows): st for st in stages}.values())
+    k = args.warmup_steps
+    initial_model = {name: v.detach().clone() for name, v in model.state_dict().items()}
+    initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]
+    loader = BatchLoader(producer, lambda s: shapes[min(s // k, len(shapes) - 1)].batch, model.lm_head_w.device)
+    try:
+        for stage in shapes:
+            for i in range(k):
+                train_step(model, compiled, optimizers, loader.next()[1], i, stage, args)
+            evaluate(model, compiled, val, stage.windows, args, world_size)
+    finally:
+        loader.close()
+    model.load_state_dict(initial_model)
+    for opt, state in zip(optimizers, initial_opts):
+        opt.load_state_dict(state)
+
+
+class Clock:
+    """Training time: it runs only inside the timed region. stop() and start() bracket what is not
+    training (validation, checkpoints), each after waiting for the GPU to finish its queued work."""
+
+    def __init__(self, device: torch.device, ms: float = 0.0):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.ms, self.t0 = ms, None
+
+    def start(self):
+        self.sync()
+        self.t0 = time.perf_counter()
+
+    def stop(self):
+        self.sync()
+        self.ms += 1000 * (time.perf_counter() - self.t0)
+        self.t0 = None
+
+    def read_ms(self) -> float:
+        """Training time so far, without waiting for the GPU (approximate while steps are queued)."""
+        return self.ms + (1000 * (time.perf_counter() - self.t0) if self.t0 is not None else 0.0)
+
 
 @dataclass
 class RunResult:
@@ -1391,219 +1465,231 @@ class LossWatch:
             yield step, host.item() / tokens
 
 
-def train(args: Hyperparameters) -> RunResult:
+class Figures:
+    """The every-log_every-steps line: loss of the newest finished step, tokens/s, MFU, memory."""
+
+    def __init__(self, model: GPT, device: torch.device, peak: float | None, world_size: int, step: int):
+        self.model, self.device, self.peak, self.world_size = model, device, peak, world_size
+        self.restart(step)
+
+    def restart(self, step: int):  # after anything untimed
+        self.t, self.tokens = time.perf_counter(), 0
+        self.step = step
+
+    def line(self, step: int, stage: TrainingStage, latest) -> str:
+        now = time.perf_counter()
+        tokens_per_s = self.tokens / max(now - self.t, 1e-9)
+        flops = flops_per_token(self.model, stage.windows, stage.batch.max_doc_len)
+        mfu = f"{100 * flops * tokens_per_s / (self.peak * 1e12 * self.world_size):.1f}%" if self.peak else "n/a"
+        mem = (f"{torch.cuda.memory_allocated() / 2**30:.1f}/{torch.cuda.memory_reserved() / 2**30:.1f}GiB"
+               if self.device.type == "cuda" else "n/a")
+        loss = f"{latest[1]:.4f}@step{latest[0]}" if latest else "pending"  # the newest finished step
+        text = (f"train_loss:{loss} tokens/s:{tokens_per_s:,.0f} mfu:{mfu} "
+                f"step_ms:{1000 * (now - self.t) / max(step - self.step, 1):.1f} mem:{mem}")
+        self.restart(step)
+        return text
+
+
+def start_processes(args: Hyperparameters) -> tuple[int, int, torch.device]:
+    """(rank, world size, device) of this process under torchrun (or alone), process group joined."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     num_slots = args.batch_size // args.seq_len
     if num_slots % world_size:
         raise ValueError(f"world_size={world_size} must divide the {num_slots} micro-batches of a step "
                          f"(batch_size/seq_len): use 1, 2, 4 or 8 GPUs with the default batch")
-    grad_accum = num_slots // world_size
+    device = torch.device("cpu")
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
-                               "lower --nproc_per_node")
+                             "lower --nproc_per_node")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
+    return rank, world_size, device
+
+
+def name_run(args: Hyperparameters, world_size: int) -> tuple[Hyperparameters, Path | None]:
+    """The run id (a resumed run keeps its checkpoint's, and so its log) and the checkpoint to resume."""
     resume = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
     if resume is not None and not args.run_id:
-        args = dataclasses.replace(args, run_id=resume.parent.name)  # continue the same run and log
+        args = dataclasses.replace(args, run_id=resume.parent.name)
     if not args.run_id:
         run_id = [str(uuid.uuid4())]
         if world_size > 1:
             dist.broadcast_object_list(run_id, src=0)
         args = dataclasses.replace(args, run_id=run_id[0])
-    log = Logger(args, rank)
-    loader, bar, handlers = None, None, {}
-    try:
-        if resume is not None and log.path and os.path.exists(log.path):
-            log(f"resuming from {resume}")
-        else:
-            log(Path(__file__).read_text().rstrip("\n"), console=False)  # the code that made this run
-            log("=" * 100, console=False)
-            log(environment_report(device), console=False)
-            log("=" * 100, console=False)
-            for f in dataclasses.fields(args):
-                log(f"{f.name}: {getattr(args, f.name)}", console=False)
-        if args.markov_corpus:
-            if rank == 0:
-                write_markov_corpus(args.train_files, args.val_files, args.vocab_size, args.bos_id, args.val_tokens)
-            barrier(world_size)
-            floor = markov_chain(args.vocab_size, args.bos_id)[1]
-            log(f"data: synthetic Markov-chain corpus, entropy floor {floor:.4f} nats/token (uniform: "
-                f"{math.log(args.vocab_size - 1):.4f}): no model can go below the floor")
+    return args, resume
 
-        train_files = shard_files(args.train_files, "training")
-        for f in train_files:  # every shard's header and size now, not when the loader reaches it
-            read_shard_header(f)
-        val = [tuple(t.to(device) for t in b) for b in validation_batches(
-            args.val_files, args.val_tokens, args.val_seq_len, args.bos_id, rank, world_size)]
+
+def log_header(log: Logger, args: Hyperparameters, device: torch.device, resume: Path | None):
+    """A new log starts with the code that made the run, the environment and every hyperparameter."""
+    if resume is not None and log.path and os.path.exists(log.path):
+        log(f"resuming from {resume}")
+        return
+    log(Path(__file__).read_text().rstrip("\n"), console=False)
+    log("=" * 100, console=False)
+    log(environment_report(device), console=False)
+    log("=" * 100, console=False)
+    for f in dataclasses.fields(args):
+        log(f"{f.name}: {getattr(args, f.name)}", console=False)
+
+
+def prepare_data(args: Hyperparameters, rank: int, world_size: int, device: torch.device, log):
+    """Training shards (every header checked now, not when the loader reaches it) and this rank's
+    validation batches on the device; the smoke preset's synthetic corpus written first."""
+    if args.markov_corpus:
+        if rank == 0:
+            write_markov_corpus(args.train_files, args.val_files, args.vocab_size, args.bos_id, args.val_tokens)
+        barrier(world_size)
+        floor = markov_chain(args.vocab_size, args.bos_id)[1]
+        log(f"data: synthetic Markov-chain corpus, entropy floor {floor:.4f} nats/token (uniform: "
+            f"{math.log(args.vocab_size - 1):.4f}): no model can go below the floor")
+    train_files = shard_files(args.train_files, "training")
+    for f in train_files:
+        read_shard_header(f)
+    val = [tuple(t.to(device) for t in b) for b in validation_batches(
+        args.val_files, args.val_tokens, args.val_seq_len, args.bos_id, rank, world_size)]
+    return train_files, val
+
+
+def stop_on_signals() -> tuple[list[int], dict]:
+    """SIGTERM / Ctrl-C only set a flag: the loop finishes its step, saves and stops (ranks agree
+    through a small all-reduce on a CPU group, which never waits for the GPU)."""
+    stop_signals: list[int] = []
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {sig: signal.signal(sig, lambda signum, frame: stop_signals.append(signum))
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+    return stop_signals, handlers
+
+
+def next_batches(loader: BatchLoader, step: int, model: GPT, optimizers, clock: Clock, args: Hyperparameters,
+                 rank: int, world_size: int):
+    """This step's micro-batches. If the data breaks mid-run (a shard damaged or gone since the
+    start-up checks), save a checkpoint of the `step` steps done and stop, as on SIGTERM."""
+    try:
+        return loader.next()[1]
+    except (ShardError, OSError, EOFError) as e:
+        clock.stop()
+        checkpoint = save_checkpoint(step, model, optimizers, loader.state, clock.ms, args, rank, world_size)
+        raise ShardError(f"{e}. Saved {checkpoint}; once the data is fixed, continue with: "
+                         f"{resume_command(checkpoint, world_size)}") from e
+
+
+def finish(log, args: Hyperparameters, device: torch.device, world_size: int, step: int, losses, tokens, val_losses,
+           train_ms: float, first_step: int, checkpoint, interrupted: int) -> RunResult:
+    """Every rank's per-step losses gathered, peak memory, and the closing summary line."""
+    per_step = torch.stack(losses) if losses else torch.zeros(0, device=device)
+    if world_size > 1:
+        dist.all_reduce(per_step)
+    if device.type == "cuda":
+        log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+            f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    done = step if step == args.num_iterations else step + 1
+    log(f"{'stopped' if interrupted else 'finished'} at step {done}/{args.num_iterations}: training time "
+        f"{train_ms / 1000:.1f}s ({train_ms / max(done, 1):.1f} ms/step)" +
+        (f", val_loss {val_losses[-1][1]:.4f} at step {val_losses[-1][0]}" if val_losses else "") +
+        (f", checkpoint {checkpoint}" if checkpoint else "") + f", log {log.path}")
+    train_losses = (per_step.cpu() / torch.tensor(tokens, dtype=torch.float32)).tolist() if tokens else []
+    return RunResult(train_losses, val_losses, train_ms, log.path, first_step, str(checkpoint) if checkpoint else None,
+                     interrupted)
+
+
+def train(args: Hyperparameters) -> RunResult:
+    rank, world_size, device = start_processes(args)
+    args, resume = name_run(args, world_size)
+    log, loader, handlers = Logger(args, rank), None, {}
+    try:
+        log_header(log, args, device, resume)
+        train_files, val = prepare_data(args, rank, world_size, device, log)
         model, compiled, optimizers, attention, fp8 = build(args, device, rank, world_size)
-        n_params = sum(p.numel() for p in model.parameters())
-        log(f"device: {device} x {world_size}, grad accumulation {grad_accum}, attention backend: {attention}, "
-            f"LM head: {'fp8' if fp8 else 'bf16'}, compile: {args.compile}, parameters: {n_params:,}")
+        log(f"device: {device} x {world_size}, grad accumulation {args.batch_size // args.seq_len // world_size}, "
+            f"attention backend: {attention}, LM head: {'fp8' if fp8 else 'bf16'}, compile: {args.compile}, "
+            f"parameters: {sum(p.numel() for p in model.parameters()):,}")
         for line in size_report(model, args, world_size, device):
             log(line)
-        first_step, loader_state, training_time_ms = 0, None, 0.0
+        first_step, data_state, clock = 0, None, Clock(device)
         if resume is not None:
-            first_step, loader_state, training_time_ms = load_checkpoint(resume, model, optimizers, args, rank,
-                                                                         world_size, log)
+            first_step, data_state, clock.ms = load_checkpoint(resume, model, optimizers, args, rank, world_size, log)
             log(f"resumed at step {first_step} from {resume}")
         log.start()  # start-up checks passed: from here on the run has a log
         log(f"logging to {log.path}")
-        spec = BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
+        stages, N = training_stages(args), args.num_iterations
         producer = lambda state=None: BatchProducer(train_files, rank, world_size, args.max_num_docs, args.bos_id,
                                                     state, log)
-
         if args.warmup_steps > 0:
-            warm_loader = BatchLoader(producer(), lambda s: spec, device)
             t = time.perf_counter()
-            warmup(model, compiled, optimizers, warm_loader, val, args, world_size)
-            warm_loader.close()
+            warmup(model, compiled, optimizers, producer(), val, stages, args, world_size)
             log(f"warm-up (compile) done in {time.perf_counter() - t:.1f}s")
-
-        loader = BatchLoader(producer(loader_state), lambda s: spec, device, start_step=first_step)
-        # SIGTERM / Ctrl-C: finish the step, save a checkpoint, exit cleanly. Ranks agree through a
-        # small all-reduce on a CPU (gloo) group, which never waits for the GPU.
-        stop_signals: list[int] = []
-        if threading.current_thread() is threading.main_thread():
-            handlers = {sig: signal.signal(sig, lambda signum, frame: stop_signals.append(signum))
-                        for sig in (signal.SIGINT, signal.SIGTERM)}
+        loader = BatchLoader(producer(data_state), lambda s: stage_at(stages, s).batch, device, start_step=first_step)
+        stop_signals, handlers = stop_on_signals()
         control = dist.new_group(backend="gloo") if world_size > 1 else None
-        peak = peak_tflops(device, args.peak_tflops)
-        if rank == 0 and sys.stdout.isatty():
-            try:
-                from tqdm import tqdm
-                bar = tqdm(total=args.num_iterations, initial=first_step, unit="step", dynamic_ncols=True)
-            except ImportError:
-                pass
-        watch = LossWatch(device)
-        train_losses, val_losses = [], []
-        checkpoint, interrupted, latest = None, 0, None
+        figures = Figures(model, device, peak_tflops(device, args.peak_tflops), world_size, first_step)
+        watch, losses, tokens, val_losses, checkpoint, interrupted, latest = LossWatch(device), [], [], [], None, 0, None
         if args.log_every > 0:
             log(f"every {args.log_every} steps: train_loss (mean per token)@the newest finished step, "
                 "tokens/s, mfu (model FLOPs / peak), step_ms, mem (allocated/reserved)")
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        figures_from = (t0, first_step)
-        N = args.num_iterations
+        # =============================== the timed region: training =================================
+        clock.start()
         for step in range(first_step, N + 1):
-            last = step == N
-            if (last or (args.val_every > 0 and step % args.val_every == 0)) and not (resume and step == first_step):
-                sync()
-                training_time_ms += 1000 * (time.perf_counter() - t0)
-                val_loss = evaluate(model, compiled, val, window_size(min(step, N - 1), args), args, world_size)
-                val_losses.append((step, val_loss))
-                log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
-                    f"step_avg:{training_time_ms / max(step, 1):.2f}ms", console=bar is None)
-                if bar is not None:
-                    bar.write(f"step {step}: val_loss {val_loss:.4f}")
-                sync()
-                t0 = time.perf_counter()
-                figures_from = (t0, step)
-            if last:
+            if (step == N or (args.val_every > 0 and step % args.val_every == 0)) and not (resume and step == first_step):
+                clock.stop()  # validation is not timed
+                val_losses.append((step, evaluate(model, compiled, val, stage_at(stages, min(step, N - 1)).windows,
+                                                  args, world_size)))
+                log(f"step:{step}/{N} val_loss:{val_losses[-1][1]:.4f} train_time:{clock.ms:.0f}ms "
+                    f"step_avg:{clock.ms / max(step, 1):.2f}ms")
+                clock.start()
+                figures.restart(step)
+            if step == N:
                 break
-            try:
-                spec, micro = loader.next()
-            except (ShardError, OSError, EOFError) as e:  # the data broke mid-run: save and stop, as on SIGTERM
-                sync()
-                training_time_ms += 1000 * (time.perf_counter() - t0)
-                checkpoint = save_checkpoint(step, model, optimizers, loader.state, training_time_ms, args, rank,
-                                             world_size)
-                raise ShardError(f"{e}. Saved {checkpoint}; once the data is fixed, continue with: "
-                                 f"{resume_command(checkpoint, world_size)}") from e
-            ws = window_size(step, args)
-            try:
-                loss = train_step(model, compiled, optimizers, micro, spec.max_doc_len, step, ws, args)
-            except torch.OutOfMemoryError as e:
-                raise torch.OutOfMemoryError(
-                    f"out of GPU memory in step {step + 1}: lower --seq_len (tokens per micro-batch; "
-                    f"--batch_size stays and accumulation grows) or try --preset single. ({e})") from e
-            train_losses.append(loss)
-            watch.push(step + 1, loss, spec.seq_len * len(micro))
-            approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
-            log(f"step:{step + 1}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms",
-                console=bar is None)
+            stage = stage_at(stages, step)
+            micro = next_batches(loader, step, model, optimizers, clock, args, rank, world_size)
+            loss = train_step(model, compiled, optimizers, micro, step, stage, args)
+            losses.append(loss)
+            tokens.append(stage.batch.batch_size)
+            figures.tokens += stage.batch.batch_size
+            watch.push(step + 1, loss, sum(m[0].numel() for m in micro))
+            ms = clock.read_ms()
+            log(f"step:{step + 1}/{N} train_time:{ms:.0f}ms step_avg:{ms / (step + 1):.2f}ms")
             for done_step, value in watch.ready():
                 if not math.isfinite(value):
                     raise FloatingPointError(f"loss is {value} at step {done_step}: stopping. Last good checkpoint: "
                                              f"{checkpoint or 'none (save them with --save_every N)'}")
                 latest = (done_step, value)
-            if bar is not None:
-                bar.update(1)
             if args.log_every > 0 and (step + 1) % args.log_every == 0:
-                now = time.perf_counter()
-                tokens_per_s = (step + 1 - figures_from[1]) * args.batch_size / max(now - figures_from[0], 1e-9)
-                mfu = (f"{100 * flops_per_token(model, ws, args.max_doc_len) * tokens_per_s / (peak * 1e12 * world_size):.1f}%"
-                       if peak else "n/a")
-                mem = (f"{torch.cuda.memory_allocated() / 2**30:.1f}/{torch.cuda.memory_reserved() / 2**30:.1f}GiB"
-                       if device.type == "cuda" else "n/a")
-                loss_text = f"{latest[1]:.4f}@step{latest[0]}" if latest else "pending"  # the newest finished step
-                figures = (f"train_loss:{loss_text} tokens/s:{tokens_per_s:,.0f} mfu:{mfu} "
-                           f"step_ms:{1000 * (now - figures_from[0]) / max(step + 1 - figures_from[1], 1):.1f} mem:{mem}")
-                log(f"step:{step + 1}/{N} {figures}", console=bar is None)
-                if bar is not None:
-                    bar.set_postfix_str(figures)
-                figures_from = (now, step + 1)
+                log(f"step:{step + 1}/{N} {figures.line(step + 1, stage, latest)}")
             flag = torch.tensor([float(bool(stop_signals))])
             if control is not None:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
             if flag.item() or (args.save_every > 0 and (step + 1) % args.save_every == 0 and step + 1 < N):
-                sync()
-                training_time_ms += 1000 * (time.perf_counter() - t0)
-                checkpoint = save_checkpoint(step + 1, model, optimizers, loader.state, training_time_ms, args,
-                                             rank, world_size)
+                clock.stop()  # checkpoints are not timed
+                checkpoint = save_checkpoint(step + 1, model, optimizers, loader.state, clock.ms, args, rank, world_size)
                 log(f"checkpoint: {checkpoint}")
-                t0 = time.perf_counter()
-                figures_from = (t0, step + 1)
+                clock.start()
+                figures.restart(step + 1)
                 if flag.item():
                     interrupted = stop_signals[0] if stop_signals else signal.SIGTERM
-                    log(f"stopped by signal after step {step + 1}; continue with: "
-                        f"{resume_command(checkpoint, world_size)}")
+                    log(f"stopped by signal after step {step + 1}; continue with: {resume_command(checkpoint, world_size)}")
                     break
+        # ============================================================================================
         if args.save_every > 0 and not interrupted:
-            checkpoint = save_checkpoint(N, model, optimizers, loader.state, training_time_ms, args, rank, world_size)
+            checkpoint = save_checkpoint(N, model, optimizers, loader.state, clock.ms, args, rank, world_size)
             log(f"checkpoint: {checkpoint}")
-        losses = torch.stack(train_losses) if train_losses else torch.zeros(0, device=device)
-        if world_size > 1:
-            dist.all_reduce(losses)
-        if device.type == "cuda":
-            log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
-                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-        done = step if step == N else step + 1
-        log(f"{'stopped' if interrupted else 'finished'} at step {done}/{N}: training time "
-            f"{training_time_ms / 1000:.1f}s ({training_time_ms / max(done, 1):.1f} ms/step)" +
-            (f", val_loss {val_losses[-1][1]:.4f} at step {val_losses[-1][0]}" if val_losses else "") +
-            (f", checkpoint {checkpoint}" if checkpoint else "") + f", log {log.path}")
-        return RunResult((losses / args.batch_size).tolist(), val_losses, training_time_ms, log.path, first_step,
-                         str(checkpoint) if checkpoint else None, interrupted)
+        return finish(log, args, device, world_size, step, losses, tokens, val_losses, clock.ms, first_step,
+                      checkpoint, interrupted)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        if bar is not None:
-            bar.close()
         if loader is not None:
             loader.close()
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
-
-def copy_state_dict(state):
-    """Deep copy of a (nested) optimizer state dict, tensors cloned."""
-    if isinstance(state, Tensor):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return {k: copy_state_dict(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(copy_state_dict(v) for v in state)
-    return state
-
+# -----------------------------------------------------------------------------------------------
+# Command line: user errors in one line
 
 # Errors a user can fix (bad flags, data, checkpoints, memory): one line, no traceback, unless
 # SPEEDRUN_DEBUG=1. Anything else is a bug and keeps its traceback.

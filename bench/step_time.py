@@ -27,15 +27,16 @@ def main():
     args = tg.parse_args(rest)
     device = torch.device("cuda")
     model, compiled, optimizers, attention, fp8 = tg.build(args, device, 0, 1)
-    spec = tg.BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
+    stage = tg.TrainingStage(end=args.num_iterations, batch=tg.BatchSpec(args.batch_size, args.seq_len, args.max_doc_len),
+                             windows=tg.window_tokens(own.ws, args.window_block))
     producer = tg.BatchProducer(tg.shard_files(args.train_files, "training"), 0, 1, args.max_num_docs, args.bos_id)
-    loader = tg.BatchLoader(producer, lambda s: spec, device)
+    loader = tg.BatchLoader(producer, lambda s: stage.batch, device)
     step = 0
 
     def run_step():
         nonlocal step
         _, micro = loader.next()
-        tg.train_step(model, compiled, optimizers, micro, spec.max_doc_len, step, own.ws, args)
+        tg.train_step(model, compiled, optimizers, micro, step, stage, args)
         step += 1
 
     for _ in range(own.warmup):

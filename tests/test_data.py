@@ -211,10 +211,10 @@ def test_validation_context_equals_running_each_document_alone(tmp_path):
     train, val = write_corpus(tmp_path, train_sizes=(100,), val_size=2000, min_len=3, max_len=60)
     for x, y, cu in tg.validation_batches(val, 512, 256, BOS, 0, 1):
         with torch.no_grad():
-            together = model(x, y, cu, 256, 3, reduction="none")
+            together = model(x, y, cu, 256, (48, 16), reduction="none")
             bounds = sorted(set(int(c) for c in cu))
             for a, b in zip(bounds[:-1], bounds[1:]):
-                alone = model(x[a:b], y[a:b], torch.tensor([0, b - a], dtype=torch.int32), b - a, 3, reduction="none")
+                alone = model(x[a:b], y[a:b], torch.tensor([0, b - a], dtype=torch.int32), b - a, (48, 16), reduction="none")
                 torch.testing.assert_close(together[a:b], alone, atol=2e-5, rtol=1e-5)
 
 

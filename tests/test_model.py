@@ -7,6 +7,8 @@ import torch
 import train_gpt as tg
 from conftest import BOS, TINY
 
+W3, W1 = tg.window_tokens(3, TINY["window_block"]), tg.window_tokens(1, TINY["window_block"])  # (48, 16), (16, 0)
+
 
 def tiny_model(randomize=False, **overrides):
     args = tg.Hyperparameters(**{**TINY, **overrides})
@@ -31,10 +33,10 @@ def batch(T=128, doc_starts=(0, 60)):
 def test_fresh_model_predicts_uniformly_so_its_loss_is_log_vocab():
     model = tiny_model()
     x, y, cu = batch()
-    loss = model(x, y, cu, 128, 3)
+    loss = model(x, y, cu, 128, W3)
     assert loss.shape == () and loss.dtype == torch.float32
     assert math.isclose(loss.item() / 128, math.log(TINY["vocab_size"]), rel_tol=1e-4)
-    per_token = model(x, y, cu, 128, 3, reduction="none")
+    per_token = model(x, y, cu, 128, W3, reduction="none")
     assert per_token.shape == (128,)
     assert torch.allclose(per_token.sum(), loss)
 
@@ -42,11 +44,11 @@ def test_fresh_model_predicts_uniformly_so_its_loss_is_log_vocab():
 def test_loss_at_a_position_depends_only_on_earlier_tokens_of_its_document():
     model = tiny_model(randomize=True)
     x, y, cu = batch(doc_starts=(0, 60))
-    base = model(x, y, cu, 128, 3, reduction="none")
+    base = model(x, y, cu, 128, W3, reduction="none")
     for j in (10, 59, 70, 127):
         x2 = x.clone()
         x2[j] = (x2[j] + 1) % BOS
-        delta = (model(x2, y, cu, 128, 3, reduction="none") - base).abs()
+        delta = (model(x2, y, cu, 128, W3, reduction="none") - base).abs()
         doc_end = 60 if j < 60 else 128
         assert delta[:j].max() == 0, "no position sees a later token"
         assert delta[doc_end:].max() == 0 if doc_end < 128 else True, "nothing crosses a document boundary"
@@ -58,10 +60,10 @@ def test_window_limits_how_far_back_attention_reaches():
     # with 3 attention layers a token can influence positions up to 3 * 16 ahead, no further.
     model = tiny_model(randomize=True, window_pattern="LLLL")
     x, y, cu = batch(doc_starts=(0,))
-    base = model(x, y, cu, 128, 1, reduction="none")
+    base = model(x, y, cu, 128, W1, reduction="none")
     x2 = x.clone()
     x2[10] = (x2[10] + 1) % BOS
-    delta = (model(x2, y, cu, 128, 1, reduction="none") - base).abs()
+    delta = (model(x2, y, cu, 128, W1, reduction="none") - base).abs()
     assert delta[10 + 3 * 16 + 1:].max() == 0
     assert delta[10 + 16] > 0
 
@@ -72,7 +74,7 @@ def test_value_embeddings_and_window_pattern_follow_the_record_layout():
     with torch.device("meta"):
         model = tg.GPT(cfg)
     assert model.value_embed_layers() == [0, 1, 2, None, None, None, None, None, None, 0, 1, 2]
-    assert model.window_sizes(3) == [384, 128, 128, 128, 384, 128, 128, 384, 128, 128, 128, 384]
+    assert model.block_windows((384, 128)) == [384, 128, 128, 128, 384, 128, 128, 384, 128, 128, 128, 384]
     assert model.blocks[7].attn is None and all(b.attn is not None for i, b in enumerate(model.blocks) if i != 7)
     assert model.embed.weight.dtype == torch.bfloat16 and model.lm_head_w.dtype == torch.float32
     n_params = sum(p.numel() for p in model.parameters())
@@ -110,9 +112,9 @@ def test_evaluation_in_head_slices_gives_the_same_losses_as_one_pass(monkeypatch
     model = tiny_model(randomize=True)
     x, y, cu = batch()
     with torch.no_grad():
-        whole = model.train()(x, y, cu, 128, 3, reduction="none")  # training mode: never sliced
+        whole = model.train()(x, y, cu, 128, W3, reduction="none")  # training mode: never sliced
         monkeypatch.setattr(tg.GPT, "eval_slice", 48)  # 128 positions: slices of 48, 48 and 32
-        sliced = model.eval()(x, y, cu, 128, 3, reduction="none")
+        sliced = model.eval()(x, y, cu, 128, W3, reduction="none")
     assert sliced.shape == (128,)
     torch.testing.assert_close(sliced, whole, rtol=0, atol=0)
 

@@ -54,10 +54,10 @@ def test_flops_per_token_match_a_hand_count():
     args, model = _hand_countable_model()
     # block 0: qkvo 4*32*32, gate 2*4, MLP 2*32*128; block 1: MLP only; head 64*32
     matmul = (4 * 32 * 32 + 2 * 4 + 2 * 32 * 128) + 2 * 32 * 128 + 64 * 32
-    # attention in block 0 only: long window ws*8 = 24 tokens + itself, 12 * heads * head_dim per key
+    # attention in block 0 only: its long window, 24 tokens + itself, 12 * heads * head_dim per key
     attn = 12 * 2 * 16 * 25
-    assert tg.flops_per_token(model, ws=3, max_doc_len=64) == 6 * matmul + attn
-    assert tg.flops_per_token(model, ws=3, max_doc_len=10) == 6 * matmul + 12 * 2 * 16 * 10
+    assert tg.flops_per_token(model, windows=(24, 8), max_doc_len=64) == 6 * matmul + attn
+    assert tg.flops_per_token(model, windows=(24, 8), max_doc_len=10) == 6 * matmul + 12 * 2 * 16 * 10
 
 
 def test_parameter_counts_and_memory_estimate_match_a_hand_count():

@@ -40,15 +40,12 @@ def test_warmup_leaves_weights_and_optimizer_state_bit_identical(tiny_args):
     model, compiled, optimizers, _, _ = tg.build(args, device, 0, 1)
     before_model = {k: v.clone() for k, v in model.state_dict().items()}
     before_opts = [tg.copy_state_dict(o.state_dict()) for o in optimizers]
-    spec = tg.BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
     producer = tg.BatchProducer(tg.shard_files(args.train_files, "training"), 0, 1, args.max_num_docs, args.bos_id)
-    loader = tg.BatchLoader(producer, lambda s: spec, device)
     val = list(tg.validation_batches(args.val_files, args.val_tokens, args.val_seq_len, args.bos_id, 0, 1))
     changed = []
     original_step = optimizers[1].step
     optimizers[1].step = lambda: (original_step(), changed.append(model.blocks[0].mlp.fc_w.clone()))
-    tg.warmup(model, compiled, optimizers, loader, val, args, 1)
-    loader.close()
+    tg.warmup(model, compiled, optimizers, producer, val, tg.training_stages(args), args, 1)
     assert len(changed) == 2 * len(args.window_schedule)
     assert not torch.equal(changed[-1], before_model["blocks.0.mlp.fc_w"]), "warm-up really trained"
     for k, v in model.state_dict().items():
