@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Proof on one GPU (device tool, nvidia-h100-x1): the kernel tests on the GPU, the step-time
 # benchmark at ws=3, then the full-size model for 300 steps on the proxy corpus (shards made by
-# data/tokenize.py from ../shared/data/proxy, carried in .carry/). Add --profile to the benchmark
+# data/tokenize_corpus.py from ../shared/data/proxy, carried in .carry/). Add --profile to the benchmark
 # line to see the top kernels.
 set -u
 export PYTHONUNBUFFERED=1
