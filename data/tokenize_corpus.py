@@ -23,11 +23,12 @@ documents, in input order, until it holds that many; the document that crosses t
 there and never cut. So no document is split between validation and training (no validation text leaks
 into training), and the val shard may be a little longer than val_tokens + 1.
 
-Offline use: tiktoken downloads the GPT-2 BPE files unless it finds them in TIKTOKEN_CACHE_DIR. The
-project keeps them in ../shared/data/gpt2/tiktoken_cache, so from the repository root:
+Offline use: tiktoken downloads the GPT-2 BPE files on first use and keeps them in its cache folder,
+TIKTOKEN_CACHE_DIR when that is set. For a machine without network, fill such a folder on one with
+network and copy it over; then, from the repository root:
 
-    TIKTOKEN_CACHE_DIR=../shared/data/gpt2/tiktoken_cache python data/tokenize_corpus.py \\
-        ../shared/data/proxy/*.jsonl.xz --out data/proxy
+    TIKTOKEN_CACHE_DIR=DIR python -c "import tiktoken; tiktoken.get_encoding('gpt2')"   # with network
+    TIKTOKEN_CACHE_DIR=DIR python data/tokenize_corpus.py corpus/*.jsonl.xz --out data/proxy
 
 The output does not depend on --workers: documents are encoded in batches by a process pool and written
 back in input order, byte for byte the same for any number of workers.
@@ -59,7 +60,8 @@ from train_gpt import BOS_ID, write_shard  # noqa: E402  (the project's one shar
 DEFAULT_VAL_TOKENS = 10_485_760
 DEFAULT_SHARD_TOKENS = 100_000_000
 DEFAULT_PREFIX = "fineweb"
-GPT2_CACHE_HINT = "../shared/data/gpt2/tiktoken_cache"
+GPT2_CACHE_HINT = ("fill one on a machine with network with TIKTOKEN_CACHE_DIR=DIR python -c "
+                   "\"import tiktoken; tiktoken.get_encoding('gpt2')\" and copy DIR")
 PROG = "tokenize_corpus.py"
 DEBUG_ENV = "SPEEDRUN_DEBUG"  # set to 1: errors show their Python traceback (the same in every tool)
 
@@ -394,10 +396,10 @@ validation shard:
   --out by an earlier run are removed. The output is identical for any --workers.
 
 offline use:
-  tiktoken needs the GPT-2 BPE files; without network it finds them only via TIKTOKEN_CACHE_DIR.
-  From the repository root:
-    TIKTOKEN_CACHE_DIR={GPT2_CACHE_HINT} python data/tokenize_corpus.py \\
-        ../shared/data/proxy/*.jsonl.xz --out data/proxy
+  tiktoken needs the GPT-2 BPE files; without network it finds them only in TIKTOKEN_CACHE_DIR,
+  a folder filled once on a machine with network and copied over. From the repository root:
+    TIKTOKEN_CACHE_DIR=DIR python -c "import tiktoken; tiktoken.get_encoding('gpt2')"  # with network
+    TIKTOKEN_CACHE_DIR=DIR python data/tokenize_corpus.py corpus/*.jsonl.xz --out data/proxy
 """)
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="input files or directories (*.jsonl, *.ndjson, *.txt, *.parquet; text kinds may "
@@ -430,8 +432,7 @@ def load_gpt2() -> None:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         reason = reason if len(reason) <= 120 else reason[:117] + "..."
         fail(f"cannot load tiktoken's GPT-2 encoding ({type(e).__name__}: {reason}); "
-             f"set TIKTOKEN_CACHE_DIR to a folder with its cached files, e.g. "
-             f"TIKTOKEN_CACHE_DIR={GPT2_CACHE_HINT}")
+             f"set TIKTOKEN_CACHE_DIR to a folder with its cached files ({GPT2_CACHE_HINT})")
 
 
 def main(argv: Sequence[str] | None = None) -> ShardReport:

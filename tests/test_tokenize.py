@@ -322,8 +322,7 @@ def gpt2_cache_dir():
     sibling = ROOT.parent / "shared" / "data" / "gpt2" / "tiktoken_cache"
     if sibling.is_dir():
         return str(sibling)
-    pytest.skip("GPT-2 BPE files unavailable offline: set TIKTOKEN_CACHE_DIR "
-                "(or provide ../shared/data/gpt2/tiktoken_cache next to the repo)")
+    pytest.skip("GPT-2 BPE files unavailable offline: set TIKTOKEN_CACHE_DIR to a folder with the GPT-2 BPE files")
 
 
 def test_cli_gpt2_round_trip_reproduces_texts_with_endoftext_separators(tmp_path, monkeypatch):
