@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# A/B step time on one GPU (device tool): an older train_gpt.py against the working tree's, run
-# alternately (old, new, old, new) on the same machine, 20 timed steps each at ws=3. Each version
-# gets its own inductor cache: with a shared one, a version whose custom op's backward formula
-# differs can be handed the other's cached backward graph (seen here: an argument-count error).
-#   here:   git show REV:train_gpt.py > .carry/old_train_gpt.py
-#   device: bash bench/ab_step_time.sh .carry/old_train_gpt.py     (carry .carry)
+# A/B step time on one GPU: an older train_gpt.py against the working tree's, run alternately (old,
+# new, old, new) on the same machine, 20 timed steps each at ws=3, on the training shards in
+# DATA_DIR (bench/gpu_env.sh). Each version gets its own inductor cache: with a shared one, a version
+# whose custom op's backward formula differs can be handed the other's cached backward graph (seen
+# here: an argument-count error).
+#   git show REV:train_gpt.py > old_train_gpt.py      # then copy it to the GPU machine with the repository
+#   DATA_DIR=/path/to/shards bash bench/ab_step_time.sh old_train_gpt.py
 set -u
 export PYTHONUNBUFFERED=1
+if [ $# -ne 1 ] || [ ! -f "$1" ]; then
+  echo "usage: DATA_DIR=/path/to/shards bash bench/ab_step_time.sh OLD_TRAIN_GPT_PY" >&2
+  exit 2
+fi
+OLD="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")"  # before gpu_env.sh moves to the repository root
+source "$(dirname "$0")/gpu_env.sh"
 R=$PWD
-mkdir -p /tmp/old/bench && cp "$1" /tmp/old/train_gpt.py && cp bench/step_time.py /tmp/old/bench/
+mkdir -p /tmp/old/bench && cp "$OLD" /tmp/old/train_gpt.py && cp bench/step_time.py /tmp/old/bench/
 nvidia-smi -L
 for v in old new old new; do
   if [ $v = old ]; then d=/tmp/old; else d=$R; fi
   (cd $d && TORCHINDUCTOR_CACHE_DIR=/tmp/cache_$v python3 bench/step_time.py --ws 3 --steps 20 \
-     --train_files "$R/.carry/fineweb_train_*.bin" 2>&1 | grep -E "^step of|Error" | sed "s/^/$v: /")
+     --train_files "$DATA_DIR/fineweb_train_*.bin" 2>&1 | grep -E "^step of|Error" | sed "s/^/$v: /")
 done

@@ -5,7 +5,7 @@
 #   bash bench/fidelity_protocol.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [harness flags for ours...]
 #
 # PUBLIC_CHECKOUT: a checkout of KellerJordan/modded-nanogpt. SHARD_DIR: fineweb_val_000000.bin (at
-# least 983,042 tokens) and fineweb_train_*.bin, e.g. made by `python data/tokenize.py ... --out SHARD_DIR`.
+# least 983,042 tokens) and fineweb_train_*.bin, e.g. made by `python data/tokenize_corpus.py ... --out SHARD_DIR`.
 # Batch 131,072 tokens = 8 x 16,384; validation: 983,040 tokens in buffers of 40,960 (the public
 # definition, scaled down). Two schedules:
 #   400 steps, validation every 50: the public code, then ours with seeds 0 and 1, one after the

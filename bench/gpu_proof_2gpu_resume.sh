@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
-# Checkpoints and SIGTERM on two GPUs (device tool, nvidia-h200-x2), through run.sh (torchrun, NCCL,
-# 2 processes x 4 accumulation steps), full-size model on the proxy corpus in .carry/:
+# Checkpoints and SIGTERM on two GPUs (two H200s), through run.sh (torchrun, NCCL, 2 processes x 4
+# accumulation steps), full-size model on the proxy corpus in DATA_DIR:
 #   A: 60 steps uninterrupted, a checkpoint every 20;
 #   B: resumed from A's step-20 checkpoint; SIGTERM to torchrun once step 30 is logged (torchrun
 #      forwards it to both workers: they finish the step, save, exit);
 #   C: resumed from B's checkpoint to step 60.
-# B's and C's losses should follow A's (bench/README.md).
+# B's and C's losses should follow A's (bench/README.md). The three logs go to RESULTS_DIR.
+#   DATA_DIR=/path/to/shards RESULTS_DIR=/path/to/results bash bench/gpu_proof_2gpu_resume.sh
 set -u
 export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
 export PATH="$(dirname "$(python3 -c "import sys; print(sys.executable)")"):$PATH"  # torchrun beside python3
-PROXY="--train_files .carry/fineweb_train_*.bin --val_files .carry/fineweb_val_*.bin --val_tokens 917504"
-COMMON="$PROXY --num_iterations 60 --val_every 30 --warmup_steps 1 --log_every 5"
+PROXY=(--train_files "$DATA_DIR/fineweb_train_*.bin" --val_files "$DATA_DIR/fineweb_val_*.bin" --val_tokens 917504)
+COMMON=("${PROXY[@]}" --num_iterations 60 --val_every 30 --warmup_steps 1 --log_every 5)
 rm -rf logs/h200x2_[abc].txt checkpoints/h200x2_[abc] b.out  # a clean start when run again
 quiet() { grep -E -v "^step:[0-9]+/60 train_time" | grep -v -i warn; }
 
-NPROC=2 ./run.sh $COMMON --save_every 20 --run_id h200x2_a 2>&1 | quiet
+NPROC=2 ./run.sh "${COMMON[@]}" --save_every 20 --run_id h200x2_a 2>&1 | quiet
 
-NPROC=2 ./run.sh $COMMON --resume checkpoints/h200x2_a/step_000020 --run_id h200x2_b >b.out 2>&1 &
+NPROC=2 ./run.sh "${COMMON[@]}" --resume checkpoints/h200x2_a/step_000020 --run_id h200x2_b >b.out 2>&1 &
 launcher=$!
 until grep -q "^step:3[0-9]/60 train_time" logs/h200x2_b.txt 2>/dev/null; do
   kill -0 $launcher 2>/dev/null || { echo "B ended before step 30"; break; }
@@ -30,6 +32,6 @@ quiet <b.out | grep -v "^    "
 resume="$(grep "^stopped by signal" logs/h200x2_b.txt | awk "{print \$NF}")"
 echo "B left: ${resume:-no checkpoint}"
 
-NPROC=2 ./run.sh $COMMON --resume "$resume" --run_id h200x2_c 2>&1 | quiet
+NPROC=2 ./run.sh "${COMMON[@]}" --resume "$resume" --run_id h200x2_c 2>&1 | quiet
 grep -E "^(step:[0-9]+/60 (val_loss|train_loss)|stopped|resumed at)" logs/h200x2_[abc].txt
-cp logs/h200x2_a.txt logs/h200x2_b.txt logs/h200x2_c.txt "$OUT/"
+cp logs/h200x2_a.txt logs/h200x2_b.txt logs/h200x2_c.txt "$RESULTS_DIR/"

@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# Run management on one GPU (device tool, nvidia-h100-x1): a preset (single or medium) for 100 steps
-# with a checkpoint at step 50, then a second process resumed from that checkpoint; their losses
-# after step 50 should agree (bench/README.md). Proxy corpus in .carry/ as for gpu_proof_1gpu.sh.
-#   bash bench/gpu_proof_run_management.sh single           # logs to $OUT
-#   bash bench/gpu_proof_run_management.sh medium /tmp/p    # logs to /tmp/p
-# medium takes ~12 minutes, longer than one device call, so it was started detached and read back
-# by later calls:
-#   mkdir -p /tmp/p && setsid nohup bash bench/gpu_proof_run_management.sh medium /tmp/p >/tmp/p/out.txt 2>&1 </dev/null &
+# Run management on one GPU (an H100): a preset (single or medium) for 100 steps with a checkpoint
+# at step 50, then a second process resumed from that checkpoint; their losses after step 50 should
+# agree (bench/README.md). Proxy corpus in DATA_DIR as for gpu_proof_1gpu.sh; logs to RESULTS_DIR.
+#   DATA_DIR=/path/to/shards RESULTS_DIR=/path/to/results bash bench/gpu_proof_run_management.sh single
+# medium takes ~12 minutes, so start it detached, then poll its output and logs/ until it prints
+# "medium proof done" (bench/CONTRIBUTING_GPU.md):
+#   mkdir -p /tmp/p && DATA_DIR=... RESULTS_DIR=/tmp/p setsid nohup bash bench/gpu_proof_run_management.sh medium \
+#       >/tmp/p/out.txt 2>&1 </dev/null &
 set -u
 export PYTHONUNBUFFERED=1
 PRESET="${1:-single}"
-DEST="${2:-$OUT}"
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-PROXY="--train_files .carry/fineweb_train_*.bin --val_files .carry/fineweb_val_*.bin --val_tokens 917504"
-COMMON="--preset $PRESET $PROXY --num_iterations 100 --val_every 50 --warmup_steps 1 --log_every 10"
-python3 train_gpt.py $COMMON --save_every 50 --run_id "h100_${PRESET}_100" 2>&1 \
+PROXY=(--train_files "$DATA_DIR/fineweb_train_*.bin" --val_files "$DATA_DIR/fineweb_val_*.bin" --val_tokens 917504)
+COMMON=(--preset "$PRESET" "${PROXY[@]}" --num_iterations 100 --val_every 50 --warmup_steps 1 --log_every 10)
+python3 train_gpt.py "${COMMON[@]}" --save_every 50 --run_id "h100_${PRESET}_100" 2>&1 \
   | grep -E -v "^step:[0-9]+/100 train_time" | grep -v -i warn
-python3 train_gpt.py $COMMON --resume "checkpoints/h100_${PRESET}_100/step_000050" --run_id "h100_${PRESET}_resumed" 2>&1 \
+python3 train_gpt.py "${COMMON[@]}" --resume "checkpoints/h100_${PRESET}_100/step_000050" --run_id "h100_${PRESET}_resumed" 2>&1 \
   | grep -E -v "^step:[0-9]+/100 train_time" | grep -v -i warn
-cp "logs/h100_${PRESET}_100.txt" "logs/h100_${PRESET}_resumed.txt" "$DEST/"
+cp "logs/h100_${PRESET}_100.txt" "logs/h100_${PRESET}_resumed.txt" "$RESULTS_DIR/"
 echo "$PRESET proof done"

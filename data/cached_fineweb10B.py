@@ -16,17 +16,11 @@ download (no network) leaves no empty data/fineweb10B/ behind. Errors are one li
 """
 from __future__ import annotations
 
+import argparse
 import os
+import shutil
 import sys
-
-# Run as a script, Python puts data/ first on sys.path, where data/tokenize.py would shadow the standard
-# library's tokenize module (imported by dataclasses, inspect, ...). Drop that entry before anything else.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-
-import argparse  # noqa: E402
-import shutil  # noqa: E402
-import time  # noqa: E402
+import time
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""data/tokenize.py: sharding (no BPE), input formats and errors, and a real GPT-2 round trip via the CLI."""
+"""data/tokenize_corpus.py: sharding (no BPE), input formats and errors, and a real GPT-2 round trip via the CLI."""
 import bz2
 import gzip
 import json
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import train_gpt as tg
-from data import tokenize as tok
+from data import tokenize_corpus as tok
 
 ROOT = Path(__file__).resolve().parents[1]
 BOS = tg.BOS_ID
@@ -258,7 +258,7 @@ def test_corrupt_compressed_file_is_an_error_naming_the_file(tmp_path):
 def test_cli_reports_input_errors_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         tok.main([str(tmp_path / "absent.jsonl"), "--out", str(tmp_path / "out")])
-    assert str(e.value) == f"tokenize.py: error: {tmp_path / 'absent.jsonl'}: no such file or directory"
+    assert str(e.value) == f"tokenize_corpus.py: error: {tmp_path / 'absent.jsonl'}: no such file or directory"
 
 
 def test_cli_refuses_an_out_that_is_a_file_in_one_line(tmp_path):
@@ -266,14 +266,15 @@ def test_cli_refuses_an_out_that_is_a_file_in_one_line(tmp_path):
     (tmp_path / "out").write_text("a file")
     with pytest.raises(SystemExit) as e:
         tok.main([str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "out")])
-    assert str(e.value) == f"tokenize.py: error: --out {tmp_path / 'out'}: exists and is not a directory"
+    assert str(e.value) == f"tokenize_corpus.py: error: --out {tmp_path / 'out'}: exists and is not a directory"
 
 
 def test_cli_usage_errors_carry_the_same_tool_name(capsys):
     with pytest.raises(SystemExit) as e:
         tok.main(["x.jsonl"])
     assert e.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == "tokenize.py: error: the following arguments are required: --out"
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "tokenize_corpus.py: error: the following arguments are required: --out")
 
 
 def test_cli_reports_any_other_error_in_one_line_and_speedrun_debug_raises_it(tmp_path, monkeypatch, capsys):
@@ -283,7 +284,7 @@ def test_cli_reports_any_other_error_in_one_line_and_speedrun_debug_raises_it(tm
     monkeypatch.delenv("SPEEDRUN_DEBUG", raising=False)
     assert tok.cli([]) == 1
     assert capsys.readouterr().err == \
-        f"tokenize.py: error: {tmp_path / 'fineweb_train_000001.bin'}: No space left on device\n"
+        f"tokenize_corpus.py: error: {tmp_path / 'fineweb_train_000001.bin'}: No space left on device\n"
     monkeypatch.setenv("SPEEDRUN_DEBUG", "1")
     with pytest.raises(OSError, match="No space left"):
         tok.cli([])
@@ -296,7 +297,7 @@ def test_cli_without_tiktoken_names_the_package(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "d.jsonl", TEXTS)
     with pytest.raises(SystemExit) as e:
         tok.main([str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "out")])
-    assert str(e.value) == "tokenize.py: error: the GPT-2 BPE needs the tiktoken package (pip install tiktoken)"
+    assert str(e.value) == "tokenize_corpus.py: error: the GPT-2 BPE needs the tiktoken package (pip install tiktoken)"
 
 
 def test_cli_without_gpt2_files_says_to_set_tiktoken_cache_dir(tmp_path, monkeypatch):
@@ -306,7 +307,7 @@ def test_cli_without_gpt2_files_says_to_set_tiktoken_cache_dir(tmp_path, monkeyp
     write_jsonl(tmp_path / "d.jsonl", TEXTS)
     with pytest.raises(SystemExit) as e:
         tok.main([str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "out")])
-    assert str(e.value).startswith("tokenize.py: error: cannot load tiktoken's GPT-2 encoding")
+    assert str(e.value).startswith("tokenize_corpus.py: error: cannot load tiktoken's GPT-2 encoding")
     assert "TIKTOKEN_CACHE_DIR" in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "out").exists()
 
@@ -321,8 +322,7 @@ def gpt2_cache_dir():
     sibling = ROOT.parent / "shared" / "data" / "gpt2" / "tiktoken_cache"
     if sibling.is_dir():
         return str(sibling)
-    pytest.skip("GPT-2 BPE files unavailable offline: set TIKTOKEN_CACHE_DIR "
-                "(or provide ../shared/data/gpt2/tiktoken_cache next to the repo)")
+    pytest.skip("GPT-2 BPE files unavailable offline: set TIKTOKEN_CACHE_DIR to a folder with the GPT-2 BPE files")
 
 
 def test_cli_gpt2_round_trip_reproduces_texts_with_endoftext_separators(tmp_path, monkeypatch):
@@ -333,7 +333,7 @@ def test_cli_gpt2_round_trip_reproduces_texts_with_endoftext_separators(tmp_path
     (tmp_path / "b.txt").write_text(texts[5], encoding="utf-8")
     write_jsonl(tmp_path / "c.jsonl", texts[6:])
     out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "data" / "tokenize.py"), str(tmp_path / "a.jsonl.gz"),
+    cmd = [sys.executable, str(ROOT / "data" / "tokenize_corpus.py"), str(tmp_path / "a.jsonl.gz"),
            str(tmp_path / "b.txt"), str(tmp_path / "c.jsonl"), "--out", str(out),
            "--val_tokens", "20", "--shard_tokens", "40", "--workers", "2"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)

@@ -1,6 +1,6 @@
 """Tokenize raw text into the project's token shards (GPT-2 BPE, one <|endoftext|> before every document).
 
-    python data/tokenize.py INPUT... --out DIR [--val_tokens N] [--shard_tokens N] [--workers N] [--prefix NAME]
+    python data/tokenize_corpus.py INPUT... --out DIR [--val_tokens N] [--shard_tokens N] [--workers N] [--prefix NAME]
 
 Inputs, recognised by extension (compressed variants .gz, .xz, .bz2 and, if the `zstandard` package
 imports, .zst):
@@ -23,54 +23,46 @@ documents, in input order, until it holds that many; the document that crosses t
 there and never cut. So no document is split between validation and training (no validation text leaks
 into training), and the val shard may be a little longer than val_tokens + 1.
 
-Offline use: tiktoken downloads the GPT-2 BPE files unless it finds them in TIKTOKEN_CACHE_DIR. The
-project keeps them in ../shared/data/gpt2/tiktoken_cache, so from the repository root:
+Offline use: tiktoken downloads the GPT-2 BPE files on first use and keeps them in its cache folder,
+TIKTOKEN_CACHE_DIR when that is set. For a machine without network, fill such a folder on one with
+network and copy it over; then, from the repository root:
 
-    TIKTOKEN_CACHE_DIR=../shared/data/gpt2/tiktoken_cache python data/tokenize.py \\
-        ../shared/data/proxy/*.jsonl.xz --out data/proxy
+    TIKTOKEN_CACHE_DIR=DIR python -c "import tiktoken; tiktoken.get_encoding('gpt2')"   # with network
+    TIKTOKEN_CACHE_DIR=DIR python data/tokenize_corpus.py corpus/*.jsonl.xz --out data/proxy
 
 The output does not depend on --workers: documents are encoded in batches by a process pool and written
 back in input order, byte for byte the same for any number of workers.
 
-Errors are one line, `tokenize.py: error: ...`; SPEEDRUN_DEBUG=1 shows the Python traceback instead.
+Errors are one line, `tokenize_corpus.py: error: ...`; SPEEDRUN_DEBUG=1 shows the Python traceback instead.
 """
+import argparse
+import bz2
+import collections
+import dataclasses
+import gzip
+import io
+import json
+import lzma
+import multiprocessing
 import os
+import re
+import signal
 import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
 
-# Run as `python data/tokenize.py`, Python puts data/ first on sys.path, where this file would shadow the
-# standard library's `tokenize` module (imported by linecache, inspect, ...). Put the repository root
-# there instead, which is also where `train_gpt` (the shard writer) lives.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0] or os.curdir) == _HERE:
-    sys.path[0] = _ROOT
-elif _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+import numpy as np
 
-import argparse  # noqa: E402
-import bz2  # noqa: E402
-import collections  # noqa: E402
-import dataclasses  # noqa: E402
-import gzip  # noqa: E402
-import io  # noqa: E402
-import json  # noqa: E402
-import lzma  # noqa: E402
-import multiprocessing  # noqa: E402
-import re  # noqa: E402
-import signal  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Callable, Iterable, Iterator, Sequence  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-from train_gpt import BOS_ID, write_shard  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, where train_gpt lives
+from train_gpt import BOS_ID, write_shard  # noqa: E402  (the project's one shard writer)
 
 DEFAULT_VAL_TOKENS = 10_485_760
 DEFAULT_SHARD_TOKENS = 100_000_000
 DEFAULT_PREFIX = "fineweb"
-GPT2_CACHE_HINT = "../shared/data/gpt2/tiktoken_cache"
-PROG = "tokenize.py"
+GPT2_CACHE_HINT = ("fill one on a machine with network with TIKTOKEN_CACHE_DIR=DIR python -c "
+                   "\"import tiktoken; tiktoken.get_encoding('gpt2')\" and copy DIR")
+PROG = "tokenize_corpus.py"
 DEBUG_ENV = "SPEEDRUN_DEBUG"  # set to 1: errors show their Python traceback (the same in every tool)
 
 
@@ -404,10 +396,10 @@ validation shard:
   --out by an earlier run are removed. The output is identical for any --workers.
 
 offline use:
-  tiktoken needs the GPT-2 BPE files; without network it finds them only via TIKTOKEN_CACHE_DIR.
-  From the repository root:
-    TIKTOKEN_CACHE_DIR={GPT2_CACHE_HINT} python data/tokenize.py \\
-        ../shared/data/proxy/*.jsonl.xz --out data/proxy
+  tiktoken needs the GPT-2 BPE files; without network it finds them only in TIKTOKEN_CACHE_DIR,
+  a folder filled once on a machine with network and copied over. From the repository root:
+    TIKTOKEN_CACHE_DIR=DIR python -c "import tiktoken; tiktoken.get_encoding('gpt2')"  # with network
+    TIKTOKEN_CACHE_DIR=DIR python data/tokenize_corpus.py corpus/*.jsonl.xz --out data/proxy
 """)
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="input files or directories (*.jsonl, *.ndjson, *.txt, *.parquet; text kinds may "
@@ -426,7 +418,7 @@ offline use:
 
 
 def fail(message: str):
-    """Stop with one line on stderr, `tokenize.py: error: <message>`, and exit status 1."""
+    """Stop with one line on stderr, `tokenize_corpus.py: error: <message>`, and exit status 1."""
     sys.exit(f"{PROG}: error: {message}")
 
 
@@ -440,8 +432,7 @@ def load_gpt2() -> None:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         reason = reason if len(reason) <= 120 else reason[:117] + "..."
         fail(f"cannot load tiktoken's GPT-2 encoding ({type(e).__name__}: {reason}); "
-             f"set TIKTOKEN_CACHE_DIR to a folder with its cached files, e.g. "
-             f"TIKTOKEN_CACHE_DIR={GPT2_CACHE_HINT}")
+             f"set TIKTOKEN_CACHE_DIR to a folder with its cached files ({GPT2_CACHE_HINT})")
 
 
 def main(argv: Sequence[str] | None = None) -> ShardReport:
