@@ -707,7 +707,7 @@ class DistAdam(torch.optim.Optimizer):
 # -----------------------------------------------------------------------------------------------
 # Data
 
-# Shard format (used by train_gpt.py, data/tokenize.py, data/cached_fineweb10B.py and the tests)
+# Shard format (used by train_gpt.py, data/tokenize_corpus.py, data/cached_fineweb10B.py and the tests)
 # A shard is a 256 x int32 header -- magic, version, token count, zeros -- followed by the tokens
 # as uint16. This is the format of llm.c and the public speedrun's FineWeb shards.
 
@@ -778,7 +778,7 @@ def shard_files(pattern: str, what: str) -> list[str]:
     if not files:
         raise FileNotFoundError(f"no {what} shards match {pattern!r}: download them with "
                                 "`python data/cached_fineweb10B.py 9`, tokenize your own text with "
-                                "`python data/tokenize.py`, or point --train_files/--val_files (or DATA_PATH) at them")
+                                "`python data/tokenize_corpus.py`, or point --train_files/--val_files (or DATA_PATH) at them")
     return files
 
 
