@@ -25,7 +25,7 @@ import train_gpt as tg  # noqa: E402
 
 PROG = "sample.py"
 DEBUG_ENV = "SPEEDRUN_DEBUG"  # set to 1: errors show their Python traceback (the same in every tool)
-GPT2_BOS = 50256  # a checkpoint with this BOS uses GPT-2's BPE
+GPT2_BOS = tg.BOS_ID  # a checkpoint with this BOS uses GPT-2's BPE
 
 
 class UsageError(Exception):

@@ -35,11 +35,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+
 # -----------------------------------------------------------------------------------------------
 # Hyperparameters: every field is a command-line override, `--field value`.
 # Defaults are the public speedrun record of 2025-09-03 (#29: 1670 steps, 8xH100).
 
 DATA_PATH = os.environ.get("DATA_PATH", os.path.dirname(os.path.abspath(__file__)))
+BOS_ID = 50256  # GPT-2's <|endoftext|>, put before every document: the speedrun's beginning of sequence
 
 
 @dataclass
@@ -48,7 +50,7 @@ class Hyperparameters:
     train_files: str = os.path.join(DATA_PATH, "data/fineweb10B/fineweb_train_*.bin")
     val_files: str = os.path.join(DATA_PATH, "data/fineweb10B/fineweb_val_*.bin")
     val_tokens: int = 10_485_760  # fixed validation set, the same on any world size
-    bos_id: int = 50256  # GPT-2 <|endoftext|>, which starts every document
+    bos_id: int = BOS_ID  # the token that starts every document
     # batches: one micro-batch is a 1-D buffer of whole documents (varlen attention)
     batch_size: int = 8 * 49152  # tokens per optimizer step, summed over ranks and accumulation steps
     seq_len: int = 49152  # tokens per micro-batch (one rank, one accumulation step)
@@ -56,18 +58,18 @@ class Hyperparameters:
     max_doc_len: int = 2048  # training documents are cut here and the rest dropped (validation: never cut)
     max_num_docs: int = 256  # cu_seqlens is padded to this many sequences, so shapes stay static
     # model
-    vocab_size: int = 50304  # GPT-2's 50,257 padded to a multiple of 128 for fast matmuls
+    vocab_size: int = 50304  # GPT-2's 50,257 padded to a multiple of 128 for fast matmuls (@Grad62304977)
     num_layers: int = 12
     model_dim: int = 768
     num_heads: int = 6
     head_dim: int = 128
     mlp_ratio: int = 4
-    no_attn_layers: tuple[int, ...] = (7,)  # blocks without attention (record #29)
+    no_attn_layers: tuple[int, ...] = (7,)  # blocks without attention (block 7: @YouJiacheng)
     num_value_embeds: int = 3  # value-embedding tables for the first and, mirrored, last blocks
     window_pattern: str = "LSSSLSSLSSSL"  # per block: L = long window, S = short window (half)
     window_schedule: tuple[int, ...] = (3, 7, 11)  # long window in blocks, stepped in equal parts
     window_block: int = 128  # tokens per window block
-    attn_scale: float = 0.12  # attention logit scale (instead of 1/sqrt(head_dim); QK are normed)
+    attn_scale: float = 0.12  # attention logit scale instead of 1/sqrt(head_dim), QK being normed (@leloykun)
     gate_channels: int = 12  # input channels of the sparse head gate
     rotary_min_freq: float = 1 / 1024  # lowest rotary frequency (the highest is 1)
     logit_softcap: float = 30.0  # logits = cap * sigmoid(z / softcap_temp)
@@ -84,7 +86,7 @@ class Hyperparameters:
     adam_lr: float = 0.008
     adam_beta1: float = 0.8
     adam_beta2: float = 0.95
-    adam_eps: float = 1e-10
+    adam_eps: float = 1e-10  # small epsilon: no dependence on the gradient's scale (@YouJiacheng)
     embed_lr_mult: float = 75.0  # token and value embeddings
     head_lr_mult: float = 1.0
     scalar_lr_mult: float = 5.0
@@ -122,8 +124,8 @@ class Hyperparameters:
             raise ValueError(f"bos_id={h.bos_id} must be < vocab_size={h.vocab_size}")
         if h.preset not in PRESETS:
             raise ValueError(f"preset={h.preset!r}: choose one of {', '.join(PRESETS)}")
-        if h.attention not in ("auto", "fa3", "fa4", "varlen", "reference"):
-            raise ValueError(f"attention={h.attention!r}: choose auto, fa3, fa4, varlen or reference")
+        if h.attention not in ("auto", *ATTENTION_BACKENDS):
+            raise ValueError(f"attention={h.attention!r}: choose one of auto, {', '.join(ATTENTION_BACKENDS)}")
 
 
 PRESETS = {  # name: (what it is, the fields it sets)
@@ -220,7 +222,7 @@ def quantize(t: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tenso
     return (_quantize_fused if t.is_cuda else _quantize)(t, scale, dtype)
 
 
-# FP8 LM head (record: @YouJiacheng). Forward in e4m3 with fixed scales, backward grads in e5m2. A
+# FP8 LM head (@YouJiacheng). Forward in e4m3 with fixed scales, backward grads in e5m2. A
 # custom op is opaque to torch.compile, which keeps the FP8 operands in the layouts _scaled_mm needs.
 @torch.library.custom_op("speedrun::mm_fp8", mutates_args=())
 def mm_fp8(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -272,6 +274,17 @@ def _mm_fp8_backward(ctx, grad_out, *_):
 
 
 mm_fp8.register_autograd(_mm_fp8_backward, setup_context=_mm_fp8_setup_context)
+
+
+E4M3_MAX = 448.0  # the largest float8_e4m3fn value
+# The LM head's fixed FP8 scales (the 09/03 record's): activations are RMS-normed, so |x| <= sqrt(dim)
+# fits e4m3 at sqrt(dim)/448; weights at 2^-9; the gradient of the summed loss at 1/448.
+HEAD_W_SCALE = 2**-9
+HEAD_GRAD_SCALE = 1 / E4M3_MAX
+
+
+def head_x_scale(model_dim: int) -> float:
+    return math.sqrt(model_dim) / E4M3_MAX
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -362,7 +375,7 @@ def norm(x: Tensor) -> Tensor:
 
 
 def uniform_init_(w: Tensor, fan_in: int) -> Tensor:
-    """Uniform init with the std of 0.5/sqrt(fan_in) (bound sqrt(3) times that), as in the record."""
+    """Uniform init with the std of 0.5/sqrt(fan_in) (bound sqrt(3) times that; @YouJiacheng)."""
     bound = math.sqrt(3) * 0.5 / math.sqrt(fan_in)
     return w.uniform_(-bound, bound)
 
@@ -393,7 +406,7 @@ class ModelConfig:
 
 class Rotary(nn.Module):
     """Rotary position embedding on half of each head's dims; the other half carries no position
-    (record: @YouJiacheng's half-truncated RoPE). Positions run over the whole buffer: rotary is
+    (@YouJiacheng's half-truncated RoPE, with its base frequency tuned). Positions run over the whole buffer: rotary is
     relative, so offsets between documents do not matter."""
 
     def __init__(self, head_dim: int, max_seq_len: int, min_freq: float):
@@ -420,14 +433,16 @@ class CausalSelfAttention(nn.Module):
         self.qkvo_w = nn.Parameter(uniform_init_(torch.empty(4, hdim, cfg.model_dim), cfg.model_dim))
         with torch.no_grad():
             self.qkvo_w[3].zero_()  # output projection starts at zero: each block starts as identity
-        # Sparse head gate (record #29): sigmoid(W x[:12]) scales each head's output; zero init = 0.5.
+        # Sparse head gate (@classiclarryd): sigmoid(W x[:12]) scales each head's output, so a head can
+        # do nothing where the context says so; zero init = 0.5.
         self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels))
 
     def forward(self, x, ve, lambdas, cu_seqlens, max_seqlen, window, rotary, attn_fn):
         T, H, D = x.size(0), self.num_heads, self.head_dim
         q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x)).view(T, 3 * H, D).chunk(3, dim=1)
-        q, k = rotary(norm(q)), rotary(norm(k))  # QK-norm, then rotary
-        # Value embeddings (record: @KoszarskyB): v mixes in a per-token table lookup.
+        q, k = rotary(norm(q)), rotary(norm(k))  # QK-norm (@Grad62304977), then rotary
+        # Value embeddings (@KoszarskyB, @Grad62304977; value residual, arXiv 2410.17897): v mixes in a
+        # per-token table lookup.
         v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
         y = attn_fn(q, k, v, cu_seqlens, max_seqlen, window, self.scale)
         y = y * torch.sigmoid(F.linear(x[:, : self.gate_w.size(1)], self.gate_w.type_as(x))).unsqueeze(-1)
@@ -442,10 +457,11 @@ class MLP(nn.Module):
         # same-shape matrices, and Muon's shape scale max(1, rows/cols)^0.5 is 1 for both. Stored
         # (hidden, dim), the input matrix got scale 2, i.e. twice the record's learning rate.
         self.fc_w = nn.Parameter(uniform_init_(torch.empty(cfg.model_dim, hidden), cfg.model_dim))
-        self.proj_w = nn.Parameter(torch.zeros(cfg.model_dim, hidden))  # zero init, as the attention output
+        self.proj_w = nn.Parameter(torch.zeros(cfg.model_dim, hidden))  # zero init (@Grad62304977)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(F.relu(x @ self.fc_w.type_as(x)).square(), self.proj_w.type_as(x))  # ReLU^2
+        # ReLU^2 (arXiv 2109.08668; @SKYLINEZ007, @Grad62304977): ~1-2% better than GELU in the speedrun.
+        return F.linear(F.relu(x @ self.fc_w.type_as(x)).square(), self.proj_w.type_as(x))
 
 
 class Block(nn.Module):
@@ -470,7 +486,7 @@ class GPT(nn.Module):
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in range(cfg.num_value_embeds))
         self.blocks = nn.ModuleList(Block(cfg, i not in cfg.no_attn_layers) for i in range(L))
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq)
-        self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (record)
+        self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
         # All scalars in one tensor (one Adam group, one collective): per block the residual mix
         # (a, b) = (1, 0) and the value mix (c, d) = (0.5, 0.5), then one U-net skip weight per
         # skipped block (1.0); padded to a multiple of 64 so it shards over any world size <= 64.
@@ -478,11 +494,11 @@ class GPT(nn.Module):
         scalars = torch.cat([torch.tensor([1.0, 0.0, 0.5, 0.5]).repeat(L), torch.ones(L // 2)])
         self.scalars = nn.Parameter(F.pad(scalars, (0, -n % 64)))
         for m in (self.embed, *self.value_embeds):
-            m.weight.data = m.weight.data.bfloat16()  # embeddings live in bf16 (record)
+            m.weight.data = m.weight.data.bfloat16()  # embeddings live in bf16, as in the 09/03 record
 
     def value_embed_layers(self) -> list[int | None]:
         """Which value-embedding table each block uses: tables 0..k-1 on the first k blocks and
-        again on the last k blocks (record: 0,1,2 ... 9,10,11), none in between."""
+        again on the last k blocks (0,1,2 ... 0,1,2 and none in the middle: @YouJiacheng)."""
         k, L = self.cfg.num_value_embeds, self.cfg.num_layers
         return [i if i < k else i - (L - k) if i >= L - k else None for i in range(L)]
 
@@ -497,10 +513,10 @@ class GPT(nn.Module):
         s = self.scalars
         block_scalars, skip_w = s[: 4 * L].view(L, 4), s[4 * L: 4 * L + L // 2]
         lambdas, ve_lambdas = block_scalars[:, :2], block_scalars[:, 2:]
-        x = x0 = norm(self.embed(inputs))
+        x = x0 = norm(self.embed(inputs))  # normed embedding (@Grad62304977)
         ves = [self.value_embeds[i](inputs) if i is not None else None for i in self.value_embed_layers()]
         windows = self.block_windows(windows)
-        skips = []  # U-net: outputs of the first half feed, in reverse order, the inputs of the second
+        skips = []  # U-net (@brendanh0gan): first-half outputs feed, in reverse order, the second half
         for i, block in enumerate(self.blocks):
             if i >= L - L // 2:
                 x = x + skip_w[i - (L - L // 2)] * skips.pop()
@@ -510,7 +526,8 @@ class GPT(nn.Module):
         return norm(x)
 
     def softcap(self, logits: Tensor) -> Tensor:
-        """Logit soft-cap (record): bounded logits, smoother early training."""
+        """Logit soft-cap: bounded logits, smoother early training (tanh cap of Gemma 2 brought in by
+        @Grad62304977, lowered by @KoszarskyB, written as a shifted sigmoid by @YouJiacheng)."""
         return self.cfg.logit_softcap * torch.sigmoid(logits.float() / self.cfg.softcap_temp)
 
     def next_token_logits(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int]) -> Tensor:
@@ -522,7 +539,8 @@ class GPT(nn.Module):
         """Cross-entropy of every position of the final hidden state x against its target."""
         cfg = self.cfg
         if self.fp8_head and self.training:
-            logits = torch.ops.speedrun.mm_fp8(x, self.lm_head_w, math.sqrt(cfg.model_dim) / 448, 2**-9, 1 / 448)[0]
+            logits = torch.ops.speedrun.mm_fp8(x, self.lm_head_w, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
+                                               HEAD_GRAD_SCALE)[0]
         else:
             logits = F.linear(x, self.lm_head_w.type_as(x))
         z = self.softcap(logits)
@@ -715,7 +733,6 @@ SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
-BOS_ID = 50256  # GPT-2 <|endoftext|>, put before every document: the speedrun's beginning-of-sequence
 
 
 class ShardError(ValueError):
@@ -1066,7 +1083,7 @@ class TrainingStage:
 
 def window_tokens(blocks: int, block: int) -> tuple[int, int]:
     """(long, short) windows in tokens from a long window in blocks: the short one is half of it,
-    rounded down to a block (record #29's sliding windows, @classiclarryd)."""
+    rounded down to a block (the 09/03 record's sliding windows)."""
     return blocks * block, blocks // 2 * block
 
 
@@ -1098,6 +1115,7 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
     frac = min(step / args.muon_momentum_warmup, 1) if args.muon_momentum_warmup else 1
     return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
 
+
 # -----------------------------------------------------------------------------------------------
 # Optimizer wiring: which parameters each optimizer gets, at which learning rate.
 
@@ -1123,6 +1141,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
     return adam, muon
+
 
 # -----------------------------------------------------------------------------------------------
 # Metrics: model FLOPs per token (MFU), memory estimate, size report.
@@ -1179,6 +1198,15 @@ def size_report(model: GPT, args: Hyperparameters, world_size: int, device: torc
     lines.append(f"memory per {where}: ~{sum(parts.values()) / size:.1f} {unit}: " +
                  ", ".join(f"{name} {v / size:.1f}" for name, v in parts.items()))
     return lines
+
+
+def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_size: int, attention: str,
+               fp8: bool) -> list[str]:
+    """The start-of-run lines: where and how it runs, then the size report."""
+    return [f"device: {device} x {world_size}, grad accumulation {args.batch_size // args.seq_len // world_size}, "
+            f"attention backend: {attention}, LM head: {'fp8' if fp8 else 'bf16'}, compile: {args.compile}, "
+            f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device)]
+
 
 # -----------------------------------------------------------------------------------------------
 # Checkpoints: whole or absent, sharded optimizer states, exact resume.
@@ -1287,6 +1315,7 @@ def resume_command(checkpoint: Path, world_size: int) -> str:
     launch = f"NPROC={world_size} ./run.sh" if world_size > 1 else "python train_gpt.py"
     return f"{launch} --resume {checkpoint}"
 
+
 # -----------------------------------------------------------------------------------------------
 # Logging
 
@@ -1334,6 +1363,7 @@ def _version(module: str) -> str:
         return __import__(module).__version__
     except Exception:
         return "not installed"
+
 
 # -----------------------------------------------------------------------------------------------
 # Training: build, one step, validation, warm-up, the run
@@ -1448,6 +1478,7 @@ class LossWatch:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.pending: deque = deque()
+        self.latest: tuple[int, float] | None = None
 
     def push(self, step: int, loss: Tensor, tokens: int):
         host = torch.empty((), pin_memory=self.cuda)
@@ -1458,15 +1489,22 @@ class LossWatch:
             event.record()
         self.pending.append((step, host, event, tokens))
 
-    def ready(self):
-        """(step, mean loss per token on this rank) for every step the GPU has finished."""
+    def newest(self, checkpoint) -> tuple[int, float] | None:
+        """(step, mean loss per token on this rank) of the newest step the GPU has finished; a
+        non-finite loss stops the run, naming the step and the last good checkpoint."""
         while self.pending and (self.pending[0][2] is None or self.pending[0][2].query()):
             step, host, _, tokens = self.pending.popleft()
-            yield step, host.item() / tokens
+            if not math.isfinite(host.item()):
+                raise FloatingPointError(f"loss is {host.item() / tokens} at step {step}: stopping. Last good "
+                                         f"checkpoint: {checkpoint or 'none (save them with --save_every N)'}")
+            self.latest = (step, host.item() / tokens)
+        return self.latest
 
 
 class Figures:
     """The every-log_every-steps line: loss of the newest finished step, tokens/s, MFU, memory."""
+    LEGEND = ("train_loss (mean per token)@the newest finished step, tokens/s, mfu (model FLOPs / peak), "
+              "step_ms, mem (allocated/reserved)")
 
     def __init__(self, model: GPT, device: torch.device, peak: float | None, world_size: int, step: int):
         self.model, self.device, self.peak, self.world_size = model, device, peak, world_size
@@ -1555,6 +1593,14 @@ def prepare_data(args: Hyperparameters, rank: int, world_size: int, device: torc
     return train_files, val
 
 
+def any_rank(flag: bool, control) -> bool:
+    """True on every rank if it is true on any (a small all-reduce on a CPU group, no GPU wait)."""
+    t = torch.tensor([float(flag)])
+    if control is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control)
+    return bool(t.item())
+
+
 def stop_on_signals() -> tuple[list[int], dict]:
     """SIGTERM / Ctrl-C only set a flag: the loop finishes its step, saves and stops (ranks agree
     through a small all-reduce on a CPU group, which never waits for the GPU)."""
@@ -1606,10 +1652,7 @@ def train(args: Hyperparameters) -> RunResult:
         log_header(log, args, device, resume)
         train_files, val = prepare_data(args, rank, world_size, device, log)
         model, compiled, optimizers, attention, fp8 = build(args, device, rank, world_size)
-        log(f"device: {device} x {world_size}, grad accumulation {args.batch_size // args.seq_len // world_size}, "
-            f"attention backend: {attention}, LM head: {'fp8' if fp8 else 'bf16'}, compile: {args.compile}, "
-            f"parameters: {sum(p.numel() for p in model.parameters()):,}")
-        for line in size_report(model, args, world_size, device):
+        for line in run_report(model, args, device, world_size, attention, fp8):
             log(line)
         first_step, data_state, clock = 0, None, Clock(device)
         if resume is not None:
@@ -1628,10 +1671,9 @@ def train(args: Hyperparameters) -> RunResult:
         stop_signals, handlers = stop_on_signals()
         control = dist.new_group(backend="gloo") if world_size > 1 else None
         figures = Figures(model, device, peak_tflops(device, args.peak_tflops), world_size, first_step)
-        watch, losses, tokens, val_losses, checkpoint, interrupted, latest = LossWatch(device), [], [], [], None, 0, None
+        watch, losses, tokens, val_losses, checkpoint, interrupted = LossWatch(device), [], [], [], None, 0
         if args.log_every > 0:
-            log(f"every {args.log_every} steps: train_loss (mean per token)@the newest finished step, "
-                "tokens/s, mfu (model FLOPs / peak), step_ms, mem (allocated/reserved)")
+            log(f"every {args.log_every} steps: {Figures.LEGEND}")
         # =============================== the timed region: training =================================
         clock.start()
         for step in range(first_step, N + 1):
@@ -1654,23 +1696,17 @@ def train(args: Hyperparameters) -> RunResult:
             watch.push(step + 1, loss, sum(m[0].numel() for m in micro))
             ms = clock.read_ms()
             log(f"step:{step + 1}/{N} train_time:{ms:.0f}ms step_avg:{ms / (step + 1):.2f}ms")
-            for done_step, value in watch.ready():
-                if not math.isfinite(value):
-                    raise FloatingPointError(f"loss is {value} at step {done_step}: stopping. Last good checkpoint: "
-                                             f"{checkpoint or 'none (save them with --save_every N)'}")
-                latest = (done_step, value)
+            latest = watch.newest(checkpoint)
             if args.log_every > 0 and (step + 1) % args.log_every == 0:
                 log(f"step:{step + 1}/{N} {figures.line(step + 1, stage, latest)}")
-            flag = torch.tensor([float(bool(stop_signals))])
-            if control is not None:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
-            if flag.item() or (args.save_every > 0 and (step + 1) % args.save_every == 0 and step + 1 < N):
+            stop = any_rank(bool(stop_signals), control)
+            if stop or (args.save_every > 0 and (step + 1) % args.save_every == 0 and step + 1 < N):
                 clock.stop()  # checkpoints are not timed
                 checkpoint = save_checkpoint(step + 1, model, optimizers, loader.state, clock.ms, args, rank, world_size)
                 log(f"checkpoint: {checkpoint}")
                 clock.start()
                 figures.restart(step + 1)
-                if flag.item():
+                if stop:
                     interrupted = stop_signals[0] if stop_signals else signal.SIGTERM
                     log(f"stopped by signal after step {step + 1}; continue with: {resume_command(checkpoint, world_size)}")
                     break
@@ -1687,6 +1723,7 @@ def train(args: Hyperparameters) -> RunResult:
             loader.close()
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
 
 # -----------------------------------------------------------------------------------------------
 # Command line: user errors in one line

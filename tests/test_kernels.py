@@ -48,7 +48,7 @@ def test_fp8_head_op_forward_and_backward_match_float_reference():
     w = (0.05 * torch.randn(V, dim, generator=g)).to(DEVICE)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    out = torch.ops.speedrun.mm_fp8(x, w, math.sqrt(dim) / 448, 2**-9, 1 / 448)[0]
+    out = torch.ops.speedrun.mm_fp8(x, w, tg.head_x_scale(dim), tg.HEAD_W_SCALE, tg.HEAD_GRAD_SCALE)[0]
     grad_out = torch.randn(T, V, generator=g).to(DEVICE, torch.bfloat16) * 1e-2
     out.backward(grad_out)
     xr, wr = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
@@ -92,7 +92,7 @@ def test_fp8_head_compiled_with_the_loss_matches_eager():
     target = torch.randint(0, V, (T,), generator=g).to(DEVICE)
 
     def loss_fn(x, w):
-        logits = torch.ops.speedrun.mm_fp8(x, w, math.sqrt(dim) / 448, 2**-9, 1 / 448)[0]
+        logits = torch.ops.speedrun.mm_fp8(x, w, tg.head_x_scale(dim), tg.HEAD_W_SCALE, tg.HEAD_GRAD_SCALE)[0]
         return torch.nn.functional.cross_entropy(30 * torch.sigmoid(logits.float() / 7.5), target)
 
     results = []

@@ -85,7 +85,7 @@ def test_value_embeddings_and_window_pattern_follow_the_record_layout():
     ("window_pattern", "LSL", "one L or S per layer"),
     ("batch_size", 1000, "multiple of seq_len"),
     ("bos_id", 99, "must be < vocab_size"),
-    ("attention", "magic", "choose auto"),
+    ("attention", "magic", "choose one of auto, fa3, fa4, varlen, reference"),
     ("logit_softcap", 90.0, "too large"),
 ])
 def test_bad_hyperparameters_are_refused_with_a_reason(field, value, needle):
