@@ -29,7 +29,6 @@ compare at equal wall-clock), and ms/step.
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import math
 import os
@@ -160,7 +159,7 @@ def main():
         rid = f"public_{stamp}_{i}"
         source_i = override((stage / "train_gpt.py").read_text(), "run_id", repr(rid))
         (stage / f"train_gpt_{i}.py").write_text(source_i)
-        runs.append((f"public 09/03" + (f" #{i + 1}" if a.public_runs > 1 else ""), stage / "logs" / f"{rid}.txt",
+        runs.append(("public 09/03" + (f" #{i + 1}" if a.public_runs > 1 else ""), stage / "logs" / f"{rid}.txt",
                      ["torchrun", "--standalone", "--nproc_per_node=1", f"train_gpt_{i}.py"], stage,
                      {"PYTHONPATH": str(stage), "TORCHINDUCTOR_CACHE_DIR": str(a.work / "cache_public")}))
     for seed in a.seeds:

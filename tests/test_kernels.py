@@ -1,6 +1,5 @@
 """Kernels and custom ops: every attention backend and the FP8 LM-head op against explicit float math.
 Runs on the CPU in CI (reference attention, CPU _scaled_mm) and on a GPU wherever one is present."""
-import math
 
 import pytest
 import torch
