@@ -357,13 +357,56 @@ def available_attention_backends(device: torch.device) -> list[str]:
     return names + ["reference"]
 
 
-def select_attention(name: str, device: torch.device) -> str:
+# Where each backend comes from, for the error when one is asked for and missing or failing.
+ATTENTION_INSTALL = {"fa3": "FlashAttention-3's flash_attn_interface (Hopper build; README: Training)",
+                     "fa4": "pip install --pre flash-attn-4 (sm90+)", "varlen": "PyTorch >= 2.11",
+                     "reference": "PyTorch"}
+
+
+def check_attention(name: str, device: torch.device, compiled: bool) -> str | None:
+    """Why backend `name` cannot be used here, or None: a tiny varlen forward and backward (two
+    documents and padding, a sliding window), traced with fullgraph as the model is when `compiled`,
+    must match the reference path. Run once at start-up, it keeps a backend that is installed but
+    breaks (e.g. one torch.compile cannot trace) from being chosen."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(256, 2, 128, device=device, generator=g, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    cu = torch.tensor([0, 100, 256, 256], dtype=torch.int32, device=device)
+    fn = lambda q, k, v: ATTENTION_BACKENDS[name](q, k, v, cu, 256, 64, 0.12)
+    if compiled:  # AOT autograd with fake tensors, as the model's compile will trace it (no codegen)
+        fn = torch.compile(fn, fullgraph=True, dynamic=False, backend="aot_eager")
+    try:
+        out = fn(q, k, v)
+        out.float().square().sum().backward()
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = attention_reference(qr, kr, vr, cu, 256, 64, 0.12)
+    ref.square().sum().backward()
+    err = max(float((a.detach().float() - b.detach()).norm() / b.detach().norm()) for a, b in
+              [(out, ref), (q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)])
+    return None if err < 3e-2 else f"differs from the reference path (relative error {err:.1e})"
+
+
+def select_attention(name: str, device: torch.device, compiled: bool = False, log=print) -> str:
+    """The backend to run: `name`, or for "auto" the fastest one installed here that passes its
+    check (the log says why each faster one was skipped). A requested backend that is missing or
+    fails its check is an error naming where it comes from."""
     available = available_attention_backends(device)
-    if name == "auto":
-        return available[0]
-    if name not in available:
-        raise ValueError(f"attention backend {name!r} is not available on {device} (available: {available})")
-    return name
+    if name != "auto" and name not in available:
+        raise ValueError(f"attention backend {name!r} is not available on {device} (available: {available}); "
+                         f"it needs {ATTENTION_INSTALL[name]}")
+    for candidate in ([name] if name != "auto" else available):
+        if candidate == "reference":
+            return candidate  # the definition the others are checked against
+        reason = check_attention(candidate, device, compiled)
+        if reason is None:
+            return candidate
+        if name != "auto":
+            raise ValueError(f"attention backend {name!r} failed its start-up check on {device}: {reason} "
+                             f"(it needs {ATTENTION_INSTALL[name]})")
+        log(f"attention: skipping {candidate}: {reason}")
+    return "reference"
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1368,10 +1411,10 @@ def _version(module: str) -> str:
 # -----------------------------------------------------------------------------------------------
 # Training: build, one step, validation, warm-up, the run
 
-def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int):
+def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int, log=print):
     """The model (seeded, identical on every rank), its compiled twin, the optimizers, and the
     attention backend and LM-head kind chosen for this device."""
-    attention = select_attention(args.attention, device)
+    attention = select_attention(args.attention, device, args.compile, log)
     fp8 = args.fp8_head and device.type == "cuda" and fp8_supported(device)  # on the CPU FP8 is emulated: bf16
     torch.manual_seed(args.seed)
     model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8).to(device)
@@ -1651,7 +1694,7 @@ def train(args: Hyperparameters) -> RunResult:
     try:
         log_header(log, args, device, resume)
         train_files, val = prepare_data(args, rank, world_size, device, log)
-        model, compiled, optimizers, attention, fp8 = build(args, device, rank, world_size)
+        model, compiled, optimizers, attention, fp8 = build(args, device, rank, world_size, log)
         for line in run_report(model, args, device, world_size, attention, fp8):
             log(line)
         first_step, data_state, clock = 0, None, Clock(device)

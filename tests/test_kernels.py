@@ -103,3 +103,37 @@ def test_fp8_head_compiled_with_the_loss_matches_eager():
     (l0, gx0, gw0), (l1, gx1, gw1) = results
     assert torch.allclose(l0, l1, rtol=1e-4)
     assert (gx1 - gx0).norm() / gx0.norm() < 0.02 and (gw1 - gw0).norm() / gw0.norm() < 0.02
+
+
+def _graph_breaking(q, k, v, cu, max_seqlen, window, scale):
+    torch._dynamo.graph_break()  # what fullgraph tracing cannot take (as flash-attn-4's autograd.Function)
+    return tg.attention_reference(q, k, v, cu, max_seqlen, window, scale)
+
+
+def _off_by_half(q, k, v, cu, max_seqlen, window, scale):
+    return 1.5 * tg.attention_reference(q, k, v, cu, max_seqlen, window, scale)
+
+
+@pytest.fixture
+def fake_backends(monkeypatch):
+    """A registry whose two fastest backends are installed but broken, the third sound."""
+    for name, fn in [("breaks", _graph_breaking), ("wrong", _off_by_half), ("sound", tg.attention_reference)]:
+        monkeypatch.setitem(tg.ATTENTION_BACKENDS, name, fn)
+        monkeypatch.setitem(tg.ATTENTION_INSTALL, name, f"pip install {name}")
+    monkeypatch.setattr(tg, "available_attention_backends", lambda device: ["breaks", "wrong", "sound", "reference"])
+
+
+def test_auto_skips_installed_backends_that_fail_their_check_and_says_why(fake_backends):
+    said = []
+    assert tg.select_attention("auto", torch.device("cpu"), compiled=True, log=said.append) == "sound"
+    assert len(said) == 2 and said[0].startswith("attention: skipping breaks: ") and "graph_break" in said[0].lower()
+    assert said[1].startswith("attention: skipping wrong: differs from the reference path (relative error 1.")
+    # traced without compile, the graph break is harmless: that backend then passes
+    assert tg.select_attention("auto", torch.device("cpu"), compiled=False, log=said.append) == "breaks"
+
+
+def test_a_requested_backend_that_fails_or_is_missing_is_one_error_naming_its_source(fake_backends):
+    with pytest.raises(ValueError, match=r"'wrong' failed its start-up check on cpu: differs .* pip install wrong"):
+        tg.select_attention("wrong", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"'fa4' is not available on cpu .* pip install --pre flash-attn-4"):
+        tg.select_attention("fa4", torch.device("cpu"))
