@@ -1538,8 +1538,11 @@ class LossWatch:
         while self.pending and (self.pending[0][2] is None or self.pending[0][2].query()):
             step, host, _, tokens = self.pending.popleft()
             if not math.isfinite(host.item()):
-                raise FloatingPointError(f"loss is {host.item() / tokens} at step {step}: stopping. Last good "
-                                         f"checkpoint: {checkpoint or 'none (save them with --save_every N)'}")
+                raise FloatingPointError(
+                    f"loss is {host.item() / tokens} at step {step}: stopping. " +
+                    (f"Last good checkpoint: {checkpoint} (continue from it, e.g. with a lower learning rate: "
+                     f"--resume {checkpoint} --muon_lr ...)" if checkpoint else
+                     "No checkpoint to continue from (save them with --save_every N)"))
             self.latest = (step, host.item() / tokens)
         return self.latest
 

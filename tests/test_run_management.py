@@ -164,7 +164,7 @@ def test_checkpoint_of_another_model_or_a_corrupt_one_is_refused(tiny_args, tmp_
 
 
 def test_non_finite_loss_stops_the_run_naming_the_step(tiny_args):
-    with pytest.raises(FloatingPointError, match=r"loss is (nan|inf) at step \d+: stopping\. Last good checkpoint: none"):
+    with pytest.raises(FloatingPointError, match=r"loss is (nan|inf) at step \d+: stopping\. No checkpoint to continue from"):
         tg.train(tiny_args(num_iterations=30, val_every=0, adam_lr=float("nan")))
 
 
