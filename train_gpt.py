@@ -368,14 +368,14 @@ def check_attention(name: str, device: torch.device, compiled: bool) -> str | No
     documents and padding, a sliding window), traced with fullgraph as the model is when `compiled`,
     must match the reference path. Run once at start-up, it keeps a backend that is installed but
     breaks (e.g. one torch.compile cannot trace) from being chosen."""
-    g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(256, 2, 128, device=device, generator=g, dtype=torch.bfloat16).requires_grad_()
-               for _ in range(3))
-    cu = torch.tensor([0, 100, 256, 256], dtype=torch.int32, device=device)
-    fn = lambda q, k, v: ATTENTION_BACKENDS[name](q, k, v, cu, 256, 64, 0.12)
-    if compiled:  # AOT autograd with fake tensors, as the model's compile will trace it (no codegen)
-        fn = torch.compile(fn, fullgraph=True, dynamic=False, backend="aot_eager")
     try:
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(256, 2, 128, device=device, generator=g, dtype=torch.bfloat16).requires_grad_()
+                   for _ in range(3))
+        cu = torch.tensor([0, 100, 256, 256], dtype=torch.int32, device=device)
+        fn = lambda q, k, v: ATTENTION_BACKENDS[name](q, k, v, cu, 256, 64, 0.12)
+        if compiled:  # AOT autograd with fake tensors, as the model's compile will trace it (no codegen)
+            fn = torch.compile(fn, fullgraph=True, dynamic=False, backend="aot_eager")
         out = fn(q, k, v)
         out.float().square().sum().backward()
     except Exception as e:
@@ -385,7 +385,8 @@ def check_attention(name: str, device: torch.device, compiled: bool) -> str | No
     ref.square().sum().backward()
     err = max(float((a.detach().float() - b.detach()).norm() / b.detach().norm()) for a, b in
               [(out, ref), (q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)])
-    return None if err < 3e-2 else f"differs from the reference path (relative error {err:.1e})"
+    # bf16 kernels land near 1e-2 against the float32 reference; a wrong mask or window near 1
+    return None if err < 5e-2 else f"differs from the reference path (relative error {err:.1e})"
 
 
 def select_attention(name: str, device: torch.device, compiled: bool = False, log=print) -> str:
@@ -396,16 +397,20 @@ def select_attention(name: str, device: torch.device, compiled: bool = False, lo
     if name != "auto" and name not in available:
         raise ValueError(f"attention backend {name!r} is not available on {device} (available: {available}); "
                          f"it needs {ATTENTION_INSTALL[name]}")
+    skipped = []
     for candidate in ([name] if name != "auto" else available):
-        if candidate == "reference":
+        if candidate == "reference" and (name == "reference" or device.type != "cuda" or not skipped):
             return candidate  # the definition the others are checked against
+        if candidate == "reference":  # O(T^2) memory: never a silent fallback for a GPU run
+            raise ValueError(f"no attention backend passed its start-up check on {device}: " + "; ".join(skipped))
         reason = check_attention(candidate, device, compiled)
         if reason is None:
             return candidate
         if name != "auto":
             raise ValueError(f"attention backend {name!r} failed its start-up check on {device}: {reason} "
                              f"(it needs {ATTENTION_INSTALL[name]})")
-        log(f"attention: skipping {candidate}: {reason}")
+        skipped.append(f"{candidate}: {reason}")
+        log(f"attention: skipping {skipped[-1]}")
     return "reference"
 
 

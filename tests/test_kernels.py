@@ -137,3 +137,10 @@ def test_a_requested_backend_that_fails_or_is_missing_is_one_error_naming_its_so
         tg.select_attention("wrong", torch.device("cpu"))
     with pytest.raises(ValueError, match=r"'fa4' is not available on cpu .* pip install --pre flash-attn-4"):
         tg.select_attention("fa4", torch.device("cpu"))
+
+
+def test_a_gpu_run_never_falls_back_to_the_quadratic_reference_silently(fake_backends, monkeypatch):
+    monkeypatch.setattr(tg, "available_attention_backends", lambda device: ["wrong", "reference"])
+    with pytest.raises(ValueError, match=r"no attention backend passed its start-up check on cuda: wrong: "):
+        tg.select_attention("auto", torch.device("cuda"), log=lambda m: None)
+    assert tg.select_attention("auto", torch.device("cpu"), log=lambda m: None) == "reference"  # the CPU path
