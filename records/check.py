@@ -59,6 +59,7 @@ _SMI_DATE_RE = re.compile(r"^(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) ([A-Z][a-z]{2}) +(\
 RECORD_PRESET = "record"
 RECORD_VOCAB_SIZE = 50304
 RECORD_VAL_TOKENS = 10_485_760
+RECORD_VAL_SEQ_LEN = 262144  # the public validation buffer: context resets at its edges
 RECORD_VAL_DIR = "fineweb10B"  # the folder data/cached_fineweb10B.py downloads into
 _RECORD_VAL_NAME_RE = re.compile(r"fineweb_val_(?:\*|\d{6})\.bin")
 DEBUG_ENV = "SPEEDRUN_DEBUG"  # set to 1: errors show their Python traceback (the same in every tool)
@@ -232,7 +233,8 @@ def record_problems(run: RunLog) -> list[str]:
         problems.append(f"preset {p['preset']}, not {RECORD_PRESET}")
     if p.get("markov_corpus", "False") not in ("False", "false", "0"):
         problems.append(f"markov_corpus {p['markov_corpus']} (synthetic data)")
-    for name, want in (("vocab_size", RECORD_VOCAB_SIZE), ("val_tokens", RECORD_VAL_TOKENS)):
+    for name, want in (("vocab_size", RECORD_VOCAB_SIZE), ("val_tokens", RECORD_VAL_TOKENS),
+                       ("val_seq_len", RECORD_VAL_SEQ_LEN)):
         if name in p and p[name].replace("_", "") != str(want):
             problems.append(f"{name} {p[name]}, not {want}")
     if "val_files" in p and not _is_record_val_files(p["val_files"]):

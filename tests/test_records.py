@@ -32,7 +32,8 @@ TIMES_MS = [163871, 163621, 163848, 163998, 163897]
 # the hyperparameter lines check.py looks at, as train_gpt.py writes them for a record run
 RECORD_PARAMS = {"train_files": "/data/speedrun/data/fineweb10B/fineweb_train_*.bin",
                  "val_files": "/data/speedrun/data/fineweb10B/fineweb_val_*.bin", "val_tokens": "10485760",
-                 "vocab_size": "50304", "run_id": "r", "preset": "record", "markov_corpus": "False"}
+                 "val_seq_len": "262144", "vocab_size": "50304", "run_id": "r", "preset": "record",
+                 "markov_corpus": "False"}
 # and for `python train_gpt.py --preset smoke`
 SMOKE_PARAMS = {**RECORD_PARAMS, "train_files": "/repo/data/smoke/markov_train_*.bin",
                 "val_files": "/repo/data/smoke/markov_val_*.bin", "val_tokens": "32768", "vocab_size": "128",
@@ -223,6 +224,7 @@ def test_check_never_passes_smoke_runs_and_says_why(tmp_path):
     ({"preset": "single"}, "preset single, not record"),
     ({"vocab_size": "50257"}, "vocab_size 50257, not 50304"),
     ({"val_tokens": "1048576"}, "val_tokens 1048576, not 10485760"),
+    ({"val_seq_len": "65536"}, "val_seq_len 65536, not 262144"),  # validation cut unlike the public one
     ({"val_files": "/data/mytext/fineweb_val_*.bin"}, "val_files /data/mytext/fineweb_val_*.bin"),
     ({"val_files": "data/fineweb10B/finewebedu_val_*.bin"}, "val_files data/fineweb10B/finewebedu_val_*.bin"),
     ({"markov_corpus": "True"}, "markov_corpus True"),
