@@ -81,7 +81,7 @@ def test_a_damaged_later_training_shard_is_found_at_start_up(tiny_args, tmp_path
 
 
 def test_a_data_error_mid_run_saves_a_checkpoint_and_says_how_to_continue(tiny_args, tmp_path, monkeypatch):
-    args = tiny_args(num_iterations=40, val_every=0, run_id="mid", checkpoint_dir=str(tmp_path / "ck"))
+    args = tiny_args(num_iterations=24, val_every=0, run_id="mid", checkpoint_dir=str(tmp_path / "ck"))
     second = sorted(Path(args.train_files).parent.glob("syn_train_*.bin"))[1]
     real_load = tg.load_shard
 
@@ -93,11 +93,11 @@ def test_a_data_error_mid_run_saves_a_checkpoint_and_says_how_to_continue(tiny_a
     with pytest.raises(tg.ShardError) as e:
         tg.train(args)
     saved = sorted((tmp_path / "ck" / "mid").glob("step_*"))
-    assert len(saved) == 1 and 0 < int(saved[0].name[5:]) < 40
+    assert len(saved) == 1 and 0 < int(saved[0].name[5:]) < 24
     assert f"continue with: python train_gpt.py --resume {saved[0]}" in str(e.value)
     monkeypatch.setattr(tg, "load_shard", real_load)  # the data fixed: the hint alone continues the run
     resumed = tg.train(tg.parse_args(["--resume", str(saved[0])]))
-    assert resumed.first_step == int(saved[0].name[5:]) and resumed.val_losses[-1][0] == 40
+    assert resumed.first_step == int(saved[0].name[5:]) and resumed.val_losses[-1][0] == 24
 
 
 def test_the_resume_hint_alone_continues_with_the_checkpoints_hyperparameters(tiny_args, tmp_path):
