@@ -76,3 +76,25 @@ def test_dist_adam_refuses_a_parameter_that_does_not_shard():
     with pytest.raises(ValueError, match="does not split"):
         tg.DistAdam([torch.nn.Parameter(torch.zeros(5, 3))], lr=1e-3, betas=(0.8, 0.95), eps=1e-10,
                     rank=0, world_size=2)
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_orthogonalization_work_of_the_record_model_is_spread_evenly_over_ranks(world_size):
+    """Newton-Schulz costs ~m^2 n per m x n matrix (m <= n). With both MLP matrices in one group of 24
+    (stored alike, as in the 09/03 record), 8 ranks each get 3 MLP and at most 2 attention matrices:
+    the busiest rank does 5 of the 35 equal units of work, the fewest any split allows."""
+    with torch.device("meta"):
+        model = tg.GPT(tg.ModelConfig.from_args(tg.Hyperparameters()))
+    params = tg.param_groups_by_role(model)["block matrices"]
+    loads = []
+    for rank in range(world_size):
+        muon = tg.Muon(params, lr=0.05, momentum=0.95, ns_steps=5, rank=rank, world_size=world_size)
+        work = 0
+        for group in muon.param_groups:
+            per_rank, first = muon._owned(group)
+            for p in group["params"][first: first + per_rank]:
+                m, n = sorted(p.shape[-2:])
+                work += p.numel() // (m * n) * m * m * n
+        loads.append(work)
+    unit = 768 * 768 * 3072  # one MLP matrix = one of the 4 stacked attention matrices' 4 x 768^3
+    assert sum(loads) // unit == 35 and max(loads) <= -(-35 // world_size) * unit + 11 * 6 * 6 * 12
