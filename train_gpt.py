@@ -315,20 +315,115 @@ def _attention_varlen(q, k, v, cu_seqlens, max_seqlen, window, scale):
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, window_size=(window, 0))
 
 
-def _attention_fa3(q, k, v, cu_seqlens, max_seqlen, window, scale):
-    """FlashAttention-3 (Hopper build, `flash_attn_interface`): what the public records use."""
-    from flash_attn_interface import flash_attn_varlen_func
-    out = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                 softmax_scale=scale, causal=True, window_size=(window, 0))
-    return out[0] if isinstance(out, tuple) else out
+# FlashAttention-3 and -4 as opaque custom ops: torch.compile(fullgraph=True) cannot trace their
+# Python front ends (flash-attn-4's autograd.Function runs a fake-mode check), so each library's own
+# forward and backward kernels become a pair of ops, with output shapes for the compiler's fake
+# tensors and the backward attached by register_autograd.
+def flash_attention_op(name: str, forward, backward):
+    """The attention function of backend `name`, built on two ops `speedrun::{name}` and
+    `speedrun::{name}_backward`. `forward(q, k, v, cu_seqlens, max_seqlen, window, scale)` returns
+    (out (T, H, D), lse (H, T) float32); `backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen,
+    window, scale)` returns the gradients of q, k and v. Outputs are contiguous, as the fakes say."""
+
+    @torch.library.custom_op(f"speedrun::{name}", mutates_args=())
+    def attend(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int,
+               scale: float) -> tuple[Tensor, Tensor]:
+        out, lse = forward(q, k, v, cu_seqlens, max_seqlen, window, scale)
+        return out.contiguous(), lse.contiguous()
+
+    @attend.register_fake
+    def _(q, k, v, cu_seqlens, max_seqlen, window, scale):
+        return q.new_empty(q.shape), q.new_empty(q.size(1), q.size(0), dtype=torch.float32)
+
+    @torch.library.custom_op(f"speedrun::{name}_backward", mutates_args=())
+    def attend_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        cu_seqlens: Tensor, max_seqlen: int, window: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        grads = backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, max_seqlen, window, scale)
+        return tuple(g.contiguous() for g in grads)
+
+    @attend_backward.register_fake
+    def _(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, window, scale):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_seqlens, max_seqlen, window, scale = inputs
+        ctx.save_for_backward(q, k, v, cu_seqlens, *output)
+        ctx.static = (max_seqlen, window, scale)
+
+    def grad(ctx, grad_out, grad_lse):  # lse is an internal output: nothing flows back through it
+        q, k, v, cu_seqlens, out, lse = ctx.saved_tensors
+        return *attend_backward(grad_out, q, k, v, out, lse, cu_seqlens, *ctx.static), None, None, None, None
+
+    attend.register_autograd(grad, setup_context=setup_context)
+
+    def attention(q, k, v, cu_seqlens, max_seqlen, window, scale):
+        return attend(q, k, v, cu_seqlens, max_seqlen, window, scale)[0]
+    attention.__doc__ = forward.__doc__
+    return attention
 
 
-def _attention_fa4(q, k, v, cu_seqlens, max_seqlen, window, scale):
-    """FlashAttention-4 (CuTe DSL, pip flash-attn-4), sm90+."""
-    from flash_attn.cute import flash_attn_varlen_func
-    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                 softmax_scale=scale, causal=True, window_size=(window, 0))
-    return out[0] if isinstance(out, tuple) else out
+def _fa3_forward(q, k, v, cu_seqlens, max_seqlen, window, scale):
+    """FlashAttention-3 (Hopper kernels, torch.ops.flash_attn_3): what the public records use."""
+    out, lse, *_ = torch.ops.flash_attn_3.fwd(
+        q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen, softmax_scale=scale, is_causal=True, window_size_left=window, window_size_right=0)
+    return out, lse
+
+
+def _fa3_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, window, scale):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    torch.ops.flash_attn_3.bwd(
+        grad_out, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+        max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, is_causal=True,
+        window_size_left=window, window_size_right=0)
+    return dq, dk, dv
+
+
+def _fa4_forward(q, k, v, cu_seqlens, max_seqlen, window, scale):
+    """FlashAttention-4 (CuTe DSL kernels, pip flash-attn-4), sm90+."""
+    from flash_attn.cute.interface import _flash_attn_fwd  # the kernels under its autograd.Function
+    out, lse, *_ = _flash_attn_fwd(
+        q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True, window_size_left=window, window_size_right=0,
+        return_lse=True)
+    return out, lse
+
+
+def _fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, window, scale):
+    from flash_attn.cute.interface import _flash_attn_bwd
+    dq, dk, dv = _flash_attn_bwd(
+        q, k, v, out, grad_out, lse, softmax_scale=scale, causal=True, window_size_left=window,
+        window_size_right=0, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen)[:3]
+    return dq, dk, dv
+
+
+def _load_fa3() -> bool:
+    """Register torch.ops.flash_attn_3: from the flash_attn_3 wheel if installed, else from the FA3
+    build that xformers==0.0.34 bundles (CUDA 12, stable ABI; under a CUDA-13 torch it needs
+    libcudart.so.12, from pip's nvidia-cuda-runtime-cu12)."""
+    if hasattr(torch.ops.flash_attn_3, "fwd"):
+        return True
+    if _importable("flash_attn_3._C"):
+        return hasattr(torch.ops.flash_attn_3, "fwd")
+    import ctypes
+    import importlib.util
+    spec = importlib.util.find_spec("xformers")  # locates the package without importing it
+    so = Path(spec.origin).parent / "flash_attn_3" / "_C.so" if spec and spec.origin else None
+    if so is None or not so.exists():
+        return False
+    try:
+        ctypes.CDLL("libcudart.so.12", mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        found = [p for d in sys.path for p in glob.glob(os.path.join(d, "nvidia/cuda_runtime/lib/libcudart.so.12"))]
+        if not found:
+            return False
+        ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
+    try:
+        torch.ops.load_library(str(so))
+    except OSError:
+        return False
+    return hasattr(torch.ops.flash_attn_3, "fwd")
 
 
 def _importable(module: str) -> bool:
@@ -339,7 +434,8 @@ def _importable(module: str) -> bool:
         return False
 
 
-ATTENTION_BACKENDS = {"fa3": _attention_fa3, "fa4": _attention_fa4, "varlen": _attention_varlen,
+ATTENTION_BACKENDS = {"fa3": flash_attention_op("fa3", _fa3_forward, _fa3_backward),
+                      "fa4": flash_attention_op("fa4", _fa4_forward, _fa4_backward), "varlen": _attention_varlen,
                       "reference": attention_reference}
 
 
@@ -348,9 +444,10 @@ def available_attention_backends(device: torch.device) -> list[str]:
     if device.type != "cuda":
         return ["reference"]
     names = []
-    if _importable("flash_attn_interface"):
+    hopper = torch.cuda.get_device_capability(device) >= (9, 0)
+    if hopper and _load_fa3():
         names.append("fa3")
-    if torch.cuda.get_device_capability(device) >= (9, 0) and _importable("flash_attn.cute"):
+    if hopper and _importable("flash_attn.cute"):
         names.append("fa4")
     if _importable("torch.nn.attention.varlen"):
         names.append("varlen")
@@ -358,9 +455,11 @@ def available_attention_backends(device: torch.device) -> list[str]:
 
 
 # Where each backend comes from, for the error when one is asked for and missing or failing.
-ATTENTION_INSTALL = {"fa3": "FlashAttention-3's flash_attn_interface (Hopper build; README: Training)",
-                     "fa4": "pip install --pre flash-attn-4 (sm90+)", "varlen": "PyTorch >= 2.11",
-                     "reference": "PyTorch"}
+ATTENTION_INSTALL = {
+    "fa3": "an H100 and `pip install --no-deps xformers==0.0.34 nvidia-cuda-runtime-cu12==12.8.90` "
+           "(README: Hopper attention)",
+    "fa4": "an H100 and `pip install -r requirements-hopper.txt` (README: Hopper attention)",
+    "varlen": "PyTorch >= 2.11", "reference": "PyTorch"}
 
 
 def check_attention(name: str, device: torch.device, compiled: bool) -> str | None:

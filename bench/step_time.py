@@ -1,7 +1,7 @@
-"""Time full training steps of train_gpt.py on one GPU at one attention window size, and optionally
-show where the time goes (torch.profiler, top kernels by GPU time).
+"""Time full training steps of train_gpt.py on one GPU at one or more attention window sizes, and
+optionally show where the time goes (torch.profiler, top kernels by GPU time).
 
-    python bench/step_time.py --ws 3 --steps 20 [--profile] [any train_gpt.py --field value ...]
+    python bench/step_time.py --ws 3 7 11 --steps 20 [--profile] [any train_gpt.py --field value ...]
 
 A step is the whole optimizer step of the configured global batch (8 micro-batches of 49,152
 tokens by default, accumulated on one GPU): forward, backward, Muon and Adam. Times are CUDA-event
@@ -19,19 +19,20 @@ import train_gpt as tg  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ws", type=int, default=3, help="long window in blocks of 128 tokens")
+    parser.add_argument("--ws", type=int, nargs="+", default=[3], help="long windows in blocks of 128 tokens, "
+                        "each timed in turn")
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
-    parser.add_argument("--profile", action="store_true", help="profile two extra steps and print the top kernels")
+    parser.add_argument("--profile", action="store_true", help="profile two extra steps at the last ws and print "
+                        "the top kernels")
     own, rest = parser.parse_known_args()
     args = tg.parse_args(rest)
     device = torch.device("cuda")
     model, compiled, optimizers, attention, fp8 = tg.build(args, device, 0, 1)
-    stage = tg.TrainingStage(end=args.num_iterations, batch=tg.BatchSpec(args.batch_size, args.seq_len, args.max_doc_len),
-                             windows=tg.window_tokens(own.ws, args.window_block))
     producer = tg.BatchProducer(tg.shard_files(args.train_files, "training"), 0, 1, args.max_num_docs, args.bos_id)
-    loader = tg.BatchLoader(producer, lambda s: stage.batch, device)
-    step = 0
+    spec = tg.BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
+    loader = tg.BatchLoader(producer, lambda s: spec, device)
+    step, stage = 0, None
 
     def run_step():
         nonlocal step
@@ -39,23 +40,25 @@ def main():
         tg.train_step(model, compiled, optimizers, micro, step, stage, args)
         step += 1
 
-    for _ in range(own.warmup):
-        run_step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(own.steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run_step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    med = statistics.median(times)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, attention: {attention}, "
-          f"LM head: {'fp8' if fp8 else 'bf16'}, ws={own.ws}")
-    print(f"step of {args.batch_size:,} tokens: median {med:.1f} ms (min {min(times):.1f}, max {max(times):.1f}) "
-          f"over {own.steps} steps; {args.batch_size / med * 1e3:,.0f} tokens/s; "
-          f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+          f"LM head: {'fp8' if fp8 else 'bf16'}")
+    for ws in own.ws:
+        stage = tg.TrainingStage(end=args.num_iterations, batch=spec, windows=tg.window_tokens(ws, args.window_block))
+        for _ in range(own.warmup):
+            run_step()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(own.steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run_step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        med = statistics.median(times)
+        print(f"ws={ws}: step of {args.batch_size:,} tokens: median {med:.1f} ms (min {min(times):.1f}, "
+              f"max {max(times):.1f}) over {own.steps} steps; {args.batch_size / med * 1e3:,.0f} tokens/s; "
+              f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
     if own.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

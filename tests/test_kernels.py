@@ -135,7 +135,7 @@ def test_auto_skips_installed_backends_that_fail_their_check_and_says_why(fake_b
 def test_a_requested_backend_that_fails_or_is_missing_is_one_error_naming_its_source(fake_backends):
     with pytest.raises(ValueError, match=r"'wrong' failed its start-up check on cpu: differs .* pip install wrong"):
         tg.select_attention("wrong", torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"'fa4' is not available on cpu .* pip install --pre flash-attn-4"):
+    with pytest.raises(ValueError, match=r"'fa4' is not available on cpu .*pip install -r requirements-hopper.txt"):
         tg.select_attention("fa4", torch.device("cpu"))
 
 
@@ -144,3 +144,102 @@ def test_a_gpu_run_never_falls_back_to_the_quadratic_reference_silently(fake_bac
     with pytest.raises(ValueError, match=r"no attention backend passed its start-up check on cuda: wrong: "):
         tg.select_attention("auto", torch.device("cuda"), log=lambda m: None)
     assert tg.select_attention("auto", torch.device("cpu"), log=lambda m: None) == "reference"  # the CPU path
+
+
+# FlashAttention-3/4 are wrapped as custom-op pairs (tg.flash_attention_op). Their kernels need a
+# Hopper GPU (tests/test_attention_gpu.py); here the same wrapper carries explicit float math, which
+# exercises the registration itself: fakes, autograd, and fullgraph tracing through the op.
+
+def _explicit_forward(q, k, v, cu, max_seqlen, window, scale):
+    pos = torch.arange(q.size(0))
+    doc = torch.searchsorted(cu, pos, right=True)
+    delta = pos[:, None] - pos[None, :]
+    mask = (doc[:, None] == doc[None, :]) & (delta >= 0) & (delta <= window)
+    s = torch.einsum("thd,shd->hts", q.float(), k.float()).mul(scale).masked_fill(~mask, float("-inf"))
+    lse = s.logsumexp(-1)  # (H, T), as the kernels return it
+    return torch.einsum("hts,shd->thd", (s - lse[..., None]).exp(), v.float()).to(q.dtype), lse
+
+
+class _Untraceable(torch.autograd.Function):
+    """A front end dynamo cannot trace, like flash-attn-4's FlashAttnVarlenFunc."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_seqlen, window, scale):
+        torch._dynamo.graph_break()
+        return _explicit_forward(q, k, v, cu, max_seqlen, window, scale)[0]
+
+
+def _explicit_backward(grad_out, q, k, v, out, lse, cu, max_seqlen, window, scale):
+    """The flash-attention backward from the saved output and log-sum-exp, written out."""
+    dtype = q.dtype
+    grad_out, q, k, v, out = (t.float() for t in (grad_out, q, k, v, out))
+    pos = torch.arange(q.size(0))
+    doc = torch.searchsorted(cu, pos, right=True)
+    delta = pos[:, None] - pos[None, :]
+    mask = (doc[:, None] == doc[None, :]) & (delta >= 0) & (delta <= window)
+    s = torch.einsum("thd,shd->hts", q, k) * scale
+    p = (s - lse[..., None]).exp() * mask  # (H, T, T) attention probabilities
+    dp = torch.einsum("thd,shd->hts", grad_out, v)
+    ds = p * (dp - (grad_out * out).sum(-1).T[..., None])
+    grads = (torch.einsum("hts,shd->thd", ds, k) * scale, torch.einsum("hts,thd->shd", ds, q) * scale,
+             torch.einsum("hts,thd->shd", p, grad_out))
+    return tuple(g.to(dtype) for g in grads)
+
+
+def _untraceable_forward(q, k, v, cu, max_seqlen, window, scale):
+    out = _Untraceable.apply(q, k, v, cu, max_seqlen, window, scale)
+    return out, _explicit_forward(q, k, v, cu, max_seqlen, window, scale)[1]
+
+
+WRAPPED = tg.flash_attention_op("test_wrapped", _untraceable_forward, _explicit_backward)
+
+
+def _attention_inputs(seed=0, T=96, H=2, D=16):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(T, H, D, generator=g, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.tensor([0, 30, 31, T, T, T], dtype=torch.int32)  # a one-token document, padding
+
+
+def test_flash_attention_op_has_consistent_schema_fake_and_autograd():
+    q, k, v, cu = _attention_inputs()
+    torch.library.opcheck(torch.ops.speedrun.test_wrapped, (q, k, v, cu, 65, 7, 0.25))
+    torch.library.opcheck(torch.ops.speedrun.test_wrapped_backward,
+                          (torch.randn(96, 2, 16), *(t.detach() for t in (q, k, v)), torch.randn(96, 2, 16),
+                           torch.randn(2, 96), cu, 65, 7, 0.25))
+
+
+def test_flash_attention_op_traces_fullgraph_and_matches_the_reference_in_value_and_gradient():
+    q, k, v, cu = _attention_inputs(1)
+    with pytest.raises(Exception, match="graph_break"):  # the raw front end breaks fullgraph tracing
+        torch.compile(lambda *a: _Untraceable.apply(*a), fullgraph=True, backend="aot_eager")(q, k, v, cu, 65, 7, 0.25)
+    compiled = torch.compile(WRAPPED, fullgraph=True, dynamic=False, backend="aot_eager")
+    got = compiled(q, k, v, cu, 65, 7, 0.25)
+    got.square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = tg.attention_reference(q, k, v, cu, 65, 7, 0.25)
+    ref.square().sum().backward()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for a, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(a, t.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_picks_a_wrapped_backend_whose_raw_front_end_breaks_compilation(monkeypatch):
+    monkeypatch.setitem(tg.ATTENTION_BACKENDS, "raw", lambda *a: _Untraceable.apply(*a))
+    monkeypatch.setitem(tg.ATTENTION_BACKENDS, "wrapped", WRAPPED)
+    monkeypatch.setitem(tg.ATTENTION_INSTALL, "raw", "pip install raw")
+    monkeypatch.setattr(tg, "available_attention_backends", lambda device: ["raw", "wrapped", "reference"])
+    said = []
+    assert tg.select_attention("auto", torch.device("cpu"), compiled=True, log=said.append) == "wrapped"
+    assert len(said) == 1 and said[0].startswith("attention: skipping raw: ")
+
+
+@pytest.mark.parametrize("name", ["fa3", "fa4"])
+def test_the_real_flash_backends_trace_with_fake_tensors_through_forward_and_backward(name):
+    with torch._subclasses.FakeTensorMode():  # shapes come from the registered fakes, no kernel runs
+        q, k, v = (torch.empty(256, 6, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        out, lse = getattr(torch.ops.speedrun, name)(q, k, v, torch.zeros(5, dtype=torch.int32), 256, 384, 0.12)
+        out.sum().backward()  # through register_autograd into the fake of the backward op
+    assert out.shape == q.shape and lse.shape == (6, 256) and lse.dtype == torch.float32
+    assert all(t.grad is not None and t.grad.shape == q.shape for t in (q, k, v))
