@@ -24,8 +24,15 @@ ARG TORCH_VERSION=2.13.0
 RUN pip install "torch==${TORCH_VERSION}"
 
 WORKDIR /workspace
-COPY requirements.txt .
+COPY requirements.txt requirements-hopper.txt ./
 RUN pip install -r requirements.txt
+
+# Hopper attention (README: Hopper attention): FlashAttention-4, then FlashAttention-3's kernels from
+# the xformers 0.0.34 wheel with --no-deps (its torch pin would replace the torch above). Both are
+# used only on sm90 GPUs, each after a start-up check; build with --build-arg HOPPER=0 to leave them out.
+ARG HOPPER=1
+RUN if [ "$HOPPER" = 1 ]; then pip install -r requirements-hopper.txt \
+    && pip install --no-deps xformers==0.0.34 nvidia-cuda-runtime-cu12==12.8.90; fi
 COPY . .
 
 ENTRYPOINT ["./run.sh"]

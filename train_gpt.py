@@ -445,10 +445,10 @@ def available_attention_backends(device: torch.device) -> list[str]:
         return ["reference"]
     names = []
     hopper = torch.cuda.get_device_capability(device) >= (9, 0)
+    if hopper and _importable("flash_attn.cute"):  # fa4 before fa3: 704 vs 715 ms per step on one H100
+        names.append("fa4")
     if hopper and _load_fa3():
         names.append("fa3")
-    if hopper and _importable("flash_attn.cute"):
-        names.append("fa4")
     if _importable("torch.nn.attention.varlen"):
         names.append("varlen")
     return names + ["reference"]
@@ -1236,10 +1236,11 @@ def window_tokens(blocks: int, block: int) -> tuple[int, int]:
 
 def training_stages(args: Hyperparameters) -> list[TrainingStage]:
     """The schedule as a table. Today's (record of 2025-09-03): one batch shape, and the long window
-    stepping through window_schedule (in blocks of window_block tokens) in equal parts of the run."""
+    stepping through window_schedule (in blocks of window_block tokens) in equal parts of the run:
+    step s trains in stage floor(n * s / (N + 1)), the record's split of the N + 1 steps 0..N."""
     n, N = len(args.window_schedule), args.num_iterations
     batch = BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
-    return [TrainingStage(end=-(-(i + 1) * N // n), batch=batch, windows=window_tokens(ws, args.window_block))
+    return [TrainingStage(end=-(-(i + 1) * (N + 1) // n), batch=batch, windows=window_tokens(ws, args.window_block))
             for i, ws in enumerate(args.window_schedule)]
 
 

@@ -1,4 +1,4 @@
-# Sourced by the GPU scripts in bench/ (gpu_proof_*.sh, ab_step_time.sh); not run on its own.
+# Sourced by the GPU scripts in bench/ (gpu_proof_*.sh, ab_step_time.sh, attention_backends.sh); not run on its own.
 # Two environment variables say where things are (bench/CONTRIBUTING_GPU.md):
 #   DATA_DIR     the folder holding the token shards fineweb_val_*.bin and fineweb_train_*.bin
 #                (default data/proxy), e.g. made by `python data/tokenize_corpus.py ... --out DIR`

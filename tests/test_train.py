@@ -1,6 +1,7 @@
 """The training loop end to end on the CPU: learning, world-size invariance, warm-up, the log."""
 import re
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -73,3 +74,13 @@ def test_log_holds_source_environment_hyperparameters_and_step_lines(tiny_args):
     assert re.findall(r"^step:(\d+)/4 val_loss:[\d.]+ train_time:\d+ms step_avg:[\d.]+ms$", rest, re.M) == ["0", "2", "4"]
     assert len(re.findall(r"^step:\d+/4 train_time:\d+ms step_avg:[\d.]+ms$", rest, re.M)) == 4
     assert "attention backend: reference" in rest
+
+
+@pytest.mark.parametrize("N", [20, 200, 400, 1670])
+def test_window_stages_split_the_steps_as_the_0903_record_does(N):
+    """The record trains step s (0..N; N is the final validation) at window index floor(3s / (N + 1))."""
+    args = tg.parse_args(["--num_iterations", str(N)])
+    stages = tg.training_stages(args)
+    expected = [tg.window_tokens(args.window_schedule[3 * s // (N + 1)], args.window_block) for s in range(N + 1)]
+    assert [tg.stage_at(stages, s).windows for s in range(N + 1)] == expected
+    assert len(args.window_schedule) == 3
