@@ -4,7 +4,7 @@
     python bench/fidelity_0903.py --public PATH/TO/modded-nanogpt \\
         --train_files "DIR/fineweb_train_*.bin" --val_files "DIR/fineweb_val_*.bin" \\
         [--steps 400] [--val_every 50] [--batch_size 131072] \\
-        [--val_tokens 983040] [--val_seq_len 40960] [--seeds 0 1] [--parallel] [--out table.md]
+        [--val_tokens 983040] [--val_seq_len 40960] [--seeds 0 1] [--public_seeds 0 1] [--parallel] [--out table.md]
 
 The public script is the source embedded at the top of the record's logs in a checkout of
 KellerJordan/modded-nanogpt (records/track_1_short/2025-09-03_FA3/*.txt). It is staged in a work
@@ -83,6 +83,17 @@ def override(source: str, field: str, value: str) -> str:
     return pattern.sub(lambda m: m.group(1) + value + (m.group(3) or ""), source)
 
 
+def seed_public(source: str, seed: int) -> str:
+    """The public script with `torch.manual_seed(seed)` just before it builds the model: as published it
+    sets no seed, so every run starts from the same weights (torch's default seed) and two runs
+    differ only by kernel nondeterminism, which understates the spread between seeds."""
+    anchor = re.compile(r"^model: nn\.Module = GPT\(", re.M)
+    if len(anchor.findall(source)) != 1:
+        raise SystemExit("fidelity_0903.py: error: the public script has no single `model: nn.Module = GPT(` line "
+                         "to seed before")
+    return anchor.sub(lambda m: f"torch.manual_seed({seed})  # inserted by the harness\n" + m.group(0), source)
+
+
 def stage_public(a, work: Path, source: str) -> Path:
     stage = work / "public"
     (stage / "train").mkdir(parents=True, exist_ok=True)
@@ -132,7 +143,8 @@ def main():
     p.add_argument("--val_tokens", type=int, default=983040)
     p.add_argument("--val_seq_len", type=int, default=40960)
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1], help="one run of ours per seed")
-    p.add_argument("--public_runs", type=int, default=1)
+    p.add_argument("--public_seeds", type=int, nargs="*", help="one public run per seed, seeded before its model "
+                   "is built (default: one run as published, unseeded; no values: no public run)")
     p.add_argument("--ours", type=Path, default=ROOT / "train_gpt.py", help="our trainer file")
     p.add_argument("--ours_args", default="", help="extra `--field value` flags for ours (an A/B variant)")
     p.add_argument("--label", default="ours", help="column name for our runs")
@@ -157,12 +169,12 @@ def main():
                    "--val_every", str(a.val_every), "--log_dir", str(a.work / "logs"), *a.ours_args.split()]
     stamp = time.strftime("%Y%m%d_%H%M%S")
     runs = []  # (column, log path, command, cwd, env)
-    for i in range(a.public_runs):
-        rid = f"public_{stamp}_{i}"
+    for seed in [None] if a.public_seeds is None else a.public_seeds:
+        rid = f"public_{stamp}_" + ("unseeded" if seed is None else f"seed{seed}")
         source_i = override((stage / "train_gpt.py").read_text(), "run_id", repr(rid))
-        (stage / f"train_gpt_{i}.py").write_text(source_i)
-        runs.append(("public 09/03" + (f" #{i + 1}" if a.public_runs > 1 else ""), stage / "logs" / f"{rid}.txt",
-                     ["torchrun", "--standalone", "--nproc_per_node=1", f"train_gpt_{i}.py"], stage,
+        (stage / f"{rid}.py").write_text(source_i if seed is None else seed_public(source_i, seed))
+        runs.append(("public 09/03" + ("" if seed is None else f" seed {seed}"), stage / "logs" / f"{rid}.txt",
+                     ["torchrun", "--standalone", "--nproc_per_node=1", f"{rid}.py"], stage,
                      {"PYTHONPATH": str(stage), "TORCHINDUCTOR_CACHE_DIR": str(a.work / "cache_public")}))
     for seed in a.seeds:
         rid = f"{a.label}_{stamp}_seed{seed}"

@@ -58,3 +58,12 @@ def test_val_lines_after_the_source_are_read_and_example_lines_in_the_code_are_n
                    "step:1/400 train_time:300ms step_avg:300.00ms\n"
                    "step:50/400 val_loss:4.4530 train_time:14000ms step_avg:280.00ms\n")
     assert fh.val_losses(log) == {0: (10.8258, 0), 50: (4.453, 14000)}
+
+
+def test_a_seeded_public_run_seeds_torch_just_before_the_model_is_built():
+    source = PUBLIC_LIKE + "print0('=' * 100)\nmodel: nn.Module = GPT(\n    vocab_size=50257,\n).cuda()\n"
+    out = fh.seed_public(source, 7)
+    assert out.replace("torch.manual_seed(7)  # inserted by the harness\n", "", 1) == source
+    assert out.index("torch.manual_seed(7)") < out.index("model: nn.Module = GPT(") < out.index("vocab_size=50257")
+    with pytest.raises(SystemExit, match="no single `model: nn.Module = GPT\\(` line"):
+        fh.seed_public(PUBLIC_LIKE, 7)
