@@ -456,8 +456,8 @@ def available_attention_backends(device: torch.device) -> list[str]:
 
 # Where each backend comes from, for the error when one is asked for and missing or failing.
 ATTENTION_INSTALL = {
-    "fa3": "a Hopper GPU (H100/H200) and `pip install --no-deps xformers==0.0.34 nvidia-cuda-runtime-cu12==12.8.90` "
-           "(README: Hopper attention)",
+    "fa3": "a Hopper GPU (H100/H200) and "
+           "`pip install --no-deps xformers==0.0.34 nvidia-cuda-runtime-cu12==12.8.90` (README: Hopper attention)",
     "fa4": "a Hopper GPU (H100/H200) and `pip install -r requirements-hopper.txt` (README: Hopper attention)",
     "varlen": "PyTorch >= 2.11", "reference": "PyTorch"}
 
