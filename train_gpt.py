@@ -67,21 +67,28 @@ class Hyperparameters:
     no_attn_layers: tuple[int, ...] = (7,)  # blocks without attention (block 7: @YouJiacheng)
     num_value_embeds: int = 3  # value-embedding tables for the first and, mirrored, last blocks
     window_pattern: str = "LSSSLSSLSSSL"  # per block: L = long window, S = short window (half)
-    window_schedule: tuple[int, ...] = (3, 7, 11)  # long window in blocks, stepped in equal parts
+    window_schedule: tuple[int, ...] = (3, 7, 11)  # long window in blocks, one per stage (equal parts of the run)
     window_block: int = 128  # tokens per window block
     attn_scale: float = 0.12  # attention logit scale instead of 1/sqrt(head_dim), QK being normed (@leloykun)
     gate_channels: int = 12  # input channels of the sparse head gate
     rotary_min_freq: float = 1 / 1024  # lowest rotary frequency (the highest is 1)
     logit_softcap: float = 30.0  # logits = cap * sigmoid(z / softcap_temp)
     softcap_temp: float = 7.5
+    # schedule: stages of equal length, one per window_schedule entry, then extension_steps more
+    batch_schedule: tuple[int, ...] = ()  # global batch per stage (empty: batch_size); micro-batches grow with it
+    doc_len_schedule: tuple[int, ...] = ()  # max_doc_len per stage (empty: max_doc_len)
+    lr_schedule: tuple[float, ...] = ()  # learning-rate multiplier per stage (empty: 1)
+    extension_steps: int = 0  # last steps, after the cooldown: final learning rate, long window extension_window
+    extension_window: int = 0  # long window of the extension, in blocks
     # optimization
-    num_iterations: int = 1670
-    cooldown_frac: float = 0.45  # linear decay of both learning rates over this final fraction
+    num_iterations: int = 1670  # training steps, extension_steps included
+    cooldown_frac: float = 0.45  # linear decay of both learning rates over this final fraction (before the extension)
     final_lr_frac: float = 0.1
     muon_lr: float = 0.05
     muon_momentum: float = 0.95
     muon_momentum_start: float = 0.85
     muon_momentum_warmup: int = 300
+    muon_momentum_cooldown: int = 0  # last steps: momentum back down to muon_momentum_start, linearly
     ns_steps: int = 5
     adam_lr: float = 0.008
     adam_beta1: float = 0.8
@@ -114,6 +121,17 @@ class Hyperparameters:
         h = self
         if h.batch_size % h.seq_len:
             raise ValueError(f"batch_size={h.batch_size} must be a multiple of seq_len={h.seq_len}")
+        for name in ("batch_schedule", "doc_len_schedule", "lr_schedule"):
+            if getattr(h, name) and len(getattr(h, name)) != len(h.window_schedule):
+                raise ValueError(f"{name}={getattr(h, name)} needs one entry per stage of "
+                                 f"window_schedule={h.window_schedule}")
+        micro = h.batch_size // h.seq_len  # micro-batches per step, the same in every stage
+        if any(b % micro or b // micro > h.seq_len for b in h.batch_schedule):
+            raise ValueError(f"batch_schedule={h.batch_schedule}: each batch must split into batch_size/seq_len="
+                             f"{micro} micro-batches of at most seq_len={h.seq_len} tokens")
+        if not 0 <= h.extension_steps < h.num_iterations or (h.extension_steps > 0) != (h.extension_window > 0):
+            raise ValueError(f"extension_steps={h.extension_steps} and extension_window={h.extension_window}: "
+                             f"both zero, or a window and fewer steps than num_iterations={h.num_iterations}")
         if len(h.window_pattern) != h.num_layers or set(h.window_pattern) - {"L", "S"}:
             raise ValueError(f"window_pattern={h.window_pattern!r} needs one L or S per layer ({h.num_layers})")
         if h.num_value_embeds * 2 > h.num_layers:
@@ -1235,13 +1253,26 @@ def window_tokens(blocks: int, block: int) -> tuple[int, int]:
 
 
 def training_stages(args: Hyperparameters) -> list[TrainingStage]:
-    """The schedule as a table. Today's (record of 2025-09-03): one batch shape, and the long window
-    stepping through window_schedule (in blocks of window_block tokens) in equal parts of the run:
-    step s trains in stage floor(n * s / (N + 1)), the record's split of the N + 1 steps 0..N."""
-    n, N = len(args.window_schedule), args.num_iterations
-    batch = BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
-    return [TrainingStage(end=-(-(i + 1) * (N + 1) // n), batch=batch, windows=window_tokens(ws, args.window_block))
-            for i, ws in enumerate(args.window_schedule)]
+    """The schedule as a table: one stage per window_schedule entry (long window in blocks of
+    window_block tokens), each with its batch, document cut and learning-rate multiplier from the
+    *_schedule fields, splitting the S = num_iterations - extension_steps scheduled steps equally:
+    step s trains in stage floor(n * s / (S + 1)) (the 2025-09-03 record's split of steps 0..S). An
+    extension stage, if any, follows at the last stage's batch and a longer window (the public
+    record line's extension, from 11/2025)."""
+    n, E = len(args.window_schedule), args.extension_steps
+    S = args.num_iterations - E
+    micro = args.batch_size // args.seq_len
+    stages = []
+    for i, ws in enumerate(args.window_schedule):
+        batch = args.batch_schedule[i] if args.batch_schedule else args.batch_size
+        spec = BatchSpec(batch, batch // micro, args.doc_len_schedule[i] if args.doc_len_schedule else args.max_doc_len)
+        end = -(-(i + 1) * (S + 1) // n) if not E or i < n - 1 else S
+        stages.append(TrainingStage(end=end, batch=spec, windows=window_tokens(ws, args.window_block),
+                                    lr_mult=args.lr_schedule[i] if args.lr_schedule else 1.0))
+    if E:
+        stages.append(TrainingStage(end=S + E + 1, batch=stages[-1].batch,
+                                    windows=window_tokens(args.extension_window, args.window_block), lr_mult=1.0))
+    return stages
 
 
 def stage_at(stages: list[TrainingStage], step: int) -> TrainingStage:
@@ -1249,18 +1280,23 @@ def stage_at(stages: list[TrainingStage], step: int) -> TrainingStage:
     return next((st for st in stages if step < st.end), stages[-1])
 
 
-def lr_factor(step: int, args: Hyperparameters) -> float:
-    """Constant, then linear decay to final_lr_frac over the last cooldown_frac of the steps."""
-    x = step / args.num_iterations
+def lr_factor(step: int, args: Hyperparameters, stage_mult: float = 1.0) -> float:
+    """The stage's multiplier, then a linear decay to final_lr_frac over the last cooldown_frac of
+    the scheduled steps; final_lr_frac through the extension."""
+    x = step / (args.num_iterations - args.extension_steps)
     if x < 1 - args.cooldown_frac:
-        return 1.0
-    w = (1 - x) / args.cooldown_frac
-    return w + (1 - w) * args.final_lr_frac
+        return stage_mult
+    w = max(1 - x, 0) / args.cooldown_frac
+    return stage_mult * w + (1 - w) * args.final_lr_frac
 
 
 def muon_momentum(step: int, args: Hyperparameters) -> float:
-    """Momentum warmed up linearly from muon_momentum_start over muon_momentum_warmup steps."""
+    """Momentum warmed up linearly from muon_momentum_start over muon_momentum_warmup steps, and
+    cooled back down to it over the last muon_momentum_cooldown steps."""
     frac = min(step / args.muon_momentum_warmup, 1) if args.muon_momentum_warmup else 1
+    cooldown_start = args.num_iterations - args.muon_momentum_cooldown
+    if args.muon_momentum_cooldown and step > cooldown_start:
+        frac = max(1 - (step - cooldown_start) / args.muon_momentum_cooldown, 0)
     return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
 
 
@@ -1541,7 +1577,7 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Traini
     adam, muon = optimizers
     for opt in optimizers:
         for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * stage.lr_mult * lr_factor(step, args)
+            group["lr"] = group["initial_lr"] * lr_factor(step, args, stage.lr_mult)
     for group in muon.param_groups:
         group["momentum"] = muon_momentum(step, args)
     for opt in optimizers:

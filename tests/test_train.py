@@ -84,3 +84,67 @@ def test_window_stages_split_the_steps_as_the_0903_record_does(N):
     expected = [tg.window_tokens(args.window_schedule[3 * s // (N + 1)], args.window_block) for s in range(N + 1)]
     assert [tg.stage_at(stages, s).windows for s in range(N + 1)] == expected
     assert len(args.window_schedule) == 3
+
+
+# The public record line's schedule after 09/03 (records of 11/2025 to 07/2026): three stages of
+# batch 131,072 / 262,144 / 393,216 tokens, documents cut at 896 then 2,048, windows 3 / 7 / 11 blocks,
+# stage learning-rate multipliers 1 / 1.52 / 1.73, then 10 extension steps at a 13-block window.
+LINE = dict(batch_schedule=(131072, 262144, 393216), doc_len_schedule=(896, 2048, 2048), lr_schedule=(1.0, 1.52, 1.73),
+            extension_steps=10, extension_window=13, num_iterations=1390, cooldown_frac=0.6, final_lr_frac=0.15,
+            muon_momentum_cooldown=50)
+
+
+def test_staged_schedule_gives_each_step_its_batch_document_cut_window_and_learning_rate():
+    args = tg.Hyperparameters(**LINE)
+    stages = tg.training_stages(args)
+    assert [st.end for st in stages] == [461, 921, 1380, 1391]  # the extension covers steps 1380..1389 (+ final val)
+    assert [(st.batch.batch_size, st.batch.seq_len, st.batch.max_doc_len) for st in stages] == [
+        (131072, 16384, 896), (262144, 32768, 2048), (393216, 49152, 2048), (393216, 49152, 2048)]
+    assert [st.windows for st in stages] == [(384, 128), (896, 384), (1408, 640), (1664, 768)]
+    S, frac = 1380, 0.6
+    for step in range(1390):  # the public formula: stage multiplier, then linear to 0.15 over the last 60%
+        st = tg.stage_at(stages, step)
+        t = min(max((step - S * (1 - frac)) / (S * frac), 0), 1)
+        assert tg.lr_factor(step, args, st.lr_mult) == pytest.approx(st.lr_mult * (1 - t) + 0.15 * t)
+    assert tg.lr_factor(1385, args, stages[-1].lr_mult) == pytest.approx(0.15)
+
+
+def test_muon_momentum_warms_up_then_cools_down_over_the_last_steps():
+    args = tg.Hyperparameters(**LINE)
+    got = [tg.muon_momentum(s, args) for s in (0, 150, 300, 1340, 1365, 1390)]
+    assert got == pytest.approx([0.85, 0.90, 0.95, 0.95, 0.90, 0.85])
+
+
+def test_default_schedule_is_the_0903_record_unchanged():
+    args = tg.Hyperparameters()
+    assert [tg.lr_factor(s, args, 1.0) for s in range(1671)] == pytest.approx(
+        [1.0 if s / 1670 < 0.55 else (1 - s / 1670) / 0.45 * 0.9 + 0.1 for s in range(1671)], rel=1e-12)
+    assert [tg.muon_momentum(s, args) for s in (0, 300, 1670)] == pytest.approx([0.85, 0.95, 0.95])
+    assert {st.batch for st in tg.training_stages(args)} == {tg.BatchSpec(393216, 49152, 2048)}
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(batch_schedule=(131072, 262144)), "batch_schedule=.* needs one entry per stage"),
+    (dict(batch_schedule=(131072, 262144, 786432)), "micro-batches of at most seq_len=49152"),
+    (dict(batch_schedule=(131071, 262144, 393216)), "split into batch_size/seq_len=8"),
+    (dict(extension_steps=10), "extension_steps=10 and extension_window=0"),
+])
+def test_a_schedule_that_cannot_run_is_refused_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        tg.Hyperparameters(**fields)
+
+
+def test_a_staged_run_trains_each_stage_at_its_batch_and_learns(tiny_args, monkeypatch):
+    args = tiny_args(num_iterations=24, val_every=0, batch_schedule=(256, 512, 1024), doc_len_schedule=(32, 96, 96),
+                     lr_schedule=(1.0, 1.2, 1.4), extension_steps=3, extension_window=4, muon_momentum_cooldown=4)
+    seen, train_step = [], tg.train_step
+
+    def recording(model, compiled, optimizers, micro, step, stage, args):
+        seen.append((len(micro), {len(m[0]) for m in micro}, stage.batch.max_doc_len, stage.windows))
+        return train_step(model, compiled, optimizers, micro, step, stage, args)
+    monkeypatch.setattr(tg, "train_step", recording)
+    run = tg.train(args)
+    assert len(run.train_losses) == 24 and run.train_losses[-1] < run.train_losses[0] - 0.5
+    # S = 21 scheduled steps: stages [0, 8), [8, 15), [15, 21), then the extension [21, 24)
+    assert seen[0] == seen[7] == (8, {32}, 32, (16, 0)) and seen[8] == seen[14] == (8, {64}, 96, (32, 16))
+    assert seen[15] == seen[20] == (8, {128}, 96, (48, 16)) and seen[21] == seen[23] == (8, {128}, 96, (64, 32))
