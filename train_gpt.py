@@ -72,8 +72,12 @@ class Hyperparameters:
     attn_scale: float = 0.12  # attention logit scale instead of 1/sqrt(head_dim), QK being normed (@leloykun)
     gate_channels: int = 12  # input channels of the sparse head gate
     rotary_min_freq: float = 1 / 1024  # lowest rotary frequency (the highest is 1)
-    logit_softcap: float = 30.0  # logits = cap * sigmoid(z / softcap_temp)
-    softcap_temp: float = 7.5
+    logit_softcap: float = 30.0  # logits = logit_softcap * sigmoid((z + softcap_shift) / softcap_temp)
+    softcap_temp: float = 7.5  # the softcap's temperature
+    softcap_shift: float = 0.0  # asymmetric softcap: 5 with --logit_softcap 23 is the 2025-12-26 record's cap
+    bigram_rows: int = 0  # rows of the bigram hash embedding, 0 = off (377,280 in the 2026-05-27 record)
+    bigram_sign_rows: int = 0  # rows of fixed random +-1 signs that multiply bigram rows, 0 = none (2026-05-20: 8,192)
+    backout_layer: int = -1  # backout: subtract a learned multiple of this block's output before the head; -1 = off
     # schedule: stages of equal length, one per window_schedule entry, then extension_steps more
     batch_schedule: tuple[int, ...] = ()  # global batch per stage (empty: batch_size); micro-batches grow with it
     doc_len_schedule: tuple[int, ...] = ()  # max_doc_len per stage (empty: max_doc_len)
@@ -136,8 +140,17 @@ class Hyperparameters:
             raise ValueError(f"window_pattern={h.window_pattern!r} needs one L or S per layer ({h.num_layers})")
         if h.num_value_embeds * 2 > h.num_layers:
             raise ValueError(f"num_value_embeds={h.num_value_embeds} needs at least {2 * h.num_value_embeds} layers")
-        if h.logit_softcap + math.log(h.vocab_size) >= 88:  # exp(cap) * vocab must fit in fp32
+        if h.logit_softcap + math.log(h.vocab_size) >= 88:  # exp(cap) * vocab must fit in fp32 (any shift)
             raise ValueError(f"logit_softcap={h.logit_softcap} is too large for the overflow-free cross-entropy")
+        if not math.isfinite(h.softcap_shift):
+            raise ValueError(f"softcap_shift={h.softcap_shift} must be a finite number")
+        if h.bigram_rows == 1 or h.bigram_rows < 0:
+            raise ValueError(f"bigram_rows={h.bigram_rows}: 0 (off) or at least 2 (hashed rows + a document-start row)")
+        if h.bigram_sign_rows < 0 or (h.bigram_sign_rows and not h.bigram_rows):
+            raise ValueError(f"bigram_sign_rows={h.bigram_sign_rows}: 0, or a positive count with bigram_rows")
+        if not -1 <= h.backout_layer < h.num_layers - 1:
+            raise ValueError(f"backout_layer={h.backout_layer}: -1 (off) or a block index below the last "
+                             f"({h.num_layers - 1}), whose output the final norm would only rescale")
         if h.bos_id >= h.vocab_size:
             raise ValueError(f"bos_id={h.bos_id} must be < vocab_size={h.vocab_size}")
         if h.preset not in PRESETS:
@@ -186,6 +199,13 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 3,7,11, not {text!r}") from None
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 1,1.52,1.73, not {text!r}") from None
+
+
 def field_help() -> dict[str, str]:
     """Each Hyperparameters field's comment in this file's source: its --help text."""
     source = Path(__file__).read_text().split("class Hyperparameters:")[1].split("def __post_init__")[0]
@@ -203,7 +223,8 @@ def parse_args(argv: list[str] | None = None) -> Hyperparameters:
                          for name, (text, _) in PRESETS.items()))
     for name in fields:
         default = getattr(defaults, name)
-        kind = _bool if isinstance(default, bool) else _ints if isinstance(default, tuple) else type(default)
+        tuple_kind = _floats if "float" in str(fields[name].type) else _ints
+        kind = _bool if isinstance(default, bool) else tuple_kind if isinstance(default, tuple) else type(default)
         parser.add_argument(f"--{name}", type=kind, metavar=type(default).__name__.upper(),
                             help=f"{helps.get(name, '')} (default: {default})".lstrip())
     given = vars(parser.parse_args(argv))
@@ -561,12 +582,44 @@ class ModelConfig:
     rotary_min_freq: float
     logit_softcap: float
     softcap_temp: float
+    softcap_shift: float
+    bigram_rows: int
+    bigram_sign_rows: int
+    backout_layer: int
     max_seq_len: int  # longest buffer the rotary tables must cover
 
     @classmethod
     def from_args(cls, args: Hyperparameters) -> "ModelConfig":
         names = {f.name for f in dataclasses.fields(cls)} - {"max_seq_len"}
         return cls(**{n: getattr(args, n) for n in names}, max_seq_len=max(args.seq_len, args.val_seq_len))
+
+
+# Bigram hash embedding (2026-01-19 record, @classiclarryd, PR 201; hash embeddings: arXiv 1709.03933):
+# each position also looks up a row picked by a hash of (previous token, token), so every block gets
+# the local bigram directly rather than through attention. The multipliers are the record's; the
+# row counts are fields. Sizes in the records: 251,520 rows (5 x 50,304) on 01-19; 754,560 rows of
+# the first 192 dims with 8,192 sign rows on 05-20; 377,280 full-width rows with 8,192 sign rows in
+# the 2026-05-27 record (@Lisennlp, PR 315). A table narrower than model_dim is not offered here.
+BIGRAM_HASH_MULTS = (36313, 27191)  # for the current and the previous token (2026-01-19 record)
+
+
+def bigram_indices(inputs: Tensor, cu_seqlens: Tensor, rows: int, sign_rows: int = 0) -> tuple[Tensor, Tensor | None]:
+    """Each position's row of the bigram table and (sign_rows > 0) of the sign table.
+
+    Row = (36313 * token xor 27191 * previous token) mod (rows - 1). A document's first position
+    (where cu_seqlens starts a document: a BOS, or a validation buffer's first, partial document) has
+    no previous token in its document and takes the reserved last row, rows - 1; so no position sees
+    the document before it, as with varlen attention. (The records hash a BOS with the previous
+    document's last token and reserve the row only for the buffer's first position.) Sign row =
+    (previous xor token) mod sign_rows, 0 at a document start (the 2026-05-20 record's sign trick)."""
+    T = inputs.size(0)
+    starts = torch.zeros(T + 1, dtype=torch.bool, device=inputs.device).index_fill(0, cu_seqlens.long(), True)[:T]
+    cur = inputs.long()
+    prev = cur.roll(1)  # position 0 wraps around, but it is always a document start
+    a, b = BIGRAM_HASH_MULTS
+    row = torch.where(starts, rows - 1, torch.bitwise_xor(a * cur, b * prev) % (rows - 1))
+    sign = torch.where(starts, 0, torch.bitwise_xor(cur, prev) % sign_rows) if sign_rows else None
+    return row, sign
 
 
 class Rotary(nn.Module):
@@ -635,8 +688,10 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg) if has_attn else None
         self.mlp = MLP(cfg)
 
-    def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rotary, attn_fn):
+    def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rotary, attn_fn, bigram=None):
         x = lambdas[0] * x + lambdas[1] * x0  # learned mix with the embedding stream x0
+        if bigram is not None:  # this block's weighted bigram hash embedding (see bigram_indices)
+            x = x + bigram
         if self.attn is not None:
             x = x + self.attn(norm(x), ve, ve_lambdas, cu_seqlens, max_seqlen, window, rotary, attn_fn)
         return x + self.mlp(norm(x))
@@ -652,14 +707,40 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i not in cfg.no_attn_layers) for i in range(L))
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
-        # All scalars in one tensor (one Adam group, one collective): per block the residual mix
-        # (a, b) = (1, 0) and the value mix (c, d) = (0.5, 0.5), then one U-net skip weight per
-        # skipped block (1.0); padded to a multiple of 64 so it shards over any world size <= 64.
-        n = 4 * L + L // 2
-        scalars = torch.cat([torch.tensor([1.0, 0.0, 0.5, 0.5]).repeat(L), torch.ones(L // 2)])
-        self.scalars = nn.Parameter(F.pad(scalars, (0, -n % 64)))
+        # All scalars in one tensor (one Adam group, one collective), laid out by scalar_layout(): per
+        # block the residual mix (a, b) = (1, 0) and the value mix (c, d) = (0.5, 0.5), then one U-net
+        # skip weight per skipped block (1.0), then, where on, each block's bigram weight (0.1, the
+        # 2026-01-19 record's) and the backout weight (0.5, the 2025-10-04 record's); padded to a
+        # multiple of 64 so it shards over any world size <= 64.
+        inits = dict(blocks=torch.tensor([1.0, 0.0, 0.5, 0.5]).repeat(L), skips=torch.ones(L // 2),
+                     bigram=torch.full((L,), 0.1), backout=torch.tensor([0.5]))
+        scalars = torch.cat([inits[name] for name, part in self.scalar_layout().items() if part.stop > part.start])
+        self.scalars = nn.Parameter(F.pad(scalars, (0, -scalars.numel() % 64)))
         for m in (self.embed, *self.value_embeds):
             m.weight.data = m.weight.data.bfloat16()  # embeddings live in bf16, as in the 09/03 record
+        # Bigram hash embedding (see bigram_indices): a bf16 table, zero at start as in the 2026-01-19
+        # record. With bigram_sign_rows, each looked-up row is multiplied by a fixed random row of +-1
+        # signs picked by another hash (2026-05-20 record, @TrianX, PR 299: the sign trick of feature
+        # hashing), so two bigrams that collide on a row mostly see it with different signs.
+        # Made last, so that the weights above do not depend on these fields.
+        self.bigram_embed = None
+        if cfg.bigram_rows:
+            self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim, _weight=torch.zeros(cfg.bigram_rows, dim,
+                                                                                       dtype=torch.bfloat16))
+        signs = None
+        if cfg.bigram_sign_rows:  # drawn from the seeded RNG: the same on every rank, and saved in checkpoints
+            signs = (torch.randint(0, 2, (cfg.bigram_sign_rows, dim)) * 2 - 1).bfloat16()
+        self.register_buffer("bigram_signs", signs)
+
+    def scalar_layout(self) -> dict[str, slice]:
+        """Where each kind of scalar lies in self.scalars (the features that are off take no room)."""
+        cfg, L = self.cfg, self.cfg.num_layers
+        sizes = dict(blocks=4 * L, skips=L // 2, bigram=L if cfg.bigram_rows else 0,
+                     backout=1 if cfg.backout_layer >= 0 else 0)
+        layout, start = {}, 0
+        for name, n in sizes.items():
+            layout[name], start = slice(start, start + n), start + n
+        return layout
 
     def value_embed_layers(self) -> list[int | None]:
         """Which value-embedding table each block uses: tables 0..k-1 on the first k blocks and
@@ -674,26 +755,49 @@ class GPT(nn.Module):
 
     def hidden(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int]) -> Tensor:
         """The final normed hidden state of every position (before the LM head)."""
-        L = self.cfg.num_layers
-        s = self.scalars
-        block_scalars, skip_w = s[: 4 * L].view(L, 4), s[4 * L: 4 * L + L // 2]
+        cfg, L = self.cfg, self.cfg.num_layers
+        s, at = self.scalars, self.scalar_layout()
+        block_scalars, skip_w = s[at["blocks"]].view(L, 4), s[at["skips"]]
         lambdas, ve_lambdas = block_scalars[:, :2], block_scalars[:, 2:]
+        bigram_w, backout_w = s[at["bigram"]], s[at["backout"]]
         x = x0 = norm(self.embed(inputs))  # normed embedding (@Grad62304977)
         ves = [self.value_embeds[i](inputs) if i is not None else None for i in self.value_embed_layers()]
+        bigram = None
+        if self.bigram_embed is not None:  # one lookup, added before every block with that block's weight
+            rows, signs = bigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.bigram_sign_rows)
+            bigram = self.bigram_embed(rows) if signs is None else self.bigram_embed(rows) * self.bigram_signs[signs]
         windows = self.block_windows(windows)
         skips = []  # U-net (@brendanh0gan): first-half outputs feed, in reverse order, the second half
+        backout = None
         for i, block in enumerate(self.blocks):
             if i >= L - L // 2:
                 x = x + skip_w[i - (L - L // 2)] * skips.pop()
-            x = block(x, x0, lambdas[i], ves[i], ve_lambdas[i], cu_seqlens, max_seqlen, windows[i], self.rotary, self.attn_fn)
+            x = block(x, x0, lambdas[i], ves[i], ve_lambdas[i], cu_seqlens, max_seqlen, windows[i], self.rotary,
+                      self.attn_fn, None if bigram is None else bigram_w[i] * bigram)
             if i < L // 2:
                 skips.append(x)
+            if i == cfg.backout_layer:
+                backout = x
+        if backout is not None:
+            # Backout (2025-10-04 record, @snimu, @classiclarryd; PRs 138, 140): the early blocks write much
+            # that later blocks need as context but the prediction does not; a learned multiple of the
+            # residual after block backout_layer is taken out before the final norm and the head. The
+            # record takes the output of block 8 (the one after the attention-less block 7, as in our
+            # layout): --backout_layer 8.
+            x = x - backout_w[0] * backout
         return norm(x)
 
     def softcap(self, logits: Tensor) -> Tensor:
         """Logit soft-cap: bounded logits, smoother early training (tanh cap of Gemma 2 brought in by
-        @Grad62304977, lowered by @KoszarskyB, written as a shifted sigmoid by @YouJiacheng)."""
-        return self.cfg.logit_softcap * torch.sigmoid(logits.float() / self.cfg.softcap_temp)
+        @Grad62304977, lowered by @KoszarskyB, written as a shifted sigmoid by @YouJiacheng). The
+        values lie in (0, logit_softcap) for any softcap_shift."""
+        z = logits.float()
+        if self.cfg.softcap_shift:
+            # Asymmetric softcap (2025-12-26 record, @classiclarryd, PR 181: 23 * sigmoid((z + 5) / 7.5)).
+            # A zero logit still maps to ~15, as under 30 * sigmoid(z / 7.5), but the room above it
+            # shrinks from 15 to 8 while the room below stays 15: high logits are capped harder.
+            z = z + self.cfg.softcap_shift
+        return self.cfg.logit_softcap * torch.sigmoid(z / self.cfg.softcap_temp)
 
     def next_token_logits(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int]) -> Tensor:
         """Soft-capped logits at the last position (for sampling; bf16 head)."""
@@ -710,7 +814,7 @@ class GPT(nn.Module):
             logits = F.linear(x, self.lm_head_w.type_as(x))
         z = self.softcap(logits)
         # Cross-entropy written out so that it compiles to one pass over the (tokens x vocab) logits
-        # each way: z is bounded by the cap, so exp(z) needs no max-subtraction pass, and the target
+        # each way: z is in (0, cap) (any shift), so exp(z) needs no max-subtraction pass, and the target
         # logit is picked by a compare instead of a gather (whose backward would be a scatter).
         is_target = torch.arange(z.size(-1), device=z.device) == targets[:, None]
         return z.exp().sum(-1).log() - torch.where(is_target, z, 0).sum(-1)
@@ -1305,15 +1409,19 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
 
 def param_groups_by_role(model: GPT) -> dict[str, list[nn.Parameter]]:
     """Parameters by what they are (the optimizers and the size report split them so)."""
-    return {"token embedding": [model.embed.weight], "value embeddings": [m.weight for m in model.value_embeds],
-            "block matrices": [p for p in model.blocks.parameters() if p.ndim >= 2],
+    groups = {"token embedding": [model.embed.weight], "value embeddings": [m.weight for m in model.value_embeds]}
+    if model.bigram_embed is not None:
+        groups["bigram embedding"] = [model.bigram_embed.weight]
+    return {**groups, "block matrices": [p for p in model.blocks.parameters() if p.ndim >= 2],
             "LM head": [model.lm_head_w], "scalars": [model.scalars]}
 
 
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, orthogonalize=newton_schulz):
-    """Muon for every matrix inside the blocks; Adam for embeddings, LM head and scalars."""
+    """Muon for every matrix inside the blocks; Adam for embeddings, LM head and scalars. The bigram
+    table learns as the other embeddings do (the 2026-01-19 record gave it the value embeddings'
+    Adam settings); its per-block weights and the backout weight are scalars."""
     groups = param_groups_by_role(model)
-    embeds = groups["token embedding"] + groups["value embeddings"]
+    embeds = groups["token embedding"] + groups["value embeddings"] + groups.get("bigram embedding", [])
     adam_groups = [dict(params=embeds, lr=args.adam_lr * args.embed_lr_mult),
                    dict(params=groups["LM head"], lr=args.adam_lr * args.head_lr_mult),
                    dict(params=groups["scalars"], lr=args.adam_lr * args.scalar_lr_mult)]
@@ -1348,7 +1456,8 @@ def peak_tflops(device: torch.device, override: float) -> float | None:
 def flops_per_token(model: GPT, windows: tuple[int, int], max_doc_len: int) -> float:
     """Training FLOPs per token: 6 x the matmul weights (block matrices + LM head), plus attention:
     QK^T and AV, 2 x 2 x heads x head_dim multiply-adds per key forward, x3 with the backward, over
-    the keys a query sees (its window + itself, at most a document)."""
+    the keys a query sees (its window + itself, at most a document). Table lookups (token, value and
+    bigram embeddings) and elementwise work (norms, scalar mixes, backout, softcap) are not counted."""
     cfg = model.cfg
     groups = param_groups_by_role(model)
     matmul = sum(p.numel() for p in groups["block matrices"] + groups["LM head"])
@@ -1475,8 +1584,10 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
     """Restore weights and this rank's optimizer shards; return (step, data position, training ms).
     Refuses a checkpoint of another model shape or world size, naming what differs."""
     meta = read_checkpoint_file(path / "model.pt")
-    diff = [f"{k}: checkpoint {meta['args'][k]!r}, now {getattr(args, k)!r}" for k in MODEL_FIELDS
-            if k in meta["args"] and tuple_or_value(meta["args"][k]) != tuple_or_value(getattr(args, k))]
+    # a field newer than the checkpoint: the checkpoint's model had the field's default
+    saved = {**{f.name: f.default for f in dataclasses.fields(Hyperparameters)}, **meta["args"]}
+    diff = [f"{k}: checkpoint {saved[k]!r}, now {getattr(args, k)!r}" for k in MODEL_FIELDS
+            if tuple_or_value(saved[k]) != tuple_or_value(getattr(args, k))]
     if diff:
         raise ValueError(f"{path} holds a different model: " + "; ".join(diff))
     if meta["world_size"] != world_size:

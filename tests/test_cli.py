@@ -22,6 +22,7 @@ def run_cli(*argv, cwd=ROOT):
 @pytest.mark.parametrize("argv, expected", [
     (["--compile", "maybe"], "argument --compile: expected true or false, not 'maybe'"),
     (["--window_schedule", "3,x"], "expected comma-separated integers such as 3,7,11, not '3,x'"),
+    (["--lr_schedule", "1,x"], "expected comma-separated numbers such as 1,1.52,1.73, not '1,x'"),
     (["--no_such_field", "1"], "unrecognized arguments: --no_such_field 1"),
     (["--preset", "huge"], "--preset huge: choose one of record, smoke, single, medium"),
 ])

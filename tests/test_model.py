@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import BOS, TINY
+from conftest import BOS, LATER_RECORDS, TINY
 
 W3, W1 = tg.window_tokens(3, TINY["window_block"]), tg.window_tokens(1, TINY["window_block"])  # (48, 16), (16, 0)
 
@@ -41,8 +41,9 @@ def test_fresh_model_predicts_uniformly_so_its_loss_is_log_vocab():
     assert torch.allclose(per_token.sum(), loss)
 
 
-def test_loss_at_a_position_depends_only_on_earlier_tokens_of_its_document():
-    model = tiny_model(randomize=True)
+@pytest.mark.parametrize("features", [{}, LATER_RECORDS], ids=["0903", "later_records"])
+def test_loss_at_a_position_depends_only_on_earlier_tokens_of_its_document(features):
+    model = tiny_model(randomize=True, **features)
     x, y, cu = batch(doc_starts=(0, 60))
     base = model(x, y, cu, 128, W3, reduction="none")
     for j in (10, 59, 70, 127):
@@ -87,6 +88,11 @@ def test_value_embeddings_and_window_pattern_follow_the_record_layout():
     ("bos_id", 99, "must be < vocab_size"),
     ("attention", "magic", "choose one of auto, fa3, fa4, varlen, reference"),
     ("logit_softcap", 90.0, "too large"),
+    ("softcap_shift", float("inf"), "finite"),
+    ("bigram_rows", 1, "at least 2"),
+    ("bigram_sign_rows", 16, "with bigram_rows"),
+    ("backout_layer", 3, "-1 \\(off\\) or a block index below the last \\(3\\)"),
+    ("backout_layer", -2, "-1 \\(off\\)"),
 ])
 def test_bad_hyperparameters_are_refused_with_a_reason(field, value, needle):
     with pytest.raises(ValueError, match=needle):
@@ -95,9 +101,10 @@ def test_bad_hyperparameters_are_refused_with_a_reason(field, value, needle):
 
 def test_command_line_overrides_every_kind_of_field():
     args = tg.parse_args(["--num_iterations", "100", "--compile", "false", "--window_schedule", "1,2",
-                          "--muon_lr", "0.1", "--window_pattern", "LSSSLSSLSSSL", "--run_id", "abc"])
-    assert (args.num_iterations, args.compile, args.window_schedule, args.muon_lr, args.run_id) == \
-        (100, False, (1, 2), 0.1, "abc")
+                          "--muon_lr", "0.1", "--window_pattern", "LSSSLSSLSSSL", "--run_id", "abc",
+                          "--lr_schedule", "1,1.5"])
+    assert (args.num_iterations, args.compile, args.window_schedule, args.muon_lr, args.run_id, args.lr_schedule) == \
+        (100, False, (1, 2), 0.1, "abc", (1.0, 1.5))
     assert tg.parse_args([]) == tg.Hyperparameters()
 
 
@@ -127,3 +134,149 @@ def test_mlp_matrices_share_one_shape_so_muon_scales_them_alike():
     assert mlp.fc_w.shape == mlp.proj_w.shape == (TINY["model_dim"], 4 * TINY["model_dim"])
     muon = tg.build_optimizers(model, tg.Hyperparameters(**TINY), 0, 1)[1]
     assert {tuple(g["params"][0].shape) for g in muon.param_groups} == {(4, 64, 64), (64, 256), (2, 8)}
+
+
+# -- techniques of records after 2025-09-03 (issue 12): bigram hash embedding, backout, asymmetric softcap
+
+def test_bigram_rows_are_the_records_xor_hash_in_range_with_document_starts_on_the_reserved_row():
+    rows, sign_rows, T = 377_280, 8192, 1000
+    x = torch.randint(0, 50304, (T,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    starts = [0, 17, 18, 500, 999]  # a one-token document at 17
+    cu = torch.tensor([*starts, T, T, T], dtype=torch.int32)
+    row, sign = tg.bigram_indices(x, cu, rows, sign_rows)
+    assert row.shape == sign.shape == (T,) and row.dtype == sign.dtype == torch.int64
+    again = tg.bigram_indices(x.clone(), cu.clone(), rows, sign_rows)
+    assert torch.equal(row, again[0]) and torch.equal(sign, again[1]), "deterministic"
+    t = x.tolist()
+    for i in range(T):
+        if i in starts:
+            assert (row[i], sign[i]) == (rows - 1, 0)
+        else:
+            assert row[i] == ((36313 * t[i]) ^ (27191 * t[i - 1])) % (rows - 1)
+            assert sign[i] == (t[i] ^ t[i - 1]) % sign_rows
+    assert 0 <= row.min() and row.max() == rows - 1 and (row == rows - 1).sum() == len(starts)
+    assert 0 <= sign.min() and sign.max() < sign_rows
+    assert row.unique().numel() > 0.99 * T - len(starts), "~1000 random bigrams land on ~1000 rows"
+
+
+def test_bigram_rows_of_a_document_do_not_depend_on_the_document_before_it():
+    x, _, cu = batch(doc_starts=(0, 60))
+    row, sign = tg.bigram_indices(x, cu, 1000, 16)
+    for j in (58, 59):  # the last tokens of the first document
+        x2 = x.clone()
+        x2[j] = (x2[j] + 1) % BOS
+        row2, sign2 = tg.bigram_indices(x2, cu, 1000, 16)
+        changed = ((row2 != row) | (sign2 != sign)).nonzero().flatten().tolist()
+        assert changed == [j, j + 1] if j + 1 < 60 else changed == [j]
+    # the second document's first position takes the reserved row, whatever precedes it
+    assert row[60] == 999 and sign[60] == 0
+
+
+def _copy_shared_weights(src: tg.GPT, dst: tg.GPT):
+    """dst gets every weight of src; of the scalars, the ones both have (the rest become zero)."""
+    state = {k: v for k, v in src.state_dict().items() if k != "scalars"}
+    dst.load_state_dict({**dst.state_dict(), **state})
+    n = src.scalar_layout()["skips"].stop
+    with torch.no_grad():
+        dst.scalars.zero_()
+        dst.scalars[:n] = src.scalars[:n]
+
+
+@pytest.mark.parametrize("feature", [dict(bigram_rows=256), dict(bigram_rows=256, bigram_sign_rows=16),
+                                     dict(backout_layer=1)], ids=["bigram", "bigram_signs", "backout"])
+def test_a_new_feature_at_zero_weight_computes_exactly_the_model_without_it(feature):
+    fresh_off, fresh_on = tiny_model(), tiny_model(**feature)
+    for k, v in fresh_off.state_dict().items():  # the feature's parameters are made last
+        assert k == "scalars" or torch.equal(v, fresh_on.state_dict()[k]), k
+    layout = fresh_on.scalar_layout()
+    assert torch.equal(fresh_on.scalars[: layout["skips"].stop], fresh_off.scalars[: layout["skips"].stop])
+    off, on = tiny_model(randomize=True), tiny_model(randomize=True, **feature)  # the new table is random too
+    _copy_shared_weights(off, on)
+    x, y, cu = batch(doc_starts=(0, 60))
+    for training in (True, False):
+        off.train(training), on.train(training)
+        with torch.no_grad():
+            torch.testing.assert_close(on(x, y, cu, 128, W3, reduction="none"),
+                                       off(x, y, cu, 128, W3, reduction="none"), rtol=0, atol=0)
+    with torch.no_grad():  # and with weight, the feature does change the output
+        on.scalars[layout["bigram" if "bigram_rows" in feature else "backout"]] = 0.5
+        assert not torch.equal(on(x, y, cu, 128, W3, reduction="none"), off(x, y, cu, 128, W3, reduction="none"))
+
+
+def test_new_weights_get_gradients_and_the_default_model_has_none_of_them():
+    model = tiny_model(randomize=True, **LATER_RECORDS)
+    x, y, cu = batch()
+    model(x, y, cu, 128, W3).backward()
+    at = model.scalar_layout()
+    assert model.bigram_embed.weight.grad.abs().sum() > 0 and model.scalars.grad[at["bigram"]].abs().min() > 0
+    assert model.scalars.grad[at["backout"]].abs().min() > 0
+    assert model.bigram_signs.abs().eq(1).all() and model.bigram_signs.shape == (16, TINY["model_dim"])
+    assert {"bigram_embed.weight", "bigram_signs"} <= set(model.state_dict()), "saved in checkpoints"
+    default = tiny_model()
+    assert default.bigram_embed is None and default.bigram_signs is None
+    assert at["bigram"].stop - at["bigram"].start == 4 and default.scalar_layout()["bigram"] == slice(18, 18)
+
+
+def test_asymmetric_softcap_stays_in_0_23_and_its_gradient_is_the_formulas():
+    model = tiny_model(logit_softcap=23.0, softcap_shift=5.0)
+    z = torch.linspace(-60, 60, 1201, requires_grad=True)
+    capped = model.softcap(z)
+    assert capped.dtype == torch.float32 and 0 < capped.min() and capped.max() < 23
+    assert model.softcap(torch.tensor([-1e4, 1e4])).tolist() == [0.0, 23.0]  # saturates at the bounds only
+    s = torch.sigmoid((z.detach().double() + 5) / 7.5)
+    torch.testing.assert_close(capped.double(), 23 * s, rtol=1e-6, atol=1e-6)
+    capped.sum().backward()
+    # float32 autograd of sigmoid: its gradient s * (1 - s) loses ~1e-7 to rounding as s nears 1
+    torch.testing.assert_close(z.grad.double(), 23 / 7.5 * s * (1 - s), rtol=1e-5, atol=1e-6)
+    zero = model.softcap(torch.zeros(1)).item()
+    assert abs(zero - 23 * torch.sigmoid(torch.tensor(5 / 7.5)).item()) < 1e-5 and 23 - zero < zero - 0
+    default = tiny_model()  # the 09/03 cap, computed as before
+    assert torch.equal(default.softcap(z.detach()), 30 * torch.sigmoid(z.detach() / 7.5))
+
+
+@pytest.mark.parametrize("fp8,training", [(False, True), (True, True), (True, False)],
+                         ids=["bf16_train", "fp8_train", "fp8_model_eval"])
+def test_head_loss_with_the_asymmetric_cap_equals_the_plain_formula_forward_and_backward(fp8, training):
+    """The hand-written cross-entropy (no max subtraction, target picked by a compare) on the FP8
+    head (training), or on the bf16 head (the CPU's, and evaluation's), against F.cross_entropy of
+    23 * sigmoid((x W^T + 5) / 7.5) in float64."""
+    if fp8 and not tg.fp8_supported(torch.device("cpu")):
+        pytest.skip("_scaled_mm FP8 does not run on this CPU")
+    model = tiny_model(logit_softcap=23.0, softcap_shift=5.0)
+    model.fp8_head = fp8
+    model.train(training)
+    g = torch.Generator().manual_seed(0)
+    T, dim, V = 256, TINY["model_dim"], TINY["vocab_size"]
+    with torch.no_grad():  # |w| < 0.8 stays inside e4m3 at the head's weight scale 2^-9; logits reach ~+-15
+        model.lm_head_w.copy_(0.8 * (2 * torch.rand(V, dim, generator=g) - 1))
+    x = torch.nn.functional.rms_norm(torch.randn(T, dim, generator=g), (dim,)).bfloat16().requires_grad_(True)
+    y = torch.randint(0, V, (T,), generator=g)
+    losses = model.head_losses(x, y)
+    losses.sum().backward()
+    xr, wr = x.detach().double().requires_grad_(True), model.lm_head_w.detach().double().requires_grad_(True)
+    ref = torch.nn.functional.cross_entropy(23 * torch.sigmoid((xr @ wr.T + 5) / 7.5), y, reduction="none")
+    ref.sum().backward()
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+    # bf16 logits (8 bits of mantissa) or e4m3 operands and e5m2 gradients (FP8: as in test_kernels)
+    tol = (0.05, 0.1) if fp8 and training else (0.01, 0.02)
+    assert losses.dtype == torch.float32 and rel(losses, ref) < tol[0]
+    assert rel(x.grad, xr.grad) < tol[1] and rel(model.lm_head_w.grad, wr.grad) < tol[1]
+
+
+def test_all_three_trace_as_one_graph_and_match_eager_in_value_and_gradient():
+    """torch.compile(fullgraph=True) takes the model with every technique on (no graph break, no
+    data-dependent Python branch); aot_eager keeps the check fast on the CPU."""
+    model = tiny_model(randomize=True, **LATER_RECORDS)
+    x, y, cu = batch()
+    results = []
+    for fn in (model, torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)):
+        model.zero_grad()
+        loss = fn(x, y, cu, 128, W3)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (l0, g0), (l1, g1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-6, atol=0)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import train_gpt as tg
+from conftest import LATER_RECORDS
 from distributed import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +76,38 @@ def test_parameter_counts_and_memory_estimate_match_a_hand_count():
     assert lines[5].startswith("memory per GPU: ~0.4 MiB: weights + grads 0.2")  # MiB below 1 GiB
 
 
+def test_bigram_table_is_an_adam_embedding_in_the_size_report_and_adds_no_matmul_flops():
+    args = tg.Hyperparameters(bigram_rows=377_280, bigram_sign_rows=8192, backout_layer=8, logit_softcap=23.0,
+                              softcap_shift=5.0)
+    with torch.device("meta"):
+        model, base = tg.GPT(tg.ModelConfig.from_args(args)), tg.GPT(tg.ModelConfig.from_args(tg.Hyperparameters()))
+    table = model.bigram_embed.weight
+    assert table.shape == (377_280, 768) and table.dtype == torch.bfloat16
+    assert (base.scalars.numel(), model.scalars.numel()) == (64, 128)  # 48 + 6, then + 12 bigram + 1 backout, padded
+    assert sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in base.parameters()) == 377_280 * 768 + 64
+    lines = tg.size_report(model, args, world_size=8)
+    assert lines[2] == "parameters: bigram embedding 289,751,040" and lines[-1].startswith("memory per GPU")
+    windows = tg.window_tokens(3, 128)
+    assert tg.flops_per_token(model, windows, 2048) == tg.flops_per_token(base, windows, 2048)
+    adam, muon = tg.build_optimizers(model, args, rank=0, world_size=8)
+    embed_group = next(g for g in adam.param_groups if any(p is table for p in g["params"]))
+    assert embed_group["lr"] == args.adam_lr * args.embed_lr_mult and model.embed.weight in embed_group["params"]
+    assert all(p is not table for g in muon.param_groups for p in g["params"])
+
+
+def test_a_checkpoint_written_before_the_new_fields_is_read_as_their_defaults(tiny_args, tmp_path):
+    run = tg.train(tiny_args(num_iterations=2, val_every=0, save_every=2, run_id="old", checkpoint_dir=str(tmp_path)))
+    meta_path = Path(run.checkpoint) / "model.pt"
+    meta = torch.load(meta_path, weights_only=True)
+    for k in ("softcap_shift", "bigram_rows", "bigram_sign_rows", "backout_layer"):
+        del meta["args"][k]  # as an older train_gpt.py wrote it
+    torch.save(meta, meta_path)
+    with pytest.raises(ValueError, match="different model: bigram_rows: checkpoint 0, now 256"):
+        tg.train(tiny_args(bigram_rows=256, resume=run.checkpoint, checkpoint_dir=str(tmp_path / "y")))
+    resumed = tg.train(tiny_args(num_iterations=3, val_every=0, resume=run.checkpoint, checkpoint_dir=str(tmp_path / "z")))
+    assert resumed.first_step == 2 and len(resumed.train_losses) == 1
+
+
 def test_peak_lookup_prefers_the_specific_name_and_honours_an_override():
     assert tg.peak_tflops(torch.device("cpu"), 0) is None
     assert tg.peak_tflops(torch.device("cpu"), 123.0) == 123.0
@@ -118,12 +151,15 @@ def _resume_worker(rank, world_size, args, out):
         torch.save((run.first_step, run.train_losses), out)
 
 
-def test_resume_on_two_processes_matches_uninterrupted(tiny_args, tmp_path):
+@pytest.mark.parametrize("features", [{}, LATER_RECORDS], ids=["0903", "later_records"])
+def test_resume_on_two_processes_matches_uninterrupted(tiny_args, tmp_path, features):
     ck = str(tmp_path / "ck")
-    full_args = tiny_args(batch_size=2 * 128, num_iterations=6, val_every=0, save_every=2, run_id="two", checkpoint_dir=ck)
+    full_args = tiny_args(batch_size=2 * 128, num_iterations=6, val_every=0, save_every=2, run_id="two", checkpoint_dir=ck,
+                          **features)
     spawn(_resume_worker, 2, full_args, str(tmp_path / "full.pt"))
     spawn(_resume_worker, 2, tiny_args(batch_size=2 * 128, num_iterations=6, val_every=0, checkpoint_dir=str(tmp_path / "x"),
-                                       resume=os.path.join(ck, "two", "step_000002"), run_id="two-b"), str(tmp_path / "res.pt"))
+                                       resume=os.path.join(ck, "two", "step_000002"), run_id="two-b", **features),
+          str(tmp_path / "res.pt"))
     _, full = torch.load(tmp_path / "full.pt")
     first, resumed = torch.load(tmp_path / "res.pt")
     assert first == 2 and resumed == full[2:]

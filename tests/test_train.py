@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import train_gpt as tg
+from conftest import LATER_RECORDS
 from distributed import spawn
 
 
@@ -18,14 +19,23 @@ def test_loss_falls_well_below_uniform_on_a_learnable_corpus(tiny_args):
     assert run.train_losses[-1] < run.train_losses[0] - 1.0
 
 
+def test_loss_still_falls_with_bigram_hash_embedding_backout_and_asymmetric_softcap_on(tiny_args):
+    run = tg.train(tiny_args(num_iterations=20, val_every=10, **LATER_RECORDS))
+    losses = [v for _, v in run.val_losses]
+    assert abs(losses[0] - torch.log(torch.tensor(64.0)).item()) < 1e-3  # zero-init head and bigram table
+    assert losses[-1] < losses[0] - 1.0 and losses[-1] < losses[1]
+    assert run.train_losses[-1] < run.train_losses[0] - 1.0
+
+
 def _train_worker(rank, world_size, args, out):
     run = tg.train(args)
     if rank == 0:
         torch.save((run.train_losses, run.val_losses), out)
 
 
-def test_two_processes_one_accumulation_step_equal_one_process_two_steps(tiny_args, tmp_path):
-    args = tiny_args(batch_size=2 * 128, num_iterations=8, val_every=4)
+@pytest.mark.parametrize("features", [{}, LATER_RECORDS], ids=["0903", "later_records"])
+def test_two_processes_one_accumulation_step_equal_one_process_two_steps(tiny_args, tmp_path, features):
+    args = tiny_args(batch_size=2 * 128, num_iterations=8, val_every=4, **features)
     out = str(tmp_path / "two.pt")
     spawn(_train_worker, 2, args, out)
     two_train, two_val = torch.load(out)
