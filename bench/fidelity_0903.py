@@ -5,6 +5,7 @@
         --train_files "DIR/fineweb_train_*.bin" --val_files "DIR/fineweb_val_*.bin" \\
         [--steps 400] [--val_every 50] [--batch_size 131072] \\
         [--val_tokens 983040] [--val_seq_len 40960] [--seeds 0 1] [--public_seeds 0 1] [--parallel] [--out table.md]
+        [--ours_args "FLAGS"] [--variant NAME "FLAGS" ...]
 
 The public script is the source embedded at the top of the record's logs in a checkout of
 KellerJordan/modded-nanogpt (records/track_1_short/2025-09-03_FA3/*.txt). It is staged in a work
@@ -132,6 +133,38 @@ def val_losses(path: Path) -> dict[int, tuple[float, int]]:
     return {int(m[1]): (float(m[3]), int(m[4])) for m in map(VAL_LINE.match, text.splitlines()) if m}
 
 
+def format_table(results: dict[str, dict[int, tuple[float, int]]], groups: dict[str, list[str]]) -> list[str]:
+    """Markdown tables from each run's {step: (val loss, training ms)}: val loss per run and, per group
+    after the first, its mean minus the first group's mean (the reference: the public code when it ran);
+    then the training time at each validation step and ms/step."""
+    names = [n for members in groups.values() for n in members]
+    reference, *others = groups
+
+    def mean(label, step):
+        members = groups[label]
+        if not members or any(step not in results[n] for n in members):
+            return None
+        return sum(results[n][step][0] for n in members) / len(members)
+    steps = sorted({s for n in names for s in results[n]})
+    lines = ["| step | " + " | ".join(names) + "".join(f" | {g} mean - {reference} mean" for g in others) + " |",
+             "| --- |" + " --- |" * (len(names) + len(others))]
+    for s in steps:
+        cells = [f"{results[n][s][0]:.4f}" if s in results[n] else "-" for n in names]
+        for g in others:
+            m, r = mean(g, s), mean(reference, s)
+            cells.append(f"{m - r:+.4f}" if m is not None and r is not None else "-")
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    lines += ["", "Training time (s) at each validation step, to compare at equal wall-clock:", "",
+              "| step | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    for s in steps:
+        lines.append(f"| {s} | " + " | ".join(f"{results[n][s][1] / 1000:.1f}" if s in results[n] else "-"
+                                            for n in names) + " |")
+    last = max(steps) if steps else 0
+    lines += ["", "ms/step: " + ", ".join(f"{n} {results[n][last][1] / last:.1f}" if last and last in results[n]
+                                         else f"{n} -" for n in names)]
+    return lines
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--public", required=True, type=Path, help="a checkout of KellerJordan/modded-nanogpt")
@@ -146,9 +179,14 @@ def main():
     p.add_argument("--public_seeds", type=int, nargs="*", help="one public run per seed, seeded before its model "
                    "is built (default: one run as published, unseeded; no values: no public run)")
     p.add_argument("--ours", type=Path, default=ROOT / "train_gpt.py", help="our trainer file")
-    p.add_argument("--ours_args", default="", help="extra `--field value` flags for ours (an A/B variant)")
+    p.add_argument("--ours_args", default="", help="extra `--field value` flags for every run of ours")
     p.add_argument("--label", default="ours", help="column name for our runs")
+    p.add_argument("--variant", nargs=2, action="append", default=[], metavar=("NAME", "ARGS"),
+                   help="one more variant of ours: --ours_args plus these flags (repeatable); --seeds runs of each, "
+                        "compared with the public code, or without public runs with the first variant")
     p.add_argument("--parallel", action="store_true", help="start every run at once (curves only)")
+    p.add_argument("--max_parallel", type=int, default=0, help="with --parallel: at most this many runs at once "
+                   "(0: all), so that they fit in the GPU's memory")
     p.add_argument("--work", type=Path, default=Path("/tmp/fidelity_0903"), help="staging and log folder")
     p.add_argument("--out", type=Path, help="also write the table here")
     a = p.parse_args()
@@ -158,6 +196,12 @@ def main():
     if a.val_tokens % (8 * a.val_seq_len):
         raise SystemExit(f"fidelity_0903.py: error: the public code needs --val_tokens to be a multiple of "
                          f"8 x --val_seq_len = {8 * a.val_seq_len}")
+
+    variants = [(a.label, ""), *a.variant]  # each variant: ours with --ours_args and its own flags
+    if (len({name for name, _ in variants}) < len(variants) or any(n.startswith("public") for n, _ in variants)
+            or not all(re.fullmatch(r"[\w.-]+", n) for n, _ in variants)):
+        raise SystemExit("fidelity_0903.py: error: --label and the --variant names must differ, be made of letters, "
+                         "digits, '_', '.' or '-', and not start with 'public'")
 
     source, md5 = public_source(a.public)
     stage = stage_public(a, a.work, source)
@@ -176,51 +220,37 @@ def main():
         runs.append(("public 09/03" + ("" if seed is None else f" seed {seed}"), stage / "logs" / f"{rid}.txt",
                      ["torchrun", "--standalone", "--nproc_per_node=1", f"{rid}.py"], stage,
                      {"PYTHONPATH": str(stage), "TORCHINDUCTOR_CACHE_DIR": str(a.work / "cache_public")}))
-    for seed in a.seeds:
-        rid = f"{a.label}_{stamp}_seed{seed}"
-        runs.append((f"{a.label} seed {seed}", a.work / "logs" / f"{rid}.txt",
-                     ["torchrun", "--standalone", "--nproc_per_node=1", str(a.ours.resolve()), *ours_common,
-                      "--seed", str(seed), "--run_id", rid], ROOT,
-                     {"TORCHINDUCTOR_CACHE_DIR": str(a.work / f"cache_{a.label}")}))
+    for label, extra in variants:
+        for seed in a.seeds:
+            rid = f"{label}_{stamp}_seed{seed}"
+            runs.append((f"{label} seed {seed}", a.work / "logs" / f"{rid}.txt",
+                         ["torchrun", "--standalone", "--nproc_per_node=1", str(a.ours.resolve()), *ours_common,
+                          *extra.split(), "--seed", str(seed), "--run_id", rid], ROOT,
+                         {"TORCHINDUCTOR_CACHE_DIR": str(a.work / f"cache_{label}")}))
 
     print(f"public script: {RECORD_GLOB} (md5 {md5}), staged in {stage}", flush=True)
     procs = []
+    at_once = (a.max_parallel or len(runs)) if a.parallel else 1
     for name, log, cmd, cwd, env in runs:
+        while sum(proc.poll() is None for proc in procs) >= at_once:
+            time.sleep(2)
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
         procs.append(launch(cmd, cwd, log.with_suffix(".out"), env))
-        if not a.parallel:
-            procs[-1].wait()
     for (name, log, *_), proc in zip(runs, procs):
         if proc.wait() != 0:
             print(f"{name} exited with {proc.returncode}; its output: {log.with_suffix('.out')}", flush=True)
 
     results = {name: val_losses(log) for name, log, *_ in runs}
-    steps = sorted({s for r in results.values() for s in r})
-    names = [name for name, *_ in runs]
-    ours_names = [n for n in names if n.startswith(a.label)]
-    pub_names = [n for n in names if n.startswith("public")]
-    mean = lambda ns, s: (sum(results[n][s][0] for n in ns) / len(ns)) if ns and all(s in results[n] for n in ns) else None
+    groups = {label: [n for n, *_ in runs if n.startswith(f"{label} seed ")] for label, _ in variants}
+    pub_names = [n for n, *_ in runs if n.startswith("public")]
+    if pub_names:
+        groups = {"public": pub_names, **groups}
     import torch
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     lines = [f"Device: {device}; PyTorch {torch.__version__}; public script md5 {md5}; "
              f"{a.steps} steps x {a.batch_size:,} tokens, validation {a.val_tokens:,} tokens in buffers of "
              f"{a.val_seq_len:,}" + ("; runs shared the GPU (--parallel): step times are not comparable" if a.parallel else ""),
-             f"Command: python bench/fidelity_0903.py {' '.join(sys.argv[1:])}", "",
-             "| step | " + " | ".join(names) + f" | {a.label} mean - public |",
-             "| --- |" + " --- |" * (len(names) + 1)]
-    for s in steps:
-        cells = [f"{results[n][s][0]:.4f}" if s in results[n] else "-" for n in names]
-        mo, mp = mean(ours_names, s), mean(pub_names, s)
-        lines.append(f"| {s} | " + " | ".join(cells) + f" | {mo - mp:+.4f} |" if mo is not None and mp is not None
-                     else f"| {s} | " + " | ".join(cells) + " | - |")
-    lines += ["", "Training time (s) at each validation step, to compare at equal wall-clock:", "",
-              "| step | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
-    for s in steps:
-        lines.append(f"| {s} | " + " | ".join(f"{results[n][s][1] / 1000:.1f}" if s in results[n] else "-"
-                                            for n in names) + " |")
-    last = max(steps) if steps else 0
-    lines += ["", "ms/step: " + ", ".join(f"{n} {results[n][last][1] / last:.1f}" if last and last in results[n]
-                                         else f"{n} -" for n in names)]
+             f"Command: python bench/fidelity_0903.py {' '.join(sys.argv[1:])}", "", *format_table(results, groups)]
     table = "\n".join(lines)
     print(table)
     if a.out:

@@ -67,3 +67,26 @@ def test_a_seeded_public_run_seeds_torch_just_before_the_model_is_built():
     assert out.index("torch.manual_seed(7)") < out.index("model: nn.Module = GPT(") < out.index("vocab_size=50257")
     with pytest.raises(SystemExit, match="no single `model: nn.Module = GPT\\(` line"):
         fh.seed_public(PUBLIC_LIKE, 7)
+
+
+def test_table_compares_each_variant_mean_with_the_reference_group():
+    results = {"public seed 0": {0: (10.8, 0), 50: (4.40, 15000)}, "public seed 1": {0: (10.8, 0), 50: (4.42, 15100)},
+               "ours seed 0": {0: (10.8, 0), 50: (4.45, 14000)}, "ours seed 1": {0: (10.8, 0), 50: (4.43, 14200)},
+               "bigram seed 0": {0: (10.8, 0)}}  # a run that stopped before step 50
+    groups = {"public": ["public seed 0", "public seed 1"], "ours": ["ours seed 0", "ours seed 1"],
+              "bigram": ["bigram seed 0"]}
+    lines = fh.format_table(results, groups)
+    assert lines[0] == ("| step | public seed 0 | public seed 1 | ours seed 0 | ours seed 1 | bigram seed 0 "
+                        "| ours mean - public mean | bigram mean - public mean |")
+    assert lines[2] == "| 0 | 10.8000 | 10.8000 | 10.8000 | 10.8000 | 10.8000 | +0.0000 | +0.0000 |"
+    assert lines[3] == "| 50 | 4.4000 | 4.4200 | 4.4500 | 4.4300 | - | +0.0300 | - |"
+    assert lines[-1] == ("ms/step: public seed 0 300.0, public seed 1 302.0, ours seed 0 280.0, ours seed 1 284.0, "
+                         "bigram seed 0 -")
+
+
+@pytest.mark.parametrize("variant", [["ours", "--seed 3"], ["public-x", ""], ["has space", ""]])
+def test_variant_names_that_would_clash_or_make_bad_file_names_are_refused(monkeypatch, tmp_path, variant):
+    monkeypatch.setattr(sys, "argv", ["fidelity_0903.py", "--public", str(tmp_path), "--train_files", "x",
+                                      "--val_files", "y", "--variant", *variant])
+    with pytest.raises(SystemExit, match="--variant names must differ"):
+        fh.main()
