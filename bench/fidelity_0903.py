@@ -121,6 +121,16 @@ def stage_public(a, work: Path, source: str) -> Path:
     return stage
 
 
+# GPU memory one run of this protocol takes at its peak (one H100, batch 131,072 = 8 x 16,384): the public
+# code 17.5 GiB, ours 14 GiB (bench/results/fidelity_0903_h100.md); six at once ran out of 80 GB.
+RUN_GIB = 18
+
+
+def runs_that_fit() -> int:
+    import torch
+    return max(1, torch.cuda.get_device_properties(0).total_memory // (RUN_GIB << 30)) if torch.cuda.is_available() else 1
+
+
 def launch(cmd: list[str], cwd: Path, log: Path, env: dict) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **env}, stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -186,7 +196,7 @@ def main():
                         "compared with the public code, or without public runs with the first variant")
     p.add_argument("--parallel", action="store_true", help="start every run at once (curves only)")
     p.add_argument("--max_parallel", type=int, default=0, help="with --parallel: at most this many runs at once "
-                   "(0: all), so that they fit in the GPU's memory")
+                   f"(0: as many as fit, one per {RUN_GIB} GiB of GPU memory)")
     p.add_argument("--work", type=Path, default=Path("/tmp/fidelity_0903"), help="staging and log folder")
     p.add_argument("--out", type=Path, help="also write the table here")
     a = p.parse_args()
@@ -230,7 +240,7 @@ def main():
 
     print(f"public script: {RECORD_GLOB} (md5 {md5}), staged in {stage}", flush=True)
     procs = []
-    at_once = (a.max_parallel or len(runs)) if a.parallel else 1
+    at_once = (a.max_parallel or runs_that_fit()) if a.parallel else 1
     for name, log, cmd, cwd, env in runs:
         while sum(proc.poll() is None for proc in procs) >= at_once:
             time.sleep(2)

@@ -1,6 +1,7 @@
 """bench/fidelity_0903.py: the public script is cut from a record log and staged with only the
 overrides the protocol needs; logs of both codes parse into the same table."""
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,11 @@ def test_variant_names_that_would_clash_or_make_bad_file_names_are_refused(monke
                                       "--val_files", "y", "--variant", *variant])
     with pytest.raises(SystemExit, match="--variant names must differ"):
         fh.main()
+
+
+def test_parallel_runs_are_capped_by_the_gpu_memory(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for gib, runs in ((80, 4), (141, 7), (10, 1)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i, gib=gib: SimpleNamespace(total_memory=gib << 30))
+        assert fh.runs_that_fit() == runs
