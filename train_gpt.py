@@ -99,6 +99,8 @@ class Hyperparameters:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-10  # small epsilon: no dependence on the gradient's scale (@YouJiacheng)
     embed_lr_mult: float = 75.0  # token and value embeddings
+    embed_weight_decay: float = 0.0  # value-embed + bigram tables: cautious decay lr_t^2 x this; 0 = off (2026: 0.025)
+    embed_adam_betas: tuple[float, ...] = ()  # value-embed + bigram tables' Adam betas; empty = Adam's (2026: 0.75,0.95)
     head_lr_mult: float = 1.0
     scalar_lr_mult: float = 5.0
     # run
@@ -151,6 +153,10 @@ class Hyperparameters:
         if not -1 <= h.backout_layer < h.num_layers - 1:
             raise ValueError(f"backout_layer={h.backout_layer}: -1 (off) or a block index below the last "
                              f"({h.num_layers - 1}), whose output the final norm would only rescale")
+        if not 0 <= h.embed_weight_decay < math.inf:
+            raise ValueError(f"embed_weight_decay={h.embed_weight_decay} must be a finite number >= 0")
+        if h.embed_adam_betas and (len(h.embed_adam_betas) != 2 or not all(0 <= b < 1 for b in h.embed_adam_betas)):
+            raise ValueError(f"embed_adam_betas={h.embed_adam_betas}: empty (Adam's betas) or two numbers in [0, 1)")
         if h.bos_id >= h.vocab_size:
             raise ValueError(f"bos_id={h.bos_id} must be < vocab_size={h.vocab_size}")
         if h.preset not in PRESETS:
@@ -930,12 +936,15 @@ class Muon(torch.optim.Optimizer):
 
 
 class DistAdam(torch.optim.Optimizer):
-    """Adam without weight decay, its state sharded over ranks (ZeRO-1 style): each parameter is
-    split along dim 0; rank r reduce-scatters the gradient, updates its slice with fp32 moments, and
-    the slices are all-gathered back into the full parameter."""
+    """Adam, its state sharded over ranks (ZeRO-1 style): each parameter is split along dim 0; rank r
+    reduce-scatters the gradient, updates its slice with fp32 moments, and the slices are all-gathered
+    back into the full parameter. A group's `weight_decay` (default 0: none) is cautious weight decay
+    as in the 2026 records: lr^2 x weight_decay x p joins the update only where the update has p's
+    sign, i.e. where Adam already moves the entry toward zero; lr is the group's current lr."""
 
-    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, rank: int = 0, world_size: int = 1):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, rank: int = 0, world_size: int = 1,
+                 weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.rank, self.world_size = rank, world_size
         for group in self.param_groups:
             for p in group["params"]:
@@ -944,10 +953,16 @@ class DistAdam(torch.optim.Optimizer):
                                      f"does not split over world_size={world_size}")
 
     def load_state_dict(self, state_dict: dict):
-        """Restore exactly: torch.optim would cast the fp32 moments of bf16 parameters to bf16."""
+        """Restore exactly: torch.optim would cast the fp32 moments of bf16 parameters to bf16. Group
+        settings are matched by parameter (index in the flat order), so a checkpoint grouped otherwise
+        (before the value-embedding and bigram tables had a group of their own) loads too; a setting
+        the checkpoint lacks keeps its current value."""
         params = [p for group in self.param_groups for p in group["params"]]
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        saved_groups = {i: saved for saved in state_dict["param_groups"] for i in saved["params"]}
+        first = 0
+        for group in self.param_groups:
+            group.update({k: v for k, v in saved_groups[first].items() if k != "params"})
+            first += len(group["params"])
         self.state.clear()
         for i, saved in state_dict["state"].items():
             p = params[int(i)]
@@ -984,7 +999,13 @@ class DistAdam(torch.optim.Optimizer):
             t = state["step"]
             step_size = group["lr"] * math.sqrt(1 - beta2**t) / (1 - beta1**t)
             denom = state["exp_avg_sq"].sqrt().add_(group["eps"])
-            p_slice.copy_(p_slice.float().addcdiv_(state["exp_avg"], denom, value=-step_size))
+            if group["weight_decay"]:  # cautious: decay only entries the update already pulls toward zero
+                p32 = p_slice.float()
+                update = state["exp_avg"].div(denom).mul_(step_size)
+                update.add_(torch.where(update * p32 > 0, p32, 0), alpha=group["lr"] ** 2 * group["weight_decay"])
+                p_slice.copy_(p32.sub_(update))
+            else:
+                p_slice.copy_(p_slice.float().addcdiv_(state["exp_avg"], denom, value=-step_size))
             if W > 1:
                 gathers.append(dist.all_gather_into_tensor(p, p_slice, async_op=True))
         for work in gathers:
@@ -1419,13 +1440,18 @@ def param_groups_by_role(model: GPT) -> dict[str, list[nn.Parameter]]:
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, orthogonalize=newton_schulz):
     """Muon for every matrix inside the blocks; Adam for embeddings, LM head and scalars. The bigram
     table learns as the other embeddings do (the 2026-01-19 record gave it the value embeddings'
-    Adam settings); its per-block weights and the backout weight are scalars."""
+    Adam settings); its per-block weights and the backout weight are scalars. The value-embedding
+    and bigram tables are a group apart from the token embedding, at its lr, for their own weight
+    decay and betas (embed_weight_decay, embed_adam_betas); at the defaults nothing differs."""
     groups = param_groups_by_role(model)
-    embeds = groups["token embedding"] + groups["value embeddings"] + groups.get("bigram embedding", [])
-    adam_groups = [dict(params=embeds, lr=args.adam_lr * args.embed_lr_mult),
+    tables = groups["value embeddings"] + groups.get("bigram embedding", [])  # decayed as in the 2026 records
+    betas = (args.adam_beta1, args.adam_beta2)
+    adam_groups = [dict(params=groups["token embedding"], lr=args.adam_lr * args.embed_lr_mult),
+                   dict(params=tables, lr=args.adam_lr * args.embed_lr_mult, weight_decay=args.embed_weight_decay,
+                        betas=tuple(args.embed_adam_betas) or betas),
                    dict(params=groups["LM head"], lr=args.adam_lr * args.head_lr_mult),
                    dict(params=groups["scalars"], lr=args.adam_lr * args.scalar_lr_mult)]
-    adam = DistAdam(adam_groups, lr=args.adam_lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+    adam = DistAdam([g for g in adam_groups if g["params"]], lr=args.adam_lr, betas=betas, eps=args.adam_eps,
                     rank=rank, world_size=world_size)
     muon = Muon(groups["block matrices"], lr=args.muon_lr, momentum=args.muon_momentum, ns_steps=args.ns_steps,
                 rank=rank, world_size=world_size, orthogonalize=orthogonalize)

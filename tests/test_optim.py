@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import train_gpt as tg
-from conftest import TINY
+from conftest import DECAYED_TABLES, LATER_RECORDS, TINY
 from distributed import spawn
 
 
@@ -29,8 +29,8 @@ def test_muon_step_is_orthogonalized_nesterov_momentum_scaled_by_aspect_ratio():
     torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
 
 
-def _model_and_grads(seed_offset):
-    args = tg.Hyperparameters(**TINY)
+def _model_and_grads(seed_offset, features=None):
+    args = tg.Hyperparameters(**TINY, **(features or {}))
     torch.manual_seed(0)
     model = tg.GPT(tg.ModelConfig.from_args(args))
     grads = []
@@ -40,9 +40,9 @@ def _model_and_grads(seed_offset):
     return args, model, grads
 
 
-def _optimizer_worker(rank, world_size, out):
+def _optimizer_worker(rank, world_size, out, features):
     dist.init_process_group("gloo")
-    args, model, grads = _model_and_grads(rank)
+    args, model, grads = _model_and_grads(rank, features)
     optimizers = tg.build_optimizers(model, args, rank, world_size)
     for step_grads in grads:
         for p, g in zip(model.parameters(), step_grads):
@@ -54,12 +54,13 @@ def _optimizer_worker(rank, world_size, out):
     dist.destroy_process_group()
 
 
-def test_distributed_muon_and_adam_on_two_processes_equal_one_process_with_summed_grads(tmp_path):
+@pytest.mark.parametrize("features", [{}, DECAYED_TABLES], ids=["0903", "decayed_tables"])
+def test_distributed_muon_and_adam_on_two_processes_equal_one_process_with_summed_grads(tmp_path, features):
     out = str(tmp_path / "two.pt")
-    spawn(_optimizer_worker, 2, out)
+    spawn(_optimizer_worker, 2, out, features)
     two = torch.load(out)
-    args, model, grads0 = _model_and_grads(0)
-    _, _, grads1 = _model_and_grads(1)
+    args, model, grads0 = _model_and_grads(0, features)
+    _, _, grads1 = _model_and_grads(1, features)
     optimizers = tg.build_optimizers(model, args, 0, 1)
     for g0, g1 in zip(grads0, grads1):
         for p, a, b in zip(model.parameters(), g0, g1):
@@ -70,6 +71,92 @@ def test_distributed_muon_and_adam_on_two_processes_equal_one_process_with_summe
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=0, atol=0, msg=k)
     assert any((one[k] != tg.GPT(tg.ModelConfig.from_args(args)).state_dict()[k]).any() for k in one)
+
+
+def _adam_reference(p, grads, lrs, betas, eps, wd):
+    """Adam with cautious weight decay by hand, in float64: p -= u + lr^2 wd p where u * p > 0."""
+    (b1, b2), p = betas, p.double()
+    m, v, masks = torch.zeros_like(p), torch.zeros_like(p), []
+    for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
+        g = g.double()
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        u = lr * (1 - b2**t) ** 0.5 / (1 - b1**t) * m / (v.sqrt() + eps)
+        masks.append(u * p > 0)
+        p = p - u - lr**2 * wd * p * masks[-1]
+    return p, masks
+
+
+def test_cautious_weight_decay_is_lr_t_squared_times_p_only_where_the_update_has_the_params_sign():
+    p0 = torch.tensor([[0.8, -0.6, 0.5, -0.9], [0.3, -0.2, -0.7, 0.4]])
+    grads = [torch.tensor([[1.0, -2.0, -0.5, 0.3], [-1.5, 0.7, -0.4, -0.8]]),
+             torch.tensor([[0.2, 0.9, -1.1, -0.6], [0.5, -0.3, 1.2, 0.1]])]
+    factors = [1.0, 0.3]  # the schedule: the second step at 0.3 x the initial lr
+    betas, eps, wd = (0.75, 0.95), 1e-10, 0.8
+
+    def run(weight_decay):
+        p = torch.nn.Parameter(p0.clone())
+        adam = tg.DistAdam([dict(params=[p], weight_decay=weight_decay)], lr=0.5, betas=betas, eps=eps)
+        group = adam.param_groups[0]
+        group["initial_lr"] = group["lr"]
+        for g, f in zip(grads, factors):
+            group["lr"] = group["initial_lr"] * f  # as train_step sets it
+            p.grad = g.clone()
+            adam.step()
+        return p.detach()
+
+    expected, masks = _adam_reference(p0, grads, [0.5 * f for f in factors], betas, eps, wd)
+    assert all(0 < m.sum() < m.numel() for m in masks), "entries of both kinds at every step"
+    decayed = run(wd)
+    torch.testing.assert_close(decayed, expected.float(), rtol=0, atol=1e-6)
+    plain = run(0.0)
+    torch.testing.assert_close(plain, _adam_reference(p0, grads, [0.5 * f for f in factors], betas, eps, 0.0)[0].float(),
+                               rtol=0, atol=1e-6)
+    # decay at the initial lr on the second step would differ by (0.25 - 0.0225) x 0.8 x |p| there
+    wrong, _ = _adam_reference(p0, grads, [0.5, 0.5], betas, eps, wd)
+    assert (decayed - wrong.float()).abs().max() > 1e-2
+
+
+def test_value_embedding_and_bigram_tables_are_an_adam_group_of_their_own_at_the_embedding_lr():
+    args = tg.Hyperparameters(**TINY, **DECAYED_TABLES)
+    model = tg.GPT(tg.ModelConfig.from_args(args))
+    adam, _ = tg.build_optimizers(model, args, 0, 1)
+    token, tables, head, scalars = adam.param_groups
+    assert [id(p) for p in token["params"]] == [id(model.embed.weight)]
+    assert [id(p) for p in tables["params"]] == [id(m.weight) for m in model.value_embeds] + [id(model.bigram_embed.weight)]
+    assert token["lr"] == tables["lr"] == args.adam_lr * args.embed_lr_mult
+    assert (tables["weight_decay"], tables["betas"]) == (0.5, (0.75, 0.95))
+    assert all(g["weight_decay"] == 0 and g["betas"] == (0.8, 0.95) for g in (token, head, scalars))
+    bare = tg.Hyperparameters(**{**TINY, "num_value_embeds": 0})  # no tables: no empty group
+    assert len(tg.build_optimizers(tg.GPT(tg.ModelConfig.from_args(bare)), bare, 0, 1)[0].param_groups) == 3
+
+
+def test_the_tables_own_group_changes_nothing_at_the_defaults_and_decay_changes_the_run(tiny_args, monkeypatch):
+    """Bit-identical to the layout before (one group for all embeddings) with the decay off."""
+    args = tiny_args(num_iterations=8, val_every=4, **LATER_RECORDS)
+    split = tg.train(args)
+    build = tg.build_optimizers
+
+    def one_embedding_group(model, args, rank, world_size, orthogonalize=tg.newton_schulz):
+        adam, muon = build(model, args, rank, world_size, orthogonalize)
+        token, tables, *rest = adam.param_groups
+        merged = {**token, "params": token["params"] + tables["params"]}
+        return tg.DistAdam([merged, *rest], lr=args.adam_lr, betas=token["betas"], eps=args.adam_eps), muon
+
+    monkeypatch.setattr(tg, "build_optimizers", one_embedding_group)
+    merged = tg.train(args)
+    monkeypatch.undo()
+    assert split.train_losses == merged.train_losses and split.val_losses == merged.val_losses
+    decayed = tg.train(tiny_args(num_iterations=8, val_every=4, embed_weight_decay=0.5, **LATER_RECORDS))
+    assert decayed.train_losses[0] == split.train_losses[0] and decayed.train_losses[-1] != split.train_losses[-1]
+    assert decayed.val_losses[-1][1] < decayed.val_losses[0][1] - 0.5
+
+
+def test_embed_decay_fields_are_checked():
+    with pytest.raises(ValueError, match="embed_weight_decay"):
+        tg.Hyperparameters(embed_weight_decay=-0.1)
+    with pytest.raises(ValueError, match="embed_adam_betas"):
+        tg.Hyperparameters(embed_adam_betas=(0.75,))
+    assert tg.parse_args(["--embed_adam_betas", "0.75,0.95"]).embed_adam_betas == (0.75, 0.95)
 
 
 def test_dist_adam_refuses_a_parameter_that_does_not_shard():

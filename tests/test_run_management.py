@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import LATER_RECORDS
+from conftest import DECAYED_TABLES, LATER_RECORDS
 from distributed import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +91,9 @@ def test_bigram_table_is_an_adam_embedding_in_the_size_report_and_adds_no_matmul
     assert tg.flops_per_token(model, windows, 2048) == tg.flops_per_token(base, windows, 2048)
     adam, muon = tg.build_optimizers(model, args, rank=0, world_size=8)
     embed_group = next(g for g in adam.param_groups if any(p is table for p in g["params"]))
-    assert embed_group["lr"] == args.adam_lr * args.embed_lr_mult and model.embed.weight in embed_group["params"]
+    token_group = next(g for g in adam.param_groups if any(p is model.embed.weight for p in g["params"]))
+    assert embed_group["lr"] == token_group["lr"] == args.adam_lr * args.embed_lr_mult  # the value embeddings' group
+    assert all(any(p is m.weight for p in embed_group["params"]) for m in model.value_embeds)
     assert all(p is not table for g in muon.param_groups for p in g["params"])
 
 
@@ -99,13 +101,32 @@ def test_a_checkpoint_written_before_the_new_fields_is_read_as_their_defaults(ti
     run = tg.train(tiny_args(num_iterations=2, val_every=0, save_every=2, run_id="old", checkpoint_dir=str(tmp_path)))
     meta_path = Path(run.checkpoint) / "model.pt"
     meta = torch.load(meta_path, weights_only=True)
-    for k in ("softcap_shift", "bigram_rows", "bigram_sign_rows", "backout_layer"):
+    for k in ("softcap_shift", "bigram_rows", "bigram_sign_rows", "backout_layer", "embed_weight_decay",
+              "embed_adam_betas"):
         del meta["args"][k]  # as an older train_gpt.py wrote it
     torch.save(meta, meta_path)
     with pytest.raises(ValueError, match="different model: bigram_rows: checkpoint 0, now 256"):
         tg.train(tiny_args(bigram_rows=256, resume=run.checkpoint, checkpoint_dir=str(tmp_path / "y")))
     resumed = tg.train(tiny_args(num_iterations=3, val_every=0, resume=run.checkpoint, checkpoint_dir=str(tmp_path / "z")))
     assert resumed.first_step == 2 and len(resumed.train_losses) == 1
+
+
+def test_a_checkpoint_with_one_adam_group_for_all_embeddings_resumes_exactly(tiny_args, tmp_path):
+    """As train_gpt.py wrote it before the value-embedding and bigram tables had an Adam group of their own."""
+    kw = dict(num_iterations=5, val_every=0, save_every=2, **LATER_RECORDS)
+    full = tg.train(tiny_args(run_id="full", checkpoint_dir=str(tmp_path / "ck"), **kw))
+    ck = tmp_path / "ck" / "full" / "step_000002"
+    meta = torch.load(ck / "model.pt", weights_only=True)
+    for k in ("embed_weight_decay", "embed_adam_betas"):
+        del meta["args"][k]
+    torch.save(meta, ck / "model.pt")
+    shard = torch.load(ck / "rank0.pt", weights_only=True)
+    token, tables, *rest = shard["optimizers"][0]["param_groups"]  # Adam's: merged, without weight_decay
+    groups = [{**token, "params": token["params"] + tables["params"]}, *rest]
+    shard["optimizers"][0]["param_groups"] = [{k: v for k, v in g.items() if k != "weight_decay"} for g in groups]
+    torch.save(shard, ck / "rank0.pt")
+    resumed = tg.train(tiny_args(run_id="again", resume=str(ck), checkpoint_dir=str(tmp_path / "ck2"), **kw))
+    assert resumed.first_step == 2 and resumed.train_losses == full.train_losses[2:]
 
 
 def test_peak_lookup_prefers_the_specific_name_and_honours_an_override():
@@ -126,12 +147,13 @@ def _losses_from(run):
     return dict(zip(range(run.first_step + 1, run.first_step + 1 + len(run.train_losses)), run.train_losses))
 
 
-def test_resumed_run_matches_an_uninterrupted_one_step_for_step(tiny_args, tmp_path):
+@pytest.mark.parametrize("features", [{}, DECAYED_TABLES], ids=["0903", "decayed_tables"])
+def test_resumed_run_matches_an_uninterrupted_one_step_for_step(tiny_args, tmp_path, features):
     full = tg.train(tiny_args(num_iterations=8, val_every=4, save_every=3, run_id="full",
-                              checkpoint_dir=str(tmp_path / "ck")))
+                              checkpoint_dir=str(tmp_path / "ck"), **features))
     assert sorted(p.name for p in (tmp_path / "ck" / "full").iterdir()) == ["step_000003", "step_000006", "step_000008"]
     resumed = tg.train(tiny_args(num_iterations=8, val_every=4, resume=str(tmp_path / "ck" / "full" / "step_000003"),
-                                 run_id="again", checkpoint_dir=str(tmp_path / "ck2")))
+                                 run_id="again", checkpoint_dir=str(tmp_path / "ck2"), **features))
     assert resumed.first_step == 3
     a, b = _losses_from(full), _losses_from(resumed)
     assert list(b) == [4, 5, 6, 7, 8] and all(a[k] == b[k] for k in b)
