@@ -78,6 +78,11 @@ class Hyperparameters:
     bigram_rows: int = 0  # rows of the bigram hash embedding, 0 = off (377,280 in the 2026-05-27 record)
     bigram_sign_rows: int = 0  # rows of fixed random +-1 signs that multiply bigram rows, 0 = none (2026-05-20: 8,192)
     backout_layer: int = -1  # backout: subtract a learned multiple of this block's output before the head; -1 = off
+    # Multi-token prediction (2025-12-22 record, @varunneal, PR 178): position t is also trained on the tokens at
+    # t+2, t+3, ... of its document (same head), with these weights: K per stage, at the stage's start, stage after
+    # stage; inside a stage each moves linearly to the next stage's value (the last stage and the extension hold
+    # theirs). The record's [1, 0.5, 0.25 -> 0], [1, 0.5 -> 0], [1] over its three stages is 0.5,0.25,0.5,0,0,0.
+    mtp_weights: tuple[float, ...] = ()  # multi-token prediction: weights of targets t+2, t+3, ... per stage; () = off
     # schedule: stages of equal length, one per window_schedule entry, then extension_steps more
     batch_schedule: tuple[int, ...] = ()  # global batch per stage (empty: batch_size); micro-batches grow with it
     doc_len_schedule: tuple[int, ...] = ()  # max_doc_len per stage (empty: max_doc_len)
@@ -157,6 +162,9 @@ class Hyperparameters:
             raise ValueError(f"embed_weight_decay={h.embed_weight_decay} must be a finite number >= 0")
         if h.embed_adam_betas and (len(h.embed_adam_betas) != 2 or not all(0 <= b < 1 for b in h.embed_adam_betas)):
             raise ValueError(f"embed_adam_betas={h.embed_adam_betas}: empty (Adam's betas) or two numbers in [0, 1)")
+        if len(h.mtp_weights) % len(h.window_schedule) or not all(0 <= w < math.inf for w in h.mtp_weights):
+            raise ValueError(f"mtp_weights={h.mtp_weights}: K finite weights >= 0 per stage of window_schedule="
+                             f"{h.window_schedule}, stage after stage (the record's: 0.5,0.25,0.5,0,0,0), or none")
         if h.bos_id >= h.vocab_size:
             raise ValueError(f"bos_id={h.bos_id} must be < vocab_size={h.vocab_size}")
         if h.preset not in PRESETS:
@@ -628,6 +636,22 @@ def bigram_indices(inputs: Tensor, cu_seqlens: Tensor, rows: int, sign_rows: int
     return row, sign
 
 
+def mtp_targets(targets: Tensor, cu_seqlens: Tensor, n: int) -> list[tuple[Tensor, Tensor]]:
+    """Multi-token prediction's extra targets: for k = 2 .. n + 1, each position t's token at t + k
+    (targets[t + k - 1]) and whether it is t's document's own: no document starts in (t, t + k - 1]
+    and t + k - 1 is inside the micro-batch. A document's last target (the next BOS, or the token
+    after a cut at max_doc_len) is its own, as in next-token prediction."""
+    T = targets.size(0)
+    starts = torch.zeros(T + n, dtype=torch.bool, device=targets.device).index_fill(0, cu_seqlens.long(), True)
+    starts = starts | (torch.arange(T + n, device=targets.device) >= T)  # the buffer's end closes every document
+    padded = F.pad(targets, (0, n))  # the padding is never a kept target
+    keep, out = torch.ones(T, dtype=torch.bool, device=targets.device), []
+    for j in range(1, n + 1):
+        keep = keep & ~starts[j: T + j]
+        out.append((padded[j: T + j], keep))
+    return out
+
+
 class Rotary(nn.Module):
     """Rotary position embedding on half of each head's dims; the other half carries no position
     (@YouJiacheng's half-truncated RoPE, with its base frequency tuned). Positions run over the whole buffer: rotary is
@@ -810,8 +834,11 @@ class GPT(nn.Module):
         x = self.hidden(inputs, cu_seqlens, max_seqlen, windows)[-1:]
         return self.softcap(F.linear(x, self.lm_head_w.type_as(x)))[0]
 
-    def head_losses(self, x: Tensor, targets: Tensor) -> Tensor:
-        """Cross-entropy of every position of the final hidden state x against its target."""
+    def head_losses(self, x: Tensor, targets: Tensor, mtp_weights: Tensor | None = None,
+                    cu_seqlens: Tensor | None = None) -> Tensor:
+        """Cross-entropy of every position of the final hidden state x against its target; with
+        mtp_weights (w_2, w_3, ...), plus multi-token prediction's sum_k w_k * CE(logits_t, token t+k)
+        over the targets of t's document (mtp_targets), from the same logits."""
         cfg = self.cfg
         if self.fp8_head and self.training:
             logits = torch.ops.speedrun.mm_fp8(x, self.lm_head_w, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
@@ -822,19 +849,27 @@ class GPT(nn.Module):
         # Cross-entropy written out so that it compiles to one pass over the (tokens x vocab) logits
         # each way: z is in (0, cap) (any shift), so exp(z) needs no max-subtraction pass, and the target
         # logit is picked by a compare instead of a gather (whose backward would be a scatter).
-        is_target = torch.arange(z.size(-1), device=z.device) == targets[:, None]
-        return z.exp().sum(-1).log() - torch.where(is_target, z, 0).sum(-1)
+        vocab = torch.arange(z.size(-1), device=z.device)
+        lse = z.exp().sum(-1).log()
+        losses = lse - torch.where(vocab == targets[:, None], z, 0).sum(-1)
+        if mtp_weights is not None:
+            # The weights are a tensor, not Python floats: new values every step reuse the compiled graph.
+            for j, (y, keep) in enumerate(mtp_targets(targets, cu_seqlens, mtp_weights.size(0))):
+                w = torch.where(keep, mtp_weights[j], 0)
+                losses = losses + w * (lse - torch.where(vocab == y[:, None], z, 0).sum(-1))
+        return losses
 
     # Evaluation buffers are long (262,144 tokens, as in the public validation): there the head and
     # the loss run on slices of this many positions, so the (tokens x vocab) logits never exist whole.
     eval_slice = 16384
 
     def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int],
-                reduction: str = "sum") -> Tensor:
-        """Summed cross-entropy of the micro-batch (reduction="none": per token)."""
+                reduction: str = "sum", mtp_weights: Tensor | None = None) -> Tensor:
+        """Summed cross-entropy of the micro-batch (reduction="none": per token). In training, mtp_weights
+        adds multi-token prediction's terms (head_losses); evaluation is always next-token only."""
         x = self.hidden(inputs, cu_seqlens, max_seqlen, windows)
         if self.training:
-            losses = self.head_losses(x, targets)
+            losses = self.head_losses(x, targets, mtp_weights, cu_seqlens)
         else:
             n = self.eval_slice
             losses = torch.cat([self.head_losses(x[i: i + n], targets[i: i + n]) for i in range(0, x.size(0), n)])
@@ -1359,7 +1394,7 @@ def write_markov_corpus(train_pattern: str, val_pattern: str, vocab_size: int, b
 
 # -----------------------------------------------------------------------------------------------
 # Schedule: the run as a table of stages; every per-step quantity (batch, windows, learning rate,
-# momentum) is read from here.
+# momentum, multi-token prediction weights) is read from here.
 
 @dataclass(frozen=True)
 class TrainingStage:
@@ -1369,6 +1404,8 @@ class TrainingStage:
     batch: BatchSpec  # global batch, micro-batch length and document cut (training)
     windows: tuple[int, int]  # left attention window of the long and the short blocks (window_pattern)
     lr_mult: float = 1.0  # multiplies both optimizers' learning rates (on top of the cooldown)
+    start: int = 0  # the first step of the stage
+    mtp: tuple[tuple[float, float], ...] = ()  # multi-token prediction: (start, end) weight of targets t+2, t+3, ...
 
 
 def window_tokens(blocks: int, block: int) -> tuple[int, int]:
@@ -1380,24 +1417,47 @@ def window_tokens(blocks: int, block: int) -> tuple[int, int]:
 def training_stages(args: Hyperparameters) -> list[TrainingStage]:
     """The schedule as a table: one stage per window_schedule entry (long window in blocks of
     window_block tokens), each with its batch, document cut and learning-rate multiplier from the
-    *_schedule fields, splitting the S = num_iterations - extension_steps scheduled steps equally:
-    step s trains in stage floor(n * s / (S + 1)) (the 2025-09-03 record's split of steps 0..S). An
-    extension stage, if any, follows at the last stage's batch and a longer window (the public
-    record line's extension, from 11/2025)."""
+    *_schedule fields and its multi-token prediction weights from mtp_weights, splitting the
+    S = num_iterations - extension_steps scheduled steps equally: step s trains in stage
+    floor(n * s / (S + 1)) (the 2025-09-03 record's split of steps 0..S). An extension stage, if
+    any, follows at the last stage's batch and a longer window (the public record line's
+    extension, from 11/2025)."""
     n, E = len(args.window_schedule), args.extension_steps
     S = args.num_iterations - E
     micro = args.batch_size // args.seq_len
+    K = len(args.mtp_weights) // n
+    mtp_at = [args.mtp_weights[i * K: (i + 1) * K] for i in range(n)]  # at each stage's start
+    mtp_at.append(mtp_at[-1])  # held by the last stage and the extension
     stages = []
     for i, ws in enumerate(args.window_schedule):
         batch = args.batch_schedule[i] if args.batch_schedule else args.batch_size
         spec = BatchSpec(batch, batch // micro, args.doc_len_schedule[i] if args.doc_len_schedule else args.max_doc_len)
         end = -(-(i + 1) * (S + 1) // n) if not E or i < n - 1 else S
         stages.append(TrainingStage(end=end, batch=spec, windows=window_tokens(ws, args.window_block),
-                                    lr_mult=args.lr_schedule[i] if args.lr_schedule else 1.0))
+                                    lr_mult=args.lr_schedule[i] if args.lr_schedule else 1.0,
+                                    start=stages[-1].end if stages else 0, mtp=mtp_pairs(mtp_at[i], mtp_at[i + 1])))
     if E:
-        stages.append(TrainingStage(end=S + E + 1, batch=stages[-1].batch,
-                                    windows=window_tokens(args.extension_window, args.window_block), lr_mult=1.0))
+        stages.append(TrainingStage(end=S + E + 1, batch=stages[-1].batch, lr_mult=1.0, start=S,
+                                    windows=window_tokens(args.extension_window, args.window_block),
+                                    mtp=mtp_pairs(mtp_at[-1], mtp_at[-1])))
     return stages
+
+
+def mtp_pairs(start: tuple[float, ...], end: tuple[float, ...]) -> tuple[tuple[float, float], ...]:
+    """A stage's (start, end) multi-token prediction weights, without the trailing targets that stay
+    at 0 all stage: the stage's graph computes only the targets it trains on (none: plain next-token)."""
+    pairs = tuple(zip(start, end))
+    while pairs and pairs[-1] == (0.0, 0.0):
+        pairs = pairs[:-1]
+    return pairs
+
+
+def mtp_weights_at(stage: TrainingStage, step: int) -> tuple[float, ...]:
+    """The multi-token prediction weights of targets t+2, t+3, ... at a step: linear over the stage
+    from its start to its end values (as the record anneals them, reaching the end value at the
+    next stage's first step)."""
+    f = min(max((step - stage.start) / (stage.end - stage.start), 0.0), 1.0)
+    return tuple(a + (b - a) * f for a, b in stage.mtp)
 
 
 def stage_at(stages: list[TrainingStage], step: int) -> TrainingStage:
@@ -1705,10 +1765,15 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
 
 def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: TrainingStage,
                args: Hyperparameters) -> Tensor:
-    """One optimizer step over this rank's micro-batches; returns the summed loss (on the device)."""
-    loss = torch.zeros((), device=model.lm_head_w.device)
+    """One optimizer step over this rank's micro-batches; returns the summed loss (on the device), with
+    multi-token prediction's extra terms when the stage has them."""
+    device = model.lm_head_w.device
+    loss = torch.zeros((), device=device)
+    # multi-token prediction's weights as a tensor (one graph per stage whatever the values), pinned: no sync
+    w = mtp_weights_at(stage, step)
+    mtp = torch.tensor(w, pin_memory=device.type == "cuda").to(device, non_blocking=True) if w else None
     for inputs, targets, cu_seqlens in micro:
-        micro_loss = compiled(inputs, targets, cu_seqlens, stage.batch.max_doc_len, stage.windows)
+        micro_loss = compiled(inputs, targets, cu_seqlens, stage.batch.max_doc_len, stage.windows, mtp_weights=mtp)
         micro_loss.backward()
         loss += micro_loss.detach()
     adam, muon = optimizers
@@ -1742,7 +1807,7 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, stage
     """Untimed warm-up: compile the training and validation graphs of every distinct stage shape on
     real batches (warmup_steps optimizer steps each), then restore the initial weights and optimizer
     state exactly. The producer is a fresh one: the timed run starts from the same data."""
-    shapes = list({(st.batch, st.windows): st for st in stages}.values())
+    shapes = list({(st.batch, st.windows, len(st.mtp)): st for st in stages}.values())
     k = args.warmup_steps
     initial_model = {name: v.detach().clone() for name, v in model.state_dict().items()}
     initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]

@@ -43,7 +43,8 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, attention: {attention}, "
           f"LM head: {'fp8' if fp8 else 'bf16'}")
     for ws in own.ws:
-        stage = tg.TrainingStage(end=args.num_iterations, batch=spec, windows=tg.window_tokens(ws, args.window_block))
+        stage = tg.TrainingStage(end=args.num_iterations, batch=spec, windows=tg.window_tokens(ws, args.window_block),
+                                 mtp=tg.training_stages(args)[0].mtp)  # --mtp_weights: the first stage's extra targets
         for _ in range(own.warmup):
             run_step()
         torch.cuda.synchronize()

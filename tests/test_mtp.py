@@ -1,0 +1,201 @@
+"""Multi-token prediction (mtp_weights): the loss, its gradients, its schedule, and a run that learns."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train_gpt as tg
+from conftest import BOS, TINY
+
+W3 = tg.window_tokens(3, TINY["window_block"])
+RECORD = (0.5, 0.25, 0.5, 0.0, 0.0, 0.0)  # the 2025-12-22 record's [1, .5, .25->0], [1, .5->0], [1]
+
+
+def tiny_model(**overrides):
+    args = tg.Hyperparameters(**{**TINY, **overrides})
+    torch.manual_seed(0)
+    model = tg.GPT(tg.ModelConfig.from_args(args))
+    with torch.no_grad():  # zero-initialised weights would hide paths: give every weight signal
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p.float()).to(p.dtype))
+    return model
+
+
+def two_documents(T=24, second=10):
+    """A buffer of two documents, [0, second) and [second, T), padded cu_seqlens; random tokens."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(0, BOS, (T,), generator=g, dtype=torch.int32)
+    y = torch.randint(0, BOS, (T,), generator=g, dtype=torch.int32)
+    x[[0, second]] = BOS
+    y[second - 1] = BOS  # the first document's last target is the BOS that starts the second
+    return x, y, torch.tensor([0, second, T, T], dtype=torch.int32)
+
+
+def direct_loss(z, y, doc_ends, weights):
+    """sum_k w_k * CE(z_t, token t+k) per position t, written out in float64: the token at t + k is
+    y[t + k - 1], a term only where t + k - 1 is still in t's document (t + k - 1 < its end)."""
+    z = z.double()
+    out = torch.zeros(z.size(0), dtype=torch.float64)
+    for t in range(z.size(0)):
+        for k, w in enumerate([1.0, *weights], start=1):
+            if t + k - 1 < doc_ends[t]:
+                out[t] += w * F.cross_entropy(z[t], y[t + k - 1].long())
+    return out
+
+
+def logits(model, x):
+    return model.softcap(F.linear(x, model.lm_head_w.type_as(x)))
+
+
+def test_zero_extra_weights_give_exactly_the_next_token_loss_and_evaluation_ignores_the_weights():
+    model = tiny_model()
+    x, y, cu = two_documents()
+    plain = model(x, y, cu, 24, W3, reduction="none")
+    zero = model(x, y, cu, 24, W3, reduction="none", mtp_weights=torch.zeros(2))
+    assert torch.equal(zero, plain)
+    on = model(x, y, cu, 24, W3, reduction="none", mtp_weights=torch.tensor([0.5, 0.25]))
+    assert (on - plain).abs().min() == 0 and (on - plain).max() > 0.5  # last positions: nothing to add
+    model.eval()
+    assert torch.equal(model(x, y, cu, 24, W3, reduction="none", mtp_weights=torch.tensor([0.5, 0.25])),
+                       model(x, y, cu, 24, W3, reduction="none"))
+
+
+def test_extra_targets_stop_at_the_document_end_and_the_buffer_end():
+    y = torch.arange(100, 112)
+    cu = torch.tensor([0, 5, 12, 12], dtype=torch.int32)  # documents [0, 5) and [5, 12)
+    (y2, keep2), (y3, keep3) = tg.mtp_targets(y, cu, 2)
+    assert y2[:11].tolist() == list(range(101, 112)) and y3[:10].tolist() == list(range(102, 112))
+    assert keep2.tolist() == [True] * 4 + [False] + [True] * 6 + [False]
+    assert keep3.tolist() == [True] * 3 + [False] * 2 + [True] * 5 + [False] * 2
+
+
+def test_loss_on_two_documents_is_the_direct_sum_over_positions_and_offsets():
+    model = tiny_model()
+    x, y, cu = two_documents(T=24, second=10)
+    w = [0.5, 0.25, 0.125]
+    got = model(x, y, cu, 24, W3, reduction="none", mtp_weights=torch.tensor(w))
+    with torch.no_grad():
+        z = logits(model, model.hidden(x, cu, 24, W3))
+    doc_ends = [10] * 10 + [24] * 14
+    torch.testing.assert_close(got.double(), direct_loss(z, y, doc_ends, w), rtol=1e-5, atol=1e-5)
+    crossing = direct_loss(z, y, [24] * 24, w)  # what the loss would be if targets crossed into document 2
+    assert (crossing[7:10] - got[7:10].double()).abs().min() > 0.1
+    torch.testing.assert_close(got.sum(), model(x, y, cu, 24, W3, mtp_weights=torch.tensor(w)))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16_head", "fp8_head"])
+def test_head_loss_and_gradients_match_the_direct_formula_in_float64(fp8):
+    """head_losses on a float32 hidden state (the FP8 head: e4m3 operands, e5m2 gradients) against
+    autograd of the direct formula in float64; the extra terms' own gradient (weights minus none)
+    is checked too, so a loss whose extra terms did not reach the gradient would fail."""
+    if fp8 and not tg.fp8_supported(torch.device("cpu")):
+        pytest.skip("_scaled_mm FP8 does not run on this CPU")
+    model = tiny_model(logit_softcap=23.0, softcap_shift=5.0)
+    model.fp8_head = fp8
+    g = torch.Generator().manual_seed(0)
+    T, dim, V = 96, TINY["model_dim"], TINY["vocab_size"]
+    with torch.no_grad():  # |w| < 0.8 fits e4m3 at the head's weight scale
+        model.lm_head_w.copy_(0.8 * (2 * torch.rand(V, dim, generator=g) - 1))
+    h = F.rms_norm(torch.randn(T, dim, generator=g), (dim,))
+    y = torch.randint(0, V, (T,), generator=g)
+    cu = torch.tensor([0, 30, 31, 70, T, T], dtype=torch.int32)  # a one-token document included
+    doc_ends = [30] * 30 + [31] + [70] * 39 + [T] * 26
+    grads = {}
+    for w in ([0.5, 0.25], [0.0, 0.0]):
+        model.zero_grad()
+        x = h.clone().requires_grad_(True)
+        losses = model.head_losses(x, y, torch.tensor(w), cu)
+        losses.sum().backward()
+        xr, wr = h.double().requires_grad_(True), model.lm_head_w.detach().double().requires_grad_(True)
+        ref = direct_loss(23 * torch.sigmoid((xr @ wr.T + 5) / 7.5), y, doc_ends, w)
+        ref.sum().backward()
+        grads[tuple(w)] = (losses.detach(), ref.detach(), x.grad, xr.grad, model.lm_head_w.grad.clone(), wr.grad)
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+    tol = (0.05, 0.1) if fp8 else (1e-5, 1e-5)
+    on, off = grads[(0.5, 0.25)], grads[(0.0, 0.0)]
+    assert rel(on[0], on[1]) < tol[0] and rel(on[2], on[3]) < tol[1] and rel(on[4], on[5]) < tol[1]
+    assert rel(on[2] - off[2], on[3] - off[3]) < 2 * tol[1] and rel(on[4] - off[4], on[5] - off[5]) < 2 * tol[1]
+    assert (on[3] - off[3]).norm() > 0.2 * off[3].norm()  # the extra terms' gradient is not negligible
+
+
+def test_extra_terms_reach_the_embeddings_as_autograd_of_the_direct_formula_does():
+    x, y, cu = two_documents(T=24, second=10)
+    doc_ends = [10] * 10 + [24] * 14
+    w = [0.5, 0.25]
+    model = tiny_model()
+    model(x, y, cu, 24, W3, mtp_weights=torch.tensor(w)).backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    direct_loss(logits(model, model.hidden(x, cu, 24, W3)), y, doc_ends, w).sum().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model(x, y, cu, 24, W3).backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name in ("embed.weight", "value_embeds.0.weight", "lm_head_w", "blocks.0.mlp.fc_w"):
+        a, b, c = got[name].double(), ref[name].double(), plain[name].double()
+        assert (a - b).norm() < 0.02 * b.norm(), name  # bf16 embeddings: their gradients are bf16
+        assert (a - c).norm() > 0.1 * c.norm(), name  # and the extra terms do change them
+
+
+def test_schedule_is_the_records_at_stage_starts_and_ends_and_linear_inside():
+    args = tg.Hyperparameters(mtp_weights=RECORD, num_iterations=30)
+    stages = tg.training_stages(args)
+    assert [(st.start, st.end) for st in stages] == [(0, 11), (11, 21), (21, 31)]
+    assert [st.mtp for st in stages] == [((0.5, 0.5), (0.25, 0.0)), ((0.5, 0.0),), ()]  # 2, 1, 0 extra targets
+    at = lambda s: tg.mtp_weights_at(tg.stage_at(stages, s), s)
+    assert at(0) == (0.5, 0.25) and at(11) == (0.5,) and at(21) == () and at(30) == ()
+    assert at(10) == pytest.approx((0.5, 0.25 / 11)) and at(20) == pytest.approx((0.5 / 10,))  # 1 step short of 0
+    for st in stages[:2]:  # linear: equal steps between consecutive steps of a stage
+        w = torch.tensor([at(s)[-1] for s in range(st.start, st.end)], dtype=torch.float64)
+        torch.testing.assert_close(w.diff(), torch.full((st.end - st.start - 1,), -w[0].item() / (st.end - st.start),
+                                                        dtype=torch.float64))
+    # the last stage and the extension hold the last stage's weights; off: no stage has any
+    args = tg.Hyperparameters(mtp_weights=(0.4, 0.2, 0.1), num_iterations=33, extension_steps=3, extension_window=13)
+    stages = tg.training_stages(args)
+    assert [st.mtp for st in stages] == [((0.4, 0.2),), ((0.2, 0.1),), ((0.1, 0.1),), ((0.1, 0.1),)]
+    assert tg.mtp_weights_at(stages[1], 16) == pytest.approx((0.15,)) and tg.mtp_weights_at(stages[3], 31) == (0.1,)
+    assert all(st.mtp == () for st in tg.training_stages(tg.Hyperparameters(extension_steps=10, extension_window=13)))
+    assert tg.parse_args(["--mtp_weights", "0.5,0.25,0.5,0,0,0"]).mtp_weights == RECORD
+
+
+@pytest.mark.parametrize("weights", [(0.5, 0.25), (0.5, -0.1, 0.0), (math.nan, 0.0, 0.0), (math.inf, 0.0, 0.0)])
+def test_bad_weights_are_refused_naming_the_field(weights):
+    with pytest.raises(ValueError, match=r"mtp_weights=.*per stage of window_schedule"):
+        tg.Hyperparameters(mtp_weights=weights)
+
+
+def test_a_run_with_multi_token_prediction_trains_on_the_scheduled_weights_and_learns(tiny_args, monkeypatch):
+    seen, forward = [], tg.GPT.forward
+
+    def recording(self, *a, mtp_weights=None, **kw):
+        if self.training:
+            seen.append(None if mtp_weights is None else mtp_weights.clone())
+        return forward(self, *a, mtp_weights=mtp_weights, **kw)
+    monkeypatch.setattr(tg.GPT, "forward", recording)
+    run = tg.train(tiny_args(num_iterations=20, val_every=10, mtp_weights=RECORD))
+    losses = [v for _, v in run.val_losses]
+    assert abs(losses[0] - math.log(64)) < 1e-3  # validation is next-token cross-entropy only
+    assert losses[-1] < losses[0] - 1.0 and losses[-1] < losses[1]
+    # step 0, zero-init head: every term is log 64, weighted 1 + 0.5 + 0.25 where the targets are in the document
+    assert 1.6 * math.log(64) < run.train_losses[0] < 1.75 * math.log(64)
+    stages = tg.training_stages(tiny_args(mtp_weights=RECORD, num_iterations=20))
+    assert [(st.end, len(st.mtp)) for st in stages] == [(7, 2), (14, 1), (21, 0)]
+    assert len(seen) == 20 * 8  # 8 micro-batches a step
+    for step in range(20):
+        w = seen[8 * step]
+        expected = tg.mtp_weights_at(tg.stage_at(stages, step), step)
+        assert (w is None and expected == ()) or (w.dtype == torch.float32 and w.tolist() == pytest.approx(expected))
+
+
+def test_warmup_compiles_each_stage_whose_number_of_extra_targets_differs(tiny_args, monkeypatch):
+    seen, train_step = [], tg.train_step
+
+    def recording(model, compiled, optimizers, micro, step, stage, args):
+        seen.append(len(stage.mtp))
+        return train_step(model, compiled, optimizers, micro, step, stage, args)
+    monkeypatch.setattr(tg, "train_step", recording)
+    tg.train(tiny_args(num_iterations=6, val_every=0, window_schedule=(2, 2, 2), warmup_steps=1, mtp_weights=RECORD))
+    assert seen[:3] == [2, 1, 0]  # one warm-up step per shape, though the windows are the same
