@@ -1460,6 +1460,12 @@ def mtp_weights_at(stage: TrainingStage, step: int) -> tuple[float, ...]:
     return tuple(a + (b - a) * f for a, b in stage.mtp)
 
 
+def tokens_before(stages: list[TrainingStage], step: int) -> int:
+    """Training tokens of steps 0 .. step - 1 (staged batches differ in size: this is what compares runs
+    at equal tokens)."""
+    return sum(st.batch.batch_size * max(0, min(step, st.end) - st.start) for st in stages)
+
+
 def stage_at(stages: list[TrainingStage], step: int) -> TrainingStage:
     """The stage a step trains in (validation after the last step: the last stage)."""
     return next((st for st in stages if step < st.end), stages[-1])
@@ -2071,7 +2077,7 @@ def train(args: Hyperparameters) -> RunResult:
                 val_losses.append((step, evaluate(model, compiled, val, stage_at(stages, min(step, N - 1)).windows,
                                                   args, world_size)))
                 log(f"step:{step}/{N} val_loss:{val_losses[-1][1]:.4f} train_time:{clock.ms:.0f}ms "
-                    f"step_avg:{clock.ms / max(step, 1):.2f}ms")
+                    f"step_avg:{clock.ms / max(step, 1):.2f}ms tokens:{tokens_before(stages, step)}")
                 clock.start()
                 figures.restart(step)
             if step == N:

@@ -47,7 +47,7 @@ import train_gpt as tg  # noqa: E402  (shard headers)
 
 RECORD_GLOB = "records/track_1_short/2025-09-03_FA3/*.txt"
 SEPARATOR = "=" * 100
-VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([0-9.]+|nan) train_time:(\d+)ms")
+VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([0-9.]+|nan) train_time:(\d+)ms(?:.* tokens:([\d,]+))?")
 
 # The stand-in for FlashAttention-3's varlen entry point, written into the staging folder only when
 # the real module is missing: the keyword call of the public script, on PyTorch's varlen kernels.
@@ -136,11 +136,27 @@ def launch(cmd: list[str], cwd: Path, log: Path, env: dict) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **env}, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
-def val_losses(path: Path) -> dict[int, tuple[float, int]]:
-    """{step: (val loss, training ms)} from a log (lines after the source code's separator)."""
+def val_losses(path: Path) -> dict[int, tuple[float, int, int | None]]:
+    """{step: (val loss, training ms, training tokens so far)} from a log (lines after the source code's
+    separator); the tokens are None where the line does not say them (the public code's lines)."""
     text = path.read_text() if path.exists() else ""
     text = text[text.index(SEPARATOR):] if SEPARATOR in text else text
-    return {int(m[1]): (float(m[3]), int(m[4])) for m in map(VAL_LINE.match, text.splitlines()) if m}
+    return {int(m[1]): (float(m[3]), int(m[4]), m[5] and int(m[5].replace(",", ""))) for m in map(VAL_LINE.match, text.splitlines()) if m}
+
+
+def target_table(results: dict[str, dict[int, tuple]], target: float, batch_size: int) -> list[str]:
+    """Markdown table: for each run, the first validation at or below the target loss, with the training
+    tokens and time spent to get there (a run whose log does not count tokens: steps x batch_size)."""
+    lines = [f"To val loss <= {target}: the first validation that reached it", "",
+             "| run | step | training tokens | training time (s) |", "| --- | --- | --- | --- |"]
+    for name, by_step in results.items():
+        hit = next((s for s in sorted(by_step) if by_step[s][0] <= target), None)
+        if hit is None:
+            lines.append(f"| {name} | not reached | - | - |")
+            continue
+        loss, ms, tokens = (*by_step[hit], None)[:3]
+        lines.append(f"| {name} | {hit} | {tokens if tokens is not None else hit * batch_size:,} | {ms / 1000:.1f} |")
+    return lines
 
 
 def format_table(results: dict[str, dict[int, tuple[float, int]]], groups: dict[str, list[str]]) -> list[str]:
@@ -198,6 +214,7 @@ def main():
     p.add_argument("--max_parallel", type=int, default=0, help="with --parallel: at most this many runs at once "
                    f"(0: as many as fit, one per {RUN_GIB} GiB of GPU memory)")
     p.add_argument("--work", type=Path, default=Path("/tmp/fidelity_0903"), help="staging and log folder")
+    p.add_argument("--target", type=float, help="also tabulate the tokens and time each run took to reach this val loss")
     p.add_argument("--out", type=Path, help="also write the table here")
     a = p.parse_args()
     if a.batch_size % 128:
@@ -261,6 +278,8 @@ def main():
              f"{a.steps} steps x {a.batch_size:,} tokens, validation {a.val_tokens:,} tokens in buffers of "
              f"{a.val_seq_len:,}" + ("; runs shared the GPU (--parallel): step times are not comparable" if a.parallel else ""),
              f"Command: python bench/fidelity_0903.py {' '.join(sys.argv[1:])}", "", *format_table(results, groups)]
+    if a.target is not None:
+        lines += ["", *target_table(results, a.target, a.batch_size)]
     table = "\n".join(lines)
     print(table)
     if a.out:

@@ -58,7 +58,19 @@ def test_val_lines_after_the_source_are_read_and_example_lines_in_the_code_are_n
     log.write_text(PUBLIC_LIKE + "=" * 100 + "\nstep:0/400 val_loss:10.8258 train_time:0ms step_avg:0.02ms\n"
                    "step:1/400 train_time:300ms step_avg:300.00ms\n"
                    "step:50/400 val_loss:4.4530 train_time:14000ms step_avg:280.00ms\n")
-    assert fh.val_losses(log) == {0: (10.8258, 0), 50: (4.453, 14000)}
+    assert fh.val_losses(log) == {0: (10.8258, 0, None), 50: (4.453, 14000, None)}
+
+
+def test_tokens_to_a_target_loss_come_from_the_log_or_from_steps_times_the_batch(tmp_path):
+    ours = tmp_path / "ours.txt"
+    ours.write_text("=" * 100 + "\nstep:50/200 val_loss:3.1000 train_time:9000ms step_avg:180.00ms tokens:4,000,000\n"
+                    "step:100/200 val_loss:2.9000 train_time:20000ms step_avg:200.00ms tokens:10000000\n")
+    results = {"ours seed 0": fh.val_losses(ours), "public seed 0": {50: (3.0, 15000), 100: (2.95, 30000)},
+               "slow seed 0": {100: (3.2, 30000, None)}}
+    assert results["ours seed 0"] == {50: (3.1, 9000, 4000000), 100: (2.9, 20000, 10000000)}
+    lines = fh.target_table(results, 2.98, 131072)
+    assert lines[4:] == ["| ours seed 0 | 100 | 10,000,000 | 20.0 |", "| public seed 0 | 100 | 13,107,200 | 30.0 |",
+                         "| slow seed 0 | not reached | - | - |"]
 
 
 def test_a_seeded_public_run_seeds_torch_just_before_the_model_is_built():

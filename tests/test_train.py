@@ -1,5 +1,6 @@
 """The training loop end to end on the CPU: learning, world-size invariance, warm-up, the log."""
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +159,7 @@ def test_a_staged_run_trains_each_stage_at_its_batch_and_learns(tiny_args, monke
     # S = 21 scheduled steps: stages [0, 8), [8, 15), [15, 21), then the extension [21, 24)
     assert seen[0] == seen[7] == (8, {32}, 32, (16, 0)) and seen[8] == seen[14] == (8, {64}, 96, (32, 16))
     assert seen[15] == seen[20] == (8, {128}, 96, (48, 16)) and seen[21] == seen[23] == (8, {128}, 96, (64, 32))
+    # tokens so far, in the final validation line too: 8 x 256 + 7 x 512 + 6 x 1024 + 3 x 1024
+    stages = tg.training_stages(args)
+    assert tg.tokens_before(stages, 10) == 8 * 256 + 2 * 512 and tg.tokens_before(stages, 24) == 14848
+    assert "step:24/24 val_loss:" in Path(run.log_path).read_text().split("tokens:14848")[0].splitlines()[-1]
