@@ -1690,7 +1690,10 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
     shard = read_checkpoint_file(path / f"rank{rank}.pt")
     model.load_state_dict(meta["model"])
     for opt, state in zip(optimizers, shard["optimizers"]):
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
         opt.load_state_dict(state)
+        for group, mine in zip(opt.param_groups, settings):  # this run's settings: `--resume CKPT --muon_lr X` applies X
+            group.update(mine)
     torch.set_rng_state(shard["rng"]["torch"])
     if shard["rng"]["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(shard["rng"]["cuda"])

@@ -160,6 +160,17 @@ def test_resumed_run_matches_an_uninterrupted_one_step_for_step(tiny_args, tmp_p
     assert dict(full.val_losses)[8] == dict(resumed.val_losses)[8]
 
 
+def test_learning_rates_given_on_resume_replace_the_checkpoints(tiny_args, tmp_path):
+    tg.train(tiny_args(num_iterations=3, val_every=0, save_every=3, run_id="r", checkpoint_dir=str(tmp_path)))
+    args = tiny_args(muon_lr=0.01, adam_lr=0.002)
+    model = tg.GPT(tg.ModelConfig.from_args(args))
+    adam, muon = tg.build_optimizers(model, args, 0, 1)
+    want = [[g["initial_lr"] for g in opt.param_groups] for opt in (adam, muon)]
+    assert tg.load_checkpoint(tmp_path / "r" / "step_000003", model, (adam, muon), args, 0, 1, print)[0] == 3
+    assert [[g["initial_lr"] for g in opt.param_groups] for opt in (adam, muon)] == want
+    assert muon.param_groups[0]["initial_lr"] == 0.01 and adam.state  # the moments still come from the checkpoint
+
+
 def test_keep_checkpoints_prunes_old_ones_and_latest_finds_the_newest(tiny_args, tmp_path):
     tg.train(tiny_args(num_iterations=6, val_every=0, save_every=1, keep_checkpoints=2, run_id="r",
                        checkpoint_dir=str(tmp_path)))
