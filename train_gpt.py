@@ -26,6 +26,7 @@ import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +120,7 @@ class Hyperparameters:
     log_dir: str = "logs"
     log_every: int = 25  # loss, tokens/s, MFU and memory every N steps (read without a device sync)
     peak_tflops: float = 0.0  # dense bf16 peak per GPU for MFU; 0 = look up by device name
+    collective_timeout_s: float = 600.0  # a collective stuck longer fails the run (a rank died or hangs); above minutes of compile lag
     # checkpoints: model, sharded optimizer states, data position, RNG, hyperparameters, code hash
     save_every: int = 0  # save every N steps and at the end; 0 = only on SIGTERM / Ctrl-C
     checkpoint_dir: str = "checkpoints"
@@ -165,6 +167,8 @@ class Hyperparameters:
         if len(h.mtp_weights) % len(h.window_schedule) or not all(0 <= w < math.inf for w in h.mtp_weights):
             raise ValueError(f"mtp_weights={h.mtp_weights}: K finite weights >= 0 per stage of window_schedule="
                              f"{h.window_schedule}, stage after stage (the record's: 0.5,0.25,0.5,0,0,0), or none")
+        if not h.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s={h.collective_timeout_s} must be a positive number of seconds")
         if h.bos_id >= h.vocab_size:
             raise ValueError(f"bos_id={h.bos_id} must be < vocab_size={h.vocab_size}")
         if h.preset not in PRESETS:
@@ -1874,6 +1878,7 @@ class LossWatch:
         self.cuda = device.type == "cuda"
         self.pending: deque = deque()
         self.latest: tuple[int, float] | None = None
+        self.failure: FloatingPointError | None = None  # the first non-finite loss: the ranks agree on it, then stop
 
     def push(self, step: int, loss: Tensor, tokens: int):
         host = torch.empty((), pin_memory=self.cuda)
@@ -1886,16 +1891,17 @@ class LossWatch:
 
     def newest(self, checkpoint) -> tuple[int, float] | None:
         """(step, mean loss per token on this rank) of the newest step the GPU has finished; a
-        non-finite loss stops the run, naming the step and the last good checkpoint."""
-        while self.pending and (self.pending[0][2] is None or self.pending[0][2].query()):
+        non-finite loss becomes `failure`, naming the step and the last good checkpoint."""
+        while self.failure is None and self.pending and (self.pending[0][2] is None or self.pending[0][2].query()):
             step, host, _, tokens = self.pending.popleft()
-            if not math.isfinite(host.item()):
-                raise FloatingPointError(
+            if math.isfinite(host.item()):
+                self.latest = (step, host.item() / tokens)
+            else:
+                self.failure = FloatingPointError(
                     f"loss is {host.item() / tokens} at step {step}: stopping. " +
                     (f"Last good checkpoint: {checkpoint} (continue from it, e.g. with a lower learning rate: "
                      f"--resume {checkpoint} --muon_lr ...)" if checkpoint else
                      "No checkpoint to continue from (save them with --save_every N)"))
-            self.latest = (step, host.item() / tokens)
         return self.latest
 
 
@@ -1943,6 +1949,7 @@ def start_processes(args: Hyperparameters) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=args.collective_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     return rank, world_size, device
 
@@ -1991,12 +1998,24 @@ def prepare_data(args: Hyperparameters, rank: int, world_size: int, device: torc
     return train_files, val
 
 
-def any_rank(flag: bool, control) -> bool:
-    """True on every rank if it is true on any (a small all-reduce on a CPU group, no GPU wait)."""
-    t = torch.tensor([float(flag)])
-    if control is not None:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control)
-    return bool(t.item())
+def agree(stop: bool, failure: Exception | None, control) -> bool:
+    """Every rank's stop flag and failure (a non-finite loss, the data breaking) in one small all-reduce
+    on a CPU group, which never waits for the GPU. True if any rank was signalled; if any rank failed,
+    every rank raises the first failing rank's error, naming that rank, so all stop at the same step."""
+    if control is None:
+        if failure is not None:
+            raise failure
+        return stop
+    t = torch.zeros(1 + control.size())
+    t[0], t[1 + control.rank()] = stop, failure is not None
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control)
+    if t[1:].any():  # only now do the failing ranks send their errors
+        errors = [None] * control.size()
+        dist.all_gather_object(errors, failure, group=control)
+        first, *more = [r for r, e in enumerate(errors) if e is not None]
+        also = f" (rank{'s' * (len(more) > 1)} {', '.join(map(str, more))} too)" if more else ""
+        raise type(errors[first])(f"rank {first}{also}: {errors[first]}") from failure
+    return bool(t[0])
 
 
 def stop_on_signals() -> tuple[list[int], dict]:
@@ -2010,31 +2029,29 @@ def stop_on_signals() -> tuple[list[int], dict]:
     return stop_signals, handlers
 
 
-def next_batches(loader: BatchLoader, step: int, model: GPT, optimizers, clock: Clock, args: Hyperparameters,
-                 rank: int, world_size: int):
-    """This step's micro-batches. If the data breaks mid-run (a shard damaged or gone since the
-    start-up checks), save a checkpoint of the `step` steps done and stop, as on SIGTERM."""
+def next_batches(loader: BatchLoader, step: int) -> tuple[list | None, ShardError | None]:
+    """This step's micro-batches, or the error if the data broke mid-run (a shard damaged or gone
+    since the start-up checks, a micro-batch of this rank's over max_num_docs): the ranks agree on it
+    before any of them runs the step."""
     try:
-        return loader.next()[1]
-    except (ShardError, OSError, EOFError) as e:
-        clock.stop()
-        checkpoint = save_checkpoint(step, model, optimizers, loader.state, clock.ms, args, rank, world_size)
-        raise ShardError(f"{e}. Saved {checkpoint}; once the data is fixed, continue with: "
-                         f"{resume_command(checkpoint, world_size)}") from e
+        return loader.next()[1], None
+    except (ValueError, OSError, EOFError) as e:  # ShardError is a ValueError
+        error = ShardError(f"data error at step {step + 1}: {e}")
+        error.__cause__ = e
+        return None, error
 
 
 def finish(log, args: Hyperparameters, device: torch.device, world_size: int, step: int, losses, tokens, val_losses,
            train_ms: float, first_step: int, checkpoint, interrupted: int) -> RunResult:
-    """Every rank's per-step losses gathered, peak memory, and the closing summary line."""
+    """Every rank's per-step losses gathered, peak memory, and the closing summary line (`step` steps done)."""
     per_step = torch.stack(losses) if losses else torch.zeros(0, device=device)
     if world_size > 1:
         dist.all_reduce(per_step)
     if device.type == "cuda":
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-    done = step if step == args.num_iterations else step + 1
-    log(f"{'stopped' if interrupted else 'finished'} at step {done}/{args.num_iterations}: training time "
-        f"{train_ms / 1000:.1f}s ({train_ms / max(done, 1):.1f} ms/step)" +
+    log(f"{'stopped' if interrupted else 'finished'} at step {step}/{args.num_iterations}: training time "
+        f"{train_ms / 1000:.1f}s ({train_ms / max(step, 1):.1f} ms/step)" +
         (f", val_loss {val_losses[-1][1]:.4f} at step {val_losses[-1][0]}" if val_losses else "") +
         (f", checkpoint {checkpoint}" if checkpoint else "") + f", log {log.path}")
     train_losses = (per_step.cpu() / torch.tensor(tokens, dtype=torch.float32)).tolist() if tokens else []
@@ -2067,14 +2084,42 @@ def train(args: Hyperparameters) -> RunResult:
             log(f"warm-up (compile) done in {time.perf_counter() - t:.1f}s")
         loader = BatchLoader(producer(data_state), lambda s: stage_at(stages, s).batch, device, start_step=first_step)
         stop_signals, handlers = stop_on_signals()
-        control = dist.new_group(backend="gloo") if world_size > 1 else None
+        control = (dist.new_group(backend="gloo", timeout=timedelta(seconds=args.collective_timeout_s))
+                   if world_size > 1 else None)
         figures = Figures(model, device, peak_tflops(device, args.peak_tflops), world_size, first_step)
         watch, losses, tokens, val_losses, checkpoint, interrupted = LossWatch(device), [], [], [], None, 0
         if args.log_every > 0:
             log(f"every {args.log_every} steps: {Figures.LEGEND}")
+
+        def save(step: int, data_state: dict) -> Path:
+            """A checkpoint of `step` steps, written once every rank's losses so far are known finite (the GPU
+            synchronised first, so every loss is in): the last good checkpoint a failure names is good."""
+            clock.sync()
+            watch.newest(checkpoint)
+            agree(False, watch.failure, control)
+            return save_checkpoint(step, model, optimizers, data_state, clock.ms, args, rank, world_size)
         # =============================== the timed region: training =================================
         clock.start()
-        for step in range(first_step, N + 1):
+        for step in range(first_step, N + 1):  # `step` steps done; the ranks agree to go on, then run one more
+            data_state = loader.state  # the data position after `step` steps: what a checkpoint made now holds
+            micro, failure = next_batches(loader, step) if step < N else (None, None)
+            try:
+                stop = agree(bool(stop_signals), watch.failure or failure, control)
+            except ShardError as e:  # the data broke on a rank: every rank saves the steps done, then stops
+                clock.stop()
+                checkpoint = save(step, data_state)
+                raise ShardError(f"{e}. Saved {checkpoint}; once the data is fixed, continue with: "
+                                 f"{resume_command(checkpoint, world_size)}") from e
+            if step > first_step and (stop or (args.save_every > 0 and step % args.save_every == 0 and step < N)):
+                clock.stop()  # checkpoints are not timed
+                checkpoint = save(step, data_state)
+                log(f"checkpoint: {checkpoint}")
+                clock.start()
+                figures.restart(step)
+                if stop:
+                    interrupted = stop_signals[0] if stop_signals else signal.SIGTERM
+                    log(f"stopped by signal after step {step}; continue with: {resume_command(checkpoint, world_size)}")
+                    break
             if (step == N or (args.val_every > 0 and step % args.val_every == 0)) and not (resume and step == first_step):
                 clock.stop()  # validation is not timed
                 val_losses.append((step, evaluate(model, compiled, val, stage_at(stages, min(step, N - 1)).windows,
@@ -2086,7 +2131,6 @@ def train(args: Hyperparameters) -> RunResult:
             if step == N:
                 break
             stage = stage_at(stages, step)
-            micro = next_batches(loader, step, model, optimizers, clock, args, rank, world_size)
             loss = train_step(model, compiled, optimizers, micro, step, stage, args)
             losses.append(loss)
             tokens.append(stage.batch.batch_size)
@@ -2097,20 +2141,9 @@ def train(args: Hyperparameters) -> RunResult:
             latest = watch.newest(checkpoint)
             if args.log_every > 0 and (step + 1) % args.log_every == 0:
                 log(f"step:{step + 1}/{N} {figures.line(step + 1, stage, latest)}")
-            stop = any_rank(bool(stop_signals), control)
-            if stop or (args.save_every > 0 and (step + 1) % args.save_every == 0 and step + 1 < N):
-                clock.stop()  # checkpoints are not timed
-                checkpoint = save_checkpoint(step + 1, model, optimizers, loader.state, clock.ms, args, rank, world_size)
-                log(f"checkpoint: {checkpoint}")
-                clock.start()
-                figures.restart(step + 1)
-                if stop:
-                    interrupted = stop_signals[0] if stop_signals else signal.SIGTERM
-                    log(f"stopped by signal after step {step + 1}; continue with: {resume_command(checkpoint, world_size)}")
-                    break
         # ============================================================================================
         if args.save_every > 0 and not interrupted:
-            checkpoint = save_checkpoint(N, model, optimizers, loader.state, clock.ms, args, rank, world_size)
+            checkpoint = save(N, loader.state)
             log(f"checkpoint: {checkpoint}")
         return finish(log, args, device, world_size, step, losses, tokens, val_losses, clock.ms, first_step,
                       checkpoint, interrupted)

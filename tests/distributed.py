@@ -19,3 +19,14 @@ def _entry(rank, fn, world_size, port, args):
 
 def spawn(fn, world_size, *args):
     mp.spawn(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+
+
+def start(fn, world_size, *args) -> list:
+    """Like spawn, without waiting: the started processes, for a test that watches each one (a rank
+    that must stop on its own while another hangs)."""
+    port, context = free_port(), mp.get_context("spawn")
+    procs = [context.Process(target=_entry, args=(rank, fn, world_size, port, args), daemon=True)
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    return procs

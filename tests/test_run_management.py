@@ -1,6 +1,7 @@
 """Run management: presets, figures, checkpoint/resume, interruption, failure messages."""
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,8 +12,8 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import DECAYED_TABLES, LATER_RECORDS
-from distributed import spawn
+from conftest import DECAYED_TABLES, LATER_RECORDS, write_corpus
+from distributed import spawn, start
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -235,6 +236,104 @@ def test_checkpoint_of_another_model_or_a_corrupt_one_is_refused(tiny_args, tmp_
 def test_non_finite_loss_stops_the_run_naming_the_step(tiny_args):
     with pytest.raises(FloatingPointError, match=r"loss is (nan|inf) at step \d+: stopping\. No checkpoint to continue from"):
         tg.train(tiny_args(num_iterations=30, val_every=0, adam_lr=float("nan")))
+
+
+def _rank_1_fails(rank, world_size, args, failure, out):
+    """main() on one of two ranks, rank 1 alone meeting `failure` at its fourth step (index 3); each
+    rank's stderr goes to out/rank<r>.txt and main()'s status is the process's exit code."""
+    if rank == 1 and failure == "bad shard":
+        load, second = tg.load_shard, sorted(Path(args.train_files).parent.glob("syn_train_*.bin"))[1]
+
+        def damaged(path):  # only rank 1's copy of the second shard breaks, after the start-up checks
+            if Path(path) == second:
+                raise tg.ShardError(f"{path}: read 7 tokens, header promises 1500")
+            return load(path)
+        tg.load_shard = damaged
+    elif rank == 1 and failure == "hangs reading data":
+        next_batch, calls = tg.BatchLoader.next, []
+
+        def stuck(self):  # rank 0 waits in the step's stop/failure all-reduce
+            calls.append(self)
+            if len(calls) == 4:
+                time.sleep(3600)
+            return next_batch(self)
+        tg.BatchLoader.next = stuck
+    elif rank == 1:
+        train_step = tg.train_step
+
+        def failing(model, compiled, optimizers, micro, step, stage, args):
+            if step == 3 and failure == "exits":
+                os._exit(3)
+            if step == 3 and failure == "hangs":  # rank 0 waits in the optimizer's reduce-scatter
+                time.sleep(3600)
+            loss = train_step(model, compiled, optimizers, micro, step, stage, args)
+            return loss * float("nan") if step == 3 else loss  # "nan": the loss only, rank 0's stays finite
+        tg.train_step = failing
+    tg.parse_args = lambda argv: args  # main() on these fields
+    sys.stderr = open(os.path.join(out, f"rank{rank}.txt"), "w", buffering=1)
+    sys.exit(tg.main([]))
+
+
+def _two_ranks(tmp_path, args, failure, ranks=(0, 1), guard=90.0):
+    """Exit codes and stderr of `ranks` of a two-process run where rank 1 meets `failure`: each must
+    stop on its own within `guard` seconds (None: it hung); the processes still running are killed."""
+    out = tmp_path / "stderr"
+    out.mkdir()
+    procs, deadline = start(_rank_1_fails, 2, args, failure, str(out)), time.time() + guard
+    try:
+        for r in ranks:
+            procs[r].join(max(deadline - time.time(), 0))
+        return [procs[r].exitcode for r in ranks], [(out / f"rank{r}.txt").read_text() for r in ranks]
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("train_gpt.py: error")]
+
+
+def test_a_non_finite_loss_on_one_rank_stops_every_rank_after_that_step_naming_it(tiny_args, tmp_path):
+    ck = tmp_path / "ck"
+    args = tiny_args(batch_size=2 * 128, num_iterations=8, val_every=0, save_every=2, run_id="nan",
+                     checkpoint_dir=str(ck), collective_timeout_s=15)
+    codes, stderr = _two_ranks(tmp_path, args, "nan")
+    assert codes == [1, 1], stderr
+    (line0,), (line1,) = map(_error_lines, stderr)
+    message = line0.removeprefix("train_gpt.py: error: ")
+    assert line1 == f"train_gpt.py: error (rank 1): {message}"  # every rank, one message
+    assert message.startswith(f"rank 1: loss is nan at step 4: stopping. Last good checkpoint: {ck / 'nan' / 'step_000002'} ")
+    log = (tmp_path / "logs" / "nan.txt").read_text()
+    assert "step:4/8 train_time:" in log and "step:5/8" not in log  # rank 0 ran no step past it
+    assert sorted(p.name for p in (ck / "nan").iterdir()) == ["step_000002"]  # nothing saved after it
+
+
+def test_a_bad_shard_on_one_rank_stops_every_rank_naming_the_file_after_a_checkpoint(tiny_args, tmp_path):
+    train, val = write_corpus(tmp_path / "short", train_sizes=(1500, 1500))  # the second shard comes within steps
+    ck = tmp_path / "ck"
+    args = tiny_args(train_files=train, val_files=val, batch_size=2 * 128, num_iterations=40, val_every=0,
+                     run_id="shard", checkpoint_dir=str(ck), collective_timeout_s=15)
+    codes, stderr = _two_ranks(tmp_path, args, "bad shard")
+    assert codes == [1, 1], stderr
+    (line0,), (line1,) = map(_error_lines, stderr)
+    message = line0.removeprefix("train_gpt.py: error: ")
+    assert line1 == f"train_gpt.py: error (rank 1): {message}"
+    step = int(re.match(r"rank 1: data error at step (\d+): \S+syn_train_000002\.bin: read 7 tokens", message)[1])
+    saved = ck / "shard" / f"step_{step - 1:06d}"
+    assert message.endswith(f". Saved {saved}; once the data is fixed, continue with: NPROC=2 ./run.sh --resume {saved}")
+    assert [p.name for p in (ck / "shard").iterdir()] == [saved.name] and (saved / "rank1.pt").is_file()
+    log = (tmp_path / "logs" / "shard.txt").read_text()
+    assert f"step:{step - 1}/40 train_time:" in log and f"step:{step}/40" not in log
+
+
+@pytest.mark.parametrize("failure", ["exits", "hangs", "hangs reading data"])
+def test_a_rank_that_dies_or_hangs_fails_the_others_within_the_collective_timeout(tiny_args, tmp_path, failure):
+    args = tiny_args(batch_size=2 * 128, num_iterations=8, val_every=0, collective_timeout_s=10)
+    (code,), (stderr,) = _two_ranks(tmp_path, args, failure, ranks=(0,))
+    assert code not in (None, 0), stderr  # without the timeout, gloo's default would wait 30 minutes
+    if failure != "exits":
+        assert re.search("(?i)time ?d? ?out", stderr), stderr  # gloo: "Timed out waiting 10000ms", "Application timeout"
 
 
 def test_smoke_preset_gets_within_a_tenth_of_a_nat_of_its_entropy_floor(tmp_path):

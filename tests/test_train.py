@@ -82,7 +82,7 @@ def test_log_holds_source_environment_hyperparameters_and_step_lines(tiny_args):
     assert text.startswith(source)
     rest = text[len(source):]
     assert rest.startswith("=" * 100 + "\n") and "PyTorch" in rest and "muon_lr: 0.05" in rest
-    assert re.findall(r"^step:(\d+)/4 val_loss:[\d.]+ train_time:\d+ms step_avg:[\d.]+ms$", rest, re.M) == ["0", "2", "4"]
+    assert re.findall(r"^step:(\d+)/4 val_loss:[\d.]+ train_time:\d+ms step_avg:[\d.]+ms tokens:\d+$", rest, re.M) == ["0", "2", "4"]
     assert len(re.findall(r"^step:\d+/4 train_time:\d+ms step_avg:[\d.]+ms$", rest, re.M)) == 4
     assert "attention backend: reference" in rest
 
