@@ -201,8 +201,8 @@ def test_unreachable_server_fails_fast_with_one_line_naming_file_and_endpoint(tm
     r = run_script(tmp_path, endpoint, "2", "--dir", str(tmp_path / "out"), timeout=30)
     elapsed = time.monotonic() - start
     assert r.returncode != 0
-    # no retry-with-backoff loop on a refused connection: it gives up in about the time Python takes to start
-    # (a few seconds; up to 20 s seen on a 2-core machine running other tests), not after minutes of retries
+    # an unreachable server gets at most 2 quick retries, not the backoff of transient errors: a few seconds
+    # (up to 20 s seen on a 2-core machine busy with other tests), not minutes
     assert elapsed < 25, f"took {elapsed:.1f}s to give up"
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, r.stderr
