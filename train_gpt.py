@@ -100,6 +100,7 @@ class Hyperparameters:
     muon_momentum_warmup: int = 300
     muon_momentum_cooldown: int = 0  # last steps: momentum back down to muon_momentum_start, linearly
     ns_steps: int = 5
+    orthogonalizer: str = "newton_schulz"  # Muon's: newton_schulz (the 09/03 record) | polar_express (later records)
     adam_lr: float = 0.008
     adam_beta1: float = 0.8
     adam_beta2: float = 0.95
@@ -173,6 +174,10 @@ class Hyperparameters:
             raise ValueError(f"bos_id={h.bos_id} must be < vocab_size={h.vocab_size}")
         if h.preset not in PRESETS:
             raise ValueError(f"preset={h.preset!r}: choose one of {', '.join(PRESETS)}")
+        if h.orthogonalizer not in ORTHOGONALIZERS:
+            raise ValueError(f"orthogonalizer={h.orthogonalizer!r}: choose one of {', '.join(ORTHOGONALIZERS)}")
+        if h.orthogonalizer == "polar_express" and h.ns_steps != len(POLAR_EXPRESS):
+            raise ValueError(f"ns_steps={h.ns_steps}: polar_express's coefficients are for {len(POLAR_EXPRESS)} steps")
         if h.attention not in ("auto", *ATTENTION_BACKENDS):
             raise ValueError(f"attention={h.attention!r}: choose one of auto, {', '.join(ATTENTION_BACKENDS)}")
 
@@ -885,20 +890,45 @@ class GPT(nn.Module):
 # every rank updates only its share, then all-gathers the new parameters. Summing (not averaging)
 # makes world size x accumulation steps interchangeable.
 
-def newton_schulz(G: Tensor, steps: int) -> Tensor:
-    """Approximately orthogonalize a batch of matrices (..., m, n): quintic Newton-Schulz in bf16 with
-    the coefficients (3.4445, -4.7750, 2.0315) of Muon (Keller Jordan), which push all singular
-    values into roughly [0.7, 1.2] in 5 steps."""
-    a, b, c = 3.4445, -4.7750, 2.0315
+def quintic_orthogonalize(G: Tensor, coefficients, safety: float = 0.0) -> Tensor:
+    """Approximately orthogonalize a batch of matrices (..., m, n) in bf16: scale to spectral norm <= 1
+    (by the Frobenius norm, times 1 + safety), then per (a, b, c) one step X <- aX + (bA + cA^2)X with
+    A = X X^T, an odd quintic polynomial of the singular values that pushes them toward 1."""
     X = G.bfloat16()
     transposed = X.size(-2) > X.size(-1)
     if transposed:
         X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
-    for _ in range(steps):
+    norm = X.norm(dim=(-2, -1), keepdim=True)
+    X = X / (norm * (1 + safety) + 1e-6) if safety else X / (norm + 1e-7)
+    for a, b, c in coefficients:
         A = X @ X.mT
         X = a * X + (b * A + c * A @ A) @ X
     return X.mT if transposed else X
+
+
+def newton_schulz(G: Tensor, steps: int) -> Tensor:
+    """Muon's quintic Newton-Schulz (Keller Jordan): the same coefficients (3.4445, -4.7750, 2.0315) at
+    every step, which push all singular values into roughly [0.7, 1.2] in 5 steps."""
+    return quintic_orthogonalize(G, [(3.4445, -4.7750, 2.0315)] * steps)
+
+
+# Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932; the 2025-09-29 record, @varunneal,
+# PR 134): a different (a, b, c) at each step, chosen for the fastest worst-case convergence,
+# and the input scaled 2% below norm 1. These are the public record's coefficients for 5 steps
+# (safety factor 2e-2, cushion 2).
+POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+
+
+def polar_express(G: Tensor, steps: int) -> Tensor:
+    """Polar Express orthogonalization (POLAR_EXPRESS): closer to orthogonal than Newton-Schulz in as many steps."""
+    return quintic_orthogonalize(G, POLAR_EXPRESS[:steps], safety=2e-2)
+
+
+ORTHOGONALIZERS = {"newton_schulz": newton_schulz, "polar_express": polar_express}
 
 
 class Muon(torch.optim.Optimizer):
@@ -1769,10 +1799,10 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     fp8 = args.fp8_head and device.type == "cuda" and fp8_supported(device)  # on the CPU FP8 is emulated: bf16
     torch.manual_seed(args.seed)
     model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8).to(device)
-    orthogonalize, compiled = newton_schulz, model
+    orthogonalize, compiled = ORTHOGONALIZERS[args.orthogonalizer], model
     if args.compile:
         compiled = torch.compile(model, dynamic=False, fullgraph=True)
-        orthogonalize = torch.compile(newton_schulz, dynamic=False, fullgraph=True)
+        orthogonalize = torch.compile(orthogonalize, dynamic=False, fullgraph=True)
     return model, compiled, build_optimizers(model, args, rank, world_size, orthogonalize), attention, fp8
 
 

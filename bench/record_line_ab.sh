@@ -26,6 +26,7 @@ python3 bench/fidelity_0903.py --public "$public" --train_files "$shards/fineweb
     --variant backout "--backout_layer 8" \
     --variant bigram_decay "--bigram_rows 377280 --bigram_sign_rows 8192 --embed_weight_decay 0.0125 --embed_adam_betas 0.75,0.95" \
     --variant mtp "--mtp_weights 0.5,0.25,0.5,0,0,0" \
+    --variant polar_express "--orthogonalizer polar_express" \
     --variant doc_len "--doc_len_schedule 896,2048,2048" \
     --variant cooldown "--cooldown_frac 0.6 --final_lr_frac 0.15" \
     "$@" --out "$out/record_line_200.md"

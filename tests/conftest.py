@@ -42,10 +42,11 @@ TINY = dict(vocab_size=VOCAB, bos_id=BOS, num_layers=4, model_dim=64, num_heads=
             window_block=16, batch_size=8 * 128, seq_len=128, val_seq_len=256, val_tokens=4096, max_doc_len=96,
             max_num_docs=32, num_iterations=20, val_every=10, compile=False, warmup_steps=0)
 
-# The three techniques of records after 2025-09-03, all on, at tiny sizes: bigram hash embedding with
-# the sign trick (an even row count, so the table shards over 2 processes), backout after block 2 of 4,
-# and the asymmetric softcap 23 * sigmoid((z + 5) / 7.5).
-LATER_RECORDS = dict(bigram_rows=256, bigram_sign_rows=16, backout_layer=2, logit_softcap=23.0, softcap_shift=5.0)
+# Techniques of records after 2025-09-03, all on, at tiny sizes: bigram hash embedding with the sign
+# trick (an even row count, so the table shards over 2 processes), backout after block 2 of 4, the
+# asymmetric softcap 23 * sigmoid((z + 5) / 7.5) and Polar Express in Muon.
+LATER_RECORDS = dict(bigram_rows=256, bigram_sign_rows=16, backout_layer=2, logit_softcap=23.0, softcap_shift=5.0,
+                     orthogonalizer="polar_express")
 # With the value-embedding and bigram tables decayed (strongly, so that it shows) and their own Adam betas.
 DECAYED_TABLES = dict(LATER_RECORDS, embed_weight_decay=0.5, embed_adam_betas=(0.75, 0.95))
 

@@ -17,6 +17,21 @@ def test_newton_schulz_puts_singular_values_in_a_band(shape):
     assert s.min() > 0.6 and s.max() < 1.25, (s.min().item(), s.max().item())
 
 
+@pytest.mark.parametrize("shape", [(64, 256), (768, 3072), (3, 300, 100)])
+def test_polar_express_gets_closer_to_orthogonal_than_newton_schulz_in_five_steps(shape):
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    ns, pe = (torch.linalg.svdvals(f(G, 5).float()) for f in (tg.newton_schulz, tg.polar_express))
+    assert 0.8 < pe.min() and pe.max() < 1.2 and (pe - 1).abs().mean() < 0.7 * (ns - 1).abs().mean()
+
+
+def test_polar_express_is_chosen_by_name_and_needs_its_five_steps(tiny_args):
+    assert tg.ORTHOGONALIZERS[tiny_args(orthogonalizer="polar_express").orthogonalizer] is tg.polar_express
+    for bad, message in ((dict(orthogonalizer="svd"), "choose one of newton_schulz, polar_express"),
+                         (dict(orthogonalizer="polar_express", ns_steps=4), "coefficients are for 5 steps")):
+        with pytest.raises(ValueError, match=message):
+            tiny_args(**bad)
+
+
 def test_muon_step_is_orthogonalized_nesterov_momentum_scaled_by_aspect_ratio():
     p = torch.nn.Parameter(torch.randn(96, 32))
     p0 = p.detach().clone()
