@@ -13,8 +13,9 @@ folder outside this project, with only these overrides: number of steps, validat
 and validation sizes, and the shard paths. Where `flash_attn_interface` (FlashAttention-3) is not
 installed, the staging folder gets a stand-in module of that name that calls PyTorch's built-in
 varlen attention (FlashAttention-2 kernels, the same ones our `--attention varlen` uses), so both
-codes run the same attention kernels. Ours runs with the record defaults and the same overrides, on
-the same kernels: `--attention varlen` beside the stand-in, `--attention fa3` beside a real FA3.
+codes run the same attention kernels. Ours runs the same algorithm (`--preset record-0903`) with the
+same overrides, on the same kernels: `--attention varlen` beside the stand-in, `--attention fa3`
+beside a real FA3.
 
 Both codes get one GPU (torchrun, 1 process), so each step accumulates 8 micro-batches of
 batch_size / 8 tokens (the public code always splits a step into 8). The public data loader does not wrap around, so it is given enough numbered links to
@@ -234,7 +235,8 @@ def main():
     stage = stage_public(a, a.work, source)
     max_num_docs = -(-(a.seq_len // 300) // 128) * 128  # the public formula for its cu_seqlens length
     attention = "varlen" if (stage / "flash_attn_interface.py").exists() else "fa3"  # the kernels public runs
-    ours_common = ["--attention", attention, "--train_files", a.train_files, "--val_files", a.val_files, "--batch_size", str(a.batch_size),
+    ours_common = ["--preset", "record-0903", "--attention", attention, "--train_files", a.train_files,
+                   "--val_files", a.val_files, "--batch_size", str(a.batch_size),
                    "--seq_len", str(a.seq_len), "--max_num_docs", str(max_num_docs), "--val_tokens",
                    str(a.val_tokens), "--val_seq_len", str(a.val_seq_len), "--num_iterations", str(a.steps),
                    "--val_every", str(a.val_every), "--log_dir", str(a.work / "logs"), *a.ours_args.split()]

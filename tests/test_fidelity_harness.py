@@ -111,3 +111,29 @@ def test_parallel_runs_are_capped_by_the_gpu_memory(monkeypatch):
     for gib, runs in ((80, 4), (141, 7), (10, 1)):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i, gib=gib: SimpleNamespace(total_memory=gib << 30))
         assert fh.runs_that_fit() == runs
+
+
+def test_ours_runs_the_0903_algorithm_and_a_variant_can_pick_todays_record(monkeypatch, tmp_path):
+    """The harness compares the public 09/03 code with our 09/03 preset, whatever the record preset has
+    become; `--variant NAME "--preset record"` runs today's record on the same protocol."""
+    import train_gpt as tg
+    from conftest import write_corpus
+    train, val = write_corpus(tmp_path / "data")
+    launched = []
+
+    def fake_launch(cmd, cwd, log, env):
+        launched.append(cmd)
+        return SimpleNamespace(poll=lambda: 0, wait=lambda: 0, returncode=0)
+    monkeypatch.setattr(fh, "launch", fake_launch)
+    fields = "".join(f"    {name}: int = 1 # x\n" for name in ("val_files", "val_batch_size", "val_loss_every"))
+    public = PUBLIC_LIKE.replace("class Hyperparameters:\n", "class Hyperparameters:\n" + fields)
+    monkeypatch.setattr(sys, "argv", ["fidelity_0903.py", "--public", str(fake_checkout(tmp_path, public)), "--train_files", train,
+                                      "--val_files", val, "--steps", "20", "--seeds", "0", "--work", str(tmp_path / "w"),
+                                      "--variant", "today", "--preset record"])
+    fh.main()
+    ours = [cmd[cmd.index("--nproc_per_node=1") + 2:] for cmd in launched if str(fh.ROOT / "train_gpt.py") in cmd]
+    assert len(ours) == 2 and len(launched) == 3  # the public run, then ours and the variant
+    base, today = (tg.parse_args(argv) for argv in ours)
+    assert base.preset == "record-0903" and base.logit_softcap == 30.0 and base.orthogonalizer == "newton_schulz"
+    assert today.preset == "record" and (today.logit_softcap, today.backout_layer) == (23.0, 8)
+    assert base.num_iterations == today.num_iterations == 20 and base.batch_size == today.batch_size == 131072

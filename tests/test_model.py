@@ -100,12 +100,12 @@ def test_bad_hyperparameters_are_refused_with_a_reason(field, value, needle):
 
 
 def test_command_line_overrides_every_kind_of_field():
-    args = tg.parse_args(["--num_iterations", "100", "--compile", "false", "--window_schedule", "1,2",
-                          "--muon_lr", "0.1", "--window_pattern", "LSSSLSSLSSSL", "--run_id", "abc",
+    args = tg.parse_args(["--preset", "record-0903", "--num_iterations", "100", "--compile", "false",
+                          "--window_schedule", "1,2", "--muon_lr", "0.1", "--window_pattern", "LSSSLSSLSSSL", "--run_id", "abc",
                           "--lr_schedule", "1,1.5"])
     assert (args.num_iterations, args.compile, args.window_schedule, args.muon_lr, args.run_id, args.lr_schedule) == \
         (100, False, (1, 2), 0.1, "abc", (1.0, 1.5))
-    assert tg.parse_args([]) == tg.Hyperparameters()
+    assert tg.parse_args(["--preset", "record-0903"]) == tg.Hyperparameters()
 
 
 def test_attention_backend_choice_on_cpu_is_the_reference_and_others_are_refused():

@@ -238,6 +238,12 @@ def test_check_leaves_out_a_run_off_the_record_configuration_and_names_why(runs,
     assert f"odd.txt: not a record run: {needle}" in check.format_report(result)
 
 
+def test_check_counts_runs_of_the_0903_preset_as_record_runs(runs, tmp_path):
+    old = write_log(tmp_path / "old.txt", 3.2790, 160000, params={**RECORD_PARAMS, "preset": "record-0903"})
+    result = check.check([*runs, old])
+    assert result.n == len(runs) + 1 and old in [r.path for r in result.runs] and not result.skipped
+
+
 def test_check_counts_logs_without_hyperparameter_lines_as_record_runs(tmp_path):
     public = [write_log(tmp_path / f"p{i}.txt", loss, ms, params=None, env=NVIDIA_SMI)
               for i, (loss, ms) in enumerate(zip(LOSSES, TIMES_MS))]

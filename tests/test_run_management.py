@@ -1,4 +1,5 @@
 """Run management: presets, figures, checkpoint/resume, interruption, failure messages."""
+import dataclasses
 import math
 import os
 import re
@@ -19,9 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_presets_set_their_configuration_and_fields_still_override():
-    assert tg.parse_args([]) == tg.Hyperparameters()
+    assert tg.parse_args(["--preset", "record-0903"]) == tg.Hyperparameters()  # the 09/03 record: the defaults
+    record = tg.parse_args([])  # today's record: the 09/03 one with the later techniques that were kept
+    assert record == tg.Hyperparameters(preset="record", **tg.RECORD_LINE) != tg.Hyperparameters()
+    assert (record.logit_softcap, record.backout_layer, record.orthogonalizer) == (23.0, 8, "polar_express")
+    assert tg.parse_args(["--preset", "record", "--backout_layer", "-1"]).backout_layer == -1
     single = tg.parse_args(["--preset", "single"])
     assert single.batch_size == tg.Hyperparameters().batch_size and single.batch_size // single.seq_len == 24
+    assert single == dataclasses.replace(record, preset="single", seq_len=16384, max_num_docs=128)
     medium = tg.parse_args(["--preset", "medium", "--num_iterations", "7"])
     assert (medium.num_layers, medium.model_dim, medium.num_heads, medium.num_iterations) == (24, 1024, 16, 7)
     smoke = tg.parse_args(["--preset", "smoke"])

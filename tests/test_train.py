@@ -90,7 +90,7 @@ def test_log_holds_source_environment_hyperparameters_and_step_lines(tiny_args):
 @pytest.mark.parametrize("N", [20, 200, 400, 1670])
 def test_window_stages_split_the_steps_as_the_0903_record_does(N):
     """The record trains step s (0..N; N is the final validation) at window index floor(3s / (N + 1))."""
-    args = tg.parse_args(["--num_iterations", str(N)])
+    args = tg.parse_args(["--preset", "record-0903", "--num_iterations", str(N)])
     stages = tg.training_stages(args)
     expected = [tg.window_tokens(args.window_schedule[3 * s // (N + 1)], args.window_block) for s in range(N + 1)]
     assert [tg.stage_at(stages, s).windows for s in range(N + 1)] == expected
