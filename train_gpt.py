@@ -102,6 +102,7 @@ class Hyperparameters:
     muon_momentum_cooldown: int = 0  # last steps: momentum back down to muon_momentum_start, linearly
     ns_steps: int = 5
     orthogonalizer: str = "newton_schulz"  # Muon's: newton_schulz (the 09/03 record) | polar_express (later records)
+    muon_beta2: float = 0.0  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off (2026: 0.9)
     adam_lr: float = 0.008
     adam_beta1: float = 0.8
     adam_beta2: float = 0.95
@@ -162,6 +163,8 @@ class Hyperparameters:
         if not -1 <= h.backout_layer < h.num_layers - 1:
             raise ValueError(f"backout_layer={h.backout_layer}: -1 (off) or a block index below the last "
                              f"({h.num_layers - 1}), whose output the final norm would only rescale")
+        if not 0 <= h.muon_beta2 < 1:
+            raise ValueError(f"muon_beta2={h.muon_beta2}: 0 (plain Muon) or an EMA factor in (0, 1) for NorMuon")
         if not 0 <= h.embed_weight_decay < math.inf:
             raise ValueError(f"embed_weight_decay={h.embed_weight_decay} must be a finite number >= 0")
         if h.embed_adam_betas and (len(h.embed_adam_betas) != 2 or not all(0 <= b < 1 for b in h.embed_adam_betas)):
@@ -955,15 +958,36 @@ class Muon(torch.optim.Optimizer):
     Parameters are grouped by shape. Per group, the stacked gradients are reduce-scattered, so rank r
     owns a contiguous share of the matrices: it keeps their momentum, orthogonalizes them in one
     batched Newton-Schulz, and updates them; then all ranks all-gather the group. Collectives run
-    asynchronously, so one group's communication overlaps another's math."""
+    asynchronously, so one group's communication overlaps another's math.
+
+    With beta2 > 0 it is NorMuon (arXiv 2510.05491, public record of 2025-10-24): see
+    `normalize_neurons`."""
 
     def __init__(self, params, lr: float, momentum: float, ns_steps: int, rank: int = 0, world_size: int = 1,
-                 orthogonalize=newton_schulz):
+                 orthogonalize=newton_schulz, beta2: float = 0.0):
         params = list(params)
         shapes = sorted({tuple(p.shape) for p in params}, key=lambda s: (-math.prod(s), s))
         groups = [{"params": [p for p in params if tuple(p.shape) == s]} for s in shapes]
-        super().__init__(groups, dict(lr=lr, momentum=momentum, ns_steps=ns_steps))
+        super().__init__(groups, dict(lr=lr, momentum=momentum, ns_steps=ns_steps, beta2=beta2))
         self.rank, self.world_size, self.orthogonalize = rank, world_size, orthogonalize
+
+    def normalize_neurons(self, update: Tensor, owned: list[Tensor], beta2: float) -> Tensor:
+        """NorMuon: orthogonalized updates give every neuron the same step size only on average; divide
+        each neuron's slice of the update (a row, or a column when the matrix is wide: one statistic
+        per index of the longer side, as the public record does) by the root of an EMA of its mean
+        square, kept per matrix like Adam's second moment, then rescale each matrix's update back to
+        its Frobenius norm before normalization, so the learning rate keeps its meaning."""
+        u = update.float()
+        side = -1 if u.size(-2) >= u.size(-1) else -2  # averaged over: the shorter side
+        mean_square = u.square().mean(dim=side, keepdim=True)
+        moments = [self.state[p].setdefault("neuron_second_moment", torch.zeros_like(m))
+                   for p, m in zip(owned, mean_square)]
+        ema = torch.stack(moments).lerp_(mean_square, 1 - beta2)
+        for old, new in zip(moments, ema):
+            old.copy_(new)
+        scaled = u * ema.clamp_min(1e-10).rsqrt()
+        frobenius = lambda t: t.square().sum(dim=(-2, -1), keepdim=True).sqrt()
+        return scaled * (frobenius(u) / frobenius(scaled).clamp_min(1e-10))
 
     def _owned(self, group) -> tuple[int, int]:
         per_rank = -(-len(group["params"]) // self.world_size)  # ceil
@@ -1006,6 +1030,8 @@ class Muon(torch.optim.Optimizer):
                 for b_old, b_new in zip(bufs, buf):
                     b_old.copy_(b_new)
                 update = self.orthogonalize(grad.lerp_(buf, momentum), group["ns_steps"])  # Nesterov
+                if group["beta2"]:
+                    update = self.normalize_neurons(update, owned, group["beta2"])
                 shape = owned[0].shape
                 scale = max(1, shape[-2] / shape[-1]) ** 0.5
                 for p, u in zip(owned, update):
@@ -1571,7 +1597,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     adam = DistAdam([g for g in adam_groups if g["params"]], lr=args.adam_lr, betas=betas, eps=args.adam_eps,
                     rank=rank, world_size=world_size)
     muon = Muon(groups["block matrices"], lr=args.muon_lr, momentum=args.muon_momentum, ns_steps=args.ns_steps,
-                rank=rank, world_size=world_size, orthogonalize=orthogonalize)
+                rank=rank, world_size=world_size, orthogonalize=orthogonalize, beta2=args.muon_beta2)
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]

@@ -1,4 +1,5 @@
 """Optimizers: Newton-Schulz, Muon and the sharded Adam, on one process and on two gloo processes."""
+import math
 import os
 
 import pytest
@@ -42,6 +43,48 @@ def test_muon_step_is_orthogonalized_nesterov_momentum_scaled_by_aspect_ratio():
     buf = 0.1 * g  # momentum buffer after one step: lerp(0, g, 1 - 0.9)
     expected = p0 - 0.1 * 3**0.5 * tg.newton_schulz(g.lerp(buf, 0.9), 5).float()
     torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(96, 32), (32, 96)], ids=["tall", "wide"])
+def test_normuon_divides_each_neurons_update_by_its_rms_ema_and_keeps_the_norm(shape):
+    """Two NorMuon steps against a float64 reference written out here: one mean square per index of
+    the longer side (rows of a tall matrix, columns of a wide one), EMA'd with beta2 from zero, the
+    update divided by its root, then rescaled to the orthogonalized update's Frobenius norm."""
+    lr, beta1, beta2, scale = 0.1, 0.9, 0.8, max(1, shape[0] / shape[1]) ** 0.5
+    p = torch.nn.Parameter(torch.randn(*shape))
+    muon = tg.Muon([p], lr=lr, momentum=beta1, ns_steps=5, beta2=beta2)
+    side = -1 if shape[0] >= shape[1] else -2
+    ref, buf, ema = p.detach().double().clone(), torch.zeros(shape), torch.zeros(0)
+    steps = []
+    for step in range(2):
+        g = torch.randn(*shape, generator=torch.Generator().manual_seed(step))
+        p.grad = g.clone()
+        before = p.detach().clone()
+        muon.step()
+        buf = buf.lerp(g, 1 - beta1)
+        u = tg.newton_schulz(g.lerp(buf, beta1), 5).double()
+        ms = u.square().mean(dim=side, keepdim=True)
+        ema = (1 - beta2) * ms if step == 0 else beta2 * ema + (1 - beta2) * ms
+        v = u / ema.sqrt()
+        v = v * u.norm() / v.norm()
+        ref = ref - lr * scale * v
+        torch.testing.assert_close(p.detach().double(), ref, rtol=0, atol=1e-5)
+        steps.append((before - p.detach()).double() / (lr * scale))
+        assert math.isclose(steps[-1].norm().item(), u.norm().item(), rel_tol=1e-4)  # the norm is kept
+    assert muon.state[p]["neuron_second_moment"].shape == ms.shape
+    first = steps[0].square().mean(dim=side)  # from zero state: every neuron's step has the same RMS
+    assert first.max() / first.min() < 1 + 1e-4
+    plain = tg.newton_schulz(torch.randn(*shape, generator=torch.Generator().manual_seed(0)), 5).float()
+    assert plain.square().mean(dim=side).max() / plain.square().mean(dim=side).min() > 1.05  # Muon's are not equal
+
+
+def test_normuon_is_built_from_muon_beta2_and_checked(tiny_args):
+    model = tg.GPT(tg.ModelConfig.from_args(tiny_args(muon_beta2=0.9)))
+    _, muon = tg.build_optimizers(model, tiny_args(muon_beta2=0.9), 0, 1)
+    assert all(group["beta2"] == 0.9 for group in muon.param_groups)
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match="0 \\(plain Muon\\) or an EMA factor"):
+            tiny_args(muon_beta2=bad)
 
 
 def _model_and_grads(seed_offset, features=None):
