@@ -74,6 +74,7 @@ class Hyperparameters:
     attn_scale: float = 0.12  # attention logit scale instead of 1/sqrt(head_dim), QK being normed (@leloykun)
     gate_channels: int = 12  # input channels of the sparse head gate
     rotary_min_freq: float = 1 / 1024  # lowest rotary frequency (the highest is 1)
+    yarn: bool = False  # YaRN: at each long-window growth, slow the slow rotary frequencies, raise attn_scale (09/10/25)
     logit_softcap: float = 30.0  # logits = logit_softcap * sigmoid((z + softcap_shift) / softcap_temp)
     softcap_temp: float = 7.5  # the softcap's temperature
     softcap_shift: float = 0.0  # asymmetric softcap: 5 with --logit_softcap 23 is the 2025-12-26 record's cap
@@ -630,11 +631,15 @@ class ModelConfig:
     bigram_sign_rows: int
     backout_layer: int
     max_seq_len: int  # longest buffer the rotary tables must cover
+    yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order; () = off
 
     @classmethod
     def from_args(cls, args: Hyperparameters) -> "ModelConfig":
-        names = {f.name for f in dataclasses.fields(cls)} - {"max_seq_len"}
-        return cls(**{n: getattr(args, n) for n in names}, max_seq_len=max(args.seq_len, args.val_seq_len))
+        names = {f.name for f in dataclasses.fields(cls)} - {"max_seq_len", "yarn_windows"}
+        blocks = (*args.window_schedule, *([args.extension_window] if args.extension_steps else []))
+        yarn = tuple(dict.fromkeys(b * args.window_block for b in blocks)) if args.yarn else ()  # long windows
+        return cls(**{n: getattr(args, n) for n in names}, max_seq_len=max(args.seq_len, args.val_seq_len),
+                   yarn_windows=yarn)
 
 
 # Bigram hash embedding (2026-01-19 record, @classiclarryd, PR 201; hash embeddings: arXiv 1709.03933):
@@ -681,23 +686,58 @@ def mtp_targets(targets: Tensor, cu_seqlens: Tensor, n: int) -> list[tuple[Tenso
     return out
 
 
+def yarn_frequencies(freqs: Tensor, old_window: int, new_window: int, alpha: float = 1.0, beta: float = 32.0) -> Tensor:
+    """YaRN (arXiv 2309.00071) as the 2025-09-10 record (@classiclarryd, PR 122) applies it when the
+    long window grows from old_window to new_window tokens: a frequency that turns fewer than alpha
+    times across the old window is slowed by old/new (position interpolation: the new window spans
+    the angles the model learned), one that turns more than beta times is kept, and those between
+    are blended linearly in their number of turns."""
+    turns = old_window * freqs / (2 * math.pi)
+    kept = ((turns - alpha) / (beta - alpha)).clamp(0, 1)
+    ratio = old_window / new_window
+    return freqs * (ratio + kept * (1 - ratio))
+
+
 class Rotary(nn.Module):
     """Rotary position embedding on half of each head's dims; the other half carries no position
     (@YouJiacheng's half-truncated RoPE, with its base frequency tuned). Positions run over the whole buffer: rotary is
-    relative, so offsets between documents do not matter."""
+    relative, so offsets between documents do not matter.
 
-    def __init__(self, head_dim: int, max_seq_len: int, min_freq: float):
+    With YaRN (yarn_windows: the long windows in schedule order), each long window has its own
+    tables, its frequencies rescaled at every growth from the previous window's by
+    yarn_frequencies, and its own attention-scale multiplier, 1 + 0.2 ln(new / old) per growth
+    (the record's). `at(long_window)` gives a stage's (cos, sin, scale multiplier)."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, min_freq: float, yarn_windows: tuple[int, ...] = ()):
         super().__init__()
         freqs = min_freq ** torch.linspace(0, 1, steps=head_dim // 4)
         freqs = torch.cat([freqs, freqs.new_zeros(head_dim // 4)])
-        theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
-        self.register_buffer("cos", theta.cos(), persistent=False)
-        self.register_buffer("sin", theta.sin(), persistent=False)
+        self.tables: dict[int, tuple[int, float]] = {}  # long window -> (table index, attention-scale multiplier)
+        scale = 1.0
+        for i, window in enumerate(yarn_windows or (None,)):
+            if i:
+                freqs = yarn_frequencies(freqs, yarn_windows[i - 1], window)
+                scale *= 1 + 0.2 * math.log(window / yarn_windows[i - 1])
+            theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+            self.register_buffer(f"cos{i}", theta.cos(), persistent=False)
+            self.register_buffer(f"sin{i}", theta.sin(), persistent=False)
+            if window is not None:
+                self.tables[window] = (i, scale)
 
-    def forward(self, x: Tensor) -> Tensor:  # x: (T, H, D)
-        cos, sin = self.cos[: x.size(0), None, :], self.sin[: x.size(0), None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
+    def at(self, long_window: int) -> tuple[Tensor, Tensor, float]:
+        if not self.tables:
+            return self.cos0, self.sin0, 1.0
+        if long_window not in self.tables:
+            raise ValueError(f"YaRN has tables for the long windows {list(self.tables)}, not {long_window}")
+        i, scale = self.tables[long_window]
+        return getattr(self, f"cos{i}"), getattr(self, f"sin{i}"), scale
+
+
+def rotate(x: Tensor, rope: tuple[Tensor, Tensor, float]) -> Tensor:  # x: (T, H, D)
+    """Rotary embedding with a stage's tables (Rotary.at)."""
+    cos, sin = rope[0][: x.size(0), None, :], rope[1][: x.size(0), None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
 
 
 class CausalSelfAttention(nn.Module):
@@ -714,14 +754,14 @@ class CausalSelfAttention(nn.Module):
         # do nothing where the context says so; zero init = 0.5.
         self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels))
 
-    def forward(self, x, ve, lambdas, cu_seqlens, max_seqlen, window, rotary, attn_fn):
+    def forward(self, x, ve, lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn):
         T, H, D = x.size(0), self.num_heads, self.head_dim
         q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x)).view(T, 3 * H, D).chunk(3, dim=1)
-        q, k = rotary(norm(q)), rotary(norm(k))  # QK-norm (@Grad62304977), then rotary
+        q, k = rotate(norm(q), rope), rotate(norm(k), rope)  # QK-norm (@Grad62304977), then rotary
         # Value embeddings (@KoszarskyB, @Grad62304977; value residual, arXiv 2410.17897): v mixes in a
         # per-token table lookup.
         v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
-        y = attn_fn(q, k, v, cu_seqlens, max_seqlen, window, self.scale)
+        y = attn_fn(q, k, v, cu_seqlens, max_seqlen, window, self.scale * rope[2])  # rope[2]: YaRN's, else 1
         y = y * torch.sigmoid(F.linear(x[:, : self.gate_w.size(1)], self.gate_w.type_as(x))).unsqueeze(-1)
         return y.reshape(T, H * D) @ self.qkvo_w[3].type_as(y)
 
@@ -747,12 +787,12 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg) if has_attn else None
         self.mlp = MLP(cfg)
 
-    def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rotary, attn_fn, bigram=None):
+    def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, bigram=None):
         x = lambdas[0] * x + lambdas[1] * x0  # learned mix with the embedding stream x0
         if bigram is not None:  # this block's weighted bigram hash embedding (see bigram_indices)
             x = x + bigram
         if self.attn is not None:
-            x = x + self.attn(norm(x), ve, ve_lambdas, cu_seqlens, max_seqlen, window, rotary, attn_fn)
+            x = x + self.attn(norm(x), ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn)
         return x + self.mlp(norm(x))
 
 
@@ -764,7 +804,7 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in range(cfg.num_value_embeds))
         self.blocks = nn.ModuleList(Block(cfg, i not in cfg.no_attn_layers) for i in range(L))
-        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq)
+        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
         # All scalars in one tensor (one Adam group, one collective), laid out by scalar_layout(): per
         # block the residual mix (a, b) = (1, 0) and the value mix (c, d) = (0.5, 0.5), then one U-net
@@ -825,13 +865,14 @@ class GPT(nn.Module):
         if self.bigram_embed is not None:  # one lookup, added before every block with that block's weight
             rows, signs = bigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.bigram_sign_rows)
             bigram = self.bigram_embed(rows) if signs is None else self.bigram_embed(rows) * self.bigram_signs[signs]
+        rope = self.rotary.at(windows[0])  # the stage's rotary tables (YaRN: by its long window)
         windows = self.block_windows(windows)
         skips = []  # U-net (@brendanh0gan): first-half outputs feed, in reverse order, the second half
         backout = None
         for i, block in enumerate(self.blocks):
             if i >= L - L // 2:
                 x = x + skip_w[i - (L - L // 2)] * skips.pop()
-            x = block(x, x0, lambdas[i], ves[i], ve_lambdas[i], cu_seqlens, max_seqlen, windows[i], self.rotary,
+            x = block(x, x0, lambdas[i], ves[i], ve_lambdas[i], cu_seqlens, max_seqlen, windows[i], rope,
                       self.attn_fn, None if bigram is None else bigram_w[i] * bigram)
             if i < L // 2:
                 skips.append(x)
@@ -1677,7 +1718,7 @@ def code_hash() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
-MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "max_seq_len"]
+MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("max_seq_len", "yarn_windows")] + ["yarn"]
 
 
 def barrier(world_size: int):

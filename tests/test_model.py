@@ -280,3 +280,48 @@ def test_all_three_trace_as_one_graph_and_match_eager_in_value_and_gradient():
     torch.testing.assert_close(l1, l0, rtol=1e-6, atol=0)
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_yarn_slows_only_the_frequencies_that_turn_few_times_across_the_old_window():
+    old, new = 384, 896
+    turns = torch.tensor([0.0, 0.5, 1.0, 8.0, 16.5, 32.0, 100.0])  # turns across the old window
+    freqs = turns * 2 * math.pi / old
+    out = tg.yarn_frequencies(freqs, old, new)
+    ratio = old / new
+    expected = freqs * torch.tensor([ratio, ratio, ratio, ratio + 7 / 31 * (1 - ratio),
+                                     ratio + 15.5 / 31 * (1 - ratio), 1.0, 1.0])
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=0)
+    assert out[0] == 0 and (out[1:] / freqs[1:]).diff().ge(0).all()  # the fewer turns, the more it slows
+
+
+def test_yarn_gives_each_long_window_of_the_schedule_its_tables_and_attention_scale():
+    args = tg.Hyperparameters(**TINY, yarn=True, extension_steps=2, extension_window=4)
+    cfg = tg.ModelConfig.from_args(args)
+    assert cfg.yarn_windows == (16, 32, 48, 64)  # window_schedule (1, 2, 3) then the extension's 4, x 16 tokens
+    rotary = tg.Rotary(32, 256, 1 / 64, cfg.yarn_windows)
+    plain = tg.Rotary(32, 256, 1 / 64)
+    c0, s0, m0 = rotary.at(16)
+    assert torch.equal(c0, plain.at(16)[0]) and torch.equal(s0, plain.at(99)[1]) and m0 == 1.0 == plain.at(16)[2]
+    freqs, scale = (1 / 64) ** torch.linspace(0, 1, 8), 1.0
+    freqs = torch.cat([freqs, torch.zeros(8)])
+    for old, new in zip(cfg.yarn_windows, cfg.yarn_windows[1:]):
+        freqs, scale = tg.yarn_frequencies(freqs, old, new), scale * (1 + 0.2 * math.log(new / old))
+        cos, sin, mult = rotary.at(new)
+        theta = torch.outer(torch.arange(256.0), freqs)
+        torch.testing.assert_close(cos, theta.cos(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin, theta.sin(), rtol=0, atol=1e-6)
+        assert math.isclose(mult, scale, rel_tol=1e-12) and mult > 1
+    assert not torch.equal(rotary.at(64)[0], c0) and torch.equal(rotary.at(64)[0][:, 8:], c0[:, 8:])  # unrotated half
+    with pytest.raises(ValueError, match="tables for the long windows \\[16, 32, 48, 64\\], not 80"):
+        rotary.at(80)
+
+
+def test_yarn_leaves_the_first_stage_alone_and_changes_the_later_ones():
+    off = tiny_model(randomize=True)
+    on = tiny_model(yarn=True)
+    on.load_state_dict(off.state_dict())
+    x, y, cu = batch()
+    with torch.no_grad():
+        W2 = tg.window_tokens(2, TINY["window_block"])
+        assert torch.equal(on(x, y, cu, 128, W1, reduction="none"), off(x, y, cu, 128, W1, reduction="none"))
+        assert not torch.equal(on(x, y, cu, 128, W2, reduction="none"), off(x, y, cu, 128, W2, reduction="none"))
