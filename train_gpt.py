@@ -92,6 +92,7 @@ class Hyperparameters:
     lr_schedule: tuple[float, ...] = ()  # learning-rate multiplier per stage (empty: 1)
     extension_steps: int = 0  # last steps, after the cooldown: final learning rate, long window extension_window
     extension_window: int = 0  # long window of the extension, in blocks
+    final_val_window: int = 0  # long window of the final validation, in blocks; 0 = the last stage's (09/10/25: 13)
     # optimization
     num_iterations: int = 1670  # training steps, extension_steps included
     cooldown_frac: float = 0.45  # linear decay of both learning rates over this final fraction (before the extension)
@@ -149,6 +150,8 @@ class Hyperparameters:
         if not 0 <= h.extension_steps < h.num_iterations or (h.extension_steps > 0) != (h.extension_window > 0):
             raise ValueError(f"extension_steps={h.extension_steps} and extension_window={h.extension_window}: "
                              f"both zero, or a window and fewer steps than num_iterations={h.num_iterations}")
+        if h.final_val_window < 0:
+            raise ValueError(f"final_val_window={h.final_val_window}: 0 (the last stage's window) or a window in blocks")
         if len(h.window_pattern) != h.num_layers or set(h.window_pattern) - {"L", "S"}:
             raise ValueError(f"window_pattern={h.window_pattern!r} needs one L or S per layer ({h.num_layers})")
         if h.num_value_embeds * 2 > h.num_layers:
@@ -636,7 +639,8 @@ class ModelConfig:
     @classmethod
     def from_args(cls, args: Hyperparameters) -> "ModelConfig":
         names = {f.name for f in dataclasses.fields(cls)} - {"max_seq_len", "yarn_windows"}
-        blocks = (*args.window_schedule, *([args.extension_window] if args.extension_steps else []))
+        blocks = (*args.window_schedule, *([args.extension_window] if args.extension_steps else []),
+                  *([args.final_val_window] if args.final_val_window else []))
         yarn = tuple(dict.fromkeys(b * args.window_block for b in blocks)) if args.yarn else ()  # long windows
         return cls(**{n: getattr(args, n) for n in names}, max_seq_len=max(args.seq_len, args.val_seq_len),
                    yarn_windows=yarn)
@@ -1589,6 +1593,14 @@ def stage_at(stages: list[TrainingStage], step: int) -> TrainingStage:
     return next((st for st in stages if step < st.end), stages[-1])
 
 
+def val_windows(stages: list[TrainingStage], step: int, args: Hyperparameters) -> tuple[int, int]:
+    """The windows of the validation before a step: its stage's, except the final validation, which
+    can look further back than training did (final_val_window: the 2025-09-10 record's 13 blocks)."""
+    if step >= args.num_iterations and args.final_val_window:
+        return window_tokens(args.final_val_window, args.window_block)
+    return stage_at(stages, min(step, args.num_iterations - 1)).windows
+
+
 def lr_factor(step: int, args: Hyperparameters, stage_mult: float = 1.0) -> float:
     """The stage's multiplier, then a linear decay to final_lr_frac over the last cooldown_frac of
     the scheduled steps; final_lr_frac through the extension."""
@@ -1932,8 +1944,9 @@ def evaluate(model: GPT, compiled, val, windows: tuple[int, int], args: Hyperpar
 def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, stages: list[TrainingStage],
            args: Hyperparameters, world_size: int):
     """Untimed warm-up: compile the training and validation graphs of every distinct stage shape on
-    real batches (warmup_steps optimizer steps each), then restore the initial weights and optimizer
-    state exactly. The producer is a fresh one: the timed run starts from the same data."""
+    real batches (warmup_steps optimizer steps each), and the final validation's longer window if
+    any, then restore the initial weights and optimizer state exactly. The producer is a fresh one:
+    the timed run starts from the same data."""
     shapes = list({(st.batch, st.windows, len(st.mtp)): st for st in stages}.values())
     k = args.warmup_steps
     initial_model = {name: v.detach().clone() for name, v in model.state_dict().items()}
@@ -1944,6 +1957,8 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, stage
             for i in range(k):
                 train_step(model, compiled, optimizers, loader.next()[1], i, stage, args)
             evaluate(model, compiled, val, stage.windows, args, world_size)
+        if args.final_val_window:
+            evaluate(model, compiled, val, val_windows(stages, args.num_iterations, args), args, world_size)
     finally:
         loader.close()
     model.load_state_dict(initial_model)
@@ -2236,8 +2251,8 @@ def train(args: Hyperparameters) -> RunResult:
                     break
             if (step == N or (args.val_every > 0 and step % args.val_every == 0)) and not (resume and step == first_step):
                 clock.stop()  # validation is not timed
-                val_losses.append((step, evaluate(model, compiled, val, stage_at(stages, min(step, N - 1)).windows,
-                                                  args, world_size)))
+                val_losses.append((step, evaluate(model, compiled, val, val_windows(stages, step, args), args,
+                                                  world_size)))
                 log(f"step:{step}/{N} val_loss:{val_losses[-1][1]:.4f} train_time:{clock.ms:.0f}ms "
                     f"step_avg:{clock.ms / max(step, 1):.2f}ms tokens:{tokens_before(stages, step)}")
                 clock.start()

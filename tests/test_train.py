@@ -163,3 +163,24 @@ def test_a_staged_run_trains_each_stage_at_its_batch_and_learns(tiny_args, monke
     stages = tg.training_stages(args)
     assert tg.tokens_before(stages, 10) == 8 * 256 + 2 * 512 and tg.tokens_before(stages, 24) == 14848
     assert "step:24/24 val_loss:" in Path(run.log_path).read_text().split("tokens:14848")[0].splitlines()[-1]
+
+
+def test_the_final_validation_can_look_further_back_than_training_did(tiny_args, monkeypatch):
+    """final_val_window (the 2025-09-10 record's 13 blocks) changes the windows of the last
+    validation only, and with YaRN that window gets its own rotary tables; 0 keeps the last stage's."""
+    args = tiny_args(num_iterations=6, val_every=3, final_val_window=5, yarn=True, warmup_steps=1)
+    stages = tg.training_stages(args)
+    last, wide = stages[-1].windows, tg.window_tokens(5, args.window_block)
+    assert [tg.val_windows(stages, s, args) for s in (0, 3, 5, 6)] == [stages[0].windows, stages[1].windows, last, wide]
+    plain = tiny_args(num_iterations=6, val_every=3)
+    assert tg.val_windows(tg.training_stages(plain), 6, plain) == last
+    assert tg.ModelConfig.from_args(args).yarn_windows == (16, 32, 48, 80)
+    seen = []
+    evaluate = tg.evaluate
+    monkeypatch.setattr(tg, "evaluate", lambda model, compiled, val, windows, *a: seen.append(windows) or
+                        evaluate(model, compiled, val, windows, *a))
+    tg.train(args)
+    # warm-up: each stage's windows, then the final one; the run: steps 0 and 3, then the final (step 6)
+    assert seen == [*(st.windows for st in stages), wide, stages[0].windows, stages[1].windows, wide]
+    with pytest.raises(ValueError, match="final_val_window=-1"):
+        tiny_args(final_val_window=-1)
