@@ -81,6 +81,7 @@ class Hyperparameters:
     bigram_rows: int = 0  # rows of the bigram hash embedding, 0 = off (377,280 in the 2026-05-27 record)
     bigram_sign_rows: int = 0  # rows of fixed random +-1 signs that multiply bigram rows, 0 = none (2026-05-20: 8,192)
     backout_layer: int = -1  # backout: subtract a learned multiple of this block's output before the head; -1 = off
+    smear: bool = False  # smear gate: each token's embedding adds a gated share of the previous token's (09/18/25)
     # Multi-token prediction (2025-12-22 record, @varunneal, PR 178): position t is also trained on the tokens at
     # t+2, t+3, ... of its document (same head), with these weights: K per stage, at the stage's start, stage after
     # stage; inside a stage each moves linearly to the next stage's value (the last stage and the extension hold
@@ -633,6 +634,7 @@ class ModelConfig:
     bigram_rows: int
     bigram_sign_rows: int
     backout_layer: int
+    smear: bool
     max_seq_len: int  # longest buffer the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order; () = off
 
@@ -655,6 +657,11 @@ class ModelConfig:
 BIGRAM_HASH_MULTS = (36313, 27191)  # for the current and the previous token (2026-01-19 record)
 
 
+def document_starts(cu_seqlens: Tensor, T: int) -> Tensor:
+    """(T,) bool: where a document starts (a BOS, or a validation buffer's first, partial document)."""
+    return torch.zeros(T + 1, dtype=torch.bool, device=cu_seqlens.device).index_fill(0, cu_seqlens.long(), True)[:T]
+
+
 def bigram_indices(inputs: Tensor, cu_seqlens: Tensor, rows: int, sign_rows: int = 0) -> tuple[Tensor, Tensor | None]:
     """Each position's row of the bigram table and (sign_rows > 0) of the sign table.
 
@@ -664,14 +671,23 @@ def bigram_indices(inputs: Tensor, cu_seqlens: Tensor, rows: int, sign_rows: int
     the document before it, as with varlen attention. (The records hash a BOS with the previous
     document's last token and reserve the row only for the buffer's first position.) Sign row =
     (previous xor token) mod sign_rows, 0 at a document start (the 2026-05-20 record's sign trick)."""
-    T = inputs.size(0)
-    starts = torch.zeros(T + 1, dtype=torch.bool, device=inputs.device).index_fill(0, cu_seqlens.long(), True)[:T]
+    starts = document_starts(cu_seqlens, inputs.size(0))
     cur = inputs.long()
     prev = cur.roll(1)  # position 0 wraps around, but it is always a document start
     a, b = BIGRAM_HASH_MULTS
     row = torch.where(starts, rows - 1, torch.bitwise_xor(a * cur, b * prev) % (rows - 1))
     sign = torch.where(starts, 0, torch.bitwise_xor(cur, prev) % sign_rows) if sign_rows else None
     return row, sign
+
+
+def smear(x: Tensor, cu_seqlens: Tensor, weight: Tensor, gate_w: Tensor) -> Tensor:
+    """Smear gate (2025-09-18 record, @classiclarryd, PR 130): each position's token embedding adds
+    the previous position's, times weight * sigmoid(gate_w . its own first channels), so one token
+    of look-back is there before any attention. Nothing crosses into a document from the one
+    before (the record smears across document boundaries)."""
+    prev = torch.where(document_starts(cu_seqlens, x.size(0))[:, None], 0, x.roll(1, dims=0))
+    gate = weight * torch.sigmoid(F.linear(x[:, : gate_w.size(1)], gate_w.type_as(x)))
+    return x + (gate * prev).type_as(x)
 
 
 def mtp_targets(targets: Tensor, cu_seqlens: Tensor, n: int) -> list[tuple[Tensor, Tensor]]:
@@ -813,10 +829,10 @@ class GPT(nn.Module):
         # All scalars in one tensor (one Adam group, one collective), laid out by scalar_layout(): per
         # block the residual mix (a, b) = (1, 0) and the value mix (c, d) = (0.5, 0.5), then one U-net
         # skip weight per skipped block (1.0), then, where on, each block's bigram weight (0.1, the
-        # 2026-01-19 record's) and the backout weight (0.5, the 2025-10-04 record's); padded to a
-        # multiple of 64 so it shards over any world size <= 64.
+        # 2026-01-19 record's), the backout weight (0.5, the 2025-10-04 record's) and the smear weight
+        # (0, the 2025-09-18 record's); padded to a multiple of 64 so it shards over any world size <= 64.
         inits = dict(blocks=torch.tensor([1.0, 0.0, 0.5, 0.5]).repeat(L), skips=torch.ones(L // 2),
-                     bigram=torch.full((L,), 0.1), backout=torch.tensor([0.5]))
+                     bigram=torch.full((L,), 0.1), backout=torch.tensor([0.5]), smear=torch.zeros(1))
         scalars = torch.cat([inits[name] for name, part in self.scalar_layout().items() if part.stop > part.start])
         self.scalars = nn.Parameter(F.pad(scalars, (0, -scalars.numel() % 64)))
         for m in (self.embed, *self.value_embeds):
@@ -834,12 +850,14 @@ class GPT(nn.Module):
         if cfg.bigram_sign_rows:  # drawn from the seeded RNG: the same on every rank, and saved in checkpoints
             signs = (torch.randint(0, 2, (cfg.bigram_sign_rows, dim)) * 2 - 1).bfloat16()
         self.register_buffer("bigram_signs", signs)
+        # the smear gate's weights on the embedding's first gate_channels channels: zero, as the record
+        self.smear_w = nn.Parameter(torch.zeros(1, cfg.gate_channels)) if cfg.smear else None
 
     def scalar_layout(self) -> dict[str, slice]:
         """Where each kind of scalar lies in self.scalars (the features that are off take no room)."""
         cfg, L = self.cfg, self.cfg.num_layers
         sizes = dict(blocks=4 * L, skips=L // 2, bigram=L if cfg.bigram_rows else 0,
-                     backout=1 if cfg.backout_layer >= 0 else 0)
+                     backout=1 if cfg.backout_layer >= 0 else 0, smear=1 if cfg.smear else 0)
         layout, start = {}, 0
         for name, n in sizes.items():
             layout[name], start = slice(start, start + n), start + n
@@ -863,7 +881,10 @@ class GPT(nn.Module):
         block_scalars, skip_w = s[at["blocks"]].view(L, 4), s[at["skips"]]
         lambdas, ve_lambdas = block_scalars[:, :2], block_scalars[:, 2:]
         bigram_w, backout_w = s[at["bigram"]], s[at["backout"]]
-        x = x0 = norm(self.embed(inputs))  # normed embedding (@Grad62304977)
+        x = self.embed(inputs)
+        if self.smear_w is not None:
+            x = smear(x, cu_seqlens, s[at["smear"]], self.smear_w)
+        x = x0 = norm(x)  # normed embedding (@Grad62304977)
         ves = [self.value_embeds[i](inputs) if i is not None else None for i in self.value_embed_layers()]
         bigram = None
         if self.bigram_embed is not None:  # one lookup, added before every block with that block's weight
@@ -1629,14 +1650,16 @@ def param_groups_by_role(model: GPT) -> dict[str, list[nn.Parameter]]:
     groups = {"token embedding": [model.embed.weight], "value embeddings": [m.weight for m in model.value_embeds]}
     if model.bigram_embed is not None:
         groups["bigram embedding"] = [model.bigram_embed.weight]
-    return {**groups, "block matrices": [p for p in model.blocks.parameters() if p.ndim >= 2],
+    smear = [model.smear_w] if model.smear_w is not None else []  # Muon's, as in the 2025-09-18 record
+    return {**groups, "block matrices": [p for p in model.blocks.parameters() if p.ndim >= 2] + smear,
             "LM head": [model.lm_head_w], "scalars": [model.scalars]}
 
 
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, orthogonalize=newton_schulz):
-    """Muon for every matrix inside the blocks; Adam for embeddings, LM head and scalars. The bigram
-    table learns as the other embeddings do (the 2026-01-19 record gave it the value embeddings'
-    Adam settings); its per-block weights and the backout weight are scalars. The value-embedding
+    """Muon for every matrix inside the blocks and the smear gate's (as the 2025-09-18 record); Adam for
+    embeddings, LM head and scalars. The bigram table learns as the other embeddings do (the
+    2026-01-19 record gave it the value embeddings' Adam settings); its per-block weights, the
+    backout weight and the smear weight are scalars. The value-embedding
     and bigram tables are a group apart from the token embedding, at its lr, for their own weight
     decay and betas (embed_weight_decay, embed_adam_betas); at the defaults nothing differs."""
     groups = param_groups_by_role(model)

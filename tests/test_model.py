@@ -325,3 +325,38 @@ def test_yarn_leaves_the_first_stage_alone_and_changes_the_later_ones():
         W2 = tg.window_tokens(2, TINY["window_block"])
         assert torch.equal(on(x, y, cu, 128, W1, reduction="none"), off(x, y, cu, 128, W1, reduction="none"))
         assert not torch.equal(on(x, y, cu, 128, W2, reduction="none"), off(x, y, cu, 128, W2, reduction="none"))
+
+
+def test_smear_adds_the_gated_previous_embedding_within_a_document_only():
+    g = torch.Generator().manual_seed(0)
+    x, gate_w = torch.randn(10, 16, generator=g), torch.randn(1, 4, generator=g)
+    cu = torch.tensor([0, 6, 10, 10], dtype=torch.int32)  # documents [0, 6) and [6, 10), then padding
+    out = tg.smear(x, cu, torch.tensor(0.7), gate_w)
+    for t in range(10):
+        expected = x[t] if t in (0, 6) else x[t] + 0.7 * torch.sigmoid(x[t, :4] @ gate_w[0]) * x[t - 1]
+        torch.testing.assert_close(out[t], expected, rtol=1e-6, atol=1e-6)
+    bf16 = tg.smear(x.bfloat16(), cu, torch.tensor(0.7), gate_w)
+    assert bf16.dtype == torch.bfloat16  # a float32 weight does not promote the embedding
+
+
+def test_smear_starts_as_a_no_op_and_then_learns_both_its_weights():
+    off = tiny_model(randomize=True)
+    on = tiny_model(smear=True)
+    state = on.state_dict()
+    state.update({k: v for k, v in off.state_dict().items() if k != "scalars"})
+    n = max(part.stop for part in off.scalar_layout().values())  # the rest of off's scalars is padding
+    state["scalars"][:n] = off.scalars.detach()[:n]
+    on.load_state_dict(state)
+    at = on.scalar_layout()
+    assert at["smear"].stop - at["smear"].start == 1 and off.scalar_layout()["smear"] == slice(18, 18)
+    assert on.smear_w.abs().sum() == 0 and on.scalars[at["smear"]].item() == 0 and off.smear_w is None
+    x, y, cu = batch()
+    torch.testing.assert_close(on(x, y, cu, 128, W3), off(x, y, cu, 128, W3), rtol=0, atol=0)
+    on(x, y, cu, 128, W3).backward()
+    assert on.scalars.grad[at["smear"]].abs().item() > 0  # the weight learns first (the gate's grad is 0 at weight 0)
+    with torch.no_grad():
+        on.scalars[at["smear"]] = 0.5
+    on.zero_grad()
+    on(x, y, cu, 128, W3).backward()
+    assert on.smear_w.grad.abs().sum() > 0
+    assert any(p is on.smear_w for p in tg.param_groups_by_role(on)["block matrices"])  # Muon's
