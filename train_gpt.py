@@ -82,6 +82,7 @@ class Hyperparameters:
     bigram_sign_rows: int = 0  # rows of fixed random +-1 signs that multiply bigram rows, 0 = none (2026-05-20: 8,192)
     backout_layer: int = -1  # backout: subtract a learned multiple of this block's output before the head; -1 = off
     smear: bool = False  # smear gate: each token's embedding adds a gated share of the previous token's (09/18/25)
+    ve_gate: bool = False  # value-embedding gate: 2 sigmoid(W x[:12]) per head scales the value embedding (12/29/25)
     # Multi-token prediction (2025-12-22 record, @varunneal, PR 178): position t is also trained on the tokens at
     # t+2, t+3, ... of its document (same head), with these weights: K per stage, at the stage's start, stage after
     # stage; inside a stage each moves linearly to the next stage's value (the last stage and the extension hold
@@ -635,6 +636,7 @@ class ModelConfig:
     bigram_sign_rows: int
     backout_layer: int
     smear: bool
+    ve_gate: bool
     max_seq_len: int  # longest buffer the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order; () = off
 
@@ -761,7 +763,7 @@ def rotate(x: Tensor, rope: tuple[Tensor, Tensor, float]) -> Tensor:  # x: (T, H
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ve_gate: bool = False):
         super().__init__()
         self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.attn_scale
         hdim = cfg.num_heads * cfg.head_dim
@@ -773,6 +775,9 @@ class CausalSelfAttention(nn.Module):
         # Sparse head gate (@classiclarryd): sigmoid(W x[:12]) scales each head's output, so a head can
         # do nothing where the context says so; zero init = 0.5.
         self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels))
+        # Value-embedding gate (2025-12-29 record, @classiclarryd, PR 186), in blocks with a value
+        # embedding: 2 sigmoid(W x[:12]) scales each head's value embedding by context; zero init = 1.
+        self.ve_gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels)) if ve_gate else None
 
     def forward(self, x, ve, lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn):
         T, H, D = x.size(0), self.num_heads, self.head_dim
@@ -780,6 +785,9 @@ class CausalSelfAttention(nn.Module):
         q, k = rotate(norm(q), rope), rotate(norm(k), rope)  # QK-norm (@Grad62304977), then rotary
         # Value embeddings (@KoszarskyB, @Grad62304977; value residual, arXiv 2410.17897): v mixes in a
         # per-token table lookup.
+        if ve is not None and self.ve_gate_w is not None:
+            gate = 2 * torch.sigmoid(F.linear(x[:, : self.ve_gate_w.size(1)], self.ve_gate_w.type_as(x)))
+            ve = ve.view_as(v) * gate.unsqueeze(-1)
         v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
         y = attn_fn(q, k, v, cu_seqlens, max_seqlen, window, self.scale * rope[2])  # rope[2]: YaRN's, else 1
         y = y * torch.sigmoid(F.linear(x[:, : self.gate_w.size(1)], self.gate_w.type_as(x))).unsqueeze(-1)
@@ -802,9 +810,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, has_attn: bool):
+    def __init__(self, cfg: ModelConfig, has_attn: bool, has_value_embed: bool = False):
         super().__init__()
-        self.attn = CausalSelfAttention(cfg) if has_attn else None
+        self.attn = CausalSelfAttention(cfg, ve_gate=cfg.ve_gate and has_value_embed) if has_attn else None
         self.mlp = MLP(cfg)
 
     def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, bigram=None):
@@ -823,7 +831,8 @@ class GPT(nn.Module):
         L, dim = cfg.num_layers, cfg.model_dim
         self.embed = nn.Embedding(cfg.vocab_size, dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in range(cfg.num_value_embeds))
-        self.blocks = nn.ModuleList(Block(cfg, i not in cfg.no_attn_layers) for i in range(L))
+        self.blocks = nn.ModuleList(Block(cfg, i not in cfg.no_attn_layers, ve is not None)
+                                    for i, ve in enumerate(self.value_embed_layers()))
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
         # All scalars in one tensor (one Adam group, one collective), laid out by scalar_layout(): per

@@ -26,5 +26,6 @@ python3 bench/fidelity_0903.py --public "$public" --train_files "$shards/fineweb
     --variant record_normuon "--preset record --muon_beta2 0.9" \
     --variant yarn "--yarn true --attn_scale 0.1 --final_val_window 13" \
     --variant smear "--smear true" \
+    --variant ve_gate "--ve_gate true" \
     --variant doc_len "--doc_len_schedule 896,2048,2048" \
     "$@" --out "$out/record_line_200.md"

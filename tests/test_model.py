@@ -360,3 +360,33 @@ def test_smear_starts_as_a_no_op_and_then_learns_both_its_weights():
     on(x, y, cu, 128, W3).backward()
     assert on.smear_w.grad.abs().sum() > 0
     assert any(p is on.smear_w for p in tg.param_groups_by_role(on)["block matrices"])  # Muon's
+
+
+def test_value_embedding_gate_scales_each_heads_value_embedding_by_context():
+    cfg = tg.ModelConfig.from_args(tg.Hyperparameters(**TINY, ve_gate=True))
+    g = torch.Generator().manual_seed(0)
+    attn = tg.CausalSelfAttention(cfg, ve_gate=True)
+    with torch.no_grad():
+        attn.ve_gate_w.copy_(torch.randn(attn.ve_gate_w.shape, generator=g))
+    T, H, D = 20, cfg.num_heads, cfg.head_dim
+    x, ve = torch.randn(T, cfg.model_dim, generator=g), torch.randn(T, H * D, generator=g)
+    lambdas = torch.tensor([0.3, 0.9])
+    rope = tg.Rotary(D, T, cfg.rotary_min_freq).at(0)
+    seen = []
+    attn(x, ve, lambdas, None, T, 16, rope, lambda q, k, v, *a: seen.append(v) or v)
+    v = torch.nn.functional.linear(x, attn.qkvo_w[2]).view(T, H, D)
+    gate = 2 * torch.sigmoid(x[:, : cfg.gate_channels] @ attn.ve_gate_w.T)  # (T, H)
+    torch.testing.assert_close(seen[0], 0.3 * v + 0.9 * gate[..., None] * ve.view(T, H, D), rtol=1e-5, atol=1e-5)
+
+
+def test_value_embedding_gates_sit_where_value_embeddings_are_start_at_one_and_learn():
+    off = tiny_model(randomize=True)
+    on = tiny_model(ve_gate=True)
+    missing, unexpected = on.load_state_dict(off.state_dict(), strict=False)
+    assert not unexpected and sorted(missing) == ["blocks.0.attn.ve_gate_w", "blocks.3.attn.ve_gate_w"]
+    assert on.value_embed_layers() == [0, None, None, 0]  # block 2 has no attention; 1 and 2 no value embedding
+    x, y, cu = batch()
+    torch.testing.assert_close(on(x, y, cu, 128, W3), off(x, y, cu, 128, W3), rtol=0, atol=0)
+    on(x, y, cu, 128, W3).backward()
+    assert on.blocks[0].attn.ve_gate_w.grad.abs().sum() > 0 and on.blocks[3].attn.ve_gate_w.grad.abs().sum() > 0
+    assert sum(p is on.blocks[0].attn.ve_gate_w for p in tg.param_groups_by_role(on)["block matrices"]) == 1
