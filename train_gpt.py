@@ -83,6 +83,7 @@ class Hyperparameters:
     backout_layer: int = -1  # backout: subtract a learned multiple of this block's output before the head; -1 = off
     smear: bool = False  # smear gate: each token's embedding adds a gated share of the previous token's (09/18/25)
     ve_gate: bool = False  # value-embedding gate: 2 sigmoid(W x[:12]) per head scales the value embedding (12/29/25)
+    key_offset: bool = False  # long-window blocks' keys take their position-free dims from the previous token (12/14/25)
     # Multi-token prediction (2025-12-22 record, @varunneal, PR 178): position t is also trained on the tokens at
     # t+2, t+3, ... of its document (same head), with these weights: K per stage, at the stage's start, stage after
     # stage; inside a stage each moves linearly to the next stage's value (the last stage and the extension hold
@@ -637,6 +638,7 @@ class ModelConfig:
     backout_layer: int
     smear: bool
     ve_gate: bool
+    key_offset: bool
     max_seq_len: int  # longest buffer the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order; () = off
 
@@ -755,6 +757,18 @@ class Rotary(nn.Module):
         return getattr(self, f"cos{i}"), getattr(self, f"sin{i}"), scale
 
 
+def offset_keys(k: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """Partial key offset (2025-12-14 record, @classiclarryd, PR 169): the dims of each head's key
+    that rotary leaves unrotated, [D/4, D/2) and [3D/4, D) (the zero frequencies of Rotary), are
+    taken from the previous position's key. A query can then match the token before a key, so one
+    block can do induction: find an earlier occurrence of the current token, attend to what came
+    after it. A document's first key keeps its own (the record takes the previous document's)."""
+    D = k.size(-1)
+    unrotated = torch.arange(D, device=k.device) % (D // 2) >= D // 4
+    prev = torch.where(document_starts(cu_seqlens, k.size(0))[:, None, None], k, k.roll(1, dims=0))
+    return torch.where(unrotated, prev, k)
+
+
 def rotate(x: Tensor, rope: tuple[Tensor, Tensor, float]) -> Tensor:  # x: (T, H, D)
     """Rotary embedding with a stage's tables (Rotary.at)."""
     cos, sin = rope[0][: x.size(0), None, :], rope[1][: x.size(0), None, :]
@@ -763,8 +777,9 @@ def rotate(x: Tensor, rope: tuple[Tensor, Tensor, float]) -> Tensor:  # x: (T, H
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ve_gate: bool = False):
+    def __init__(self, cfg: ModelConfig, ve_gate: bool = False, key_offset: bool = False):
         super().__init__()
+        self.key_offset = key_offset
         self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.attn_scale
         hdim = cfg.num_heads * cfg.head_dim
         # One fused weight for Q, K, V and the output projection (stored transposed, hdim x dim):
@@ -783,6 +798,8 @@ class CausalSelfAttention(nn.Module):
         T, H, D = x.size(0), self.num_heads, self.head_dim
         q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x)).view(T, 3 * H, D).chunk(3, dim=1)
         q, k = rotate(norm(q), rope), rotate(norm(k), rope)  # QK-norm (@Grad62304977), then rotary
+        if self.key_offset:
+            k = offset_keys(k, cu_seqlens)
         # Value embeddings (@KoszarskyB, @Grad62304977; value residual, arXiv 2410.17897): v mixes in a
         # per-token table lookup.
         if ve is not None and self.ve_gate_w is not None:
@@ -810,9 +827,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, has_attn: bool, has_value_embed: bool = False):
+    def __init__(self, cfg: ModelConfig, has_attn: bool, has_value_embed: bool = False, long_window: bool = False):
         super().__init__()
-        self.attn = CausalSelfAttention(cfg, ve_gate=cfg.ve_gate and has_value_embed) if has_attn else None
+        self.attn = CausalSelfAttention(cfg, ve_gate=cfg.ve_gate and has_value_embed,
+                                        key_offset=cfg.key_offset and long_window) if has_attn else None
         self.mlp = MLP(cfg)
 
     def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, bigram=None):
@@ -831,7 +849,7 @@ class GPT(nn.Module):
         L, dim = cfg.num_layers, cfg.model_dim
         self.embed = nn.Embedding(cfg.vocab_size, dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in range(cfg.num_value_embeds))
-        self.blocks = nn.ModuleList(Block(cfg, i not in cfg.no_attn_layers, ve is not None)
+        self.blocks = nn.ModuleList(Block(cfg, i not in cfg.no_attn_layers, ve is not None, cfg.window_pattern[i] == "L")
                                     for i, ve in enumerate(self.value_embed_layers()))
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)

@@ -27,5 +27,6 @@ python3 bench/fidelity_0903.py --public "$public" --train_files "$shards/fineweb
     --variant yarn "--yarn true --attn_scale 0.1 --final_val_window 13" \
     --variant smear "--smear true" \
     --variant ve_gate "--ve_gate true" \
+    --variant key_offset "--key_offset true" \
     --variant doc_len "--doc_len_schedule 896,2048,2048" \
     "$@" --out "$out/record_line_200.md"

@@ -390,3 +390,27 @@ def test_value_embedding_gates_sit_where_value_embeddings_are_start_at_one_and_l
     on(x, y, cu, 128, W3).backward()
     assert on.blocks[0].attn.ve_gate_w.grad.abs().sum() > 0 and on.blocks[3].attn.ve_gate_w.grad.abs().sum() > 0
     assert sum(p is on.blocks[0].attn.ve_gate_w for p in tg.param_groups_by_role(on)["block matrices"]) == 1
+
+
+def test_key_offset_moves_the_unrotated_key_dims_one_position_forward_within_documents():
+    D = 8  # rotary turns dims [0, 2) with [4, 6); [2, 4) and [6, 8) carry no position
+    k = torch.randn(6, 2, D, generator=torch.Generator().manual_seed(0))
+    out = tg.offset_keys(k, torch.tensor([0, 4, 6, 6], dtype=torch.int32))
+    still = [2, 3, 6, 7]
+    moved = [0, 1, 4, 5]
+    assert torch.equal(out[..., moved], k[..., moved])
+    for t in range(6):
+        assert torch.equal(out[t][:, still], k[t if t in (0, 4) else t - 1][:, still])
+    rotary = tg.Rotary(D, 16, 1 / 64)
+    cos = rotary.at(0)[0]
+    assert (cos[:, [2, 3]] == 1).all() and not (cos[:, [0, 1]] == 1).all()  # the unrotated dims are Rotary's zero frequencies
+
+
+def test_key_offset_is_on_in_long_window_blocks_only_and_changes_the_model():
+    off = tiny_model(randomize=True)
+    on = tiny_model(key_offset=True)
+    on.load_state_dict(off.state_dict())
+    assert [b.attn.key_offset if b.attn else None for b in on.blocks] == [True, False, None, True]  # "LSSL", no attn in 2
+    x, y, cu = batch()
+    with torch.no_grad():
+        assert not torch.equal(on(x, y, cu, 128, W3, reduction="none"), off(x, y, cu, 128, W3, reduction="none"))
