@@ -1086,6 +1086,18 @@ class Muon(torch.optim.Optimizer):
         per_rank = -(-len(group["params"]) // self.world_size)  # ceil
         return per_rank, self.rank * per_rank
 
+    def reshard(self, shards: list[dict]) -> dict:
+        """This rank's state dict from the state dicts of every rank of a run on len(shards) ranks (a
+        checkpoint resumed on another GPU count): a matrix's state lives whole on the rank that owned
+        it, so merge them all and keep the matrices this rank owns now."""
+        merged = {i: state for shard in shards for i, state in shard["state"].items()}
+        owned, index = set(), 0
+        for group in self.param_groups:
+            per_rank, first = self._owned(group)
+            owned.update(range(index + first, index + min(first + per_rank, len(group["params"]))))
+            index += len(group["params"])
+        return dict(state={i: s for i, s in merged.items() if i in owned}, param_groups=shards[0]["param_groups"])
+
     @torch.no_grad()
     def step(self):
         W = self.world_size
@@ -1156,6 +1168,19 @@ class DistAdam(torch.optim.Optimizer):
                 if p.size(0) % world_size:
                     raise ValueError(f"DistAdam shards dim 0: a parameter of shape {tuple(p.shape)} "
                                      f"does not split over world_size={world_size}")
+
+    def reshard(self, shards: list[dict]) -> dict:
+        """This rank's state dict from the state dicts of every rank of a run on len(shards) ranks (a
+        checkpoint resumed on another GPU count): each moment's row slices joined back in rank order,
+        then cut for this world size."""
+        state = {}
+        for i, first in shards[0]["state"].items():
+            state[i] = dict(first)
+            for key in ("exp_avg", "exp_avg_sq"):
+                full = torch.cat([shard["state"][i][key] for shard in shards])
+                rows = full.size(0) // self.world_size
+                state[i][key] = full[self.rank * rows: (self.rank + 1) * rows].clone()
+        return dict(state=state, param_groups=shards[0]["param_groups"])
 
     def load_state_dict(self, state_dict: dict):
         """Restore exactly: torch.optim would cast the fp32 moments of bf16 parameters to bf16. Group
@@ -1854,7 +1879,9 @@ def tuple_or_value(v):
 
 def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, rank: int, world_size: int, log):
     """Restore weights and this rank's optimizer shards; return (step, data position, training ms).
-    Refuses a checkpoint of another model shape or world size, naming what differs."""
+    Refuses a checkpoint of another model shape, naming what differs. A checkpoint of another world
+    size is re-sharded: every rank reads every rank's file and keeps its new share (the data position
+    is the same on every rank: each reads the whole stream)."""
     meta = read_checkpoint_file(path / "model.pt")
     # a field newer than the checkpoint: the checkpoint's model had the field's default
     saved = {**{f.name: f.default for f in dataclasses.fields(Hyperparameters)}, **meta["args"]}
@@ -1862,20 +1889,25 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
             if tuple_or_value(saved[k]) != tuple_or_value(getattr(args, k))]
     if diff:
         raise ValueError(f"{path} holds a different model: " + "; ".join(diff))
-    if meta["world_size"] != world_size:
-        raise ValueError(f"{path} was written by {meta['world_size']} processes (optimizer state is sharded per "
-                         f"rank); resume with {meta['world_size']} GPUs, not {world_size}")
     if meta["code_hash"] != code_hash():
         log(f"note: {path} was written by another version of train_gpt.py ({meta['code_hash']} vs {code_hash()})")
-    shard = read_checkpoint_file(path / f"rank{rank}.pt")
+    saved_world = meta["world_size"]
+    if saved_world == world_size:
+        shard = read_checkpoint_file(path / f"rank{rank}.pt")
+        states = shard["optimizers"]
+    else:
+        shards = [read_checkpoint_file(path / f"rank{r}.pt") for r in range(saved_world)]
+        states = [opt.reshard([s["optimizers"][i] for s in shards]) for i, opt in enumerate(optimizers)]
+        shard = shards[rank % saved_world]  # its RNG states; the data position is every rank's
+        log(f"note: {path} was written by {saved_world} process(es); optimizer states re-sharded over {world_size}")
     model.load_state_dict(meta["model"])
-    for opt, state in zip(optimizers, shard["optimizers"]):
+    for opt, state in zip(optimizers, states):
         settings = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
         opt.load_state_dict(state)
         for group, mine in zip(opt.param_groups, settings):  # this run's settings: `--resume CKPT --muon_lr X` applies X
             group.update(mine)
     torch.set_rng_state(shard["rng"]["torch"])
-    if shard["rng"]["cuda"] and torch.cuda.is_available():
+    if shard["rng"]["cuda"] and torch.cuda.is_available() and len(shard["rng"]["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(shard["rng"]["cuda"])
     return meta["step"], shard["loader"], meta["training_time_ms"]
 

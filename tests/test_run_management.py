@@ -205,6 +205,28 @@ def test_resume_on_two_processes_matches_uninterrupted(tiny_args, tmp_path, feat
     assert first == 2 and resumed == full[2:]
 
 
+@pytest.mark.parametrize("features", [{}, DECAYED_TABLES], ids=["0903", "decayed_tables_normuon"])
+def test_a_checkpoint_resumes_on_another_number_of_processes_as_it_would_have_gone_on(tiny_args, tmp_path, features):
+    """Written on 2 processes, resumed on 1 (and back: written on 1, resumed on 2): the optimizer
+    states are re-sharded, and the resumed losses follow the uninterrupted run to the tolerance
+    that 1 x 2 accumulation steps and 2 x 1 agree to anyway (float sums in another order)."""
+    ck = str(tmp_path / "ck")
+    common = dict(batch_size=2 * 128, num_iterations=6, val_every=0, **features)
+    spawn(_resume_worker, 2, tiny_args(save_every=2, run_id="two", checkpoint_dir=ck, **common), str(tmp_path / "two.pt"))
+    on_one = tg.train(tiny_args(resume=os.path.join(ck, "two", "step_000002"), run_id="one-b",
+                                checkpoint_dir=str(tmp_path / "x"), **common))
+    one = tg.train(tiny_args(save_every=2, run_id="one", checkpoint_dir=ck, **common))
+    spawn(_resume_worker, 2, tiny_args(resume=os.path.join(ck, "one", "step_000002"), run_id="two-b",
+                                       checkpoint_dir=str(tmp_path / "y"), **common), str(tmp_path / "on_two.pt"))
+    _, two = torch.load(tmp_path / "two.pt")
+    first, on_two = torch.load(tmp_path / "on_two.pt")
+    assert on_one.first_step == first == 2
+    close = lambda a, b: torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=0)
+    close(on_one.train_losses, two[2:])
+    close(on_two, one.train_losses[2:])
+    assert on_one.train_losses[-1] < on_one.train_losses[0]  # training goes on: the losses are not frozen
+
+
 def test_sigterm_mid_run_saves_a_valid_checkpoint_and_exits_cleanly(tmp_path, corpus):
     train, val = corpus
     cmd = [sys.executable, str(ROOT / "train_gpt.py"), "--preset", "smoke", "--markov_corpus", "false",
