@@ -2209,6 +2209,10 @@ def prepare_data(args: Hyperparameters, rank: int, world_size: int, device: torc
     return train_files, val
 
 
+class RankLost(ConnectionError):
+    """Another rank stopped answering the per-step exchange: it died, or hangs past collective_timeout_s."""
+
+
 def agree(stop: bool, failure: Exception | None, control) -> bool:
     """Every rank's stop flag and failure (a non-finite loss, the data breaking) in one small all-reduce
     on a CPU group, which never waits for the GPU. True if any rank was signalled; if any rank failed,
@@ -2219,7 +2223,11 @@ def agree(stop: bool, failure: Exception | None, control) -> bool:
         return stop
     t = torch.zeros(1 + control.size())
     t[0], t[1 + control.rank()] = stop, failure is not None
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control)
+    except RuntimeError as e:  # gloo: a timeout, or the connection closed by a process that ended
+        raise RankLost(f"rank {control.rank()}: another rank stopped answering (it died, or hangs longer than "
+                       f"--collective_timeout_s; its own output says why): {str(e).splitlines()[0]}") from e
     if t[1:].any():  # only now do the failing ranks send their errors
         errors = [None] * control.size()
         dist.all_gather_object(errors, failure, group=control)

@@ -362,6 +362,9 @@ def test_a_rank_that_dies_or_hangs_fails_the_others_within_the_collective_timeou
     assert code not in (None, 0), stderr  # without the timeout, gloo's default would wait 30 minutes
     if failure != "exits":
         assert re.search("(?i)time ?d? ?out", stderr), stderr  # gloo: "Timed out waiting 10000ms", "Application timeout"
+    if failure == "hangs reading data":  # rank 0 waits in the per-step exchange: one line says what happened
+        (line,) = _error_lines(stderr)
+        assert line.startswith("train_gpt.py: error: rank 0: another rank stopped answering (it died, or hangs"), stderr
 
 
 def test_smoke_preset_gets_within_a_tenth_of_a_nat_of_its_entropy_floor(tmp_path):
