@@ -2159,6 +2159,9 @@ def start_processes(args: Hyperparameters) -> tuple[int, int, torch.device]:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if world_size > 1:
+        # NCCL's watchdog can itself get stuck aborting a timed-out collective while this rank is still
+        # queueing work; its heartbeat monitor then ends the process after this many seconds (default 480)
+        os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(math.ceil(args.collective_timeout_s)))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 timeout=timedelta(seconds=args.collective_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
@@ -2274,6 +2277,9 @@ def finish(log, args: Hyperparameters, device: torch.device, world_size: int, st
         (f", val_loss {val_losses[-1][1]:.4f} at step {val_losses[-1][0]}" if val_losses else "") +
         (f", checkpoint {checkpoint}" if checkpoint else "") + f", log {log.path}")
     train_losses = (per_step.cpu() / torch.tensor(tokens, dtype=torch.float32)).tolist() if tokens else []
+    if train_losses:  # the whole curve, every rank's tokens: runs on other GPU counts compare step for step
+        log(f"train_loss per step {first_step + 1}-{first_step + len(train_losses)}: " +
+            " ".join(f"{x:.4f}" for x in train_losses), console=False)
     return RunResult(train_losses, val_losses, train_ms, log.path, first_step, str(checkpoint) if checkpoint else None,
                      interrupted)
 

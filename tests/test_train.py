@@ -85,6 +85,8 @@ def test_log_holds_source_environment_hyperparameters_and_step_lines(tiny_args):
     assert re.findall(r"^step:(\d+)/4 val_loss:[\d.]+ train_time:\d+ms step_avg:[\d.]+ms tokens:\d+$", rest, re.M) == ["0", "2", "4"]
     assert len(re.findall(r"^step:\d+/4 train_time:\d+ms step_avg:[\d.]+ms$", rest, re.M)) == 4
     assert "attention backend: reference" in rest
+    (curve,) = re.findall(r"^train_loss per step 1-4: (.*)$", rest, re.M)  # the whole curve, for other GPU counts
+    assert curve == " ".join(f"{x:.4f}" for x in run.train_losses)
 
 
 @pytest.mark.parametrize("N", [20, 200, 400, 1670])
