@@ -2,12 +2,13 @@
 # One GPU against two, on a machine with two GPUs of one kind: the record configuration (full-size
 # model, the record preset) for 60 steps on the shards in DATA_DIR, through run.sh.
 #   1. one:   1 GPU (CUDA_VISIBLE_DEVICES=0), 8 accumulation steps; a checkpoint at step 30.
-#   2. two:   2 GPUs, 4 accumulation steps each; the same tokens per step (equivalence, ms/step).
+#   2. two:   2 GPUs, 4 accumulation steps each; the same tokens per step (equivalence, ms/step);
+#      bench/curves.py prints both per-step loss curves and their differences.
 #   3. two_resumed: two's step-30 checkpoint resumed on 2 GPUs; two_on_one: the same on 1 GPU
 #      (the optimizer shards re-split).
 #   4. bench/optimizer_time.py on 1 and on 2 GPUs: per-rank optimizer times.
 #   5. bench/failure_drill.py on 2 GPUs, smoke preset: the last rank's loss NaN / the rank hangs /
-#      the rank dies at step 4; every rank must stop, within --collective_timeout_s for a hang.
+#      the rank dies at step 4; every rank must stop (a hang: within about 2 x --collective_timeout_s).
 # Logs and the drill outputs go to RESULTS_DIR; bench/README.md reads them.
 #   DATA_DIR=/path/to/shards RESULTS_DIR=/path/to/results bash bench/multi_gpu_proof.sh
 set -u
@@ -26,6 +27,7 @@ NPROC=2 ./run.sh "${COMMON[@]}" --save_every 30 --run_id two 2>&1 | quiet
 CUDA_VISIBLE_DEVICES=0 NPROC=1 ./run.sh "${COMMON[@]}" --resume checkpoints/two/step_000030 --run_id two_on_one 2>&1 | quiet
 NPROC=2 ./run.sh "${COMMON[@]}" --resume checkpoints/two/step_000030 --run_id two_resumed 2>&1 | quiet
 for r in one two two_on_one two_resumed; do echo "== $r"; summary $r; cp "logs/$r.txt" "$RESULTS_DIR/"; done
+python3 bench/curves.py logs/one.txt logs/two.txt | tee "$RESULTS_DIR/curves_one_two.md"
 
 for n in 1 2; do
   torchrun --standalone --nproc_per_node=$n bench/optimizer_time.py 2>&1 | grep -v -i warn | tee "$RESULTS_DIR/optimizer_time_x$n.txt"
