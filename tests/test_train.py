@@ -1,5 +1,7 @@
 """The training loop end to end on the CPU: learning, world-size invariance, warm-up, the log."""
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,21 @@ def test_log_holds_source_environment_hyperparameters_and_step_lines(tiny_args):
     assert "attention backend: reference" in rest
     (curve,) = re.findall(r"^train_loss per step 1-4: (.*)$", rest, re.M)  # the whole curve, for other GPU counts
     assert curve == " ".join(f"{x:.4f}" for x in run.train_losses)
+
+
+def test_curves_script_puts_two_runs_step_for_step_and_names_their_differences(tiny_args):
+    a = tg.train(tiny_args(num_iterations=4, val_every=2, run_id="a"))
+    b = tg.train(tiny_args(num_iterations=4, val_every=2, run_id="b", muon_lr=0.2))  # another curve from step 2
+    script = Path(__file__).resolve().parent.parent / "bench" / "curves.py"
+    out = subprocess.run([sys.executable, str(script), a.log_path, b.log_path, "--every", "1"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([+-][\d.]+) \|$", out, re.M)
+    assert [int(r[0]) for r in rows] == [1, 2, 3, 4]
+    assert [float(r[1]) for r in rows] == [round(x, 4) for x in a.train_losses]
+    assert [float(r[2]) for r in rows] == [round(x, 4) for x in b.train_losses]
+    diffs = [abs(x - y) for x, y in zip(a.train_losses, b.train_losses)]
+    assert diffs[0] == 0 and max(diffs) > 0  # the first step's loss precedes any update
+    assert f"max |diff| {max(diffs):.4f}" in out and "val loss: step 0 +0.0000, step 2 " in out
 
 
 @pytest.mark.parametrize("N", [20, 200, 400, 1670])
