@@ -7,7 +7,6 @@
 #   git show REV:train_gpt.py > old_train_gpt.py      # then copy it to the GPU machine with the repository
 #   DATA_DIR=/path/to/shards bash bench/ab_step_time.sh old_train_gpt.py
 set -u
-export PYTHONUNBUFFERED=1
 if [ $# -ne 1 ] || [ ! -f "$1" ]; then
   echo "usage: DATA_DIR=/path/to/shards bash bench/ab_step_time.sh OLD_TRAIN_GPT_PY" >&2
   exit 2

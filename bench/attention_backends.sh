@@ -6,7 +6,6 @@
 # RESULTS_DIR as in bench/gpu_env.sh; the 20-step logs are copied to RESULTS_DIR.
 #   DATA_DIR=/path/to/shards RESULTS_DIR=/path/to/results bash bench/attention_backends.sh
 set -u
-export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -17,7 +16,6 @@ for a in varlen fa4 fa3; do
   python3 bench/step_time.py --ws 3 7 11 --steps 10 --attention $a --train_files "$DATA_DIR/fineweb_train_*.bin" 2>&1 \
     | grep -E "^device|^ws=|[Ee]rror" | grep -v -i warn
 done
-PROXY=(--train_files "$DATA_DIR/fineweb_train_*.bin" --val_files "$DATA_DIR/fineweb_val_*.bin" --val_tokens 917504 --val_seq_len 65536)
 for a in fa4 fa3 auto; do
   echo "--- train_gpt.py --attention $a --num_iterations 20"
   python3 train_gpt.py "${PROXY[@]}" --num_iterations 20 --val_every 10 --attention $a --run_id attention_$a 2>&1 \

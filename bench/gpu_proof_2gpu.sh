@@ -4,11 +4,8 @@
 # losses should match the 1-GPU run's at equal steps (bench/README.md). The log goes to RESULTS_DIR.
 #   DATA_DIR=/path/to/shards RESULTS_DIR=/path/to/results bash bench/gpu_proof_2gpu.sh
 set -u
-export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
-export PATH="$(dirname "$(python3 -c "import sys; print(sys.executable)")"):$PATH"  # torchrun beside python3
-PROXY=(--train_files "$DATA_DIR/fineweb_train_*.bin" --val_files "$DATA_DIR/fineweb_val_*.bin" --val_tokens 917504 --val_seq_len 65536)
 NPROC=2 ./run.sh "${PROXY[@]}" --num_iterations 300 --val_every 50 --run_id h200x2_proxy_300 2>&1 \
   | grep -E -v "^step:[0-9]+/300 train_time" | grep -v -i warn
 grep -E "^step:(100|200|300)/300 train" logs/h200x2_proxy_300.txt

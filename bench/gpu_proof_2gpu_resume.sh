@@ -8,11 +8,8 @@
 # B's and C's losses should follow A's (bench/README.md). The three logs go to RESULTS_DIR.
 #   DATA_DIR=/path/to/shards RESULTS_DIR=/path/to/results bash bench/gpu_proof_2gpu_resume.sh
 set -u
-export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
-export PATH="$(dirname "$(python3 -c "import sys; print(sys.executable)")"):$PATH"  # torchrun beside python3
-PROXY=(--train_files "$DATA_DIR/fineweb_train_*.bin" --val_files "$DATA_DIR/fineweb_val_*.bin" --val_tokens 917504 --val_seq_len 65536)
 COMMON=("${PROXY[@]}" --num_iterations 60 --val_every 30 --warmup_steps 1 --log_every 5)
 rm -rf logs/h200x2_[abc].txt checkpoints/h200x2_[abc] b.out  # a clean start when run again
 quiet() { grep -E -v "^step:[0-9]+/60 train_time" | grep -v -i warn; }

@@ -8,12 +8,10 @@
 #   mkdir -p /tmp/p && DATA_DIR=... RESULTS_DIR=/tmp/p setsid nohup bash bench/gpu_proof_run_management.sh medium \
 #       >/tmp/p/out.txt 2>&1 </dev/null &
 set -u
-export PYTHONUNBUFFERED=1
 PRESET="${1:-single}"
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-PROXY=(--train_files "$DATA_DIR/fineweb_train_*.bin" --val_files "$DATA_DIR/fineweb_val_*.bin" --val_tokens 917504 --val_seq_len 65536)
 COMMON=(--preset "$PRESET" "${PROXY[@]}" --num_iterations 100 --val_every 50 --warmup_steps 1 --log_every 10)
 python3 train_gpt.py "${COMMON[@]}" --save_every 50 --run_id "h100_${PRESET}_100" 2>&1 \
   | grep -E -v "^step:[0-9]+/100 train_time" | grep -v -i warn

@@ -12,11 +12,8 @@
 # Logs and the drill outputs go to RESULTS_DIR; bench/README.md reads them.
 #   DATA_DIR=/path/to/shards RESULTS_DIR=/path/to/results bash bench/multi_gpu_proof.sh
 set -u
-export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
-export PATH="$(dirname "$(python3 -c "import sys; print(sys.executable)")"):$PATH"  # torchrun beside python3
-PROXY=(--train_files "$DATA_DIR/fineweb_train_*.bin" --val_files "$DATA_DIR/fineweb_val_*.bin" --val_tokens 917504 --val_seq_len 65536)
 COMMON=("${PROXY[@]}" --num_iterations 60 --val_every 20 --warmup_steps 1 --log_every 10)
 rm -rf logs/{one,two,two_resumed,two_on_one}.txt checkpoints/{one,two,two_resumed,two_on_one,drill_*}  # a clean start
 quiet() { grep -E -v "^step:[0-9]+/60 train_time" | grep -v -i warn; }
