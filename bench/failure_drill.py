@@ -5,8 +5,8 @@ before its step number STEP (1-based, as the log counts):
 
   nan:  that rank's loss of step STEP becomes NaN (the others stay finite): every rank must stop
         after step STEP with one message naming the rank, the last good checkpoint kept.
-  hang: that rank sleeps for an hour instead of step STEP: the others must fail once
-        --collective_timeout_s has passed, not wait.
+  hang: that rank sleeps for an hour instead of step STEP: the others must fail within about
+        twice --collective_timeout_s (NCCL's watchdog, then its heartbeat monitor), not wait.
   exit: that rank's process dies instead of step STEP: the others must fail, not wait.
 Each rank's stderr goes to the console; exit status is main()'s (torchrun reports the first failure)."""
 import os
