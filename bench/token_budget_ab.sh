@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The record line's techniques at 60% of the development protocol's tokens (issue 12): the public
-# 09/03 code's 200-step schedule (26.2M tokens) ends at val 2.980 (bench/results/fidelity_0903_h100.md);
-# each variant here trains ~15.7M tokens (60%) with its own batch size and step count, so the
-# final val losses compare at equal tokens. "core" = the techniques the record preset adopted; "all" =
-# core + bigram table (with the record's decay) + multi-token prediction. Also the three techniques
-# not yet run at the 200-step schedule. Runs share the GPU (val losses only; step times mean nothing).
+# 09/03 code's 200-step schedule (26.2M tokens) ends at val 2.955-2.995 (bench/results/fidelity_0903_h100.md
+# and token_budget2_h200_20261123/); each variant here trains ~15.7M tokens (60%), so the final val
+# losses compare at equal tokens. Runs share the GPU (val losses only; step times mean nothing).
+#   ROUND=1: batch sizes and step counts; "core" = the first five techniques the record preset
+#            adopted, "all" = core + bigram table (with the record's decay) + multi-token prediction.
+#   ROUND=2 (default): 44,032 x 357 with core as the base, each of the five techniques built later
+#            added alone and together, momentum warm-up over 100 steps, one micro-batch per step.
 #
-#   bash bench/token_budget_ab.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [--seeds 0 1] [more harness flags]
+#   [ROUND=1|2] bash bench/token_budget_ab.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [more harness flags]
 set -euo pipefail
 if [ $# -lt 3 ]; then
-    sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 public=$1 shards=$2 out=$3
@@ -21,25 +23,41 @@ b44="--batch_schedule 44032,44032,44032 --num_iterations 357"      # 357 x 44,03
 b32="--batch_schedule 32768,32768,32768 --num_iterations 480"      # 480 x 32,768
 b65="--batch_schedule 65536,65536,65536 --num_iterations 240"      # 240 x 65,536
 staged="--batch_schedule 44032,87040,131072 --lr_schedule 1,1.52,1.73"  # the record's 1/3, 2/3, 1 batches and LRs
-python3 bench/fidelity_0903.py --public "$public" --train_files "$shards/fineweb_train_*.bin" \
-    --val_files "$shards/fineweb_val_*.bin" --batch_size 131072 --val_tokens 983040 --val_seq_len 40960 \
-    --val_every 50 --steps 200 --seeds 0 --public_seeds --parallel --work /tmp/token_budget_ab \
-    --label base --target 2.980 \
-    --variant mtp "--mtp_weights 0.5,0.25,0.5,0,0,0" \
-    --variant polar_express "--orthogonalizer polar_express" \
-    --variant bigram_decay "--bigram_rows 377280 --bigram_sign_rows 8192 --embed_weight_decay 0.0125 --embed_adam_betas 0.75,0.95" \
-    --variant all_fixed120 "$all --num_iterations 120" \
-    --variant all_staged180 "$all $staged --num_iterations 180" \
-    --variant all_staged150 "$all $staged --num_iterations 150" \
-    --variant core_staged180 "$core $staged --num_iterations 180" \
-    --variant core_staged22 "$core --batch_schedule 22016,44032,87040 --lr_schedule 0.71,1,1.41 --num_iterations 306" \
-    --variant all_b65 "$all $b65 --lr_schedule 1.22,1.22,1.22" \
-    --variant core_b65 "$core $b65 --lr_schedule 1.22,1.22,1.22" \
-    --variant core_b65_lr1 "$core $b65" \
-    --variant base_b44 "$b44" \
-    --variant core_b44 "$core $b44" \
-    --variant core_b44_lr07 "$core $b44 --lr_schedule 0.7,0.7,0.7" \
-    --variant all_b44 "$all $b44" \
-    --variant core_b32 "$core $b32" \
-    --variant all_b32 "$all $b32" \
-    "$@" --out "$out/token_budget_ab.md"
+protocol=(--public "$public" --train_files "$shards/fineweb_train_*.bin" --val_files "$shards/fineweb_val_*.bin"
+          --batch_size 131072 --val_tokens 983040 --val_seq_len 40960 --val_every 50 --steps 200 --target 2.980)
+if [ "${ROUND:-2}" = 1 ]; then
+  python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 --public_seeds --parallel --work /tmp/token_budget_ab \
+      --label base \
+      --variant mtp "--mtp_weights 0.5,0.25,0.5,0,0,0" \
+      --variant polar_express "--orthogonalizer polar_express" \
+      --variant bigram_decay "--bigram_rows 377280 --bigram_sign_rows 8192 --embed_weight_decay 0.0125 --embed_adam_betas 0.75,0.95" \
+      --variant all_fixed120 "$all --num_iterations 120" \
+      --variant all_staged180 "$all $staged --num_iterations 180" \
+      --variant all_staged150 "$all $staged --num_iterations 150" \
+      --variant core_staged180 "$core $staged --num_iterations 180" \
+      --variant core_staged22 "$core --batch_schedule 22016,44032,87040 --lr_schedule 0.71,1,1.41 --num_iterations 306" \
+      --variant all_b65 "$all $b65 --lr_schedule 1.22,1.22,1.22" \
+      --variant core_b65 "$core $b65 --lr_schedule 1.22,1.22,1.22" \
+      --variant core_b65_lr1 "$core $b65" \
+      --variant base_b44 "$b44" \
+      --variant core_b44 "$core $b44" \
+      --variant core_b44_lr07 "$core $b44 --lr_schedule 0.7,0.7,0.7" \
+      --variant all_b44 "$all $b44" \
+      --variant core_b32 "$core $b32" \
+      --variant all_b32 "$all $b32" \
+      "$@" --out "$out/token_budget_ab.md"
+else
+  five="--muon_beta2 0.9 --yarn true --attn_scale 0.1 --final_val_window 13 --smear true --ve_gate true --key_offset true"
+  python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 9 \
+      --work /tmp/token_budget_ab2 --label core --ours_args "$core $b44" \
+      --variant normuon "--muon_beta2 0.9" \
+      --variant yarn "--yarn true --attn_scale 0.1 --final_val_window 13" \
+      --variant smear "--smear true" \
+      --variant ve_gate "--ve_gate true" \
+      --variant key_offset "--key_offset true" \
+      --variant all5 "$five" \
+      --variant best "--key_offset true --yarn true --attn_scale 0.1 --final_val_window 13 --ve_gate true" \
+      --variant mom100 "--muon_momentum_warmup 100" \
+      --variant core_1mb "--batch_size 44032 --seq_len 44032 --max_num_docs 256" \
+      "$@" --out "$out/token_budget_ab2.md"
+fi
