@@ -84,6 +84,7 @@ class Hyperparameters:
     smear: bool = False  # smear gate: each token's embedding adds a gated share of the previous token's (09/18/25)
     ve_gate: bool = False  # value-embedding gate: 2 sigmoid(W x[:12]) per head scales the value embedding (12/29/25)
     key_offset: bool = False  # long-window blocks' keys take their position-free dims from the previous token (12/14/25)
+    paired_head_blocks: tuple[int, ...] = ()  # paired-head attention in these short-window blocks (01/07/26: 1,3,6,10)
     # Multi-token prediction (2025-12-22 record, @varunneal, PR 178): position t is also trained on the tokens at
     # t+2, t+3, ... of its document (same head), with these weights: K per stage, at the stage's start, stage after
     # stage; inside a stage each moves linearly to the next stage's value (the last stage and the extension hold
@@ -108,6 +109,7 @@ class Hyperparameters:
     ns_steps: int = 5
     orthogonalizer: str = "newton_schulz"  # Muon's: newton_schulz (the 09/03 record) | polar_express (later records)
     muon_beta2: float = 0.0  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off (2026: 0.9)
+    muon_weight_decay: float = 0.0  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25: 1.2)
     adam_lr: float = 0.008
     adam_beta1: float = 0.8
     adam_beta2: float = 0.95
@@ -157,6 +159,11 @@ class Hyperparameters:
             raise ValueError(f"final_val_window={h.final_val_window}: 0 (the last stage's window) or a window in blocks")
         if len(h.window_pattern) != h.num_layers or set(h.window_pattern) - {"L", "S"}:
             raise ValueError(f"window_pattern={h.window_pattern!r} needs one L or S per layer ({h.num_layers})")
+        bad = [i for i in h.paired_head_blocks if not 0 <= i < h.num_layers or i in h.no_attn_layers
+               or h.window_pattern[i] != "S"]
+        if bad or h.num_heads % 2 or len(set(h.paired_head_blocks)) != len(h.paired_head_blocks):
+            raise ValueError(f"paired_head_blocks={h.paired_head_blocks}: distinct blocks with attention and a short "
+                             f"window (S in window_pattern={h.window_pattern!r}), and an even num_heads={h.num_heads}")
         if h.num_value_embeds * 2 > h.num_layers:
             raise ValueError(f"num_value_embeds={h.num_value_embeds} needs at least {2 * h.num_value_embeds} layers")
         if h.logit_softcap + math.log(h.vocab_size) >= 88:  # exp(cap) * vocab must fit in fp32 (any shift)
@@ -172,8 +179,9 @@ class Hyperparameters:
                              f"({h.num_layers - 1}), whose output the final norm would only rescale")
         if not 0 <= h.muon_beta2 < 1:
             raise ValueError(f"muon_beta2={h.muon_beta2}: 0 (plain Muon) or an EMA factor in (0, 1) for NorMuon")
-        if not 0 <= h.embed_weight_decay < math.inf:
-            raise ValueError(f"embed_weight_decay={h.embed_weight_decay} must be a finite number >= 0")
+        for name in ("embed_weight_decay", "muon_weight_decay"):
+            if not 0 <= getattr(h, name) < math.inf:
+                raise ValueError(f"{name}={getattr(h, name)} must be a finite number >= 0")
         if h.embed_adam_betas and (len(h.embed_adam_betas) != 2 or not all(0 <= b < 1 for b in h.embed_adam_betas)):
             raise ValueError(f"embed_adam_betas={h.embed_adam_betas}: empty (Adam's betas) or two numbers in [0, 1)")
         if len(h.mtp_weights) % len(h.window_schedule) or not all(0 <= w < math.inf for w in h.mtp_weights):
@@ -641,7 +649,8 @@ class ModelConfig:
     smear: bool
     ve_gate: bool
     key_offset: bool
-    max_seq_len: int  # longest buffer the rotary tables must cover
+    paired_head_blocks: tuple[int, ...]
+    max_seq_len: int  # longest sequence the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order; () = off
 
     @classmethod
@@ -650,8 +659,8 @@ class ModelConfig:
         blocks = (*args.window_schedule, *([args.extension_window] if args.extension_steps else []),
                   *([args.final_val_window] if args.final_val_window else []))
         yarn = tuple(dict.fromkeys(b * args.window_block for b in blocks)) if args.yarn else ()  # long windows
-        return cls(**{n: getattr(args, n) for n in names}, max_seq_len=max(args.seq_len, args.val_seq_len),
-                   yarn_windows=yarn)
+        longest = max(args.seq_len, args.val_seq_len) * (2 if args.paired_head_blocks else 1)  # paired: 2 per token
+        return cls(**{n: getattr(args, n) for n in names}, max_seq_len=longest, yarn_windows=yarn)
 
 
 # Bigram hash embedding (2026-01-19 record, @classiclarryd, PR 201; hash embeddings: arXiv 1709.03933):
@@ -771,6 +780,16 @@ def offset_keys(k: Tensor, cu_seqlens: Tensor) -> Tensor:
     return torch.where(unrotated, prev, k)
 
 
+def pair_heads(x: Tensor) -> Tensor:
+    """Paired-head attention (2026-01-07 record, @classiclarryd, PR 191): (T, H, D) -> (2T, H/2, D), a
+    reshape that puts head h of token t at position 2t and head h + H/2 at 2t + 1, in the same head.
+    Each query then sees two keys per earlier token (one per head of the pair) in one softmax, and
+    rotary, at positions 2t and 2t + 1, tells the two apart. Documents and their lengths double; the
+    window, in positions, then covers half as many tokens. Undone by reshaping the output to (T, H, D)."""
+    T, H, D = x.shape
+    return x.reshape(2 * T, H // 2, D)
+
+
 def rotate(x: Tensor, rope: tuple[Tensor, Tensor, float]) -> Tensor:  # x: (T, H, D)
     """Rotary embedding with a stage's tables (Rotary.at)."""
     cos, sin = rope[0][: x.size(0), None, :], rope[1][: x.size(0), None, :]
@@ -779,9 +798,9 @@ def rotate(x: Tensor, rope: tuple[Tensor, Tensor, float]) -> Tensor:  # x: (T, H
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ve_gate: bool = False, key_offset: bool = False):
+    def __init__(self, cfg: ModelConfig, ve_gate: bool = False, key_offset: bool = False, paired: bool = False):
         super().__init__()
-        self.key_offset = key_offset
+        self.key_offset, self.paired = key_offset, paired
         self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.attn_scale
         hdim = cfg.num_heads * cfg.head_dim
         # One fused weight for Q, K, V and the output projection (stored transposed, hdim x dim):
@@ -799,16 +818,20 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, ve, lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn):
         T, H, D = x.size(0), self.num_heads, self.head_dim
         q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x)).view(T, 3 * H, D).chunk(3, dim=1)
-        q, k = rotate(norm(q), rope), rotate(norm(k), rope)  # QK-norm (@Grad62304977), then rotary
-        if self.key_offset:
-            k = offset_keys(k, cu_seqlens)
         # Value embeddings (@KoszarskyB, @Grad62304977; value residual, arXiv 2410.17897): v mixes in a
         # per-token table lookup.
         if ve is not None and self.ve_gate_w is not None:
             gate = 2 * torch.sigmoid(F.linear(x[:, : self.ve_gate_w.size(1)], self.ve_gate_w.type_as(x)))
             ve = ve.view_as(v) * gate.unsqueeze(-1)
         v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
+        if self.paired:
+            q, k, v = pair_heads(q), pair_heads(k), pair_heads(v)
+            cu_seqlens, max_seqlen = 2 * cu_seqlens, 2 * max_seqlen
+        q, k = rotate(norm(q), rope), rotate(norm(k), rope)  # QK-norm (@Grad62304977), then rotary
+        if self.key_offset:
+            k = offset_keys(k, cu_seqlens)
         y = attn_fn(q, k, v, cu_seqlens, max_seqlen, window, self.scale * rope[2])  # rope[2]: YaRN's, else 1
+        y = y.reshape(T, H, D)  # paired heads back in place (otherwise already this shape)
         y = y * torch.sigmoid(F.linear(x[:, : self.gate_w.size(1)], self.gate_w.type_as(x))).unsqueeze(-1)
         return y.reshape(T, H * D) @ self.qkvo_w[3].type_as(y)
 
@@ -829,10 +852,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, has_attn: bool, has_value_embed: bool = False, long_window: bool = False):
+    def __init__(self, cfg: ModelConfig, has_attn: bool, has_value_embed: bool = False, long_window: bool = False,
+                 paired: bool = False):
         super().__init__()
         self.attn = CausalSelfAttention(cfg, ve_gate=cfg.ve_gate and has_value_embed,
-                                        key_offset=cfg.key_offset and long_window) if has_attn else None
+                                        key_offset=cfg.key_offset and long_window, paired=paired) if has_attn else None
         self.mlp = MLP(cfg)
 
     def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, bigram=None):
@@ -851,8 +875,8 @@ class GPT(nn.Module):
         L, dim = cfg.num_layers, cfg.model_dim
         self.embed = nn.Embedding(cfg.vocab_size, dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in range(cfg.num_value_embeds))
-        self.blocks = nn.ModuleList(Block(cfg, i not in cfg.no_attn_layers, ve is not None, cfg.window_pattern[i] == "L")
-                                    for i, ve in enumerate(self.value_embed_layers()))
+        self.blocks = nn.ModuleList(Block(cfg, i not in cfg.no_attn_layers, ve is not None, cfg.window_pattern[i] == "L",
+                                          i in cfg.paired_head_blocks) for i, ve in enumerate(self.value_embed_layers()))
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
         # All scalars in one tensor (one Adam group, one collective), laid out by scalar_layout(): per
@@ -1056,14 +1080,18 @@ class Muon(torch.optim.Optimizer):
     asynchronously, so one group's communication overlaps another's math.
 
     With beta2 > 0 it is NorMuon (arXiv 2510.05491, public record of 2025-10-24): see
-    `normalize_neurons`."""
+    `normalize_neurons`. With weight_decay > 0, cautious weight decay (arXiv 2510.12402; public record
+    of 2025-11-10): lr x weight_decay x p joins the update u only where u has p's sign, i.e. where the
+    step already moves the entry toward zero; lr is the group's current (scheduled) lr, so the decay
+    per step falls as lr^2."""
 
     def __init__(self, params, lr: float, momentum: float, ns_steps: int, rank: int = 0, world_size: int = 1,
-                 orthogonalize=newton_schulz, beta2: float = 0.0):
+                 orthogonalize=newton_schulz, beta2: float = 0.0, weight_decay: float = 0.0):
         params = list(params)
         shapes = sorted({tuple(p.shape) for p in params}, key=lambda s: (-math.prod(s), s))
         groups = [{"params": [p for p in params if tuple(p.shape) == s]} for s in shapes]
-        super().__init__(groups, dict(lr=lr, momentum=momentum, ns_steps=ns_steps, beta2=beta2))
+        super().__init__(groups, dict(lr=lr, momentum=momentum, ns_steps=ns_steps, beta2=beta2,
+                                      weight_decay=weight_decay))
         self.rank, self.world_size, self.orthogonalize = rank, world_size, orthogonalize
 
     def normalize_neurons(self, update: Tensor, owned: list[Tensor], beta2: float) -> Tensor:
@@ -1141,8 +1169,12 @@ class Muon(torch.optim.Optimizer):
                     update = self.normalize_neurons(update, owned, group["beta2"])
                 shape = owned[0].shape
                 scale = max(1, shape[-2] / shape[-1]) ** 0.5
+                lr, decay = group["lr"], group["lr"] * group["weight_decay"]
                 for p, u in zip(owned, update):
-                    p.add_(u.to(p.dtype), alpha=-group["lr"] * scale)
+                    u = u.to(p.dtype)
+                    if decay:
+                        u = u + decay * p * (u * p >= 0)
+                    p.add_(u, alpha=-lr * scale)
             if W > 1:
                 out = torch.empty(per_rank * W, *params[0].shape, dtype=params[0].dtype, device=params[0].device)
                 local = torch.stack(owned) if owned else out.new_empty(0, *params[0].shape)
@@ -1727,7 +1759,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     adam = DistAdam([g for g in adam_groups if g["params"]], lr=args.adam_lr, betas=betas, eps=args.adam_eps,
                     rank=rank, world_size=world_size)
     muon = Muon(groups["block matrices"], lr=args.muon_lr, momentum=args.muon_momentum, ns_steps=args.ns_steps,
-                rank=rank, world_size=world_size, orthogonalize=orthogonalize, beta2=args.muon_beta2)
+                rank=rank, world_size=world_size, orthogonalize=orthogonalize, beta2=args.muon_beta2,
+                weight_decay=args.muon_weight_decay)
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]

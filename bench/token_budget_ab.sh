@@ -5,13 +5,16 @@
 # losses compare at equal tokens. Runs share the GPU (val losses only; step times mean nothing).
 #   ROUND=1: batch sizes and step counts; "core" = the first five techniques the record preset
 #            adopted, "all" = core + bigram table (with the record's decay) + multi-token prediction.
-#   ROUND=2 (default): 44,032 x 357 with core as the base, each of the five techniques built later
-#            added alone and together, momentum warm-up over 100 steps, one micro-batch per step.
+#   ROUND=2: 44,032 x 357 with core as the base, each of the five techniques built later added
+#            alone and together, momentum warm-up over 100 steps, one micro-batch per step.
+#   ROUND=3 (default): 44,032 x 357 in one micro-batch per step, the record preset (core + key offset)
+#            as the base: paired-head attention, Muon's cautious weight decay, value-embedding gates,
+#            32,768 x 480.
 #
-#   [ROUND=1|2] bash bench/token_budget_ab.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [more harness flags]
+#   [ROUND=1|2|3] bash bench/token_budget_ab.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [more harness flags]
 set -euo pipefail
 if [ $# -lt 3 ]; then
-    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 public=$1 shards=$2 out=$3
@@ -25,7 +28,8 @@ b65="--batch_schedule 65536,65536,65536 --num_iterations 240"      # 240 x 65,53
 staged="--batch_schedule 44032,87040,131072 --lr_schedule 1,1.52,1.73"  # the record's 1/3, 2/3, 1 batches and LRs
 protocol=(--public "$public" --train_files "$shards/fineweb_train_*.bin" --val_files "$shards/fineweb_val_*.bin"
           --batch_size 131072 --val_tokens 983040 --val_seq_len 40960 --val_every 50 --steps 200 --target 2.980)
-if [ "${ROUND:-2}" = 1 ]; then
+round=${ROUND:-3}
+if [ "$round" = 1 ]; then
   python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 --public_seeds --parallel --work /tmp/token_budget_ab \
       --label base \
       --variant mtp "--mtp_weights 0.5,0.25,0.5,0,0,0" \
@@ -46,7 +50,7 @@ if [ "${ROUND:-2}" = 1 ]; then
       --variant core_b32 "$core $b32" \
       --variant all_b32 "$all $b32" \
       "$@" --out "$out/token_budget_ab.md"
-else
+elif [ "$round" = 2 ]; then
   five="--muon_beta2 0.9 --yarn true --attn_scale 0.1 --final_val_window 13 --smear true --ve_gate true --key_offset true"
   python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 9 \
       --work /tmp/token_budget_ab2 --label core --ours_args "$core $b44" \
@@ -60,4 +64,14 @@ else
       --variant mom100 "--muon_momentum_warmup 100" \
       --variant core_1mb "--batch_size 44032 --seq_len 44032 --max_num_docs 256" \
       "$@" --out "$out/token_budget_ab2.md"
+else
+  one="--batch_size 44032 --seq_len 44032 --max_num_docs 256"  # one micro-batch per step (learns as 8: round 2); 28 GiB a run
+  python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 4 \
+      --work /tmp/token_budget_ab3 --label record --ours_args "--preset record $b44 $one" \
+      --variant paired "--paired_head_blocks 1,3,6,10" \
+      --variant muon_wd043 "--muon_weight_decay 0.43" \
+      --variant muon_wd12 "--muon_weight_decay 1.2" \
+      --variant ve_gate "--ve_gate true" \
+      --variant b32 "--batch_schedule 32768,32768,32768 --num_iterations 480 --batch_size 32768 --seq_len 32768" \
+      "$@" --out "$out/token_budget_ab3.md"
 fi

@@ -93,6 +93,10 @@ def test_value_embeddings_and_window_pattern_follow_the_record_layout():
     ("bigram_sign_rows", 16, "with bigram_rows"),
     ("backout_layer", 3, "-1 \\(off\\) or a block index below the last \\(3\\)"),
     ("backout_layer", -2, "-1 \\(off\\)"),
+    ("paired_head_blocks", (0,), "paired_head_blocks=\\(0,\\): distinct blocks with attention and a short window"),
+    ("paired_head_blocks", (2,), "a short window"),  # block 2 of TINY has no attention
+    ("paired_head_blocks", (1, 1), "distinct blocks"),
+    ("paired_head_blocks", (4,), "distinct blocks"),
 ])
 def test_bad_hyperparameters_are_refused_with_a_reason(field, value, needle):
     with pytest.raises(ValueError, match=needle):
@@ -411,6 +415,69 @@ def test_key_offset_is_on_in_long_window_blocks_only_and_changes_the_model():
     on = tiny_model(key_offset=True)
     on.load_state_dict(off.state_dict())
     assert [b.attn.key_offset if b.attn else None for b in on.blocks] == [True, False, None, True]  # "LSSL", no attn in 2
+    x, y, cu = batch()
+    with torch.no_grad():
+        assert not torch.equal(on(x, y, cu, 128, W3, reduction="none"), off(x, y, cu, 128, W3, reduction="none"))
+
+
+def test_pair_heads_puts_head_h_at_2t_and_head_h_plus_half_at_2t_plus_1():
+    x = torch.randn(5, 6, 4)
+    paired = tg.pair_heads(x)
+    assert paired.shape == (10, 3, 4)
+    for t in range(5):
+        assert torch.equal(paired[2 * t], x[t, :3]) and torch.equal(paired[2 * t + 1], x[t, 3:])
+    assert torch.equal(paired.reshape(5, 6, 4), x)  # what the attention output's reshape undoes
+
+
+def test_paired_head_attention_is_one_softmax_over_both_heads_keys_at_interleaved_positions():
+    """Head h of token t sits at position i = 2t + m (m = 0 for h < H/2, else 1) and attends, in one
+    softmax, to the keys of both heads of its pair (h mod H/2, + H/2) at every position j = 2s + m'
+    with j <= i, i - j <= window, s in t's document; rotary turns each by its own position. A loop
+    over tokens and heads, against the block's batched computation."""
+    args = tg.Hyperparameters(**{**TINY, "num_heads": 4, "head_dim": 16, "paired_head_blocks": (1,)})
+    cfg = tg.ModelConfig.from_args(args)
+    assert cfg.max_seq_len == 2 * max(args.seq_len, args.val_seq_len)  # rotary covers two positions per token
+    torch.manual_seed(0)
+    attn = tg.CausalSelfAttention(cfg, paired=True)
+    with torch.no_grad():
+        attn.qkvo_w.normal_(0, 0.3), attn.gate_w.normal_()
+    rope = tg.Rotary(cfg.head_dim, 128, cfg.rotary_min_freq).at(0)
+    T, H, D, window, half = 40, 4, 16, 12, 2
+    cu = torch.tensor([0, 25, 40, 40], dtype=torch.int32)
+    x, lambdas = torch.randn(T, cfg.model_dim), torch.tensor([0.7, 0.3])
+    with torch.no_grad():
+        out = attn(x, None, lambdas, cu, 25, window, rope, tg.attention_reference)
+        q, k, v = torch.nn.functional.linear(x, attn.qkvo_w[:3].flatten(0, 1)).view(T, 3 * H, D).chunk(3, dim=1)
+        v = lambdas[0] * v
+
+        def at(vec, pos):  # normed and rotated as if at position pos
+            return tg.rotate(tg.norm(vec).expand(pos + 1, 1, D), rope)[pos, 0]
+
+        y = torch.zeros(T, H, D)
+        for t in range(T):
+            doc = range(0, 25) if t < 25 else range(25, 40)
+            for h in range(H):
+                m, pair = divmod(h, half)
+                i = 2 * t + m
+                keys, vals = [], []
+                for s in doc:
+                    for m2 in (0, 1):
+                        j = 2 * s + m2
+                        if j <= i and i - j <= window:
+                            keys.append(at(k[s, pair + m2 * half], j))
+                            vals.append(v[s, pair + m2 * half])
+                w = torch.softmax(cfg.attn_scale * torch.stack(keys) @ at(q[t, h], i), dim=0)
+                y[t, h] = w @ torch.stack(vals)
+        gate = torch.sigmoid(x[:, : cfg.gate_channels] @ attn.gate_w.T).unsqueeze(-1)
+        expected = (y * gate).reshape(T, H * D) @ attn.qkvo_w[3]
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_paired_head_blocks_are_the_ones_named_and_change_the_model():
+    off = tiny_model(randomize=True)
+    on = tiny_model(paired_head_blocks=(1,))
+    on.load_state_dict(off.state_dict())  # no new weights
+    assert [b.attn.paired if b.attn else None for b in on.blocks] == [False, True, None, False]
     x, y, cu = batch()
     with torch.no_grad():
         assert not torch.equal(on(x, y, cu, 128, W3, reduction="none"), off(x, y, cu, 128, W3, reduction="none"))

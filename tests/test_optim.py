@@ -45,6 +45,36 @@ def test_muon_step_is_orthogonalized_nesterov_momentum_scaled_by_aspect_ratio():
     torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
 
 
+def test_muon_cautious_weight_decay_adds_lr_wd_p_where_the_update_has_ps_sign():
+    """Two Muons on the same parameter and gradient, one with weight_decay: the difference is
+    lr x scale x (lr x wd x p0) on exactly the entries where the plain update u has p0's sign."""
+    g = torch.randn(96, 32, generator=torch.Generator().manual_seed(0))
+    p0 = torch.randn(96, 32, generator=torch.Generator().manual_seed(1))
+    lr, wd, scale = 0.05, 0.4, 3**0.5
+    after = []
+    for decay in (0.0, wd):
+        p = torch.nn.Parameter(p0.clone())
+        muon = tg.Muon([p], lr=lr, momentum=0.9, ns_steps=5, weight_decay=decay)
+        p.grad = g.clone()
+        muon.step()
+        after.append(p.detach())
+    plain, decayed = after
+    u = (p0 - plain) / (lr * scale)  # the plain step's update
+    same_sign = u * p0 >= 0
+    assert 0.3 < same_sign.float().mean() < 0.7  # both kinds of entries are tested
+    torch.testing.assert_close(decayed, plain - lr * scale * lr * wd * p0 * same_sign, rtol=0, atol=1e-6)
+    assert ((decayed - plain) * p0 <= 0).all()  # the decay always pulls toward zero
+    assert torch.equal(decayed[~same_sign], plain[~same_sign])
+
+
+def test_muon_weight_decay_is_built_from_its_field_and_checked(tiny_args):
+    model = tg.GPT(tg.ModelConfig.from_args(tiny_args()))
+    _, muon = tg.build_optimizers(model, tiny_args(muon_weight_decay=1.2), 0, 1)
+    assert all(group["weight_decay"] == 1.2 for group in muon.param_groups)
+    with pytest.raises(ValueError, match="muon_weight_decay=-1.0 must be a finite number >= 0"):
+        tiny_args(muon_weight_decay=-1.0)
+
+
 @pytest.mark.parametrize("shape", [(96, 32), (32, 96)], ids=["tall", "wide"])
 def test_normuon_divides_each_neurons_update_by_its_rms_ema_and_keeps_the_norm(shape):
     """Two NorMuon steps against a float64 reference written out here: one mean square per index of
