@@ -9,7 +9,7 @@
 #            alone and together, momentum warm-up over 100 steps, one micro-batch per step.
 #   ROUND=3 (default): 44,032 x 357 in one micro-batch per step, the record preset (core + key offset)
 #            as the base: paired-head attention, Muon's cautious weight decay, value-embedding gates,
-#            32,768 x 480.
+#            32,768 x 480, and the first three together.
 #
 #   [ROUND=1|2|3] bash bench/token_budget_ab.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [more harness flags]
 set -euo pipefail
@@ -73,5 +73,6 @@ else
       --variant muon_wd12 "--muon_weight_decay 1.2" \
       --variant ve_gate "--ve_gate true" \
       --variant b32 "--batch_schedule 32768,32768,32768 --num_iterations 480 --batch_size 32768 --seq_len 32768" \
+      --variant combo "--paired_head_blocks 1,3,6,10 --muon_weight_decay 0.43 --ve_gate true" \
       "$@" --out "$out/token_budget_ab3.md"
 fi
