@@ -67,6 +67,7 @@ class Hyperparameters:
     head_dim: int = 128
     mlp_ratio: int = 4
     no_attn_layers: tuple[int, ...] = (7,)  # blocks without attention (block 7: @YouJiacheng)
+    no_mlp_layers: tuple[int, ...] = ()  # blocks without an MLP: less compute, little loss (09/05/25: block 0)
     num_value_embeds: int = 3  # value-embedding tables for the first and, mirrored, last blocks
     window_pattern: str = "LSSSLSSLSSSL"  # per block: L = long window, S = short window (half)
     window_schedule: tuple[int, ...] = (3, 7, 11)  # long window in blocks, one per stage (equal parts of the run)
@@ -164,6 +165,8 @@ class Hyperparameters:
         if bad or h.num_heads % 2 or len(set(h.paired_head_blocks)) != len(h.paired_head_blocks):
             raise ValueError(f"paired_head_blocks={h.paired_head_blocks}: distinct blocks with attention and a short "
                              f"window (S in window_pattern={h.window_pattern!r}), and an even num_heads={h.num_heads}")
+        if not all(0 <= i < h.num_layers for i in h.no_mlp_layers):
+            raise ValueError(f"no_mlp_layers={h.no_mlp_layers}: block indices below num_layers={h.num_layers}")
         if h.num_value_embeds * 2 > h.num_layers:
             raise ValueError(f"num_value_embeds={h.num_value_embeds} needs at least {2 * h.num_value_embeds} layers")
         if h.logit_softcap + math.log(h.vocab_size) >= 88:  # exp(cap) * vocab must fit in fp32 (any shift)
@@ -635,6 +638,7 @@ class ModelConfig:
     head_dim: int
     mlp_ratio: int
     no_attn_layers: tuple[int, ...]
+    no_mlp_layers: tuple[int, ...]
     num_value_embeds: int
     window_pattern: str
     attn_scale: float
@@ -853,11 +857,11 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, has_attn: bool, has_value_embed: bool = False, long_window: bool = False,
-                 paired: bool = False):
+                 paired: bool = False, has_mlp: bool = True):
         super().__init__()
         self.attn = CausalSelfAttention(cfg, ve_gate=cfg.ve_gate and has_value_embed,
                                         key_offset=cfg.key_offset and long_window, paired=paired) if has_attn else None
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if has_mlp else None
 
     def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, bigram=None):
         x = lambdas[0] * x + lambdas[1] * x0  # learned mix with the embedding stream x0
@@ -865,7 +869,7 @@ class Block(nn.Module):
             x = x + bigram
         if self.attn is not None:
             x = x + self.attn(norm(x), ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn)
-        return x + self.mlp(norm(x))
+        return x + self.mlp(norm(x)) if self.mlp is not None else x
 
 
 class GPT(nn.Module):
@@ -876,7 +880,8 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in range(cfg.num_value_embeds))
         self.blocks = nn.ModuleList(Block(cfg, i not in cfg.no_attn_layers, ve is not None, cfg.window_pattern[i] == "L",
-                                          i in cfg.paired_head_blocks) for i, ve in enumerate(self.value_embed_layers()))
+                                          i in cfg.paired_head_blocks, i not in cfg.no_mlp_layers)
+                                    for i, ve in enumerate(self.value_embed_layers()))
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
         # All scalars in one tensor (one Adam group, one collective), laid out by scalar_layout(): per

@@ -8,13 +8,14 @@
 #   ROUND=2: 44,032 x 357 with core as the base, each of the five techniques built later added
 #            alone and together, momentum warm-up over 100 steps, one micro-batch per step.
 #   ROUND=3 (default): 44,032 x 357 in one micro-batch per step, the record preset (core + key offset)
-#            as the base: paired-head attention, Muon's cautious weight decay, value-embedding gates,
-#            32,768 x 480, and the first three together.
+#            as the base: paired-head attention, Muon's cautious weight decay (0.43: the record's decay
+#            per step at our Muon lr), value-embedding gates, 32,768 x 480, block 0 without MLP, and
+#            the first three together.
 #
 #   [ROUND=1|2|3] bash bench/token_budget_ab.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [more harness flags]
 set -euo pipefail
 if [ $# -lt 3 ]; then
-    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 public=$1 shards=$2 out=$3
@@ -70,9 +71,9 @@ else
       --work /tmp/token_budget_ab3 --label record --ours_args "--preset record $b44 $one" \
       --variant paired "--paired_head_blocks 1,3,6,10" \
       --variant muon_wd043 "--muon_weight_decay 0.43" \
-      --variant muon_wd12 "--muon_weight_decay 1.2" \
       --variant ve_gate "--ve_gate true" \
       --variant b32 "--batch_schedule 32768,32768,32768 --num_iterations 480 --batch_size 32768 --seq_len 32768" \
+      --variant no_mlp0 "--no_mlp_layers 0" \
       --variant combo "--paired_head_blocks 1,3,6,10 --muon_weight_decay 0.43 --ve_gate true" \
       "$@" --out "$out/token_budget_ab3.md"
 fi

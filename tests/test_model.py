@@ -97,6 +97,7 @@ def test_value_embeddings_and_window_pattern_follow_the_record_layout():
     ("paired_head_blocks", (2,), "a short window"),  # block 2 of TINY has no attention
     ("paired_head_blocks", (1, 1), "distinct blocks"),
     ("paired_head_blocks", (4,), "distinct blocks"),
+    ("no_mlp_layers", (4,), "no_mlp_layers=\\(4,\\): block indices below num_layers=4"),
 ])
 def test_bad_hyperparameters_are_refused_with_a_reason(field, value, needle):
     with pytest.raises(ValueError, match=needle):
@@ -481,3 +482,20 @@ def test_paired_head_blocks_are_the_ones_named_and_change_the_model():
     x, y, cu = batch()
     with torch.no_grad():
         assert not torch.equal(on(x, y, cu, 128, W3, reduction="none"), off(x, y, cu, 128, W3, reduction="none"))
+
+
+def test_a_block_without_mlp_is_the_block_whose_mlp_outputs_zero_and_saves_its_flops():
+    without = tiny_model(randomize=True, no_mlp_layers=(3,))
+    assert [b.mlp is None for b in without.blocks] == [False, False, False, True]
+    full = tiny_model()
+    missing = full.load_state_dict(without.state_dict(), strict=False).missing_keys
+    assert sorted(missing) == ["blocks.3.mlp.fc_w", "blocks.3.mlp.proj_w"]
+    with torch.no_grad():
+        full.blocks[3].mlp.fc_w.normal_()  # any input weights: a zero output projection adds nothing
+        full.blocks[3].mlp.proj_w.zero_()
+    x, y, cu = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(without(x, y, cu, 128, W3, reduction="none"),
+                                   full(x, y, cu, 128, W3, reduction="none"), rtol=0, atol=0)
+    saved = tg.flops_per_token(full, W3, 128) - tg.flops_per_token(without, W3, 128)
+    assert saved == 6 * 2 * TINY["model_dim"] * 4 * TINY["model_dim"]  # the two matrices, forward and backward
