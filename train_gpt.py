@@ -97,6 +97,7 @@ class Hyperparameters:
     lr_schedule: tuple[float, ...] = ()  # learning-rate multiplier per stage (empty: 1)
     extension_steps: int = 0  # last steps, after the cooldown: final learning rate, long window extension_window
     extension_window: int = 0  # long window of the extension, in blocks
+    tied_embed_stages: int = 0  # embeddings read from the LM head for this many stages, then a copy learns (12/22/25: 2)
     final_val_window: int = 0  # long window of the final validation, in blocks; 0 = the last stage's (09/10/25: 13)
     # optimization
     num_iterations: int = 1670  # training steps, extension_steps included
@@ -156,6 +157,9 @@ class Hyperparameters:
         if not 0 <= h.extension_steps < h.num_iterations or (h.extension_steps > 0) != (h.extension_window > 0):
             raise ValueError(f"extension_steps={h.extension_steps} and extension_window={h.extension_window}: "
                              f"both zero, or a window and fewer steps than num_iterations={h.num_iterations}")
+        if not 0 <= h.tied_embed_stages <= len(h.window_schedule) + (h.extension_steps > 0):
+            raise ValueError(f"tied_embed_stages={h.tied_embed_stages}: 0 (untied) up to the number of stages "
+                             f"({len(h.window_schedule)} + the extension if any)")
         if h.final_val_window < 0:
             raise ValueError(f"final_val_window={h.final_val_window}: 0 (the last stage's window) or a window in blocks")
         if len(h.window_pattern) != h.num_layers or set(h.window_pattern) - {"L", "S"}:
@@ -654,6 +658,7 @@ class ModelConfig:
     ve_gate: bool
     key_offset: bool
     paired_head_blocks: tuple[int, ...]
+    tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order; () = off
 
@@ -910,6 +915,14 @@ class GPT(nn.Module):
         self.register_buffer("bigram_signs", signs)
         # the smear gate's weights on the embedding's first gate_channels channels: zero, as the record
         self.smear_w = nn.Parameter(torch.zeros(1, cfg.gate_channels)) if cfg.smear else None
+        # Tied embedding (2025-12-22 record, @varunneal, PR 178): while tied_embed is set, token embeddings
+        # are the LM head's rows, so every position's output gradient trains them too; the training loop
+        # unties it at a stage start (untie_embedding). The head then starts at N(0, 0.005) as in the
+        # record, not zero: zero rows would make every embedding zero. Drawn last: the rest is unchanged.
+        self.tied_embed = cfg.tied_embed_stages > 0
+        if self.tied_embed:
+            with torch.no_grad():
+                self.lm_head_w.normal_(0, 0.005)
 
     def scalar_layout(self) -> dict[str, slice]:
         """Where each kind of scalar lies in self.scalars (the features that are off take no room)."""
@@ -939,7 +952,7 @@ class GPT(nn.Module):
         block_scalars, skip_w = s[at["blocks"]].view(L, 4), s[at["skips"]]
         lambdas, ve_lambdas = block_scalars[:, :2], block_scalars[:, 2:]
         bigram_w, backout_w = s[at["bigram"]], s[at["backout"]]
-        x = self.embed(inputs)
+        x = F.embedding(inputs, self.lm_head_w).type_as(self.embed.weight) if self.tied_embed else self.embed(inputs)
         if self.smear_w is not None:
             x = smear(x, cu_seqlens, s[at["smear"]], self.smear_w)
         x = x0 = norm(x)  # normed embedding (@Grad62304977)
@@ -1208,6 +1221,10 @@ class DistAdam(torch.optim.Optimizer):
                     raise ValueError(f"DistAdam shards dim 0: a parameter of shape {tuple(p.shape)} "
                                      f"does not split over world_size={world_size}")
 
+    def copy_state(self, src: nn.Parameter, dst: nn.Parameter):
+        """dst continues from src's moments and step count (same shape, so the same row shard)."""
+        self.state[dst] = {k: v.clone() if torch.is_tensor(v) else v for k, v in self.state[src].items()}
+
     def reshard(self, shards: list[dict]) -> dict:
         """This rank's state dict from the state dicts of every rank of a run on len(shards) ranks (a
         checkpoint resumed on another GPU count): each moment's row slices joined back in rank order,
@@ -1243,6 +1260,8 @@ class DistAdam(torch.optim.Optimizer):
         pending = []
         for group in self.param_groups:
             for p in group["params"]:
+                if p.grad is None:  # unused this step on every rank (a tied token embedding): no update
+                    continue
                 rows = p.size(0) // W
                 if W > 1:
                     g = p.grad.new_empty(rows, *p.shape[1:])
@@ -1705,6 +1724,21 @@ def stage_at(stages: list[TrainingStage], step: int) -> TrainingStage:
     return next((st for st in stages if step < st.end), stages[-1])
 
 
+def untie_step(stages: list[TrainingStage], args: Hyperparameters) -> float:
+    """The first step with the token embedding untied: the start of stage tied_embed_stages (0 when
+    never tied, infinity when tied throughout)."""
+    n = args.tied_embed_stages
+    return stages[n].start if n < len(stages) else math.inf
+
+
+def untie_embedding(model: "GPT", adam: "DistAdam"):
+    """The token embedding table becomes a copy of the LM head, and continues from its Adam moments."""
+    with torch.no_grad():
+        model.embed.weight.copy_(model.lm_head_w)
+    adam.copy_state(model.lm_head_w, model.embed.weight)
+    model.tied_embed = False
+
+
 def val_windows(stages: list[TrainingStage], step: int, args: Hyperparameters) -> tuple[int, int]:
     """The windows of the validation before a step: its stage's, except the final validation, which
     can look further back than training did (final_val_window: the 2025-09-10 record's 13 blocks)."""
@@ -1756,7 +1790,9 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     groups = param_groups_by_role(model)
     tables = groups["value embeddings"] + groups.get("bigram embedding", [])  # decayed as in the 2026 records
     betas = (args.adam_beta1, args.adam_beta2)
-    adam_groups = [dict(params=groups["token embedding"], lr=args.adam_lr * args.embed_lr_mult),
+    # a token embedding that starts tied learns, once untied, at the head's rate (as the 2025-12-22 record)
+    embed_lr = args.adam_lr * (args.head_lr_mult if args.tied_embed_stages else args.embed_lr_mult)
+    adam_groups = [dict(params=groups["token embedding"], lr=embed_lr),
                    dict(params=tables, lr=args.adam_lr * args.embed_lr_mult, weight_decay=args.embed_weight_decay,
                         betas=tuple(args.embed_adam_betas) or betas),
                    dict(params=groups["LM head"], lr=args.adam_lr * args.head_lr_mult),
@@ -2069,20 +2105,24 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, stage
     real batches (warmup_steps optimizer steps each), and the final validation's longer window if
     any, then restore the initial weights and optimizer state exactly. The producer is a fresh one:
     the timed run starts from the same data."""
-    shapes = list({(st.batch, st.windows, len(st.mtp)): st for st in stages}.values())
+    untie = untie_step(stages, args)
+    shapes = list({(st.batch, st.windows, len(st.mtp), st.start < untie): st for st in stages}.values())
     k = args.warmup_steps
     initial_model = {name: v.detach().clone() for name, v in model.state_dict().items()}
     initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]
     loader = BatchLoader(producer, lambda s: shapes[min(s // k, len(shapes) - 1)].batch, model.lm_head_w.device)
     try:
         for stage in shapes:
+            model.tied_embed = stage.start < untie  # its graphs are compiled with the embedding it trains with
             for i in range(k):
                 train_step(model, compiled, optimizers, loader.next()[1], i, stage, args)
             evaluate(model, compiled, val, stage.windows, args, world_size)
         if args.final_val_window:
+            model.tied_embed = untie == math.inf  # the final validation: tied only if never untied
             evaluate(model, compiled, val, val_windows(stages, args.num_iterations, args), args, world_size)
     finally:
         loader.close()
+        model.tied_embed = untie > 0
     model.load_state_dict(initial_model)
     for opt, state in zip(optimizers, initial_opts):
         opt.load_state_dict(state)
@@ -2341,6 +2381,7 @@ def train(args: Hyperparameters) -> RunResult:
         log.start()  # start-up checks passed: from here on the run has a log
         log(f"logging to {log.path}")
         stages, N = training_stages(args), args.num_iterations
+        untie = untie_step(stages, args)
         producer = lambda state=None: BatchProducer(train_files, rank, world_size, args.max_num_docs, args.bos_id,
                                                     state, log)
         if args.warmup_steps > 0:
@@ -2385,6 +2426,7 @@ def train(args: Hyperparameters) -> RunResult:
                     interrupted = stop_signals[0] if stop_signals else signal.SIGTERM
                     log(f"stopped by signal after step {step}; continue with: {resume_command(checkpoint, world_size)}")
                     break
+            model.tied_embed = step < untie
             if (step == N or (args.val_every > 0 and step % args.val_every == 0)) and not (resume and step == first_step):
                 clock.stop()  # validation is not timed
                 val_losses.append((step, evaluate(model, compiled, val, val_windows(stages, step, args), args,
@@ -2397,6 +2439,8 @@ def train(args: Hyperparameters) -> RunResult:
                 break
             stage = stage_at(stages, step)
             loss = train_step(model, compiled, optimizers, micro, step, stage, args)
+            if step + 1 == untie:  # the last tied step is done: the next step, and its checkpoint, are untied
+                untie_embedding(model, optimizers[0])
             losses.append(loss)
             tokens.append(stage.batch.batch_size)
             figures.tokens += stage.batch.batch_size

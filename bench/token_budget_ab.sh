@@ -9,8 +9,8 @@
 #            alone and together, momentum warm-up over 100 steps, one micro-batch per step.
 #   ROUND=3 (default): 44,032 x 357 in one micro-batch per step, the record preset (core + key offset)
 #            as the base: paired-head attention, Muon's cautious weight decay (0.43: the record's decay
-#            per step at our Muon lr), value-embedding gates, 32,768 x 480, block 0 without MLP, and
-#            the first three together.
+#            per step at our Muon lr), value-embedding gates, the embedding tied to the head for two
+#            stages, block 0 without MLP, and the first three together.
 #
 #   [ROUND=1|2|3] bash bench/token_budget_ab.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [more harness flags]
 set -euo pipefail
@@ -72,7 +72,7 @@ else
       --variant paired "--paired_head_blocks 1,3,6,10" \
       --variant muon_wd043 "--muon_weight_decay 0.43" \
       --variant ve_gate "--ve_gate true" \
-      --variant b32 "--batch_schedule 32768,32768,32768 --num_iterations 480 --batch_size 32768 --seq_len 32768" \
+      --variant tied2 "--tied_embed_stages 2" \
       --variant no_mlp0 "--no_mlp_layers 0" \
       --variant combo "--paired_head_blocks 1,3,6,10 --muon_weight_decay 0.43 --ve_gate true" \
       "$@" --out "$out/token_budget_ab3.md"

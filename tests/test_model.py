@@ -98,6 +98,7 @@ def test_value_embeddings_and_window_pattern_follow_the_record_layout():
     ("paired_head_blocks", (1, 1), "distinct blocks"),
     ("paired_head_blocks", (4,), "distinct blocks"),
     ("no_mlp_layers", (4,), "no_mlp_layers=\\(4,\\): block indices below num_layers=4"),
+    ("tied_embed_stages", 4, "tied_embed_stages=4: 0 \\(untied\\) up to the number of stages \\(3"),
 ])
 def test_bad_hyperparameters_are_refused_with_a_reason(field, value, needle):
     with pytest.raises(ValueError, match=needle):
@@ -275,16 +276,20 @@ def test_all_three_trace_as_one_graph_and_match_eager_in_value_and_gradient():
     data-dependent Python branch); aot_eager keeps the check fast on the CPU."""
     model = tiny_model(randomize=True, **LATER_RECORDS)
     x, y, cu = batch()
-    results = []
-    for fn in (model, torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)):
-        model.zero_grad()
-        loss = fn(x, y, cu, 128, W3)
-        loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-    (l0, g0), (l1, g1) = results
-    torch.testing.assert_close(l1, l0, rtol=1e-6, atol=0)
-    for a, b in zip(g1, g0):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)
+    for tied in (True, False):  # the compiled model follows the tied flag (a recompile, not a stale graph)
+        model.tied_embed = tied
+        results = []
+        for fn in (model, compiled):
+            model.zero_grad(set_to_none=True)
+            loss = fn(x, y, cu, 128, W3)
+            loss.backward()
+            results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        (l0, g0), (l1, g1) = results
+        torch.testing.assert_close(l1, l0, rtol=1e-6, atol=0)
+        assert g1.keys() == g0.keys() and ("embed.weight" in g0) == (not tied)
+        for name in g0:
+            torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6)
 
 
 def test_yarn_slows_only_the_frequencies_that_turn_few_times_across_the_old_window():
@@ -499,3 +504,30 @@ def test_a_block_without_mlp_is_the_block_whose_mlp_outputs_zero_and_saves_its_f
                                    full(x, y, cu, 128, W3, reduction="none"), rtol=0, atol=0)
     saved = tg.flops_per_token(full, W3, 128) - tg.flops_per_token(without, W3, 128)
     assert saved == 6 * 2 * TINY["model_dim"] * 4 * TINY["model_dim"]  # the two matrices, forward and backward
+
+
+def test_a_tied_embedding_reads_the_lm_heads_rows_and_the_head_starts_small_not_zero():
+    tied, untied = tiny_model(tied_embed_stages=1), tiny_model()
+    assert tied.tied_embed and not untied.tied_embed
+    for k, v in untied.state_dict().items():  # the head is drawn last: every other weight is the same
+        assert k == "lm_head_w" or torch.equal(v, tied.state_dict()[k]), k
+    assert untied.lm_head_w.abs().max() == 0 and 0.004 < tied.lm_head_w.std() < 0.006
+    with torch.no_grad():
+        tied.lm_head_w.add_(torch.randn_like(tied.lm_head_w))
+        tied.embed.weight.normal_()  # unused while tied
+        copy = tiny_model()
+        copy.load_state_dict(tied.state_dict())
+        copy.embed.weight.copy_(tied.lm_head_w)  # what untying does
+        x, y, cu = batch()
+        torch.testing.assert_close(tied(x, y, cu, 128, W3, reduction="none"), copy(x, y, cu, 128, W3, reduction="none"),
+                                   rtol=0, atol=0)
+        tied.tied_embed = False  # now its own (random) table
+        assert not torch.equal(tied(x, y, cu, 128, W3, reduction="none"), copy(x, y, cu, 128, W3, reduction="none"))
+
+
+def test_untie_step_is_the_start_of_the_first_untied_stage():
+    args = tg.Hyperparameters(**{**TINY, "num_iterations": 20})
+    stages = tg.training_stages(args)
+    assert [st.start for st in stages] == [0, 7, 14]
+    for n, step in ((0, 0), (1, 7), (2, 14), (3, math.inf)):
+        assert tg.untie_step(stages, tg.Hyperparameters(**{**TINY, "num_iterations": 20, "tied_embed_stages": n})) == step

@@ -67,6 +67,34 @@ def test_muon_cautious_weight_decay_adds_lr_wd_p_where_the_update_has_ps_sign():
     assert torch.equal(decayed[~same_sign], plain[~same_sign])
 
 
+def test_adam_leaves_a_parameter_without_gradient_alone_and_copy_state_hands_on_the_moments():
+    a, b = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(8, 4))
+    b0 = b.detach().clone()
+    adam = tg.DistAdam([dict(params=[a, b])], lr=0.1, betas=(0.8, 0.95), eps=1e-10)
+    for _ in range(2):
+        a.grad = torch.randn(8, 4)
+        adam.step()
+    assert torch.equal(b.detach(), b0) and b not in adam.state  # no gradient: no step, no moments
+    adam.copy_state(a, b)
+    assert adam.state[b]["step"] == 2 and torch.equal(adam.state[b]["exp_avg"], adam.state[a]["exp_avg"])
+    assert adam.state[b]["exp_avg"] is not adam.state[a]["exp_avg"]  # a copy, not shared
+
+
+def test_untying_copies_the_head_and_its_moments_into_the_token_embedding(tiny_args):
+    args = tiny_args(tied_embed_stages=1)
+    model = tg.GPT(tg.ModelConfig.from_args(args))
+    adam, muon = tg.build_optimizers(model, args, 0, 1)
+    lrs = [g["lr"] for g in adam.param_groups]
+    assert lrs[0] == lrs[2] == args.adam_lr * args.head_lr_mult  # the token embedding learns at the head's rate
+    x = torch.randint(0, 63, (128,), dtype=torch.int32)
+    model(x, x, torch.tensor([0, 128], dtype=torch.int32), 128, tg.window_tokens(1, 16)).backward()
+    assert model.embed.weight.grad is None and model.lm_head_w.grad is not None
+    adam.step()
+    tg.untie_embedding(model, adam)
+    assert not model.tied_embed and torch.equal(model.embed.weight, model.lm_head_w.detach().bfloat16())
+    assert torch.equal(adam.state[model.embed.weight]["exp_avg_sq"], adam.state[model.lm_head_w]["exp_avg_sq"])
+
+
 def test_muon_weight_decay_is_built_from_its_field_and_checked(tiny_args):
     model = tg.GPT(tg.ModelConfig.from_args(tiny_args()))
     _, muon = tg.build_optimizers(model, tiny_args(muon_weight_decay=1.2), 0, 1)
@@ -211,7 +239,8 @@ def test_value_embedding_and_bigram_tables_are_an_adam_group_of_their_own_at_the
     token, tables, head, scalars = adam.param_groups
     assert [id(p) for p in token["params"]] == [id(model.embed.weight)]
     assert [id(p) for p in tables["params"]] == [id(m.weight) for m in model.value_embeds] + [id(model.bigram_embed.weight)]
-    assert token["lr"] == tables["lr"] == args.adam_lr * args.embed_lr_mult
+    assert tables["lr"] == args.adam_lr * args.embed_lr_mult
+    assert token["lr"] == head["lr"]  # a token embedding tied at first (as in these features) learns at the head's rate
     assert (tables["weight_decay"], tables["betas"]) == (0.5, (0.75, 0.95))
     assert all(g["weight_decay"] == 0 and g["betas"] == (0.8, 0.95) for g in (token, head, scalars))
     bare = tg.Hyperparameters(**{**TINY, "num_value_embeds": 0})  # no tables: no empty group
@@ -219,8 +248,10 @@ def test_value_embedding_and_bigram_tables_are_an_adam_group_of_their_own_at_the
 
 
 def test_the_tables_own_group_changes_nothing_at_the_defaults_and_decay_changes_the_run(tiny_args, monkeypatch):
-    """Bit-identical to the layout before (one group for all embeddings) with the decay off."""
-    args = tiny_args(num_iterations=8, val_every=4, **LATER_RECORDS)
+    """Bit-identical to the layout before (one group for all embeddings) with the decay off (and the token
+    embedding untied: tied, it learns at the head's rate, so it could not share the tables' group)."""
+    untied = {**LATER_RECORDS, "tied_embed_stages": 0}
+    args = tiny_args(num_iterations=8, val_every=4, **untied)
     split = tg.train(args)
     build = tg.build_optimizers
 
@@ -234,7 +265,7 @@ def test_the_tables_own_group_changes_nothing_at_the_defaults_and_decay_changes_
     merged = tg.train(args)
     monkeypatch.undo()
     assert split.train_losses == merged.train_losses and split.val_losses == merged.val_losses
-    decayed = tg.train(tiny_args(num_iterations=8, val_every=4, embed_weight_decay=0.5, **LATER_RECORDS))
+    decayed = tg.train(tiny_args(num_iterations=8, val_every=4, embed_weight_decay=0.5, **untied))
     assert decayed.train_losses[0] == split.train_losses[0] and decayed.train_losses[-1] != split.train_losses[-1]
     assert decayed.val_losses[-1][1] < decayed.val_losses[0][1] - 0.5
 

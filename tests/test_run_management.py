@@ -389,3 +389,20 @@ def test_medium_preset_builds_a_gpt2_medium_sized_model():
     blocks = sum(p.numel() for p in model.blocks.parameters() if p.ndim >= 2)
     assert 300e6 < blocks < 305e6  # 24 x (4 x 1024^2 + 2 x 1024 x 4096) + gates
     assert args.batch_size % args.seq_len == 0 and (args.batch_size // args.seq_len) % 8 == 0
+
+
+def test_the_token_embedding_is_untouched_while_tied_and_a_copy_of_the_head_from_the_untie_on(tiny_args, tmp_path):
+    """6 steps in stages starting at 0, 3 and 5; tied for the first: the checkpoint after 2 steps holds
+    the initial table (no gradient reached it), the one after 3 steps the head's weights (untied at the
+    end of step 3, before that checkpoint), the one after 4 steps a table that has learned on its own."""
+    run = tg.train(tiny_args(num_iterations=6, val_every=0, save_every=1, tied_embed_stages=1, run_id="tied",
+                             checkpoint_dir=str(tmp_path / "ck"), keep_checkpoints=10))
+    assert run.train_losses[-1] < run.train_losses[0]
+    state = lambda step: torch.load(tmp_path / "ck" / "tied" / f"step_{step:06d}" / "model.pt", weights_only=True)["model"]
+    args = tiny_args(tied_embed_stages=1)
+    torch.manual_seed(args.seed)
+    initial = tg.GPT(tg.ModelConfig.from_args(args)).embed.weight
+    assert torch.equal(state(2)["embed.weight"], initial)
+    assert torch.equal(state(3)["embed.weight"], state(3)["lm_head_w"].bfloat16())
+    assert not torch.equal(state(4)["embed.weight"], state(4)["lm_head_w"].bfloat16())
+    assert not torch.equal(state(4)["embed.weight"], state(3)["embed.weight"])

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import sample
 import train_gpt as tg
@@ -100,3 +101,12 @@ def test_sample_decodes_text_with_the_gpt2_vocabulary(tiny_args, tmp_path):
                   env={**os.environ, "TIKTOKEN_CACHE_DIR": cache})
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("Hello world")
+
+
+def test_a_model_loaded_for_sampling_reads_its_embedding_where_training_would_have(tiny_args, tmp_path):
+    """Tied for the first stage of 6 steps (stages start at 0, 3, 5): tied at step 2, untied from step 3."""
+    tg.train(tiny_args(num_iterations=6, val_every=0, save_every=1, keep_checkpoints=10, tied_embed_stages=1,
+                       run_id="t", checkpoint_dir=str(tmp_path / "ck")))
+    for step, tied in ((2, True), (3, False), (6, False)):
+        model, _ = sample.load_model(tmp_path / "ck" / "t" / f"step_{step:06d}", torch.device("cpu"), 64)
+        assert model.tied_embed is tied, step

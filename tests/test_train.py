@@ -25,9 +25,10 @@ def test_loss_falls_well_below_uniform_on_a_learnable_corpus(tiny_args):
 def test_loss_still_falls_with_bigram_hash_embedding_backout_and_asymmetric_softcap_on(tiny_args):
     run = tg.train(tiny_args(num_iterations=20, val_every=10, **LATER_RECORDS))
     losses = [v for _, v in run.val_losses]
-    assert abs(losses[0] - torch.log(torch.tensor(64.0)).item()) < 1e-3  # zero-init head and bigram table
-    assert losses[-1] < losses[0] - 1.0 and losses[-1] < losses[1]
-    assert run.train_losses[-1] < run.train_losses[0] - 1.0
+    # about uniform at first: a zero bigram table, and a head at N(0, 0.005) (tied to the embedding)
+    assert abs(losses[0] - torch.log(torch.tensor(64.0)).item()) < 1e-2
+    assert losses[-1] < losses[0] - 0.8 and losses[-1] < losses[1]  # (tied, the tiny model learns a bit slower)
+    assert run.train_losses[-1] < run.train_losses[0] - 0.8
 
 
 def _train_worker(rank, world_size, args, out):
