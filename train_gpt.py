@@ -2055,6 +2055,10 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8).to(device)
     orthogonalize, compiled = ORTHOGONALIZERS[args.orthogonalizer], model
     if args.compile:
+        # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final
+        # validation, on purpose: dynamo's default limit of 8 per function must not fail a longer schedule.
+        graphs = 2 * len(training_stages(args)) + 1
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
         compiled = torch.compile(model, dynamic=False, fullgraph=True)
         orthogonalize = torch.compile(orthogonalize, dynamic=False, fullgraph=True)
     return model, compiled, build_optimizers(model, args, rank, world_size, orthogonalize), attention, fp8

@@ -204,3 +204,21 @@ def test_the_final_validation_can_look_further_back_than_training_did(tiny_args,
     assert seen == [*(st.windows for st in stages), wide, stages[0].windows, stages[1].windows, wide]
     with pytest.raises(ValueError, match="final_val_window=-1"):
         tiny_args(final_val_window=-1)
+
+
+def test_a_compiled_run_with_an_extension_and_a_final_window_compiles_every_graph_it_needs(tiny_args, monkeypatch):
+    """3 stages + the extension, each in training and evaluation, and the final validation's window: 9
+    graphs of one function, one more than dynamo's default limit, which fullgraph turns into a failure.
+    (aot_eager instead of inductor: the same tracing and guards, compiled in seconds on the CPU.)"""
+    torch._dynamo.reset()  # forget the graphs other tests compiled of the same functions (they count)
+    compile = torch.compile
+    monkeypatch.setattr(tg.torch, "compile", lambda fn, **kw: compile(fn, **{**kw, "backend": "aot_eager"}))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    args = tiny_args(num_iterations=12, val_every=3, extension_steps=2, extension_window=4, final_val_window=5,
+                     compile=True, warmup_steps=1)
+    assert len(tg.training_stages(args)) == 4
+    try:
+        run = tg.train(args)
+    finally:
+        torch._dynamo.reset()  # and leave none of these nine for the tests after
+    assert [s for s, _ in run.val_losses] == [0, 3, 6, 9, 12] and run.val_losses[-1][1] < run.val_losses[0][1]
