@@ -24,6 +24,8 @@ cd "$(dirname "$0")/.."
 core="--logit_softcap 23 --softcap_shift 5 --backout_layer 8 --orthogonalizer polar_express --cooldown_frac 0.6 --final_lr_frac 0.15 --doc_len_schedule 896,2048,2048"
 all="$core --bigram_rows 377280 --bigram_sign_rows 8192 --embed_weight_decay 0.0125 --embed_adam_betas 0.75,0.95 --mtp_weights 0.5,0.25,0.5,0,0,0"
 b44="--batch_schedule 44032,44032,44032 --num_iterations 357"      # 357 x 44,032 = 15.72M tokens
+one="--batch_size 44032 --seq_len 44032 --max_num_docs 256"  # b44 in one micro-batch per step (28 GiB a run)
+yarn="--yarn true --attn_scale 0.1 --final_val_window 13"
 b32="--batch_schedule 32768,32768,32768 --num_iterations 480"      # 480 x 32,768
 b65="--batch_schedule 65536,65536,65536 --num_iterations 240"      # 240 x 65,536
 staged="--batch_schedule 44032,87040,131072 --lr_schedule 1,1.52,1.73"  # the record's 1/3, 2/3, 1 batches and LRs
@@ -52,21 +54,20 @@ if [ "$round" = 1 ]; then
       --variant all_b32 "$all $b32" \
       "$@" --out "$out/token_budget_ab.md"
 elif [ "$round" = 2 ]; then
-  five="--muon_beta2 0.9 --yarn true --attn_scale 0.1 --final_val_window 13 --smear true --ve_gate true --key_offset true"
+  five="--muon_beta2 0.9 $yarn --smear true --ve_gate true --key_offset true"
   python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 9 \
       --work /tmp/token_budget_ab2 --label core --ours_args "$core $b44" \
       --variant normuon "--muon_beta2 0.9" \
-      --variant yarn "--yarn true --attn_scale 0.1 --final_val_window 13" \
+      --variant yarn "$yarn" \
       --variant smear "--smear true" \
       --variant ve_gate "--ve_gate true" \
       --variant key_offset "--key_offset true" \
       --variant all5 "$five" \
-      --variant best "--key_offset true --yarn true --attn_scale 0.1 --final_val_window 13 --ve_gate true" \
+      --variant best "--key_offset true $yarn --ve_gate true" \
       --variant mom100 "--muon_momentum_warmup 100" \
-      --variant core_1mb "--batch_size 44032 --seq_len 44032 --max_num_docs 256" \
+      --variant core_1mb "$one" \
       "$@" --out "$out/token_budget_ab2.md"
 else
-  one="--batch_size 44032 --seq_len 44032 --max_num_docs 256"  # one micro-batch per step (learns as 8: round 2); 28 GiB a run
   python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 4 \
       --work /tmp/token_budget_ab3 --label record --ours_args "--preset record $b44 $one" \
       --variant paired "--paired_head_blocks 1,3,6,10" \
