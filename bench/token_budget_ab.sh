@@ -7,15 +7,18 @@
 #            adopted, "all" = core + bigram table (with the record's decay) + multi-token prediction.
 #   ROUND=2: 44,032 x 357 with core as the base, each of the five techniques built later added
 #            alone and together, momentum warm-up over 100 steps, one micro-batch per step.
-#   ROUND=3 (default): 44,032 x 357 in one micro-batch per step, the record preset (core + key offset)
+#   ROUND=3: 44,032 x 357 in one micro-batch per step, the record preset (core + key offset)
 #            as the base: paired-head attention, Muon's cautious weight decay (0.43: the record's decay
 #            per step at our Muon lr), value-embedding gates, the embedding tied to the head for two
 #            stages, block 0 without MLP, and the first three together.
+#   ROUND=4 (default): the record preset at 44,032 x 357 in one micro-batch, tuned for the short run:
+#            final LR 0.05, cooldown over 75%, LR x 1.3, longer windows (5, 9, 13), 32,768 x 480,
+#            multi-token prediction, five value-embedding tables.
 #
-#   [ROUND=1|2|3] bash bench/token_budget_ab.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [more harness flags]
+#   [ROUND=1|2|3|4] bash bench/token_budget_ab.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [more harness flags]
 set -euo pipefail
 if [ $# -lt 3 ]; then
-    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 public=$1 shards=$2 out=$3
@@ -31,7 +34,7 @@ b65="--batch_schedule 65536,65536,65536 --num_iterations 240"      # 240 x 65,53
 staged="--batch_schedule 44032,87040,131072 --lr_schedule 1,1.52,1.73"  # the record's 1/3, 2/3, 1 batches and LRs
 protocol=(--public "$public" --train_files "$shards/fineweb_train_*.bin" --val_files "$shards/fineweb_val_*.bin"
           --batch_size 131072 --val_tokens 983040 --val_seq_len 40960 --val_every 50 --steps 200 --target 2.980)
-round=${ROUND:-3}
+round=${ROUND:-4}
 if [ "$round" = 1 ]; then
   python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 --public_seeds --parallel --work /tmp/token_budget_ab \
       --label base \
@@ -67,7 +70,7 @@ elif [ "$round" = 2 ]; then
       --variant mom100 "--muon_momentum_warmup 100" \
       --variant core_1mb "$one" \
       "$@" --out "$out/token_budget_ab2.md"
-else
+elif [ "$round" = 3 ]; then
   python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 4 \
       --work /tmp/token_budget_ab3 --label record --ours_args "--preset record $b44 $one" \
       --variant paired "--paired_head_blocks 1,3,6,10" \
@@ -77,4 +80,15 @@ else
       --variant no_mlp0 "--no_mlp_layers 0" \
       --variant combo "--paired_head_blocks 1,3,6,10 --muon_weight_decay 0.43 --ve_gate true" \
       "$@" --out "$out/token_budget_ab3.md"
+else
+  python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 4 \
+      --work /tmp/token_budget_ab4 --label record --ours_args "--preset record $b44 $one" \
+      --variant final_lr005 "--final_lr_frac 0.05" \
+      --variant cooldown075 "--cooldown_frac 0.75" \
+      --variant lr13 "--lr_schedule 1.3,1.3,1.3" \
+      --variant ws5_9_13 "--window_schedule 5,9,13" \
+      --variant b32 "--batch_schedule 32768,32768,32768 --num_iterations 480 --batch_size 32768 --seq_len 32768" \
+      --variant mtp "--mtp_weights 0.5,0.25,0.5,0,0,0" \
+      --variant ve5 "--num_value_embeds 5" \
+      "$@" --out "$out/token_budget_ab4.md"
 fi
