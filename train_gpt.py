@@ -1,9 +1,10 @@
 """GPT-2-small speedrun: train a ~124M-parameter GPT on FineWeb to <= 3.28 validation loss, fast.
 
 One file, read top to bottom: hyperparameters -> kernels/custom ops -> model -> optimizers -> data
--> training loop. Launch with `torchrun --standalone --nproc_per_node=8 train_gpt.py` (see run.sh);
-every hyperparameter is a `--field value` override. The log written to logs/<run_id>.txt starts with
-this file's full source, so every result names the exact code that made it.
+-> training loop; the Triton kernels live next to it in kernels.py. Launch with `torchrun --standalone
+--nproc_per_node=8 train_gpt.py` (see run.sh); every hyperparameter is a `--field value` override.
+The log written to logs/<run_id>.txt starts with the full source of this file and of kernels.py, so
+every result names the exact code that made it.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+import kernels  # Triton kernels (kernels.py, next to this file; logged with it)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -127,6 +130,7 @@ class Hyperparameters:
     seed: int = 0
     compile: bool = True
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
+    fused_ce: bool = False  # soft-capped cross-entropy in one Triton kernel each way (kernels.py): no fp32 logits
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
     log_dir: str = "logs"
@@ -878,9 +882,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_fn=attention_reference, fp8_head: bool = False):
+    def __init__(self, cfg: ModelConfig, attn_fn=attention_reference, fp8_head: bool = False, fused_ce: bool = False):
         super().__init__()
-        self.cfg, self.attn_fn, self.fp8_head = cfg, attn_fn, fp8_head
+        self.cfg, self.attn_fn, self.fp8_head, self.fused_ce = cfg, attn_fn, fp8_head, fused_ce
         L, dim = cfg.num_layers, cfg.model_dim
         self.embed = nn.Embedding(cfg.vocab_size, dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in range(cfg.num_value_embeds))
@@ -1011,6 +1015,14 @@ class GPT(nn.Module):
                                                HEAD_GRAD_SCALE)[0]
         else:
             logits = F.linear(x, self.lm_head_w.type_as(x))
+        if self.fused_ce:  # the same losses from kernels.py's fused op: targets and weights as (N, K) columns
+            targets_k, weights_k = [targets], [torch.ones_like(targets, dtype=torch.float32)]
+            if mtp_weights is not None:
+                for j, (y, keep) in enumerate(mtp_targets(targets, cu_seqlens, mtp_weights.size(0))):
+                    targets_k.append(torch.where(keep, y, 0))
+                    weights_k.append(torch.where(keep, mtp_weights[j], 0).float())
+            return torch.ops.speedrun.softcap_ce(logits, torch.stack(targets_k, 1), torch.stack(weights_k, 1),
+                                                 cfg.logit_softcap, cfg.softcap_shift, cfg.softcap_temp)[0]
         z = self.softcap(logits)
         # Cross-entropy written out so that it compiles to one pass over the (tokens x vocab) logits
         # each way: z is in (0, cap) (any shift), so exp(z) needs no max-subtraction pass, and the target
@@ -1878,7 +1890,7 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
 # Checkpoints: whole or absent, sharded optimizer states, exact resume.
 
 def code_hash() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    return hashlib.sha256(Path(__file__).read_bytes() + Path(kernels.__file__).read_bytes()).hexdigest()[:16]
 
 
 MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("max_seq_len", "yarn_windows")] + ["yarn"]
@@ -2052,7 +2064,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     attention = select_attention(args.attention, device, args.compile, log)
     fp8 = args.fp8_head and device.type == "cuda" and fp8_supported(device)  # on the CPU FP8 is emulated: bf16
     torch.manual_seed(args.seed)
-    model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8).to(device)
+    model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, args.fused_ce).to(device)
     orthogonalize, compiled = ORTHOGONALIZERS[args.orthogonalizer], model
     if args.compile:
         # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final
@@ -2265,12 +2277,16 @@ def name_run(args: Hyperparameters, world_size: int) -> tuple[Hyperparameters, P
     return args, resume
 
 
+KERNELS_MARKER = "# ---------- kernels.py, imported by the code above ----------"  # between the two sources in a log
+
+
 def log_header(log: Logger, args: Hyperparameters, device: torch.device, resume: Path | None):
     """A new log starts with the code that made the run, the environment and every hyperparameter."""
     if resume is not None and log.path and os.path.exists(log.path):
         log(f"resuming from {resume}")
         return
     log(Path(__file__).read_text().rstrip("\n"), console=False)
+    log(f"{KERNELS_MARKER}\n{Path(kernels.__file__).read_text().rstrip()}", console=False)
     log("=" * 100, console=False)
     log(environment_report(device), console=False)
     log("=" * 100, console=False)

@@ -5,6 +5,7 @@
 # whose custom op's backward formula differs can be handed the other's cached backward graph (seen
 # here: an argument-count error).
 #   git show REV:train_gpt.py > old_train_gpt.py      # then copy it to the GPU machine with the repository
+#   (a kernels.py beside OLD_TRAIN_GPT_PY goes with it: git show REV:kernels.py; else the working tree's)
 #   DATA_DIR=/path/to/shards bash bench/ab_step_time.sh old_train_gpt.py
 set -u
 if [ $# -ne 1 ] || [ ! -f "$1" ]; then
@@ -15,6 +16,7 @@ OLD="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")"  # before gpu_env.sh moves
 source "$(dirname "$0")/gpu_env.sh"
 R=$PWD
 mkdir -p /tmp/old/bench && cp "$OLD" /tmp/old/train_gpt.py && cp bench/step_time.py /tmp/old/bench/
+if [ -f "$(dirname "$OLD")/kernels.py" ]; then cp "$(dirname "$OLD")/kernels.py" /tmp/old/; else cp kernels.py /tmp/old/; fi
 nvidia-smi -L
 for v in old new old new; do
   if [ $v = old ]; then d=/tmp/old; else d=$R; fi
