@@ -131,6 +131,7 @@ class Hyperparameters:
     compile: bool = True
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     fused_ce: bool = False  # soft-capped cross-entropy in one Triton kernel each way (kernels.py): no fp32 logits
+    fused_mlp: bool = False  # ReLU² inside the MLP's matmul epilogues, forward and backward (kernels.py)
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
     log_dir: str = "logs"
@@ -858,9 +859,12 @@ class MLP(nn.Module):
         # (hidden, dim), the input matrix got scale 2, i.e. twice the record's learning rate.
         self.fc_w = nn.Parameter(uniform_init_(torch.empty(cfg.model_dim, hidden), cfg.model_dim))
         self.proj_w = nn.Parameter(torch.zeros(cfg.model_dim, hidden))  # zero init (@Grad62304977)
+        self.fused = False  # kernels.py's relu2_mlp (GPT sets it from --fused_mlp)
 
     def forward(self, x: Tensor) -> Tensor:
         # ReLU^2 (arXiv 2109.08668; @SKYLINEZ007, @Grad62304977): ~1-2% better than GELU in the speedrun.
+        if self.fused:
+            return torch.ops.speedrun.relu2_mlp(x, self.fc_w.type_as(x), self.proj_w.type_as(x))[0]
         return F.linear(F.relu(x @ self.fc_w.type_as(x)).square(), self.proj_w.type_as(x))
 
 
@@ -882,7 +886,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_fn=attention_reference, fp8_head: bool = False, fused_ce: bool = False):
+    def __init__(self, cfg: ModelConfig, attn_fn=attention_reference, fp8_head: bool = False, fused_ce: bool = False,
+                 fused_mlp: bool = False):
         super().__init__()
         self.cfg, self.attn_fn, self.fp8_head, self.fused_ce = cfg, attn_fn, fp8_head, fused_ce
         L, dim = cfg.num_layers, cfg.model_dim
@@ -891,6 +896,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i not in cfg.no_attn_layers, ve is not None, cfg.window_pattern[i] == "L",
                                           i in cfg.paired_head_blocks, i not in cfg.no_mlp_layers)
                                     for i, ve in enumerate(self.value_embed_layers()))
+        for block in self.blocks:
+            if block.mlp is not None:
+                block.mlp.fused = fused_mlp
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
         # All scalars in one tensor (one Adam group, one collective), laid out by scalar_layout(): per
@@ -2064,7 +2072,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     attention = select_attention(args.attention, device, args.compile, log)
     fp8 = args.fp8_head and device.type == "cuda" and fp8_supported(device)  # on the CPU FP8 is emulated: bf16
     torch.manual_seed(args.seed)
-    model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, args.fused_ce).to(device)
+    model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, args.fused_ce, args.fused_mlp).to(device)
     orthogonalize, compiled = ORTHOGONALIZERS[args.orthogonalizer], model
     if args.compile:
         # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final
