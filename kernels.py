@@ -190,7 +190,7 @@ if triton is not None:
         grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         group = GROUP_M * grid_n  # tiles in groups of GROUP_M rows: neighbouring programs share B in L2
         first_m = (pid // group) * GROUP_M
-        rows_in_group = min(grid_m - first_m, GROUP_M)
+        rows_in_group = tl.minimum(grid_m - first_m, GROUP_M)
         pid_m = first_m + (pid % group) % rows_in_group
         pid_n = (pid % group) // rows_in_group
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
