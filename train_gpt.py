@@ -130,7 +130,6 @@ class Hyperparameters:
     seed: int = 0
     compile: bool = True
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
-    fused_ce: bool = False  # soft-capped cross-entropy in one Triton kernel each way (kernels.py): no fp32 logits
     fused_mlp: bool = False  # ReLU² inside the MLP's matmul epilogues, forward and backward (kernels.py)
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
@@ -886,10 +885,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_fn=attention_reference, fp8_head: bool = False, fused_ce: bool = False,
-                 fused_mlp: bool = False):
+    def __init__(self, cfg: ModelConfig, attn_fn=attention_reference, fp8_head: bool = False, fused_mlp: bool = False):
         super().__init__()
-        self.cfg, self.attn_fn, self.fp8_head, self.fused_ce = cfg, attn_fn, fp8_head, fused_ce
+        self.cfg, self.attn_fn, self.fp8_head = cfg, attn_fn, fp8_head
         L, dim = cfg.num_layers, cfg.model_dim
         self.embed = nn.Embedding(cfg.vocab_size, dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in range(cfg.num_value_embeds))
@@ -1023,14 +1021,6 @@ class GPT(nn.Module):
                                                HEAD_GRAD_SCALE)[0]
         else:
             logits = F.linear(x, self.lm_head_w.type_as(x))
-        if self.fused_ce:  # the same losses from kernels.py's fused op: targets and weights as (N, K) columns
-            targets_k, weights_k = [targets], [torch.ones_like(targets, dtype=torch.float32)]
-            if mtp_weights is not None:
-                for j, (y, keep) in enumerate(mtp_targets(targets, cu_seqlens, mtp_weights.size(0))):
-                    targets_k.append(torch.where(keep, y, 0))
-                    weights_k.append(torch.where(keep, mtp_weights[j], 0).float())
-            return torch.ops.speedrun.softcap_ce(logits, torch.stack(targets_k, 1), torch.stack(weights_k, 1),
-                                                 cfg.logit_softcap, cfg.softcap_shift, cfg.softcap_temp)[0]
         z = self.softcap(logits)
         # Cross-entropy written out so that it compiles to one pass over the (tokens x vocab) logits
         # each way: z is in (0, cap) (any shift), so exp(z) needs no max-subtraction pass, and the target
@@ -2072,7 +2062,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     attention = select_attention(args.attention, device, args.compile, log)
     fp8 = args.fp8_head and device.type == "cuda" and fp8_supported(device)  # on the CPU FP8 is emulated: bf16
     torch.manual_seed(args.seed)
-    model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, args.fused_ce, args.fused_mlp).to(device)
+    model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, args.fused_mlp).to(device)
     orthogonalize, compiled = ORTHOGONALIZERS[args.orthogonalizer], model
     if args.compile:
         # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final
