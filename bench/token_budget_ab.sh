@@ -35,6 +35,9 @@ staged="--batch_schedule 44032,87040,131072 --lr_schedule 1,1.52,1.73"  # the re
 protocol=(--public "$public" --train_files "$shards/fineweb_train_*.bin" --val_files "$shards/fineweb_val_*.bin"
           --batch_size 131072 --val_tokens 983040 --val_seq_len 40960 --val_every 50 --steps 200 --target 2.980)
 round=${ROUND:-4}
+# rounds 3 and 4: two seeds of the record preset at 44,032 x 357 in one micro-batch, four runs at a time
+on_record=(python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 4
+           --label record --ours_args "--preset record $b44 $one")
 if [ "$round" = 1 ]; then
   python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 --public_seeds --parallel --work /tmp/token_budget_ab \
       --label base \
@@ -71,8 +74,7 @@ elif [ "$round" = 2 ]; then
       --variant core_1mb "$one" \
       "$@" --out "$out/token_budget_ab2.md"
 elif [ "$round" = 3 ]; then
-  python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 4 \
-      --work /tmp/token_budget_ab3 --label record --ours_args "--preset record $b44 $one" \
+  "${on_record[@]}" --work /tmp/token_budget_ab3 \
       --variant paired "--paired_head_blocks 1,3,6,10" \
       --variant muon_wd043 "--muon_weight_decay 0.43" \
       --variant ve_gate "--ve_gate true" \
@@ -81,8 +83,7 @@ elif [ "$round" = 3 ]; then
       --variant combo "--paired_head_blocks 1,3,6,10 --muon_weight_decay 0.43 --ve_gate true" \
       "$@" --out "$out/token_budget_ab3.md"
 else
-  python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 4 \
-      --work /tmp/token_budget_ab4 --label record --ours_args "--preset record $b44 $one" \
+  "${on_record[@]}" --work /tmp/token_budget_ab4 \
       --variant final_lr005 "--final_lr_frac 0.05" \
       --variant cooldown075 "--cooldown_frac 0.75" \
       --variant lr13 "--lr_schedule 1.3,1.3,1.3" \
