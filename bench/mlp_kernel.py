@@ -1,0 +1,91 @@
+"""Time one ReLU² MLP, forward and backward, at the record's micro-batch shape on one GPU: the
+unfused MLP as torch.compile builds it (cuBLAS matmuls, ReLU² as separate fused elementwise kernels)
+against kernels.py's relu2_mlp (ReLU² in Triton matmul epilogues) with each tile configuration
+given, and the fused op's relative error against the unfused one. Seconds per run, not minutes of
+model compile: the way to choose kernels.RELU2_TILES before timing whole steps (bench/step_time.py
+--fused_mlp true).
+
+    python bench/mlp_kernel.py [--tokens 49152] [--tiles 128,128,64,8,3 128,256,64,8,3 ...]
+
+A tile configuration is BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages (GROUP_M stays 8)."""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels  # noqa: E402
+
+
+def unfused(x, fc_w, proj_w):
+    return F.linear(F.relu(x @ fc_w).square(), proj_w)  # as train_gpt.py's MLP.forward
+
+
+def fused(x, fc_w, proj_w):
+    return torch.ops.speedrun.relu2_mlp(x, fc_w, proj_w)[0]
+
+
+def time_fwd_bwd(fn, inputs, grad, iters: int) -> float:
+    """Median ms of forward + backward over iters runs, after three untimed ones."""
+    times = []
+    for i in range(iters + 3):
+        for t in inputs:
+            t.grad = None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*inputs).backward(grad)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=49152, help="rows of the micro-batch")
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--hidden", type=int, default=3072)
+    parser.add_argument("--tiles", nargs="+", default=["128,128,64,8,3", "128,256,64,8,3", "128,128,32,4,4"],
+                        help="BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages per configuration")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("mlp_kernel.py: needs a CUDA GPU (the Triton kernels and CUDA-event timing)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    make = lambda *shape, s=1.0: (s * torch.randn(*shape, device="cuda", generator=g)).bfloat16().requires_grad_()
+    inputs = [make(args.tokens, args.dim), make(args.dim, args.hidden, s=args.dim ** -0.5),
+              make(args.dim, args.hidden, s=args.hidden ** -0.5)]
+    grad = torch.randn(args.tokens, args.dim, device="cuda", generator=g).bfloat16()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; MLP {args.tokens} x {args.dim} "
+          f"-> {args.hidden} -> {args.dim}, bf16, forward + backward, median of {args.iters}")
+    compiled = torch.compile(unfused, fullgraph=True)
+    base = time_fwd_bwd(compiled, inputs, grad, args.iters)
+    for t in inputs:
+        t.grad = None
+    reference = compiled(*inputs)
+    reference.backward(grad)
+    reference, ref_grads = reference.detach(), [t.grad.float() for t in inputs]
+    print(f"unfused (torch.compile): {base:.3f} ms")
+    for tiles in args.tiles:
+        m, n, k, warps, stages = map(int, tiles.split(","))
+        kernels.RELU2_TILES = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=warps, num_stages=stages)
+        try:
+            ms = time_fwd_bwd(fused, inputs, grad, args.iters)
+        except Exception as e:  # a configuration the GPU cannot hold (shared memory, registers): say so, go on
+            print(f"fused {tiles}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            continue
+        for t in inputs:
+            t.grad = None
+        out = fused(*inputs)
+        out.backward(grad)
+        out = out.detach()
+        rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
+        err = max([rel(out, reference)] + [rel(t.grad, r) for t, r in zip(inputs, ref_grads)])
+        print(f"fused {tiles}: {ms:.3f} ms ({ms / base:.3f} x unfused); largest relative error {err:.1e}")
+
+
+if __name__ == "__main__":
+    main()
