@@ -262,6 +262,9 @@ print(json.dumps(t.check_relu2_mlp_op(*t.relu2_mlp_case(torch.float32))))
 """
 
 
+# On a CUDA machine the GPU test below runs the compiled kernels instead. (On the H100 with PyTorch 2.11 this
+# interpreter run failed inside Triton: "TypeError: only 0-dimensional arrays can be converted to Python scalars".)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU machines' check; the GPU test covers the compiled kernels")
 def test_triton_kernels_match_float64_autograd_in_the_triton_interpreter(tmp_path):
     import json
     import subprocess
@@ -290,7 +293,7 @@ def check_relu2_mlp_op(x, fc_w, proj_w):
     import kernels
     ref_in = [t.double().requires_grad_(True) for t in (x, fc_w, proj_w)]
     expected = kernels.relu2_mlp_reference(*ref_in)
-    grad_out = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grad_out = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(x.device)
     (expected * grad_out).sum().backward()
     got_in = [t.clone().requires_grad_(True) for t in (x, fc_w, proj_w)]
     out = torch.ops.speedrun.relu2_mlp(*got_in)[0]
