@@ -146,6 +146,17 @@ def test_muon_momentum_warms_up_then_cools_down_over_the_last_steps():
     assert got == pytest.approx([0.85, 0.90, 0.95, 0.95, 0.90, 0.85])
 
 
+def test_record_preset_momentum_at_the_development_protocol_length_stays_between_its_start_and_peak():
+    """Round 6's schedule at 357 steps: 0.8 up to 0.9 over 300 steps, the cooldown taking over after step 257
+    (a step up of at most 0.1 x 43/300 there), back to 0.8 at the end."""
+    args = tg.parse_args(["--num_iterations", "357"])
+    m = [tg.muon_momentum(s, args) for s in range(358)]
+    assert m[0] == pytest.approx(0.8) and m[-1] == pytest.approx(0.8) and max(m) == pytest.approx(0.9, abs=2e-3)
+    assert all(0.8 - 1e-9 <= x <= 0.9 + 1e-9 for x in m)
+    jumps = [b - a for a, b in zip(m, m[1:])]
+    assert max(jumps) < 0.015 and all(j <= 1e-9 for j in jumps[258:])  # rises, one small step up, then only falls
+
+
 def test_default_schedule_is_the_0903_record_unchanged():
     args = tg.Hyperparameters()
     assert [tg.lr_factor(s, args, 1.0) for s in range(1671)] == pytest.approx(
