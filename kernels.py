@@ -78,6 +78,25 @@ if triton is not None:
 RELU2_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
+def relu2_tiles_shared_memory(tiles: dict = RELU2_TILES, itemsize: int = 2) -> int:
+    """Bytes of shared memory one program of the fused matmul needs: an A and a B tile per pipeline stage."""
+    return tiles["num_stages"] * (tiles["BLOCK_M"] + tiles["BLOCK_N"]) * tiles["BLOCK_K"] * itemsize
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Shared memory one program may use on this CUDA device (the limit Triton checks at launch)."""
+    return triton.runtime.driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"]
+
+
+def relu2_mlp_fits(device: torch.device) -> bool:
+    """Whether --fused_mlp can run its kernel here: on a CUDA GPU with the shared memory for RELU2_TILES
+    (144 KiB: H100, H200 and A100 have it, most desktop GPUs do not); elsewhere the op's PyTorch
+    reference runs, which always fits."""
+    if device.type != "cuda" or triton is None:
+        return True
+    return max_shared_memory(device) >= relu2_tiles_shared_memory()
+
+
 def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None) -> tuple[Tensor, Tensor]:
     """Forward (aux None): (relu(a @ b)², a @ b). Backward: ((a @ b) * 2 relu(aux), aux)."""
     M, K = a.shape

@@ -361,3 +361,31 @@ def test_relu2_mlp_traces_fullgraph_and_matches_eager():
 def test_relu2_mlp_kernels_on_the_gpu_at_the_record_shapes():
     errors = check_relu2_mlp_op(*(t.cuda() for t in relu2_mlp_case(torch.bfloat16, T=4096 + 17, dim=768, hidden=3072)))
     assert max(errors) < 1e-2, errors
+
+
+def test_fused_mlp_fits_by_the_gpus_shared_memory(monkeypatch):
+    import kernels
+    need = kernels.relu2_tiles_shared_memory()
+    tiles = dict(kernels.RELU2_TILES, num_stages=2)
+    assert kernels.relu2_tiles_shared_memory(tiles) == need * 2 // 3  # one pipeline stage less, a third less
+    cuda = torch.device("cuda", 0)
+    if kernels.triton is not None:
+        for smem, fits in [(need - 1, False), (need, True), (227 * 1024, True), (99 * 1024, False)]:
+            monkeypatch.setattr(kernels, "max_shared_memory", lambda device, smem=smem: smem)
+            assert kernels.relu2_mlp_fits(cuda) is fits, smem
+    assert kernels.relu2_mlp_fits(torch.device("cpu"))  # the op's reference path runs anywhere
+
+
+def test_build_runs_the_mlp_unfused_where_the_kernel_does_not_fit(tiny_args, monkeypatch):
+    import kernels
+    args = tiny_args(fused_mlp=True, compile=False)
+    model = tg.build(args, torch.device("cpu"), 0, 1)[0]
+    assert all(b.mlp.fused for b in model.blocks if b.mlp is not None)
+    assert "MLP: fused" in tg.run_report(model, args, torch.device("cpu"), 1, "reference", False)[0]
+    monkeypatch.setattr(kernels, "relu2_mlp_fits", lambda device: False)
+    monkeypatch.setattr(kernels, "max_shared_memory", lambda device: 99 * 1024)
+    lines = []
+    model = tg.build(args, torch.device("cpu"), 0, 1, log=lines.append)[0]
+    assert not any(b.mlp.fused for b in model.blocks if b.mlp is not None)
+    assert any("fused MLP off" in line and "99 KiB" in line for line in lines), lines
+    assert "MLP: unfused" in tg.run_report(model, args, torch.device("cpu"), 1, "reference", False)[0]
