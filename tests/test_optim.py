@@ -232,6 +232,45 @@ def test_cautious_weight_decay_is_lr_t_squared_times_p_only_where_the_update_has
     assert (decayed - wrong.float()).abs().max() > 1e-2
 
 
+def test_compiled_adam_update_equals_eager_with_new_step_sizes_and_shapes_without_recompiling():
+    """build() gives DistAdam the compiled adam_update: the same numbers as eager (the formula test above
+    runs eager), for bf16 and fp32 parameters, with and without decay; after the first step, new step
+    sizes and shapes reuse one graph per dtype and decay setting instead of compiling one per step."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(tg.adam_update, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for decay in (0.0, 0.3):
+            for step, rows in enumerate([16, 16, 24, 16, 40]):
+                p = torch.randn(rows, 8, generator=gen).to(dtype)
+                g = torch.randn(rows, 8, generator=gen).to(dtype)
+                m, v = torch.randn(rows, 8, generator=gen), torch.rand(rows, 8, generator=gen)
+                eager, comp = [t.clone() for t in (p, m, v)], [t.clone() for t in (p, m, v)]
+                size = 0.01 / (step + 1)  # a new step size every step
+                tg.adam_update(eager[0], g, eager[1], eager[2], size, decay * size, 0.8, 0.95, 1e-10)
+                compiled(comp[0], g, comp[1], comp[2], size, decay * size, 0.8, 0.95, 1e-10)
+                tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: a last-bit rounding apart at most
+                for a, b in zip(eager, comp):
+                    torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+                assert not torch.equal(eager[0], p)
+    assert counter.frame_count <= 8, counter.frame_count  # 4 settings x (first call + the general graph)
+    # through DistAdam, as in training: row slices of parameters, updated in place under no_grad
+    params = {}
+    for update in (tg.adam_update, torch.compile(tg.adam_update, fullgraph=True)):
+        torch.manual_seed(1)
+        ps = [torch.nn.Parameter(torch.randn(12, 8).to(dtype)) for dtype in (torch.float32, torch.bfloat16)]
+        adam = tg.DistAdam([dict(params=ps[:1]), dict(params=ps[1:], weight_decay=0.5)], lr=0.05,
+                           betas=(0.8, 0.95), eps=1e-10, update=update)
+        for _ in range(3):
+            for q in ps:
+                q.grad = torch.randn_like(q)
+            adam.step()
+        params[update] = [q.detach().float() for q in ps]
+    for a, b, tol in zip(*params.values(), (1e-6, 1e-2)):  # fp32, bf16
+        torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+
+
 def test_value_embedding_and_bigram_tables_are_an_adam_group_of_their_own_at_the_embedding_lr():
     args = tg.Hyperparameters(**TINY, **DECAYED_TABLES)
     model = tg.GPT(tg.ModelConfig.from_args(args))
@@ -255,11 +294,12 @@ def test_the_tables_own_group_changes_nothing_at_the_defaults_and_decay_changes_
     split = tg.train(args)
     build = tg.build_optimizers
 
-    def one_embedding_group(model, args, rank, world_size, orthogonalize=tg.newton_schulz):
-        adam, muon = build(model, args, rank, world_size, orthogonalize)
+    def one_embedding_group(model, args, rank, world_size, orthogonalize=tg.newton_schulz, update=tg.adam_update):
+        adam, muon = build(model, args, rank, world_size, orthogonalize, update)
         token, tables, *rest = adam.param_groups
         merged = {**token, "params": token["params"] + tables["params"]}
-        return tg.DistAdam([merged, *rest], lr=args.adam_lr, betas=token["betas"], eps=args.adam_eps), muon
+        return tg.DistAdam([merged, *rest], lr=args.adam_lr, betas=token["betas"], eps=args.adam_eps,
+                           update=update), muon
 
     monkeypatch.setattr(tg, "build_optimizers", one_embedding_group)
     merged = tg.train(args)
