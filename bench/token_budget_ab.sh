@@ -15,12 +15,13 @@
 #            final LR 0.05, cooldown over 75%, LR x 1.3, longer windows (5, 9, 13), 32,768 x 480,
 #            multi-token prediction, five value-embedding tables.
 #   Rounds 3 and 4 ran on the record preset of their time; it has since taken round 6's Muon momentum
-#   (bench/results/token_budget6_h100.md): to rerun them as they ran, check out commit 1c8e29a.
+#   and round 7's bigram table and fused MLP (bench/results/token_budget6_h100.md, token_budget7_h100.md):
+#   to rerun them as they ran, check out commit 1c8e29a.
 #
 #   [ROUND=1|2|3|4] bash bench/token_budget_ab.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [more harness flags]
 set -euo pipefail
 if [ $# -lt 3 ]; then
-    sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 public=$1 shards=$2 out=$3
