@@ -1231,13 +1231,16 @@ def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_
     pass over p, g and the moments, where eager PyTorch makes about a dozen: for the 377,280 x 768 bigram
     table about 30 GB of memory traffic a step instead of 6; the step size, a new number every step, is an
     argument of the compiled kernel, not a constant in it (see build), so nothing recompiles."""
+    # Every number enters as a factor of a tensor, never as an op's scalar argument (lerp_'s weight,
+    # addcmul_'s value), which the compiled graph would have to specialize on
     g = g.float()
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    exp_avg.copy_(exp_avg * beta1 + g * (1 - beta1))
+    exp_avg_sq.copy_(exp_avg_sq * beta2 + g * g * (1 - beta2))
     p32 = p.float()
     update = exp_avg / (exp_avg_sq.sqrt() + eps) * step_size
-    if decay_rate:  # cautious: decay only entries the update already pulls toward zero
-        update = update + torch.where(update * p32 > 0, p32, 0) * decay_rate
+    # cautious: decay only entries the update already pulls toward zero. Computed even at decay_rate 0
+    # (adding zeros): a Python branch on decay_rate would make the compiled graph specialize on its value
+    update = update + torch.where(update * p32 > 0, p32, 0) * decay_rate
     p.copy_(p32 - update)
 
 
@@ -2097,9 +2100,9 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
         compiled = torch.compile(model, dynamic=False, fullgraph=True)
         orthogonalize = torch.compile(orthogonalize, dynamic=False, fullgraph=True)
-        # dynamic=None: after the first step, step sizes and shapes become arguments of one graph (per
-        # dtype and decay on/off), not constants that recompile it every step
-        update = torch.compile(adam_update, fullgraph=True)
+        # dynamic=True: shapes, step sizes, decay rates and betas are arguments of one graph per dtype and
+        # rank of parameter, not constants that recompile it for every tensor and every step
+        update = torch.compile(adam_update, dynamic=True, fullgraph=True)
     return model, compiled, build_optimizers(model, args, rank, world_size, orthogonalize, update), attention, fp8
 
 
