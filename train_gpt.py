@@ -89,6 +89,7 @@ class Hyperparameters:
     ve_gate: bool = False  # value-embedding gate: 2 sigmoid(W x[:12]) per head scales the value embedding (12/29/25)
     key_offset: bool = False  # long-window blocks' keys take their position-free dims from the previous token (12/14/25)
     paired_head_blocks: tuple[int, ...] = ()  # paired-head attention in these short-window blocks (01/07/26: 1,3,6,10)
+    xsa: bool = False  # learnable XSA: each head removes tanh(a) of its output along its own value (04/29/26)
     # Multi-token prediction (2025-12-22 record, @varunneal, PR 178): position t is also trained on the tokens at
     # t+2, t+3, ... of its document (same head), with these weights: K per stage, at the stage's start, stage after
     # stage; inside a stage each moves linearly to the next stage's value (the last stage and the extension hold
@@ -672,6 +673,7 @@ class ModelConfig:
     ve_gate: bool
     key_offset: bool
     paired_head_blocks: tuple[int, ...]
+    xsa: bool
     tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order; () = off
@@ -813,6 +815,17 @@ def pair_heads(x: Tensor) -> Tensor:
     return x.reshape(2 * T, H // 2, D)
 
 
+def exclude_own_value(y: Tensor, v: Tensor, alpha: Tensor) -> Tensor:
+    """Learnable exclusive self-attention (XSA, arXiv 2603.09078; learnable strength: the 2026-04-29
+    record, @_djdumpling, PR 264). y, v: (T, H, D) attention outputs and the values they attend over;
+    alpha: (H,). Each head removes tanh(alpha) of its output's component along its own token's value
+    direction, i.e. of what it copies of the token itself, which the residual stream already carries.
+    alpha = 0 (the start) changes nothing; tanh(alpha) = 1 leaves y orthogonal to v."""
+    unit = F.normalize(v, dim=-1, eps=1e-4)
+    along = (y * unit).sum(-1, keepdim=True)
+    return y - torch.tanh(alpha).type_as(y)[:, None] * along * unit
+
+
 def rotate(x: Tensor, rope: tuple[Tensor, Tensor, float]) -> Tensor:  # x: (T, H, D)
     """Rotary embedding with a stage's tables (Rotary.at)."""
     cos, sin = rope[0][: x.size(0), None, :], rope[1][: x.size(0), None, :]
@@ -838,7 +851,7 @@ class CausalSelfAttention(nn.Module):
         # embedding: 2 sigmoid(W x[:12]) scales each head's value embedding by context; zero init = 1.
         self.ve_gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels)) if ve_gate else None
 
-    def forward(self, x, ve, lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn):
+    def forward(self, x, ve, lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, xsa=None):
         T, H, D = x.size(0), self.num_heads, self.head_dim
         q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x)).view(T, 3 * H, D).chunk(3, dim=1)
         # Value embeddings (@KoszarskyB, @Grad62304977; value residual, arXiv 2410.17897): v mixes in a
@@ -847,6 +860,7 @@ class CausalSelfAttention(nn.Module):
             gate = 2 * torch.sigmoid(F.linear(x[:, : self.ve_gate_w.size(1)], self.ve_gate_w.type_as(x)))
             ve = ve.view_as(v) * gate.unsqueeze(-1)
         v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
+        own_v = v  # (T, H, D) before any pairing: each head's value at each token, for XSA
         if self.paired:
             q, k, v = pair_heads(q), pair_heads(k), pair_heads(v)
             cu_seqlens, max_seqlen = 2 * cu_seqlens, 2 * max_seqlen
@@ -855,6 +869,8 @@ class CausalSelfAttention(nn.Module):
             k = offset_keys(k, cu_seqlens)
         y = attn_fn(q, k, v, cu_seqlens, max_seqlen, window, self.scale * rope[2])  # rope[2]: YaRN's, else 1
         y = y.reshape(T, H, D)  # paired heads back in place (otherwise already this shape)
+        if xsa is not None:
+            y = exclude_own_value(y, own_v, xsa)
         y = y * torch.sigmoid(F.linear(x[:, : self.gate_w.size(1)], self.gate_w.type_as(x))).unsqueeze(-1)
         return y.reshape(T, H * D) @ self.qkvo_w[3].type_as(y)
 
@@ -885,12 +901,13 @@ class Block(nn.Module):
                                         key_offset=cfg.key_offset and long_window, paired=paired) if has_attn else None
         self.mlp = MLP(cfg) if has_mlp else None
 
-    def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, bigram=None):
+    def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, bigram=None,
+                xsa=None):
         x = lambdas[0] * x + lambdas[1] * x0  # learned mix with the embedding stream x0
         if bigram is not None:  # this block's weighted bigram hash embedding (see bigram_indices)
             x = x + bigram
         if self.attn is not None:
-            x = x + self.attn(norm(x), ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn)
+            x = x + self.attn(norm(x), ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, xsa)
         return x + self.mlp(norm(x)) if self.mlp is not None else x
 
 
@@ -912,10 +929,12 @@ class GPT(nn.Module):
         # All scalars in one tensor (one Adam group, one collective), laid out by scalar_layout(): per
         # block the residual mix (a, b) = (1, 0) and the value mix (c, d) = (0.5, 0.5), then one U-net
         # skip weight per skipped block (1.0), then, where on, each block's bigram weight (0.1, the
-        # 2026-01-19 record's), the backout weight (0.5, the 2025-10-04 record's) and the smear weight
-        # (0, the 2025-09-18 record's); padded to a multiple of 64 so it shards over any world size <= 64.
+        # 2026-01-19 record's), the backout weight (0.5, the 2025-10-04 record's), the smear weight
+        # (0, the 2025-09-18 record's) and XSA's strength per block and head (0, the 2026-04-29 record's);
+        # padded to a multiple of 64 so it shards over any world size <= 64.
         inits = dict(blocks=torch.tensor([1.0, 0.0, 0.5, 0.5]).repeat(L), skips=torch.ones(L // 2),
-                     bigram=torch.full((L,), 0.1), backout=torch.tensor([0.5]), smear=torch.zeros(1))
+                     bigram=torch.full((L,), 0.1), backout=torch.tensor([0.5]), smear=torch.zeros(1),
+                     xsa=torch.zeros(L * cfg.num_heads))
         scalars = torch.cat([inits[name] for name, part in self.scalar_layout().items() if part.stop > part.start])
         self.scalars = nn.Parameter(F.pad(scalars, (0, -scalars.numel() % 64)))
         for m in (self.embed, *self.value_embeds):
@@ -948,7 +967,8 @@ class GPT(nn.Module):
         """Where each kind of scalar lies in self.scalars (the features that are off take no room)."""
         cfg, L = self.cfg, self.cfg.num_layers
         sizes = dict(blocks=4 * L, skips=L // 2, bigram=L if cfg.bigram_rows else 0,
-                     backout=1 if cfg.backout_layer >= 0 else 0, smear=1 if cfg.smear else 0)
+                     backout=1 if cfg.backout_layer >= 0 else 0, smear=1 if cfg.smear else 0,
+                     xsa=L * cfg.num_heads if cfg.xsa else 0)
         layout, start = {}, 0
         for name, n in sizes.items():
             layout[name], start = slice(start, start + n), start + n
@@ -972,6 +992,7 @@ class GPT(nn.Module):
         block_scalars, skip_w = s[at["blocks"]].view(L, 4), s[at["skips"]]
         lambdas, ve_lambdas = block_scalars[:, :2], block_scalars[:, 2:]
         bigram_w, backout_w = s[at["bigram"]], s[at["backout"]]
+        xsa = s[at["xsa"]].view(L, cfg.num_heads) if cfg.xsa else [None] * L
         x = F.embedding(inputs, self.lm_head_w).type_as(self.embed.weight) if self.tied_embed else self.embed(inputs)
         if self.smear_w is not None:
             x = smear(x, cu_seqlens, s[at["smear"]], self.smear_w)
@@ -989,7 +1010,7 @@ class GPT(nn.Module):
             if i >= L - L // 2:
                 x = x + skip_w[i - (L - L // 2)] * skips.pop()
             x = block(x, x0, lambdas[i], ves[i], ve_lambdas[i], cu_seqlens, max_seqlen, windows[i], rope,
-                      self.attn_fn, None if bigram is None else bigram_w[i] * bigram)
+                      self.attn_fn, None if bigram is None else bigram_w[i] * bigram, xsa[i])
             if i < L // 2:
                 skips.append(x)
             if i == cfg.backout_layer:
@@ -1817,7 +1838,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     """Muon for every matrix inside the blocks and the smear gate's (as the 2025-09-18 record); Adam for
     embeddings, LM head and scalars. The bigram table learns as the other embeddings do (the
     2026-01-19 record gave it the value embeddings' Adam settings); its per-block weights, the
-    backout weight and the smear weight are scalars. The value-embedding
+    backout weight, the smear weight and XSA's strengths are scalars. The value-embedding
     and bigram tables are a group apart from the token embedding, at its lr, for their own weight
     decay and betas (embed_weight_decay, embed_adam_betas); at the defaults nothing differs."""
     groups = param_groups_by_role(model)

@@ -426,6 +426,49 @@ def test_key_offset_is_on_in_long_window_blocks_only_and_changes_the_model():
         assert not torch.equal(on(x, y, cu, 128, W3, reduction="none"), off(x, y, cu, 128, W3, reduction="none"))
 
 
+def test_xsa_removes_tanh_alpha_of_each_heads_output_along_its_own_value():
+    g = torch.Generator().manual_seed(0)
+    y, v = torch.randn(7, 3, 8, generator=g), torch.randn(7, 3, 8, generator=g)
+    alpha = torch.tensor([0.0, 0.4, 20.0])  # off, part, (tanh ~ 1) all
+    out = tg.exclude_own_value(y, v, alpha)
+    unit = v / v.norm(dim=-1, keepdim=True)
+    along_before, along_after = (y * unit).sum(-1), (out * unit).sum(-1)
+    torch.testing.assert_close(out[:, 0], y[:, 0], rtol=0, atol=0)  # alpha 0: unchanged
+    torch.testing.assert_close(along_after[:, 1], (1 - math.tanh(0.4)) * along_before[:, 1])
+    torch.testing.assert_close(along_after[:, 2], torch.zeros(7), rtol=0, atol=1e-5)  # orthogonal to v
+    # what is orthogonal to v stays: only the component along v changes
+    torch.testing.assert_close(out - (out * unit).sum(-1, keepdim=True) * unit,
+                               y - (y * unit).sum(-1, keepdim=True) * unit)
+
+
+@pytest.mark.parametrize("paired", [(), (1,)], ids=["plain", "paired_block_1"])
+def test_xsa_starts_as_the_model_without_it_then_learns_a_strength_per_block_and_head(paired):
+    """alpha starts at 0: the same losses as without XSA; its gradient reaches every block with attention
+    (paired blocks too: they use each head's own, unpaired value) and nothing else; the strengths are
+    scalars, trained by Adam with the others."""
+    off = tiny_model(randomize=True, paired_head_blocks=paired)
+    on = tiny_model(xsa=True, paired_head_blocks=paired)
+    state = off.state_dict()
+    at = on.scalar_layout()
+    used = max(part.stop for part in off.scalar_layout().values())  # off's scalars before its padding
+    assert at["xsa"].start == used and on.scalars.numel() >= at["xsa"].stop  # XSA's come after the others
+    scalars = torch.zeros_like(on.scalars)
+    scalars[:used] = state.pop("scalars")[:used]
+    on.load_state_dict({**state, "scalars": scalars})
+    x, y, cu = batch()
+    torch.testing.assert_close(on(x, y, cu, 128, W3, reduction="none"), off(x, y, cu, 128, W3, reduction="none"),
+                               rtol=0, atol=0)
+    on(x, y, cu, 128, W3).backward()
+    grad = on.scalars.grad[at["xsa"]].view(TINY["num_layers"], TINY["num_heads"])
+    has_attn = [i not in TINY["no_attn_layers"] for i in range(TINY["num_layers"])]
+    assert [bool((row != 0).all()) for row in grad] == has_attn  # blocks with attention: every head; block 2: none
+    with torch.no_grad():  # a strength away from 0 changes the model
+        on.scalars[at["xsa"]] = 1.0
+        assert not torch.equal(on(x, y, cu, 128, W3, reduction="none"), off(x, y, cu, 128, W3, reduction="none"))
+    adam, _ = tg.build_optimizers(on, tg.Hyperparameters(**{**TINY, "xsa": True}), 0, 1)
+    assert any(p is on.scalars for p in adam.param_groups[-1]["params"])
+
+
 def test_pair_heads_puts_head_h_at_2t_and_head_h_plus_half_at_2t_plus_1():
     x = torch.randn(5, 6, 4)
     paired = tg.pair_heads(x)
