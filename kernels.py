@@ -1,6 +1,7 @@
-"""Triton kernels of train_gpt.py, each a torch custom op with a PyTorch reference that runs where
-Triton cannot (the CPU, a machine without Triton): the ReLU² MLP with its activation in the matmul
-epilogues (--fused_mlp). train_gpt.py logs this file's source with its own.
+"""Triton kernels of train_gpt.py, each with a PyTorch reference that runs where Triton cannot (the
+CPU, a machine without Triton): the ReLU² MLP with its activation in the matmul epilogues (--fused_mlp,
+a custom op here), and the FP8 LM head's soft-capped cross-entropy (--fused_ce, inside train_gpt.py's
+fp8_head_ce op). train_gpt.py logs this file's source with its own.
 
 Set TRITON_INTERPRET=1 before the first import of triton to run the kernels on the CPU (slowly, in
 Triton's interpreter): that is how the CPU tests check them against the references.
@@ -154,3 +155,102 @@ def _relu2_mlp_autograd(ctx, grad_out, _grad_pre, _grad_post):
 
 
 relu2_mlp.register_autograd(_relu2_mlp_autograd, setup_context=_relu2_mlp_setup_context)
+
+
+# -----------------------------------------------------------------------------------------------
+# Soft-capped cross-entropy of the FP8 LM head (the public record line's "fused softcapped
+# cross-entropy"): z = cap * sigmoid((logit + shift) / temp) per (token, vocab) entry, loss = lse(z) -
+# z[target]. The forward reads the bf16 logits once per token row; the backward recomputes z from them
+# and writes the logits' gradient once, directly in FP8 (e5m2, divided by grad_scale) in both layouts
+# the FP8 matmuls of the head's backward need: (T, V) for the input's gradient and (V, T) for the
+# weight's. Compiled PyTorch does the same work in two passes, the transposed copy written from a
+# pointwise kernel. z lies in (0, cap), so exp(z) needs no running maximum.
+
+def softcap_ce_reference(logits: Tensor, targets: Tensor, cap: float, shift: float,
+                         temp: float) -> tuple[Tensor, Tensor]:
+    """(losses, lse), float32, one per row of logits (T, V)."""
+    z = cap * torch.sigmoid((logits.float() + shift) / temp)
+    lse = z.exp().sum(-1).log()
+    return lse - z.gather(1, targets.long()[:, None])[:, 0], lse
+
+
+def softcap_ce_grad_reference(grad_losses: Tensor, logits: Tensor, targets: Tensor, lse: Tensor, cap: float,
+                              shift: float, temp: float, grad_scale: float) -> tuple[Tensor, Tensor]:
+    """The logits' gradient / grad_scale in float8_e5m2, (T, V) and transposed (V, T)."""
+    z = cap * torch.sigmoid((logits.float() + shift) / temp)
+    dz = (z - lse[:, None]).exp()
+    dz[torch.arange(z.size(0), device=z.device), targets.long()] -= 1
+    g = dz * z * (1 - z / cap) / temp * grad_losses[:, None].float() / grad_scale
+    g_f8 = g.to(torch.float8_e5m2)
+    return g_f8, g_f8.T.contiguous()
+
+
+if triton is not None:
+    @triton.jit
+    def _softcap_ce_fwd_kernel(logits_ptr, targets_ptr, losses_ptr, lse_ptr, V, cap, shift, temp,
+                               BLOCK_V: tl.constexpr):
+        """One program per token row: sum of exp(z) over the vocabulary in BLOCK_V chunks, and z[target]."""
+        t = tl.program_id(0)
+        row = logits_ptr + t.to(tl.int64) * V
+        target = tl.load(targets_ptr + t)
+        total = tl.zeros((BLOCK_V,), dtype=tl.float32)
+        picked = tl.zeros((BLOCK_V,), dtype=tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            logit = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32)
+            z = cap * tl.sigmoid((logit + shift) / temp)
+            total += tl.where(cols < V, tl.exp(z), 0.0)
+            picked += tl.where(cols == target, z, 0.0)
+        lse = tl.log(tl.sum(total, axis=0))
+        tl.store(lse_ptr + t, lse)
+        tl.store(losses_ptr + t, lse - tl.sum(picked, axis=0))
+
+    @triton.jit
+    def _softcap_ce_bwd_kernel(logits_ptr, targets_ptr, lse_ptr, grad_ptr, g_ptr, g_t_ptr, T, V, cap, shift, temp,
+                               grad_scale, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+        """One program per (BLOCK_T x BLOCK_V) tile: dloss/dlogit = grad_t (softmax(z) - onehot) dz/dlogit,
+        with dz/dlogit = z (1 - z / cap) / temp; stored / grad_scale in e5m2, row-major and transposed."""
+        pid = tl.program_id(0)
+        tiles_v = tl.cdiv(V, BLOCK_V)
+        rt = (pid // tiles_v) * BLOCK_T + tl.arange(0, BLOCK_T)
+        rv = (pid % tiles_v) * BLOCK_V + tl.arange(0, BLOCK_V)
+        in_t = rt < T
+        inside = in_t[:, None] & (rv[None, :] < V)
+        rt64, rv64 = rt.to(tl.int64), rv.to(tl.int64)
+        logit = tl.load(logits_ptr + rt64[:, None] * V + rv64[None, :], mask=inside, other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + rt, mask=in_t, other=0.0)
+        target = tl.load(targets_ptr + rt, mask=in_t, other=-1)
+        grad = tl.load(grad_ptr + rt, mask=in_t, other=0.0)
+        z = cap * tl.sigmoid((logit + shift) / temp)
+        dz = tl.exp(z - lse[:, None]) - tl.where(rv[None, :] == target[:, None], 1.0, 0.0)
+        g = (dz * z * (1 - z / cap) / temp * grad[:, None] / grad_scale).to(g_ptr.dtype.element_ty)
+        tl.store(g_ptr + rt64[:, None] * V + rv64[None, :], g, mask=inside)
+        tl.store(g_t_ptr + rv64[None, :] * T + rt64[:, None], g, mask=inside)
+
+# Chunk and tile sizes; the interpreter tests shrink them.
+SOFTCAP_CE_TILES = dict(fwd=dict(BLOCK_V=2048, num_warps=8), bwd=dict(BLOCK_T=128, BLOCK_V=128, num_warps=8))
+
+
+def softcap_ce(logits: Tensor, targets: Tensor, cap: float, shift: float, temp: float) -> tuple[Tensor, Tensor]:
+    """(losses, lse) of contiguous logits (T, V); the Triton kernel where it runs, else the reference."""
+    if not triton_runs_on(logits):
+        return softcap_ce_reference(logits, targets, cap, shift, temp)
+    T, V = logits.shape
+    losses = torch.empty(T, device=logits.device, dtype=torch.float32)
+    lse = torch.empty_like(losses)
+    _softcap_ce_fwd_kernel[(T,)](logits, targets, losses, lse, V, cap, shift, temp, **SOFTCAP_CE_TILES["fwd"])
+    return losses, lse
+
+
+def softcap_ce_grad(grad_losses: Tensor, logits: Tensor, targets: Tensor, lse: Tensor, cap: float, shift: float,
+                    temp: float, grad_scale: float) -> tuple[Tensor, Tensor]:
+    """The logits' gradient / grad_scale in e5m2, (T, V) and (V, T); the Triton kernel where it runs."""
+    if not triton_runs_on(logits):
+        return softcap_ce_grad_reference(grad_losses, logits, targets, lse, cap, shift, temp, grad_scale)
+    T, V = logits.shape
+    g = torch.empty(T, V, device=logits.device, dtype=torch.float8_e5m2)
+    g_t = torch.empty(V, T, device=logits.device, dtype=torch.float8_e5m2)
+    t = SOFTCAP_CE_TILES["bwd"]
+    grid = (triton.cdiv(T, t["BLOCK_T"]) * triton.cdiv(V, t["BLOCK_V"]),)
+    _softcap_ce_bwd_kernel[grid](logits, targets, lse, grad_losses, g, g_t, T, V, cap, shift, temp, grad_scale, **t)
+    return g, g_t

@@ -132,6 +132,7 @@ class Hyperparameters:
     compile: bool = True
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     fused_mlp: bool = False  # ReLU² inside the MLP's matmul epilogues (kernels.py), where the GPU has the shared memory
+    fused_ce: bool = False  # the FP8 head's soft-capped cross-entropy in two Triton kernels, its gradient written in FP8
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
     log_dir: str = "logs"
@@ -196,6 +197,9 @@ class Hyperparameters:
                 raise ValueError(f"{name}={getattr(h, name)} must be a finite number >= 0")
         if h.embed_adam_betas and (len(h.embed_adam_betas) != 2 or not all(0 <= b < 1 for b in h.embed_adam_betas)):
             raise ValueError(f"embed_adam_betas={h.embed_adam_betas}: empty (Adam's betas) or two numbers in [0, 1)")
+        if h.fused_ce and h.mtp_weights:
+            raise ValueError(f"fused_ce computes the next-token loss only; with mtp_weights={h.mtp_weights} use "
+                             "--fused_ce false")
         if len(h.mtp_weights) % len(h.window_schedule) or not all(0 <= w < math.inf for w in h.mtp_weights):
             raise ValueError(f"mtp_weights={h.mtp_weights}: K finite weights >= 0 per stage of window_schedule="
                              f"{h.window_schedule}, stage after stage (the record's: 0.5,0.25,0.5,0,0,0), or none")
@@ -345,14 +349,26 @@ def quantize(t: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tenso
 
 # FP8 LM head (@YouJiacheng). Forward in e4m3 with fixed scales, backward grads in e5m2. A
 # custom op is opaque to torch.compile, which keeps the FP8 operands in the layouts _scaled_mm needs.
-@torch.library.custom_op("speedrun::mm_fp8", mutates_args=())
-def mm_fp8(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+def _fp8_logits(x: Tensor, w: Tensor, x_s: float, w_s: float) -> tuple[Tensor, Tensor, Tensor]:
     x_f8, x_f8_t = quantize(x, x_s, torch.float8_e4m3fn)
     w_f8, w_f8_t = quantize(w, w_s, torch.float8_e4m3fn)
     out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
                            scale_a=x.new_tensor(x_s, dtype=torch.float32),
                            scale_b=x.new_tensor(w_s, dtype=torch.float32))
     return out, x_f8_t, w_f8_t  # the transposed operands are what the backward needs
+
+
+def _fp8_grads(g_f8: Tensor, g_f8_t: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_s: float,
+               grad_s: float) -> tuple[Tensor, Tensor]:
+    scale = lambda v: g_f8.new_tensor(v, dtype=torch.float32)
+    grad_x = torch._scaled_mm(g_f8, w_f8_t.T, out_dtype=torch.bfloat16, scale_a=scale(grad_s), scale_b=scale(w_s))
+    grad_w = torch._scaled_mm(g_f8_t, x_f8_t.T, out_dtype=torch.float32, scale_a=scale(grad_s), scale_b=scale(x_s))
+    return grad_x, grad_w
+
+
+@torch.library.custom_op("speedrun::mm_fp8", mutates_args=())
+def mm_fp8(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _fp8_logits(x, w, x_s, w_s)
 
 
 @mm_fp8.register_fake
@@ -365,10 +381,7 @@ def _(x, w, x_s, w_s, grad_s):
 @torch.library.custom_op("speedrun::mm_fp8_backward", mutates_args=())
 def mm_fp8_backward(g_f8: Tensor, g_f8_t: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_s: float,
                     grad_s: float) -> tuple[Tensor, Tensor]:
-    scale = lambda v: g_f8.new_tensor(v, dtype=torch.float32)
-    grad_x = torch._scaled_mm(g_f8, w_f8_t.T, out_dtype=torch.bfloat16, scale_a=scale(grad_s), scale_b=scale(w_s))
-    grad_w = torch._scaled_mm(g_f8_t, x_f8_t.T, out_dtype=torch.float32, scale_a=scale(grad_s), scale_b=scale(x_s))
-    return grad_x, grad_w
+    return _fp8_grads(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s)
 
 
 @mm_fp8_backward.register_fake
@@ -395,6 +408,55 @@ def _mm_fp8_backward(ctx, grad_out, *_):
 
 
 mm_fp8.register_autograd(_mm_fp8_backward, setup_context=_mm_fp8_setup_context)
+
+
+# FP8 head and its soft-capped cross-entropy in one op (--fused_ce; the public record line's "fused
+# softcapped cross-entropy"): the loss comes from kernels.softcap_ce, and the backward's logit
+# gradient from kernels.softcap_ce_grad, written once, in FP8, in both layouts the two matmuls need.
+@torch.library.custom_op("speedrun::fp8_head_ce", mutates_args=())
+def fp8_head_ce(x: Tensor, w: Tensor, targets: Tensor, x_s: float, w_s: float, grad_s: float, cap: float,
+                shift: float, temp: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(losses, lse, logits, x_f8_t, w_f8_t): each token's loss; the rest is kept for the backward."""
+    logits, x_f8_t, w_f8_t = _fp8_logits(x, w, x_s, w_s)
+    losses, lse = kernels.softcap_ce(logits, targets, cap, shift, temp)
+    return losses, lse, logits, x_f8_t, w_f8_t
+
+
+@fp8_head_ce.register_fake
+def _(x, w, targets, x_s, w_s, grad_s, cap, shift, temp):
+    (T, D), V = x.shape, w.size(0)
+    return (x.new_empty(T, dtype=torch.float32), x.new_empty(T, dtype=torch.float32),
+            x.new_empty(T, V, dtype=torch.bfloat16), x.new_empty(D, T, dtype=torch.float8_e4m3fn),
+            w.new_empty(D, V, dtype=torch.float8_e4m3fn))
+
+
+@torch.library.custom_op("speedrun::fp8_head_ce_backward", mutates_args=())
+def fp8_head_ce_backward(grad_losses: Tensor, logits: Tensor, targets: Tensor, lse: Tensor, x_f8_t: Tensor,
+                         w_f8_t: Tensor, x_s: float, w_s: float, grad_s: float, cap: float, shift: float,
+                         temp: float) -> tuple[Tensor, Tensor]:
+    g_f8, g_f8_t = kernels.softcap_ce_grad(grad_losses, logits, targets, lse, cap, shift, temp, grad_s)
+    return _fp8_grads(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s)
+
+
+@fp8_head_ce_backward.register_fake
+def _(grad_losses, logits, targets, lse, x_f8_t, w_f8_t, x_s, w_s, grad_s, cap, shift, temp):
+    return (logits.new_empty(logits.size(0), x_f8_t.size(0), dtype=torch.bfloat16),
+            logits.new_empty(logits.size(1), x_f8_t.size(0), dtype=torch.float32))
+
+
+def _fp8_head_ce_setup_context(ctx, inputs, output):
+    _, _, targets, *ctx.scalars = inputs  # x_s, w_s, grad_s, cap, shift, temp
+    _, lse, logits, x_f8_t, w_f8_t = output
+    ctx.save_for_backward(logits, targets, lse, x_f8_t, w_f8_t)
+
+
+def _fp8_head_ce_autograd(ctx, grad_losses, *_):
+    grad_x, grad_w = torch.ops.speedrun.fp8_head_ce_backward(grad_losses.float().contiguous(), *ctx.saved_tensors,
+                                                             *ctx.scalars)
+    return grad_x, grad_w, None, None, None, None, None, None, None
+
+
+fp8_head_ce.register_autograd(_fp8_head_ce_autograd, setup_context=_fp8_head_ce_setup_context)
 
 
 E4M3_MAX = 448.0  # the largest float8_e4m3fn value
@@ -912,9 +974,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_fn=attention_reference, fp8_head: bool = False, fused_mlp: bool = False):
+    def __init__(self, cfg: ModelConfig, attn_fn=attention_reference, fp8_head: bool = False, fused_mlp: bool = False,
+                 fused_ce: bool = False):
         super().__init__()
         self.cfg, self.attn_fn, self.fp8_head = cfg, attn_fn, fp8_head
+        self.fused_ce = fused_ce and fp8_head  # the fused loss is the FP8 head's (fp8_head_ce)
         L, dim = cfg.num_layers, cfg.model_dim
         self.embed = nn.Embedding(cfg.vocab_size, dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in range(cfg.num_value_embeds))
@@ -1047,6 +1111,10 @@ class GPT(nn.Module):
         mtp_weights (w_2, w_3, ...), plus multi-token prediction's sum_k w_k * CE(logits_t, token t+k)
         over the targets of t's document (mtp_targets), from the same logits."""
         cfg = self.cfg
+        if self.fused_ce and self.training:  # no multi-token prediction here: Hyperparameters refuses it
+            return torch.ops.speedrun.fp8_head_ce(x, self.lm_head_w, targets, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
+                                                  HEAD_GRAD_SCALE, cfg.logit_softcap, cfg.softcap_shift,
+                                                  cfg.softcap_temp)[0]
         if self.fp8_head and self.training:
             logits = torch.ops.speedrun.mm_fp8(x, self.lm_head_w, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
                                                HEAD_GRAD_SCALE)[0]
@@ -1901,7 +1969,8 @@ def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[
     return {
         "weights + grads": 2 * sum(p.numel() * p.element_size() for p in model.parameters()),
         "optimizer shards": (8 * adam + 4 * muon) // world_size,  # fp32 Adam moments, fp32 Muon momentum
-        "logits": 8 * args.seq_len * args.vocab_size,  # bf16 logits, fp32 soft-capped copy, bf16 gradient
+        # bf16 logits, then a fp32 soft-capped copy and a bf16 gradient, or (fused) two FP8 gradients
+        "logits": (4 if model.fused_ce else 8) * args.seq_len * args.vocab_size,
         # Tensors kept for the backward: ~16 bf16 values of model_dim per token per block (norms, q, k,
         # v, attention output, the 4x-wide MLP hidden before and after ReLU^2). The peaks measured on
         # H100 for the record, single and medium presets lie within 15% of the total (bench/README.md).
@@ -1926,6 +1995,7 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
     return [f"device: {device} x {world_size}, grad accumulation {args.batch_size // args.seq_len // world_size}, "
             f"attention backend: {attention}, LM head: {'fp8' if fp8 else 'bf16'}, "
             f"MLP: {'fused' if any(b.mlp is not None and b.mlp.fused for b in model.blocks) else 'unfused'}, "
+            f"cross-entropy: {'fused' if model.fused_ce else 'unfused'}, "
             f"compile: {args.compile}, "
             f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device)]
 
@@ -2112,7 +2182,9 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         log(f"fused MLP off: its kernel needs {kernels.relu2_tiles_shared_memory() // 1024} KiB of shared memory, this "
             f"GPU has {kernels.max_shared_memory(device) // 1024} KiB; the MLP runs unfused (same results)")
     torch.manual_seed(args.seed)
-    model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, fused_mlp).to(device)
+    if args.fused_ce and not fp8:
+        log("fused cross-entropy off: it is the FP8 head's, and the LM head runs in bf16 here (same results)")
+    model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, fused_mlp, args.fused_ce).to(device)
     orthogonalize, update, compiled = ORTHOGONALIZERS[args.orthogonalizer], adam_update, model
     if args.compile:
         # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final
