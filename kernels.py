@@ -186,8 +186,16 @@ def softcap_ce_grad_reference(grad_losses: Tensor, logits: Tensor, targets: Tens
 
 
 if triton is not None:
+    # Per (token, vocab) entry the kernels compute u = (logit + shift) / temp as one multiply-add with
+    # host-side reciprocals, and sigmoid(u) with the fast approximate reciprocal (a few ulp): the
+    # IEEE divisions of the plain formula cost about 20 instructions each, enough to make these
+    # memory-bound passes compute-bound.
     @triton.jit
-    def _softcap_ce_fwd_kernel(logits_ptr, targets_ptr, losses_ptr, lse_ptr, V, cap, shift, temp,
+    def _softcap(logit, cap, inv_temp, shift_over_temp):
+        return cap * tl.fdiv(1.0, 1.0 + tl.exp(-(logit * inv_temp + shift_over_temp)), ieee_rounding=False)
+
+    @triton.jit
+    def _softcap_ce_fwd_kernel(logits_ptr, targets_ptr, losses_ptr, lse_ptr, V, cap, inv_temp, shift_over_temp,
                                BLOCK_V: tl.constexpr):
         """One program per token row: sum of exp(z) over the vocabulary in BLOCK_V chunks, and z[target]."""
         t = tl.program_id(0)
@@ -197,8 +205,7 @@ if triton is not None:
         picked = tl.zeros((BLOCK_V,), dtype=tl.float32)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
-            logit = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32)
-            z = cap * tl.sigmoid((logit + shift) / temp)
+            z = _softcap(tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32), cap, inv_temp, shift_over_temp)
             total += tl.where(cols < V, tl.exp(z), 0.0)
             picked += tl.where(cols == target, z, 0.0)
         lse = tl.log(tl.sum(total, axis=0))
@@ -206,8 +213,9 @@ if triton is not None:
         tl.store(losses_ptr + t, lse - tl.sum(picked, axis=0))
 
     @triton.jit
-    def _softcap_ce_bwd_kernel(logits_ptr, targets_ptr, lse_ptr, grad_ptr, g_ptr, g_t_ptr, T, V, cap, shift, temp,
-                               grad_scale, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    def _softcap_ce_bwd_kernel(logits_ptr, targets_ptr, lse_ptr, grad_ptr, g_ptr, g_t_ptr, T, V, cap, inv_cap,
+                               inv_temp, shift_over_temp, inv_grad_scale, BLOCK_T: tl.constexpr,
+                               BLOCK_V: tl.constexpr):
         """One program per (BLOCK_T x BLOCK_V) tile: dloss/dlogit = grad_t (softmax(z) - onehot) dz/dlogit,
         with dz/dlogit = z (1 - z / cap) / temp; stored / grad_scale in e5m2, row-major and transposed."""
         pid = tl.program_id(0)
@@ -220,10 +228,10 @@ if triton is not None:
         logit = tl.load(logits_ptr + rt64[:, None] * V + rv64[None, :], mask=inside, other=0.0).to(tl.float32)
         lse = tl.load(lse_ptr + rt, mask=in_t, other=0.0)
         target = tl.load(targets_ptr + rt, mask=in_t, other=-1)
-        grad = tl.load(grad_ptr + rt, mask=in_t, other=0.0)
-        z = cap * tl.sigmoid((logit + shift) / temp)
+        scale = tl.load(grad_ptr + rt, mask=in_t, other=0.0) * inv_temp * inv_grad_scale
+        z = _softcap(logit, cap, inv_temp, shift_over_temp)
         dz = tl.exp(z - lse[:, None]) - tl.where(rv[None, :] == target[:, None], 1.0, 0.0)
-        g = (dz * z * (1 - z / cap) / temp * grad[:, None] / grad_scale).to(g_ptr.dtype.element_ty)
+        g = (dz * z * (1.0 - z * inv_cap) * scale[:, None]).to(g_ptr.dtype.element_ty)
         tl.store(g_ptr + rt64[:, None] * V + rv64[None, :], g, mask=inside)
         tl.store(g_t_ptr + rv64[None, :] * T + rt64[:, None], g, mask=inside)
 
@@ -235,10 +243,12 @@ def softcap_ce(logits: Tensor, targets: Tensor, cap: float, shift: float, temp: 
     """(losses, lse) of contiguous logits (T, V); the Triton kernel where it runs, else the reference."""
     if not triton_runs_on(logits):
         return softcap_ce_reference(logits, targets, cap, shift, temp)
-    T, V = logits.shape
+    T, V = logits.shape  # logits come contiguous from the head's matmul; the targets may be a view
+    targets = targets.contiguous()
     losses = torch.empty(T, device=logits.device, dtype=torch.float32)
     lse = torch.empty_like(losses)
-    _softcap_ce_fwd_kernel[(T,)](logits, targets, losses, lse, V, cap, shift, temp, **SOFTCAP_CE_TILES["fwd"])
+    _softcap_ce_fwd_kernel[(T,)](logits, targets, losses, lse, V, cap, 1 / temp, shift / temp,
+                                 **SOFTCAP_CE_TILES["fwd"])
     return losses, lse
 
 
@@ -248,9 +258,11 @@ def softcap_ce_grad(grad_losses: Tensor, logits: Tensor, targets: Tensor, lse: T
     if not triton_runs_on(logits):
         return softcap_ce_grad_reference(grad_losses, logits, targets, lse, cap, shift, temp, grad_scale)
     T, V = logits.shape
+    targets = targets.contiguous()
     g = torch.empty(T, V, device=logits.device, dtype=torch.float8_e5m2)
     g_t = torch.empty(V, T, device=logits.device, dtype=torch.float8_e5m2)
     t = SOFTCAP_CE_TILES["bwd"]
     grid = (triton.cdiv(T, t["BLOCK_T"]) * triton.cdiv(V, t["BLOCK_V"]),)
-    _softcap_ce_bwd_kernel[grid](logits, targets, lse, grad_losses, g, g_t, T, V, cap, shift, temp, grad_scale, **t)
+    _softcap_ce_bwd_kernel[grid](logits, targets, lse, grad_losses, g, g_t, T, V, cap, 1 / cap, 1 / temp, shift / temp,
+                                 1 / grad_scale, **t)
     return g, g_t

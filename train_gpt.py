@@ -132,7 +132,7 @@ class Hyperparameters:
     compile: bool = True
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     fused_mlp: bool = False  # ReLU² inside the MLP's matmul epilogues (kernels.py), where the GPU has the shared memory
-    fused_ce: bool = False  # the FP8 head's soft-capped cross-entropy in two Triton kernels, its gradient written in FP8
+    fused_ce: bool = False  # the FP8 head's soft-capped cross-entropy in Triton kernels, its gradient written in FP8
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
     log_dir: str = "logs"
