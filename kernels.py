@@ -186,13 +186,12 @@ def softcap_ce_grad_reference(grad_losses: Tensor, logits: Tensor, targets: Tens
 
 
 if triton is not None:
-    # Per (token, vocab) entry the kernels compute u = (logit + shift) / temp as one multiply-add with
-    # host-side reciprocals, and sigmoid(u) with the fast approximate reciprocal (a few ulp): the
-    # IEEE divisions of the plain formula cost about 20 instructions each, enough to make these
-    # memory-bound passes compute-bound.
+    # z = cap * sigmoid(u), u = (logit + shift) / temp as one multiply-add with reciprocals from the host:
+    # one division per (token, vocab) entry (Triton's float32 `/` is PTX's approximate div.full.f32),
+    # where the formulas as written take five in the backward.
     @triton.jit
     def _softcap(logit, cap, inv_temp, shift_over_temp):
-        return cap * tl.fdiv(1.0, 1.0 + tl.exp(-(logit * inv_temp + shift_over_temp)), ieee_rounding=False)
+        return cap / (1.0 + tl.exp(-(logit * inv_temp + shift_over_temp)))
 
     @triton.jit
     def _softcap_ce_fwd_kernel(logits_ptr, targets_ptr, losses_ptr, lse_ptr, V, cap, inv_temp, shift_over_temp,

@@ -458,6 +458,10 @@ def test_softcap_ce_kernels_match_float64_autograd_in_the_triton_interpreter(tmp
 
 
 def test_softcap_ce_kernels_compile_for_an_h100_without_one():
+    """Compiled for sm_90 as Triton's JIT compiles them for the record (sizes and pointers divisible by 16):
+    every load and store of the (tokens x vocab) tensors moves 16 bytes, the transposed e5m2 copy goes
+    through shared memory, and one division per entry is left (the softcap's sigmoid)."""
+    import re
     import kernels
     import triton
     from triton.backends.compiler import GPUTarget
@@ -465,13 +469,24 @@ def test_softcap_ce_kernels_compile_for_an_h100_without_one():
     types = dict(logits_ptr="*bf16", targets_ptr="*i32", losses_ptr="*fp32", lse_ptr="*fp32", grad_ptr="*fp32",
                  g_ptr="*fp8e5", g_t_ptr="*fp8e5", T="i32", V="i32", cap="fp32", inv_cap="fp32", inv_temp="fp32",
                  shift_over_temp="fp32", inv_grad_scale="fp32")
+    ops = {}
     for fn, tiles in [(kernels._softcap_ce_fwd_kernel, kernels.SOFTCAP_CE_TILES["fwd"]),
                       (kernels._softcap_ce_bwd_kernel, kernels.SOFTCAP_CE_TILES["bwd"])]:
         constexprs = {k: v for k, v in tiles.items() if k.isupper()}
         signature = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                   if n.endswith("_ptr") or n in ("T", "V")}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned),
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": tiles["num_warps"]})
         assert len(compiled.asm["cubin"]) > 1000, fn.__name__
+        found = re.findall(r"^\s*(?:@%p\d+\s+)?([a-z]+(?:\.[a-z0-9]+)*)", compiled.asm["ptx"], re.M)
+        entries_per_thread = constexprs.get("BLOCK_T", 1) * constexprs["BLOCK_V"] // (32 * tiles["num_warps"])
+        ops[fn.__name__] = (set(found), found.count("div.full.f32") + found.count("div.rn.f32"), entries_per_thread)
+    (fwd, fwd_div, fwd_n), (bwd, bwd_div, bwd_n) = ops["_softcap_ce_fwd_kernel"], ops["_softcap_ce_bwd_kernel"]
+    assert "ld.global.v4.b32" in fwd and "ld.global.v4.b32" in bwd and "st.global.v4.b32" in bwd
+    assert not {"ld.global.b16", "st.global.b8"} & (fwd | bwd), (fwd, bwd)
+    assert {"st.shared.b8", "ld.shared.b32"} <= bwd  # the transposed tile through shared memory
+    assert (fwd_div, bwd_div) == (fwd_n, bwd_n), ops
 
 
 def fp8_head_ce_case(T=64, dim=128, V=256, device=DEVICE):
