@@ -1287,21 +1287,21 @@ class Muon(torch.optim.Optimizer):
                 bufs.append(state["momentum_buffer"])
             grad = grad[: len(owned)]
             if owned:
-                buf = torch.stack(bufs)
-                buf.lerp_(grad, 1 - momentum)
-                for b_old, b_new in zip(bufs, buf):
-                    b_old.copy_(b_new)
-                update = self.orthogonalize(grad.lerp_(buf, momentum), group["ns_steps"])  # Nesterov
+                # Multi-tensor (foreach) ops: one pass over all of the group's matrices, not one kernel per
+                # matrix plus a stacked copy of the buffers
+                grads = list(grad.unbind(0))
+                torch._foreach_lerp_(bufs, grads, 1 - momentum)  # momentum
+                torch._foreach_lerp_(grads, bufs, momentum)  # Nesterov, in place in the stacked grad
+                update = self.orthogonalize(grad, group["ns_steps"])
                 if group["beta2"]:
                     update = self.normalize_neurons(update, owned, group["beta2"])
                 shape = owned[0].shape
                 scale = max(1, shape[-2] / shape[-1]) ** 0.5
                 lr, decay = group["lr"], group["lr"] * group["weight_decay"]
-                for p, u in zip(owned, update):
-                    u = u.to(p.dtype)
-                    if decay:
-                        u = u + decay * p * (u * p >= 0)
-                    p.add_(u, alpha=-lr * scale)
+                updates = list(update.to(owned[0].dtype).unbind(0))
+                if decay:
+                    updates = [u + decay * p * (u * p >= 0) for p, u in zip(owned, updates)]
+                torch._foreach_add_(owned, updates, alpha=-lr * scale)
             if W > 1:
                 out = torch.empty(per_rank * W, *params[0].shape, dtype=params[0].dtype, device=params[0].device)
                 local = torch.stack(owned) if owned else out.new_empty(0, *params[0].shape)
