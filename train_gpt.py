@@ -124,6 +124,10 @@ class Hyperparameters:
     embed_weight_decay: float = 0.0  # value-embed + bigram tables: cautious decay lr_t^2 x this; 0 = off (2026: 0.025)
     embed_adam_betas: tuple[float, ...] = ()  # value-embed + bigram tables' Adam betas; empty = Adam's (2026: 0.75,0.95)
     head_lr_mult: float = 1.0
+    # The 2026 records' LM head: betas 0.5,0.95 and cautious decay 0.005 x 150 = 0.75 per Adam step, Adam stepping
+    # every second training step there, so 0.375 here per step (as the tables' 0.0125)
+    head_weight_decay: float = 0.0  # LM head: cautious decay lr_t^2 x this; 0 = off
+    head_adam_betas: tuple[float, ...] = ()  # LM head's Adam betas; empty = Adam's
     scalar_lr_mult: float = 5.0
     # run
     val_every: int = 125  # validate every N steps (and at the end); 0 = only at the end
@@ -192,11 +196,13 @@ class Hyperparameters:
                              f"({h.num_layers - 1}), whose output the final norm would only rescale")
         if not 0 <= h.muon_beta2 < 1:
             raise ValueError(f"muon_beta2={h.muon_beta2}: 0 (plain Muon) or an EMA factor in (0, 1) for NorMuon")
-        for name in ("embed_weight_decay", "muon_weight_decay"):
+        for name in ("embed_weight_decay", "head_weight_decay", "muon_weight_decay"):
             if not 0 <= getattr(h, name) < math.inf:
                 raise ValueError(f"{name}={getattr(h, name)} must be a finite number >= 0")
-        if h.embed_adam_betas and (len(h.embed_adam_betas) != 2 or not all(0 <= b < 1 for b in h.embed_adam_betas)):
-            raise ValueError(f"embed_adam_betas={h.embed_adam_betas}: empty (Adam's betas) or two numbers in [0, 1)")
+        for name in ("embed_adam_betas", "head_adam_betas"):
+            betas = getattr(h, name)
+            if betas and (len(betas) != 2 or not all(0 <= b < 1 for b in betas)):
+                raise ValueError(f"{name}={betas}: empty (Adam's betas) or two numbers in [0, 1)")
         if h.fused_ce and h.mtp_weights:
             raise ValueError(f"fused_ce computes the next-token loss only; with mtp_weights={h.mtp_weights} use "
                              "--fused_ce false")
@@ -1908,7 +1914,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     2026-01-19 record gave it the value embeddings' Adam settings); its per-block weights, the
     backout weight, the smear weight and XSA's strengths are scalars. The value-embedding
     and bigram tables are a group apart from the token embedding, at its lr, for their own weight
-    decay and betas (embed_weight_decay, embed_adam_betas); at the defaults nothing differs."""
+    decay and betas (embed_weight_decay, embed_adam_betas), as the LM head may have (head_weight_decay,
+    head_adam_betas); at the defaults nothing differs."""
     groups = param_groups_by_role(model)
     tables = groups["value embeddings"] + groups.get("bigram embedding", [])  # decayed as in the 2026 records
     betas = (args.adam_beta1, args.adam_beta2)
@@ -1917,7 +1924,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     adam_groups = [dict(params=groups["token embedding"], lr=embed_lr),
                    dict(params=tables, lr=args.adam_lr * args.embed_lr_mult, weight_decay=args.embed_weight_decay,
                         betas=tuple(args.embed_adam_betas) or betas),
-                   dict(params=groups["LM head"], lr=args.adam_lr * args.head_lr_mult),
+                   dict(params=groups["LM head"], lr=args.adam_lr * args.head_lr_mult,
+                        weight_decay=args.head_weight_decay, betas=tuple(args.head_adam_betas) or betas),
                    dict(params=groups["scalars"], lr=args.adam_lr * args.scalar_lr_mult)]
     adam = DistAdam([g for g in adam_groups if g["params"]], lr=args.adam_lr, betas=betas, eps=args.adam_eps,
                     rank=rank, world_size=world_size, update=update)

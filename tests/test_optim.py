@@ -314,11 +314,29 @@ def test_the_tables_own_group_changes_nothing_at_the_defaults_and_decay_changes_
 
 
 def test_embed_decay_fields_are_checked():
-    with pytest.raises(ValueError, match="embed_weight_decay"):
-        tg.Hyperparameters(embed_weight_decay=-0.1)
-    with pytest.raises(ValueError, match="embed_adam_betas"):
-        tg.Hyperparameters(embed_adam_betas=(0.75,))
-    assert tg.parse_args(["--embed_adam_betas", "0.75,0.95"]).embed_adam_betas == (0.75, 0.95)
+    for kind in ("embed", "head"):
+        with pytest.raises(ValueError, match=f"{kind}_weight_decay"):
+            tg.Hyperparameters(**{f"{kind}_weight_decay": -0.1})
+        with pytest.raises(ValueError, match=f"{kind}_adam_betas"):
+            tg.Hyperparameters(**{f"{kind}_adam_betas": (0.75,)})
+        assert getattr(tg.parse_args([f"--{kind}_adam_betas", "0.5,0.95"]), f"{kind}_adam_betas") == (0.5, 0.95)
+
+
+def test_the_lm_head_takes_its_own_betas_and_decay_and_they_change_the_run(tiny_args):
+    """The head's Adam group (as the 2026 records' head: betas 0.5/0.95, cautious decay); the other groups
+    keep theirs. Off (the defaults), the run is the one before the fields existed (the test above)."""
+    args = tg.Hyperparameters(**{**TINY, "head_adam_betas": (0.5, 0.95), "head_weight_decay": 0.375})
+    adam, _ = tg.build_optimizers(tg.GPT(tg.ModelConfig.from_args(args)), args, 0, 1)
+    token, tables, head, scalars = adam.param_groups
+    assert (head["betas"], head["weight_decay"]) == ((0.5, 0.95), 0.375)
+    assert all(g["betas"] == (0.8, 0.95) and g["weight_decay"] == 0 for g in (token, tables, scalars))
+    kw = dict(num_iterations=8, val_every=4, logit_softcap=23.0, softcap_shift=5.0)
+    plain = tg.train(tiny_args(**kw))
+    betas = tg.train(tiny_args(head_adam_betas=(0.5, 0.95), **kw))
+    decayed = tg.train(tiny_args(head_weight_decay=50.0, **kw))  # strong, so that it shows in 8 steps
+    for run in (betas, decayed):
+        assert run.train_losses[0] == plain.train_losses[0] and run.train_losses[-1] != plain.train_losses[-1]
+        assert run.val_losses[-1][1] < run.val_losses[0][1] - 0.5
 
 
 def test_dist_adam_refuses_a_parameter_that_does_not_shard():
