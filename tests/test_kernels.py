@@ -262,21 +262,27 @@ print(json.dumps(t.check_relu2_mlp_op(*t.relu2_mlp_case(torch.float32))))
 """
 
 
-# On a CUDA machine the GPU test below runs the compiled kernels instead. (On the H100 with PyTorch 2.11 this
-# interpreter run failed inside Triton: "TypeError: only 0-dimensional arrays can be converted to Python scalars".)
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU machines' check; the GPU test covers the compiled kernels")
-def test_triton_kernels_match_float64_autograd_in_the_triton_interpreter(tmp_path):
+def run_in_triton_interpreter(script_text: str, tmp_path):
+    """Run a check script in a fresh process with TRITON_INTERPRET=1 (it must be set before triton is first
+    imported); the script gets the project's and the tests' folders as arguments and prints JSON last."""
     import json
     import subprocess
     import sys
     from pathlib import Path
     script = tmp_path / "interpret.py"
-    script.write_text(INTERPRETER_SCRIPT)
+    script.write_text(script_text)
     root, here = Path(tg.__file__).parent, Path(__file__).parent
     proc = subprocess.run([sys.executable, str(script), str(root), str(here)], capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    errors = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# On a CUDA machine the GPU test below runs the compiled kernels instead. (On the H100 with PyTorch 2.11 this
+# interpreter run failed inside Triton: "TypeError: only 0-dimensional arrays can be converted to Python scalars".)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU machines' check; the GPU test covers the compiled kernels")
+def test_triton_kernels_match_float64_autograd_in_the_triton_interpreter(tmp_path):
+    errors = run_in_triton_interpreter(INTERPRETER_SCRIPT, tmp_path)
     # float32 only: the interpreter of Triton 3.9 multiplies bf16 tiles wrongly (a plain tl.dot too); the
     # GPU test below covers bf16
     assert max(errors) < 1e-5, errors
@@ -443,17 +449,7 @@ print(json.dumps(t.check_softcap_ce_kernels(*t.softcap_ce_case())))
 def test_softcap_ce_kernels_match_float64_autograd_in_the_triton_interpreter(tmp_path):
     """The interpreter's float8 casts round wrongly (1.89e-3 becomes 9.8e-4 in e5m2): the kernel writes its
     gradient in float32 here, which checks everything before the cast; the GPU test checks the cast."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-    script = tmp_path / "interpret_ce.py"
-    script.write_text(CE_INTERPRETER_SCRIPT)
-    root, here = Path(tg.__file__).parent, Path(__file__).parent
-    proc = subprocess.run([sys.executable, str(script), str(root), str(here)], capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    loss_err, lse_err, grad_err, transposed_differs = json.loads(proc.stdout.strip().splitlines()[-1])
+    loss_err, lse_err, grad_err, transposed_differs = run_in_triton_interpreter(CE_INTERPRETER_SCRIPT, tmp_path)
     assert loss_err < 1e-5 and lse_err < 1e-5 and grad_err < 1e-5 and not transposed_differs
 
 
