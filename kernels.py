@@ -221,23 +221,25 @@ if triton is not None:
         with dz/dlogit = z (1 - z / cap) / temp; stored / grad_scale in e5m2, row-major and transposed."""
         pid = tl.program_id(0)
         tiles_v = tl.cdiv(V, BLOCK_V)
-        rt = (pid // tiles_v) * BLOCK_T + tl.arange(0, BLOCK_T)
-        rv = (pid % tiles_v) * BLOCK_V + tl.arange(0, BLOCK_V)
+        t0, v0 = (pid // tiles_v) * BLOCK_T, (pid % tiles_v) * BLOCK_V
+        it, iv = tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_V)
+        rt, rv = t0 + it, v0 + iv
         in_t = rt < T
         inside = in_t[:, None] & (rv[None, :] < V)
-        rt64, rv64 = rt.to(tl.int64), rv.to(tl.int64)
-        logit = tl.load(logits_ptr + rt64[:, None] * V + rv64[None, :], mask=inside, other=0.0).to(tl.float32)
+        # 64-bit tile origins, 32-bit offsets inside the tile (BLOCK_T * V and BLOCK_V * T stay below 2^31)
+        tv = it[:, None] * V + iv[None, :]
+        logit = tl.load(logits_ptr + (t0.to(tl.int64) * V + v0) + tv, mask=inside, other=0.0).to(tl.float32)
         lse = tl.load(lse_ptr + rt, mask=in_t, other=0.0)
         target = tl.load(targets_ptr + rt, mask=in_t, other=-1)
         scale = tl.load(grad_ptr + rt, mask=in_t, other=0.0) * inv_temp * inv_grad_scale
         z = _softcap(logit, cap, inv_temp, shift_over_temp)
         dz = tl.exp(z - lse[:, None]) - tl.where(rv[None, :] == target[:, None], 1.0, 0.0)
         g = (dz * z * (1.0 - z * inv_cap) * scale[:, None]).to(g_ptr.dtype.element_ty)
-        tl.store(g_ptr + rt64[:, None] * V + rv64[None, :], g, mask=inside)
-        tl.store(g_t_ptr + rv64[None, :] * T + rt64[:, None], g, mask=inside)
+        tl.store(g_ptr + (t0.to(tl.int64) * V + v0) + tv, g, mask=inside)
+        tl.store(g_t_ptr + (v0.to(tl.int64) * T + t0) + (iv[None, :] * T + it[:, None]), g, mask=inside)
 
 # Chunk and tile sizes; the interpreter tests shrink them.
-SOFTCAP_CE_TILES = dict(fwd=dict(BLOCK_V=2048, num_warps=8), bwd=dict(BLOCK_T=128, BLOCK_V=128, num_warps=8))
+SOFTCAP_CE_TILES = dict(fwd=dict(BLOCK_V=2048, num_warps=8), bwd=dict(BLOCK_T=64, BLOCK_V=64, num_warps=4))
 
 
 def softcap_ce(logits: Tensor, targets: Tensor, cap: float, shift: float, temp: float) -> tuple[Tensor, Tensor]:
@@ -263,6 +265,8 @@ def softcap_ce_grad(grad_losses: Tensor, logits: Tensor, targets: Tensor, lse: T
     g = torch.empty(T, V, device=logits.device, dtype=torch.float8_e5m2)
     g_t = torch.empty(V, T, device=logits.device, dtype=torch.float8_e5m2)
     t = SOFTCAP_CE_TILES["bwd"]
+    if max(t["BLOCK_T"] * V, t["BLOCK_V"] * T) >= 2**31:
+        raise ValueError(f"softcap_ce_grad: {T} x {V} logits overflow the kernel's 32-bit offsets inside a tile")
     grid = (triton.cdiv(T, t["BLOCK_T"]) * triton.cdiv(V, t["BLOCK_V"]),)
     _softcap_ce_bwd_kernel[grid](logits, targets, lse, grad_losses, g, g_t, T, V, cap, 1 / cap, 1 / temp, shift / temp,
                                  1 / grad_scale, **t)
