@@ -702,46 +702,6 @@ def select_attention(name: str, device: torch.device, compiled: bool = False, lo
     return "reference"
 
 
-# Bigram table lookup whose backward adds each micro-batch's rows into one float32 buffer in place
-# (index_add_), instead of autograd's dense gradient: that one zero-fills the whole 377,280 x 768
-# table, scatters into it and adds it to .grad on every micro-batch (about 2.7 ms each on an H100,
-# a step's 8 micro-batches ~21 ms of the record preset's stage-3 step, where the in-place add
-# touches only the looked-up rows). The buffer becomes the table's .grad once per step
-# (GPT.take_bigram_grad), so the optimizers see an ordinary gradient, summed in float32.
-@torch.library.custom_op("speedrun::bigram_lookup", mutates_args=())
-def bigram_lookup(table: Tensor, rows: Tensor, grad_sum: Tensor) -> Tensor:
-    """table[rows]; the backward adds the rows' gradient into grad_sum (float32, table's shape)."""
-    return F.embedding(rows, table)
-
-
-@bigram_lookup.register_fake
-def _(table, rows, grad_sum):
-    return table.new_empty(*rows.shape, table.size(1))
-
-
-@torch.library.custom_op("speedrun::bigram_grad_add", mutates_args=("grad_sum",))
-def bigram_grad_add(grad_sum: Tensor, rows: Tensor, grad: Tensor) -> None:
-    grad_sum.index_add_(0, rows.reshape(-1), grad.reshape(-1, grad_sum.size(1)).to(grad_sum.dtype))
-
-
-@bigram_grad_add.register_fake
-def _(grad_sum, rows, grad):
-    return None
-
-
-def _bigram_lookup_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1], inputs[2])
-
-
-def _bigram_lookup_autograd(ctx, grad):
-    rows, grad_sum = ctx.saved_tensors
-    torch.ops.speedrun.bigram_grad_add(grad_sum, rows, grad)
-    return None, None, None  # the table's gradient is in grad_sum, not in .grad
-
-
-bigram_lookup.register_autograd(_bigram_lookup_autograd, setup_context=_bigram_lookup_setup_context)
-
-
 # -----------------------------------------------------------------------------------------------
 # Model
 
@@ -1058,9 +1018,6 @@ class GPT(nn.Module):
         if cfg.bigram_rows:
             self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim, _weight=torch.zeros(cfg.bigram_rows, dim,
                                                                                        dtype=torch.bfloat16))
-        # the table's gradient summed over a step's micro-batches (bigram_lookup); not saved in checkpoints
-        self.register_buffer("bigram_grad", torch.zeros(cfg.bigram_rows, dim) if cfg.bigram_rows else None,
-                             persistent=False)
         signs = None
         if cfg.bigram_sign_rows:  # drawn from the seeded RNG: the same on every rank, and saved in checkpoints
             signs = (torch.randint(0, 2, (cfg.bigram_sign_rows, dim)) * 2 - 1).bfloat16()
@@ -1075,13 +1032,6 @@ class GPT(nn.Module):
         if self.tied_embed:
             with torch.no_grad():
                 self.lm_head_w.normal_(0, 0.005)
-
-    def take_bigram_grad(self):
-        """The bigram table's gradient summed since the last call (bigram_lookup) becomes its .grad, in
-        the table's dtype, as autograd would have left it; the sum starts again from zero."""
-        if self.bigram_embed is not None:
-            self.bigram_embed.weight.grad = self.bigram_grad.to(self.bigram_embed.weight.dtype)
-            self.bigram_grad.zero_()
 
     def scalar_layout(self) -> dict[str, slice]:
         """Where each kind of scalar lies in self.scalars (the features that are off take no room)."""
@@ -1121,8 +1071,7 @@ class GPT(nn.Module):
         bigram = None
         if self.bigram_embed is not None:  # one lookup, added before every block with that block's weight
             rows, signs = bigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.bigram_sign_rows)
-            bigram = torch.ops.speedrun.bigram_lookup(self.bigram_embed.weight, rows, self.bigram_grad)
-            bigram = bigram if signs is None else bigram * self.bigram_signs[signs]
+            bigram = self.bigram_embed(rows) if signs is None else self.bigram_embed(rows) * self.bigram_signs[signs]
         rope = self.rotary.at(windows[0])  # the stage's rotary tables (YaRN: by its long window)
         windows = self.block_windows(windows)
         skips = []  # U-net (@brendanh0gan): first-half outputs feed, in reverse order, the second half
@@ -2271,7 +2220,6 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Traini
         micro_loss = compiled(inputs, targets, cu_seqlens, stage.batch.max_doc_len, stage.windows, mtp_weights=mtp)
         micro_loss.backward()
         loss += micro_loss.detach()
-    model.take_bigram_grad()
     adam, muon = optimizers
     for opt in optimizers:
         for group in opt.param_groups:

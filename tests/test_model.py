@@ -213,7 +213,6 @@ def test_new_weights_get_gradients_and_the_default_model_has_none_of_them():
     model = tiny_model(randomize=True, **LATER_RECORDS)
     x, y, cu = batch()
     model(x, y, cu, 128, W3).backward()
-    model.take_bigram_grad()  # the bigram table's gradient is summed apart until then (bigram_lookup)
     at = model.scalar_layout()
     assert model.bigram_embed.weight.grad.abs().sum() > 0 and model.scalars.grad[at["bigram"]].abs().min() > 0
     assert model.scalars.grad[at["backout"]].abs().min() > 0
@@ -575,38 +574,3 @@ def test_untie_step_is_the_start_of_the_first_untied_stage():
     assert [st.start for st in stages] == [0, 7, 14]
     for n, step in ((0, 0), (1, 7), (2, 14), (3, math.inf)):
         assert tg.untie_step(stages, tg.Hyperparameters(**{**TINY, "num_iterations": 20, "tied_embed_stages": n})) == step
-
-
-@pytest.mark.parametrize("compiled", [False, True])
-def test_bigram_table_gradient_summed_in_place_equals_autograds(compiled, monkeypatch):
-    """bigram_lookup's backward adds rows into model.bigram_grad instead of making a dense gradient;
-    after two micro-batches take_bigram_grad gives the table the same .grad as plain autograd would
-    (the float32 sum of both, here compared in float32), leaves the sum at zero, and the model's
-    other gradients are unchanged."""
-    model = tiny_model(randomize=True, **LATER_RECORDS)
-    with torch.no_grad():
-        model.bigram_embed.weight.normal_(0, 0.1)
-    run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
-    x, y, cu = batch()
-    batches = [(x, y, cu), (x.roll(7), y.roll(7), cu)]
-    for x, y, cu in batches:
-        run(x, y, cu, 128, W3).backward()
-    assert model.bigram_embed.weight.grad is None and model.bigram_grad.abs().sum() > 0
-    model.take_bigram_grad()
-    got = model.bigram_embed.weight.grad.float()
-    assert not model.bigram_grad.any()
-    others = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None and "bigram" not in n}
-    assert len(others) > 10
-
-    # the same model with the lookup done by F.embedding on a float32 copy of the table
-    model.zero_grad(set_to_none=True)
-    table = model.bigram_embed.weight.detach().float().requires_grad_()
-    monkeypatch.setattr(torch.ops.speedrun, "bigram_lookup",
-                        lambda weight, rows, grad_sum: torch.nn.functional.embedding(rows, table).type_as(weight))
-    for x, y, cu in batches:
-        model(x, y, cu, 128, W3).backward()
-    monkeypatch.undo()
-    torch.testing.assert_close(got, table.grad, rtol=1e-2, atol=1e-6)
-    assert table.grad.abs().sum() > 0
-    for n, g in others.items():
-        torch.testing.assert_close(dict(model.named_parameters())[n].grad, g, rtol=1e-4, atol=1e-6, msg=n)
