@@ -236,6 +236,11 @@ if triton is not None:
         dz = tl.exp(z - lse[:, None]) - tl.where(rv[None, :] == target[:, None], 1.0, 0.0)
         g = (dz * z * (1.0 - z * inv_cap) * scale[:, None]).to(g_ptr.dtype.element_ty)
         tl.store(g_ptr + (t0.to(tl.int64) * V + v0) + tv, g, mask=inside)
+        # The transposed copy: this program reads its own e5m2 tile back (from L2) and stores it transposed.
+        # Computed once and transposed in registers instead, Triton 3.6 moves the bf16 input tile into the
+        # transposed layout and does every operation above twice (two divisions per entry in its PTX).
+        tl.debug_barrier()  # every thread's stores of the tile are visible to the whole program
+        g = tl.load(g_ptr + (t0.to(tl.int64) * V + v0) + tv, mask=inside)
         tl.store(g_t_ptr + (v0.to(tl.int64) * T + t0) + (iv[None, :] * T + it[:, None]), g, mask=inside)
 
 # Chunk and tile sizes; the interpreter tests shrink them.
