@@ -6,7 +6,7 @@ configuration given; the fused op's relative error against the unfused one. Seco
 minutes of model compile: the way to choose kernels.SOFTCAP_CE_TILES before timing whole steps
 (bench/step_time.py --fused_ce true).
 
-    python bench/ce_kernel.py [--tokens 49152] [--tiles 2048,8,128,128,8 1024,4,64,128,4 ...]
+    python bench/ce_kernel.py [--tokens 49152] [--tiles 2048,8,64,64,4 2048,8,32,128,4 ...]
 
 A tile configuration is fwd BLOCK_V, fwd num_warps, bwd BLOCK_T, bwd BLOCK_V, bwd num_warps."""
 import argparse
@@ -35,19 +35,22 @@ def fused(x, w, targets):
                                           tg.HEAD_GRAD_SCALE, CAP, SHIFT, TEMP)[0].sum()
 
 
-def time_fwd_bwd(fn, x, w, targets, iters: int) -> float:
-    """Median ms of forward + backward over iters runs, after three untimed ones."""
+def time_fwd_bwd(fn, x, w, targets, iters: int) -> tuple[float, float, float]:
+    """Median ms of forward + backward, of the forward and of the backward, over iters runs after three
+    untimed ones (one event between the two halves)."""
     times = []
     for i in range(iters + 3):
         x.grad = w.grad = None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         start.record()
-        fn(x, w, targets).backward()
+        loss = fn(x, w, targets)
+        mid.record()
+        loss.backward()
         end.record()
         torch.cuda.synchronize()
         if i >= 3:
-            times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+            times.append((start.elapsed_time(end), start.elapsed_time(mid), mid.elapsed_time(end)))
+    return tuple(sorted(t[k] for t in times)[len(times) // 2] for k in range(3))
 
 
 def loss_and_grads(fn, x, w, targets):
@@ -62,7 +65,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=49152, help="rows of the micro-batch")
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=50304)
-    parser.add_argument("--tiles", nargs="+", default=["2048,8,128,128,8", "1024,4,64,128,4", "4096,8,64,256,8"],
+    parser.add_argument("--tiles", nargs="+", default=["2048,8,64,64,4", "2048,8,32,128,4", "2048,8,128,128,8"],
                         help="fwd BLOCK_V,num_warps,bwd BLOCK_T,BLOCK_V,num_warps per configuration")
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
@@ -76,22 +79,22 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; FP8 head {args.tokens} x {args.dim} "
           f"-> {args.vocab} with the soft-capped cross-entropy, forward + backward, median of {args.iters}")
     compiled = torch.compile(unfused, fullgraph=True)
-    base = time_fwd_bwd(compiled, x, w, targets, args.iters)
+    base, base_fwd, base_bwd = time_fwd_bwd(compiled, x, w, targets, args.iters)
     reference = loss_and_grads(compiled, x, w, targets)
-    print(f"unfused (torch.compile): {base:.3f} ms")
+    print(f"unfused (torch.compile): {base:.3f} ms (forward {base_fwd:.3f}, backward {base_bwd:.3f})")
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()
     for tiles in args.tiles:
         fwd_v, fwd_warps, bwd_t, bwd_v, bwd_warps = map(int, tiles.split(","))
         kernels.SOFTCAP_CE_TILES = dict(fwd=dict(BLOCK_V=fwd_v, num_warps=fwd_warps),
                                         bwd=dict(BLOCK_T=bwd_t, BLOCK_V=bwd_v, num_warps=bwd_warps))
         try:
-            ms = time_fwd_bwd(fused, x, w, targets, args.iters)
+            ms, fwd, bwd = time_fwd_bwd(fused, x, w, targets, args.iters)
         except Exception as e:  # a configuration the GPU cannot hold (shared memory, registers): say so, go on
             print(f"fused {tiles}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             continue
         got = loss_and_grads(fused, x, w, targets)
         err = [rel(a, b) for a, b in zip(got, reference)]
-        print(f"fused {tiles}: {ms:.3f} ms ({ms / base:.3f} x unfused); relative error of the loss {err[0]:.1e}, "
+        print(f"fused {tiles}: {ms:.3f} ms ({ms / base:.3f} x unfused; forward {fwd:.3f}, backward {bwd:.3f}); relative error of the loss {err[0]:.1e}, "
               f"of the gradients {err[1]:.1e} (x), {err[2]:.1e} (w)")
 
 
