@@ -14,14 +14,18 @@
 #   ROUND=4 (default): the record preset at 44,032 x 357 in one micro-batch, tuned for the short run:
 #            final LR 0.05, cooldown over 75%, LR x 1.3, longer windows (5, 9, 13), 32,768 x 480,
 #            multi-token prediction, five value-embedding tables.
+#   ROUND=8: the record preset as it is now, at 480 x 32,768 in one micro-batch (the comparison's
+#            settings), two seeds each, three runs at a time (23 GiB each; pass --max_parallel 5 on an
+#            H200): learnable XSA, the LM head's Adam betas 0.5/0.95 with cautious decay 0.375, the
+#            fused cross-entropy, and 400 / 360 steps (50% / 45% of the public run's tokens).
 #   Rounds 3 and 4 ran on the record preset of their time; it has since taken round 6's Muon momentum
 #   and round 7's bigram table and fused MLP (bench/results/token_budget6_h100.md, token_budget7_h100.md):
 #   to rerun them as they ran, check out commit 1c8e29a.
 #
-#   [ROUND=1|2|3|4] bash bench/token_budget_ab.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [more harness flags]
+#   [ROUND=1|2|3|4|8] bash bench/token_budget_ab.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [more harness flags]
 set -euo pipefail
 if [ $# -lt 3 ]; then
-    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 public=$1 shards=$2 out=$3
@@ -85,6 +89,16 @@ elif [ "$round" = 3 ]; then
       --variant no_mlp0 "--no_mlp_layers 0" \
       --variant combo "--paired_head_blocks 1,3,6,10 --muon_weight_decay 0.43 --ve_gate true" \
       "$@" --out "$out/token_budget_ab3.md"
+elif [ "$round" = 8 ]; then
+  python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 3 \
+      --work /tmp/token_budget_ab8 --label record \
+      --ours_args "--preset record $b32 --batch_size 32768 --seq_len 32768 --max_num_docs 256" \
+      --variant xsa "--xsa true" \
+      --variant head "--head_adam_betas 0.5,0.95 --head_weight_decay 0.375" \
+      --variant fused_ce "--fused_ce true" \
+      --variant n400 "--num_iterations 400" \
+      --variant n360 "--num_iterations 360" \
+      "$@" --out "$out/token_budget_ab8.md"
 else
   "${on_record[@]}" --work /tmp/token_budget_ab4 \
       --variant final_lr005 "--final_lr_frac 0.05" \
