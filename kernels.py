@@ -227,21 +227,22 @@ if triton is not None:
         in_t = rt < T
         inside = in_t[:, None] & (rv[None, :] < V)
         # 64-bit tile origins, 32-bit offsets inside the tile (BLOCK_T * V and BLOCK_V * T stay below 2^31)
+        tile, tile_t = t0.to(tl.int64) * V + v0, v0.to(tl.int64) * T + t0
         tv = it[:, None] * V + iv[None, :]
-        logit = tl.load(logits_ptr + (t0.to(tl.int64) * V + v0) + tv, mask=inside, other=0.0).to(tl.float32)
+        logit = tl.load(logits_ptr + tile + tv, mask=inside, other=0.0).to(tl.float32)
         lse = tl.load(lse_ptr + rt, mask=in_t, other=0.0)
         target = tl.load(targets_ptr + rt, mask=in_t, other=-1)
         scale = tl.load(grad_ptr + rt, mask=in_t, other=0.0) * inv_temp * inv_grad_scale
         z = _softcap(logit, cap, inv_temp, shift_over_temp)
         dz = tl.exp(z - lse[:, None]) - tl.where(rv[None, :] == target[:, None], 1.0, 0.0)
         g = (dz * z * (1.0 - z * inv_cap) * scale[:, None]).to(g_ptr.dtype.element_ty)
-        tl.store(g_ptr + (t0.to(tl.int64) * V + v0) + tv, g, mask=inside)
+        tl.store(g_ptr + tile + tv, g, mask=inside)
         # The transposed copy: this program reads its own e5m2 tile back (from L2) and stores it transposed.
         # Computed once and transposed in registers instead, Triton 3.6 moves the bf16 input tile into the
         # transposed layout and does every operation above twice (two divisions per entry in its PTX).
         tl.debug_barrier()  # every thread's stores of the tile are visible to the whole program
-        g = tl.load(g_ptr + (t0.to(tl.int64) * V + v0) + tv, mask=inside)
-        tl.store(g_t_ptr + (v0.to(tl.int64) * T + t0) + (iv[None, :] * T + it[:, None]), g, mask=inside)
+        g = tl.load(g_ptr + tile + tv, mask=inside)
+        tl.store(g_t_ptr + tile_t + (iv[None, :] * T + it[:, None]), g, mask=inside)
 
 # Chunk and tile sizes; the interpreter tests shrink them.
 SOFTCAP_CE_TILES = dict(fwd=dict(BLOCK_V=2048, num_warps=8), bwd=dict(BLOCK_T=64, BLOCK_V=64, num_warps=4))

@@ -94,8 +94,8 @@ def main():
             continue
         got = loss_and_grads(fused, x, w, targets)
         err = [rel(a, b) for a, b in zip(got, reference)]
-        print(f"fused {tiles}: {ms:.3f} ms ({ms / base:.3f} x unfused; forward {fwd:.3f}, backward {bwd:.3f}); relative error of the loss {err[0]:.1e}, "
-              f"of the gradients {err[1]:.1e} (x), {err[2]:.1e} (w)")
+        print(f"fused {tiles}: {ms:.3f} ms ({ms / base:.3f} x unfused; forward {fwd:.3f}, backward {bwd:.3f}); "
+              f"relative error of the loss {err[0]:.1e}, of the gradients {err[1]:.1e} (x), {err[2]:.1e} (w)")
 
 
 if __name__ == "__main__":
