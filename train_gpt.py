@@ -226,8 +226,8 @@ class Hyperparameters:
 # The public record line's techniques after 09/03 that our A/B on the development protocol kept
 # (bench/README.md: at 60% of the tokens, -0.074 val against the 09/03 algorithm for the first five,
 # same batches; the key offset -0.08 more; the momentum schedule -0.013 more; the bigram table -0.002 at
-# 44K-token batches, -0.009 at 32K), and the fused MLP kernel for speed; multi-token prediction, NorMuon,
-# YaRN, the smear gate and the value-embedding gates did not help there.
+# 44K-token batches, -0.009 at 32K), and the fused MLP and cross-entropy kernels for speed; multi-token
+# prediction, NorMuon, YaRN, the smear gate and the value-embedding gates did not help there.
 RECORD_LINE = dict(
     logit_softcap=23.0, softcap_shift=5.0,  # asymmetric softcap 23 * sigmoid((z + 5) / 7.5) (2025-12-26)
     backout_layer=8,  # subtract a learned multiple of block 8's output before the head
@@ -239,6 +239,7 @@ RECORD_LINE = dict(
     doc_len_schedule=(896, 2048, 2048),  # short documents in the first stage (the later records' 896)
     key_offset=True,  # long-window keys' position-free dims from the previous token: one-block induction (12/14/25)
     fused_mlp=True,  # ReLU² in the matmul epilogues: -12 ms a step at stage 3 on an H100, same learning (round 7)
+    fused_ce=True,  # the FP8 head's loss in Triton kernels: -22 ms a step at stage 3 on an H100, the same losses
     # bigram hash embedding with the record's +-1 sign rows, decay and betas for the embedding tables (05/27/26;
     # decay 0.0125 each step = the record's 0.025 on the every-second step its Adam takes)
     bigram_rows=377280, bigram_sign_rows=8192, embed_weight_decay=0.0125, embed_adam_betas=(0.75, 0.95),
@@ -248,7 +249,7 @@ PRESETS = {  # name: (what it is, the fields it sets)
     "record": ("the 8-GPU record configuration: the 09/03 record plus the later public techniques our A/B "
                "kept (softcap 23 shifted by 5, backout of block 8, Polar Express, cooldown over 60%, "
                "896-token documents in the first stage, partial key offset, Muon momentum 0.8 -> 0.9 -> 0.8, bigram "
-               "hash embedding), and the fused ReLU² MLP kernel",
+               "hash embedding), and the fused ReLU² MLP and soft-capped cross-entropy kernels",
                RECORD_LINE),
     "record-0903": ("the public record of 2025-09-03 as it ran (1670 steps, 8 GPUs): the dataclass defaults", {}),
     "smoke": ("a tiny model on a built-in synthetic corpus (a random Markov chain whose entropy per token, "
@@ -2199,7 +2200,10 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         # validation, on purpose: dynamo's default limit of 8 per function must not fail a longer schedule.
         graphs = 2 * len(training_stages(args)) + 1
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
-        compiled = torch.compile(model, dynamic=False, fullgraph=True)
+        # Inductor's fusions capped at 32 input/output buffers: uncapped, the backward fuses every block's
+        # scalar-gradient reductions with the bigram and embedding backward into one kernel of 80+ buffers,
+        # ~2.7 ms per 49K-token micro-batch on an H100; capped, the stage-3 step is ~10 ms faster (bench/README)
+        compiled = torch.compile(model, dynamic=False, fullgraph=True, options=dict(max_fusion_unique_io_buffers=32))
         orthogonalize = torch.compile(orthogonalize, dynamic=False, fullgraph=True)
         # dynamic=True: shapes, step sizes, decay rates and betas are arguments of one graph per dtype and
         # rank of parameter, not constants that recompile it for every tensor and every step
