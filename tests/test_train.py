@@ -217,6 +217,20 @@ def test_the_final_validation_can_look_further_back_than_training_did(tiny_args,
         tiny_args(final_val_window=-1)
 
 
+def test_the_model_is_compiled_with_inductors_fusions_capped(tiny_args, monkeypatch):
+    """build() passes the cap on fused kernels' buffers (see its comment) to the model's compile, and this
+    torch's Inductor knows the option (torch.compile refuses an option it does not know)."""
+    seen = []
+    monkeypatch.setattr(tg.torch, "compile", lambda fn, **kw: seen.append((fn, kw)) or fn)
+    model, *_ = tg.build(tiny_args(compile=True), torch.device("cpu"), 0, 1, log=lambda *a, **k: None)
+    options = [kw.get("options") for fn, kw in seen if fn is model]
+    assert options == [{"max_fusion_unique_io_buffers": 32}]
+    monkeypatch.undo()
+    torch.compile(torch.nn.Linear(2, 2), options=options[0])
+    with pytest.raises(RuntimeError, match="max_fusion_unique_io_bufers"):  # a misspelt option is refused
+        torch.compile(torch.nn.Linear(2, 2), options={"max_fusion_unique_io_bufers": 32})
+
+
 def test_a_compiled_run_with_an_extension_and_a_final_window_compiles_every_graph_it_needs(tiny_args, monkeypatch):
     """3 stages + the extension, each in training and evaluation, and the final validation's window: 9
     graphs of one function, one more than dynamo's default limit, which fullgraph turns into a failure.
