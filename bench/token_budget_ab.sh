@@ -17,9 +17,11 @@
 #   ROUND=8: the record preset as it is now, at 480 x 32,768 in one micro-batch (the comparison's
 #            settings), two seeds each, three runs at a time (23 GiB each; pass --max_parallel 5 on an
 #            H200): learnable XSA, the LM head's Adam betas 0.5/0.95 with cautious decay 0.375, the
-#            fused cross-entropy, and 400 / 360 steps (50% / 45% of the public run's tokens).
+#            cross-entropy unfused (the preset fuses it), and 400 / 360 steps (50% / 45% of the public
+#            run's tokens).
 #   Rounds 3 and 4 ran on the record preset of their time; it has since taken round 6's Muon momentum
-#   and round 7's bigram table and fused MLP (bench/results/token_budget6_h100.md, token_budget7_h100.md):
+#   and round 7's bigram table and fused MLP (bench/results/token_budget6_h100.md, token_budget7_h100.md),
+#   and the fused cross-entropy (which refuses multi-token prediction: round 4's mtp variant turns it off):
 #   to rerun them as they ran, check out commit 1c8e29a.
 #
 #   [ROUND=1|2|3|4|8] bash bench/token_budget_ab.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [more harness flags]
@@ -95,7 +97,7 @@ elif [ "$round" = 8 ]; then
       --ours_args "--preset record $b32 --batch_size 32768 --seq_len 32768 --max_num_docs 256" \
       --variant xsa "--xsa true" \
       --variant head "--head_adam_betas 0.5,0.95 --head_weight_decay 0.375" \
-      --variant fused_ce "--fused_ce true" \
+      --variant unfused_ce "--fused_ce false" \
       --variant n400 "--num_iterations 400" \
       --variant n360 "--num_iterations 360" \
       "$@" --out "$out/token_budget_ab8.md"
@@ -106,7 +108,7 @@ else
       --variant lr13 "--lr_schedule 1.3,1.3,1.3" \
       --variant ws5_9_13 "--window_schedule 5,9,13" \
       --variant b32 "--batch_schedule 32768,32768,32768 --num_iterations 480 --batch_size 32768 --seq_len 32768" \
-      --variant mtp "--mtp_weights 0.5,0.25,0.5,0,0,0" \
+      --variant mtp "--mtp_weights 0.5,0.25,0.5,0,0,0 --fused_ce false" \
       --variant ve5 "--num_value_embeds 5" \
       "$@" --out "$out/token_budget_ab4.md"
 fi
