@@ -158,7 +158,10 @@ def test_schedule_is_the_records_at_stage_starts_and_ends_and_linear_inside():
     assert [st.mtp for st in stages] == [((0.4, 0.2),), ((0.2, 0.1),), ((0.1, 0.1),), ((0.1, 0.1),)]
     assert tg.mtp_weights_at(stages[1], 16) == pytest.approx((0.15,)) and tg.mtp_weights_at(stages[3], 31) == (0.1,)
     assert all(st.mtp == () for st in tg.training_stages(tg.Hyperparameters(extension_steps=10, extension_window=13)))
-    assert tg.parse_args(["--mtp_weights", "0.5,0.25,0.5,0,0,0"]).mtp_weights == RECORD
+    assert tg.parse_args(["--preset", "record-0903", "--mtp_weights", "0.5,0.25,0.5,0,0,0"]).mtp_weights == RECORD
+    with pytest.raises(ValueError, match="use --fused_ce false"):  # the record preset fuses the next-token loss
+        tg.parse_args(["--mtp_weights", "0.5,0.25,0.5,0,0,0"])
+    assert tg.parse_args(["--mtp_weights", "0.5,0.25,0.5,0,0,0", "--fused_ce", "false"]).mtp_weights == RECORD
 
 
 @pytest.mark.parametrize("weights", [(0.5, 0.25), (0.5, -0.1, 0.0), (math.nan, 0.0, 0.0), (math.inf, 0.0, 0.0)])
