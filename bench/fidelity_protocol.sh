@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The development protocol for any change that can alter learning: the public 2025-09-03 record's own
-# code and ours side by side on one GPU (bench/fidelity_0903.py), on a held-out corpus.
+# code and ours side by side on one GPU (bench/side_by_side.py --public_code 0903), on a held-out corpus.
 #
 #   bash bench/fidelity_protocol.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [harness flags for ours...]
 #
@@ -23,6 +23,6 @@ public=$1 shards=$2 out=$3
 shift 3
 cd "$(dirname "$0")/.."
 common=(--public "$public" --train_files "$shards/fineweb_train_*.bin" --val_files "$shards/fineweb_val_*.bin"
-        --batch_size 131072 --val_tokens 983040 --val_seq_len 40960 --val_every 50 --seeds 0 1 --public_seeds 0 1 --work /tmp/fidelity_0903 "$@")
-python3 bench/fidelity_0903.py "${common[@]}" --steps 400 --out "$out/fidelity_400.md"
-python3 bench/fidelity_0903.py "${common[@]}" --steps 200 --parallel --out "$out/fidelity_200.md"
+        --batch_size 131072 --val_tokens 983040 --val_seq_len 40960 --val_every 50 --seeds 0 1 --public_seeds 0 1 --work /tmp/side_by_side_0903 "$@")
+python3 bench/side_by_side.py --public_code 0903 "${common[@]}" --steps 400 --out "$out/fidelity_400.md"
+python3 bench/side_by_side.py --public_code 0903 "${common[@]}" --steps 200 --parallel --out "$out/fidelity_200.md"

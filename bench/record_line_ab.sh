@@ -17,7 +17,7 @@ fi
 public=$1 shards=$2 out=$3
 shift 3
 cd "$(dirname "$0")/.."
-python3 bench/fidelity_0903.py --public "$public" --train_files "$shards/fineweb_train_*.bin" \
+python3 bench/side_by_side.py --public_code 0903 --public "$public" --train_files "$shards/fineweb_train_*.bin" \
     --val_files "$shards/fineweb_val_*.bin" --batch_size 131072 --val_tokens 983040 --val_seq_len 40960 \
     --val_every 50 --steps 200 --seeds 0 1 --public_seeds --parallel --max_parallel 4 --work /tmp/record_line_ab \
     --label base --target 2.980 \

@@ -45,10 +45,10 @@ protocol=(--public "$public" --train_files "$shards/fineweb_train_*.bin" --val_f
           --batch_size 131072 --val_tokens 983040 --val_seq_len 40960 --val_every 50 --steps 200 --target 2.980)
 round=${ROUND:-4}
 # rounds 3 and 4: two seeds of the record preset at 44,032 x 357 in one micro-batch, four runs at a time
-on_record=(python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 4
+on_record=(python3 bench/side_by_side.py --public_code 0903 "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 4
            --label record --ours_args "--preset record $b44 $one")
 if [ "$round" = 1 ]; then
-  python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 --public_seeds --parallel --work /tmp/token_budget_ab \
+  python3 bench/side_by_side.py --public_code 0903 "${protocol[@]}" --seeds 0 --public_seeds --parallel --work /tmp/token_budget_ab \
       --label base \
       --variant mtp "--mtp_weights 0.5,0.25,0.5,0,0,0" \
       --variant polar_express "--orthogonalizer polar_express" \
@@ -70,7 +70,7 @@ if [ "$round" = 1 ]; then
       "$@" --out "$out/token_budget_ab.md"
 elif [ "$round" = 2 ]; then
   five="--muon_beta2 0.9 $yarn --smear true --ve_gate true --key_offset true"
-  python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 9 \
+  python3 bench/side_by_side.py --public_code 0903 "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 9 \
       --work /tmp/token_budget_ab2 --label core --ours_args "$core $b44" \
       --variant normuon "--muon_beta2 0.9" \
       --variant yarn "$yarn" \
@@ -92,7 +92,7 @@ elif [ "$round" = 3 ]; then
       --variant combo "--paired_head_blocks 1,3,6,10 --muon_weight_decay 0.43 --ve_gate true" \
       "$@" --out "$out/token_budget_ab3.md"
 elif [ "$round" = 8 ]; then
-  python3 bench/fidelity_0903.py "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 3 \
+  python3 bench/side_by_side.py --public_code 0903 "${protocol[@]}" --seeds 0 1 --public_seeds --parallel --max_parallel 3 \
       --work /tmp/token_budget_ab8 --label record \
       --ours_args "--preset record $b32 --batch_size 32768 --seq_len 32768 --max_num_docs 256" \
       --variant xsa "--xsa true" \

@@ -1,0 +1,814 @@
+#!/usr/bin/env python3
+"""Side-by-side harness: a public modded-nanogpt script and ours on one GPU, same shards, same validation.
+
+    python bench/side_by_side.py --public PATH/TO/modded-nanogpt \\
+        --train_files "DIR/fineweb_train_*.bin" --val_files "DIR/fineweb_val_*.bin" \\
+        [--public_code master|89|0903] [--public_commit HASH] [--public_attention fa3|varlen] \\
+        [--batch_div 16] [--step_div 1] [--accum N] [--val_every 125] [--seeds 0 1 2] [--public_seeds 0 1 2] \\
+        [--ours_args "FLAGS"] [--variant NAME "FLAGS" ...] [--parallel] [--target LOSS] [--out table.md]
+
+Public codes (--public_code), all read from a checkout of KellerJordan/modded-nanogpt:
+  master  the public line's current code: train_gpt.py and the kernel files it imports, at the commit
+          --public_commit (default PUBLIC_MASTER below; no fallback to another commit or record)
+  89      record #89 (2026-07-17, FP8 MLP down projection): the script embedded in its log
+  0903    the 2025-09-03 record: the script embedded in its logs (the 09/03 protocol, unchanged: --steps,
+          --batch_size; it links the shards three times over, as the results of that protocol did)
+
+The public files are staged in a work folder outside this project and run from there (so its imports
+cannot meet our kernels.py), after the run-time patches listed in PATCHES, each of which must find its
+anchor or the harness stops naming it. Nothing of the public code is kept in this repository.
+
+The scaling rule (master, 89): the public schedule trains 338.8M tokens; the proxy corpus has about 22M
+after the public loader's document cutting. Either every stage's batch is divided by --batch_div (16;
+steps and step constants kept: 8K / 16K / 24K-token steps, one micro-batch each) or the step counts and
+step constants by --step_div at the real batches (the real-shape check, and the timing run). Every run
+is checked before it starts: the tokens its schedule reads, simulated with each code's own document
+cutting, must fit in the shards once; a run that would repeat data is refused with an error.
+
+Validation is the same for both codes: the first --val_tokens tokens of the val shard in buffers of
+--val_seq_len (the public val_batch_size becomes accum x val_seq_len).
+
+Runs go one after the other (step times then compare; the per-stage table is printed), or with
+--parallel all at once sharing the GPU (losses only; the tables say so). Prints and writes markdown:
+val loss at each validation, tokens and training time there, the tokens and time to --target, the
+final losses per group with a 95% interval and the paired (same seed) difference, and ms/step and
+us/token per stage."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import train_gpt as tg  # noqa: E402  (shard headers and loading, our schedule and document cutting)
+
+PUBLIC_MASTER = "f411b3d346aa52d3504324ca93c230fd84c6c07f"  # master of 2026-08-01: record #89 and its follow-ups
+RECORD_LOGS = {"0903": "records/track_1_short/2025-09-03_FA3/*.txt",
+               "89": "records/track_1_short/2026-07-17_FP8DownProjection/this_pr/11cb620c-*.txt"}
+KERNEL_FILES = ("triton_kernels.py", "dc_triton_kernels.py")  # imported by the public script when present
+SEPARATOR = "=" * 100
+FILE_MARK = re.compile(r"\n\n-{40}\n# (\S+\.py)\n-{40}\n\n")  # between the files a public log embeds
+VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([0-9.]+|nan) train_time:(\d+)ms(?:.* tokens:([\d,]+))?")
+STEP_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms")
+BOUNDARY_LINE = re.compile(r"^harness: stage boundaries (\[.*\])$")
+BOS = tg.BOS_ID
+
+
+def fail(msg: str):
+    raise SystemExit(f"side_by_side.py: error: {msg}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The public source
+
+
+@dataclass
+class PublicCode:
+    name: str  # "master", "89", "0903"
+    files: dict[str, str]  # file name -> source, train_gpt.py first
+    origin: str  # the commit, or the log and its md5
+
+    @property
+    def script(self) -> str:
+        return self.files["train_gpt.py"]
+
+
+def split_logged_source(text: str) -> dict[str, str]:
+    """The files a public log embeds before its 100-'=' line: train_gpt.py, then each kernel file under
+    a '# name.py' heading between two lines of 40 '-'."""
+    source = text[: text.index(SEPARATOR)]
+    parts = FILE_MARK.split(source)
+    return {"train_gpt.py": parts[0], **dict(zip(parts[1::2], parts[2::2]))}
+
+
+def public_source(checkout: Path, code: str = "0903", commit: str = PUBLIC_MASTER) -> PublicCode:
+    """The public code: from a record's log (0903, 89) or from a commit of the checkout (master)."""
+    if code == "master":
+        def show(path):
+            return subprocess.run(["git", "-C", str(checkout), "show", f"{commit}:{path}"], capture_output=True,
+                                  text=True)
+        main = show("train_gpt.py")
+        if main.returncode:
+            fail(f"{checkout} has no train_gpt.py at commit {commit} ({main.stderr.strip()}): point --public at a "
+                 "git checkout of KellerJordan/modded-nanogpt that holds the commit (git fetch origin)")
+        files = {"train_gpt.py": main.stdout}
+        for name in KERNEL_FILES:
+            if f"from {name[:-3]} import" in main.stdout:
+                got = show(name)
+                if got.returncode:
+                    fail(f"the public train_gpt.py imports {name}, missing at commit {commit}")
+                files[name] = got.stdout
+        return PublicCode(code, files, f"commit {commit}")
+    logs = sorted(checkout.glob(RECORD_LOGS[code]))
+    if not logs:
+        fail(f"no {RECORD_LOGS[code]} under {checkout}: point --public at a checkout of KellerJordan/modded-nanogpt")
+    text = logs[0].read_text()
+    if SEPARATOR not in text:
+        fail(f"{logs[0]} holds no line of 100 '=' after its source")
+    files = split_logged_source(text)
+    md5 = hashlib.md5(text[: text.index(SEPARATOR)].encode()).hexdigest()
+    return PublicCode(code, files, f"{logs[0].relative_to(checkout)} (md5 {md5})")
+
+
+def override(source: str, field: str, value: str) -> str:
+    """Replace the default of one Hyperparameters field (`name: type = default  # comment`)."""
+    pattern = re.compile(rf"^(\s+{field}: \w+ = )([^#\n]+?)(\s*#.*)?$", re.M)
+    if len(pattern.findall(source)) != 1:
+        fail(f"the public script has no single field {field!r} to override")
+    return pattern.sub(lambda m: m.group(1) + value + (m.group(3) or ""), source)
+
+
+def field_value(source: str, field: str) -> str:
+    m = re.findall(rf"^\s+{field}: \w+ = ([^#\n]+?)\s*(?:#.*)?$", source, re.M)
+    if len(m) != 1:
+        fail(f"the public script has no single field {field!r}")
+    return m[0]
+
+
+def patch(source: str, name: str, old: str, new: str, count: int = 1) -> str:
+    """Replace the exact text `old` (which must occur `count` times) by `new`; the patch is named in the
+    error when the public code no longer has its anchor."""
+    found = source.count(old)
+    if found != count:
+        fail(f"patch {name!r}: expected {count} occurrence(s) of {old!r} in the public script, found {found}")
+    return source.replace(old, new)
+
+
+def seed_public(source: str, seed: int) -> str:
+    """The public script with `torch.manual_seed(seed)` just before it builds the model: as published it
+    sets no seed, so every run starts from the same weights (torch's default seed) and two runs
+    differ only by kernel nondeterminism, which understates the spread between seeds."""
+    anchor = re.compile(r"^model: nn\.Module = GPT\(", re.M)
+    if len(anchor.findall(source)) != 1:
+        fail("the public script has no single `model: nn.Module = GPT(` line to seed before")
+    return anchor.sub(lambda m: f"torch.manual_seed({seed})  # inserted by the harness\n" + m.group(0), source)
+
+
+# ------------------------------------------------------------------------------------------------
+# The public schedule (master, 89): its stage table, scaled by the rule
+
+
+@dataclass(frozen=True)
+class Stage:
+    start: int  # first training step (0-based) of the stage
+    end: int  # one past its last step
+    batch: int  # tokens per step
+    max_seq_len: int  # documents are cut here
+    windows: tuple[int, int]  # (short, long) in blocks of 128 tokens
+
+
+def _arith(expr: str) -> float:
+    if not re.fullmatch(r"[\d\s.*/+()-]+", expr):
+        fail(f"cannot read {expr!r} in the public stage table")
+    return eval(expr, {"__builtins__": {}})  # digits and operators only, checked above
+
+
+def public_stages(source: str, batch_div: int = 1) -> list[Stage]:
+    """The public TRAINING_STAGES table with the step boundaries its TrainingSchedule computes: the
+    scheduled stages split num_scheduled_iterations by their durations (rounded cumulative fractions),
+    the last (extension) stage has num_extension_iterations."""
+    m = re.search(r"^TRAINING_STAGES = \[\n(.*?)^\]", source, re.M | re.S)
+    if not m:
+        fail("the public script has no `TRAINING_STAGES = [` table")
+    rows = []
+    for chunk in m.group(1).split("TrainingStage(")[1:]:
+        get = {k: re.search(rf"\b{k}=([\d\s.*/+-]+)", chunk) for k in ("duration", "train_max_seq_len", "batch_size")}
+        win = re.search(r"window_sizes=\((\d+),\s*(\d+)\)", chunk)
+        if not (get["train_max_seq_len"] and get["batch_size"] and win):
+            fail(f"cannot read a stage of the public TRAINING_STAGES table: {chunk[:120]!r}")
+        rows.append((_arith(get["duration"].group(1)) if get["duration"] else None,
+                     int(_arith(get["train_max_seq_len"].group(1))), int(_arith(get["batch_size"].group(1))),
+                     (int(win.group(1)), int(win.group(2)))))
+    S = int(field_value(source, "num_scheduled_iterations"))
+    E = int(field_value(source, "num_extension_iterations"))
+    ends, acc = [0], 0.0
+    for duration, *_ in rows[:-1]:
+        acc += duration
+        ends.append(round(acc * S))
+    if ends[-1] != S:
+        fail(f"the public stage durations end at step {ends[-1]}, not at num_scheduled_iterations={S}")
+    ends.append(S + E)
+    return [Stage(a, b, batch // batch_div, msl, win) for (a, b), (_, msl, batch, win) in zip(zip(ends, ends[1:]), rows)]
+
+
+def step_plan(stages) -> list:
+    """Each training step's stage (both codes' stage lists have start, end and a batch)."""
+    plan = []
+    for st in stages:
+        plan += [st] * (st.end - st.start)
+    return plan
+
+
+class DataExhausted(Exception):
+    pass
+
+
+def simulate_public_loader(files: list[str], stages: list[Stage], accum: int) -> dict:
+    """Walk the public loader's document cutting over the shards for the whole schedule, without a GPU:
+    each micro-batch of batch/accum tokens takes documents from a BOS on, each cut at max_seq_len
+    tokens and the last one at the micro-batch's end, the rest of a cut document dropped; a shard whose
+    documents cannot complete a micro-batch is left for the next, and the loader never wraps around.
+    Returns the trained tokens and how far into the shards the run reads; raises DataExhausted with
+    the step where the public run would run out (it would crash there; we refuse to start it)."""
+    def load(i):
+        t = tg.load_shard(files[i])
+        return t, np.flatnonzero(t == BOS)
+    shard, idx, pos, trained = 0, 0, 0, 0  # idx: the next document; pos: the end of the last piece read
+    tokens, bos = load(0)
+    for step, st in enumerate(step_plan(stages)):
+        n = st.batch // accum
+        for _ in range(accum):
+            while True:
+                cur_len, j = 0, idx
+                while cur_len <= n and j < bos.size:
+                    cur = int(bos[j])
+                    j += 1
+                    end = min(int(bos[j]) if j < bos.size else tokens.size, cur + st.max_seq_len, cur + n - cur_len + 1)
+                    cur_len += end - cur
+                if cur_len == n + 1:
+                    idx, pos = j, end
+                    break
+                shard += 1
+                if shard == len(files):
+                    raise DataExhausted(f"the public loader runs out of documents at step {step} of "
+                                        f"{len(step_plan(stages))} ({trained:,} tokens trained)")
+                (tokens, bos), idx, pos = load(shard), 0, 0
+            trained += n
+    read = sum(tg.read_shard_header(f) for f in files[:shard]) + pos
+    return dict(trained=trained, read=read, total=sum(tg.read_shard_header(f) for f in files))
+
+
+def simulate_our_loader(files: list[str], args) -> dict:
+    """The same check for ours, with our own loader code (TokenStream, no wrap-around)."""
+    stream = tg.TokenStream(files, args.bos_id, wrap=False, log=lambda *a: None)
+    stages = tg.training_stages(args)
+    trained = 0
+    for step in range(args.num_iterations):
+        spec = tg.stage_at(stages, step).batch
+        try:
+            for _ in range(spec.batch_size // spec.seq_len):
+                stream.take(spec.seq_len, spec.max_doc_len)
+        except EOFError:
+            raise DataExhausted(f"our loader would start a second pass over the shards at step {step} of "
+                                f"{args.num_iterations} ({trained:,} tokens trained)") from None
+        trained += spec.batch_size
+    read = sum(tg.read_shard_header(f) for f in files[:stream.shard]) + stream.pos
+    return dict(trained=trained, read=read, total=sum(tg.read_shard_header(f) for f in files))
+
+
+# ------------------------------------------------------------------------------------------------
+# Staging the public code
+
+
+# The stand-in for the hub FlashAttention-3 loader of the public code (get_kernel('kernels-community/
+# flash-attn3')): flash_attn_varlen_func as a custom op with a fake and a backward, so that the public
+# model still compiles with fullgraph. BACKEND is filled in by the harness.
+ATTENTION_MODULE = '''"""Harness stand-in for the public code's hub FlashAttention-3 loader (written by bench/side_by_side.py)."""
+import ctypes, glob, importlib.util, os, sys
+import torch
+from torch import Tensor
+
+BACKEND = {backend!r}
+
+
+def _load_fa3():
+    """torch.ops.flash_attn_3 from the flash_attn_3 wheel, or from the FA3 build inside xformers==0.0.34
+    (CUDA 12; under a CUDA-13 torch it needs libcudart.so.12 from nvidia-cuda-runtime-cu12)."""
+    if hasattr(torch.ops.flash_attn_3, "fwd"):
+        return "flash_attn_3 (already loaded)"
+    try:
+        import flash_attn_3._C  # noqa: F401
+        return "the flash_attn_3 wheel"
+    except ImportError:
+        pass
+    spec = importlib.util.find_spec("xformers")
+    so = os.path.join(os.path.dirname(spec.origin), "flash_attn_3", "_C.so") if spec and spec.origin else ""
+    if not os.path.exists(so):
+        raise SystemExit("harness attention fa3: neither the flash_attn_3 wheel nor xformers==0.0.34's FA3 build is "
+                         "installed; pip install --no-deps xformers==0.0.34 nvidia-cuda-runtime-cu12==12.8.90, or run "
+                         "the harness with --public_attention varlen")
+    try:
+        ctypes.CDLL("libcudart.so.12", mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        found = [p for d in sys.path for p in glob.glob(os.path.join(d, "nvidia/cuda_runtime/lib/libcudart.so.12"))]
+        if not found:
+            raise SystemExit("harness attention fa3: libcudart.so.12 not found: pip install nvidia-cuda-runtime-cu12")
+        ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
+    torch.ops.load_library(so)
+    return so
+
+
+if BACKEND == "fa3":
+    print(f"harness attention: FlashAttention-3 from {{_load_fa3()}}", flush=True)
+
+    @torch.library.custom_op("harness_attention::fa3", mutates_args=())
+    def _fa3(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int, window: int,
+             scale: float) -> tuple[Tensor, Tensor]:
+        out, lse, *_ = torch.ops.flash_attn_3.fwd(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+            softmax_scale=scale, is_causal=True, window_size_left=window, window_size_right=0, num_splits=1)
+        return out.contiguous(), lse.contiguous()
+
+    @_fa3.register_fake
+    def _(q, k, v, cu, max_seqlen, window, scale):
+        return q.new_empty(q.shape), q.new_empty(q.size(1), q.size(0), dtype=torch.float32)
+
+    @torch.library.custom_op("harness_attention::fa3_backward", mutates_args=())
+    def _fa3_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu: Tensor,
+                      max_seqlen: int, window: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        torch.ops.flash_attn_3.bwd(
+            g.contiguous(), q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen,
+            max_seqlen_k=max_seqlen, softmax_scale=scale, is_causal=True, window_size_left=window,
+            window_size_right=0)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+    @_fa3_backward.register_fake
+    def _(g, q, k, v, out, lse, cu, max_seqlen, window, scale):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def _setup(ctx, inputs, output):
+        q, k, v, cu, max_seqlen, window, scale = inputs
+        ctx.save_for_backward(q, k, v, cu, *output)
+        ctx.static = (max_seqlen, window, scale)
+
+    def _grad(ctx, g, g_lse):
+        q, k, v, cu, out, lse = ctx.saved_tensors
+        return *_fa3_backward(g, q, k, v, out, lse, cu, *ctx.static), None, None, None, None
+
+    _fa3.register_autograd(_grad, setup_context=_setup)
+else:
+    print("harness attention: PyTorch varlen_attn (FlashAttention-2 kernels)", flush=True)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                           softmax_scale=None, window_size=(-1, -1)):
+    """The keyword call of the public script: causal, one cu_seqlens for queries and keys, a left window."""
+    assert causal and cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k
+    left = -1 if window_size[0] is None else window_size[0]
+    if BACKEND == "fa3":
+        return _fa3(q, k, v, cu_seqlens_q, max_seqlen_q, left, softmax_scale)[0]
+    from torch.nn.attention.varlen import varlen_attn
+    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
+                       window_size=(left, 0))
+'''
+
+# The 09/03 record imports flash_attn_interface itself; where it is missing, this stand-in (PyTorch's
+# varlen kernels) is written next to it, so both codes run the same attention kernels.
+STAND_IN_0903 = '''"""Stand-in for FlashAttention-3's flash_attn_varlen_func on PyTorch's varlen attention (FA2 kernels)."""
+from torch.nn.attention.varlen import varlen_attn
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                           softmax_scale=None, window_size=(-1, -1)):
+    left = window_size[0] if window_size[0] is not None else -1
+    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
+                       window_size=(left, 0 if causal else -1))
+'''
+
+# What the master and #89 scripts need to run here, applied to the staged copy. (name, what and why)
+PATCHES = [
+    ("hub_fa3_loader", "the Hugging Face hub FlashAttention-3 loader (`from kernels import get_kernel`, "
+     "`get_kernel('kernels-community/flash-attn3')`) is replaced by harness_attention.py, a custom op over "
+     "FA3 from xformers==0.0.34 (num_splits=1: the default of FA3's Python interface, whose flash_attn_varlen_func "
+     "the public code calls; the raw op's default splits the keys and adds a combine kernel) or PyTorch's "
+     "varlen_attn (--public_attention); the hub is unreachable here"),
+    ("fp8_scale_alignment", "the per-layer FP8 scales that reach torch._scaled_mm (`_mlp_down_proj_scales[i:i+1]`, "
+     "`_mlp_down_act_scales[i:i+1]`) are gathered into fresh one-element tensors (`[[i]]`): cuBLASLt under CUDA 13 "
+     "refuses a scale whose address is not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED), which the slices "
+     "of a 12-float buffer are unless i % 4 == 0 (a .clone() would not do: Inductor removes it as a no-op)"),
+    ("data_and_validation", "train_files, val_files, val_tokens, val_batch_size = accum x val_seq_len, "
+     "val_loss_every, run_id"),
+    ("micro_batches", "grad_accum_steps = --accum on one GPU (the public code hard-codes 8 // world_size)"),
+    ("batch_div", "every stage's batch_size divided by --batch_div (a loop after TRAINING_STAGES)"),
+    ("step_div", "num_scheduled_iterations, num_extension_iterations (at least 1), Muon momentum warm-up "
+     "(300) and cool-down (50) steps and the FP8 down-projection bootstrap (step < 16) divided by --step_div"),
+    ("stage_log", "one log line with the schedule's stage boundaries, checked against the harness's own"),
+    ("seed", "torch.manual_seed(seed) before the model is built (the public script sets none)"),
+    ("profile", "with --profile_step N: torch.profiler over training steps N and N+1, its top kernels printed"),
+]
+
+# With --profile_step: the top of the public training section profiles two steps (N, N+1) and prints the
+# kernels by GPU time when step N+2 begins.
+PROFILE_HOOK = """    if step == {n}:  # harness: profile two training steps
+        _harness_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+        _harness_prof.__enter__()
+    if step == {n} + 2:
+        torch.cuda.synchronize()
+        _harness_prof.__exit__(None, None, None)
+        print0(_harness_prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90), console=True)
+"""
+
+
+def patch_public(code: PublicCode, *, train_glob: str, val_file: str, val_tokens: int, val_seq_len: int,
+                 val_every: int, accum: int, batch_div: int, step_div: int, attention: str,
+                 profile_step: int | None = None) -> dict[str, str]:
+    """The staged files of the master / #89 code after PATCHES (seed and run_id are per run, later)."""
+    s = code.script
+    if "get_kernel('kernels-community/flash-attn3'" in s:
+        s = patch(s, "hub_fa3_loader", "from kernels import get_kernel\n",
+                  "# from kernels import get_kernel  (harness: the hub loader is replaced below)\n")
+        s = re.sub(r"^flash_attn_interface = get_kernel\('kernels-community/flash-attn3'.*$",
+                   "import harness_attention as flash_attn_interface  # harness: stand-in for the hub FA3 loader",
+                   s, count=1, flags=re.M)
+    else:
+        fail("patch 'hub_fa3_loader': the public script does not load FlashAttention-3 through get_kernel")
+    s = patch(s, "fp8_scale_alignment", "self._mlp_down_proj_scales[i:i+1] for i in range(12)",
+              "self._mlp_down_proj_scales[[i]] for i in range(12)")
+    s = patch(s, "fp8_scale_alignment", "self._mlp_down_act_scales[i:i+1],", "self._mlp_down_act_scales[[i]],")
+    for field, value in [("train_files", repr(train_glob)), ("val_files", repr(val_file)),
+                         ("val_tokens", str(val_tokens)), ("val_batch_size", str(accum * val_seq_len)),
+                         ("val_loss_every", str(val_every))]:
+        s = override(s, field, value)
+    s = patch(s, "micro_batches", "grad_accum_steps = 8 // world_size\n",
+              f"grad_accum_steps = {accum}  # harness: micro-batches per step on one GPU\n")
+    if batch_div != 1:
+        s = patch(s, "batch_div", "\ntraining_schedule = TrainingSchedule(",
+                  f"\nfor _stage in TRAINING_STAGES:  # harness: the scaling rule's smaller batches\n"
+                  f"    _stage.batch_size //= {batch_div}\ntraining_schedule = TrainingSchedule(")
+    if step_div != 1:
+        S, E = (int(field_value(s, f)) for f in ("num_scheduled_iterations", "num_extension_iterations"))
+        s = override(s, "num_scheduled_iterations", str(round(S / step_div)))
+        s = override(s, "num_extension_iterations", str(max(1, round(E / step_div))))
+        s = patch(s, "step_div", "muon_warmup_steps=300, muon_cooldown_steps=50",
+                  f"muon_warmup_steps={round(300 / step_div)}, muon_cooldown_steps={max(1, round(50 / step_div))}")
+        s = patch(s, "step_div", "bootstrap_down=(step < 16)", f"bootstrap_down=(step < {max(1, round(16 / step_div))})")
+    if profile_step is not None:
+        anchor = "    # --------------- TRAINING SECTION -----------------\n"
+        s = patch(s, "profile", anchor, anchor + PROFILE_HOOK.format(n=profile_step))
+    s = patch(s, "stage_log", "\nmodel: nn.Module = GPT(",
+              '\nprint0(f"harness: stage boundaries {training_schedule.boundaries}", console=True)\n'
+              "model: nn.Module = GPT(")
+    files = dict(code.files, **{"train_gpt.py": s})
+    files["harness_attention.py"] = ATTENTION_MODULE.format(backend=attention)
+    return files
+
+
+def link_shards(folder: Path, files: list[str], copies: int = 1, sentinel: bool = False):
+    """Numbered links to the training shards, `copies` times over; with `sentinel`, a last shard of a
+    few BOS tokens follows them once: the public loader opens the next shard ahead of time (it fails at
+    its start with a single shard), and one that reaches the sentinel fails there, loudly."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.bin"):
+        old.unlink()
+    for i in range(copies * len(files)):
+        os.symlink(os.path.abspath(files[i % len(files)]), folder / f"fineweb_train_{i + 1:06d}.bin")
+    if sentinel:
+        tg.write_shard(folder / f"fineweb_train_{copies * len(files) + 1:06d}.bin", np.full(16, BOS))
+
+
+def stage_public(a, work: Path, code: PublicCode) -> Path:
+    stage = work / f"public_{code.name}"
+    stage.mkdir(parents=True, exist_ok=True)
+    train = tg.shard_files(a.train_files, "training")
+    val = os.path.abspath(tg.shard_files(a.val_files, "validation")[0])
+    if code.name == "0903":  # the 09/03 protocol as it ran: links enough for its loader, which drops cut tails
+        total = sum(tg.read_shard_header(f) for f in train)
+        link_shards(stage / "train", train, math.ceil(3 * (a.steps + 30) * a.batch_size / total))
+        source = code.script
+        for field, value in [("train_files", repr(str(stage / "train" / "fineweb_train_*.bin"))),
+                             ("val_files", repr(val)), ("val_tokens", str(a.val_tokens)),
+                             ("train_batch_size", str(a.batch_size)), ("val_batch_size", str(8 * a.val_seq_len)),
+                             ("num_iterations", str(a.steps)), ("val_loss_every", str(a.val_every))]:
+            source = override(source, field, value)
+        files = dict(code.files, **{"train_gpt.py": source})
+        try:
+            import flash_attn_interface  # noqa: F401
+        except ImportError:
+            files["flash_attn_interface.py"] = STAND_IN_0903
+    else:
+        link_shards(stage / "train", train, sentinel=True)  # once: the harness refuses a run that needs more
+        files = patch_public(code, train_glob=str(stage / "train" / "fineweb_train_*.bin"), val_file=val,
+                             val_tokens=a.val_tokens, val_seq_len=a.val_seq_len, val_every=a.val_every,
+                             accum=a.accum, batch_div=a.batch_div, step_div=a.step_div, attention=a.public_attention,
+                             profile_step=a.profile_step)
+    for name, text in files.items():
+        (stage / name).write_text(text)
+    return stage
+
+
+# ------------------------------------------------------------------------------------------------
+# Running
+
+
+# GPU memory one run takes at its peak (one H100): the 09/03 protocol's batch of 131,072 = 8 x 16,384,
+# public 17.5 GiB and ours 14 GiB (bench/results/fidelity_0903_h100.md); six at once ran out of 80 GB.
+RUN_GIB = 18
+
+
+def runs_that_fit() -> int:
+    import torch
+    return max(1, torch.cuda.get_device_properties(0).total_memory // (RUN_GIB << 30)) if torch.cuda.is_available() else 1
+
+
+def launch(cmd: list[str], cwd: Path, log: Path, env: dict) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **env}, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def _after_source(path: Path) -> list[str]:
+    text = path.read_text() if path.exists() else ""
+    return (text[text.index(SEPARATOR):] if SEPARATOR in text else text).splitlines()
+
+
+def val_losses(path: Path) -> dict[int, tuple[float, int, int | None]]:
+    """{step: (val loss, training ms, training tokens so far)} from a log (lines after the source code's
+    separator); the tokens are None where the line does not say them (the public code's lines)."""
+    return {int(m[1]): (float(m[3]), int(m[4]), m[5] and int(m[5].replace(",", "")))
+            for m in map(VAL_LINE.match, _after_source(path)) if m}
+
+
+def step_times(path: Path) -> dict[int, int]:
+    """{n: training ms after n steps} from the per-step lines of either code's log."""
+    return {int(m[1]): int(m[3]) for m in map(STEP_LINE.match, _after_source(path)) if m}
+
+
+def logged_boundaries(path: Path) -> list[tuple[int, int]] | None:
+    for line in _after_source(path):
+        m = BOUNDARY_LINE.match(line)
+        if m:
+            return [tuple(b) for b in eval(m[1], {"__builtins__": {}})]
+    return None
+
+
+def stage_step_ms(times: dict[int, int], stages, skip: int = 2) -> list[dict]:
+    """Per stage: the median of the per-step time differences (training step s takes times[s+1] - times[s]),
+    leaving out each stage's first `skip` steps and step 0, and the stage's mean."""
+    out = []
+    for st in stages:
+        d = [times[s + 1] - times[s] for s in range(max(st.start, 1), st.end) if s in times and s + 1 in times]
+        tail = d[skip:] if len(d) > skip else d
+        batch = st.batch if isinstance(st.batch, int) else st.batch.batch_size
+        out.append(dict(steps=st.end - st.start, batch=batch, median=statistics.median(tail) if tail else None,
+                        mean=statistics.fmean(d) if d else None))
+    return out
+
+
+def tokens_at(stages, step: int) -> int:
+    return sum((st.batch if isinstance(st.batch, int) else st.batch.batch_size) * max(0, min(step, st.end) - st.start)
+               for st in stages)
+
+
+def interval95(xs: list[float]) -> tuple[float, float]:
+    """Mean and half-width of its 95% t-interval (0 for a single value)."""
+    from scipy.stats import t
+    m = statistics.fmean(xs)
+    return m, (t.ppf(0.975, len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0)
+
+
+def target_table(results: dict[str, dict[int, tuple]], target: float, batch_size: int) -> list[str]:
+    """Markdown table: for each run, the first validation at or below the target loss, with the training
+    tokens and time spent to get there (a run whose log does not count tokens: steps x batch_size)."""
+    lines = [f"To val loss <= {target}: the first validation that reached it", "",
+             "| run | step | training tokens | training time (s) |", "| --- | --- | --- | --- |"]
+    for name, by_step in results.items():
+        hit = next((s for s in sorted(by_step) if by_step[s][0] <= target), None)
+        if hit is None:
+            lines.append(f"| {name} | not reached | - | - |")
+            continue
+        loss, ms, tokens = (*by_step[hit], None)[:3]
+        lines.append(f"| {name} | {hit} | {tokens if tokens is not None else hit * batch_size:,} | {ms / 1000:.1f} |")
+    return lines
+
+
+def format_table(results: dict[str, dict[int, tuple[float, int]]], groups: dict[str, list[str]]) -> list[str]:
+    """Markdown tables from each run's {step: (val loss, training ms)}: val loss per run and, per group
+    after the first, its mean minus the first group's mean (the reference: the public code when it ran);
+    then the training time at each validation step and ms/step."""
+    names = [n for members in groups.values() for n in members]
+    reference, *others = groups
+
+    def mean(label, step):
+        members = groups[label]
+        if not members or any(step not in results[n] for n in members):
+            return None
+        return sum(results[n][step][0] for n in members) / len(members)
+    steps = sorted({s for n in names for s in results[n]})
+    lines = ["| step | " + " | ".join(names) + "".join(f" | {g} mean - {reference} mean" for g in others) + " |",
+             "| --- |" + " --- |" * (len(names) + len(others))]
+    for s in steps:
+        cells = [f"{results[n][s][0]:.4f}" if s in results[n] else "-" for n in names]
+        for g in others:
+            m, r = mean(g, s), mean(reference, s)
+            cells.append(f"{m - r:+.4f}" if m is not None and r is not None else "-")
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    lines += ["", "Training time (s) at each validation step, to compare at equal wall-clock:", "",
+              "| step | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    for s in steps:
+        lines.append(f"| {s} | " + " | ".join(f"{results[n][s][1] / 1000:.1f}" if s in results[n] else "-"
+                                            for n in names) + " |")
+    last = max(steps) if steps else 0
+    lines += ["", "ms/step: " + ", ".join(f"{n} {results[n][last][1] / last:.1f}" if last and last in results[n]
+                                         else f"{n} -" for n in names)]
+    return lines
+
+
+def finals_table(results: dict[str, dict[int, tuple]], groups: dict[str, list[str]], seeds: dict[str, int]) -> list[str]:
+    """Final val loss per group (mean and 95% interval) and, for each group after the first, the mean
+    paired difference to the first over the seeds both ran, with its interval."""
+    final = {n: r[max(r)][0] for n, r in results.items() if r}
+    reference, *others = groups
+    lines = ["| group | runs | final val loss, mean +- 95% | paired diff to " + reference + " (seeds), mean +- 95% |",
+             "| --- | --- | --- | --- |"]
+    for g, members in groups.items():
+        xs = [final[n] for n in members if n in final]
+        if not xs:
+            lines.append(f"| {g} | 0 | - | - |")
+            continue
+        m, h = interval95(xs)
+        cell = "-"
+        if g != reference:
+            ref = {seeds[n]: final[n] for n in groups[reference] if n in final}
+            pairs = [final[n] - ref[seeds[n]] for n in members if n in final and seeds[n] in ref]
+            if pairs:
+                dm, dh = interval95(pairs)
+                cell = f"{dm:+.4f} +- {dh:.4f} ({len(pairs)})"
+        lines.append(f"| {g} | {len(xs)} | {m:.4f} +- {h:.4f} | {cell} |")
+    return lines
+
+
+def stage_table(per_run: dict[str, list[dict]]) -> list[str]:
+    """ms/step and us/token per stage for each run (runs that did not share the GPU)."""
+    lines = ["| run | " + " | ".join(f"stage {i + 1}" for i in range(max(map(len, per_run.values())))) + " |",
+             "| --- |" + " --- |" * max(map(len, per_run.values()))]
+    for name, stages in per_run.items():
+        cells = [f"{s['median']:.1f} ms ({s['median'] * 1000 / s['batch']:.3f} us/tok, {s['batch']:,}, {s['steps']} steps)"
+                 if s["median"] is not None else "-" for s in stages]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--public", required=True, type=Path, help="a checkout of KellerJordan/modded-nanogpt")
+    p.add_argument("--public_code", choices=["master", "89", "0903"], default="master")
+    p.add_argument("--public_commit", default=PUBLIC_MASTER, help="the commit --public_code master runs")
+    p.add_argument("--public_attention", choices=["fa3", "varlen"], default="fa3",
+                   help="master/89: the public code's attention (FA3 of xformers==0.0.34, or PyTorch's varlen); "
+                        "ours gets --attention of the same kernels")
+    p.add_argument("--train_files", required=True)
+    p.add_argument("--val_files", required=True)
+    p.add_argument("--batch_div", type=int, default=16, help="master/89: divide every stage's batch by this")
+    p.add_argument("--step_div", type=int, default=1, help="master/89: divide step counts and step constants by this")
+    p.add_argument("--accum", type=int, help="master/89: micro-batches per step (default: 1 with --batch_div > 1, "
+                   "else 8, the public code on one GPU)")
+    p.add_argument("--steps", type=int, default=400, help="0903: training steps")
+    p.add_argument("--batch_size", type=int, default=8 * 16384, help="0903: tokens per step")
+    p.add_argument("--val_every", type=int, help="validate every N steps (default: 50 for 0903, else 125)")
+    p.add_argument("--val_tokens", type=int, default=983040)
+    p.add_argument("--val_seq_len", type=int, default=40960)
+    p.add_argument("--seeds", type=int, nargs="*", default=[0, 1], help="one run of ours per seed")
+    p.add_argument("--public_seeds", type=int, nargs="*", help="one public run per seed, seeded before its model "
+                   "is built (default: one run as published, unseeded; no values: no public run)")
+    p.add_argument("--ours", type=Path, default=ROOT / "train_gpt.py", help="our trainer file")
+    p.add_argument("--ours_args", default="", help="extra `--field value` flags for every run of ours")
+    p.add_argument("--label", default="ours", help="column name for our runs")
+    p.add_argument("--variant", nargs=2, action="append", default=[], metavar=("NAME", "ARGS"),
+                   help="one more variant of ours: --ours_args plus these flags (repeatable); --seeds runs of each, "
+                        "compared with the public code, or without public runs with the first variant")
+    p.add_argument("--parallel", action="store_true", help="start every run at once (curves only)")
+    p.add_argument("--max_parallel", type=int, default=0, help="with --parallel: at most this many runs at once "
+                   f"(0: as many as fit, one per {RUN_GIB} GiB of GPU memory)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/side_by_side"), help="staging and log folder")
+    p.add_argument("--target", type=float, help="also tabulate the tokens and time each run took to reach this val loss")
+    p.add_argument("--profile_step", type=int, help="master/89: profile public training steps N and N+1 and print "
+                   "the top kernels into its log")
+    p.add_argument("--check_only", action="store_true", help="stage and check the data plan, run nothing")
+    p.add_argument("--out", type=Path, help="also write the table here")
+    a = p.parse_args()
+    staged_code = a.public_code != "0903"
+    if a.val_every is None:
+        a.val_every = 125 if staged_code else 50
+    if a.accum is None:
+        a.accum = 1 if a.batch_div > 1 else 8
+    if a.public_code == "0903":
+        if a.batch_size % 128:
+            fail("--batch_size must be a multiple of 8 x 16")
+        a.seq_len = a.batch_size // 8
+    if a.val_tokens % ((8 if not staged_code else a.accum) * a.val_seq_len):
+        fail("the public code needs --val_tokens to be a multiple of its micro-batches x --val_seq_len")
+
+    variants = [(a.label, ""), *a.variant]  # each variant: ours with --ours_args and its own flags
+    if (len({name for name, _ in variants}) < len(variants) or any(n.startswith("public") for n, _ in variants)
+            or not all(re.fullmatch(r"[\w.-]+", n) for n, _ in variants)):
+        fail("--label and the --variant names must differ, be made of letters, digits, '_', '.' or '-', and not "
+             "start with 'public'")
+
+    code = public_source(a.public, a.public_code, a.public_commit)
+    stage = stage_public(a, a.work, code)
+    train_files = tg.shard_files(a.train_files, "training")
+    if staged_code:
+        attention = "fa3" if a.public_attention == "fa3" else "varlen"
+        ours_common = ["--preset", "record", "--attention", attention]
+        pub_stages = public_stages((stage / "train_gpt.py").read_text(), a.batch_div)
+    else:
+        attention = "varlen" if (stage / "flash_attn_interface.py").exists() else "fa3"
+        max_num_docs = -(-(a.seq_len // 300) // 128) * 128  # the public formula for its cu_seqlens length
+        ours_common = ["--preset", "record-0903", "--attention", attention, "--batch_size", str(a.batch_size),
+                       "--seq_len", str(a.seq_len), "--max_num_docs", str(max_num_docs),
+                       "--num_iterations", str(a.steps)]
+        pub_stages = [Stage(0, a.steps, a.batch_size, 0, (0, 0))]
+    ours_common += ["--train_files", a.train_files, "--val_files", a.val_files, "--val_tokens", str(a.val_tokens),
+                    "--val_seq_len", str(a.val_seq_len), "--val_every", str(a.val_every),
+                    "--log_dir", str(a.work / "logs"), *a.ours_args.split()]
+    stamp = time.strftime("%Y%m%d_%H%M%S")
+    runs = []  # (column, log path, command, cwd, env, seed, stages)
+    env_public = {"PYTHONPATH": os.pathsep.join([str(stage), *filter(None, [os.environ.get("PYTHONPATH")])]),
+                  "TORCHINDUCTOR_CACHE_DIR": str(a.work / f"cache_public_{code.name}"), "PYTHONUNBUFFERED": "1"}
+    for seed in [None] if a.public_seeds is None else a.public_seeds:
+        rid = f"public_{code.name}_{stamp}_" + ("unseeded" if seed is None else f"seed{seed}")
+        source_i = override((stage / "train_gpt.py").read_text(), "run_id", repr(rid))
+        (stage / f"{rid}.py").write_text(source_i if seed is None else seed_public(source_i, seed))
+        runs.append((f"public {code.name}" + ("" if seed is None else f" seed {seed}"), stage / "logs" / f"{rid}.txt",
+                     ["torchrun", "--standalone", "--nproc_per_node=1", f"{rid}.py"], stage, env_public, seed,
+                     pub_stages))
+    for label, extra in variants:
+        for seed in a.seeds:
+            rid = f"{label}_{stamp}_seed{seed}"
+            argv = [*ours_common, *extra.split(), "--seed", str(seed), "--run_id", rid]
+            runs.append((f"{label} seed {seed}", a.work / "logs" / f"{rid}.txt",
+                         ["torchrun", "--standalone", "--nproc_per_node=1", str(a.ours.resolve()), *argv], ROOT,
+                         {"TORCHINDUCTOR_CACHE_DIR": str(a.work / f"cache_{label}")}, seed,
+                         tg.training_stages(tg.parse_args(argv))))
+
+    print(f"public code: {code.name}, {code.origin}; staged in {stage}", flush=True)
+    plans = []
+    if staged_code:  # the data check, before any GPU time: no run may read a token twice
+        try:
+            if a.public_seeds != []:  # None: one unseeded public run
+                pub = simulate_public_loader(train_files, pub_stages, a.accum)
+                plans.append(f"public {code.name}: {len(step_plan(pub_stages))} steps, {pub['trained']:,} tokens "
+                             f"trained, reads {pub['read']:,} of the shards' {pub['total']:,}")
+            for label, extra in variants if a.seeds else []:
+                args = tg.parse_args([*ours_common, *extra.split()])
+                ours = simulate_our_loader(train_files, args)
+                plans.append(f"{label}: {args.num_iterations} steps, {ours['trained']:,} tokens trained, reads "
+                             f"{ours['read']:,} of {ours['total']:,}")
+        except DataExhausted as e:
+            fail(f"{e}: the shards hold too few tokens for this schedule once; use a larger --batch_div or "
+                 "--step_div, or more data")
+        print("data plan: " + "; ".join(plans), flush=True)
+    if a.check_only:
+        return
+    procs = []
+    at_once = (a.max_parallel or runs_that_fit()) if a.parallel else 1
+    for name, log, cmd, cwd, env, *_ in runs:
+        while sum(proc.poll() is None for proc in procs) >= at_once:
+            time.sleep(2)
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
+        procs.append(launch(cmd, cwd, log.with_suffix(".out"), env))
+    for (name, log, *_), proc in zip(runs, procs):
+        if proc.wait() != 0:
+            print(f"{name} exited with {proc.returncode}; its output: {log.with_suffix('.out')}", flush=True)
+
+    results, seeds, per_stage = {}, {}, {}
+    for name, log, _, _, _, seed, stages in runs:
+        by_step = val_losses(log)
+        if name.startswith("public") and staged_code:  # the public lines lack tokens: from its schedule
+            by_step = {s: (v, ms, tokens_at(stages, s)) for s, (v, ms, _) in by_step.items()}
+            logged = logged_boundaries(log)
+            if logged is not None and logged != [(st.start, st.end) for st in stages]:
+                print(f"warning: {name} logged stage boundaries {logged}, the harness computed "
+                      f"{[(st.start, st.end) for st in stages]}", flush=True)
+        results[name], seeds[name] = by_step, seed
+        per_stage[name] = stage_step_ms(step_times(log), stages)
+    groups = {label: [n for n, *_ in runs if n.startswith(f"{label} seed ")] for label, _ in variants}
+    pub_names = [n for n, *_ in runs if n.startswith("public")]
+    if pub_names:
+        groups = {"public": pub_names, **groups}
+    import torch
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    shared = "; runs shared the GPU (--parallel): step times are not comparable" if a.parallel else ""
+    rule = (f"batches / {a.batch_div}, steps / {a.step_div}, {a.accum} micro-batch(es) per step, public attention "
+            f"{a.public_attention}" if staged_code else f"{a.steps} steps x {a.batch_size:,} tokens")
+    lines = [f"Device: {device}; PyTorch {torch.__version__}; public code {code.name}: {code.origin}; {rule}; "
+             f"validation {a.val_tokens:,} tokens in buffers of {a.val_seq_len:,}{shared}",
+             f"Command: python bench/side_by_side.py {' '.join(sys.argv[1:])}", *(["Data: " + "; ".join(plans)] if plans else []),
+             *([f"Patches: {', '.join(n for n, _ in PATCHES)} (bench/side_by_side.py PATCHES)"] if staged_code else []),
+             "", *format_table(results, groups), "", *finals_table(results, groups, seeds)]
+    if a.target is not None:
+        lines += ["", *target_table(results, a.target, a.batch_size)]
+    if not a.parallel:
+        lines += ["", "Per stage: median ms per step (us per token, tokens per step, steps), each stage's first two "
+                  "steps left out", "", *stage_table(per_stage)]
+    table = "\n".join(lines)
+    print(table)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,383 @@
+"""bench/side_by_side.py: the public script is read from a record log or a commit and staged with the
+run-time patches it needs; the scaling rule and the data check; logs of both codes parse into the same
+tables."""
+import sys
+from types import SimpleNamespace
+from pathlib import Path
+
+import re
+
+import numpy as np
+import pytest
+
+import train_gpt as tg
+from conftest import write_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import side_by_side as fh  # noqa: E402
+
+PUBLIC_LIKE = '''import os
+@dataclass
+class Hyperparameters:
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin" # input .bin to train on
+    val_tokens: int = 10485760 # how many tokens
+    train_batch_size: int = 2048 * 24 * 8
+    num_iterations: int = 1670 # number of iterations to run
+    run_id: str = str(uuid.uuid4())
+print0(f"step:{step}/{train_steps} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms")
+'''
+
+
+def fake_checkout(tmp_path, source=PUBLIC_LIKE):
+    folder = tmp_path / "ck" / "records" / "track_1_short" / "2025-09-03_FA3"
+    folder.mkdir(parents=True)
+    (folder / "b.txt").write_text(source + "=" * 100 + "\nstep:0/1670 val_loss:10.8258 train_time:0ms\n")
+    return tmp_path / "ck"
+
+
+def test_public_source_is_the_log_text_before_the_separator(tmp_path):
+    code = fh.public_source(fake_checkout(tmp_path), "0903")
+    assert code.script == PUBLIC_LIKE and code.files == {"train_gpt.py": PUBLIC_LIKE}
+    assert re.fullmatch(r"records/track_1_short/2025-09-03_FA3/b\.txt \(md5 [0-9a-f]{32}\)", code.origin)
+
+
+def test_overrides_replace_one_default_and_keep_the_comment():
+    out = fh.override(PUBLIC_LIKE, "num_iterations", "400")
+    assert "    num_iterations: int = 400 # number of iterations to run\n" in out
+    out = fh.override(out, "train_batch_size", "131072")
+    assert "    train_batch_size: int = 131072\n" in out
+    assert out.count("\n") == PUBLIC_LIKE.count("\n")
+
+
+def test_a_field_the_public_script_lacks_is_a_clear_error():
+    with pytest.raises(SystemExit, match="no single field 'val_batch_size'"):
+        fh.override(PUBLIC_LIKE, "val_batch_size", "1")
+
+
+def test_missing_checkout_names_the_expected_files(tmp_path):
+    with pytest.raises(SystemExit, match="2025-09-03_FA3"):
+        fh.public_source(tmp_path)
+
+
+def test_val_lines_after_the_source_are_read_and_example_lines_in_the_code_are_not(tmp_path):
+    log = tmp_path / "run.txt"
+    log.write_text(PUBLIC_LIKE + "=" * 100 + "\nstep:0/400 val_loss:10.8258 train_time:0ms step_avg:0.02ms\n"
+                   "step:1/400 train_time:300ms step_avg:300.00ms\n"
+                   "step:50/400 val_loss:4.4530 train_time:14000ms step_avg:280.00ms\n")
+    assert fh.val_losses(log) == {0: (10.8258, 0, None), 50: (4.453, 14000, None)}
+
+
+def test_tokens_to_a_target_loss_come_from_the_log_or_from_steps_times_the_batch(tmp_path):
+    ours = tmp_path / "ours.txt"
+    ours.write_text("=" * 100 + "\nstep:50/200 val_loss:3.1000 train_time:9000ms step_avg:180.00ms tokens:4,000,000\n"
+                    "step:100/200 val_loss:2.9000 train_time:20000ms step_avg:200.00ms tokens:10000000\n")
+    results = {"ours seed 0": fh.val_losses(ours), "public seed 0": {50: (3.0, 15000), 100: (2.95, 30000)},
+               "slow seed 0": {100: (3.2, 30000, None)}}
+    assert results["ours seed 0"] == {50: (3.1, 9000, 4000000), 100: (2.9, 20000, 10000000)}
+    lines = fh.target_table(results, 2.98, 131072)
+    assert lines[4:] == ["| ours seed 0 | 100 | 10,000,000 | 20.0 |", "| public seed 0 | 100 | 13,107,200 | 30.0 |",
+                         "| slow seed 0 | not reached | - | - |"]
+
+
+def test_a_seeded_public_run_seeds_torch_just_before_the_model_is_built():
+    source = PUBLIC_LIKE + "print0('=' * 100)\nmodel: nn.Module = GPT(\n    vocab_size=50257,\n).cuda()\n"
+    out = fh.seed_public(source, 7)
+    assert out.replace("torch.manual_seed(7)  # inserted by the harness\n", "", 1) == source
+    assert out.index("torch.manual_seed(7)") < out.index("model: nn.Module = GPT(") < out.index("vocab_size=50257")
+    with pytest.raises(SystemExit, match="no single `model: nn.Module = GPT\\(` line"):
+        fh.seed_public(PUBLIC_LIKE, 7)
+
+
+def test_table_compares_each_variant_mean_with_the_reference_group():
+    results = {"public seed 0": {0: (10.8, 0), 50: (4.40, 15000)}, "public seed 1": {0: (10.8, 0), 50: (4.42, 15100)},
+               "ours seed 0": {0: (10.8, 0), 50: (4.45, 14000)}, "ours seed 1": {0: (10.8, 0), 50: (4.43, 14200)},
+               "bigram seed 0": {0: (10.8, 0)}}  # a run that stopped before step 50
+    groups = {"public": ["public seed 0", "public seed 1"], "ours": ["ours seed 0", "ours seed 1"],
+              "bigram": ["bigram seed 0"]}
+    lines = fh.format_table(results, groups)
+    assert lines[0] == ("| step | public seed 0 | public seed 1 | ours seed 0 | ours seed 1 | bigram seed 0 "
+                        "| ours mean - public mean | bigram mean - public mean |")
+    assert lines[2] == "| 0 | 10.8000 | 10.8000 | 10.8000 | 10.8000 | 10.8000 | +0.0000 | +0.0000 |"
+    assert lines[3] == "| 50 | 4.4000 | 4.4200 | 4.4500 | 4.4300 | - | +0.0300 | - |"
+    assert lines[-1] == ("ms/step: public seed 0 300.0, public seed 1 302.0, ours seed 0 280.0, ours seed 1 284.0, "
+                         "bigram seed 0 -")
+
+
+@pytest.mark.parametrize("variant", [["ours", "--seed 3"], ["public-x", ""], ["has space", ""]])
+def test_variant_names_that_would_clash_or_make_bad_file_names_are_refused(monkeypatch, tmp_path, variant):
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--public", str(tmp_path), "--public_code", "0903",
+                                      "--train_files", "x", "--val_files", "y", "--variant", *variant])
+    with pytest.raises(SystemExit, match="--variant names must differ"):
+        fh.main()
+
+
+def test_parallel_runs_are_capped_by_the_gpu_memory(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for gib, runs in ((80, 4), (141, 7), (10, 1)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i, gib=gib: SimpleNamespace(total_memory=gib << 30))
+        assert fh.runs_that_fit() == runs
+
+
+def test_ours_runs_the_0903_algorithm_and_a_variant_can_pick_todays_record(monkeypatch, tmp_path):
+    """The harness compares the public 09/03 code with our 09/03 preset, whatever the record preset has
+    become; `--variant NAME "--preset record"` runs today's record on the same protocol."""
+    import train_gpt as tg
+    from conftest import write_corpus
+    train, val = write_corpus(tmp_path / "data")
+    launched = []
+
+    def fake_launch(cmd, cwd, log, env):
+        launched.append(cmd)
+        return SimpleNamespace(poll=lambda: 0, wait=lambda: 0, returncode=0)
+    monkeypatch.setattr(fh, "launch", fake_launch)
+    fields = "".join(f"    {name}: int = 1 # x\n" for name in ("val_files", "val_batch_size", "val_loss_every"))
+    public = PUBLIC_LIKE.replace("class Hyperparameters:\n", "class Hyperparameters:\n" + fields)
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--public", str(fake_checkout(tmp_path, public)),
+                                      "--public_code", "0903", "--train_files", train,
+                                      "--val_files", val, "--steps", "20", "--seeds", "0", "--work", str(tmp_path / "w"),
+                                      "--variant", "today", "--preset record"])
+    fh.main()
+    ours = [cmd[cmd.index("--nproc_per_node=1") + 2:] for cmd in launched if str(fh.ROOT / "train_gpt.py") in cmd]
+    assert len(ours) == 2 and len(launched) == 3  # the public run, then ours and the variant
+    base, today = (tg.parse_args(argv) for argv in ours)
+    assert base.preset == "record-0903" and base.logit_softcap == 30.0 and base.orthogonalizer == "newton_schulz"
+    assert today.preset == "record" and (today.logit_softcap, today.backout_layer) == (23.0, 8)
+    assert base.num_iterations == today.num_iterations == 20 and base.batch_size == today.batch_size == 131072
+
+
+# ---- the public line's current code (master) and record #89: patches, the scaling rule, the data check
+
+# The lines of the public master script each patch anchors on, in a stand-in that is not the public code.
+MASTER_LIKE = '''import os
+from kernels import get_kernel
+grad_accum_steps = 8 // world_size
+flash_attn_interface = get_kernel('kernels-community/flash-attn3', version=1).flash_attn_interface
+class GPT:
+    def forward(self):
+        if use_mlp_fp8:
+            mlp_down_proj_scales = [self._mlp_down_proj_scales[i:i+1] for i in range(12)]
+            mlp_args = (
+                    self._mlp_down_act_scales[i:i+1],
+            )
+@dataclass(slots=True)
+class Hyperparameters:
+    train_files: str = os.path.join(data_path, "data/fineweb10B/fineweb_train_*.bin") # input .bin to train on
+    val_files: str = os.path.join(data_path, "data/fineweb10B/fineweb_val_*.bin") # input .bin to eval
+    val_tokens: int = 10485760 # how many tokens of validation data?
+    val_batch_size: int = 4 * 64 * 1024 * 8
+    num_scheduled_iterations: int = 1270  # number of steps to complete lr and ws schedule
+    num_extension_iterations: int = 15  # number of steps to continue training at final lr and ws
+    run_id: str = f"{uuid.uuid4()}"
+    val_loss_every: int = 250  # every how many steps to evaluate val loss? 0 for only at the end
+TRAINING_STAGES = [
+    TrainingStage(duration=1/3, train_max_seq_len=896, batch_size=8 * 2048 * 8, window_sizes=(1, 3), lr_mul=1.0,
+                  mtp_weights_start=[1.0, 0.5, 0.25], mtp_weights_end=[1.0, 0.5, 0.0]),
+    TrainingStage(duration=1/3, train_max_seq_len=2048, batch_size=16 * 2048 * 8, window_sizes=(3, 7), lr_mul=1.52,
+                  mtp_weights_start=[1.0, 0.5], mtp_weights_end=[1.0, 0.0]),
+    TrainingStage(duration=1/3, train_max_seq_len=2048, batch_size=24 * 2048 * 8, window_sizes=(5, 11), lr_mul=1.73,
+                  mtp_weights_start=[1.0], mtp_weights_end=[1.0]),
+    # extension stage
+    TrainingStage(train_max_seq_len=2048, batch_size=24 * 2048 * 8, window_sizes=(6, 13), lr_mul=1.0,
+                  mtp_weights_start=[1.0], mtp_weights_end=[1.0]),
+]
+
+training_schedule = TrainingSchedule(TRAINING_STAGES, args.num_scheduled_iterations, args.num_extension_iterations)
+
+def get_muon_momentum(step: int, muon_warmup_steps=300, muon_cooldown_steps=50, momentum_min=0.85, momentum_max=0.95):
+    pass
+print0("=" * 100)
+model: nn.Module = GPT(
+    vocab_size=50257,
+).cuda()
+for step in range(train_steps + 1):
+    # --------------- TRAINING SECTION -----------------
+    model.quantize_mlp_fp8(bootstrap_down=(step < 16))
+'''
+STAGING = dict(train_glob="/d/train_*.bin", val_file="/d/val.bin", val_tokens=983040, val_seq_len=40960,
+               val_every=125, attention="fa3")
+
+
+def master_code(source=MASTER_LIKE):
+    return fh.PublicCode("master", {"train_gpt.py": source, "triton_kernels.py": "# kernels\n"}, "commit x")
+
+
+def test_a_logged_source_splits_into_the_files_it_embeds():
+    bar = "-" * 40
+    log = (f"import os\nprint(1)\n\n\n{bar}\n# triton_kernels.py\n{bar}\n\ndef k(): pass\n\n\n{bar}\n"
+           f"# dc_triton_kernels.py\n{bar}\n\nX = 1\n" + "=" * 100 + "\nstep:0/10 val_loss:10.8\n")
+    assert fh.split_logged_source(log) == {"train_gpt.py": "import os\nprint(1)\n", "triton_kernels.py": "def k(): pass\n",
+                                           "dc_triton_kernels.py": "X = 1\n"}
+
+
+def test_master_is_read_at_its_commit_with_the_kernel_files_it_imports(tmp_path):
+    import subprocess
+    repo = tmp_path / "ck"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True, text=True).stdout
+    git("init", "-q")
+    (repo / "train_gpt.py").write_text("from triton_kernels import XXT\nv = 1\n")
+    (repo / "triton_kernels.py").write_text("XXT = 0\n")
+    (repo / "dc_triton_kernels.py").write_text("not imported\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    first = git("rev-parse", "HEAD").strip()
+    (repo / "train_gpt.py").write_text("v = 2\n")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-am", "two")
+    code = fh.public_source(repo, "master", first)
+    assert code.files == {"train_gpt.py": "from triton_kernels import XXT\nv = 1\n", "triton_kernels.py": "XXT = 0\n"}
+    assert code.origin == f"commit {first}"
+    with pytest.raises(SystemExit, match="no train_gpt.py at commit 1234567"):
+        fh.public_source(repo, "master", "1234567")
+
+
+def test_every_patch_of_the_master_script_is_applied():
+    files = fh.patch_public(master_code(), accum=1, batch_div=16, step_div=1, **STAGING)
+    s = files["train_gpt.py"]
+    assert "\nfrom kernels import" not in s and "get_kernel('kernels" not in s.split("import harness_attention")[1]
+    assert "import harness_attention as flash_attn_interface" in s
+    assert "self._mlp_down_proj_scales[[i]] for i in range(12)" in s and "self._mlp_down_act_scales[[i]]," in s
+    assert "[i:i+1]" not in s
+    assert "grad_accum_steps = 1  #" in s
+    assert "    val_batch_size: int = 40960\n" in s and "    val_tokens: int = 983040 #" in s
+    assert "    train_files: str = '/d/train_*.bin' # input .bin to train on" in s
+    assert "    val_loss_every: int = 125  #" in s
+    assert "    _stage.batch_size //= 16\ntraining_schedule = TrainingSchedule(" in s
+    assert "num_scheduled_iterations: int = 1270" in s and "muon_warmup_steps=300" in s  # batch_div keeps steps
+    assert s.index("harness: stage boundaries") < s.index("model: nn.Module = GPT(")
+    assert files["triton_kernels.py"] == "# kernels\n"
+    compile(files["harness_attention.py"], "harness_attention.py", "exec")
+    assert "BACKEND = 'fa3'" in files["harness_attention.py"] and "num_splits=1" in files["harness_attention.py"]
+
+
+def test_step_div_scales_the_step_counts_and_step_constants():
+    s = fh.patch_public(master_code(), accum=8, batch_div=1, step_div=16, **STAGING)["train_gpt.py"]
+    assert "num_scheduled_iterations: int = 79  #" in s and "num_extension_iterations: int = 1  #" in s
+    assert "muon_warmup_steps=19, muon_cooldown_steps=3," in s and "bootstrap_down=(step < 1))" in s
+    assert "_stage.batch_size //=" not in s and "grad_accum_steps = 8  #" in s
+    assert "    val_batch_size: int = 327680\n" in s
+
+
+@pytest.mark.parametrize("anchor, patch", [
+    ("self._mlp_down_act_scales[i:i+1],", "fp8_scale_alignment"),
+    ("grad_accum_steps = 8 // world_size\n", "micro_batches"),
+    ("\ntraining_schedule = TrainingSchedule(", "batch_div"),
+    ("bootstrap_down=(step < 16)", "step_div"),
+    ("\nmodel: nn.Module = GPT(", "stage_log"),
+])
+def test_a_public_script_without_a_patch_anchor_is_refused_naming_the_patch(anchor, patch):
+    code = master_code(MASTER_LIKE.replace(anchor, "\n# gone\n"))
+    with pytest.raises(SystemExit, match=f"patch '{patch}'"):
+        fh.patch_public(code, accum=1, batch_div=16, step_div=16, **STAGING)
+
+
+def test_a_script_that_loads_attention_otherwise_is_refused():
+    code = master_code(MASTER_LIKE.replace("get_kernel('kernels-community/flash-attn3', version=1)", "other()"))
+    with pytest.raises(SystemExit, match="patch 'hub_fa3_loader'"):
+        fh.patch_public(code, accum=1, batch_div=16, step_div=1, **STAGING)
+
+
+def test_profile_hook_goes_at_the_top_of_the_training_section():
+    s = fh.patch_public(master_code(), accum=8, batch_div=1, step_div=16, profile_step=70, **STAGING)["train_gpt.py"]
+    hook = s.index("if step == 70:  # harness: profile two training steps")
+    assert s.index("# --------------- TRAINING SECTION") < hook < s.index("model.quantize_mlp_fp8(bootstrap_down")
+    compile(s[s.index("for step in range"):], "loop", "exec")  # the loop with the hook is valid Python
+
+
+def test_the_public_stage_table_gives_the_boundaries_of_its_schedule():
+    stages = fh.public_stages(MASTER_LIKE)
+    # 1270 scheduled steps in thirds (round(1270/3) = 423, round(2 x 1270/3) = 847), then 15 of extension
+    assert [(st.start, st.end) for st in stages] == [(0, 423), (423, 847), (847, 1270), (1270, 1285)]
+    assert [st.batch for st in stages] == [131072, 262144, 393216, 393216]
+    assert [st.max_seq_len for st in stages] == [896, 2048, 2048, 2048]
+    assert stages[2].windows == (5, 11)
+    assert fh.tokens_at(stages, 1285) == 338_821_120  # the public record's 338.8M tokens
+    scaled = fh.public_stages(fh.patch_public(master_code(), accum=1, batch_div=16, step_div=1, **STAGING)["train_gpt.py"], 16)
+    assert [st.batch for st in scaled] == [8192, 16384, 24576, 24576] and fh.tokens_at(scaled, 1285) * 16 == 338_821_120
+    short = fh.public_stages(fh.patch_public(master_code(), accum=8, batch_div=1, step_div=16, **STAGING)["train_gpt.py"])
+    assert [(st.start, st.end) for st in short] == [(0, 26), (26, 53), (53, 79), (79, 80)]
+
+
+def write_docs(path, lengths, bos=tg.BOS_ID):
+    """A shard of documents of these lengths (each a BOS, then tokens 1, 2, ...)."""
+    tg.write_shard(path, np.concatenate([[bos, *range(1, n)] for n in lengths]))
+
+
+def test_the_public_loader_walk_cuts_documents_and_refuses_to_run_out(tmp_path):
+    # BOS at 0, 5, 8, 18, 22, 28, 30; 39 tokens. Micro-batches of 8 inputs (+1 target), documents cut at 6:
+    # step 0 takes [0,5) [5,8) [8,9); step 1 [18,22) [22,27); step 2 cannot finish in this shard
+    write_docs(tmp_path / "a.bin", [5, 3, 10, 4, 6, 2, 9])
+    stages = [fh.Stage(0, 2, 8, 6, (1, 3))]
+    got = fh.simulate_public_loader([str(tmp_path / "a.bin")], stages, accum=1)
+    assert got == dict(trained=16, read=27, total=39)
+    with pytest.raises(fh.DataExhausted, match="runs out of documents at step 2 of 3"):
+        fh.simulate_public_loader([str(tmp_path / "a.bin")], [fh.Stage(0, 3, 8, 6, (1, 3))], accum=1)
+    # a second shard: step 2 starts at its first document, the first shard's tail is dropped
+    write_docs(tmp_path / "b.bin", [7, 7])
+    got = fh.simulate_public_loader([str(tmp_path / "a.bin"), str(tmp_path / "b.bin")], [fh.Stage(0, 3, 8, 6, (1, 3))], 1)
+    assert got == dict(trained=24, read=39 + 10, total=53)  # [0,6) (cut at 6) then [7,10)
+    # two micro-batches of 4 per step read differently from one of 8
+    got = fh.simulate_public_loader([str(tmp_path / "a.bin")], [fh.Stage(0, 1, 8, 6, (1, 3))], accum=2)
+    assert got["trained"] == 8 and got["read"] == 10  # [0,5), then [5,8) [8,10): one token further than [0,9)
+
+
+def test_our_loader_walk_refuses_a_second_pass(tmp_path):
+    from conftest import BOS
+    train, val = write_corpus(tmp_path / "d", train_sizes=(6000, 6000))
+    argv = lambda n: ["--preset", "smoke", "--bos_id", str(BOS), "--train_files", train, "--val_files", val, "--batch_size", "1024",
+                      "--seq_len", "512", "--num_iterations", str(n), "--max_doc_len", "96", "--window_schedule", "1,2,3"]
+    got = fh.simulate_our_loader(tg.shard_files(train, "training"), tg.parse_args(argv(5)))
+    assert got["trained"] == 5 * 1024 and 5 * 1024 < got["read"] <= got["total"] == 12000
+    with pytest.raises(fh.DataExhausted, match="second pass over the shards at step"):
+        fh.simulate_our_loader(tg.shard_files(train, "training"), tg.parse_args(argv(40)))
+
+
+def test_a_run_that_would_repeat_data_is_refused_before_anything_starts(monkeypatch, tmp_path, capsys):
+    (tmp_path / "d").mkdir()
+    write_docs(tmp_path / "d" / "t_000001.bin", [3, 5, 2, 7] * 5000)
+    write_docs(tmp_path / "d" / "v_000000.bin", [100] * 20)
+    train, val = str(tmp_path / "d" / "t_*.bin"), str(tmp_path / "d" / "v_*.bin")
+    monkeypatch.setattr(fh, "public_source", lambda *a: master_code())
+    monkeypatch.setattr(fh, "launch", lambda *a: pytest.fail("nothing may be launched"))
+    base = ["side_by_side.py", "--public", str(tmp_path), "--train_files", train, "--val_files", val, "--work",
+            str(tmp_path / "w"), "--public_seeds", "0", "--seeds"]
+    monkeypatch.setattr(sys, "argv", base)  # 21.2M tokens of the rule: far more than the shard's 85,000
+    with pytest.raises(SystemExit, match="public loader runs out of documents at step"):
+        fh.main()
+    monkeypatch.setattr(sys, "argv", base + ["--batch_div", "8192", "--check_only"])  # 16/32/48-token steps fit
+    fh.main()
+    out = capsys.readouterr().out
+    assert "public master: 1285 steps, 41,360 tokens trained" in out
+    staged = sorted((tmp_path / "w" / "public_master" / "train").iterdir())
+    assert [p.name for p in staged] == ["fineweb_train_000001.bin", "fineweb_train_000002.bin"]
+    assert staged[0].resolve() == Path(train.replace("*", "000001")).resolve() and tg.read_shard_header(staged[1]) == 16
+
+
+def test_step_times_give_each_stage_its_median_step(tmp_path):
+    log = tmp_path / "run.txt"
+    steps = [0, 100, 200, 300, 400, 500, 700, 900, 1100, 1300, 1500, 1800]  # ms after n steps
+    lines = [f"step:{n}/11 train_time:{t}ms step_avg:1ms" for n, t in enumerate(steps) if n]
+    log.write_text("print0('step:1/2 train_time:5ms')\n" + "=" * 100 + "\nharness: stage boundaries [(0, 5), (5, 11)]\n"
+                   + "\n".join(lines[:5] + ["step:5/11 val_loss:4.0000 train_time:500ms step_avg:100.00ms"] + lines[5:]))
+    assert fh.logged_boundaries(log) == [(0, 5), (5, 11)]
+    times = fh.step_times(log)
+    assert times[1] == 100 and times[11] == 1800 and len(times) == 11
+    stages = [fh.Stage(0, 5, 1000, 896, (1, 3)), fh.Stage(5, 11, 2000, 2048, (3, 7))]
+    got = fh.stage_step_ms(times, stages, skip=2)
+    assert got[0] == dict(steps=5, batch=1000, median=100, mean=100)  # step 0 (compile-sized) never counts
+    assert got[1]["median"] == 200 and got[1]["mean"] == pytest.approx(1300 / 6)  # 300 at the end is one of 6
+    assert "| a | 100.0 ms (100.000 us/tok, 1,000, 5 steps) | 200.0 ms (100.000 us/tok, 2,000, 6 steps) |" in \
+        fh.stage_table({"a": got})
+
+
+def test_finals_pair_runs_of_the_same_seed():
+    res = {"public seed 0": {9: (3.00, 1, 1)}, "public seed 1": {9: (3.10, 1, 1)}, "public seed 2": {9: (3.05, 1, 1)},
+           "ours seed 0": {9: (2.98, 1, 1)}, "ours seed 1": {9: (3.07, 1, 1)}, "ours seed 2": {5: (3.5, 1, 1)}}
+    seeds = {n: int(n[-1]) for n in res}
+    lines = fh.finals_table(res, {"public": [n for n in res if "public" in n], "ours": [n for n in res if "ours" in n]},
+                            seeds)
+    assert lines[2].startswith("| public | 3 | 3.0500 +- 0.1242 |")  # t(0.975, 2) = 4.303 x 0.05 / sqrt 3
+    # pairs (-0.02, -0.03, +0.45): a run that stopped early counts with its last validation, paired by seed
+    assert lines[3].startswith("| ours | 3 | 3.1833 +- ") and "+0.1333 +- " in lines[3] and "(3) |" in lines[3]
