@@ -518,6 +518,34 @@ def launch(cmd: list[str], cwd: Path, log: Path, env: dict) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **env}, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
+def group_of(name: str) -> str:
+    """The code a run belongs to: 'public ...' or a variant label (the column name without ' seed N')."""
+    return "public" if name.startswith("public") else name.rsplit(" seed ", 1)[0]
+
+
+def launch_all(runs, at_once: int, stagger: bool, poll: float = 2.0) -> list:
+    """Start the runs, at most `at_once` at a time, in order; with `stagger`, the other runs of a code wait
+    until its first run has logged a training step, so that they find its compiled graphs in the shared
+    Inductor cache instead of compiling the same graphs at once. Returns the processes in run order."""
+    procs: dict[int, subprocess.Popen] = {}
+    leader: dict[str, int] = {}
+    while len(procs) < len(runs):
+        for i, (name, log, cmd, cwd, env, *_) in enumerate(runs):
+            if i in procs or sum(p.poll() is None for p in procs.values()) >= at_once:
+                continue
+            g = group_of(name)
+            if stagger and g in leader:
+                first = leader[g]
+                if procs[first].poll() is None and not any(STEP_LINE.match(x) for x in _after_source(runs[first][1])):
+                    continue
+            print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
+            procs[i] = launch(cmd, cwd, log.with_suffix(".out"), env)
+            leader.setdefault(g, i)
+        if len(procs) < len(runs):
+            time.sleep(poll)
+    return [procs[i] for i in range(len(runs))]
+
+
 def _after_source(path: Path) -> list[str]:
     text = path.read_text() if path.exists() else ""
     return (text[text.index(SEPARATOR):] if SEPARATOR in text else text).splitlines()
@@ -669,9 +697,9 @@ def main():
     p.add_argument("--val_every", type=int, help="validate every N steps (default: 50 for 0903, else 125)")
     p.add_argument("--val_tokens", type=int, default=983040)
     p.add_argument("--val_seq_len", type=int, default=40960)
-    p.add_argument("--seeds", type=int, nargs="*", default=[0, 1], help="one run of ours per seed")
+    p.add_argument("--seeds", type=int, nargs="*", help="one run of ours per seed (default: 0 1 2; 0903: 0 1)")
     p.add_argument("--public_seeds", type=int, nargs="*", help="one public run per seed, seeded before its model "
-                   "is built (default: one run as published, unseeded; no values: no public run)")
+                   "is built (default: 0 1 2; 0903: one run as published, unseeded; no values: no public run)")
     p.add_argument("--ours", type=Path, default=ROOT / "train_gpt.py", help="our trainer file")
     p.add_argument("--ours_args", default="", help="extra `--field value` flags for every run of ours")
     p.add_argument("--label", default="ours", help="column name for our runs")
@@ -679,6 +707,8 @@ def main():
                    help="one more variant of ours: --ours_args plus these flags (repeatable); --seeds runs of each, "
                         "compared with the public code, or without public runs with the first variant")
     p.add_argument("--parallel", action="store_true", help="start every run at once (curves only)")
+    p.add_argument("--stagger", action="store_true", help="with --parallel: start the other runs of a code once "
+                   "its first run trains (they then load its compiled graphs from the cache)")
     p.add_argument("--max_parallel", type=int, default=0, help="with --parallel: at most this many runs at once "
                    f"(0: as many as fit, one per {RUN_GIB} GiB of GPU memory)")
     p.add_argument("--work", type=Path, default=Path("/tmp/side_by_side"), help="staging and log folder")
@@ -691,6 +721,10 @@ def main():
     staged_code = a.public_code != "0903"
     if a.val_every is None:
         a.val_every = 125 if staged_code else 50
+    if a.seeds is None:
+        a.seeds = [0, 1, 2] if staged_code else [0, 1]
+    if a.public_seeds is None and staged_code:
+        a.public_seeds = [0, 1, 2]
     if a.accum is None:
         a.accum = 1 if a.batch_div > 1 else 8
     if a.public_code == "0903":
@@ -762,13 +796,8 @@ def main():
         print("data plan: " + "; ".join(plans), flush=True)
     if a.check_only:
         return
-    procs = []
     at_once = (a.max_parallel or runs_that_fit()) if a.parallel else 1
-    for name, log, cmd, cwd, env, *_ in runs:
-        while sum(proc.poll() is None for proc in procs) >= at_once:
-            time.sleep(2)
-        print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
-        procs.append(launch(cmd, cwd, log.with_suffix(".out"), env))
+    procs = launch_all(runs, at_once, a.parallel and a.stagger)
     for (name, log, *_), proc in zip(runs, procs):
         if proc.wait() != 0:
             print(f"{name} exited with {proc.returncode}; its output: {log.with_suffix('.out')}", flush=True)

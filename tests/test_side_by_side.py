@@ -381,3 +381,31 @@ def test_finals_pair_runs_of_the_same_seed():
     assert lines[2].startswith("| public | 3 | 3.0500 +- 0.1242 |")  # t(0.975, 2) = 4.303 x 0.05 / sqrt 3
     # pairs (-0.02, -0.03, +0.45): a run that stopped early counts with its last validation, paired by seed
     assert lines[3].startswith("| ours | 3 | 3.1833 +- ") and "+0.1333 +- " in lines[3] and "(3) |" in lines[3]
+
+
+def test_staggered_runs_wait_for_their_code_s_first_run_to_train(monkeypatch, tmp_path):
+    """With --stagger the second and third runs of a code start only once the first has logged a training
+    step (its compiled graphs are then in the shared cache); each code's first run starts at once."""
+    logs = {n: tmp_path / f"{n}.txt" for n in ("p0", "p1", "o0", "o1")}
+    runs = [(f"public master seed {i}", logs[f"p{i}"], ["x"], tmp_path, {}, i, []) for i in (0, 1)] + \
+           [(f"ours seed {i}", logs[f"o{i}"], ["x"], tmp_path, {}, i, []) for i in (0, 1)]
+    order, clock = [], iter(range(1000))
+
+    def fake_launch(cmd, cwd, out, env):
+        order.append(out.stem)
+        return SimpleNamespace(poll=lambda: None)
+
+    def fake_sleep(_):
+        t = next(clock)
+        if t == 2:  # the public leader reaches its first training step
+            logs["p0"].write_text("code\n" + "=" * 100 + "\nstep:1/10 train_time:5ms step_avg:5ms\n")
+        if t == 4:
+            logs["o0"].write_text("step:0/10 val_loss:10.8 train_time:0ms\nstep:1/10 train_time:9ms step_avg:9ms\n")
+    monkeypatch.setattr(fh, "launch", fake_launch)
+    monkeypatch.setattr(fh.time, "sleep", fake_sleep)
+    procs = fh.launch_all(runs, at_once=4, stagger=True)
+    assert order == ["p0", "o0", "p1", "o1"] and len(procs) == 4
+    assert next(clock) == 5  # p1 waited for step 2's log line, o1 for step 4's
+    order.clear()
+    fh.launch_all(runs, at_once=4, stagger=False)
+    assert order == ["p0", "p1", "o0", "o1"]
