@@ -154,6 +154,10 @@ class Hyperparameters:
 
     def __post_init__(self):
         h = self
+        for name in ("num_iterations", "batch_size", "seq_len", "val_tokens", "val_seq_len", "max_doc_len",
+                     "max_num_docs"):
+            if getattr(h, name) < 1:
+                raise ValueError(f"--{name} {getattr(h, name)}: must be positive")
         if h.batch_size % h.seq_len:
             raise ValueError(f"batch_size={h.batch_size} must be a multiple of seq_len={h.seq_len}")
         for name in ("batch_schedule", "doc_len_schedule", "lr_schedule"):
@@ -310,7 +314,7 @@ def parse_args(argv: list[str] | None = None) -> Hyperparameters:
     defaults = Hyperparameters(**PRESETS[DEFAULT_PRESET][1], preset=DEFAULT_PRESET)  # what --help shows
     helps = field_help()
     parser = _Parser(prog="train_gpt.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                     argument_default=argparse.SUPPRESS, epilog="presets (--preset NAME, then any field overrides):\n" + "\n".join(
+                     argument_default=argparse.SUPPRESS, allow_abbrev=False, epilog="presets (--preset NAME, then any field overrides):\n" + "\n".join(
                          textwrap.fill(text, 100, initial_indent=f"  {name:12s}", subsequent_indent=" " * 14)
                          for name, (text, _) in PRESETS.items()))
     for name in fields:

@@ -25,6 +25,8 @@ def run_cli(*argv, cwd=ROOT):
     (["--lr_schedule", "1,x"], "expected comma-separated numbers such as 1,1.52,1.73, not '1,x'"),
     (["--no_such_field", "1"], "unrecognized arguments: --no_such_field 1"),
     (["--preset", "huge"], "--preset huge: choose one of record, record-0903, smoke, single, medium"),
+    (["--num_iteration", "10"], "unrecognized arguments: --num_iteration 10"),  # no abbreviations
+    (["--save", "10"], "unrecognized arguments: --save 10"),
 ])
 def test_bad_flags_are_one_line_errors_naming_the_expected_form(capsys, argv, expected):
     with pytest.raises(SystemExit) as e:
@@ -121,3 +123,10 @@ def test_cpu_runs_report_a_bf16_head_and_memory_per_process(tiny_args, capsys):
     out = capsys.readouterr().out
     assert "LM head: bf16" in out and "memory per process: ~" in out and "MiB" in out
     assert "finished at step 1/1: training time" in out
+
+
+@pytest.mark.parametrize("argv", [["--num_iterations", "0"], ["--num_iterations", "-5"], ["--batch_size", "0"],
+                                  ["--val_tokens", "-1"]])
+def test_sizes_and_step_counts_must_be_positive(argv):
+    with pytest.raises(ValueError, match=f"^{argv[0]} {argv[1]}: must be positive$"):
+        tg.parse_args(argv)
