@@ -5,7 +5,7 @@
         --train_files "DIR/fineweb_train_*.bin" --val_files "DIR/fineweb_val_*.bin" \\
         [--public_code master|89|0903] [--public_commit HASH] [--public_attention fa3|varlen] \\
         [--batch_div 16] [--step_div 1] [--accum N] [--val_every 125] [--seeds 0 1 2] [--public_seeds 0 1 2] \\
-        [--ours_args "FLAGS"] [--variant NAME "FLAGS" ...] [--parallel] [--target LOSS] [--out table.md]
+        [--ours_args "FLAGS"] [--variant NAME "FLAGS" ...] [--parallel [--stagger]] [--target LOSS] [--out table.md]
 
 Public codes (--public_code), all read from a checkout of KellerJordan/modded-nanogpt:
   master  the public line's current code: train_gpt.py and the kernel files it imports, at the commit
