@@ -36,6 +36,7 @@ us/token per stage."""
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import math
 import os
@@ -567,7 +568,7 @@ def logged_boundaries(path: Path) -> list[tuple[int, int]] | None:
     for line in _after_source(path):
         m = BOUNDARY_LINE.match(line)
         if m:
-            return [tuple(b) for b in eval(m[1], {"__builtins__": {}})]
+            return [tuple(b) for b in ast.literal_eval(m[1])]
     return None
 
 
@@ -578,14 +579,19 @@ def stage_step_ms(times: dict[int, int], stages, skip: int = 2) -> list[dict]:
     for st in stages:
         d = [times[s + 1] - times[s] for s in range(max(st.start, 1), st.end) if s in times and s + 1 in times]
         tail = d[skip:] if len(d) > skip else d
-        batch = st.batch if isinstance(st.batch, int) else st.batch.batch_size
+        batch = step_tokens(st)
         out.append(dict(steps=st.end - st.start, batch=batch, median=statistics.median(tail) if tail else None,
                         mean=statistics.fmean(d) if d else None))
     return out
 
 
+def step_tokens(st) -> int:
+    """Tokens per step of a stage: ours (TrainingStage) holds a BatchSpec, the public plan (Stage) a count."""
+    return st.batch if isinstance(st.batch, int) else st.batch.batch_size
+
+
 def tokens_at(stages, step: int) -> int:
-    return sum((st.batch if isinstance(st.batch, int) else st.batch.batch_size) * max(0, min(step, st.end) - st.start)
+    return sum(step_tokens(st) * max(0, min(step, st.end) - st.start)
                for st in stages)
 
 
@@ -744,8 +750,7 @@ def main():
     stage = stage_public(a, a.work, code)
     train_files = tg.shard_files(a.train_files, "training")
     if staged_code:
-        attention = "fa3" if a.public_attention == "fa3" else "varlen"
-        ours_common = ["--preset", "record", "--attention", attention]
+        ours_common = ["--preset", "record", "--attention", a.public_attention]
         pub_stages = public_stages((stage / "train_gpt.py").read_text(), a.batch_div)
     else:
         attention = "varlen" if (stage / "flash_attn_interface.py").exists() else "fa3"
