@@ -399,6 +399,8 @@ PATCHES = [
     ("stage_log", "one log line with the schedule's stage boundaries, checked against the harness's own"),
     ("seed", "torch.manual_seed(seed) before the model is built (the public script sets none)"),
     ("profile", "with --profile_step N: torch.profiler over training steps N and N+1, its top kernels printed"),
+    ("start_after", "with --start_after PATH: after its untimed warm-up the run waits until PATH exists before "
+     "its clock starts (a timing run compiles while other runs still use the GPU)"),
 ]
 
 # With --profile_step: the top of the public training section profiles two steps (N, N+1) and prints the
@@ -415,7 +417,7 @@ PROFILE_HOOK = """    if step == {n}:  # harness: profile two training steps
 
 def patch_public(code: PublicCode, *, train_glob: str, val_file: str, val_tokens: int, val_seq_len: int,
                  val_every: int, accum: int, batch_div: int, step_div: int, attention: str,
-                 profile_step: int | None = None) -> dict[str, str]:
+                 profile_step: int | None = None, start_after: str | None = None) -> dict[str, str]:
     """The staged files of the master / #89 code after PATCHES (seed and run_id are per run, later)."""
     s = code.script
     if "get_kernel('kernels-community/flash-attn3'" in s:
@@ -449,6 +451,11 @@ def patch_public(code: PublicCode, *, train_glob: str, val_file: str, val_tokens
     if profile_step is not None:
         anchor = "    # --------------- TRAINING SECTION -----------------\n"
         s = patch(s, "profile", anchor, anchor + PROFILE_HOOK.format(n=profile_step))
+    if start_after is not None:
+        s = patch(s, "start_after", "\ntraining_time_ms = 0\n# start the clock\n",
+                  f"\nprint0({'harness: waiting for ' + start_after + ' before the clock starts'!r}, console=True)\n"
+                  f"while not os.path.exists({start_after!r}):  # harness: the GPU is still shared\n"
+                  f"    time.sleep(5)\ntraining_time_ms = 0\n# start the clock\n")
     s = patch(s, "stage_log", "\nmodel: nn.Module = GPT(",
               '\nprint0(f"harness: stage boundaries {training_schedule.boundaries}", console=True)\n'
               "model: nn.Module = GPT(")
@@ -494,7 +501,7 @@ def stage_public(a, work: Path, code: PublicCode) -> Path:
         files = patch_public(code, train_glob=str(stage / "train" / "fineweb_train_*.bin"), val_file=val,
                              val_tokens=a.val_tokens, val_seq_len=a.val_seq_len, val_every=a.val_every,
                              accum=a.accum, batch_div=a.batch_div, step_div=a.step_div, attention=a.public_attention,
-                             profile_step=a.profile_step)
+                             profile_step=a.profile_step, start_after=a.start_after)
     for name, text in files.items():
         (stage / name).write_text(text)
     return stage
@@ -721,6 +728,8 @@ def main():
     p.add_argument("--target", type=float, help="also tabulate the tokens and time each run took to reach this val loss")
     p.add_argument("--profile_step", type=int, help="master/89: profile public training steps N and N+1 and print "
                    "the top kernels into its log")
+    p.add_argument("--start_after", help="master/89: public runs wait after their warm-up until this file exists, "
+                   "then start the clock (compile a timing run while learning runs still share the GPU)")
     p.add_argument("--check_only", action="store_true", help="stage and check the data plan, run nothing")
     p.add_argument("--out", type=Path, help="also write the table here")
     a = p.parse_args()

@@ -1,6 +1,7 @@
 """bench/side_by_side.py: the public script is read from a record log or a commit and staged with the
 run-time patches it needs; the scaling rule and the data check; logs of both codes parse into the same
 tables."""
+import os
 import sys
 from types import SimpleNamespace
 from pathlib import Path
@@ -192,6 +193,9 @@ print0("=" * 100)
 model: nn.Module = GPT(
     vocab_size=50257,
 ).cuda()
+training_time_ms = 0
+# start the clock
+torch.cuda.synchronize()
 for step in range(train_steps + 1):
     # --------------- TRAINING SECTION -----------------
     model.quantize_mlp_fp8(bootstrap_down=(step < 16))
@@ -284,6 +288,21 @@ def test_profile_hook_goes_at_the_top_of_the_training_section():
     hook = s.index("if step == 70:  # harness: profile two training steps")
     assert s.index("# --------------- TRAINING SECTION") < hook < s.index("model.quantize_mlp_fp8(bootstrap_down")
     compile(s[s.index("for step in range"):], "loop", "exec")  # the loop with the hook is valid Python
+
+
+def test_start_after_holds_the_clock_until_the_file_exists(tmp_path):
+    gate = tmp_path / "gpu free"
+    s = fh.patch_public(master_code(), accum=8, batch_div=1, step_div=16, start_after=str(gate), **STAGING)["train_gpt.py"]
+    wait = s[s.index("print0('harness: waiting"):s.index("training_time_ms = 0")]
+    assert s.index(wait) < s.index("training_time_ms = 0") < s.index("# start the clock")
+    slept = []
+    env = {"os": os, "print0": lambda *a, **k: None, "time": type("T", (), {"sleep": lambda n: (slept.append(n), gate.touch())})}
+    exec(wait, env)  # waits (one sleep) while the file is missing
+    assert slept == [5] and gate.exists()
+    exec(wait, env)  # and not at all once it exists
+    assert slept == [5]
+    unpatched = fh.patch_public(master_code(), accum=8, batch_div=1, step_div=16, **STAGING)["train_gpt.py"]
+    assert "harness: waiting" not in unpatched
 
 
 def test_the_public_stage_table_gives_the_boundaries_of_its_schedule():
