@@ -44,14 +44,14 @@ NVIDIA_SMI = ["Wed Sep  3 19:58:00 2025       ", "+" + "-" * 89 + "+",
 
 def write_log(path: Path, final_loss: float, final_ms: int, *, steps: int = 100, code: str = CODE,
               stop_at: int | None = None, final_val: bool = True, params: dict | None = RECORD_PARAMS,
-              env: list[str] = ()) -> Path:
+              env: list[str] = (), gpus: int = 8) -> Path:
     """A log of `steps` steps; stop_at cuts it after that step (a crashed or copied-short run).
     params=None writes no hyperparameter lines (the public speedrun's logs have none); env: lines
     of the environment report (e.g. NVIDIA_SMI)."""
     lines = [code.rstrip("\n"), SEP, "Running Python 3.12.3", "Running PyTorch 2.13.0", *env, SEP]
     if params is not None:
         lines += [f"{k}: {v}" for k, v in {**params, "num_iterations": steps}.items()]
-        lines += ["device: cuda:0 x 8, grad accumulation 1, parameters: 123,456"]
+        lines += [f"device: cuda:0 x {gpus}, grad accumulation {8 // gpus}, parameters: 123,456"]
     lines += [f"step:0/{steps} val_loss:10.8258 train_time:0ms step_avg:0.02ms"]
     last = steps if stop_at is None else stop_at
     for s in range(1, last + 1):
@@ -282,6 +282,145 @@ def test_parse_log_takes_the_validation_line_of_the_last_step_in_the_public_form
                    "peak memory allocated: 34217 MiB reserved: 49936 MiB\n")
     run = check.parse_log(log)
     assert (run.total_steps, run.final_loss, run.final_time_s) == (1670, 3.2755, 163.621)
+
+
+# --- check.py: sets that are never pooled, and a candidate against a baseline (issue 35) --------
+
+BASE_LOSSES = [3.2790, 3.2774, 3.2781, 3.2769, 3.2785, 3.2777]
+BASE_MS = [80610, 80720, 80680, 80750, 80690, 80700]
+CAND_LOSSES = [3.2772, 3.2779, 3.2768, 3.2781, 3.2770, 3.2775]
+CAND_MS = [79540, 79650, 79600, 79700, 79580, 79630]
+CAND_CODE = CODE + "# the candidate's change\n"
+
+
+def _set(folder: Path, losses, times_ms, **kw) -> list[Path]:
+    return [write_log(folder / f"run{i}.txt", loss, ms, **kw) for i, (loss, ms) in enumerate(zip(losses, times_ms))]
+
+
+def test_check_never_pools_runs_of_different_code_and_judges_each_version_alone(runs, tmp_path, capsys):
+    other = _set(tmp_path / "other", CAND_LOSSES[:3], CAND_MS[:3], code=CAND_CODE)
+    result = check.check([*runs, *other])
+    assert result.n == 0 and not result.passed and result.exit_code == 2
+    assert [sub.n for _, sub in result.unpooled] == [len(runs), len(other)]
+    first, second = (sub for _, sub in result.unpooled)
+    assert first.p_loss == pytest.approx(check.check(runs).p_loss)  # each set as if checked alone
+    assert second.mean_time == pytest.approx(np.mean(CAND_MS[:3]) / 1000)
+    assert result.verdict.startswith("FAIL: the runs differ in code (2 sets")
+    assert check.main([*map(str, runs), *map(str, other)]) == 2
+    assert "sets not pooled" in capsys.readouterr().out
+
+
+def test_check_never_pools_8_gpu_runs_with_a_1_gpu_run(runs, tmp_path):
+    one_gpu = write_log(tmp_path / "one_gpu.txt", 3.2770, 740000, gpus=1)
+    result = check.check([*runs, one_gpu])
+    assert result.n == 0 and result.exit_code == 2 and "differ in GPU count" in result.verdict
+    assert [name for name, _ in result.unpooled] == ["8 GPUs", "1 GPUs"]
+    assert check.parse_log(one_gpu).gpus == 1
+
+
+def test_parse_log_counts_the_gpus_of_nvidia_smis_process_table(tmp_path):
+    smi = [*NVIDIA_SMI, "|   0  NVIDIA H100 80GB HBM3          On  |   00000000:8D:00.0 Off |      0 |",
+           "| Processes:                                                                    |",
+           "|  GPU   GI   CI              PID   Type   Process name              GPU Memory |",
+           *[f"|    {g}   N/A  N/A         10396{g}      C   .../bin/python       1512MiB |" for g in (0, 1, 2, 2)]]
+    run = check.parse_log(write_log(tmp_path / "public.txt", 3.2770, 80000, params=None,
+                                    env=["Running PyTorch 2.10.0+cu128 compiled for CUDA 12.8",
+                                         "Running Triton version 3.6.0", *smi]))
+    assert run.gpus == 3 and run.gpu_name == "NVIDIA H100 80GB HBM3"
+    assert run.versions == {"PyTorch": "2.13.0", "CUDA": "12.8", "Triton": "3.6.0", "Python": "3.12.3"}  # the first line wins
+
+
+def test_compare_numbers_equal_scipys_welch_test_and_interval(tmp_path):
+    base = _set(tmp_path / "baseline", BASE_LOSSES, BASE_MS)
+    cand = _set(tmp_path / "candidate", CAND_LOSSES, CAND_MS, code=CAND_CODE)
+    result = check.compare(base, cand)
+    bt, ct = [ms / 1000 for ms in BASE_MS], [ms / 1000 for ms in CAND_MS]
+    time = stats.ttest_ind(ct, bt, equal_var=False)
+    loss = stats.ttest_ind(CAND_LOSSES, BASE_LOSSES, equal_var=False)
+    assert result.delta_time == pytest.approx(np.mean(ct) - np.mean(bt))
+    assert result.ci_time == pytest.approx(tuple(time.confidence_interval(0.99)))
+    assert result.welch_time == pytest.approx((time.statistic, time.df, time.pvalue))
+    assert result.welch_loss == pytest.approx((loss.statistic, loss.df, loss.pvalue))
+    assert result.speedup == pytest.approx(np.mean(bt) / np.mean(ct))
+    assert result.relative_time == pytest.approx((np.mean(ct) - np.mean(bt)) / np.mean(bt))
+    assert result.candidate.p_loss == pytest.approx(stats.ttest_1samp(CAND_LOSSES, 3.28, alternative="less").pvalue)
+    assert result.passed and result.exit_code == 0 and result.verdict.startswith("PASS: a record")
+
+
+def test_check_compares_a_record_folder_of_baseline_and_candidate_without_flags(tmp_path, capsys):
+    folder = tmp_path / "2026-07-17_X"
+    _set(folder / "baseline", BASE_LOSSES, BASE_MS)
+    _set(folder / "this_pr", CAND_LOSSES, CAND_MS, code=CAND_CODE)
+    assert check.main([str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{folder}: comparing this_pr/ against baseline/")
+    assert "== this_pr - baseline ==" in out and "speedup 1.0135x" in out
+    assert out.rstrip().splitlines()[-1].startswith("PASS: a record")
+    # the same as naming both sets
+    assert check.main([str(folder / "this_pr"), "--baseline", str(folder / "baseline")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == out.rstrip().splitlines()[-1]
+
+
+def test_check_judges_a_folder_of_several_sets_one_by_one_and_refuses_to_pool_them(tmp_path, capsys):
+    folder = tmp_path / "rec"
+    _set(folder / "this_pr_v1", [3.2830, 3.2790, 3.2801], BASE_MS[:3], code=CODE + "# v1\n")
+    _set(folder / "this_pr_v2", CAND_LOSSES, CAND_MS, code=CAND_CODE)
+    _set(folder / "baseline", BASE_LOSSES, BASE_MS)
+    assert check.main([str(folder)]) == 2
+    captured = capsys.readouterr()
+    rows = {line.split()[0]: line.split() for line in captured.out.splitlines()[2:]}
+    assert rows["this_pr_v1"][-1] == "FAIL" and rows["this_pr_v2"][-1] == "PASS" and rows["baseline"][1] == "6"
+    assert captured.err.splitlines() == [
+        f"check.py: error: {folder} holds 3 sets of runs (baseline, this_pr_v1, this_pr_v2), not one baseline and "
+        f"one candidate: name the set(s) to judge, e.g. python records/check.py {folder / 'this_pr_v1'} "
+        f"--baseline {folder / 'baseline'}"]
+
+
+def test_compare_a_candidate_faster_but_not_significantly_is_not_a_record(tmp_path, capsys):
+    base = _set(tmp_path / "baseline", BASE_LOSSES, [80000, 81000, 79500, 80800, 79900, 80300])
+    cand = _set(tmp_path / "candidate", CAND_LOSSES, [79800, 80900, 79300, 80600, 79700, 80200], code=CAND_CODE)
+    result = check.compare(base, cand)
+    assert result.delta_time < 0 and result.ci_time[0] < 0 < result.ci_time[1]
+    assert result.candidate.passed and not result.passed and result.exit_code == 1
+    assert "but not significantly" in result.verdict
+    assert check.main([*map(str, cand), "--baseline", *map(str, base)]) == 1
+
+
+def test_compare_a_slower_candidate_and_one_that_misses_the_loss_target_are_not_records(tmp_path):
+    base = _set(tmp_path / "baseline", BASE_LOSSES, BASE_MS)
+    slow = _set(tmp_path / "slow", CAND_LOSSES, [ms + 2000 for ms in BASE_MS], code=CAND_CODE)
+    high = _set(tmp_path / "high", [3.2810, 3.2795, 3.2802, 3.2799, 3.2806, 3.2791], CAND_MS, code=CAND_CODE)
+    slower = check.compare(base, slow)
+    assert not slower.passed and "not faster" in slower.verdict and slower.ci_time[0] > 0
+    missed = check.compare(base, high)
+    assert not missed.passed and missed.ci_time[1] < 0 and "is not shown" in missed.verdict
+
+
+def test_compare_refuses_a_baseline_on_another_gpu_count(tmp_path):
+    base = _set(tmp_path / "baseline", BASE_LOSSES, BASE_MS, gpus=1)
+    cand = _set(tmp_path / "candidate", CAND_LOSSES, CAND_MS, code=CAND_CODE)
+    result = check.compare(base, cand)
+    assert not result.passed and result.exit_code == 1
+    assert "the baseline ran on 1 GPU(s), the candidate on 8" in result.verdict
+
+
+def test_check_markdown_is_the_public_statistics_md_and_its_snippet_recomputes_it(tmp_path, capsys):
+    base = _set(tmp_path / "baseline", BASE_LOSSES, BASE_MS)
+    cand = _set(tmp_path / "candidate", CAND_LOSSES, CAND_MS, code=CAND_CODE)
+    assert check.main([str(tmp_path / "candidate"), "--baseline", str(tmp_path / "baseline"), "--markdown"]) == 0
+    md = capsys.readouterr().out
+    result = check.compare(base, cand)
+    for heading in ("## Summary", "## Statistics", "Losses:", "Times:", "Calculation snippet:", "## Vs Baseline"):
+        assert heading in md
+    assert f"| mean val loss | {np.mean(CAND_LOSSES):.10f} |" in md
+    assert f"| one-sided p vs 3.28 | {result.candidate.p_loss:.10f} |" in md
+    assert f"- speedup: `{result.speedup:.8f}x`" in md
+    snippet = md.split("Calculation snippet:\n\n```python\n")[1].split("```")[0]
+    proc = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert f"mean loss {np.mean(CAND_LOSSES):.10f}" in proc.stdout
+    assert f"speedup {result.speedup:.8f}x" in proc.stdout
+    assert f"CI {result.ci_time[0]:.6f} to {result.ci_time[1]:.6f} s" in proc.stdout
 
 
 # --- plot.py ---------------------------------------------------------------------------------
