@@ -159,29 +159,46 @@ relu2_mlp.register_autograd(_relu2_mlp_autograd, setup_context=_relu2_mlp_setup_
 
 # -----------------------------------------------------------------------------------------------
 # Soft-capped cross-entropy of the FP8 LM head (the public record line's "fused softcapped
-# cross-entropy"): z = cap * sigmoid((logit + shift) / temp) per (token, vocab) entry, loss = lse(z) -
-# z[target]. The forward reads the bf16 logits once per token row; the backward recomputes z from them
-# and writes the logits' gradient once, directly in FP8 (e5m2, divided by grad_scale) in both layouts
-# the FP8 matmuls of the head's backward need: (T, V) for the input's gradient and (V, T) for the
-# weight's. Compiled PyTorch fuses the same work into a reduction and a pointwise pass too, but on an
-# H100 they took 3.3 and 7.6 ms per 49,152-token micro-batch, where reading the logits and writing the
-# two copies takes about 4.4 ms in all (bench/ce_kernel.py times both ways). z lies in (0, cap), so
-# exp(z) needs no running maximum.
+# cross-entropy"): z = cap * sigmoid((logit + shift) / temp) per (token, vocab) entry, and for each
+# token t with K targets y_tk of weights w_tk, loss_t = sum_k w_tk * (lse(z_t) - z_t[y_tk]): the
+# next-token loss alone (K = 1, weight 1), or with multi-token prediction's extra targets and their
+# weights, all from the same logits. A negative target is no target (its weight counts as 0). The
+# forward reads the bf16 logits once per token row; the backward recomputes z from them and writes the
+# logits' gradient once, directly in FP8 (e5m2, divided by grad_scale) in both layouts the FP8 matmuls
+# of the head's backward need: (T, V) for the input's gradient and (V, T) for the weight's. Compiled
+# PyTorch fuses the same work into a reduction and a pointwise pass too, but on an H100 they took 3.3
+# and 7.6 ms per 49,152-token micro-batch, where reading the logits and writing the two copies takes
+# about 4.4 ms in all (bench/ce_kernel.py times both ways). z lies in (0, cap), so exp(z) needs no
+# running maximum.
 
-def softcap_ce_reference(logits: Tensor, targets: Tensor, cap: float, shift: float,
-                         temp: float) -> tuple[Tensor, Tensor]:
+def _targets_and_weights(targets: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(T, K) targets and their (T, K) float32 weights, 0 where a target is negative; a (T,) target
+    vector is K = 1, and no weights means weight 1."""
+    targets = targets.reshape(targets.size(0), -1)
+    weights = torch.ones(targets.shape, device=targets.device) if weights is None else weights.float()
+    if weights.shape != targets.shape:
+        raise ValueError(f"softcap_ce: weights {tuple(weights.shape)} do not match targets {tuple(targets.shape)}")
+    return targets.contiguous(), torch.where(targets >= 0, weights, 0.0).contiguous()
+
+
+def softcap_ce_reference(logits: Tensor, targets: Tensor, cap: float, shift: float, temp: float,
+                         weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(losses, lse), float32, one per row of logits (T, V)."""
+    targets, weights = _targets_and_weights(targets, weights)
     z = cap * torch.sigmoid((logits.float() + shift) / temp)
     lse = z.exp().sum(-1).log()
-    return lse - z.gather(1, targets.long()[:, None])[:, 0], lse
+    picked = z.gather(1, targets.long().clamp(min=0))
+    return (weights * (lse[:, None] - picked)).sum(1), lse
 
 
 def softcap_ce_grad_reference(grad_losses: Tensor, logits: Tensor, targets: Tensor, lse: Tensor, cap: float,
-                              shift: float, temp: float, grad_scale: float) -> tuple[Tensor, Tensor]:
+                              shift: float, temp: float, grad_scale: float,
+                              weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The logits' gradient / grad_scale in float8_e5m2, (T, V) and transposed (V, T)."""
+    targets, weights = _targets_and_weights(targets, weights)
     z = cap * torch.sigmoid((logits.float() + shift) / temp)
-    dz = (z - lse[:, None]).exp()
-    dz[torch.arange(z.size(0), device=z.device), targets.long()] -= 1
+    dz = weights.sum(1, keepdim=True) * (z - lse[:, None]).exp()
+    dz.scatter_add_(1, targets.long().clamp(min=0), -weights)
     g = dz * z * (1 - z / cap) / temp * grad_losses[:, None].float() / grad_scale
     g_f8 = g.to(torch.float8_e5m2)
     return g_f8, g_f8.T.contiguous()
@@ -196,29 +213,33 @@ if triton is not None:
         return cap / (1.0 + tl.exp(-(logit * inv_temp + shift_over_temp)))
 
     @triton.jit
-    def _softcap_ce_fwd_kernel(logits_ptr, targets_ptr, losses_ptr, lse_ptr, V, cap, inv_temp, shift_over_temp,
-                               BLOCK_V: tl.constexpr):
-        """One program per token row: sum of exp(z) over the vocabulary in BLOCK_V chunks, and z[target]."""
+    def _softcap_ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, V, cap, inv_temp,
+                               shift_over_temp, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+        """One program per token row: sum of exp(z) over the vocabulary in BLOCK_V chunks, and the
+        weighted z of the row's K targets (BLOCK_K: K rounded up to a power of two)."""
         t = tl.program_id(0)
         row = logits_ptr + t.to(tl.int64) * V
-        target = tl.load(targets_ptr + t)
+        k = tl.arange(0, BLOCK_K)
+        targets = tl.load(targets_ptr + t * K + k, mask=k < K, other=-1)
+        weights = tl.load(weights_ptr + t * K + k, mask=k < K, other=0.0)
         total = tl.zeros((BLOCK_V,), dtype=tl.float32)
         picked = tl.zeros((BLOCK_V,), dtype=tl.float32)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             z = _softcap(tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32), cap, inv_temp, shift_over_temp)
             total += tl.where(cols < V, tl.exp(z), 0.0)
-            picked += tl.where(cols == target, z, 0.0)
+            picked += z * tl.sum(tl.where(cols[:, None] == targets[None, :], weights[None, :], 0.0), axis=1)
         lse = tl.log(tl.sum(total, axis=0))
         tl.store(lse_ptr + t, lse)
-        tl.store(losses_ptr + t, lse - tl.sum(picked, axis=0))
+        tl.store(losses_ptr + t, tl.sum(weights, axis=0) * lse - tl.sum(picked, axis=0))
 
     @triton.jit
-    def _softcap_ce_bwd_kernel(logits_ptr, targets_ptr, lse_ptr, grad_ptr, g_ptr, g_t_ptr, T, V, cap, inv_cap,
-                               inv_temp, shift_over_temp, inv_grad_scale, BLOCK_T: tl.constexpr,
-                               BLOCK_V: tl.constexpr):
-        """One program per (BLOCK_T x BLOCK_V) tile: dloss/dlogit = grad_t (softmax(z) - onehot) dz/dlogit,
-        with dz/dlogit = z (1 - z / cap) / temp; stored / grad_scale in e5m2, row-major and transposed."""
+    def _softcap_ce_bwd_kernel(logits_ptr, targets_ptr, weights_ptr, lse_ptr, grad_ptr, g_ptr, g_t_ptr, T, V, cap,
+                               inv_cap, inv_temp, shift_over_temp, inv_grad_scale, K: tl.constexpr,
+                               BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+        """One program per (BLOCK_T x BLOCK_V) tile: dloss/dlogit = grad_t (W_t softmax(z) - sum_k w_tk
+        onehot(y_tk)) dz/dlogit, with W_t = sum_k w_tk and dz/dlogit = z (1 - z / cap) / temp; stored /
+        grad_scale in e5m2, row-major and transposed."""
         pid = tl.program_id(0)
         tiles_v = tl.cdiv(V, BLOCK_V)
         t0, v0 = (pid // tiles_v) * BLOCK_T, (pid % tiles_v) * BLOCK_V
@@ -231,10 +252,16 @@ if triton is not None:
         tv = it[:, None] * V + iv[None, :]
         logit = tl.load(logits_ptr + tile + tv, mask=inside, other=0.0).to(tl.float32)
         lse = tl.load(lse_ptr + rt, mask=in_t, other=0.0)
-        target = tl.load(targets_ptr + rt, mask=in_t, other=-1)
         scale = tl.load(grad_ptr + rt, mask=in_t, other=0.0) * inv_temp * inv_grad_scale
+        total_weight = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        hits = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+        for k in tl.static_range(K):
+            target = tl.load(targets_ptr + rt * K + k, mask=in_t, other=-1)
+            weight = tl.load(weights_ptr + rt * K + k, mask=in_t, other=0.0)
+            total_weight += weight
+            hits += tl.where(rv[None, :] == target[:, None], weight[:, None], 0.0)
         z = _softcap(logit, cap, inv_temp, shift_over_temp)
-        dz = tl.exp(z - lse[:, None]) - tl.where(rv[None, :] == target[:, None], 1.0, 0.0)
+        dz = total_weight[:, None] * tl.exp(z - lse[:, None]) - hits
         g = (dz * z * (1.0 - z * inv_cap) * scale[:, None]).to(g_ptr.dtype.element_ty)
         tl.store(g_ptr + tile + tv, g, mask=inside)
         # The transposed copy: this program reads its own e5m2 tile back (from L2) and stores it transposed.
@@ -248,32 +275,35 @@ if triton is not None:
 SOFTCAP_CE_TILES = dict(fwd=dict(BLOCK_V=2048, num_warps=8), bwd=dict(BLOCK_T=64, BLOCK_V=64, num_warps=4))
 
 
-def softcap_ce(logits: Tensor, targets: Tensor, cap: float, shift: float, temp: float) -> tuple[Tensor, Tensor]:
-    """(losses, lse) of contiguous logits (T, V); the Triton kernel where it runs, else the reference."""
+def softcap_ce(logits: Tensor, targets: Tensor, cap: float, shift: float, temp: float,
+               weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(losses, lse) of contiguous logits (T, V) against targets (T,) or (T, K) with weights (T, K);
+    the Triton kernel where it runs, else the reference."""
     if not triton_runs_on(logits):
-        return softcap_ce_reference(logits, targets, cap, shift, temp)
-    T, V = logits.shape  # logits come contiguous from the head's matmul; the targets may be a view
-    targets = targets.contiguous()
+        return softcap_ce_reference(logits, targets, cap, shift, temp, weights)
+    T, V = logits.shape  # logits come contiguous from the head's matmul
+    targets, weights = _targets_and_weights(targets, weights)
+    K = targets.size(1)
     losses = torch.empty(T, device=logits.device, dtype=torch.float32)
     lse = torch.empty_like(losses)
-    _softcap_ce_fwd_kernel[(T,)](logits, targets, losses, lse, V, cap, 1 / temp, shift / temp,
-                                 **SOFTCAP_CE_TILES["fwd"])
+    _softcap_ce_fwd_kernel[(T,)](logits, targets, weights, losses, lse, V, cap, 1 / temp, shift / temp, K=K,
+                                 BLOCK_K=triton.next_power_of_2(K), **SOFTCAP_CE_TILES["fwd"])
     return losses, lse
 
 
 def softcap_ce_grad(grad_losses: Tensor, logits: Tensor, targets: Tensor, lse: Tensor, cap: float, shift: float,
-                    temp: float, grad_scale: float) -> tuple[Tensor, Tensor]:
+                    temp: float, grad_scale: float, weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The logits' gradient / grad_scale in e5m2, (T, V) and (V, T); the Triton kernel where it runs."""
     if not triton_runs_on(logits):
-        return softcap_ce_grad_reference(grad_losses, logits, targets, lse, cap, shift, temp, grad_scale)
+        return softcap_ce_grad_reference(grad_losses, logits, targets, lse, cap, shift, temp, grad_scale, weights)
     T, V = logits.shape
-    targets = targets.contiguous()
+    targets, weights = _targets_and_weights(targets, weights)
     g = torch.empty(T, V, device=logits.device, dtype=torch.float8_e5m2)
     g_t = torch.empty(V, T, device=logits.device, dtype=torch.float8_e5m2)
     t = SOFTCAP_CE_TILES["bwd"]
     if max(t["BLOCK_T"] * V, t["BLOCK_V"] * T) >= 2**31:
         raise ValueError(f"softcap_ce_grad: {T} x {V} logits overflow the kernel's 32-bit offsets inside a tile")
     grid = (triton.cdiv(T, t["BLOCK_T"]) * triton.cdiv(V, t["BLOCK_V"]),)
-    _softcap_ce_bwd_kernel[grid](logits, targets, lse, grad_losses, g, g_t, T, V, cap, 1 / cap, 1 / temp, shift / temp,
-                                 1 / grad_scale, **t)
+    _softcap_ce_bwd_kernel[grid](logits, targets, weights, lse, grad_losses, g, g_t, T, V, cap, 1 / cap, 1 / temp,
+                                 shift / temp, 1 / grad_scale, K=targets.size(1), **t)
     return g, g_t

@@ -207,9 +207,6 @@ class Hyperparameters:
             betas = getattr(h, name)
             if betas and (len(betas) != 2 or not all(0 <= b < 1 for b in betas)):
                 raise ValueError(f"{name}={betas}: empty (Adam's betas) or two numbers in [0, 1)")
-        if h.fused_ce and h.mtp_weights:
-            raise ValueError(f"fused_ce computes the next-token loss only; with mtp_weights={h.mtp_weights} use "
-                             "--fused_ce false")
         if len(h.mtp_weights) % len(h.window_schedule) or not all(0 <= w < math.inf for w in h.mtp_weights):
             raise ValueError(f"mtp_weights={h.mtp_weights}: K finite weights >= 0 per stage of window_schedule="
                              f"{h.window_schedule}, stage after stage (the record's: 0.5,0.25,0.5,0,0,0), or none")
@@ -424,17 +421,19 @@ mm_fp8.register_autograd(_mm_fp8_backward, setup_context=_mm_fp8_setup_context)
 # FP8 head and its soft-capped cross-entropy in one op (--fused_ce; the public record line's "fused
 # softcapped cross-entropy"): the loss comes from kernels.softcap_ce, and the backward's logit
 # gradient from kernels.softcap_ce_grad, written once, in FP8, in both layouts the two matmuls need.
+# Each token has K targets (T, K) with weights (T, K): the next token (weight 1) and, with multi-token
+# prediction, the tokens after it at their weights, 0 where a target lies past the token's document.
 @torch.library.custom_op("speedrun::fp8_head_ce", mutates_args=())
-def fp8_head_ce(x: Tensor, w: Tensor, targets: Tensor, x_s: float, w_s: float, grad_s: float, cap: float,
-                shift: float, temp: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def fp8_head_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, x_s: float, w_s: float, grad_s: float,
+                cap: float, shift: float, temp: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(losses, lse, logits, x_f8_t, w_f8_t): each token's loss; the rest is kept for the backward."""
     logits, x_f8_t, w_f8_t = _fp8_logits(x, w, x_s, w_s)
-    losses, lse = kernels.softcap_ce(logits, targets, cap, shift, temp)
+    losses, lse = kernels.softcap_ce(logits, targets, cap, shift, temp, weights)
     return losses, lse, logits, x_f8_t, w_f8_t
 
 
 @fp8_head_ce.register_fake
-def _(x, w, targets, x_s, w_s, grad_s, cap, shift, temp):
+def _(x, w, targets, weights, x_s, w_s, grad_s, cap, shift, temp):
     (T, D), V = x.shape, w.size(0)
     return (x.new_empty(T, dtype=torch.float32), x.new_empty(T, dtype=torch.float32),
             x.new_empty(T, V, dtype=torch.bfloat16), x.new_empty(D, T, dtype=torch.float8_e4m3fn),
@@ -442,29 +441,29 @@ def _(x, w, targets, x_s, w_s, grad_s, cap, shift, temp):
 
 
 @torch.library.custom_op("speedrun::fp8_head_ce_backward", mutates_args=())
-def fp8_head_ce_backward(grad_losses: Tensor, logits: Tensor, targets: Tensor, lse: Tensor, x_f8_t: Tensor,
-                         w_f8_t: Tensor, x_s: float, w_s: float, grad_s: float, cap: float, shift: float,
-                         temp: float) -> tuple[Tensor, Tensor]:
-    g_f8, g_f8_t = kernels.softcap_ce_grad(grad_losses, logits, targets, lse, cap, shift, temp, grad_s)
+def fp8_head_ce_backward(grad_losses: Tensor, logits: Tensor, targets: Tensor, weights: Tensor, lse: Tensor,
+                         x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_s: float, grad_s: float, cap: float,
+                         shift: float, temp: float) -> tuple[Tensor, Tensor]:
+    g_f8, g_f8_t = kernels.softcap_ce_grad(grad_losses, logits, targets, lse, cap, shift, temp, grad_s, weights)
     return _fp8_grads(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s)
 
 
 @fp8_head_ce_backward.register_fake
-def _(grad_losses, logits, targets, lse, x_f8_t, w_f8_t, x_s, w_s, grad_s, cap, shift, temp):
+def _(grad_losses, logits, targets, weights, lse, x_f8_t, w_f8_t, x_s, w_s, grad_s, cap, shift, temp):
     return (logits.new_empty(logits.size(0), x_f8_t.size(0), dtype=torch.bfloat16),
             logits.new_empty(logits.size(1), x_f8_t.size(0), dtype=torch.float32))
 
 
 def _fp8_head_ce_setup_context(ctx, inputs, output):
-    _, _, targets, *ctx.scalars = inputs  # x_s, w_s, grad_s, cap, shift, temp
+    _, _, targets, weights, *ctx.scalars = inputs  # x_s, w_s, grad_s, cap, shift, temp
     _, lse, logits, x_f8_t, w_f8_t = output
-    ctx.save_for_backward(logits, targets, lse, x_f8_t, w_f8_t)
+    ctx.save_for_backward(logits, targets, weights, lse, x_f8_t, w_f8_t)
 
 
 def _fp8_head_ce_autograd(ctx, grad_losses, *_):
     grad_x, grad_w = torch.ops.speedrun.fp8_head_ce_backward(grad_losses.float().contiguous(), *ctx.saved_tensors,
                                                              *ctx.scalars)
-    return grad_x, grad_w, None, None, None, None, None, None, None
+    return grad_x, grad_w, None, None, None, None, None, None, None, None
 
 
 fp8_head_ce.register_autograd(_fp8_head_ce_autograd, setup_context=_fp8_head_ce_setup_context)
@@ -1126,8 +1125,13 @@ class GPT(nn.Module):
         mtp_weights (w_2, w_3, ...), plus multi-token prediction's sum_k w_k * CE(logits_t, token t+k)
         over the targets of t's document (mtp_targets), from the same logits."""
         cfg = self.cfg
-        if self.fused_ce and self.training:  # no multi-token prediction here: Hyperparameters refuses it
-            return torch.ops.speedrun.fp8_head_ce(x, self.lm_head_w, targets, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
+        extra = [] if mtp_weights is None else mtp_targets(targets, cu_seqlens, mtp_weights.size(0))
+        if self.fused_ce and self.training:
+            # every target of a token in one pass over its logits: (T, K) targets, (T, K) weights
+            ys = torch.stack([targets, *(y for y, _ in extra)], 1)
+            ws = torch.stack([torch.ones_like(targets, dtype=torch.float32),
+                              *(torch.where(keep, mtp_weights[j], 0) for j, (_, keep) in enumerate(extra))], 1)
+            return torch.ops.speedrun.fp8_head_ce(x, self.lm_head_w, ys, ws, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
                                                   HEAD_GRAD_SCALE, cfg.logit_softcap, cfg.softcap_shift,
                                                   cfg.softcap_temp)[0]
         if self.fp8_head and self.training:
@@ -1142,11 +1146,10 @@ class GPT(nn.Module):
         vocab = torch.arange(z.size(-1), device=z.device)
         lse = z.exp().sum(-1).log()
         losses = lse - torch.where(vocab == targets[:, None], z, 0).sum(-1)
-        if mtp_weights is not None:
-            # The weights are a tensor, not Python floats: new values every step reuse the compiled graph.
-            for j, (y, keep) in enumerate(mtp_targets(targets, cu_seqlens, mtp_weights.size(0))):
-                w = torch.where(keep, mtp_weights[j], 0)
-                losses = losses + w * (lse - torch.where(vocab == y[:, None], z, 0).sum(-1))
+        # The weights are a tensor, not Python floats: new values every step reuse the compiled graph.
+        for j, (y, keep) in enumerate(extra):
+            w = torch.where(keep, mtp_weights[j], 0)
+            losses = losses + w * (lse - torch.where(vocab == y[:, None], z, 0).sum(-1))
         return losses
 
     # Evaluation buffers are long (262,144 tokens, as in the public validation): there the head and

@@ -2,11 +2,12 @@
 micro-batch shape on one GPU: the unfused head and loss as torch.compile builds them in train_gpt.py
 (the mm_fp8 op, then the loss in compiled PyTorch, whose backward quantizes the logits' gradient) against
 train_gpt.py's fp8_head_ce op (kernels.py's Triton loss and gradient kernels) with each tile
-configuration given; the fused op's relative error against the unfused one. Seconds per run, not
-minutes of model compile: the way to choose kernels.SOFTCAP_CE_TILES before timing whole steps
-(bench/step_time.py --fused_ce true).
+configuration given; the fused op's relative error against the unfused one. With --extra_targets N,
+each token also has multi-token prediction's next N tokens as targets, at weights 0.5, 0.25, ... (0 for
+one token in eight, as past a document's end). Seconds per run, not minutes of model compile: the way to
+choose kernels.SOFTCAP_CE_TILES before timing whole steps (bench/step_time.py --fused_ce true).
 
-    python bench/ce_kernel.py [--tokens 49152] [--tiles 2048,8,64,64,4 2048,8,32,128,4 ...]
+    python bench/ce_kernel.py [--tokens 49152] [--extra_targets 2] [--tiles 2048,8,64,64,4 2048,8,32,128,4 ...]
 
 A tile configuration is fwd BLOCK_V, fwd num_warps, bwd BLOCK_T, bwd BLOCK_V, bwd num_warps."""
 import argparse
@@ -22,20 +23,24 @@ import train_gpt as tg  # noqa: E402
 CAP, SHIFT, TEMP = 23.0, 5.0, 7.5  # the record preset's asymmetric softcap
 
 
-def unfused(x, w, targets):
-    """train_gpt.py's head_losses with the FP8 head, without multi-token prediction."""
+def unfused(x, w, targets, weights):
+    """train_gpt.py's head_losses with the FP8 head: each of a token's K targets (T, K) at its weight."""
     logits = torch.ops.speedrun.mm_fp8(x, w, tg.head_x_scale(x.size(1)), tg.HEAD_W_SCALE, tg.HEAD_GRAD_SCALE)[0]
     z = CAP * torch.sigmoid((logits.float() + SHIFT) / TEMP)
     vocab = torch.arange(z.size(-1), device=z.device)
-    return (z.exp().sum(-1).log() - torch.where(vocab == targets[:, None], z, 0).sum(-1)).sum()
+    lse = z.exp().sum(-1).log()
+    losses = lse - torch.where(vocab == targets[:, :1], z, 0).sum(-1)
+    for k in range(1, targets.size(1)):
+        losses = losses + weights[:, k] * (lse - torch.where(vocab == targets[:, k: k + 1], z, 0).sum(-1))
+    return losses.sum()
 
 
-def fused(x, w, targets):
-    return torch.ops.speedrun.fp8_head_ce(x, w, targets, tg.head_x_scale(x.size(1)), tg.HEAD_W_SCALE,
+def fused(x, w, targets, weights):
+    return torch.ops.speedrun.fp8_head_ce(x, w, targets, weights, tg.head_x_scale(x.size(1)), tg.HEAD_W_SCALE,
                                           tg.HEAD_GRAD_SCALE, CAP, SHIFT, TEMP)[0].sum()
 
 
-def time_fwd_bwd(fn, x, w, targets, iters: int) -> tuple[float, float, float]:
+def time_fwd_bwd(fn, x, w, targets, weights, iters: int) -> tuple[float, float, float]:
     """Median ms of forward + backward, of the forward and of the backward, over iters runs after three
     untimed ones (one event between the two halves)."""
     times = []
@@ -43,7 +48,7 @@ def time_fwd_bwd(fn, x, w, targets, iters: int) -> tuple[float, float, float]:
         x.grad = w.grad = None
         start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         start.record()
-        loss = fn(x, w, targets)
+        loss = fn(x, w, targets, weights)
         mid.record()
         loss.backward()
         end.record()
@@ -53,9 +58,9 @@ def time_fwd_bwd(fn, x, w, targets, iters: int) -> tuple[float, float, float]:
     return tuple(sorted(t[k] for t in times)[len(times) // 2] for k in range(3))
 
 
-def loss_and_grads(fn, x, w, targets):
+def loss_and_grads(fn, x, w, targets, weights):
     x.grad = w.grad = None
-    loss = fn(x, w, targets)
+    loss = fn(x, w, targets, weights)
     loss.backward()
     return loss.detach(), x.grad.float(), w.grad.float()
 
@@ -67,6 +72,7 @@ def main():
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--tiles", nargs="+", default=["2048,8,64,64,4", "2048,8,32,128,4", "2048,8,128,128,8"],
                         help="fwd BLOCK_V,num_warps,bwd BLOCK_T,BLOCK_V,num_warps per configuration")
+    parser.add_argument("--extra_targets", type=int, default=0, help="multi-token prediction's targets per token")
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -75,12 +81,16 @@ def main():
     x = torch.nn.functional.rms_norm(torch.randn(args.tokens, args.dim, device="cuda", generator=g), (args.dim,))
     x = x.bfloat16().requires_grad_()
     w = (0.02 * torch.randn(args.vocab, args.dim, device="cuda", generator=g)).requires_grad_()
-    targets = torch.randint(0, args.vocab, (args.tokens,), device="cuda", generator=g, dtype=torch.int32)
+    K = 1 + args.extra_targets
+    targets = torch.randint(0, args.vocab, (args.tokens, K), device="cuda", generator=g, dtype=torch.int32)
+    weights = torch.tensor([1.0] + [0.5 ** k for k in range(1, K)], device="cuda").repeat(args.tokens, 1)
+    weights[::8, 1:] = 0.0
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; FP8 head {args.tokens} x {args.dim} "
-          f"-> {args.vocab} with the soft-capped cross-entropy, forward + backward, median of {args.iters}")
+          f"-> {args.vocab} with the soft-capped cross-entropy, {K} target(s) per token, forward + backward, "
+          f"median of {args.iters}")
     compiled = torch.compile(unfused, fullgraph=True)
-    base, base_fwd, base_bwd = time_fwd_bwd(compiled, x, w, targets, args.iters)
-    reference = loss_and_grads(compiled, x, w, targets)
+    base, base_fwd, base_bwd = time_fwd_bwd(compiled, x, w, targets, weights, args.iters)
+    reference = loss_and_grads(compiled, x, w, targets, weights)
     print(f"unfused (torch.compile): {base:.3f} ms (forward {base_fwd:.3f}, backward {base_bwd:.3f})")
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()
     for tiles in args.tiles:
@@ -88,11 +98,11 @@ def main():
         kernels.SOFTCAP_CE_TILES = dict(fwd=dict(BLOCK_V=fwd_v, num_warps=fwd_warps),
                                         bwd=dict(BLOCK_T=bwd_t, BLOCK_V=bwd_v, num_warps=bwd_warps))
         try:
-            ms, fwd, bwd = time_fwd_bwd(fused, x, w, targets, args.iters)
+            ms, fwd, bwd = time_fwd_bwd(fused, x, w, targets, weights, args.iters)
         except Exception as e:  # a configuration the GPU cannot hold (shared memory, registers): say so, go on
             print(f"fused {tiles}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             continue
-        got = loss_and_grads(fused, x, w, targets)
+        got = loss_and_grads(fused, x, w, targets, weights)
         err = [rel(a, b) for a, b in zip(got, reference)]
         print(f"fused {tiles}: {ms:.3f} ms ({ms / base:.3f} x unfused; forward {fwd:.3f}, backward {bwd:.3f}); "
               f"relative error of the loss {err[0]:.1e}, of the gradients {err[1]:.1e} (x), {err[2]:.1e} (w)")

@@ -404,35 +404,59 @@ def test_build_runs_the_mlp_unfused_where_the_kernel_does_not_fit(tiny_args, mon
 CAP, SHIFT, TEMP = 23.0, 5.0, 7.5  # the record preset's asymmetric softcap
 
 
-def softcap_ce_case(T=37, V=101, seed=0, device="cpu"):
+def softcap_ce_case(T=37, V=101, seed=0, device="cpu", K=None):
+    """Logits, targets and upstream gradients; with K, (T, K) targets with weights in [0, 1), a repeated
+    target in row 0, a weight of 0 in row 1 and a negative (absent) target of weight 1 in row 2."""
     g = torch.Generator().manual_seed(seed)
     logits = (3 * torch.randn(T, V, generator=g)).bfloat16()
-    targets = torch.randint(0, V, (T,), generator=g, dtype=torch.int32)
+    targets = torch.randint(0, V, (T,) if K is None else (T, K), generator=g, dtype=torch.int32)
     grad = torch.rand(T, generator=g) * 1e-3
-    return logits.to(device), targets.to(device), grad.to(device)
+    weights = None
+    if K is not None:
+        weights = torch.rand(T, K, generator=g)
+        weights[:, 0] = 1.0
+        targets[0, 1:] = targets[0, 0]
+        weights[1, 1:] = 0.0
+        targets[2, 1:], weights[2, 1:] = -1, 1.0
+        weights = weights.to(device)
+    return logits.to(device), targets.to(device), grad.to(device), weights
 
 
-def check_softcap_ce_kernels(logits, targets, grad):
+def softcap_ce_float64(logits, targets, weights):
+    """(losses, lse, logits as a float64 leaf) by the formula: sum_k w_tk (lse_t - z_t[y_tk]) over the
+    targets that exist (y >= 0)."""
+    targets = targets.reshape(targets.size(0), -1).long()
+    weights = torch.ones(targets.shape, dtype=torch.float64) if weights is None else weights.double().cpu()
+    l64 = logits.double().cpu().requires_grad_(True)
+    z = CAP * torch.sigmoid((l64 + SHIFT) / TEMP)
+    lse = torch.logsumexp(z, -1)
+    losses = torch.zeros(z.size(0), dtype=torch.float64)
+    for k in range(targets.size(1)):
+        y = targets[:, k].cpu()
+        term = weights[:, k] * (lse - z.gather(1, y.clamp(min=0)[:, None])[:, 0])
+        losses = losses + torch.where(y >= 0, term, 0.0)
+    return losses, lse, l64
+
+
+def check_softcap_ce_kernels(logits, targets, grad, weights=None):
     """Errors of the kernels against float64 autograd: losses and lse (absolute), the gradient before its
     FP8 cast (relative; the kernel writes float32 here) and whether its transposed copy is exact."""
     import kernels
     from triton import cdiv
-    losses, lse = kernels.softcap_ce(logits, targets, CAP, SHIFT, TEMP)
-    l64 = logits.double().requires_grad_(True)
-    z = CAP * torch.sigmoid((l64 + SHIFT) / TEMP)
-    lse64 = torch.logsumexp(z, -1)
-    losses64 = lse64 - z.gather(1, targets.long()[:, None])[:, 0]
-    (losses64 * grad.double()).sum().backward()
+    losses, lse = kernels.softcap_ce(logits, targets, CAP, SHIFT, TEMP, weights)
+    losses64, lse64, l64 = softcap_ce_float64(logits, targets, weights)
+    (losses64 * grad.double().cpu()).sum().backward()
     T, V = logits.shape
     g, g_t = torch.empty(T, V, device=logits.device), torch.empty(V, T, device=logits.device)  # float32
     tiles = kernels.SOFTCAP_CE_TILES["bwd"]
     grid = (cdiv(T, tiles["BLOCK_T"]) * cdiv(V, tiles["BLOCK_V"]),)
-    kernels._softcap_ce_bwd_kernel[grid](logits, targets, lse, grad, g, g_t, T, V, CAP, 1 / CAP, 1 / TEMP, SHIFT / TEMP,
-                                         1 / 0.5, **tiles)
+    ys, ws = kernels._targets_and_weights(targets, weights)
+    kernels._softcap_ce_bwd_kernel[grid](logits, ys, ws, lse, grad, g, g_t, T, V, CAP, 1 / CAP, 1 / TEMP,
+                                         SHIFT / TEMP, 1 / 0.5, K=ys.size(1), **tiles)
     expected = 2 * l64.grad  # grad_scale 0.5
-    return [(losses.double() - losses64.detach()).abs().max().item(),
-            (lse.double() - lse64.detach()).abs().max().item(),
-            ((g.double() - expected).norm() / expected.norm()).item(), float(not torch.equal(g_t, g.T))]
+    return [(losses.double().cpu() - losses64.detach()).abs().max().item(),
+            (lse.double().cpu() - lse64.detach()).abs().max().item(),
+            ((g.double().cpu() - expected).norm() / expected.norm()).item(), float(not torch.equal(g_t, g.T))]
 
 
 CE_INTERPRETER_SCRIPT = """
@@ -441,7 +465,7 @@ sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import kernels, test_kernels as t
 assert kernels.triton_runs_on(torch.zeros(1)), "the Triton interpreter is not in use"
 kernels.SOFTCAP_CE_TILES = dict(fwd=dict(BLOCK_V=32), bwd=dict(BLOCK_T=16, BLOCK_V=32))  # 37 x 101: edges masked
-print(json.dumps(t.check_softcap_ce_kernels(*t.softcap_ce_case())))
+print(json.dumps([t.check_softcap_ce_kernels(*t.softcap_ce_case(K=K)) for K in (None, 1, 3)]))
 """
 
 
@@ -449,26 +473,50 @@ print(json.dumps(t.check_softcap_ce_kernels(*t.softcap_ce_case())))
 def test_softcap_ce_kernels_match_float64_autograd_in_the_triton_interpreter(tmp_path):
     """The interpreter's float8 casts round wrongly (1.89e-3 becomes 9.8e-4 in e5m2): the kernel writes its
     gradient in float32 here, which checks everything before the cast; the GPU test checks the cast."""
-    loss_err, lse_err, grad_err, transposed_differs = run_in_triton_interpreter(CE_INTERPRETER_SCRIPT, tmp_path)
-    assert loss_err < 1e-5 and lse_err < 1e-5 and grad_err < 1e-5 and not transposed_differs
+    for K, errors in zip((None, 1, 3), run_in_triton_interpreter(CE_INTERPRETER_SCRIPT, tmp_path)):
+        loss_err, lse_err, grad_err, transposed_differs = errors
+        assert loss_err < 1e-5 and lse_err < 1e-5 and grad_err < 1e-5 and not transposed_differs, (K, errors)
 
 
-def test_softcap_ce_kernels_compile_for_an_h100_without_one():
-    """Compiled for sm_90 as Triton's JIT compiles them for the record (sizes and pointers divisible by 16):
-    every load and store of the (tokens x vocab) tensors moves 16 bytes, the transposed e5m2 copy goes
-    through shared memory, and one division per entry is left (the softcap's sigmoid)."""
+def test_softcap_ce_reference_takes_weighted_extra_targets_and_ignores_absent_ones():
+    """The reference (the kernels' CPU path) against the float64 formula at K = 3, and K targets of which
+    only the first has weight: exactly the next-token loss and gradient."""
+    import kernels
+    logits, targets, grad, weights = softcap_ce_case(K=3)
+    losses, lse = kernels.softcap_ce(logits, targets, CAP, SHIFT, TEMP, weights)
+    losses64, lse64, l64 = softcap_ce_float64(logits, targets, weights)
+    assert (losses.double() - losses64.detach()).abs().max() < 1e-4 and (lse.double() - lse64).abs().max() < 1e-4
+    assert losses[2] == kernels.softcap_ce(logits[2:3], targets[2:3, :1], CAP, SHIFT, TEMP)[0][0]  # -1: no term
+    one_hot = torch.zeros_like(weights)
+    one_hot[:, 0] = 1.0
+    plain = kernels.softcap_ce(logits, targets[:, 0], CAP, SHIFT, TEMP)
+    assert torch.equal(kernels.softcap_ce(logits, targets, CAP, SHIFT, TEMP, one_hot)[0], plain[0])
+    g = kernels.softcap_ce_grad(grad, logits, targets, lse, CAP, SHIFT, TEMP, 2**-20, one_hot)[0]
+    assert torch.equal(g.view(torch.uint8), kernels.softcap_ce_grad(grad, logits, targets[:, 0], lse, CAP, SHIFT,
+                                                                     TEMP, 2**-20)[0].view(torch.uint8))
+    with pytest.raises(ValueError, match=r"weights \(37, 2\) do not match targets \(37, 3\)"):
+        kernels.softcap_ce(logits, targets, CAP, SHIFT, TEMP, weights[:, :2])
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_softcap_ce_kernels_compile_for_an_h100_without_one(K):
+    """Compiled for sm_90 as Triton's JIT compiles them for the record (sizes and pointers divisible by 16),
+    with the next-token target alone or with two extra targets: every load and store of the (tokens x
+    vocab) tensors moves 16 bytes, the transposed e5m2 copy goes through shared memory, and one division
+    per entry is left (the softcap's sigmoid), whatever the number of targets."""
     import re
     import kernels
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    types = dict(logits_ptr="*bf16", targets_ptr="*i32", losses_ptr="*fp32", lse_ptr="*fp32", grad_ptr="*fp32",
-                 g_ptr="*fp8e5", g_t_ptr="*fp8e5", T="i32", V="i32", cap="fp32", inv_cap="fp32", inv_temp="fp32",
-                 shift_over_temp="fp32", inv_grad_scale="fp32")
+    types = dict(logits_ptr="*bf16", targets_ptr="*i32", weights_ptr="*fp32", losses_ptr="*fp32", lse_ptr="*fp32",
+                 grad_ptr="*fp32", g_ptr="*fp8e5", g_t_ptr="*fp8e5", T="i32", V="i32", cap="fp32", inv_cap="fp32",
+                 inv_temp="fp32", shift_over_temp="fp32", inv_grad_scale="fp32")
     ops = {}
-    for fn, tiles in [(kernels._softcap_ce_fwd_kernel, kernels.SOFTCAP_CE_TILES["fwd"]),
-                      (kernels._softcap_ce_bwd_kernel, kernels.SOFTCAP_CE_TILES["bwd"])]:
-        constexprs = {k: v for k, v in tiles.items() if k.isupper()}
+    for fn, tiles, targets in [(kernels._softcap_ce_fwd_kernel, kernels.SOFTCAP_CE_TILES["fwd"],
+                                dict(K=K, BLOCK_K=triton.next_power_of_2(K))),
+                               (kernels._softcap_ce_bwd_kernel, kernels.SOFTCAP_CE_TILES["bwd"], dict(K=K))]:
+        constexprs = {**{k: v for k, v in tiles.items() if k.isupper()}, **targets}
         signature = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                    if n.endswith("_ptr") or n in ("T", "V")}
@@ -476,7 +524,7 @@ def test_softcap_ce_kernels_compile_for_an_h100_without_one():
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": tiles["num_warps"]})
         assert len(compiled.asm["cubin"]) > 1000, fn.__name__
         found = re.findall(r"^\s*(?:@%p\d+\s+)?([a-z]+(?:\.[a-z0-9]+)*)", compiled.asm["ptx"], re.M)
-        entries_per_thread = constexprs.get("BLOCK_T", 1) * constexprs["BLOCK_V"] // (32 * tiles["num_warps"])
+        entries_per_thread = tiles.get("BLOCK_T", 1) * tiles["BLOCK_V"] // (32 * tiles["num_warps"])
         ops[fn.__name__] = (set(found), found.count("div.full.f32") + found.count("div.rn.f32"), entries_per_thread)
     (fwd, fwd_div, fwd_n), (bwd, bwd_div, bwd_n) = ops["_softcap_ce_fwd_kernel"], ops["_softcap_ce_bwd_kernel"]
     assert "ld.global.v4.b32" in fwd and "ld.global.v4.b32" in bwd and "st.global.v4.b32" in bwd
@@ -500,8 +548,11 @@ def unfused_fp8_head_ce(x, w, targets):
     return torch.logsumexp(z, -1) - z.gather(1, targets.long()[:, None])[:, 0]
 
 
-def fused_fp8_head_ce(x, w, targets):
-    return torch.ops.speedrun.fp8_head_ce(x, w, targets, tg.head_x_scale(x.size(1)), tg.HEAD_W_SCALE,
+def fused_fp8_head_ce(x, w, targets, weights=None):
+    """The fused op on (T,) next-token targets, or on (T, K) targets with their weights."""
+    if weights is None:
+        targets, weights = targets[:, None], torch.ones(targets.size(0), 1, device=targets.device)
+    return torch.ops.speedrun.fp8_head_ce(x, w, targets, weights, tg.head_x_scale(x.size(1)), tg.HEAD_W_SCALE,
                                           tg.HEAD_GRAD_SCALE, CAP, SHIFT, TEMP)[0]
 
 
@@ -531,7 +582,8 @@ def test_fp8_head_ce_op_gives_the_unfused_heads_losses_and_gradients_compiled_or
         assert all(f < 1.1 * u + 0.005 and f < 0.1 for f, u in zip(fused[1:], errors[0][1:])), errors
     with torch._subclasses.FakeTensorMode():  # the fakes give the real shapes and dtypes
         x, w = torch.empty(8, 32, dtype=torch.bfloat16, requires_grad=True), torch.empty(16, 32, requires_grad=True)
-        out = torch.ops.speedrun.fp8_head_ce(x, w, torch.zeros(8, dtype=torch.int32), 0.1, 0.1, 0.1, CAP, SHIFT, TEMP)
+        out = torch.ops.speedrun.fp8_head_ce(x, w, torch.zeros(8, 2, dtype=torch.int32), torch.ones(8, 2), 0.1, 0.1,
+                                             0.1, CAP, SHIFT, TEMP)
         out[0].sum().backward()
     assert [(t.shape, t.dtype) for t in out] == [((8,), torch.float32), ((8,), torch.float32),
                                                  ((8, 16), torch.bfloat16),
@@ -567,8 +619,6 @@ def test_model_with_fused_ce_trains_on_the_fp8_heads_losses_and_gradients():
     torch.testing.assert_close(l_fused, l_fp8, rtol=1e-5, atol=1e-4)
     rel = lambda a: ((a - g_bf16).norm() / g_bf16.norm()).item()
     assert rel(g_fused) < 1.2 * rel(g_fp8) + 0.01 and rel(g_fused) < 0.1, (rel(g_fused), rel(g_fp8))
-    with pytest.raises(ValueError, match="fused_ce computes the next-token loss only"):
-        tg.Hyperparameters(**{**TINY, "fused_ce": True, "mtp_weights": (0.5, 0.5, 0.0)})
 
 
 def test_build_keeps_the_unfused_loss_where_the_head_is_not_fp8(tiny_args):
@@ -585,9 +635,10 @@ def test_softcap_ce_kernels_on_the_gpu_at_the_record_shapes():
     kernels' 64-bit offsets), the e5m2 gradient against the reference's cast of its float32 values, by
     chunks of rows: equal but for last-bit roundings."""
     import kernels
-    errors = check_softcap_ce_kernels(*softcap_ce_case(T=4096 + 17, V=50304, device="cuda"))
-    assert max(errors[:3]) < 1e-4 and not errors[3], errors
-    logits, targets, grad = softcap_ce_case(T=43008, V=50304, device="cuda")
+    for K in (None, 3):
+        errors = check_softcap_ce_kernels(*softcap_ce_case(T=4096 + 17, V=50304, device="cuda", K=K))
+        assert max(errors[:3]) < 1e-4 and not errors[3], (K, errors)
+    logits, targets, grad, _ = softcap_ce_case(T=43008, V=50304, device="cuda")
     losses, lse = kernels.softcap_ce(logits, targets, CAP, SHIFT, TEMP)
     g, g_t = kernels.softcap_ce_grad(grad, logits, targets, lse, CAP, SHIFT, TEMP, tg.HEAD_GRAD_SCALE)
     assert torch.equal(g_t.view(torch.uint8), g.T.contiguous().view(torch.uint8))

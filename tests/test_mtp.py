@@ -84,15 +84,17 @@ def test_loss_on_two_documents_is_the_direct_sum_over_positions_and_offsets():
     torch.testing.assert_close(got.sum(), model(x, y, cu, 24, W3, mtp_weights=torch.tensor(w)))
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16_head", "fp8_head"])
-def test_head_loss_and_gradients_match_the_direct_formula_in_float64(fp8):
-    """head_losses on a float32 hidden state (the FP8 head: e4m3 operands, e5m2 gradients) against
-    autograd of the direct formula in float64; the extra terms' own gradient (weights minus none)
-    is checked too, so a loss whose extra terms did not reach the gradient would fail."""
+@pytest.mark.parametrize("fp8, fused", [(False, False), (True, False), (True, True)],
+                         ids=["bf16_head", "fp8_head", "fused_ce"])
+def test_head_loss_and_gradients_match_the_direct_formula_in_float64(fp8, fused):
+    """head_losses on a float32 hidden state (the FP8 head: e4m3 operands, e5m2 gradients; fused: all
+    targets of a token in the fused loss op) against autograd of the direct formula in float64; the
+    extra terms' own gradient (weights minus none) is checked too, so a loss whose extra terms did not
+    reach the gradient would fail."""
     if fp8 and not tg.fp8_supported(torch.device("cpu")):
         pytest.skip("_scaled_mm FP8 does not run on this CPU")
     model = tiny_model(logit_softcap=23.0, softcap_shift=5.0)
-    model.fp8_head = fp8
+    model.fp8_head, model.fused_ce = fp8, fused
     g = torch.Generator().manual_seed(0)
     T, dim, V = 96, TINY["model_dim"], TINY["vocab_size"]
     with torch.no_grad():  # |w| < 0.8 fits e4m3 at the head's weight scale
@@ -159,9 +161,8 @@ def test_schedule_is_the_records_at_stage_starts_and_ends_and_linear_inside():
     assert tg.mtp_weights_at(stages[1], 16) == pytest.approx((0.15,)) and tg.mtp_weights_at(stages[3], 31) == (0.1,)
     assert all(st.mtp == () for st in tg.training_stages(tg.Hyperparameters(extension_steps=10, extension_window=13)))
     assert tg.parse_args(["--preset", "record-0903", "--mtp_weights", "0.5,0.25,0.5,0,0,0"]).mtp_weights == RECORD
-    with pytest.raises(ValueError, match="use --fused_ce false"):  # the record preset fuses the next-token loss
-        tg.parse_args(["--mtp_weights", "0.5,0.25,0.5,0,0,0"])
-    assert tg.parse_args(["--mtp_weights", "0.5,0.25,0.5,0,0,0", "--fused_ce", "false"]).mtp_weights == RECORD
+    fused = tg.parse_args(["--mtp_weights", "0.5,0.25,0.5,0,0,0"])  # the record preset's fused loss takes them
+    assert fused.fused_ce and fused.mtp_weights == RECORD
 
 
 @pytest.mark.parametrize("weights", [(0.5, 0.25), (0.5, -0.1, 0.0), (math.nan, 0.0, 0.0), (math.inf, 0.0, 0.0)])
