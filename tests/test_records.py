@@ -533,7 +533,10 @@ def test_new_creates_the_folder_with_logs_readme_table_and_plot(runs, tmp_path, 
     assert rc == 0, capsys.readouterr().err
     folder = recs / "2025-09-03_FA3"
     assert sorted(p.name for p in folder.iterdir()) == sorted(
-        ["README.md", "val_loss.png", *[p.name for p in runs]])
+        ["README.md", "statistics.md", "val_loss.png", *[p.name for p in runs]])
+    stats_md = (folder / "statistics.md").read_text()
+    assert f"| mean val loss | {np.mean(LOSSES):.10f} |" in stats_md and "## Vs Baseline" not in stats_md
+    assert "[" + ", ".join(f"{x:.4f}" for x in LOSSES) + "]" in stats_md
     for p in runs:
         assert (folder / p.name).read_bytes() == p.read_bytes()
     readme = (folder / "README.md").read_text()
@@ -595,6 +598,45 @@ def test_new_refuses_an_existing_folder_even_with_force(runs, tmp_path, capsys):
                    "--force"])
     assert rc == 1 and "already exists" in capsys.readouterr().err
     assert list((recs / "2025-09-03_FA3").iterdir()) == []
+
+
+def test_new_with_a_baseline_writes_both_sets_and_the_public_statistics_md(tmp_path, capsys):
+    base = _set(tmp_path / "old", BASE_LOSSES, BASE_MS)
+    cand = _set(tmp_path / "new", CAND_LOSSES, CAND_MS, code=CAND_CODE)
+    recs = tmp_path / "records"
+    rc = new.main(["FP8Down", str(tmp_path / "new"), "--baseline", str(tmp_path / "old"), "--records-dir", str(recs),
+                   "--date", "2026-07-17"])
+    assert rc == 0, capsys.readouterr().err
+    folder = recs / "2026-07-17_FP8Down"
+    assert sorted(p.name for p in (folder / "baseline").iterdir()) == sorted(p.name for p in base)
+    assert sorted(p.name for p in (folder / "candidate").iterdir()) == sorted(p.name for p in cand)
+    result = check.compare(base, cand)
+    md = (folder / "statistics.md").read_text()
+    assert md.startswith("# FP8Down statistics\n\n## Summary\n")
+    assert f"- train time: `{result.delta_time:+.6f} s`" in md and f"- speedup: `{result.speedup:.8f}x`" in md
+    assert f"| mean val loss | {np.mean(BASE_LOSSES):.10f} |" in md  # the baseline's table too
+    readme = (folder / "README.md").read_text()
+    assert "candidate/run0.txt" in readme and "PASS: a record" in readme and "WARNING" not in readme
+    # the folder compares itself without flags, to the same verdict
+    assert check.main([str(folder)]) == 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == result.verdict
+
+
+def test_new_refuses_a_candidate_faster_but_not_significantly(tmp_path, capsys):
+    _set(tmp_path / "old", BASE_LOSSES, [80000, 81000, 79500, 80800, 79900, 80300])
+    _set(tmp_path / "new", CAND_LOSSES, [79800, 80900, 79300, 80600, 79700, 80200], code=CAND_CODE)
+    recs = tmp_path / "records"
+    recs.mkdir()
+    assert new.main(["X", str(tmp_path / "new"), "--baseline", str(tmp_path / "old"), "--records-dir", str(recs)]) == 1
+    assert "but not significantly" in capsys.readouterr().err and list(recs.iterdir()) == []
+
+
+def test_new_refuses_8_gpu_runs_pooled_with_a_1_gpu_run(runs, tmp_path, capsys):
+    one_gpu = write_log(tmp_path / "one_gpu.txt", 3.2770, 740000, gpus=1)
+    recs = tmp_path / "records"
+    recs.mkdir()
+    assert new.main(["X", *map(str, runs), str(one_gpu), "--records-dir", str(recs)]) == 1
+    assert "differ in GPU count" in capsys.readouterr().err and list(recs.iterdir()) == []
 
 
 # --- run.sh ----------------------------------------------------------------------------------
