@@ -2,6 +2,8 @@
 """Check speedrun logs for a record: final validation loss, training time, significance.
 
     python records/check.py LOG_OR_DIR... [--target 3.28] [--time-claim SECONDS]
+    python records/check.py CANDIDATE_LOG_OR_DIR... --baseline LOG_OR_DIR... [--markdown]
+    python records/check.py RECORD_FOLDER        # holding baseline/ and one candidate folder
 
 Reads run logs written by train_gpt.py (logs/<run_id>.txt) or by the public modded-nanogpt
 speedrun, whose record folders hold one .txt log per run. A directory stands for every .txt and
@@ -12,6 +14,14 @@ speedrun, whose record folders hold one .txt log per run. A directory stands for
 and prints one row per run, then the mean and standard deviation of the final losses and times
 and the one-sided one-sample t-test p-value that the mean loss is below the target. With
 --time-claim S it also gives the one-sided p-value that the mean time is below S seconds.
+
+With --baseline (or a folder holding one subfolder named like *baseline* and one other) it
+prints both sets and the candidate minus the baseline: time delta with its 99% Welch confidence
+interval, relative time, speedup, Welch t-tests on time and loss, and each set's p-value against
+the target; the candidate is a record when its loss passes at p < 0.01 and the interval lies below
+zero. Runs of different code or GPU count are never pooled: each such set is judged alone and the
+whole refused (exit 2); a folder of several other subfolders is judged per subfolder and refused
+with a line naming them. --markdown prints the public speedrun's statistics.md instead.
 
 Only record runs count: a log whose hyperparameter lines say another preset than `record` or
 `record-0903`, a vocab_size other than 50304, or a validation set other than the record's
