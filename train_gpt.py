@@ -2058,7 +2058,8 @@ def save_checkpoint(step: int, model: GPT, optimizers, loader_state: dict, train
         tmp.mkdir(parents=True)
     barrier(world_size)
     rng = dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
-    torch.save(dict(optimizers=[o.state_dict() for o in optimizers], loader=loader_state, rng=rng), tmp / f"rank{rank}.pt")
+    torch.save(dict(optimizers=[o.state_dict() for o in optimizers], loader=loader_state, rng=rng, run_id=args.run_id,
+                    step=step), tmp / f"rank{rank}.pt")  # run and step: the files of one checkpoint are a set
     if rank == 0:
         torch.save(dict(model=model.state_dict(), step=step, args=dataclasses.asdict(args), world_size=world_size,
                         code_hash=code_hash(), training_time_ms=training_time_ms), tmp / "model.pt")
@@ -2114,11 +2115,20 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
     if meta["code_hash"] != code_hash():
         log(f"note: {path} was written by another version of train_gpt.py ({meta['code_hash']} vs {code_hash()})")
     saved_world = meta["world_size"]
+
+    def shard_of(r: int) -> dict:
+        shard = read_checkpoint_file(path / f"rank{r}.pt")
+        made = (shard.get("run_id", meta["args"]["run_id"]), shard.get("step", meta["step"]))  # older: unmarked
+        if made != (meta["args"]["run_id"], meta["step"]):
+            raise ValueError(f"{path}: rank{r}.pt was written by run {made[0]} at step {made[1]}, model.pt by run "
+                             f"{meta['args']['run_id']} at step {meta['step']}: files of two checkpoints mixed; "
+                             "resume from a checkpoint folder as it was written")
+        return shard
     if saved_world == world_size:
-        shard = read_checkpoint_file(path / f"rank{rank}.pt")
+        shard = shard_of(rank)
         states = shard["optimizers"]
     else:
-        shards = [read_checkpoint_file(path / f"rank{r}.pt") for r in range(saved_world)]
+        shards = [shard_of(r) for r in range(saved_world)]
         states = [opt.reshard([s["optimizers"][i] for s in shards]) for i, opt in enumerate(optimizers)]
         shard = shards[rank % saved_world]  # its RNG states; the data position is every rank's
         log(f"note: {path} was written by {saved_world} process(es); optimizer states re-sharded over {world_size}")
@@ -2410,27 +2420,56 @@ def start_processes(args: Hyperparameters) -> tuple[int, int, torch.device]:
     return rank, world_size, device
 
 
-def name_run(args: Hyperparameters, world_size: int) -> tuple[Hyperparameters, Path | None]:
-    """The run id (a resumed run keeps its checkpoint's, and so its log) and the checkpoint to resume."""
+def changed_fields(checkpoint: Path, args: Hyperparameters) -> list[str]:
+    """'field: checkpoint value -> this run's' for each hyperparameter that differs from the one the
+    checkpoint was written with (the checkpoint and run id aside)."""
+    saved = read_checkpoint_file(checkpoint / "model.pt")["args"]
+    return [f"{k}: {tuple_or_value(v)!r} -> {getattr(args, k)!r}" for k, v in saved.items()
+            if k not in ("resume", "run_id") and hasattr(args, k) and tuple_or_value(v) != tuple_or_value(getattr(args, k))]
+
+
+def name_run(args: Hyperparameters, world_size: int) -> tuple[Hyperparameters, Path | None, list[str] | None]:
+    """The run id, the checkpoint to resume and, for a new run started from a checkpoint, why it is new.
+    A resume never changes the run it starts from: with the same hyperparameters, from that run's newest
+    checkpoint and into its own folder, it continues the run (same id, folder and log); otherwise
+    (changed flags, or an earlier checkpoint, whose run already went on) it is a new run with a new id
+    whose log names its parent. A new run never writes into a folder that holds checkpoints."""
     resume = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
-    if resume is not None and not args.run_id:
-        args = dataclasses.replace(args, run_id=resume.parent.name)
+    branch = None
+    if resume is not None:
+        branch = changed_fields(resume, args)
+        newest = sorted(resume.parent.glob("step_??????"))[-1]
+        if newest != resume:
+            branch.append(f"{resume.parent} went on to {newest.name}")
+        if (Path(args.checkpoint_dir) / (args.run_id or resume.parent.name)).resolve() != resume.parent.resolve():
+            branch.append(f"checkpoints go to {Path(args.checkpoint_dir) / (args.run_id or '<new id>')}")
+        if not branch:
+            args, branch = dataclasses.replace(args, run_id=resume.parent.name), None
     if not args.run_id:
         run_id = [str(uuid.uuid4())]
         if world_size > 1:
             dist.broadcast_object_list(run_id, src=0)
         args = dataclasses.replace(args, run_id=run_id[0])
-    return args, resume
+    folder = Path(args.checkpoint_dir) / args.run_id
+    if (resume is None or branch is not None) and any(folder.glob("step_??????")):
+        raise ValueError(f"--run_id {args.run_id}: {folder} already holds checkpoints of another run (or of this "
+                         "one before the changes); leave --run_id out for a new id, or name another")
+    return args, resume, branch
 
 
 KERNELS_MARKER = "# ---------- kernels.py, imported by the code above ----------"  # between the two sources in a log
 
 
-def log_header(log: Logger, args: Hyperparameters, device: torch.device, resume: Path | None):
-    """A new log starts with the code that made the run, the environment and every hyperparameter."""
-    if resume is not None and log.path and os.path.exists(log.path):
+def log_header(log: Logger, args: Hyperparameters, device: torch.device, resume: Path | None,
+               branch: list[str] | None = None):
+    """A new log starts with the code that made the run, the environment and every hyperparameter; a
+    continued run's log is marked where it resumed, and a run started from another's checkpoint says
+    which and what changed."""
+    if resume is not None and branch is None and log.path and os.path.exists(log.path):
         log(f"resuming from {resume}")
         return
+    if resume is not None:
+        log(f"a new run from {resume} (run {resume.parent.name}); changed: {'; '.join(branch or ['nothing'])}")
     log(Path(__file__).read_text().rstrip("\n"), console=False)
     log(f"{KERNELS_MARKER}\n{Path(kernels.__file__).read_text().rstrip()}", console=False)
     log("=" * 100, console=False)
@@ -2532,10 +2571,10 @@ def finish(log, args: Hyperparameters, device: torch.device, world_size: int, st
 
 def train(args: Hyperparameters) -> RunResult:
     rank, world_size, device = start_processes(args)
-    args, resume = name_run(args, world_size)
+    args, resume, branch = name_run(args, world_size)
     log, loader, handlers = Logger(args, rank), None, {}
     try:
-        log_header(log, args, device, resume)
+        log_header(log, args, device, resume, branch)
         train_files, val = prepare_data(args, rank, world_size, device, log)
         model, compiled, optimizers, attention, fp8 = build(args, device, rank, world_size, log)
         for line in run_report(model, args, device, world_size, attention, fp8):

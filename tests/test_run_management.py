@@ -167,6 +167,53 @@ def test_resumed_run_matches_an_uninterrupted_one_step_for_step(tiny_args, tmp_p
     assert dict(full.val_losses)[8] == dict(resumed.val_losses)[8]
 
 
+def _checksums(folder: Path) -> dict[str, str]:
+    import hashlib
+    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def test_a_resume_never_changes_the_run_it_starts_from(tiny_args, tmp_path):
+    """Changed flags, or an earlier checkpoint of a run that went on, start a new run (new id, folder and
+    log naming its parent and what changed): the original checkpoints and log keep their checksums. The
+    same flags from the run's newest checkpoint continue it; a new run never writes into a folder that
+    holds checkpoints."""
+    ck = tmp_path / "ck"
+    kw = dict(val_every=0, save_every=2, checkpoint_dir=str(ck))
+    first = tg.train(tiny_args(num_iterations=6, run_id="first", **kw))
+    before, log_before = _checksums(ck / "first"), Path(first.log_path).read_text()
+    changed = tg.train(tiny_args(num_iterations=6, resume=str(ck / "first" / "step_000004"), muon_lr=0.03, **kw))
+    earlier = tg.train(tiny_args(num_iterations=6, resume=str(ck / "first" / "step_000002"), **kw))
+    assert _checksums(ck / "first") == before and Path(first.log_path).read_text() == log_before
+    for run, why in ((changed, "muon_lr: 0.05 -> 0.03"), (earlier, "went on to step_000006")):
+        new_id = Path(run.log_path).stem
+        assert new_id != "first" and (ck / new_id / "step_000006").is_dir()
+        head = Path(run.log_path).read_text().splitlines()[0]
+        assert head.startswith(f"a new run from {ck / 'first'}") and why in head, head
+    assert "muon_lr: 0.03" in Path(changed.log_path).read_text()  # its settings block is its own
+    # the same flags from the newest checkpoint continue the run: same folder and log, marked
+    (ck / "first" / "step_000006").rename(tmp_path / "moved")  # as if interrupted after step 4
+    resumed = tg.train(tiny_args(num_iterations=6, resume=str(ck / "first" / "step_000004"), **kw))
+    assert resumed.log_path == first.log_path and resumed.first_step == 4 and (ck / "first" / "step_000006").is_dir()
+    assert Path(first.log_path).read_text().startswith(log_before) and "resuming from" in Path(first.log_path).read_text()
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        tg.train(tiny_args(num_iterations=6, run_id="first", **kw))
+    with pytest.raises(ValueError, match="already holds checkpoints"):  # same id, changed flags
+        tg.train(tiny_args(num_iterations=6, run_id="first", resume=str(ck / "first" / "step_000006"), muon_lr=0.03, **kw))
+
+
+def test_a_checkpoint_whose_files_come_from_two_runs_is_refused(tiny_args, tmp_path):
+    kw = dict(num_iterations=2, val_every=0, save_every=2, checkpoint_dir=str(tmp_path))
+    tg.train(tiny_args(run_id="a", **kw))
+    tg.train(tiny_args(run_id="b", seed=1, **kw))
+    mixed = tmp_path / "mixed" / "step_000002"
+    mixed.mkdir(parents=True)
+    (tmp_path / "b" / "step_000002" / "model.pt").rename(mixed / "model.pt")
+    (tmp_path / "a" / "step_000002" / "rank0.pt").rename(mixed / "rank0.pt")
+    with pytest.raises(ValueError, match="rank0.pt was written by run a at step 2, model.pt by run b"):
+        tg.train(tiny_args(resume=str(mixed), **{**kw, "num_iterations": 4}))
+
+
 def test_learning_rates_given_on_resume_replace_the_checkpoints(tiny_args, tmp_path):
     tg.train(tiny_args(num_iterations=3, val_every=0, save_every=3, run_id="r", checkpoint_dir=str(tmp_path)))
     args = tiny_args(muon_lr=0.01, adam_lr=0.002)
