@@ -3,8 +3,8 @@
 #   ./run.sh [--field value ...]       arguments go to train_gpt.py
 #   NPROC=4 ./run.sh                   on 1, 2, 4 or 8 GPUs (default 8); gradient accumulation
 #                                      keeps the global batch the same
-# Checks the GPU count with `nvidia-smi -L` first, so a wrong machine fails in a second, not after
-# a long compile.
+# Checks the GPU count with `nvidia-smi -L` first, then what PyTorch sees (PYTHON, default python3),
+# so a wrong machine or a PyTorch build that cannot use its GPUs fails in seconds, not after a compile.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -42,6 +42,22 @@ fi
 
 if ! command -v torchrun >/dev/null 2>&1; then
   echo "run.sh: error: torchrun not found: install PyTorch first (pip install -r requirements.txt)" >&2
+  exit 1
+fi
+# PyTorch's own view: a CPU-only build, or a CUDA build newer than the driver, sees none of the GPUs
+# nvidia-smi lists
+PYTHON="${PYTHON:-python3}"
+if ! seen="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)"; then
+  echo "run.sh: error: $PYTHON cannot import torch: install PyTorch first (pip install -r requirements.txt)" >&2
+  exit 1
+fi
+if (( seen == 0 )); then
+  reason="$("$PYTHON" -c 'import train_gpt; print(train_gpt.no_gpu_reason())' 2>/dev/null)" || reason="no usable GPU"
+  echo "run.sh: error: $reason (nvidia-smi lists $gpus GPU(s))" >&2
+  exit 1
+fi
+if (( seen < NPROC )); then
+  echo "run.sh: error: NPROC=$NPROC but PyTorch sees only $seen GPU(s) of the $gpus nvidia-smi lists" >&2
   exit 1
 fi
 exec torchrun --standalone --nproc_per_node="$NPROC" train_gpt.py "$@"

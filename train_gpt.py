@@ -133,6 +133,7 @@ class Hyperparameters:
     val_every: int = 125  # validate every N steps (and at the end); 0 = only at the end
     warmup_steps: int = 3  # untimed compile warm-up steps per window size (weights restored after)
     seed: int = 0
+    device: str = "cuda"  # cuda (refused with the reason where torch sees no GPU) | cpu | auto (cuda if seen, else cpu)
     compile: bool = True
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     fused_mlp: bool = False  # ReLU² inside the MLP's matmul epilogues (kernels.py), where the GPU has the shared memory
@@ -220,6 +221,8 @@ class Hyperparameters:
             raise ValueError(f"orthogonalizer={h.orthogonalizer!r}: choose one of {', '.join(ORTHOGONALIZERS)}")
         if h.orthogonalizer == "polar_express" and h.ns_steps != len(POLAR_EXPRESS):
             raise ValueError(f"ns_steps={h.ns_steps}: polar_express's coefficients are for {len(POLAR_EXPRESS)} steps")
+        if h.device not in ("cuda", "cpu", "auto"):
+            raise ValueError(f"device={h.device!r}: choose cuda, cpu or auto")
         if h.attention not in ("auto", *ATTENTION_BACKENDS):
             raise ValueError(f"attention={h.attention!r}: choose one of auto, {', '.join(ATTENTION_BACKENDS)}")
 
@@ -260,7 +263,7 @@ PRESETS = {  # name: (what it is, the fields it sets)
         num_layers=4, model_dim=128, num_heads=2, head_dim=64, no_attn_layers=(2,), num_value_embeds=1,
         window_pattern="LSSL", window_schedule=(1, 2, 3), window_block=64, batch_size=8 * 512, seq_len=512,
         val_seq_len=1024, val_tokens=32768, max_doc_len=512, max_num_docs=64, num_iterations=150, val_every=50,
-        log_every=10, compile=False, warmup_steps=0)),
+        log_every=10, compile=False, warmup_steps=0, device="auto")),
     "single": ("the record on one GPU with 24-40 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
                "global batch", dict(RECORD_LINE, seq_len=16384, max_num_docs=128)),
     "medium": ("GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the record's learning "
@@ -328,7 +331,8 @@ def parse_args(argv: list[str] | None = None) -> Hyperparameters:
     if given.get("resume"):
         checkpoint = find_checkpoint(given["resume"], given.get("checkpoint_dir", defaults.checkpoint_dir))
         saved = read_checkpoint_file(checkpoint / "model.pt")["args"]
-        base = {k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in saved.items() if k in fields}
+        base = {k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in saved.items()
+                if k in fields and k != "run_id"}  # the run id is name_run's to decide: continued or new
         given["resume"] = str(checkpoint)
     if "preset" in given or not base:
         base.update(PRESETS[preset][1], preset=preset)
@@ -2395,6 +2399,20 @@ class Figures:
         return text
 
 
+def no_gpu_reason() -> str:
+    """Why torch sees no GPU, and what to do: one line."""
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:  # torch explains a failed CUDA start in a warning
+        warnings.simplefilter("always")
+        torch.cuda.is_available()
+    why = " ".join(str(w.message).split()) if seen else ""
+    build = (f"this PyTorch ({torch.__version__}) is a CPU-only build" if torch.version.cuda is None else
+             f"PyTorch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU" + (f": {why}" if why else
+             " (no NVIDIA driver, a driver older than the build needs, or CUDA_VISIBLE_DEVICES hides them)"))
+    return (f"no usable GPU: {build}. Install the PyTorch build for this machine's driver (README, Set-up), or "
+            "run on the CPU on purpose with --device cpu (the smoke preset does so by itself)")
+
+
 def start_processes(args: Hyperparameters) -> tuple[int, int, torch.device]:
     """(rank, world size, device) of this process under torchrun (or alone), process group joined."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -2404,7 +2422,9 @@ def start_processes(args: Hyperparameters) -> tuple[int, int, torch.device]:
         raise ValueError(f"world_size={world_size} must divide the {num_slots} micro-batches of a step "
                          f"(batch_size/seq_len): use 1, 2, 4 or 8 GPUs with the default batch")
     device = torch.device("cpu")
-    if torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(no_gpu_reason())
+    if args.device != "cpu" and torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
                              "lower --nproc_per_node")

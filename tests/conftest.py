@@ -40,7 +40,7 @@ def write_corpus(directory, train_sizes=(20_000, 20_000), val_size=10_000, seed=
 TINY = dict(vocab_size=VOCAB, bos_id=BOS, num_layers=4, model_dim=64, num_heads=2, head_dim=32, gate_channels=8,
             no_attn_layers=(2,), num_value_embeds=1, window_pattern="LSSL", window_schedule=(1, 2, 3),
             window_block=16, batch_size=8 * 128, seq_len=128, val_seq_len=256, val_tokens=4096, max_doc_len=96,
-            max_num_docs=32, num_iterations=20, val_every=10, compile=False, warmup_steps=0)
+            max_num_docs=32, num_iterations=20, val_every=10, compile=False, warmup_steps=0, device="auto")
 
 # Techniques of records after 2025-09-03, all on, at tiny sizes: bigram hash embedding with the sign
 # trick (an even row count, so the table shards over 2 processes), backout after block 2 of 4, the

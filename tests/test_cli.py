@@ -48,10 +48,32 @@ def test_help_describes_every_commented_field_and_lists_the_presets(capsys):
 
 def test_a_start_up_error_is_one_line_with_a_non_zero_exit_and_leaves_no_log(tmp_path):
     proc = run_cli("--train_files", str(tmp_path / "none_*.bin"), "--log_dir", str(tmp_path / "logs"),
-                   "--run_id", "failed")
+                   "--run_id", "failed", "--device", "cpu")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("train_gpt.py: error: no training shards match")
     assert not (tmp_path / "logs" / "failed.txt").exists()
+
+
+def test_no_usable_gpu_is_one_line_saying_why_unless_the_cpu_is_asked_for(tmp_path, monkeypatch):
+    """The record preset where torch sees no GPU (a CPU-only build; a CUDA build without a driver) stops
+    before anything else with one line naming the cause and the fix; --device cpu and the smoke preset's
+    auto run on the CPU."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for build, cause in ((None, "is a CPU-only build"), ("13.0", "(CUDA 13.0) sees no GPU")):
+        monkeypatch.setattr(torch.version, "cuda", build)
+        with pytest.raises(ValueError, match="no usable GPU") as e:
+            tg.start_processes(tg.parse_args([]))
+        assert cause in str(e.value) and "--device cpu" in str(e.value) and "\n" not in str(e.value)
+    assert tg.start_processes(tg.parse_args(["--device", "cpu"]))[2].type == "cpu"
+    assert tg.start_processes(tg.parse_args(["--preset", "smoke"]))[2].type == "cpu"
+    with pytest.raises(ValueError, match="device='gpu': choose cuda, cpu or auto"):
+        tg.parse_args(["--device", "gpu"])
+    if not torch.backends.cuda.is_built():  # this machine's torch is a CPU build: the whole command, one line
+        monkeypatch.undo()
+        proc = run_cli("--log_dir", str(tmp_path / "logs"), "--run_id", "x")
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith("train_gpt.py: error: no usable GPU: this PyTorch") and not (tmp_path / "logs").exists()
 
 
 def test_the_smoke_generator_never_overwrites_a_file_it_did_not_write(tmp_path):
@@ -108,9 +130,11 @@ def test_the_resume_hint_alone_continues_with_the_checkpoints_hyperparameters(ti
                      max_doc_len=64, muon_lr=0.03)
     full = tg.train(args)
     parsed = tg.parse_args(["--resume", str(tmp_path / "ck" / "hint" / "step_000003")])
-    assert parsed == tg.Hyperparameters(**{**vars(args), "resume": str(tmp_path / "ck" / "hint" / "step_000003")})
+    assert parsed == tg.Hyperparameters(**{**vars(args), "resume": str(tmp_path / "ck" / "hint" / "step_000003"),
+                                           "run_id": ""})  # the id: the run's if it continues, else a new one
     resumed = tg.train(parsed)
     assert resumed.train_losses == full.train_losses[3:] and resumed.val_losses[-1] == full.val_losses[-1]
+    assert Path(resumed.log_path).stem != "hint"  # step 3 of a run that went on: a new run
     # a flag given now overrides the checkpoint's value; a different model shape is refused
     assert tg.parse_args(["--resume", "latest", "--checkpoint_dir", str(tmp_path / "ck"),
                           "--num_iterations", "9"]).num_iterations == 9

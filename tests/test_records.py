@@ -652,6 +652,11 @@ def _bin_dir(tmp_path: Path, nvidia_smi: str | None) -> Path:
         (bindir / "nvidia-smi").chmod(0o755)
     (bindir / "torchrun").write_text('#!/bin/bash\necho "torchrun $*"; pwd\n')
     (bindir / "torchrun").chmod(0o755)
+    # a fake python3: the GPU count PyTorch sees is $FAKE_TORCH_GPUS (default: all that nvidia-smi lists)
+    (bindir / "python3").write_text('#!/bin/bash\ncase "$*" in *device_count*) echo "${FAKE_TORCH_GPUS:-8}";; '
+                                    '*no_gpu_reason*) echo "no usable GPU: this PyTorch (2.0+cpu) is a CPU-only build";; '
+                                    '*) exit 1;; esac\n')
+    (bindir / "python3").chmod(0o755)
     return bindir
 
 
@@ -686,6 +691,14 @@ def test_run_sh_names_both_counts_and_suggests_nproc_when_too_few_gpus(tmp_path)
     assert proc.returncode == 1
     assert "NPROC=8 but only 2 NVIDIA GPU(s) found" in proc.stderr
     assert "NPROC=2 ./run.sh" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("seen, expected", [
+    ("0", "run.sh: error: no usable GPU: this PyTorch (2.0+cpu) is a CPU-only build (nvidia-smi lists 2 GPU(s))"),
+    ("1", "run.sh: error: NPROC=2 but PyTorch sees only 1 GPU(s) of the 2 nvidia-smi lists")])
+def test_run_sh_checks_what_pytorch_sees_not_only_nvidia_smi(tmp_path, seen, expected):
+    proc = _run_sh(tmp_path, TWO_GPUS, NPROC="2", FAKE_TORCH_GPUS=seen)
+    assert proc.returncode == 1 and proc.stderr.splitlines() == [expected] and "torchrun" not in proc.stdout
 
 
 def test_run_sh_launches_torchrun_from_the_repo_with_nproc_and_arguments(tmp_path):
