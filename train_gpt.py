@@ -2503,6 +2503,15 @@ def prepare_data(args: Hyperparameters, rank: int, world_size: int, device: torc
     """Training shards (every header checked now, not when the loader reaches it) and this rank's
     validation batches on the device; the smoke preset's synthetic corpus written first."""
     if args.markov_corpus:
+        smoke_folder = Path(DATA_PATH, "data/smoke").resolve()
+        for flag, pattern in (("train_files", args.train_files), ("val_files", args.val_files)):
+            folder = Path(pattern).parent
+            if not Path(pattern).name.startswith("markov_"):  # a synthetic file is never named like real data
+                raise ValueError(f"--{flag} {pattern}: the synthetic corpus (--markov_corpus) is written only to "
+                                 "files named markov_*; to train on these shards add --markov_corpus false")
+            if not folder.is_dir() and folder.resolve() != smoke_folder:  # user paths are read, never created
+                raise ValueError(f"--{flag} {pattern}: no folder {folder}; the synthetic corpus goes into an existing "
+                                 f"folder or the smoke preset's own {smoke_folder}")
         if rank == 0:
             write_markov_corpus(args.train_files, args.val_files, args.vocab_size, args.bos_id, args.val_tokens)
         barrier(world_size)

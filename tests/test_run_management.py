@@ -416,6 +416,7 @@ def test_a_rank_that_dies_or_hangs_fails_the_others_within_the_collective_timeou
 
 def test_smoke_preset_gets_within_a_tenth_of_a_nat_of_its_entropy_floor(tmp_path):
     """The newcomer's main job: --preset smoke (about a minute on a 2-core CPU) must visibly learn."""
+    (tmp_path / "d").mkdir()
     args = tg.parse_args(["--preset", "smoke", "--train_files", str(tmp_path / "d/markov_train_*.bin"),
                           "--val_files", str(tmp_path / "d/markov_val_*.bin"), "--log_dir", str(tmp_path / "logs"),
                           "--log_every", "0"])
@@ -424,6 +425,18 @@ def test_smoke_preset_gets_within_a_tenth_of_a_nat_of_its_entropy_floor(tmp_path
     first, final = run.val_losses[0][1], run.val_losses[-1][1]
     assert abs(first - math.log(args.vocab_size)) < 0.01  # starts uniform
     assert floor <= final < floor + 0.1, (final, floor)
+
+
+@pytest.mark.parametrize("files, expected", [
+    ("nonexistent/fineweb_train_*.bin", "written only to files named markov_*; to train on these shards add "
+                                        "--markov_corpus false"),
+    ("nonexistent/markov_train_*.bin", "no folder"),
+])
+def test_the_smoke_corpus_is_never_written_under_a_users_name_or_into_a_folder_it_creates(tmp_path, files, expected):
+    args = tg.parse_args(["--preset", "smoke", "--train_files", str(tmp_path / files), "--log_dir", str(tmp_path / "logs")])
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        tg.train(args)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no folder, no file, no log
 
 
 def test_medium_preset_builds_a_gpt2_medium_sized_model():
