@@ -1,10 +1,15 @@
-# The speedrun in a container, for an NVIDIA host with Docker and the NVIDIA Container Toolkit
-# (a driver recent enough for the CUDA build of the PyTorch wheel). From the repository root:
+# The speedrun in a container, for an NVIDIA host with Docker, the NVIDIA Container Toolkit and a
+# driver for CUDA 13.0 (580 or newer). From the repository root (README: Docker):
 #   docker build -t gpt2-speedrun .
-#   docker run --rm --gpus all --ipc=host -v "$PWD/data:/workspace/data" -v "$PWD/logs:/workspace/logs" gpt2-speedrun
+#   docker run --rm -it --gpus all --ipc=host \
+#       -v "$PWD/data:/workspace/data" -v "$PWD/checkpoints:/workspace/checkpoints" \
+#       -v "$PWD/logs:/workspace/logs" -v gpt2-speedrun-cache:/workspace/cache gpt2-speedrun
 # Arguments after the image name go to train_gpt.py; -e NPROC=4 runs on 4 GPUs.
 # Not built by this project's CI or on its development machines (they have no Docker engine).
-FROM nvidia/cuda:12.6.3-devel-ubuntu24.04
+
+# The CUDA of this base image is the CUDA of the PyTorch build installed below (13.0 and cu130);
+# tests/test_docs.py checks that they agree.
+FROM nvidia/cuda:13.0.2-devel-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
@@ -19,20 +24,32 @@ RUN apt-get update \
 RUN python3.12 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
-# PyTorch: the Linux wheel brings its own CUDA runtime, cuDNN, NCCL and Triton. Then the rest.
-ARG TORCH_VERSION=2.13.0
-RUN pip install "torch==${TORCH_VERSION}"
+# PyTorch 2.11.0, the version every measurement in bench/ used, in its build for CUDA 13.0 (the
+# wheel brings its CUDA runtime, cuDNN, NCCL and Triton). The constraint file keeps every later
+# pip install from replacing it.
+RUN pip install torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130 \
+ && echo "torch==2.11.0" > /opt/torch-constraint.txt
 
 WORKDIR /workspace
 COPY requirements.txt requirements-hopper.txt ./
-RUN pip install -r requirements.txt
+RUN pip install -c /opt/torch-constraint.txt -r requirements.txt
 
-# Hopper attention (README: Hopper attention): FlashAttention-4, then FlashAttention-3's kernels from
-# the xformers 0.0.34 wheel with --no-deps (its torch pin would replace the torch above). Both are
-# used only on sm90 GPUs, each after a start-up check; build with --build-arg HOPPER=0 to leave them out.
+# Hopper attention (README: Hopper attention): FlashAttention-4 (its nvidia-cutlass-dsl[cu13] fits
+# the CUDA 13 torch above), then FlashAttention-3's kernels from the xformers 0.0.34 wheel with
+# --no-deps (its torch pin would replace the torch above). Both are used only on sm90 GPUs, each
+# after a start-up check; build with --build-arg HOPPER=0 to leave them out.
 ARG HOPPER=1
-RUN if [ "$HOPPER" = 1 ]; then pip install -r requirements-hopper.txt \
+RUN if [ "$HOPPER" = 1 ]; then pip install -c /opt/torch-constraint.txt -r requirements-hopper.txt \
     && pip install --no-deps xformers==0.0.34 nvidia-cuda-runtime-cu12==12.8.90; fi
 COPY . .
+
+# What a run writes goes to volumes, so that it outlives `docker run --rm` when they are mounted:
+# the shards (data/), checkpoints/ (a Ctrl-C or SIGTERM writes one), logs/, and the compile cache,
+# so that a second run does not compile from cold: Inductor's graphs in TORCHINDUCTOR_CACHE_DIR, every
+# compiled Triton kernel (Inductor's and kernels.py's) in TRITON_CACHE_DIR.
+ENV TORCHINDUCTOR_CACHE_DIR=/workspace/cache/inductor \
+    TRITON_CACHE_DIR=/workspace/cache/triton
+RUN mkdir -p data checkpoints logs cache/inductor cache/triton
+VOLUME ["/workspace/data", "/workspace/checkpoints", "/workspace/logs", "/workspace/cache"]
 
 ENTRYPOINT ["./run.sh"]
