@@ -95,7 +95,7 @@ def main():
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()
     for tiles in args.tiles:
         fwd_v, fwd_warps, bwd_t, bwd_v, bwd_warps = map(int, tiles.split(","))
-        kernels.SOFTCAP_CE_TILES = dict(fwd=dict(BLOCK_V=fwd_v, num_warps=fwd_warps),
+        kernels.SOFTCAP_CE_TILES = dict(kernels.SOFTCAP_CE_TILES, fwd=dict(BLOCK_V=fwd_v, num_warps=fwd_warps),
                                         bwd=dict(BLOCK_T=bwd_t, BLOCK_V=bwd_v, num_warps=bwd_warps))
         try:
             ms, fwd, bwd = time_fwd_bwd(fused, x, w, targets, weights, args.iters)

@@ -442,17 +442,13 @@ def check_softcap_ce_kernels(logits, targets, grad, weights=None):
     """Errors of the kernels against float64 autograd: losses and lse (absolute), the gradient before its
     FP8 cast (relative; the kernel writes float32 here) and whether its transposed copy is exact."""
     import kernels
-    from triton import cdiv
     losses, lse = kernels.softcap_ce(logits, targets, CAP, SHIFT, TEMP, weights)
     losses64, lse64, l64 = softcap_ce_float64(logits, targets, weights)
     (losses64 * grad.double().cpu()).sum().backward()
     T, V = logits.shape
     g, g_t = torch.empty(T, V, device=logits.device), torch.empty(V, T, device=logits.device)  # float32
-    tiles = kernels.SOFTCAP_CE_TILES["bwd"]
-    grid = (cdiv(T, tiles["BLOCK_T"]) * cdiv(V, tiles["BLOCK_V"]),)
     ys, ws = kernels._targets_and_weights(targets, weights)
-    kernels._softcap_ce_bwd_kernel[grid](logits, ys, ws, lse, grad, g, g_t, T, V, CAP, 1 / CAP, 1 / TEMP,
-                                         SHIFT / TEMP, 1 / 0.5, K=ys.size(1), **tiles)
+    kernels._softcap_ce_grad_into(g, g_t, grad, logits, ys, ws, lse, CAP, SHIFT, TEMP, 0.5)
     expected = 2 * l64.grad  # grad_scale 0.5
     return [(losses.double().cpu() - losses64.detach()).abs().max().item(),
             (lse.double().cpu() - lse64.detach()).abs().max().item(),
@@ -464,7 +460,8 @@ import json, sys, torch
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import kernels, test_kernels as t
 assert kernels.triton_runs_on(torch.zeros(1)), "the Triton interpreter is not in use"
-kernels.SOFTCAP_CE_TILES = dict(fwd=dict(BLOCK_V=32), bwd=dict(BLOCK_T=16, BLOCK_V=32))  # 37 x 101: edges masked
+kernels.SOFTCAP_CE_TILES = dict(fwd=dict(BLOCK_V=32), bwd=dict(BLOCK_T=16, BLOCK_V=32), targets=dict(BLOCK_R=16))
+# 37 x 101: edges masked
 print(json.dumps([t.check_softcap_ce_kernels(*t.softcap_ce_case(K=K)) for K in (None, 1, 3)]))
 """
 
@@ -501,9 +498,11 @@ def test_softcap_ce_reference_takes_weighted_extra_targets_and_ignores_absent_on
 @pytest.mark.parametrize("K", [1, 3])
 def test_softcap_ce_kernels_compile_for_an_h100_without_one(K):
     """Compiled for sm_90 as Triton's JIT compiles them for the record (sizes and pointers divisible by 16),
-    with the next-token target alone or with two extra targets: every load and store of the (tokens x
+    with the next-token target alone or with two extra targets: every load and store over the (tokens x
     vocab) tensors moves 16 bytes, the transposed e5m2 copy goes through shared memory, and one division
-    per entry is left (the softcap's sigmoid), whatever the number of targets."""
+    per entry is left (the softcap's sigmoid), whatever the number of targets. Only the targets' own
+    entries are read and written one at a time: one 2-byte gather in the forward (one more division), and
+    the targets kernel's K reads, K divisions and 2K one-byte stores."""
     import re
     import kernels
     import triton
@@ -515,7 +514,9 @@ def test_softcap_ce_kernels_compile_for_an_h100_without_one(K):
     ops = {}
     for fn, tiles, targets in [(kernels._softcap_ce_fwd_kernel, kernels.SOFTCAP_CE_TILES["fwd"],
                                 dict(K=K, BLOCK_K=triton.next_power_of_2(K))),
-                               (kernels._softcap_ce_bwd_kernel, kernels.SOFTCAP_CE_TILES["bwd"], dict(K=K))]:
+                               (kernels._softcap_ce_bwd_kernel, kernels.SOFTCAP_CE_TILES["bwd"], dict(K=K)),
+                               (kernels._softcap_ce_bwd_targets_kernel, kernels.SOFTCAP_CE_TILES["targets"],
+                                dict(K=K))]:
         constexprs = {**{k: v for k, v in tiles.items() if k.isupper()}, **targets}
         signature = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -524,15 +525,18 @@ def test_softcap_ce_kernels_compile_for_an_h100_without_one(K):
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": tiles["num_warps"]})
         assert len(compiled.asm["cubin"]) > 1000, fn.__name__
         found = re.findall(r"^\s*(?:@%p\d+\s+)?([a-z]+(?:\.[a-z0-9]+)*)", compiled.asm["ptx"], re.M)
-        entries_per_thread = tiles.get("BLOCK_T", 1) * tiles["BLOCK_V"] // (32 * tiles["num_warps"])
-        ops[fn.__name__] = (set(found), found.count("div.full.f32") + found.count("div.rn.f32"), entries_per_thread)
+        entries_per_thread = tiles.get("BLOCK_T", 1) * tiles.get("BLOCK_V", 0) // (32 * tiles["num_warps"])
+        ops[fn.__name__] = (found, found.count("div.full.f32") + found.count("div.rn.f32"), entries_per_thread)
     (fwd, fwd_div, fwd_n), (bwd, bwd_div, bwd_n) = ops["_softcap_ce_fwd_kernel"], ops["_softcap_ce_bwd_kernel"]
+    hit, hit_div, _ = ops["_softcap_ce_bwd_targets_kernel"]
+    fwd, bwd = set(fwd) - {"ld.global.b16"} if fwd.count("ld.global.b16") == 1 else set(fwd), set(bwd)
     assert "ld.global.v4.b32" in fwd and "ld.global.v4.b32" in bwd and "st.global.v4.b32" in bwd
     assert not {"ld.global.b16", "st.global.b8"} & (fwd | bwd), (fwd, bwd)
+    assert (hit.count("ld.global.b16"), hit_div, hit.count("st.global.b8")) == (K, K, 2 * K), hit
     # the e5m2 tile (bytes), not the bf16 input, goes through shared memory to be transposed (Triton 3.6 had
     # transposed the input with ldmatrix.trans and computed everything twice: the division count below)
     assert "st.shared.b8" in bwd and any(op.startswith("ld.shared") for op in bwd) and "ldmatrix" not in str(bwd)
-    assert (fwd_div, bwd_div) == (fwd_n, bwd_n), ops
+    assert (fwd_div, bwd_div) == (fwd_n + 1, bwd_n), ops
 
 
 def fp8_head_ce_case(T=64, dim=128, V=256, device=DEVICE):
