@@ -149,6 +149,7 @@ class Hyperparameters:
     checkpoint_dir: str = "checkpoints"
     keep_checkpoints: int = 3  # keep the newest K of a run
     resume: str = ""  # a checkpoint folder, or "latest" (newest under checkpoint_dir)
+    plan: bool = False  # print the resolved schedule and its projected 1- and 8-GPU time, then exit (no GPU used)
     # presets and the smoke preset's built-in data
     preset: str = "record-0903"  # record | record-0903 | smoke | single | medium (then any field overrides)
     markov_corpus: bool = False  # write a synthetic Markov-chain corpus to train/val_files first
@@ -321,7 +322,8 @@ def parse_args(argv: list[str] | None = None) -> Hyperparameters:
         default = getattr(defaults, name)
         tuple_kind = _floats if "float" in str(fields[name].type) else _ints
         kind = _bool if isinstance(default, bool) else tuple_kind if isinstance(default, tuple) else type(default)
-        parser.add_argument(f"--{name}", type=kind, metavar=type(default).__name__.upper(),
+        flag = dict(nargs="?", const=True) if kind is _bool else {}  # a true/false field alone means true
+        parser.add_argument(f"--{name}", type=kind, metavar=type(default).__name__.upper(), **flag,
                             help=f"{helps.get(name, '')} (default: {default})".lstrip())
     given = vars(parser.parse_args(argv))
     preset = given.get("preset", DEFAULT_PRESET)
@@ -1910,6 +1912,60 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
     return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
 
 
+# The schedule's cost before a run (--plan). Measured one-GPU time per token of this file's record
+# model at a stage's shape, by GPU kind, (micro-batch tokens per GPU, document cut, long window in
+# blocks): the per-stage medians of bench/side_by_side.py, whose clock counts training steps only (as the
+# public logs' train_time does), with FlashAttention-4, PyTorch 2.11.0+cu130. A table row is a real run;
+# a shape without one is reported unmeasured, never interpolated.
+STEP_US_PER_TOKEN = {
+    # one H100 80GB HBM3, 2026-11-25, commit 387cb13 (bench/results/side_by_side_h100_20261125/timing3_table.md)
+    ("H100", 16384, 896, 3): 2.090,
+    ("H100", 32768, 2048, 7): 1.892,
+    ("H100", 49152, 2048, 11): 1.846,
+}
+# 8-GPU step time over one-GPU step time at the same global batch, by micro-batch tokens per GPU, with one
+# micro-batch per GPU on 8 (bench/README: record #89's 8xH100 logs over its and the public master's
+# one-H100 times in the harness: 30.9/238.0, 57.7/435.5, 83.0/644.0 ms).
+EIGHT_GPU_RATIO = {"H100": {16384: 0.130, 32768: 0.132, 49152: 0.129}}
+
+
+def schedule_plan(args: Hyperparameters, kind: str = "H100") -> list[str]:
+    """The resolved schedule, one line per stage, the trained tokens, and the projected training time
+    (steps x global batch x the table's time per token; x the 8-GPU ratio on 8 GPUs), per stage where the
+    table has its shape on this GPU kind and in total where it has every stage's; validation, compile and
+    warm-up are not counted."""
+    stages, N = training_stages(args), args.num_iterations
+    micro = args.batch_size // args.seq_len
+    lines = [f"--preset {args.preset}: {N} steps of {micro} micro-batches; projected seconds on {kind}, "
+             f"steps only ('-': shape not measured)",
+             f"{'stage':>5}  {'steps':>11}  {'batch':>9}  {'micro-batches 1/8 GPUs':>22}  {'micro tokens':>12}  "
+             f"{'doc cut':>7}  {'windows':>9}  {'lr x':>4}  {'tokens':>13}  {'1 GPU':>7}  {'8 GPUs':>7}"]
+    one, eight, missing = 0.0, 0.0, []
+    for i, st in enumerate(stages):
+        steps, b = min(st.end, N) - st.start, st.batch  # the last stage's end is the final validation's step
+        name = "ext" if args.extension_steps and i == len(stages) - 1 else str(i + 1)
+        us = STEP_US_PER_TOKEN.get((kind, b.seq_len, b.max_doc_len, st.windows[0] // args.window_block))
+        ratio = EIGHT_GPU_RATIO.get(kind, {}).get(b.seq_len) if micro == 8 else None  # one micro-batch per GPU
+        s1 = None if us is None else steps * b.batch_size * us * 1e-6
+        s8 = None if s1 is None or ratio is None else s1 * ratio
+        one, eight = one + (s1 or 0.0), eight + (s8 or 0.0)
+        if s8 is None:
+            missing.append(name)
+        per_rank = f"{micro} / {micro / 8:g}"
+        lines.append(f"{name:>5}  {f'{st.start}-{st.start + steps - 1}':>11}  {b.batch_size:>9,}  {per_rank:>22}  "
+                     f"{b.seq_len:>12,}  {b.max_doc_len:>7,}  {f'{st.windows[0]}/{st.windows[1]}':>9}  "
+                     f"{st.lr_mult:>4g}  {steps * b.batch_size:>13,}  {'-' if s1 is None else f'{s1:.1f}':>7}  "
+                     f"{'-' if s8 is None else f'{s8:.1f}':>7}")
+    lines.append(f"trained tokens: {tokens_before(stages, N):,}")
+    if missing:
+        lines.append(f"projected time: incomplete, stage(s) {', '.join(missing)} not in train_gpt.py's "
+                     f"STEP_US_PER_TOKEN for {kind} (bench/side_by_side.py times each stage of a schedule)")
+    else:
+        lines.append(f"projected time: 1 x {kind} {one:.1f} s, 8 x {kind} {eight:.1f} s (time per token at each "
+                     "stage's shape, x record #89's 8-GPU ratio)")
+    return lines
+
+
 # -----------------------------------------------------------------------------------------------
 # Optimizer wiring: which parameters each optimizer gets, at which learning rate.
 
@@ -2709,7 +2765,11 @@ USER_ERRORS = (ValueError, OSError, EOFError, FloatingPointError, torch.OutOfMem
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        result = train(parse_args(argv))
+        args = parse_args(argv)
+        if args.plan:
+            print("\n".join(schedule_plan(args)))
+            return 0
+        result = train(args)
     except USER_ERRORS as e:
         if os.environ.get("SPEEDRUN_DEBUG"):
             raise
