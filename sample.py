@@ -40,7 +40,7 @@ def load_model(checkpoint: Path, device: torch.device, max_len: int) -> tuple[tg
         raise ValueError(f"{checkpoint / 'model.pt'}: cannot read the checkpoint ({why}): it is corrupt or "
                          "truncated; sample from another one") from e
     known = {f.name for f in dataclasses.fields(tg.Hyperparameters)}
-    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in meta["args"].items() if k in known}
+    saved = {k: v for k, v in tg.stored_args(meta["args"]).items() if k in known}
     args = tg.Hyperparameters(**saved)
     cfg = tg.ModelConfig.from_args(args)
     cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, max_len))

@@ -30,6 +30,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+
+def _interrupted_at_start(*_):
+    print("train_gpt.py: interrupted before training started; nothing was saved", file=sys.stderr, flush=True)
+    raise SystemExit(130)  # the shell's status for Ctrl-C
+
+
+if __name__ == "__main__":  # Ctrl-C while the libraries load or the model compiles: one line, no traceback
+    signal.signal(signal.SIGINT, _interrupted_at_start)  # (the training loop's own handler saves and stops)
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -49,11 +58,44 @@ DATA_PATH = os.environ.get("DATA_PATH", os.path.dirname(os.path.abspath(__file__
 BOS_ID = 50256  # GPT-2's <|endoftext|>, put before every document: the speedrun's beginning of sequence
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One row of the schedule table, Hyperparameters.stages: a stretch of training with its own batch,
+    document cut, attention window, learning-rate multiplier and multi-token prediction weights. The rows
+    share the scheduled steps in proportion to `share`, in order; the extension (extension_steps) follows.
+    On the command line: --stages "window=3,doc_len=896;window=7;window=11" (fields left out keep their
+    defaults; mtp's weights joined by '/')."""
+    window: int  # long attention window in window_block blocks (the short blocks' is half of it)
+    batch: int = 0  # global batch in tokens; 0: batch_size (the micro-batch count stays, their length grows)
+    doc_len: int = 0  # training documents are cut at this length and the rest dropped; 0: max_doc_len
+    lr: float = 1.0  # multiplies both optimizers' learning rates, before the cooldown's decay
+    # Multi-token prediction (2025-12-22 record, @varunneal, PR 178): position t is also trained on the tokens at
+    # t+2, t+3, ... of its document (same head), with these weights at the stage's start, moving linearly to the
+    # next row's by its start (the last row and the extension hold theirs); every row has the same count. The
+    # record's [1, 0.5, 0.25 -> 0], [1, 0.5 -> 0], [1] over three stages: mtp=0.5/0.25, 0.5/0, 0/0.
+    mtp: tuple[float, ...] = ()
+    share: int = 1  # this row's share of the scheduled steps, relative to the other rows'
+
+
+def number_text(v: float | int) -> str:
+    """A number as short as it reads back exactly: 1.52, not 1.5200000000000000; 1e-10; 3."""
+    return f"{v:g}" if float(f"{v:g}") == v else repr(v)
+
+
+def format_stages(stages) -> str:
+    """The --stages text of a table: rows joined by ';', each field that differs from its default."""
+    defaults = Stage(0)
+    return ";".join(",".join(f"{f.name}={'/'.join(map(number_text, v)) if f.name == 'mtp' else number_text(v)}"
+                             for f in dataclasses.fields(Stage)
+                             if (v := getattr(row, f.name)) != getattr(defaults, f.name) or f.name == "window")
+                    for row in stages)
+
+
 @dataclass
 class Hyperparameters:
     # data
-    train_files: str = os.path.join(DATA_PATH, "data/fineweb10B/fineweb_train_*.bin")
-    val_files: str = os.path.join(DATA_PATH, "data/fineweb10B/fineweb_val_*.bin")
+    train_files: str = os.path.join(DATA_PATH, "data/fineweb10B/fineweb_train_*.bin")  # training shards (glob), read in name order
+    val_files: str = os.path.join(DATA_PATH, "data/fineweb10B/fineweb_val_*.bin")  # validation shard(s) (glob): the first val_tokens tokens are the validation set
     val_tokens: int = 10_485_760  # fixed validation set, the same on any world size
     bos_id: int = BOS_ID  # the token that starts every document
     # batches: one micro-batch is a 1-D buffer of whole documents (varlen attention)
@@ -64,16 +106,15 @@ class Hyperparameters:
     max_num_docs: int = 256  # cu_seqlens is padded to this many sequences, so shapes stay static
     # model
     vocab_size: int = 50304  # GPT-2's 50,257 padded to a multiple of 128 for fast matmuls (@Grad62304977)
-    num_layers: int = 12
-    model_dim: int = 768
-    num_heads: int = 6
-    head_dim: int = 128
-    mlp_ratio: int = 4
+    num_layers: int = 12  # transformer blocks
+    model_dim: int = 768  # residual stream width
+    num_heads: int = 6  # attention heads per block
+    head_dim: int = 128  # width of each attention head
+    mlp_ratio: int = 4  # MLP hidden width = mlp_ratio x model_dim
     no_attn_layers: tuple[int, ...] = (7,)  # blocks without attention (block 7: @YouJiacheng)
     no_mlp_layers: tuple[int, ...] = ()  # blocks without an MLP: less compute, little loss (09/05/25: block 0)
     num_value_embeds: int = 3  # value-embedding tables for the first and, mirrored, last blocks
     window_pattern: str = "LSSSLSSLSSSL"  # per block: L = long window, S = short window (half)
-    window_schedule: tuple[int, ...] = (3, 7, 11)  # long window in blocks, one per stage (equal parts of the run)
     window_block: int = 128  # tokens per window block
     attn_scale: float = 0.12  # attention logit scale instead of 1/sqrt(head_dim), QK being normed (@leloykun)
     gate_channels: int = 12  # input channels of the sparse head gate
@@ -90,15 +131,8 @@ class Hyperparameters:
     key_offset: bool = False  # long-window blocks' keys take their position-free dims from the previous token (12/14/25)
     paired_head_blocks: tuple[int, ...] = ()  # paired-head attention in these short-window blocks (01/07/26: 1,3,6,10)
     xsa: bool = False  # learnable XSA: each head removes tanh(a) of its output along its own value (04/29/26)
-    # Multi-token prediction (2025-12-22 record, @varunneal, PR 178): position t is also trained on the tokens at
-    # t+2, t+3, ... of its document (same head), with these weights: K per stage, at the stage's start, stage after
-    # stage; inside a stage each moves linearly to the next stage's value (the last stage and the extension hold
-    # theirs). The record's [1, 0.5, 0.25 -> 0], [1, 0.5 -> 0], [1] over its three stages is 0.5,0.25,0.5,0,0,0.
-    mtp_weights: tuple[float, ...] = ()  # multi-token prediction: weights of targets t+2, t+3, ... per stage; () = off
-    # schedule: stages of equal length, one per window_schedule entry, then extension_steps more
-    batch_schedule: tuple[int, ...] = ()  # global batch per stage (empty: batch_size); micro-batches grow with it
-    doc_len_schedule: tuple[int, ...] = ()  # max_doc_len per stage (empty: max_doc_len)
-    lr_schedule: tuple[float, ...] = ()  # learning-rate multiplier per stage (empty: 1)
+    # schedule: the stages in order (rows of Stage, above), sharing the scheduled steps, then extension_steps more
+    stages: tuple[Stage, ...] = (Stage(3), Stage(7), Stage(11))  # the schedule table: batch, document cut, window, lr, MTP per stage
     extension_steps: int = 0  # last steps, after the cooldown: final learning rate, long window extension_window
     extension_window: int = 0  # long window of the extension, in blocks
     tied_embed_stages: int = 0  # embeddings read from the LM head for this many stages, then a copy learns (12/22/25: 2)
@@ -106,47 +140,47 @@ class Hyperparameters:
     # optimization
     num_iterations: int = 1670  # training steps, extension_steps included
     cooldown_frac: float = 0.45  # linear decay of both learning rates over this final fraction (before the extension)
-    final_lr_frac: float = 0.1
-    muon_lr: float = 0.05
-    muon_momentum: float = 0.95
-    muon_momentum_start: float = 0.85
-    muon_momentum_warmup: int = 300
+    final_lr_frac: float = 0.1  # learning rates end the cooldown at this fraction of their peak
+    muon_lr: float = 0.05  # Muon's learning rate (block matrices)
+    muon_momentum: float = 0.95  # Muon's peak momentum (Nesterov)
+    muon_momentum_start: float = 0.85  # Muon's momentum at step 0, warmed up linearly to muon_momentum
+    muon_momentum_warmup: int = 300  # steps of that momentum warm-up
     muon_momentum_cooldown: int = 0  # last steps: momentum back down to muon_momentum_start, linearly
-    ns_steps: int = 5
+    ns_steps: int = 5  # iterations of Muon's orthogonalization
     orthogonalizer: str = "newton_schulz"  # Muon's: newton_schulz (the 09/03 record) | polar_express (later records)
     muon_beta2: float = 0.0  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off (2026: 0.9)
     muon_weight_decay: float = 0.0  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25: 1.2)
-    adam_lr: float = 0.008
-    adam_beta1: float = 0.8
-    adam_beta2: float = 0.95
+    adam_lr: float = 0.008  # Adam's base learning rate (embeddings, head and scalars: times their *_lr_mult)
+    adam_beta1: float = 0.8  # Adam's first-moment decay
+    adam_beta2: float = 0.95  # Adam's second-moment decay
     adam_eps: float = 1e-10  # small epsilon: no dependence on the gradient's scale (@YouJiacheng)
     embed_lr_mult: float = 75.0  # token and value embeddings
     embed_weight_decay: float = 0.0  # value-embed + bigram tables: cautious decay lr_t^2 x this; 0 = off (2026: 0.025)
     embed_adam_betas: tuple[float, ...] = ()  # value-embed + bigram tables' Adam betas; empty = Adam's (2026: 0.75,0.95)
-    head_lr_mult: float = 1.0
+    head_lr_mult: float = 1.0  # LM head: adam_lr times this
     # The 2026 records' LM head: betas 0.5,0.95 and cautious decay 0.005 x 150 = 0.75 per Adam step, Adam stepping
     # every second training step there, so 0.375 here per step (as the tables' 0.0125)
     head_weight_decay: float = 0.0  # LM head: cautious decay lr_t^2 x this; 0 = off
     head_adam_betas: tuple[float, ...] = ()  # LM head's Adam betas; empty = Adam's
-    scalar_lr_mult: float = 5.0
+    scalar_lr_mult: float = 5.0  # scalars (residual mixes, skip and bigram weights): adam_lr times this
     # run
     val_every: int = 125  # validate every N steps (and at the end); 0 = only at the end
     warmup_steps: int = 3  # untimed compile warm-up steps per window size (weights restored after)
-    seed: int = 0
+    seed: int = 0  # seed of the weights' initialization (the data order is fixed by the shards)
     device: str = "cuda"  # cuda (refused with the reason where torch sees no GPU) | cpu | auto (cuda if seen, else cpu)
-    compile: bool = True
+    compile: bool = True  # torch.compile the model (false: eager, for debugging and CPU runs)
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     fused_mlp: bool = False  # ReLU² inside the MLP's matmul epilogues (kernels.py), where the GPU has the shared memory
     fused_ce: bool = False  # the FP8 head's soft-capped cross-entropy in Triton kernels, its gradient written in FP8
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
-    log_dir: str = "logs"
+    log_dir: str = "logs"  # logs go to log_dir/<run_id>.txt (rank 0 writes)
     log_every: int = 25  # loss, tokens/s, MFU and memory every N steps (read without a device sync)
     peak_tflops: float = 0.0  # dense bf16 peak per GPU for MFU; 0 = look up by device name
     collective_timeout_s: float = 600.0  # a collective stuck longer fails the run (a rank died or hangs); above minutes of compile lag
     # checkpoints: model, sharded optimizer states, data position, RNG, hyperparameters, code hash
     save_every: int = 0  # save every N steps and at the end; 0 = only on SIGTERM / Ctrl-C
-    checkpoint_dir: str = "checkpoints"
+    checkpoint_dir: str = "checkpoints"  # checkpoints go to checkpoint_dir/<run_id>/step_NNNNNN/
     keep_checkpoints: int = 3  # keep the newest K of a run
     resume: str = ""  # a checkpoint folder, or "latest" (newest under checkpoint_dir)
     plan: bool = False  # print the resolved schedule and its projected 1- and 8-GPU time, then exit (no GPU used)
@@ -162,20 +196,22 @@ class Hyperparameters:
                 raise ValueError(f"--{name} {getattr(h, name)}: must be positive")
         if h.batch_size % h.seq_len:
             raise ValueError(f"batch_size={h.batch_size} must be a multiple of seq_len={h.seq_len}")
-        for name in ("batch_schedule", "doc_len_schedule", "lr_schedule"):
-            if getattr(h, name) and len(getattr(h, name)) != len(h.window_schedule):
-                raise ValueError(f"{name}={getattr(h, name)} needs one entry per stage of "
-                                 f"window_schedule={h.window_schedule}")
+        if not h.stages or not all(isinstance(row, Stage) for row in h.stages):
+            raise ValueError(f"stages={h.stages!r}: one Stage row or more")
         micro = h.batch_size // h.seq_len  # micro-batches per step, the same in every stage
-        if any(b % micro or b // micro > h.seq_len for b in h.batch_schedule):
-            raise ValueError(f"batch_schedule={h.batch_schedule}: each batch must split into batch_size/seq_len="
-                             f"{micro} micro-batches of at most seq_len={h.seq_len} tokens")
+        for i, row in enumerate(h.stages, start=1):
+            if row.window < 1 or row.batch < 0 or row.doc_len < 0 or row.share < 1 or not 0 < row.lr < math.inf:
+                raise ValueError(f"stage {i} ({format_stages([row])}): window and share must be >= 1, batch and "
+                                 "doc_len >= 0 (0: batch_size, max_doc_len), lr a positive number")
+            if row.batch and (row.batch % micro or row.batch // micro > h.seq_len):
+                raise ValueError(f"stage {i}: batch={row.batch} must split into batch_size/seq_len={micro} "
+                                 f"micro-batches of at most seq_len={h.seq_len} tokens")
         if not 0 <= h.extension_steps < h.num_iterations or (h.extension_steps > 0) != (h.extension_window > 0):
             raise ValueError(f"extension_steps={h.extension_steps} and extension_window={h.extension_window}: "
                              f"both zero, or a window and fewer steps than num_iterations={h.num_iterations}")
-        if not 0 <= h.tied_embed_stages <= len(h.window_schedule) + (h.extension_steps > 0):
+        if not 0 <= h.tied_embed_stages <= len(h.stages) + (h.extension_steps > 0):
             raise ValueError(f"tied_embed_stages={h.tied_embed_stages}: 0 (untied) up to the number of stages "
-                             f"({len(h.window_schedule)} + the extension if any)")
+                             f"({len(h.stages)} + the extension if any)")
         if h.final_val_window < 0:
             raise ValueError(f"final_val_window={h.final_val_window}: 0 (the last stage's window) or a window in blocks")
         if len(h.window_pattern) != h.num_layers or set(h.window_pattern) - {"L", "S"}:
@@ -209,9 +245,9 @@ class Hyperparameters:
             betas = getattr(h, name)
             if betas and (len(betas) != 2 or not all(0 <= b < 1 for b in betas)):
                 raise ValueError(f"{name}={betas}: empty (Adam's betas) or two numbers in [0, 1)")
-        if len(h.mtp_weights) % len(h.window_schedule) or not all(0 <= w < math.inf for w in h.mtp_weights):
-            raise ValueError(f"mtp_weights={h.mtp_weights}: K finite weights >= 0 per stage of window_schedule="
-                             f"{h.window_schedule}, stage after stage (the record's: 0.5,0.25,0.5,0,0,0), or none")
+        if len({len(row.mtp) for row in h.stages}) > 1 or not all(0 <= w < math.inf for row in h.stages for w in row.mtp):
+            raise ValueError(f"stages={format_stages(h.stages)}: every stage needs the same number of finite "
+                             "mtp weights >= 0 (the record's: 0.5/0.25, 0.5/0, 0/0), or none")
         if not h.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s={h.collective_timeout_s} must be a positive number of seconds")
         if h.bos_id >= h.vocab_size:
@@ -241,7 +277,12 @@ RECORD_LINE = dict(
     # Muon momentum 0.8 -> 0.9 over 300 steps, back to 0.8 over the last 100: lower momentum than 09/03's
     # 0.85 -> 0.95 and the later records' cooldown (theirs: the last 50), tuned on the development protocol
     muon_momentum=0.9, muon_momentum_start=0.8, muon_momentum_cooldown=100,
-    doc_len_schedule=(896, 2048, 2048),  # short documents in the first stage (the later records' 896)
+    # The schedule table: the 09/03 record's three equal stages (each at batch_size, 393,216 tokens, and lr x 1)
+    # with its 3 / 7 / 11-block windows, and short documents in the first (896 tokens, the later records').
+    #             window  documents cut at
+    stages=(Stage(3,      doc_len=896),
+            Stage(7,      doc_len=2048),
+            Stage(11,     doc_len=2048)),
     key_offset=True,  # long-window keys' position-free dims from the previous token: one-block induction (12/14/25)
     fused_mlp=True,  # ReLU² in the matmul epilogues: -12 ms a step at stage 3 on an H100, same learning (round 7)
     fused_ce=True,  # the FP8 head's loss in Triton kernels: -22 ms a step at stage 3 on an H100, the same losses
@@ -258,13 +299,14 @@ PRESETS = {  # name: (what it is, the fields it sets)
                RECORD_LINE),
     "record-0903": ("the public record of 2025-09-03 as it ran (1670 steps, 8 GPUs): the dataclass defaults", {}),
     "smoke": ("a tiny model on a built-in synthetic corpus (a random Markov chain whose entropy per token, "
-              "the lowest loss possible, is known): about a minute on a laptop CPU", dict(
+              "the lowest loss possible, is known): about a minute on a laptop CPU; a checkpoint every 50 steps, "
+              "for `python sample.py latest`", dict(
         markov_corpus=True, train_files=os.path.join(DATA_PATH, "data/smoke/markov_train_*.bin"),
         val_files=os.path.join(DATA_PATH, "data/smoke/markov_val_*.bin"), vocab_size=128, bos_id=127,
         num_layers=4, model_dim=128, num_heads=2, head_dim=64, no_attn_layers=(2,), num_value_embeds=1,
-        window_pattern="LSSL", window_schedule=(1, 2, 3), window_block=64, batch_size=8 * 512, seq_len=512,
+        window_pattern="LSSL", stages=(Stage(1), Stage(2), Stage(3)), window_block=64, batch_size=8 * 512, seq_len=512,
         val_seq_len=1024, val_tokens=32768, max_doc_len=512, max_num_docs=64, num_iterations=150, val_every=50,
-        log_every=10, compile=False, warmup_steps=0, device="auto")),
+        log_every=10, compile=False, warmup_steps=0, device="auto", save_every=50)),
     "single": ("the record on one GPU with 24-40 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
                "global batch", dict(RECORD_LINE, seq_len=16384, max_num_docs=128)),
     "medium": ("GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the record's learning "
@@ -302,43 +344,140 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 1,1.52,1.73, not {text!r}") from None
 
 
+def _stages(text: str) -> tuple[Stage, ...]:
+    """--stages: rows joined by ';', each `field=value` pairs joined by ',' (mtp's weights by '/')."""
+    kinds = {"window": int, "batch": int, "doc_len": int, "lr": float, "share": int,
+             "mtp": lambda v: tuple(float(w) for w in v.split("/") if w.strip())}
+    rows = []
+    for part in filter(str.strip, text.split(";")):
+        try:
+            pairs = dict(item.split("=", 1) for item in part.replace(" ", "").split(",") if item)
+            rows.append(Stage(**{k: kinds[k](v) for k, v in pairs.items()}))
+        except (ValueError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(
+                f"expected rows such as 'window=3,doc_len=896;window=7' (fields {', '.join(kinds)}; window "
+                f"required), not {part.strip()!r}") from None
+    return tuple(rows)
+
+
+# Columns of the stages table the command line can set on their own (the public speedrun's own lists):
+# flag -> (Stage field, parser, help).
+STAGE_COLUMNS = {
+    "window_schedule": ("window", _ints, "long window in blocks per stage, e.g. 3,7,11; a new length makes new "
+                                         "rows (other columns at their defaults unless also given)"),
+    "batch_schedule": ("batch", _ints, "global batch per stage, e.g. 131072,262144,393216 (empty: batch_size)"),
+    "doc_len_schedule": ("doc_len", _ints, "document cut per stage, e.g. 896,2048,2048 (empty: max_doc_len)"),
+    "lr_schedule": ("lr", _floats, "learning-rate multiplier per stage, e.g. 1,1.52,1.73 (empty: 1)"),
+    "mtp_weights": ("mtp", _floats, "multi-token prediction weights, K per stage in stage order, e.g. the "
+                                   "record line's 0.5,0.25,0.5,0,0,0 (empty: off)"),
+}
+
+
+def set_stage_columns(rows: tuple[Stage, ...], columns: dict[str, tuple]) -> tuple[Stage, ...]:
+    """The table with the given STAGE_COLUMNS flags applied (ValueError naming the flag when a column's
+    length does not fit the rows)."""
+    if "window_schedule" in columns and len(columns["window_schedule"]) != len(rows):
+        rows = tuple(Stage(w) for w in columns["window_schedule"])
+    for flag, values in columns.items():
+        field, n = STAGE_COLUMNS[flag][0], len(rows)
+        if field == "mtp":
+            if len(values) % n:
+                raise ValueError(f"--mtp_weights {','.join(map(number_text, values))}: K weights per stage, "
+                                 f"{n} stages")
+            k = len(values) // n
+            values = [tuple(values[i * k: (i + 1) * k]) for i in range(n)]
+        elif not values:
+            values = [Stage.__dataclass_fields__[field].default] * n
+        elif len(values) != n:
+            raise ValueError(f"--{flag} {','.join(map(number_text, values))}: needs one entry per stage ({n})")
+        rows = tuple(dataclasses.replace(row, **{field: v}) for row, v in zip(rows, values))
+    return rows
+
+
+def stored_args(saved: dict) -> dict:
+    """A checkpoint's hyperparameters as fields: its stages rows made Stage again (checkpoints of the
+    column era, before the table, converted), list values made tuples."""
+    saved = dict(saved)
+    columns = {flag: tuple(saved.pop(flag)) for flag in STAGE_COLUMNS if flag in saved}
+    if "stages" in saved:
+        saved["stages"] = tuple(Stage(**{**row, "mtp": tuple(row["mtp"])}) for row in saved["stages"])
+    elif columns:
+        saved["stages"] = set_stage_columns(Hyperparameters.stages, columns)
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
+
+
 def field_help() -> dict[str, str]:
     """Each Hyperparameters field's comment in this file's source: its --help text."""
     source = Path(__file__).read_text().split("class Hyperparameters:")[1].split("def __post_init__")[0]
     return {m[1]: m[2] for m in re.finditer(r"^ {4}(\w+): [^=\n]+=[^#\n]*#\s*(.+)$", source, re.M)}
 
 
+def cli_text(value) -> str:
+    """A value as the command line writes it: true/false, comma lists, the --stages text."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple) and value and isinstance(value[0], Stage):
+        return format_stages(value)
+    if isinstance(value, tuple):
+        return ",".join(number_text(v) for v in value)
+    return str(value)
+
+
 def parse_args(argv: list[str] | None = None) -> Hyperparameters:
     """Hyperparameters from `--field value` pairs over a base: the checkpoint's hyperparameters when
-    resuming (so `--resume CKPT` alone continues a run exactly), else the preset's (default: record)."""
+    resuming (so `--resume CKPT` alone continues a run exactly), else the preset's (default: record).
+    The STAGE_COLUMNS flags then set single columns of the stages table."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     fields = {f.name: f for f in dataclasses.fields(Hyperparameters)}
-    defaults = Hyperparameters(**PRESETS[DEFAULT_PRESET][1], preset=DEFAULT_PRESET)  # what --help shows
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--preset", default=DEFAULT_PRESET)
+    shown = pre.parse_known_args(argv)[0].preset  # --help shows this preset's defaults
+    shown = shown if shown in PRESETS else DEFAULT_PRESET
+    defaults = Hyperparameters(**PRESETS[shown][1], preset=shown)
     helps = field_help()
-    parser = _Parser(prog="train_gpt.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                     argument_default=argparse.SUPPRESS, allow_abbrev=False, epilog="presets (--preset NAME, then any field overrides):\n" + "\n".join(
-                         textwrap.fill(text, 100, initial_indent=f"  {name:12s}", subsequent_indent=" " * 14)
-                         for name, (text, _) in PRESETS.items()))
+    presets = "\n".join(textwrap.fill(text, 100, initial_indent=f"  {name:12s}", subsequent_indent=" " * 14)
+                        for name, (text, _) in PRESETS.items())
+    parser = _Parser(prog="train_gpt.py", formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(
+                         prog, width=110, max_help_position=34),
+                     usage="train_gpt.py [--preset NAME] [--plan] [--FIELD VALUE ...]  (or torchrun ... train_gpt.py ...)",
+                     argument_default=argparse.SUPPRESS, allow_abbrev=False,
+                     description=f"{__doc__}\npresets (--preset NAME, then any field overrides; defaults below are "
+                                 f"--preset {shown}'s):\n{presets}")
     for name in fields:
         default = getattr(defaults, name)
-        tuple_kind = _floats if "float" in str(fields[name].type) else _ints
-        kind = _bool if isinstance(default, bool) else tuple_kind if isinstance(default, tuple) else type(default)
+        if name == "stages":
+            kind = _stages
+        elif isinstance(default, tuple):
+            kind = _floats if "float" in str(fields[name].type) else _ints
+        else:
+            kind = _bool if isinstance(default, bool) else type(default)
         flag = dict(nargs="?", const=True) if kind is _bool else {}  # a true/false field alone means true
-        parser.add_argument(f"--{name}", type=kind, metavar=type(default).__name__.upper(), **flag,
-                            help=f"{helps.get(name, '')} (default: {default})".lstrip())
+        metavar = "ROWS" if name == "stages" else "LIST" if isinstance(default, tuple) else type(default).__name__.upper()
+        parser.add_argument(f"--{name}", type=kind, metavar=metavar, **flag,
+                            help=f"{helps.get(name, '')} (default: {cli_text(default) or chr(34) * 2})".lstrip())
+    columns = parser.add_argument_group("single columns of --stages (applied after it)")
+    for flag, (_, kind, text) in STAGE_COLUMNS.items():
+        columns.add_argument(f"--{flag}", type=kind, metavar="LIST", help=text)
     given = vars(parser.parse_args(argv))
+    column_values = {flag: given.pop(flag) for flag in STAGE_COLUMNS if flag in given}
     preset = given.get("preset", DEFAULT_PRESET)
     if preset not in PRESETS:
         parser.error(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
     base: dict = {}
     if given.get("resume"):
         checkpoint = find_checkpoint(given["resume"], given.get("checkpoint_dir", defaults.checkpoint_dir))
-        saved = read_checkpoint_file(checkpoint / "model.pt")["args"]
-        base = {k: tuple(v) if isinstance(getattr(defaults, k), tuple) else v for k, v in saved.items()
-                if k in fields and k != "run_id"}  # the run id is name_run's to decide: continued or new
+        saved = stored_args(read_checkpoint_file(checkpoint / "model.pt")["args"])
+        base = {k: v for k, v in saved.items() if k in fields and k != "run_id"}  # run id: name_run decides
         given["resume"] = str(checkpoint)
     if "preset" in given or not base:
         base.update(PRESETS[preset][1], preset=preset)
-    return Hyperparameters(**{**base, **given})
+    merged = {**base, **given}
+    if column_values:
+        try:
+            merged["stages"] = set_stage_columns(merged.get("stages", Hyperparameters.stages), column_values)
+        except ValueError as e:
+            parser.error(str(e))
+    return Hyperparameters(**merged)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -763,7 +902,7 @@ class ModelConfig:
     @classmethod
     def from_args(cls, args: Hyperparameters) -> "ModelConfig":
         names = {f.name for f in dataclasses.fields(cls)} - {"max_seq_len", "yarn_windows"}
-        blocks = (*args.window_schedule, *([args.extension_window] if args.extension_steps else []),
+        blocks = (*(row.window for row in args.stages), *([args.extension_window] if args.extension_steps else []),
                   *([args.final_val_window] if args.final_val_window else []))
         yarn = tuple(dict.fromkeys(b * args.window_block for b in blocks)) if args.yarn else ()  # long windows
         longest = max(args.seq_len, args.val_seq_len) * (2 if args.paired_head_blocks else 1)  # paired: 2 per token
@@ -1813,31 +1952,30 @@ def window_tokens(blocks: int, block: int) -> tuple[int, int]:
 
 
 def training_stages(args: Hyperparameters) -> list[TrainingStage]:
-    """The schedule as a table: one stage per window_schedule entry (long window in blocks of
-    window_block tokens), each with its batch, document cut and learning-rate multiplier from the
-    *_schedule fields and its multi-token prediction weights from mtp_weights, splitting the
-    S = num_iterations - extension_steps scheduled steps equally: step s trains in stage
-    floor(n * s / (S + 1)) (the 2025-09-03 record's split of steps 0..S). An extension stage, if
-    any, follows at the last stage's batch and a longer window (the public record line's
-    extension, from 11/2025)."""
-    n, E = len(args.window_schedule), args.extension_steps
+    """The schedule table made concrete: one TrainingStage per row of args.stages (its long window in
+    blocks of window_block tokens, batch, document cut, learning-rate multiplier and multi-token
+    prediction weights), the S = num_iterations - extension_steps scheduled steps shared in proportion
+    to the rows' shares: with equal shares, step s trains in stage floor(n * s / (S + 1)) (the 2025-09-03
+    record's split of steps 0..S). An extension stage, if any, follows at the last stage's batch and a
+    longer window (the public record line's extension, from 11/2025)."""
+    rows, E = args.stages, args.extension_steps
     S = args.num_iterations - E
     micro = args.batch_size // args.seq_len
-    K = len(args.mtp_weights) // n
-    mtp_at = [args.mtp_weights[i * K: (i + 1) * K] for i in range(n)]  # at each stage's start
-    mtp_at.append(mtp_at[-1])  # held by the last stage and the extension
+    total, shares = sum(row.share for row in rows), 0
     stages = []
-    for i, ws in enumerate(args.window_schedule):
-        batch = args.batch_schedule[i] if args.batch_schedule else args.batch_size
-        spec = BatchSpec(batch, batch // micro, args.doc_len_schedule[i] if args.doc_len_schedule else args.max_doc_len)
-        end = -(-(i + 1) * (S + 1) // n) if not E or i < n - 1 else S
-        stages.append(TrainingStage(end=end, batch=spec, windows=window_tokens(ws, args.window_block),
-                                    lr_mult=args.lr_schedule[i] if args.lr_schedule else 1.0,
-                                    start=stages[-1].end if stages else 0, mtp=mtp_pairs(mtp_at[i], mtp_at[i + 1])))
+    for i, row in enumerate(rows):
+        shares += row.share
+        batch = row.batch or args.batch_size
+        spec = BatchSpec(batch, batch // micro, row.doc_len or args.max_doc_len)
+        end = -(-shares * (S + 1) // total) if not E or i < len(rows) - 1 else S
+        following = rows[i + 1].mtp if i + 1 < len(rows) else row.mtp  # the last row holds its weights
+        stages.append(TrainingStage(end=end, batch=spec, windows=window_tokens(row.window, args.window_block),
+                                    lr_mult=row.lr, start=stages[-1].end if stages else 0,
+                                    mtp=mtp_pairs(row.mtp, following)))
     if E:
         stages.append(TrainingStage(end=S + E + 1, batch=stages[-1].batch, lr_mult=1.0, start=S,
                                     windows=window_tokens(args.extension_window, args.window_block),
-                                    mtp=mtp_pairs(mtp_at[-1], mtp_at[-1])))
+                                    mtp=mtp_pairs(rows[-1].mtp, rows[-1].mtp)))
     return stages
 
 
@@ -2156,10 +2294,6 @@ def read_checkpoint_file(path: Path) -> dict:
                          "truncated: resume from another one") from e
 
 
-def tuple_or_value(v):
-    return tuple(v) if isinstance(v, (list, tuple)) else v
-
-
 def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, rank: int, world_size: int, log):
     """Restore weights and this rank's optimizer shards; return (step, data position, training ms).
     Refuses a checkpoint of another model shape, naming what differs. A checkpoint of another world
@@ -2167,9 +2301,9 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
     is the same on every rank: each reads the whole stream)."""
     meta = read_checkpoint_file(path / "model.pt")
     # a field newer than the checkpoint: the checkpoint's model had the field's default
-    saved = {**{f.name: f.default for f in dataclasses.fields(Hyperparameters)}, **meta["args"]}
+    saved = {**{f.name: f.default for f in dataclasses.fields(Hyperparameters)}, **stored_args(meta["args"])}
     diff = [f"{k}: checkpoint {saved[k]!r}, now {getattr(args, k)!r}" for k in MODEL_FIELDS
-            if tuple_or_value(saved[k]) != tuple_or_value(getattr(args, k))]
+            if saved[k] != getattr(args, k)]
     if diff:
         raise ValueError(f"{path} holds a different model: " + "; ".join(diff))
     if meta["code_hash"] != code_hash():
@@ -2499,9 +2633,9 @@ def start_processes(args: Hyperparameters) -> tuple[int, int, torch.device]:
 def changed_fields(checkpoint: Path, args: Hyperparameters) -> list[str]:
     """'field: checkpoint value -> this run's' for each hyperparameter that differs from the one the
     checkpoint was written with (the checkpoint and run id aside)."""
-    saved = read_checkpoint_file(checkpoint / "model.pt")["args"]
-    return [f"{k}: {tuple_or_value(v)!r} -> {getattr(args, k)!r}" for k, v in saved.items()
-            if k not in ("resume", "run_id") and hasattr(args, k) and tuple_or_value(v) != tuple_or_value(getattr(args, k))]
+    saved = stored_args(read_checkpoint_file(checkpoint / "model.pt")["args"])
+    return [f"{k}: {cli_text(v)} -> {cli_text(getattr(args, k))}" for k, v in saved.items()
+            if k not in ("resume", "run_id") and hasattr(args, k) and v != getattr(args, k)]
 
 
 def name_run(args: Hyperparameters, world_size: int) -> tuple[Hyperparameters, Path | None, list[str] | None]:
@@ -2551,8 +2685,8 @@ def log_header(log: Logger, args: Hyperparameters, device: torch.device, resume:
     log("=" * 100, console=False)
     log(environment_report(device), console=False)
     log("=" * 100, console=False)
-    for f in dataclasses.fields(args):
-        log(f"{f.name}: {getattr(args, f.name)}", console=False)
+    for f in dataclasses.fields(args):  # the stages table as --stages writes it
+        log(f"{f.name}: {cli_text(args.stages) if f.name == 'stages' else getattr(args, f.name)}", console=False)
 
 
 def prepare_data(args: Hyperparameters, rank: int, world_size: int, device: torch.device, log):

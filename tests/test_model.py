@@ -109,8 +109,11 @@ def test_command_line_overrides_every_kind_of_field():
     args = tg.parse_args(["--preset", "record-0903", "--num_iterations", "100", "--compile", "false",
                           "--window_schedule", "1,2", "--muon_lr", "0.1", "--window_pattern", "LSSSLSSLSSSL", "--run_id", "abc",
                           "--lr_schedule", "1,1.5"])
-    assert (args.num_iterations, args.compile, args.window_schedule, args.muon_lr, args.run_id, args.lr_schedule) == \
-        (100, False, (1, 2), 0.1, "abc", (1.0, 1.5))
+    assert (args.num_iterations, args.compile, args.stages, args.muon_lr, args.run_id) == \
+        (100, False, (tg.Stage(1, lr=1.0), tg.Stage(2, lr=1.5)), 0.1, "abc")
+    table = tg.parse_args(["--stages", "window=3,batch=131072,doc_len=896,mtp=0.5/0.25;window=7,lr=1.52,mtp=0/0,share=2"])
+    assert table.stages == (tg.Stage(3, batch=131072, doc_len=896, mtp=(0.5, 0.25)), tg.Stage(7, lr=1.52, mtp=(0, 0), share=2))
+    assert tg.parse_args(["--stages", tg.format_stages(table.stages)]).stages == table.stages  # the text round-trips
     assert tg.parse_args(["--preset", "record-0903"]) == tg.Hyperparameters()
 
 
@@ -307,7 +310,7 @@ def test_yarn_slows_only_the_frequencies_that_turn_few_times_across_the_old_wind
 def test_yarn_gives_each_long_window_of_the_schedule_its_tables_and_attention_scale():
     args = tg.Hyperparameters(**TINY, yarn=True, extension_steps=2, extension_window=4)
     cfg = tg.ModelConfig.from_args(args)
-    assert cfg.yarn_windows == (16, 32, 48, 64)  # window_schedule (1, 2, 3) then the extension's 4, x 16 tokens
+    assert cfg.yarn_windows == (16, 32, 48, 64)  # the stages' windows (1, 2, 3) then the extension's 4, x 16 tokens
     rotary = tg.Rotary(32, 256, 1 / 64, cfg.yarn_windows)
     plain = tg.Rotary(32, 256, 1 / 64)
     c0, s0, m0 = rotary.at(16)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt as tg
-from conftest import BOS, TINY
+from conftest import BOS, TINY, stages as table
 
 W3 = tg.window_tokens(3, TINY["window_block"])
 RECORD = (0.5, 0.25, 0.5, 0.0, 0.0, 0.0)  # the 2025-12-22 record's [1, .5, .25->0], [1, .5->0], [1]
@@ -143,7 +143,7 @@ def test_extra_terms_reach_the_embeddings_as_autograd_of_the_direct_formula_does
 
 
 def test_schedule_is_the_records_at_stage_starts_and_ends_and_linear_inside():
-    args = tg.Hyperparameters(mtp_weights=RECORD, num_iterations=30)
+    args = tg.Hyperparameters(stages=table(mtp_weights=RECORD), num_iterations=30)
     stages = tg.training_stages(args)
     assert [(st.start, st.end) for st in stages] == [(0, 11), (11, 21), (21, 31)]
     assert [st.mtp for st in stages] == [((0.5, 0.5), (0.25, 0.0)), ((0.5, 0.0),), ()]  # 2, 1, 0 extra targets
@@ -155,20 +155,25 @@ def test_schedule_is_the_records_at_stage_starts_and_ends_and_linear_inside():
         torch.testing.assert_close(w.diff(), torch.full((st.end - st.start - 1,), -w[0].item() / (st.end - st.start),
                                                         dtype=torch.float64))
     # the last stage and the extension hold the last stage's weights; off: no stage has any
-    args = tg.Hyperparameters(mtp_weights=(0.4, 0.2, 0.1), num_iterations=33, extension_steps=3, extension_window=13)
+    args = tg.Hyperparameters(stages=table(mtp_weights=(0.4, 0.2, 0.1)), num_iterations=33, extension_steps=3,
+                              extension_window=13)
     stages = tg.training_stages(args)
     assert [st.mtp for st in stages] == [((0.4, 0.2),), ((0.2, 0.1),), ((0.1, 0.1),), ((0.1, 0.1),)]
     assert tg.mtp_weights_at(stages[1], 16) == pytest.approx((0.15,)) and tg.mtp_weights_at(stages[3], 31) == (0.1,)
     assert all(st.mtp == () for st in tg.training_stages(tg.Hyperparameters(extension_steps=10, extension_window=13)))
-    assert tg.parse_args(["--preset", "record-0903", "--mtp_weights", "0.5,0.25,0.5,0,0,0"]).mtp_weights == RECORD
+    assert tg.parse_args(["--preset", "record-0903", "--mtp_weights", "0.5,0.25,0.5,0,0,0"]).stages == table(mtp_weights=RECORD)
     fused = tg.parse_args(["--mtp_weights", "0.5,0.25,0.5,0,0,0"])  # the record preset's fused loss takes them
-    assert fused.fused_ce and fused.mtp_weights == RECORD
+    assert fused.fused_ce and [row.mtp for row in fused.stages] == [(0.5, 0.25), (0.5, 0.0), (0.0, 0.0)]
+    assert [row.doc_len for row in fused.stages] == [896, 2048, 2048]  # the preset's other columns kept
 
 
-@pytest.mark.parametrize("weights", [(0.5, 0.25), (0.5, -0.1, 0.0), (math.nan, 0.0, 0.0), (math.inf, 0.0, 0.0)])
+@pytest.mark.parametrize("weights", [((0.5,), (0.25,), (0.1, 0.2)), ((0.5,), (-0.1,), (0.0,)), ((math.nan,), (0.0,), (0.0,)),
+                                     ((math.inf,), (0.0,), (0.0,))])
 def test_bad_weights_are_refused_naming_the_field(weights):
-    with pytest.raises(ValueError, match=r"mtp_weights=.*per stage of window_schedule"):
-        tg.Hyperparameters(mtp_weights=weights)
+    with pytest.raises(ValueError, match=r"every stage needs the same number of finite mtp weights >= 0"):
+        tg.Hyperparameters(stages=tuple(tg.Stage(w, mtp=m) for w, m in zip((3, 7, 11), weights)))
+    with pytest.raises(SystemExit):  # on the command line, a count that does not split by stage
+        tg.parse_args(["--mtp_weights", "0.5,0.25"])
 
 
 def test_a_run_with_multi_token_prediction_trains_on_the_scheduled_weights_and_learns(tiny_args, monkeypatch):
@@ -179,13 +184,13 @@ def test_a_run_with_multi_token_prediction_trains_on_the_scheduled_weights_and_l
             seen.append(None if mtp_weights is None else mtp_weights.clone())
         return forward(self, *a, mtp_weights=mtp_weights, **kw)
     monkeypatch.setattr(tg.GPT, "forward", recording)
-    run = tg.train(tiny_args(num_iterations=20, val_every=10, mtp_weights=RECORD))
+    run = tg.train(tiny_args(num_iterations=20, val_every=10, stages=table(TINY["stages"], mtp_weights=RECORD)))
     losses = [v for _, v in run.val_losses]
     assert abs(losses[0] - math.log(64)) < 1e-3  # validation is next-token cross-entropy only
     assert losses[-1] < losses[0] - 1.0 and losses[-1] < losses[1]
     # step 0, zero-init head: every term is log 64, weighted 1 + 0.5 + 0.25 where the targets are in the document
     assert 1.6 * math.log(64) < run.train_losses[0] < 1.75 * math.log(64)
-    stages = tg.training_stages(tiny_args(mtp_weights=RECORD, num_iterations=20))
+    stages = tg.training_stages(tiny_args(stages=table(TINY["stages"], mtp_weights=RECORD), num_iterations=20))
     assert [(st.end, len(st.mtp)) for st in stages] == [(7, 2), (14, 1), (21, 0)]
     assert len(seen) == 20 * 8  # 8 micro-batches a step
     for step in range(20):
@@ -201,5 +206,6 @@ def test_warmup_compiles_each_stage_whose_number_of_extra_targets_differs(tiny_a
         seen.append(len(stage.mtp))
         return train_step(model, compiled, optimizers, micro, step, stage, args)
     monkeypatch.setattr(tg, "train_step", recording)
-    tg.train(tiny_args(num_iterations=6, val_every=0, window_schedule=(2, 2, 2), warmup_steps=1, mtp_weights=RECORD))
+    tg.train(tiny_args(num_iterations=6, val_every=0, warmup_steps=1,
+                       stages=table(window_schedule=(2, 2, 2), mtp_weights=RECORD)))
     assert seen[:3] == [2, 1, 0]  # one warm-up step per shape, though the windows are the same

@@ -415,12 +415,14 @@ def test_a_rank_that_dies_or_hangs_fails_the_others_within_the_collective_timeou
 
 
 def test_smoke_preset_gets_within_a_tenth_of_a_nat_of_its_entropy_floor(tmp_path):
-    """The newcomer's main job: --preset smoke (about a minute on a 2-core CPU) must visibly learn."""
+    """The newcomer's main job: --preset smoke (about a minute on a 2-core CPU) must visibly learn, and leave
+    the checkpoint that the README's `python sample.py latest` reads."""
     (tmp_path / "d").mkdir()
     args = tg.parse_args(["--preset", "smoke", "--train_files", str(tmp_path / "d/markov_train_*.bin"),
                           "--val_files", str(tmp_path / "d/markov_val_*.bin"), "--log_dir", str(tmp_path / "logs"),
-                          "--log_every", "0"])
+                          "--log_every", "0", "--checkpoint_dir", str(tmp_path / "ck")])
     run = tg.train(args)
+    assert tg.find_checkpoint("latest", str(tmp_path / "ck")).name == "step_000150"
     floor = tg.markov_chain(args.vocab_size, args.bos_id)[1]
     first, final = run.val_losses[0][1], run.val_losses[-1][1]
     assert abs(first - math.log(args.vocab_size)) < 0.01  # starts uniform

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import train_gpt as tg
-from conftest import LATER_RECORDS
+from conftest import LATER_RECORDS, TINY, stages as table
 from distributed import spawn
 
 
@@ -61,7 +61,7 @@ def test_warmup_leaves_weights_and_optimizer_state_bit_identical(tiny_args):
     original_step = optimizers[1].step
     optimizers[1].step = lambda: (original_step(), changed.append(model.blocks[0].mlp.fc_w.clone()))
     tg.warmup(model, compiled, optimizers, producer, val, tg.training_stages(args), args, 1)
-    assert len(changed) == 2 * len(args.window_schedule)
+    assert len(changed) == 2 * len(args.stages)
     assert not torch.equal(changed[-1], before_model["blocks.0.mlp.fc_w"]), "warm-up really trained"
     for k, v in model.state_dict().items():
         assert torch.equal(v, before_model[k]), k
@@ -112,16 +112,16 @@ def test_window_stages_split_the_steps_as_the_0903_record_does(N):
     """The record trains step s (0..N; N is the final validation) at window index floor(3s / (N + 1))."""
     args = tg.parse_args(["--preset", "record-0903", "--num_iterations", str(N)])
     stages = tg.training_stages(args)
-    expected = [tg.window_tokens(args.window_schedule[3 * s // (N + 1)], args.window_block) for s in range(N + 1)]
+    expected = [tg.window_tokens((3, 7, 11)[3 * s // (N + 1)], args.window_block) for s in range(N + 1)]
     assert [tg.stage_at(stages, s).windows for s in range(N + 1)] == expected
-    assert len(args.window_schedule) == 3
+    assert [row.window for row in args.stages] == [3, 7, 11]
 
 
 # The public record line's schedule after 09/03 (records of 11/2025 to 07/2026): three stages of
 # batch 131,072 / 262,144 / 393,216 tokens, documents cut at 896 then 2,048, windows 3 / 7 / 11 blocks,
 # stage learning-rate multipliers 1 / 1.52 / 1.73, then 10 extension steps at a 13-block window.
-LINE = dict(batch_schedule=(131072, 262144, 393216), doc_len_schedule=(896, 2048, 2048), lr_schedule=(1.0, 1.52, 1.73),
-            extension_steps=10, extension_window=13, num_iterations=1390, cooldown_frac=0.6, final_lr_frac=0.15,
+LINE = dict(stages=table(batch_schedule=(131072, 262144, 393216), doc_len_schedule=(896, 2048, 2048),
+                          lr_schedule=(1.0, 1.52, 1.73)), extension_steps=10, extension_window=13, num_iterations=1390, cooldown_frac=0.6, final_lr_frac=0.15,
             muon_momentum_cooldown=50)
 
 
@@ -166,9 +166,10 @@ def test_default_schedule_is_the_0903_record_unchanged():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(batch_schedule=(131072, 262144)), "batch_schedule=.* needs one entry per stage"),
-    (dict(batch_schedule=(131072, 262144, 786432)), "micro-batches of at most seq_len=49152"),
-    (dict(batch_schedule=(131071, 262144, 393216)), "split into batch_size/seq_len=8"),
+    (dict(stages=(tg.Stage(3, batch=131072), tg.Stage(7, batch=786432))), "stage 2: batch=786432 .* micro-batches of at most seq_len=49152"),
+    (dict(stages=(tg.Stage(3, batch=131071),)), "stage 1: batch=131071 must split into batch_size/seq_len=8"),
+    (dict(stages=(tg.Stage(3), tg.Stage(7, share=0))), "stage 2 .*window and share must be >= 1"),
+    (dict(stages=()), "one Stage row or more"),
     (dict(extension_steps=10), "extension_steps=10 and extension_window=0"),
 ])
 def test_a_schedule_that_cannot_run_is_refused_naming_the_field(fields, message):
@@ -177,8 +178,9 @@ def test_a_schedule_that_cannot_run_is_refused_naming_the_field(fields, message)
 
 
 def test_a_staged_run_trains_each_stage_at_its_batch_and_learns(tiny_args, monkeypatch):
-    args = tiny_args(num_iterations=24, val_every=0, batch_schedule=(256, 512, 1024), doc_len_schedule=(32, 96, 96),
-                     lr_schedule=(1.0, 1.2, 1.4), extension_steps=3, extension_window=4, muon_momentum_cooldown=4)
+    rows = table(TINY["stages"], batch_schedule=(256, 512, 1024), doc_len_schedule=(32, 96, 96), lr_schedule=(1.0, 1.2, 1.4))
+    args = tiny_args(num_iterations=24, val_every=0, stages=rows, extension_steps=3, extension_window=4,
+                     muon_momentum_cooldown=4)
     seen, train_step = [], tg.train_step
 
     def recording(model, compiled, optimizers, micro, step, stage, args):

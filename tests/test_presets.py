@@ -1,0 +1,54 @@
+"""Every preset resolves to the run it resolved to when tests/data/presets_pinned.json was written: each
+hyperparameter, and the schedule as training_stages makes it (steps, batch, micro-batch, document cut,
+windows, lr, multi-token prediction). A change that means to alter a preset rewrites the file with
+`python tests/test_presets.py --write` and shows the difference in its diff."""
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_gpt as tg  # noqa: E402
+
+PINNED = Path(__file__).resolve().parent / "data" / "presets_pinned.json"
+
+
+def resolved(name: str) -> dict:
+    """The preset's fields (paths under DATA_PATH written relative to it) and its concrete schedule."""
+    args = tg.parse_args(["--preset", name])
+    fields = {}
+    for key, value in dataclasses.asdict(args).items():
+        if key == "stages":
+            continue
+        if isinstance(value, str) and value.startswith(tg.DATA_PATH):
+            value = "<DATA_PATH>" + value[len(tg.DATA_PATH):]
+        fields[key] = list(value) if isinstance(value, tuple) else value
+    stages = [[st.start, st.end, st.batch.batch_size, st.batch.seq_len, st.batch.max_doc_len, list(st.windows),
+               st.lr_mult, [list(m) for m in st.mtp]] for st in tg.training_stages(args)]
+    return dict(fields=fields, stages=stages)
+
+
+@pytest.mark.parametrize("name", list(tg.PRESETS))
+def test_every_preset_resolves_to_its_pinned_run(name):
+    pinned = json.loads(PINNED.read_text())
+    assert set(pinned) == set(tg.PRESETS), "a preset was added or removed: rewrite the pin (--write)"
+    now = resolved(name)
+    assert now["stages"] == pinned[name]["stages"]
+    changed = {k: (pinned[name]["fields"].get(k, "(absent)"), now["fields"].get(k, "(absent)"))
+               for k in set(now["fields"]) | set(pinned[name]["fields"])
+               if now["fields"].get(k, "(absent)") != pinned[name]["fields"].get(k, "(absent)")}
+    assert not changed, f"--preset {name}: pinned -> now {changed}"
+
+
+def test_the_pin_notices_a_changed_stage(monkeypatch):
+    rows = tg.RECORD_LINE["stages"]
+    monkeypatch.setitem(tg.RECORD_LINE, "stages", (dataclasses.replace(rows[0], doc_len=1024), *rows[1:]))
+    with pytest.raises(AssertionError):
+        test_every_preset_resolves_to_its_pinned_run("record")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
+    PINNED.write_text(json.dumps({name: resolved(name) for name in tg.PRESETS}, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {PINNED}")
