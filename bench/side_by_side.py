@@ -3,7 +3,7 @@
 
     python bench/side_by_side.py --public PATH/TO/modded-nanogpt \\
         --train_files "DIR/fineweb_train_*.bin" --val_files "DIR/fineweb_val_*.bin" \\
-        [--public_code master|89|0903] [--public_commit HASH] [--public_attention fa3|varlen] \\
+        [--public_code master|89|0903|mudd-base|mudd-v1] [--public_commit HASH] [--public_attention fa3|varlen] \\
         [--batch_div 16] [--step_div 1] [--accum N] [--val_every 125] [--seeds 0 1 2] [--public_seeds 0 1 2] \\
         [--ours_args "FLAGS"] [--variant NAME "FLAGS" ...] [--parallel [--stagger]] [--target LOSS] [--out table.md]
 
@@ -13,17 +13,22 @@ Public codes (--public_code), all read from a checkout of KellerJordan/modded-na
   89      record #89 (2026-07-17, FP8 MLP down projection): the script embedded in its log
   0903    the 2025-09-03 record: the script embedded in its logs (the 09/03 protocol, unchanged: --steps,
           --batch_size; it links the shards three times over, as the results of that protocol did)
+  mudd-base  the 2026-05-27 MUDD record folder's baseline (the 2026-05-07 XSA-gated record's code, 1375 + 10
+          steps): the script embedded in one xsa-baseline-s1385 log
+  mudd-v1 the same folder's v1: that baseline plus the MUDD gate and lightweight layer-10 DC attention (and
+          the XSA / attention-gate paths they replace), 1315 + 20 steps: the script embedded in one this_pr_v1 log
 
 The public files are staged in a work folder outside this project and run from there (so its imports
 cannot meet our kernels.py), after the run-time patches listed in PATCHES, each of which must find its
 anchor or the harness stops naming it. Nothing of the public code is kept in this repository.
 
-The scaling rule (master, 89): the public schedule trains 338.8M tokens; the proxy corpus has about 22M
-after the public loader's document cutting. Either every stage's batch is divided by --batch_div (16;
-steps and step constants kept: 8K / 16K / 24K-token steps, one micro-batch each) or the step counts and
-step constants by --step_div at the real batches (the real-shape check, and the timing run). Every run
-is checked before it starts: the tokens its schedule reads, simulated with each code's own document
-cutting, must fit in the shards once; a run that would repeat data is refused with an error.
+The scaling rule (every code but 0903): the public schedule trains 338.8M tokens (mudd-base 364.4M,
+mudd-v1 352.6M); the proxy corpus has about 22M after the public loader's document cutting. Either every
+stage's batch is divided by --batch_div (16; steps and step constants kept: 8K / 16K / 24K-token steps,
+one micro-batch each) or the step counts and step constants by --step_div at the real batches (the
+real-shape check, and the timing run). Every run is checked before it starts: the tokens its schedule
+reads, simulated with each code's own document cutting, must fit in the shards once; a run that would
+repeat data is refused with an error.
 
 Validation is the same for both codes: the first --val_tokens tokens of the val shard in buffers of
 --val_seq_len (the public val_batch_size becomes accum x val_seq_len).
@@ -56,8 +61,15 @@ sys.path.insert(0, str(ROOT))
 import train_gpt as tg  # noqa: E402  (shard headers and loading, our schedule and document cutting)
 
 PUBLIC_MASTER = "f411b3d346aa52d3504324ca93c230fd84c6c07f"  # master of 2026-08-01: record #89 and its follow-ups
+MUDD_FOLDER = "records/track_1_short/2026-05-27-MuddGatedAndDC"
 RECORD_LOGS = {"0903": "records/track_1_short/2025-09-03_FA3/*.txt",
-               "89": "records/track_1_short/2026-07-17_FP8DownProjection/this_pr/11cb620c-*.txt"}
+               "89": "records/track_1_short/2026-07-17_FP8DownProjection/this_pr/11cb620c-*.txt",
+               "mudd-base": f"{MUDD_FOLDER}/xsa-baseline-s1385/0904ecd7-4d32-4773-9955-fa363c1f0dbe.txt",
+               "mudd-v1": f"{MUDD_FOLDER}/this_pr_v1/xsaexp8_10_dc_muddgate_ag3710_s1315e20_mglr015_06e4090a.txt"}
+# The md5 of the embedded source (the log text before its 100-'=' line) of the logs pinned by exact path: the
+# harness refuses another text under that path. (All ten s1385 logs embed the same train_gpt.py, as do 8 of the
+# 11 v1 logs; the other 3 differ from it only in run_id's label.)
+RECORD_MD5 = {"mudd-base": "e500827cba49e877846e86c0e5804e6b", "mudd-v1": "f18b04287ac0d6dd04a1a4b6b5c0154d"}
 KERNEL_FILES = ("triton_kernels.py", "dc_triton_kernels.py")  # imported by the public script when present
 SEPARATOR = "=" * 100
 FILE_MARK = re.compile(r"\n\n-{40}\n# (\S+\.py)\n-{40}\n\n")  # between the files a public log embeds
@@ -77,7 +89,7 @@ def fail(msg: str):
 
 @dataclass
 class PublicCode:
-    name: str  # "master", "89", "0903"
+    name: str  # "master", "89", "0903", "mudd-base", "mudd-v1"
     files: dict[str, str]  # file name -> source, train_gpt.py first
     origin: str  # the commit, or the log and its md5
 
@@ -95,7 +107,7 @@ def split_logged_source(text: str) -> dict[str, str]:
 
 
 def public_source(checkout: Path, code: str = "0903", commit: str = PUBLIC_MASTER) -> PublicCode:
-    """The public code: from a record's log (0903, 89) or from a commit of the checkout (master)."""
+    """The public code: from a record's log (0903, 89, mudd-*) or from a commit of the checkout (master)."""
     if code == "master":
         def show(path):
             return subprocess.run(["git", "-C", str(checkout), "show", f"{commit}:{path}"], capture_output=True,
@@ -120,6 +132,8 @@ def public_source(checkout: Path, code: str = "0903", commit: str = PUBLIC_MASTE
         fail(f"{logs[0]} holds no line of 100 '=' after its source")
     files = split_logged_source(text)
     md5 = hashlib.md5(text[: text.index(SEPARATOR)].encode()).hexdigest()
+    if code in RECORD_MD5 and md5 != RECORD_MD5[code]:
+        fail(f"{logs[0]} embeds a source of md5 {md5}, not the pinned {RECORD_MD5[code]}")
     return PublicCode(code, files, f"{logs[0].relative_to(checkout)} (md5 {md5})")
 
 
@@ -158,7 +172,7 @@ def seed_public(source: str, seed: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# The public schedule (master, 89): its stage table, scaled by the rule
+# The public schedule (every code but 0903): its stage table, scaled by the rule
 
 
 @dataclass(frozen=True)
@@ -379,23 +393,28 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                        window_size=(left, 0 if causal else -1))
 '''
 
-# What the master and #89 scripts need to run here, applied to the staged copy. (name, what and why)
+# What the staged scripts (master, 89, mudd-base, mudd-v1) need to run here, applied to the staged copy.
+# (name, what and why)
 PATCHES = [
     ("hub_fa3_loader", "the Hugging Face hub FlashAttention-3 loader (`from kernels import get_kernel`, "
-     "`get_kernel('kernels-community/flash-attn3')`) is replaced by harness_attention.py, a custom op over "
+     "`get_kernel('kernels-community/flash-attn3')`; in the MUDD folder's scripts the forms of MUDD_HUB_LOADERS) "
+     "is replaced by harness_attention.py, a custom op over "
      "FA3 from xformers==0.0.34 (num_splits=1: the default of FA3's Python interface, whose flash_attn_varlen_func "
      "the public code calls; the raw op's default splits the keys and adds a combine kernel) or PyTorch's "
      "varlen_attn (--public_attention); the hub is unreachable here"),
     ("fp8_scale_alignment", "the per-layer FP8 scales that reach torch._scaled_mm (`_mlp_down_proj_scales[i:i+1]`, "
      "`_mlp_down_act_scales[i:i+1]`) are gathered into fresh one-element tensors (`[[i]]`): cuBLASLt under CUDA 13 "
      "refuses a scale whose address is not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED), which the slices "
-     "of a 12-float buffer are unless i % 4 == 0 (a .clone() would not do: Inductor removes it as a no-op)"),
+     "of a 12-float buffer are unless i % 4 == 0 (a .clone() would not do: Inductor removes it as a no-op); "
+     "master and 89 only (FP8_MLP_CODES): the MUDD scripts' FP8 matmuls take fresh scalar scales"),
     ("data_and_validation", "train_files, val_files, val_tokens, val_batch_size = accum x val_seq_len, "
      "val_loss_every, run_id"),
     ("micro_batches", "grad_accum_steps = --accum on one GPU (the public code hard-codes 8 // world_size)"),
     ("batch_div", "every stage's batch_size divided by --batch_div (a loop after TRAINING_STAGES)"),
     ("step_div", "num_scheduled_iterations, num_extension_iterations (at least 1), Muon momentum warm-up "
-     "(300) and cool-down (50) steps and the FP8 down-projection bootstrap (step < 16) divided by --step_div"),
+     "(300) and cool-down (50) steps and the FP8 down-projection bootstrap (step < 16; master and 89, the "
+     "MUDD scripts have none) divided by --step_div"),
+    ("log_dir", "the log goes to logs/RUN_ID.txt, where the harness reads it (mudd-v1 writes to logs0527/)"),
     ("stage_log", "one log line with the schedule's stage boundaries, checked against the harness's own"),
     ("seed", "torch.manual_seed(seed) before the model is built (the public script sets none)"),
     ("profile", "with --profile_step N: torch.profiler over training steps N and N+1, its top kernels printed"),
@@ -415,22 +434,61 @@ PROFILE_HOOK = """    if step == {n}:  # harness: profile two training steps
 """
 
 
+STAND_IN_IMPORT = "import harness_attention as flash_attn_interface  # harness: stand-in for the hub FA3 loader"
+
+# The hub FlashAttention-3 loader of the MUDD record folder's scripts (patch 'hub_fa3_loader'), each line
+# replaced by the stand-in: the baseline loads varunneal's build on one line; v1 tries kernels-community's, falls
+# back to varunneal's (that fallback now re-raises) and uses the module's flash_attn_interface attribute if it
+# has one (the stand-in has none: the module itself is the interface).
+MUDD_HUB_LOADERS = {
+    "mudd-base": [("\nflash_attn_interface = get_kernel('varunneal/flash-attention-3').flash_attn_interface\n",
+                   f"\n{STAND_IN_IMPORT}\n")],
+    "mudd-v1": [('    _fa3_mod = get_kernel("kernels-community/flash-attn3")\n',
+                 "    import harness_attention as _fa3_mod  # harness: stand-in for the hub FA3 loader\n"),
+                ('    _fa3_mod = get_kernel("varunneal/flash-attention-3", trust_remote_code=True)\n',
+                 "    raise  # harness: no second hub loader\n")],
+}
+# The codes whose FP8 MLP keeps per-layer scale buffers and a bootstrap step (record #89's line): they get the
+# fp8_scale_alignment patch and step_div's bootstrap constant; a script of another code must have neither.
+FP8_MLP_CODES = ("master", "89")
+# The codes whose script writes its log elsewhere than logs/ (patch 'log_dir').
+LOG_DIRS = {"mudd-v1": "logs0527"}
+
+
+def patches_for(name: str) -> list[str]:
+    """The PATCHES a staged code gets (profile and start_after when asked for)."""
+    return [n for n, _ in PATCHES if n != "fp8_scale_alignment" or name in FP8_MLP_CODES]
+
+
 def patch_public(code: PublicCode, *, train_glob: str, val_file: str, val_tokens: int, val_seq_len: int,
                  val_every: int, accum: int, batch_div: int, step_div: int, attention: str,
                  profile_step: int | None = None, start_after: str | None = None) -> dict[str, str]:
-    """The staged files of the master / #89 code after PATCHES (seed and run_id are per run, later)."""
+    """The staged files of a staged code (master, 89, mudd-*) after PATCHES (seed and run_id are per run, later)."""
     s = code.script
-    if "get_kernel('kernels-community/flash-attn3'" in s:
+    if code.name in MUDD_HUB_LOADERS:
         s = patch(s, "hub_fa3_loader", "from kernels import get_kernel\n",
                   "# from kernels import get_kernel  (harness: the hub loader is replaced below)\n")
-        s = re.sub(r"^flash_attn_interface = get_kernel\('kernels-community/flash-attn3'.*$",
-                   "import harness_attention as flash_attn_interface  # harness: stand-in for the hub FA3 loader",
+        for old, new in MUDD_HUB_LOADERS[code.name]:
+            s = patch(s, "hub_fa3_loader", old, new)
+    elif "get_kernel('kernels-community/flash-attn3'" in s:
+        s = patch(s, "hub_fa3_loader", "from kernels import get_kernel\n",
+                  "# from kernels import get_kernel  (harness: the hub loader is replaced below)\n")
+        s = re.sub(r"^flash_attn_interface = get_kernel\('kernels-community/flash-attn3'.*$", STAND_IN_IMPORT,
                    s, count=1, flags=re.M)
     else:
         fail("patch 'hub_fa3_loader': the public script does not load FlashAttention-3 through get_kernel")
-    s = patch(s, "fp8_scale_alignment", "self._mlp_down_proj_scales[i:i+1] for i in range(12)",
-              "self._mlp_down_proj_scales[[i]] for i in range(12)")
-    s = patch(s, "fp8_scale_alignment", "self._mlp_down_act_scales[i:i+1],", "self._mlp_down_act_scales[[i]],")
+    if re.search(r"^[^#\n]*\bget_kernel\(", s, re.M):
+        fail("patch 'hub_fa3_loader': the public script still calls get_kernel after the patch")
+    if code.name in FP8_MLP_CODES:
+        s = patch(s, "fp8_scale_alignment", "self._mlp_down_proj_scales[i:i+1] for i in range(12)",
+                  "self._mlp_down_proj_scales[[i]] for i in range(12)")
+        s = patch(s, "fp8_scale_alignment", "self._mlp_down_act_scales[i:i+1],", "self._mlp_down_act_scales[[i]],")
+    elif "_mlp_down_proj_scales" in s or "_mlp_down_act_scales" in s or "bootstrap_down" in s:
+        fail(f"patch 'fp8_scale_alignment': the {code.name} script has per-layer FP8 MLP scales or their bootstrap; "
+             "list it in FP8_MLP_CODES")
+    if code.name in LOG_DIRS:
+        s = patch(s, "log_dir", f'"{LOG_DIRS[code.name]}', '"logs', count=2)
+    s = patch(s, "log_dir", 'logfile = f"logs/{run_id}.txt"', 'logfile = f"logs/{run_id}.txt"')  # where we read it
     for field, value in [("train_files", repr(train_glob)), ("val_files", repr(val_file)),
                          ("val_tokens", str(val_tokens)), ("val_batch_size", str(accum * val_seq_len)),
                          ("val_loss_every", str(val_every))]:
@@ -447,7 +505,9 @@ def patch_public(code: PublicCode, *, train_glob: str, val_file: str, val_tokens
         s = override(s, "num_extension_iterations", str(max(1, round(E / step_div))))
         s = patch(s, "step_div", "muon_warmup_steps=300, muon_cooldown_steps=50",
                   f"muon_warmup_steps={round(300 / step_div)}, muon_cooldown_steps={max(1, round(50 / step_div))}")
-        s = patch(s, "step_div", "bootstrap_down=(step < 16)", f"bootstrap_down=(step < {max(1, round(16 / step_div))})")
+        if code.name in FP8_MLP_CODES:
+            s = patch(s, "step_div", "bootstrap_down=(step < 16)",
+                      f"bootstrap_down=(step < {max(1, round(16 / step_div))})")
     if profile_step is not None:
         anchor = "    # --------------- TRAINING SECTION -----------------\n"
         s = patch(s, "profile", anchor, anchor + PROFILE_HOOK.format(n=profile_step))
@@ -694,16 +754,17 @@ def stage_table(per_run: dict[str, list[dict]]) -> list[str]:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--public", required=True, type=Path, help="a checkout of KellerJordan/modded-nanogpt")
-    p.add_argument("--public_code", choices=["master", "89", "0903"], default="master")
+    p.add_argument("--public_code", choices=["master", "89", "0903", *RECORD_MD5], default="master")
     p.add_argument("--public_commit", default=PUBLIC_MASTER, help="the commit --public_code master runs")
     p.add_argument("--public_attention", choices=["fa3", "varlen"], default="fa3",
-                   help="master/89: the public code's attention (FA3 of xformers==0.0.34, or PyTorch's varlen); "
+                   help="all but 0903: the public code's attention (FA3 of xformers==0.0.34, or PyTorch's varlen); "
                         "ours gets --attention of the same kernels")
     p.add_argument("--train_files", required=True)
     p.add_argument("--val_files", required=True)
-    p.add_argument("--batch_div", type=int, default=16, help="master/89: divide every stage's batch by this")
-    p.add_argument("--step_div", type=int, default=1, help="master/89: divide step counts and step constants by this")
-    p.add_argument("--accum", type=int, help="master/89: micro-batches per step (default: 1 with --batch_div > 1, "
+    p.add_argument("--batch_div", type=int, default=16, help="all but 0903: divide every stage's batch by this")
+    p.add_argument("--step_div", type=int, default=1,
+                   help="all but 0903: divide step counts and step constants by this")
+    p.add_argument("--accum", type=int, help="all but 0903: micro-batches per step (default: 1 with --batch_div > 1, "
                    "else 8, the public code on one GPU)")
     p.add_argument("--steps", type=int, default=400, help="0903: training steps")
     p.add_argument("--batch_size", type=int, default=8 * 16384, help="0903: tokens per step")
@@ -726,9 +787,9 @@ def main():
                    f"(0: as many as fit, one per {RUN_GIB} GiB of GPU memory)")
     p.add_argument("--work", type=Path, default=Path("/tmp/side_by_side"), help="staging and log folder")
     p.add_argument("--target", type=float, help="also tabulate the tokens and time each run took to reach this val loss")
-    p.add_argument("--profile_step", type=int, help="master/89: profile public training steps N and N+1 and print "
+    p.add_argument("--profile_step", type=int, help="all but 0903: profile public training steps N and N+1 and print "
                    "the top kernels into its log")
-    p.add_argument("--start_after", help="master/89: public runs wait after their warm-up until this file exists, "
+    p.add_argument("--start_after", help="all but 0903: public runs wait after their warm-up until this file exists, "
                    "then start the clock (compile a timing run while learning runs still share the GPU)")
     p.add_argument("--check_only", action="store_true", help="stage and check the data plan, run nothing")
     p.add_argument("--out", type=Path, help="also write the table here")
@@ -839,7 +900,8 @@ def main():
     lines = [f"Device: {device}; PyTorch {torch.__version__}; public code {code.name}: {code.origin}; {rule}; "
              f"validation {a.val_tokens:,} tokens in buffers of {a.val_seq_len:,}{shared}",
              f"Command: python bench/side_by_side.py {' '.join(sys.argv[1:])}", *(["Data: " + "; ".join(plans)] if plans else []),
-             *([f"Patches: {', '.join(n for n, _ in PATCHES)} (bench/side_by_side.py PATCHES)"] if staged_code else []),
+             *([f"Patches: {', '.join(patches_for(code.name))} (bench/side_by_side.py PATCHES)"]
+               if staged_code else []),
              "", *format_table(results, groups), "", *finals_table(results, groups, seeds)]
     if a.target is not None:
         lines += ["", *target_table(results, a.target, a.batch_size)]

@@ -189,6 +189,9 @@ training_schedule = TrainingSchedule(TRAINING_STAGES, args.num_scheduled_iterati
 
 def get_muon_momentum(step: int, muon_warmup_steps=300, muon_cooldown_steps=50, momentum_min=0.85, momentum_max=0.95):
     pass
+if master_process:
+    os.makedirs("logs", exist_ok=True)
+    logfile = f"logs/{run_id}.txt"
 print0("=" * 100)
 model: nn.Module = GPT(
     vocab_size=50257,
@@ -270,6 +273,7 @@ def test_step_div_scales_the_step_counts_and_step_constants():
     ("\ntraining_schedule = TrainingSchedule(", "batch_div"),
     ("bootstrap_down=(step < 16)", "step_div"),
     ("\nmodel: nn.Module = GPT(", "stage_log"),
+    ('logfile = f"logs/{run_id}.txt"', "log_dir"),
 ])
 def test_a_public_script_without_a_patch_anchor_is_refused_naming_the_patch(anchor, patch):
     code = master_code(MASTER_LIKE.replace(anchor, "\n# gone\n"))
@@ -428,3 +432,181 @@ def test_staggered_runs_wait_for_their_code_s_first_run_to_train(monkeypatch, tm
     order.clear()
     fh.launch_all(runs, at_once=4, stagger=False)
     assert order == ["p0", "p1", "o0", "o1"]
+
+
+# ---- the 2026-05-27 MUDD record folder: its baseline (mudd-base) and v1 (mudd-v1), for the proxy validity check
+
+FP8_LINES = '''        if use_mlp_fp8:
+            mlp_down_proj_scales = [self._mlp_down_proj_scales[i:i+1] for i in range(12)]
+            mlp_args = (
+                    self._mlp_down_act_scales[i:i+1],
+            )
+'''
+MASTER_HUB = "flash_attn_interface = get_kernel('kernels-community/flash-attn3', version=1).flash_attn_interface\n"
+# Stand-ins with the lines each patch anchors on in the two scripts (older than master: no per-layer FP8 scales,
+# no FP8 bootstrap, another hub loader; v1 logs to logs0527/), not the public code.
+BASE_HUB = "flash_attn_interface = get_kernel('varunneal/flash-attention-3').flash_attn_interface\n"
+MUDD_BASE_LIKE = (MASTER_LIKE.replace(MASTER_HUB, BASE_HUB).replace(FP8_LINES, "        pass\n")
+                  .replace("    model.quantize_mlp_fp8(bootstrap_down=(step < 16))\n", "    pass\n")
+                  .replace("iterations: int = 1270", "iterations: int = 1375")
+                  .replace("iterations: int = 15", "iterations: int = 10"))
+MUDD_V1_LIKE = (MUDD_BASE_LIKE.replace(BASE_HUB, "# " + BASE_HUB)
+                .replace("grad_accum_steps = 8 // world_size\n", '''grad_accum_steps = 8 // world_size
+try:
+    _fa3_mod = get_kernel("kernels-community/flash-attn3")
+except BaseException as exc:
+    print(f"load failed: {exc}", flush=True)
+    _fa3_mod = get_kernel("varunneal/flash-attention-3", trust_remote_code=True)
+flash_attn_interface = getattr(_fa3_mod, "flash_attn_interface", _fa3_mod)
+''').replace("iterations: int = 1375", "iterations: int = 1315").replace("iterations: int = 10", "iterations: int = 20")
+                .replace('"logs"', '"logs0527"').replace('f"logs/{run_id}.txt"', 'f"logs0527/{run_id}.txt"'))
+MUDD_LIKE = {"mudd-base": MUDD_BASE_LIKE, "mudd-v1": MUDD_V1_LIKE}
+
+
+def mudd_code(name, source=None):
+    files = {"train_gpt.py": source or MUDD_LIKE[name], "triton_kernels.py": "# kernels\n"}
+    if name == "mudd-v1":
+        files["dc_triton_kernels.py"] = "# dc kernels\n"
+    return fh.PublicCode(name, files, "log x")
+
+
+def test_the_mudd_stand_ins_differ_from_master_where_the_scripts_do():
+    assert MUDD_BASE_LIKE.count("varunneal") == 1
+    assert "_scales" not in MUDD_BASE_LIKE and "bootstrap" not in MUDD_BASE_LIKE
+    assert MUDD_V1_LIKE.count("logs0527") == 2 and MUDD_V1_LIKE.count("get_kernel(") == 3
+    for s in MUDD_LIKE.values():
+        compile(s, "stand-in", "exec")
+
+
+@pytest.mark.parametrize("name", ["mudd-base", "mudd-v1"])
+def test_every_patch_of_the_mudd_scripts_is_applied(name):
+    files = fh.patch_public(mudd_code(name), accum=1, batch_div=16, step_div=1, **STAGING)
+    s = files["train_gpt.py"]
+    assert not re.search(r"^[^#\n]*get_kernel\(", s, re.M) and "\nfrom kernels import" not in s
+    if name == "mudd-base":
+        assert "\nimport harness_attention as flash_attn_interface  # harness" in s
+    else:  # the try imports the stand-in, the fallback re-raises, getattr(...) gives the module itself
+        assert "\n    import harness_attention as _fa3_mod  # harness" in s and "\n    raise  # harness" in s
+        assert 'flash_attn_interface = getattr(_fa3_mod, "flash_attn_interface", _fa3_mod)' in s
+        assert "logs0527" not in s and 'os.makedirs("logs", exist_ok=True)' in s
+    assert 'logfile = f"logs/{run_id}.txt"' in s
+    assert "grad_accum_steps = 1  #" in s and "    val_batch_size: int = 40960\n" in s
+    assert "    train_files: str = '/d/train_*.bin' # input .bin to train on" in s
+    assert "    _stage.batch_size //= 16\ntraining_schedule = TrainingSchedule(" in s
+    assert s.index("harness: stage boundaries") < s.index("model: nn.Module = GPT(")
+    compile(fh.seed_public(fh.override(s, "run_id", "'r'"), 1), name, "exec")
+    assert sorted(files) == sorted([*mudd_code(name).files, "harness_attention.py"])  # the kernel files are staged
+    assert "fp8_scale_alignment" not in fh.patches_for(name) and "fp8_scale_alignment" in fh.patches_for("master")
+
+
+@pytest.mark.parametrize("name, bounds, tokens", [
+    # 1375 scheduled steps in thirds (458, 917), 10 of extension; 1315 (438, 877), 20 of extension
+    ("mudd-base", [(0, 458), (458, 917), (917, 1375), (1375, 1385)], 364_380_160),
+    ("mudd-v1", [(0, 438), (438, 877), (877, 1315), (1315, 1335)], 352_583_680),
+])
+def test_the_mudd_schedules_are_parsed_and_scaled_as_master_s(name, bounds, tokens):
+    stages = fh.public_stages(MUDD_LIKE[name])
+    assert [(st.start, st.end) for st in stages] == bounds and fh.tokens_at(stages, bounds[-1][1]) == tokens
+    assert [st.batch for st in stages] == [131072, 262144, 393216, 393216]
+    assert [st.max_seq_len for st in stages] == [896, 2048, 2048, 2048]
+    s = fh.patch_public(mudd_code(name), accum=1, batch_div=16, step_div=1, **STAGING)["train_gpt.py"]
+    scaled = fh.public_stages(s, 16)
+    assert [st.batch for st in scaled] == [8192, 16384, 24576, 24576]
+    assert fh.tokens_at(scaled, bounds[-1][1]) * 16 == tokens
+    assert "muon_warmup_steps=300, muon_cooldown_steps=50" in s  # batch_div keeps the steps and step constants
+
+
+@pytest.mark.parametrize("name, scheduled, extension", [("mudd-base", 86, 1), ("mudd-v1", 82, 1)])
+def test_step_div_scales_the_mudd_step_counts_and_step_constants(name, scheduled, extension):
+    s = fh.patch_public(mudd_code(name), accum=8, batch_div=1, step_div=16, **STAGING)["train_gpt.py"]
+    assert (fh.field_value(s, "num_scheduled_iterations"), fh.field_value(s, "num_extension_iterations")) == \
+        (str(scheduled), str(extension))
+    assert "muon_warmup_steps=19, muon_cooldown_steps=3," in s and "bootstrap" not in s
+    assert fh.public_stages(s)[-1].end == scheduled + extension
+
+
+@pytest.mark.parametrize("name, anchor, patch", [
+    ("mudd-base", BASE_HUB, "hub_fa3_loader"),
+    ("mudd-v1", '    _fa3_mod = get_kernel("varunneal/flash-attention-3", trust_remote_code=True)\n', "hub_fa3_loader"),
+    ("mudd-v1", 'os.makedirs("logs0527", exist_ok=True)', "log_dir"),
+    ("mudd-v1", "grad_accum_steps = 8 // world_size\n", "micro_batches"),
+    ("mudd-base", "muon_warmup_steps=300, muon_cooldown_steps=50", "step_div"),
+    ("mudd-base", "\nmodel: nn.Module = GPT(", "stage_log"),
+])
+def test_a_mudd_script_without_a_patch_anchor_is_refused_naming_the_patch(name, anchor, patch):
+    assert MUDD_LIKE[name].count(anchor) == 1
+    with pytest.raises(SystemExit, match=f"patch '{patch}'"):
+        fh.patch_public(mudd_code(name, MUDD_LIKE[name].replace(anchor, "\n# gone\n")), accum=1, batch_div=16,
+                        step_div=16, **STAGING)
+
+
+def test_a_mudd_script_with_per_layer_fp8_scales_is_refused():
+    source = MUDD_BASE_LIKE.replace("class GPT:\n    def forward(self):\n        pass\n",
+                                    "class GPT:\n    def forward(self):\n" + FP8_LINES)
+    with pytest.raises(SystemExit, match="patch 'fp8_scale_alignment'.*FP8_MLP_CODES"):
+        fh.patch_public(mudd_code("mudd-base", source), accum=1, batch_div=16, step_div=1, **STAGING)
+
+
+def mudd_log(source, kernels):
+    bar = "-" * 40
+    return source + "".join(f"\n\n{bar}\n# {name}\n{bar}\n\n{text}" for name, text in kernels.items()) + \
+        "=" * 100 + "\nstep:0/1335 val_loss:10.8258 train_time:0ms\n"
+
+
+def test_a_mudd_code_is_the_pinned_log_and_is_staged_with_its_kernel_files(monkeypatch, tmp_path, capsys):
+    import hashlib
+    kernels = {"triton_kernels.py": "XXT = 0\n", "dc_triton_kernels.py": "DC = 1\n"}
+    text = mudd_log(MUDD_V1_LIKE, kernels)
+    log = tmp_path / "ck" / fh.RECORD_LOGS["mudd-v1"]
+    log.parent.mkdir(parents=True)
+    (log.parent / "another_run.txt").write_text("not this one")  # the path is exact: other logs are not read
+    log.write_text(text)
+    with pytest.raises(SystemExit, match="embeds a source of md5 [0-9a-f]{32}, not the pinned"):
+        fh.public_source(tmp_path / "ck", "mudd-v1")
+    md5 = hashlib.md5(text[: text.index("=" * 100)].encode()).hexdigest()
+    monkeypatch.setitem(fh.RECORD_MD5, "mudd-v1", md5)
+    code = fh.public_source(tmp_path / "ck", "mudd-v1")
+    assert code.files == {"train_gpt.py": MUDD_V1_LIKE, **kernels}
+    assert code.origin == f"{fh.RECORD_LOGS['mudd-v1']} (md5 {md5})"
+    (tmp_path / "d").mkdir()
+    write_docs(tmp_path / "d" / "t_000001.bin", [3, 5, 2, 7] * 5000)
+    write_docs(tmp_path / "d" / "v_000000.bin", [100] * 20)
+    monkeypatch.setattr(fh, "launch", lambda *a: pytest.fail("nothing may be launched"))
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--public", str(tmp_path / "ck"), "--public_code", "mudd-v1",
+                                      "--train_files", str(tmp_path / "d" / "t_*.bin"),
+                                      "--val_files", str(tmp_path / "d" / "v_*.bin"), "--work", str(tmp_path / "w"),
+                                      "--batch_div", "8192", "--public_seeds", "0", "--seeds", "--check_only"])
+    fh.main()
+    assert "public mudd-v1: 1335 steps, 43,040 tokens trained" in capsys.readouterr().out  # 438x16 + 439x32 + 458x48
+    staged = tmp_path / "w" / "public_mudd-v1"
+    assert {p.name for p in staged.glob("*.py")} >= {"train_gpt.py", "triton_kernels.py", "dc_triton_kernels.py",
+                                                      "harness_attention.py"}
+    assert (staged / "dc_triton_kernels.py").read_text() == "DC = 1\n"
+
+
+MIRROR = Path(os.environ.get("MODDED_NANOGPT_MIRROR", "/work/.mirror/KellerJordan+modded-nanogpt/repo"))
+
+
+@pytest.mark.parametrize("name", ["mudd-base", "mudd-v1"])
+def test_the_pinned_public_logs_stage_into_valid_python(name, tmp_path):
+    """With a (bare) clone of KellerJordan/modded-nanogpt at hand, the real pinned logs: their md5, every patch
+    found, the staged files compile, the schedule as published; skipped where there is none."""
+    import subprocess
+    got = subprocess.run(["git", "-C", str(MIRROR), "show", f"HEAD:{fh.RECORD_LOGS[name]}"], capture_output=True,
+                         text=True) if MIRROR.is_dir() else None
+    if got is None or got.returncode:
+        pytest.skip(f"no clone of KellerJordan/modded-nanogpt with {fh.RECORD_LOGS[name]} at {MIRROR}")
+    log = tmp_path / fh.RECORD_LOGS[name]
+    log.parent.mkdir(parents=True)
+    log.write_text(got.stdout)
+    code = fh.public_source(tmp_path, name)
+    kernels = ["triton_kernels.py", *(["dc_triton_kernels.py"] if name == "mudd-v1" else [])]
+    assert sorted(code.files) == sorted(["train_gpt.py", *kernels])
+    for kw in (dict(accum=1, batch_div=16, step_div=1), dict(accum=8, batch_div=1, step_div=16)):
+        files = fh.patch_public(code, profile_step=70, start_after=str(tmp_path / "go"), **kw, **STAGING)
+        for file, text in files.items():
+            if file == "train_gpt.py":
+                text = fh.seed_public(fh.override(text, "run_id", "'r'"), 0)
+            compile(text, file, "exec")
+    total = {"mudd-base": 1385, "mudd-v1": 1335}[name]
+    assert fh.public_stages(code.script)[-1].end == total
