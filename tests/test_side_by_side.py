@@ -584,7 +584,8 @@ def test_a_mudd_code_is_the_pinned_log_and_is_staged_with_its_kernel_files(monke
     assert (staged / "dc_triton_kernels.py").read_text() == "DC = 1\n"
 
 
-MIRROR = Path(os.environ.get("MODDED_NANOGPT_MIRROR", "/work/.mirror/KellerJordan+modded-nanogpt/repo"))
+# a clone of KellerJordan/modded-nanogpt (bare or not) to check the real pinned logs against, if you have one
+MIRROR = Path(os.environ.get("MODDED_NANOGPT_MIRROR", "modded-nanogpt"))
 
 
 @pytest.mark.parametrize("name", ["mudd-base", "mudd-v1"])
