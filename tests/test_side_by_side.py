@@ -117,7 +117,7 @@ def test_variant_names_that_would_clash_or_make_bad_file_names_are_refused(monke
 def test_parallel_runs_are_capped_by_the_gpu_memory(monkeypatch):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for gib, runs in ((80, 4), (141, 7), (10, 1)):
+    for gib, runs in ((80, 3), (141, 5), (10, 1)):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i, gib=gib: SimpleNamespace(total_memory=gib << 30))
         assert fh.runs_that_fit() == runs
 
