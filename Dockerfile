@@ -5,7 +5,7 @@
 #       -v "$PWD/data:/workspace/data" -v "$PWD/checkpoints:/workspace/checkpoints" \
 #       -v "$PWD/logs:/workspace/logs" -v gpt2-speedrun-cache:/workspace/cache gpt2-speedrun
 # Arguments after the image name go to train_gpt.py; -e NPROC=4 runs on 4 GPUs.
-# Not built by this project's CI or on its development machines (they have no Docker engine).
+# Not yet built or run by this project: its CI has no Docker engine.
 
 # The CUDA of this base image is the CUDA of the PyTorch build installed below (13.0 and cu130);
 # tests/test_docs.py checks that they agree.
