@@ -219,8 +219,11 @@ def test_a_stopped_run_stops_the_runner_and_the_same_command_runs_it_again(tmp_p
     out = tmp_path / "ab"
     args = [sys.executable, str(RECORDS / "interleave.py"), *interleave_args(tmp_path, out, fake, 3, SLOWER, FAST)]
     env = {k: v for k, v in os.environ.items() if k != "SPEEDRUN_DEBUG"}
+    # Ctrl-C as a terminal delivers it, also where this test itself runs as a background job (whose SIGINT a
+    # shell ignores, and children inherit that): the runner starts with SIGINT's default action
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**env, "FAKE_SLOW": "ab-candidate-01"})
+                            env={**env, "FAKE_SLOW": "ab-candidate-01"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 20
     while "ab-candidate-01" not in ran(order) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.02)
