@@ -185,7 +185,7 @@ class Hyperparameters:
     resume: str = ""  # a checkpoint folder, or "latest" (newest under checkpoint_dir)
     plan: bool = False  # print the resolved schedule and its projected 1- and 8-GPU time, then exit (no GPU used)
     # presets and the smoke preset's built-in data
-    preset: str = "record-0903"  # record | record-0903 | smoke | single | medium (then any field overrides)
+    preset: str = "record-0903"  # record | public-line | record-0903 | smoke | single | medium (then any field overrides)
     markov_corpus: bool = False  # write a synthetic Markov-chain corpus to train/val_files first
 
     def __post_init__(self):
@@ -290,6 +290,16 @@ RECORD_LINE = dict(
     # decay 0.0125 each step = the record's 0.025 on the every-second step its Adam takes)
     bigram_rows=377280, bigram_sign_rows=8192, embed_weight_decay=0.0125, embed_adam_betas=(0.75, 0.95),
 )
+# The public line's techniques that the record preset leaves off, at the public master's values
+# (bench/results/public_master_comparison.md), each to be kept or deleted by the side-by-side A/B.
+PUBLIC_LINE = dict(
+    RECORD_LINE,
+    muon_beta2=0.9, muon_weight_decay=1.2,  # NorMuon (2026-03-22: 0.9) and cautious decay (11/10/25: 1.2)
+    xsa=True, yarn=True, smear=True, ve_gate=True, paired_head_blocks=(1, 3, 6, 10),
+    head_adam_betas=(0.5, 0.95), head_weight_decay=0.375,  # the 2026 head: 0.75 per Adam step, which steps every second
+    stages=tuple(dataclasses.replace(row, mtp=mtp) for row, mtp in  # the 2025-12-22 record's MTP weights
+                 zip(RECORD_LINE["stages"], ((0.5, 0.25), (0.5, 0.0), (0.0, 0.0)))),
+)
 DEFAULT_PRESET = "record"  # what a command without --preset runs (the dataclass defaults are record-0903)
 PRESETS = {  # name: (what it is, the fields it sets)
     "record": ("the 8-GPU record configuration: the 09/03 record plus the later public techniques our A/B "
@@ -297,6 +307,12 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "896-token documents in the first stage, partial key offset, Muon momentum 0.8 -> 0.9 -> 0.8, bigram "
                "hash embedding), and the fused ReLU² MLP and soft-capped cross-entropy kernels",
                RECORD_LINE),
+    "public-line": ("the record preset plus every technique of the public line's current code (modded-nanogpt "
+                    "master, 2026-08) that this file implements, at the public values: NorMuon (beta2 0.9), Muon's "
+                    "cautious weight decay 1.2, XSA, YaRN, the smear gate, value-embedding gates, paired-head "
+                    "attention in blocks 1,3,6,10, the LM head's betas 0.5,0.95 and decay, multi-token prediction "
+                    "(0.5/0.25, 0.5/0, 0/0); the configuration the side-by-side harness judges against record "
+                    "(bench/README), not yet measured there nor run on a GPU", PUBLIC_LINE),
     "record-0903": ("the public record of 2025-09-03 as it ran (1670 steps, 8 GPUs): the dataclass defaults", {}),
     "smoke": ("a tiny model on a built-in synthetic corpus (a random Markov chain whose entropy per token, "
               "the lowest loss possible, is known): about a minute on a laptop CPU; a checkpoint every 50 steps, "
@@ -2050,16 +2066,15 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
     return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
 
 
-# The schedule's cost before a run (--plan). Measured one-GPU time per token of this file's record
-# model at a stage's shape, by GPU kind, (micro-batch tokens per GPU, document cut, long window in
-# blocks): the per-stage medians of bench/side_by_side.py, whose clock counts training steps only (as the
+# The schedule's cost before a run (--plan). Measured one-GPU time per token of a preset's model at a
+# stage's shape, by (GPU kind, preset, micro-batch tokens per GPU, document cut, long window in blocks): the per-stage medians of bench/side_by_side.py, whose clock counts training steps only (as the
 # public logs' train_time does), with FlashAttention-4, PyTorch 2.11.0+cu130. A table row is a real run;
 # a shape without one is reported unmeasured, never interpolated.
 STEP_US_PER_TOKEN = {
     # one H100 80GB HBM3, 2026-11-25, commit 387cb13 (bench/results/side_by_side_h100_20261125/timing3_table.md)
-    ("H100", 16384, 896, 3): 2.090,
-    ("H100", 32768, 2048, 7): 1.892,
-    ("H100", 49152, 2048, 11): 1.846,
+    ("H100", "record", 16384, 896, 3): 2.090,
+    ("H100", "record", 32768, 2048, 7): 1.892,
+    ("H100", "record", 49152, 2048, 11): 1.846,
 }
 # 8-GPU step time over one-GPU step time at the same global batch, by micro-batch tokens per GPU, with one
 # micro-batch per GPU on 8 (bench/README: record #89's 8xH100 logs over its and the public master's
@@ -2082,7 +2097,7 @@ def schedule_plan(args: Hyperparameters, kind: str = "H100") -> list[str]:
     for i, st in enumerate(stages):
         steps, b = min(st.end, N) - st.start, st.batch  # the last stage's end is the final validation's step
         name = "ext" if args.extension_steps and i == len(stages) - 1 else str(i + 1)
-        us = STEP_US_PER_TOKEN.get((kind, b.seq_len, b.max_doc_len, st.windows[0] // args.window_block))
+        us = STEP_US_PER_TOKEN.get((kind, args.preset, b.seq_len, b.max_doc_len, st.windows[0] // args.window_block))
         ratio = EIGHT_GPU_RATIO.get(kind, {}).get(b.seq_len) if micro == 8 else None  # one micro-batch per GPU
         s1 = None if us is None else steps * b.batch_size * us * 1e-6
         s8 = None if s1 is None or ratio is None else s1 * ratio
@@ -2097,10 +2112,13 @@ def schedule_plan(args: Hyperparameters, kind: str = "H100") -> list[str]:
     lines.append(f"trained tokens: {tokens_before(stages, N):,}")
     if missing:
         lines.append(f"projected time: incomplete, stage(s) {', '.join(missing)} not in train_gpt.py's "
-                     f"STEP_US_PER_TOKEN for {kind} (bench/side_by_side.py times each stage of a schedule)")
+                     f"STEP_US_PER_TOKEN for {kind} and --preset {args.preset} (bench/side_by_side.py times each "
+                     "stage of a schedule)")
     else:
         lines.append(f"projected time: 1 x {kind} {one:.1f} s, 8 x {kind} {eight:.1f} s (time per token at each "
                      "stage's shape, x record #89's 8-GPU ratio)")
+    lines.append(f"(times as measured for --preset {args.preset}'s model; other model or kernel flags are not "
+                 "reflected)")
     return lines
 
 

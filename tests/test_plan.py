@@ -37,7 +37,7 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
 
 
 def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, capsys, monkeypatch):
-    table = {("H100", *shape): us for shape, us in zip(RECORD_SHAPES, (2.0, 2.5, 3.0))}
+    table = {("H100", "record", *shape): us for shape, us in zip(RECORD_SHAPES, (2.0, 2.5, 3.0))}
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", table)
     monkeypatch.setattr(tg, "EIGHT_GPU_RATIO", {"H100": {49152: 0.125}})
     lines = tg.schedule_plan(tg.parse_args([]))
@@ -47,18 +47,21 @@ def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, 
     for i, seconds in enumerate(one):
         assert float(rows[str(i + 1)][-2]) == pytest.approx(seconds, abs=0.05)
         assert float(rows[str(i + 1)][-1]) == pytest.approx(seconds * 0.125, abs=0.05)
-    assert lines[-1] == f"projected time: 1 x H100 {sum(one):.1f} s, 8 x H100 {sum(one) * 0.125:.1f} s (time per " \
+    assert lines[-2] == f"projected time: 1 x H100 {sum(one):.1f} s, 8 x H100 {sum(one) * 0.125:.1f} s (time per " \
                         "token at each stage's shape, x record #89's 8-GPU ratio)"
 
 
 def test_plan_says_which_stages_are_unmeasured_rather_than_guessing(no_gpu, monkeypatch):
-    monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H100", 49152, 2048, 11): 1.8})
+    monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H100", "record", 49152, 2048, 11): 1.8})
     lines = tg.schedule_plan(tg.parse_args([]))
     rows = stage_rows("\n".join(lines))
     assert rows["1"][-2:] == ["-", "-"] and rows["3"][-2] != "-"
-    assert lines[-1].startswith("projected time: incomplete, stage(s) 1, 2 not in")
+    assert lines[-2].startswith("projected time: incomplete, stage(s) 1, 2 not in")
+    # another preset's model at the same shapes has no measured time
+    other = stage_rows("\n".join(tg.schedule_plan(tg.parse_args(["--preset", "public-line"]))))
+    assert all(row[-2:] == ["-", "-"] for row in other.values())
     # 24 micro-batches a step (the single preset) is not the measured one-micro-batch-per-GPU case on 8 GPUs
-    monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H100", 16384, *shape[1:]): 2.0 for shape in RECORD_SHAPES})
+    monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H100", "single", 16384, *shape[1:]): 2.0 for shape in RECORD_SHAPES})
     single = stage_rows("\n".join(tg.schedule_plan(tg.parse_args(["--preset", "single"]))))
     assert all(row[-2] != "-" and row[-1] == "-" for row in single.values())
 

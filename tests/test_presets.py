@@ -49,6 +49,20 @@ def test_the_pin_notices_a_changed_stage(monkeypatch):
         test_every_preset_resolves_to_its_pinned_run("record")
 
 
+def test_the_public_line_preset_is_the_record_with_the_public_techniques_on():
+    """Each technique the record preset leaves off is on in public-line, which differs from record in nothing else."""
+    import torch
+    record, public = tg.parse_args(["--preset", "record"]), tg.parse_args(["--preset", "public-line"])
+    differ = {f.name for f in dataclasses.fields(tg.Hyperparameters) if getattr(record, f.name) != getattr(public, f.name)}
+    assert differ == {"preset", "stages", "muon_beta2", "muon_weight_decay", "xsa", "yarn", "smear", "ve_gate",
+                      "paired_head_blocks", "head_adam_betas", "head_weight_decay"}
+    assert [row.mtp for row in public.stages] == [(0.5, 0.25), (0.5, 0.0), (0.0, 0.0)]
+    assert [dataclasses.replace(row, mtp=()) for row in public.stages] == list(record.stages)
+    with torch.device("meta"):
+        model = tg.GPT(tg.ModelConfig.from_args(public))
+    assert model.smear_w is not None and any(b.attn is not None and b.attn.ve_gate_w is not None for b in model.blocks)
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     PINNED.write_text(json.dumps({name: resolved(name) for name in tg.PRESETS}, indent=1, sort_keys=True) + "\n")
     print(f"wrote {PINNED}")
