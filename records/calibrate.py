@@ -223,15 +223,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None = None) -> int:
     ours, shared = runner.split_trainer_flags(argv)
-    ap = runner.ArgumentParser(
-        prog="calibrate.py", description=__doc__.split("\n\n", 1)[1].split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="python records/calibrate.py OUT --steps S [S ...] --seeds N [options] [-- TRAINER FLAGS...]",
-        epilog="examples:\n"
-               "  python records/calibrate.py logs/cal --steps 1550 1600 1650 --seeds 4 --dry_run\n"
-               "  python records/calibrate.py logs/cal --steps 1550,1600,1650 --seeds 4 --plan_runs 10\n"
-               "  python records/calibrate.py logs/cal-smoke --steps 100 150 --seeds 2 --nproc_per_node 1 "
-               "-- --preset smoke")
+    ap = runner.tool_parser(
+        "calibrate.py", __doc__,
+        "python records/calibrate.py OUT --steps S [S ...] --seeds N [options] [-- TRAINER FLAGS...]",
+        "examples:\n"
+        "  python records/calibrate.py logs/cal --steps 1550 1600 1650 --seeds 4 --dry_run\n"
+        "  python records/calibrate.py logs/cal --steps 1550,1600,1650 --seeds 4 --plan_runs 10\n"
+        "  python records/calibrate.py logs/cal-smoke --steps 100 150 --seeds 2 --nproc_per_node 1 "
+        "-- --preset smoke")
     ap.add_argument("out", metavar="OUT", type=Path,
                     help="the folder of the runs: OUT/steps_S/ get the logs, OUT/calibration.md the report (created)")
     ap.add_argument("--steps", type=_steps, nargs="+", required=True, metavar="S",
@@ -241,16 +240,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=runner.REPO, metavar="DIR",
                     help="the checkout to run (default: this repository)")
     ap.add_argument("--script", default="train_gpt.py", help="the training script in it (default %(default)s)")
-    ap.add_argument("--nproc_per_node", type=int, default=None, metavar="N",
-                    help="processes (GPUs) per run for torchrun (default: every visible GPU)")
-    ap.add_argument("--launch", default=None, metavar="CMD",
-                    help="the command before the script instead of torchrun, e.g. 'python' for one process; "
-                         "{nproc} in it becomes the process count")
     ap.add_argument("--target", type=float, default=check.DEFAULT_TARGET,
                     help="validation loss to pass (default %(default)s)")
     ap.add_argument("--plan_runs", type=int, default=None, metavar="N",
                     help="runs the record will have, for the prediction (default: --seeds)")
-    ap.add_argument("--dry_run", action="store_true", help="print the commands in order and run nothing")
     args = ap.parse_args(ours)
 
     steps = sorted({s for group in args.steps for s in group})

@@ -30,7 +30,6 @@ order and runs nothing.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import re
@@ -84,18 +83,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None = None) -> int:
     ours, shared = runner.split_trainer_flags(argv)
-    ap = runner.ArgumentParser(
-        prog="interleave.py", description=__doc__.split("\n\n", 1)[1].split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="python records/interleave.py OUT --pairs N [options] [-- FLAGS FOR BOTH VERSIONS...]",
-        epilog="examples:\n"
-               "  python records/interleave.py logs/ab --pairs 10 --baseline_dir ../speedrun-record "
-               "--dry_run\n"
-               "  python records/interleave.py logs/flag --pairs 5 --candidate_flags '--fused_mlp false' "
-               "-- --train_files \"$PWD/data/fineweb10B/fineweb_train_*.bin\"\n"
-               "  python records/interleave.py logs/rehearsal --pairs 2 --nproc_per_node 1 --any_config --target 6 "
-               "--baseline_flags '--num_iterations 150' --candidate_flags '--num_iterations 140' -- --preset smoke\n"
-               "then: python records/new.py NAME OUT/candidate --baseline OUT/baseline")
+    ap = runner.tool_parser(
+        "interleave.py", __doc__,
+        "python records/interleave.py OUT --pairs N [options] [-- FLAGS FOR BOTH VERSIONS...]",
+        "examples:\n"
+        "  python records/interleave.py logs/ab --pairs 10 --baseline_dir ../speedrun-record "
+        "--dry_run\n"
+        "  python records/interleave.py logs/flag --pairs 5 --candidate_flags '--fused_mlp false' "
+        "-- --train_files \"$PWD/data/fineweb10B/fineweb_train_*.bin\"\n"
+        "  python records/interleave.py logs/rehearsal --pairs 2 --nproc_per_node 1 --any_config --target 6 "
+        "--baseline_flags '--num_iterations 150' --candidate_flags '--num_iterations 140' -- --preset smoke\n"
+        "then: python records/new.py NAME OUT/candidate --baseline OUT/baseline")
     ap.add_argument("out", metavar="OUT", type=Path,
                     help="the folder of the runs: OUT/baseline/ and OUT/candidate/ get the logs (created)")
     ap.add_argument("--pairs", type=int, required=True, metavar="N",
@@ -110,11 +108,6 @@ def _main(argv: Sequence[str] | None = None) -> int:
                     help="trainer flags for the candidate only, one quoted string")
     ap.add_argument("--script", default="train_gpt.py",
                     help="the training script in each checkout (default %(default)s)")
-    ap.add_argument("--nproc_per_node", type=int, default=None, metavar="N",
-                    help="processes (GPUs) per run for torchrun (default: every visible GPU)")
-    ap.add_argument("--launch", default=None, metavar="CMD",
-                    help="the command before the script instead of torchrun, e.g. 'python' for one process; "
-                         "{nproc} in it becomes the process count")
     ap.add_argument("--first_seed", type=int, default=0,
                     help="pair i runs with --seed FIRST_SEED+i in both versions (default %(default)s)")
     ap.add_argument("--target", type=float, default=check.DEFAULT_TARGET,
@@ -122,7 +115,6 @@ def _main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--any_config", action="store_true",
                     help="compare runs of any configuration (e.g. a rehearsal on --preset smoke), which check.py "
                          "otherwise leaves out; such a comparison is no record")
-    ap.add_argument("--dry_run", action="store_true", help="print the commands in order and run nothing")
     args = ap.parse_args(ours)
 
     if args.pairs < 1:

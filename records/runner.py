@@ -50,6 +50,20 @@ class ArgumentParser(argparse.ArgumentParser):
         raise check.UsageError(f"{message} (python records/{self.prog} --help lists the options)")
 
 
+def tool_parser(prog: str, doc: str, usage: str, examples: str) -> ArgumentParser:
+    """The command-line parser of a runner tool: its module docstring's third paragraph on as the
+    description, its examples as the epilog, and the launch options every such tool takes."""
+    ap = ArgumentParser(prog=prog, description=doc.split("\n\n", 2)[2], usage=usage, epilog=examples,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nproc_per_node", type=int, default=None, metavar="N",
+                    help="processes (GPUs) per run for torchrun (default: every visible GPU)")
+    ap.add_argument("--launch", default=None, metavar="CMD",
+                    help="the command before the script instead of torchrun, e.g. 'python' for one process; "
+                         "{nproc} in it becomes the process count")
+    ap.add_argument("--dry_run", action="store_true", help="print the commands in order and run nothing")
+    return ap
+
+
 class RunFailed(Exception):
     """A run ended without a complete log: the tool stops, exit status FAILED."""
 
