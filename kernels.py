@@ -29,23 +29,46 @@ def triton_runs_on(t: Tensor) -> bool:
 
 # -----------------------------------------------------------------------------------------------
 # ReLU² MLP with its activation fused into the matmuls (the public record line's "fused
-# linear + ReLU² kernel"): the up-projection's epilogue writes both the pre-activation h = x W_fc and
-# relu(h)², and in the backward the epilogue of (grad_out W_proj) multiplies by relu(h)' = 2 relu(h).
-# The two elementwise passes over the (tokens x 4 dim) activations that they replace cost about as
-# much memory traffic as the matmul takes time. The other three matmuls stay on cuBLAS.
+# linear + ReLU² kernel"): the up-projection's epilogue writes post = relu(h)² of h = x W_fc, and in the
+# backward the epilogue of (grad_out W_proj) multiplies by the derivative 2 relu(h) = 2 sqrt(post), so h
+# is never written (the public line's commit 75d6867a, after record #89). The two
+# elementwise passes over the (tokens x 4 dim) activations that the epilogues replace cost about as
+# much memory traffic as the matmul takes time. The other matmuls stay on cuBLAS.
+#
+# --fp8_mlp (the public line's FP8 MLP forward, records of 2026-06 and #89): in the forward the same kernel
+# multiplies e4m3 operands and also writes post in e4m3 for the down projection (torch._scaled_mm). The
+# scales come from bounds, not from the data (train_gpt.py's MLP): the public line scales post by the
+# previous step's maximum instead, state that a checkpoint would have to carry. The backward is the bf16
+# one, from bf16 post.
+
+E4M3_MAX = 448.0  # the largest float8_e4m3fn value
+
 
 def relu2_mlp_reference(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> Tensor:
     """F.linear(relu(x @ fc_w)², proj_w): x (T, dim), fc_w and proj_w (dim, hidden)."""
     return torch.relu(x @ fc_w).square() @ proj_w.mT
 
 
+def relu2_mlp_fp8_reference(x_f8: Tensor, fc_f8_t: Tensor, proj_f8: Tensor, scales: Tensor,
+                            dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """The FP8 forward in float32 arithmetic: (out, post, post_f8). x_f8 (T, dim), fc_f8_t (hidden, dim) and
+    proj_f8 (dim, hidden) in e4m3; scales (3,) float32: x's times W_fc's, W_proj's, and post's (post above
+    448 times its scale saturates)."""
+    post = torch.relu((x_f8.float() @ fc_f8_t.float().T) * scales[0]).square().to(dtype)
+    post_f8 = (post.float() / scales[2]).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    out = (post_f8.float() @ proj_f8.float().T) * (scales[2] * scales[1])
+    return out.to(dtype), post, post_f8
+
+
 if triton is not None:
     @triton.jit
-    def _matmul_relu2_kernel(a_ptr, b_ptr, out_ptr, aux_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                             stride_om, stride_on, BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        """acc = A @ B (M x N, float32). Forward: aux = acc (the pre-activation), out = relu(acc)².
-        Backward: out = acc * 2 relu(aux) (aux: the saved pre-activation)."""
+    def _matmul_relu2_kernel(a_ptr, b_ptr, out_ptr, aux_ptr, scale_ptr, M, N, K, stride_am, stride_ak,
+                             stride_bk, stride_bn, stride_om, stride_on, BACKWARD: tl.constexpr, FP8: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP_M: tl.constexpr):
+        """acc = A @ B (M x N, float32). Forward: out = relu(acc)² (post). Backward: out = acc * 2 sqrt(aux)
+        (aux: the saved post). FP8 (forward): A and B in e4m3, acc *= scale[0], and aux = min(post / scale[2],
+        448) in e4m3."""
         pid = tl.program_id(0)
         grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         group = GROUP_M * grid_n  # tiles in groups of GROUP_M rows: neighbouring programs share B in L2
@@ -66,17 +89,23 @@ if triton is not None:
         inside = (rm[:, None] < M) & (rn[None, :] < N)
         at = rm[:, None] * stride_om + rn[None, :] * stride_on
         if BACKWARD:
-            pre = tl.load(aux_ptr + at, mask=inside, other=0.0).to(tl.float32)
-            acc = acc * 2 * tl.maximum(pre, 0.0)
+            post = tl.load(aux_ptr + at, mask=inside, other=0.0).to(tl.float32)
+            acc = acc * 2 * tl.sqrt(post)
         else:
-            tl.store(aux_ptr + at, acc.to(aux_ptr.dtype.element_ty), mask=inside)
+            if FP8:
+                acc = acc * tl.load(scale_ptr)
             acc = tl.maximum(acc, 0.0)
             acc = acc * acc
+            if FP8:
+                acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # post as stored: what bf16 matmuls see
+                q = tl.minimum(acc / tl.load(scale_ptr + 2), 448.0)  # E4M3_MAX
+                tl.store(aux_ptr + at, q.to(aux_ptr.dtype.element_ty), mask=inside)
         tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 # Tile sizes of the fused matmul: the fastest of five on an H100 (bench/mlp_kernel.py, bench/README.md);
-# the interpreter tests shrink them.
+# the interpreter tests shrink them. FP8 tiles take twice the K per byte of shared memory.
 RELU2_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+RELU2_FP8_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 def relu2_tiles_shared_memory(tiles: dict = RELU2_TILES, itemsize: int = 2) -> int:
@@ -91,70 +120,109 @@ def max_shared_memory(device: torch.device) -> int:
 
 def relu2_mlp_fits(device: torch.device) -> bool:
     """Whether --fused_mlp can run its kernel here: on a CUDA GPU with the shared memory for RELU2_TILES
-    (144 KiB: H100, H200 and A100 have it, most desktop GPUs do not); elsewhere the op's PyTorch
-    reference runs, which always fits."""
+    (144 KiB: H100, H200 and A100 have it, most desktop GPUs do not; the FP8 tiles need as much); elsewhere
+    the op's PyTorch reference runs, which always fits."""
     if device.type != "cuda" or triton is None:
         return True
-    return max_shared_memory(device) >= relu2_tiles_shared_memory()
+    return max_shared_memory(device) >= max(relu2_tiles_shared_memory(),
+                                            relu2_tiles_shared_memory(RELU2_FP8_TILES, itemsize=1))
 
 
-def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Forward (aux None): (relu(a @ b)², a @ b). Backward: ((a @ b) * 2 relu(aux), aux)."""
+def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dtype,
+                  scales: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Forward (aux None): relu(a @ b)²; with scales (a and b in e4m3) also its e4m3 copy.
+    Backward: (a @ b) * 2 sqrt(aux). Returns (out, post_f8 or None)."""
     M, K = a.shape
     N = b.size(1)
-    out = torch.empty(M, N, device=a.device, dtype=a.dtype)
-    backward = aux is not None
-    aux = torch.empty_like(out) if aux is None else aux.contiguous()
-    t = RELU2_TILES
+    out = torch.empty(M, N, device=a.device, dtype=out_dtype)
+    fp8 = scales is not None
+    post_f8 = None
+    if fp8:
+        # Triton's interpreter (3.9) rounds float32 -> e4m3 wrongly at binade edges: there the kernel writes
+        # float32 and PyTorch casts, the same values as the compiled kernel's store
+        post_f8 = torch.empty(M, N, device=a.device, dtype=torch.float32 if INTERPRET else torch.float8_e4m3fn)
+    t = RELU2_FP8_TILES if fp8 else RELU2_TILES
     grid = (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"]),)
-    _matmul_relu2_kernel[grid](a, b, out, aux, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                               out.stride(0), out.stride(1), BACKWARD=backward, **t)
-    return out, aux
+    _matmul_relu2_kernel[grid](a, b, out, post_f8 if fp8 else aux, scales if fp8 else out, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
+                               out.stride(1), BACKWARD=aux is not None, FP8=fp8, **t)
+    if fp8 and INTERPRET:
+        post_f8 = post_f8.to(torch.float8_e4m3fn)
+    return out, post_f8
 
 
 @torch.library.custom_op("speedrun::relu2_mlp", mutates_args=())
-def relu2_mlp(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, pre, post): out = relu(pre)² @ proj_w.T with pre = x @ fc_w; pre and post are kept for the
-    backward. x (T, dim), fc_w and proj_w (dim, hidden), one dtype."""
+def relu2_mlp(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, post): out = post @ proj_w.T with post = relu(x @ fc_w)², kept for the backward. x (T, dim),
+    fc_w and proj_w (dim, hidden), one dtype."""
     if not triton_runs_on(x):
-        pre = x @ fc_w
-        post = torch.relu(pre).square()
+        post = torch.relu(x @ fc_w).square()
     else:
-        post, pre = _matmul_relu2(x, fc_w, None)
-    return post @ proj_w.mT, pre, post
+        post = _matmul_relu2(x, fc_w, None, x.dtype)[0]
+    return post @ proj_w.mT, post
 
 
 @relu2_mlp.register_fake
 def _(x, fc_w, proj_w):
-    T, H = x.size(0), fc_w.size(1)
-    return x.new_empty(T, proj_w.size(0)), x.new_empty(T, H), x.new_empty(T, H)
+    return x.new_empty(x.size(0), proj_w.size(0)), x.new_empty(x.size(0), fc_w.size(1))
+
+
+@torch.library.custom_op("speedrun::relu2_mlp_fp8", mutates_args=())
+def relu2_mlp_fp8(x: Tensor, x_f8: Tensor, fc_w: Tensor, fc_f8_t: Tensor, proj_w: Tensor, proj_f8: Tensor,
+                  scales: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, post): the forward with FP8 matmuls (see relu2_mlp_fp8_reference for the operands); x, fc_w
+    and proj_w (bf16) are for the backward, which is relu2_mlp's."""
+    if not triton_runs_on(x):
+        return relu2_mlp_fp8_reference(x_f8, fc_f8_t, proj_f8, scales, x.dtype)[:2]
+    post, post_f8 = _matmul_relu2(x_f8, fc_f8_t.T, None, x.dtype, scales)
+    if not post_f8.is_cuda:  # the interpreter's CPU tensors: the down projection in float32
+        return ((post_f8.float() @ proj_f8.float().T) * (scales[2] * scales[1])).to(x.dtype), post
+    return torch._scaled_mm(post_f8, proj_f8.T, scale_a=scales[2:3], scale_b=scales[1:2], out_dtype=x.dtype,
+                            use_fast_accum=True), post
+
+
+@relu2_mlp_fp8.register_fake
+def _(x, x_f8, fc_w, fc_f8_t, proj_w, proj_f8, scales):
+    return x.new_empty(x.size(0), proj_w.size(0)), x.new_empty(x.size(0), fc_w.size(1))
 
 
 @torch.library.custom_op("speedrun::relu2_mlp_backward", mutates_args=())
-def relu2_mlp_backward(grad: Tensor, x: Tensor, fc_w: Tensor, proj_w: Tensor, pre: Tensor,
+def relu2_mlp_backward(grad: Tensor, x: Tensor, fc_w: Tensor, proj_w: Tensor,
                        post: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of x, fc_w and proj_w."""
     if not triton_runs_on(x):
-        grad_pre = (grad @ proj_w) * 2 * torch.relu(pre)
+        grad_pre = (grad @ proj_w) * 2 * post.sqrt()
     else:
-        grad_pre = _matmul_relu2(grad, proj_w, pre)[0]
+        grad_pre = _matmul_relu2(grad, proj_w, post, grad.dtype)[0]
     return grad_pre @ fc_w.mT, x.mT @ grad_pre, grad.mT @ post
 
 
 @relu2_mlp_backward.register_fake
-def _(grad, x, fc_w, proj_w, pre, post):
+def _(grad, x, fc_w, proj_w, post):
     return torch.empty_like(x), torch.empty_like(fc_w), torch.empty_like(proj_w)
 
 
 def _relu2_mlp_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs, output[1], output[2])
+    ctx.save_for_backward(*inputs, output[1])
 
 
-def _relu2_mlp_autograd(ctx, grad_out, _grad_pre, _grad_post):
+def _relu2_mlp_autograd(ctx, grad_out, _grad_post):
     return relu2_mlp_backward(grad_out.contiguous(), *ctx.saved_tensors)
 
 
 relu2_mlp.register_autograd(_relu2_mlp_autograd, setup_context=_relu2_mlp_setup_context)
+
+
+def _relu2_mlp_fp8_setup_context(ctx, inputs, output):
+    x, _, fc_w, _, proj_w, _, _ = inputs
+    ctx.save_for_backward(x, fc_w, proj_w, output[1])
+
+
+def _relu2_mlp_fp8_autograd(ctx, grad_out, _grad_post):
+    grad_x, grad_fc, grad_proj = relu2_mlp_backward(grad_out.contiguous(), *ctx.saved_tensors)
+    return grad_x, None, grad_fc, None, grad_proj, None, None
+
+
+relu2_mlp_fp8.register_autograd(_relu2_mlp_fp8_autograd, setup_context=_relu2_mlp_fp8_setup_context)
 
 
 # -----------------------------------------------------------------------------------------------

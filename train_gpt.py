@@ -171,6 +171,7 @@ class Hyperparameters:
     compile: bool = True  # torch.compile the model (false: eager, for debugging and CPU runs)
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     fused_mlp: bool = False  # ReLU² inside the MLP's matmul epilogues (kernels.py), where the GPU has the shared memory
+    fp8_mlp: bool = False  # the fused MLP's forward matmuls in FP8 (kernels.py), where the GPU has FP8 and the kernel
     fused_ce: bool = False  # the FP8 head's soft-capped cross-entropy in Triton kernels, its gradient written in FP8
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
@@ -630,7 +631,7 @@ def _fp8_head_ce_autograd(ctx, grad_losses, *_):
 fp8_head_ce.register_autograd(_fp8_head_ce_autograd, setup_context=_fp8_head_ce_setup_context)
 
 
-E4M3_MAX = 448.0  # the largest float8_e4m3fn value
+E4M3_MAX = kernels.E4M3_MAX  # the largest float8_e4m3fn value
 # The LM head's fixed FP8 scales (the 09/03 record's): activations are RMS-normed, so |x| <= sqrt(dim)
 # fits e4m3 at sqrt(dim)/448; weights at 2^-9; the gradient of the summed loss at 1/448.
 HEAD_W_SCALE = 2**-9
@@ -1122,12 +1123,31 @@ class MLP(nn.Module):
         self.fc_w = nn.Parameter(uniform_init_(torch.empty(cfg.model_dim, hidden), cfg.model_dim))
         self.proj_w = nn.Parameter(torch.zeros(cfg.model_dim, hidden))  # zero init (@Grad62304977)
         self.fused = False  # kernels.py's relu2_mlp (GPT sets it from --fused_mlp)
+        self.fp8 = False  # kernels.py's relu2_mlp_fp8 in training (GPT sets it from --fp8_mlp)
 
     def forward(self, x: Tensor) -> Tensor:
         # ReLU^2 (arXiv 2109.08668; @SKYLINEZ007, @Grad62304977): ~1-2% better than GELU in the speedrun.
+        fc_w, proj_w = self.fc_w.type_as(x), self.proj_w.type_as(x)
+        if self.fp8 and self.training:
+            return torch.ops.speedrun.relu2_mlp_fp8(x, *fp8_mlp_operands(x, fc_w, proj_w))[0]
         if self.fused:
-            return torch.ops.speedrun.relu2_mlp(x, self.fc_w.type_as(x), self.proj_w.type_as(x))[0]
-        return F.linear(F.relu(x @ self.fc_w.type_as(x)).square(), self.proj_w.type_as(x))
+            return torch.ops.speedrun.relu2_mlp(x, fc_w, proj_w)[0]
+        return F.linear(F.relu(x @ fc_w).square(), proj_w)
+
+
+@torch.no_grad()
+def fp8_mlp_operands(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, ...]:
+    """relu2_mlp_fp8's operands after x: (x_f8, fc_w, fc_f8_t, proj_w, proj_f8, scales), e4m3 copies with
+    scales from bounds (traced, so the compiler fuses them with the norm before). x is RMS-normed, so
+    |x| <= sqrt(dim), as for the FP8 head; each weight matrix by its absolute maximum; post = relu(x w_j)²
+    <= dim * max_j |w_j|² over W_fc's columns w_j (Cauchy-Schwarz), times 1.3 for the operands' rounding (up
+    to 1/16 each), so post never saturates."""
+    x_s = math.sqrt(x.size(-1)) / E4M3_MAX
+    fc_s, proj_s = (w.detach().abs().amax().float().clamp_min(1e-30) / E4M3_MAX for w in (fc_w, proj_w))
+    post_s = 1.3 * x.size(-1) * fc_w.float().square().sum(0).amax() / E4M3_MAX
+    e4m3 = lambda t: t.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (e4m3(x / x_s), fc_w, e4m3(fc_w.T / fc_s).contiguous(), proj_w, e4m3(proj_w / proj_s),
+            torch.stack([x_s * fc_s, proj_s, post_s.clamp_min(1e-30)]))
 
 
 class Block(nn.Module):
@@ -1150,7 +1170,7 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn=attention_reference, fp8_head: bool = False, fused_mlp: bool = False,
-                 fused_ce: bool = False):
+                 fused_ce: bool = False, fp8_mlp: bool = False):
         super().__init__()
         self.cfg, self.attn_fn, self.fp8_head = cfg, attn_fn, fp8_head
         self.fused_ce = fused_ce and fp8_head  # the fused loss is the FP8 head's (fp8_head_ce)
@@ -1162,7 +1182,7 @@ class GPT(nn.Module):
                                     for i, ve in enumerate(self.value_embed_layers()))
         for block in self.blocks:
             if block.mlp is not None:
-                block.mlp.fused = fused_mlp
+                block.mlp.fused, block.mlp.fp8 = fused_mlp, fp8_mlp
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
         # All scalars in one tensor (one Adam group, one collective), laid out by scalar_layout(): per
@@ -2230,7 +2250,8 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
     """The start-of-run lines: where and how it runs, then the size report."""
     return [f"device: {device} x {world_size}, grad accumulation {args.batch_size // args.seq_len // world_size}, "
             f"attention backend: {attention}, LM head: {'fp8' if fp8 else 'bf16'}, "
-            f"MLP: {'fused' if any(b.mlp is not None and b.mlp.fused for b in model.blocks) else 'unfused'}, "
+            f"MLP: {'fused' if any(b.mlp is not None and b.mlp.fused for b in model.blocks) else 'unfused'}"
+            f"{' fp8' if any(b.mlp is not None and b.mlp.fp8 for b in model.blocks) else ''}, "
             f"cross-entropy: {'fused' if model.fused_ce else 'unfused'}, "
             f"compile: {args.compile}, "
             f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device)]
@@ -2426,7 +2447,11 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     torch.manual_seed(args.seed)
     if args.fused_ce and not fp8:
         log("fused cross-entropy off: it is the FP8 head's, and the LM head runs in bf16 here (same results)")
-    model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, fused_mlp, args.fused_ce).to(device)
+    fp8_mlp = args.fp8_mlp and fp8 and fused_mlp  # the FP8 MLP is the fused kernel's, on an FP8 GPU
+    if args.fp8_mlp and not fp8_mlp:
+        log("FP8 MLP off: it needs FP8 matmuls (a CUDA GPU of sm89+) and the fused MLP's kernel; the MLP runs in bf16")
+    model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, fused_mlp, args.fused_ce,
+                fp8_mlp).to(device)
     orthogonalize, update, compiled = ORTHOGONALIZERS[args.orthogonalizer], adam_update, model
     if args.compile:
         # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final

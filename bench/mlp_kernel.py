@@ -1,11 +1,12 @@
 """Time one ReLU² MLP, forward and backward, at the record's micro-batch shape on one GPU: the
 unfused MLP as torch.compile builds it (cuBLAS matmuls, ReLU² as separate fused elementwise kernels)
 against kernels.py's relu2_mlp (ReLU² in Triton matmul epilogues) with each tile configuration
-given, and the fused op's relative error against the unfused one. Seconds per run, not minutes of
-model compile: the way to choose kernels.RELU2_TILES before timing whole steps (bench/step_time.py
---fused_mlp true).
+given, and the FP8 forward (relu2_mlp_fp8 with its operands quantized as train_gpt.py's MLP does, in
+one compiled function) with each FP8 tile configuration; each with its relative error against the
+unfused MLP. Seconds per run, not minutes of model compile: the way to choose kernels.RELU2_TILES and
+RELU2_FP8_TILES before timing whole steps (bench/step_time.py --fused_mlp true [--fp8_mlp true]).
 
-    python bench/mlp_kernel.py [--tokens 49152] [--tiles 128,128,64,8,3 128,256,64,8,3 ...]
+    python bench/mlp_kernel.py [--tokens 49152] [--tiles 128,128,64,8,3 ...] [--fp8_tiles 128,256,128,8,3 ...]
 
 A tile configuration is BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages (GROUP_M stays 8)."""
 import argparse
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
+import train_gpt as tg  # noqa: E402  (fp8_mlp_operands)
 
 
 def unfused(x, fc_w, proj_w):
@@ -25,6 +27,11 @@ def unfused(x, fc_w, proj_w):
 
 def fused(x, fc_w, proj_w):
     return torch.ops.speedrun.relu2_mlp(x, fc_w, proj_w)[0]
+
+
+@torch.compile(fullgraph=True)
+def fp8(x, fc_w, proj_w):
+    return torch.ops.speedrun.relu2_mlp_fp8(x, *tg.fp8_mlp_operands(x, fc_w, proj_w))[0]
 
 
 def time_fwd_bwd(fn, inputs, grad, iters: int) -> float:
@@ -50,6 +57,8 @@ def main():
     parser.add_argument("--hidden", type=int, default=3072)
     parser.add_argument("--tiles", nargs="+", default=["128,128,64,8,3", "128,256,64,8,3", "128,128,32,4,4"],
                         help="BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages per configuration")
+    parser.add_argument("--fp8_tiles", nargs="*", default=["128,256,128,8,3", "128,128,128,8,4", "128,256,64,8,4"],
+                        help="the same for the FP8 forward's kernel (none: no FP8 timing)")
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -58,6 +67,8 @@ def main():
     make = lambda *shape, s=1.0: (s * torch.randn(*shape, device="cuda", generator=g)).bfloat16().requires_grad_()
     inputs = [make(args.tokens, args.dim), make(args.dim, args.hidden, s=args.dim ** -0.5),
               make(args.dim, args.hidden, s=args.hidden ** -0.5)]
+    with torch.no_grad():  # the MLP's input is RMS-normed (the FP8 scale of x relies on it)
+        inputs[0].copy_(F.rms_norm(inputs[0], (args.dim,)))
     grad = torch.randn(args.tokens, args.dim, device="cuda", generator=g).bfloat16()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; MLP {args.tokens} x {args.dim} "
           f"-> {args.hidden} -> {args.dim}, bf16, forward + backward, median of {args.iters}")
@@ -69,22 +80,28 @@ def main():
     reference.backward(grad)
     reference, ref_grads = reference.detach(), [t.grad.float() for t in inputs]
     print(f"unfused (torch.compile): {base:.3f} ms")
-    for tiles in args.tiles:
-        m, n, k, warps, stages = map(int, tiles.split(","))
-        kernels.RELU2_TILES = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=warps, num_stages=stages)
-        try:
-            ms = time_fwd_bwd(fused, inputs, grad, args.iters)
-        except Exception as e:  # a configuration the GPU cannot hold (shared memory, registers): say so, go on
-            print(f"fused {tiles}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-            continue
-        for t in inputs:
-            t.grad = None
-        out = fused(*inputs)
-        out.backward(grad)
-        out = out.detach()
-        rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
-        err = max([rel(out, reference)] + [rel(t.grad, r) for t, r in zip(inputs, ref_grads)])
-        print(f"fused {tiles}: {ms:.3f} ms ({ms / base:.3f} x unfused); largest relative error {err:.1e}")
+    bf16_tiles = dict(kernels.RELU2_TILES)
+    for name, fn, all_tiles in [("fused", fused, args.tiles), ("fp8", fp8, args.fp8_tiles)]:
+        for tiles in all_tiles:
+            m, n, k, warps, stages = map(int, tiles.split(","))
+            chosen = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=warps, num_stages=stages)
+            if name == "fused":
+                kernels.RELU2_TILES = chosen
+            else:  # the FP8 forward's backward is the bf16 kernel's: the default tiles there
+                kernels.RELU2_TILES, kernels.RELU2_FP8_TILES = bf16_tiles, chosen
+            try:
+                ms = time_fwd_bwd(fn, inputs, grad, args.iters)
+            except Exception as e:  # a configuration the GPU cannot hold (shared memory, registers): say so, go on
+                print(f"{name} {tiles}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                continue
+            for t in inputs:
+                t.grad = None
+            out = fn(*inputs)
+            out.backward(grad)
+            out = out.detach()
+            rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
+            err = max([rel(out, reference)] + [rel(t.grad, r) for t, r in zip(inputs, ref_grads)])
+            print(f"{name} {tiles}: {ms:.3f} ms ({ms / base:.3f} x unfused); largest relative error {err:.1e}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 cross-entropy (kernels.py) against explicit float math.
 Runs on the CPU in CI (reference attention, CPU _scaled_mm) and on a GPU wherever one is present."""
 
+import math
 import os
 
 import pytest
@@ -258,7 +259,9 @@ sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import kernels, test_kernels as t
 assert kernels.triton_runs_on(torch.zeros(1)), "the Triton interpreter is not in use"
 kernels.RELU2_TILES = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2)  # 50 x 40 x 72: edge tiles masked
-print(json.dumps(t.check_relu2_mlp_op(*t.relu2_mlp_case(torch.float32))))
+kernels.RELU2_FP8_TILES = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
+print(json.dumps(t.check_relu2_mlp_op(*t.relu2_mlp_case(torch.float32))
+                 + t.check_relu2_mlp_fp8_op(*t.relu2_mlp_case(torch.float32))))
 """
 
 
@@ -285,7 +288,9 @@ def test_triton_kernels_match_float64_autograd_in_the_triton_interpreter(tmp_pat
     errors = run_in_triton_interpreter(INTERPRETER_SCRIPT, tmp_path)
     # float32 only: the interpreter of Triton 3.9 multiplies bf16 tiles wrongly (a plain tl.dot too); the
     # GPU test below covers bf16
-    assert max(errors) < 1e-5, errors
+    assert max(errors[:4]) < 1e-5, errors  # the bf16 op's kernels
+    assert max(errors[4:6]) < 1e-4, errors  # the FP8 kernel against its float32 emulation
+    assert max(errors[6:]) < 0.08, errors  # and against the unquantized MLP
 
 
 def relu2_mlp_case(dtype, T=50, dim=40, hidden=72, seed=0):
@@ -309,23 +314,112 @@ def check_relu2_mlp_op(x, fc_w, proj_w):
     return [rel(out, expected.detach())] + [rel(g.grad, r.grad) for g, r in zip(got_in, ref_in)]
 
 
+def relu2_mlp_fp8_inputs(x, fc_w, proj_w):
+    """The FP8 op's inputs as the model makes them (train_gpt.fp8_mlp_operands), x RMS-normed first."""
+    x = torch.nn.functional.rms_norm(x, (x.size(-1),))
+    return (x, *tg.fp8_mlp_operands(x, fc_w, proj_w))
+
+
+def check_relu2_mlp_fp8_op(x, fc_w, proj_w):
+    """The FP8 op (kernel path where Triton runs) against float32 arithmetic on the same FP8 operands
+    (kernels.relu2_mlp_fp8_reference), then its output and gradients against the unquantized MLP in float64:
+    relative errors [out vs emulation, post vs emulation, out vs float64, grad x, grad fc_w, grad proj_w]."""
+    import kernels
+    x, x_f8, fc_w, fc_f8_t, proj_w, proj_f8, scales = relu2_mlp_fp8_inputs(x, fc_w, proj_w)
+    emulated, emulated_post, _ = kernels.relu2_mlp_fp8_reference(x_f8, fc_f8_t, proj_f8, scales, x.dtype)
+    ref_in = [t.detach().double().requires_grad_(True) for t in (x, fc_w, proj_w)]
+    expected = kernels.relu2_mlp_reference(*ref_in)
+    grad_out = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(x.device)
+    (expected * grad_out).sum().backward()
+    got_in = [t.detach().clone().requires_grad_(True) for t in (x, fc_w, proj_w)]
+    out, post = torch.ops.speedrun.relu2_mlp_fp8(got_in[0], x_f8, got_in[1], fc_f8_t, got_in[2], proj_f8, scales)
+    (out * grad_out.to(out.dtype)).sum().backward()
+    rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
+    assert out.dtype == x.dtype and post.dtype == x.dtype
+    return ([rel(out, emulated), rel(post, emulated_post), rel(out, expected.detach())]
+            + [rel(g.grad, r.grad) for g, r in zip(got_in, ref_in)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_mlp_reference_path_is_close_to_the_unquantized_mlp(dtype):
+    errors = check_relu2_mlp_fp8_op(*relu2_mlp_case(dtype))
+    assert errors[:2] == [0.0, 0.0]  # on the CPU the op is its emulation
+    # e4m3 keeps 3 mantissa bits: each operand within 1/16, so a few percent on the output; the backward is
+    # bf16's from FP8's post: its own error plus bf16's
+    assert max(errors[2:]) < 0.08, errors
+    assert max(errors[2:]) > 1e-4, errors  # it did quantize
+
+
+def test_fp8_mlp_scales_keep_post_below_saturation_where_x_points_along_a_column():
+    """The bound on post is reached where a token's x is parallel to a column of W_fc: there post =
+    dim * |w_j|², which must still fit e4m3 (<= 448) after scaling, and come out exact to FP8 rounding."""
+    import kernels
+    x, fc_w, proj_w = relu2_mlp_case(torch.float32)
+    j = fc_w.square().sum(0).argmax()
+    x[0] = fc_w[:, j] / fc_w[:, j].norm() * math.sqrt(x.size(1))  # RMS norm leaves it as it is
+    x, x_f8, _, fc_f8_t, _, proj_f8, scales = relu2_mlp_fp8_inputs(x, fc_w, proj_w)
+    _, post, post_f8 = kernels.relu2_mlp_fp8_reference(x_f8, fc_f8_t, proj_f8, scales, x.dtype)
+    peak = x.size(1) * fc_w[:, j].square().sum()
+    assert post[0, j] / peak == pytest.approx(1.0, rel=0.15)
+    assert post.max() / scales[2] <= 448 and post_f8.float().max() < 448  # no saturation
+    assert post_f8.float().max() > 448 / 1.3 / 1.2  # and the range is used
+
+
+def test_model_with_fp8_mlp_is_close_to_the_unfused_one_in_training_only():
+    from test_mtp import tiny_model, two_documents, W3
+    models = [tiny_model(), tiny_model()]
+    for block in models[1].blocks:
+        if block.mlp is not None:
+            block.mlp.fp8 = True
+    x, y, cu = two_documents()
+    losses = [m(x, y, cu, 24, W3) for m in models]
+    assert losses[1].item() != losses[0].item()
+    torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=0)
+    for loss in losses:
+        loss.backward()
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        if a.grad is not None and a.grad.norm() > 0:  # 4-10% (e4m3's 3 mantissa bits at dim 64), 16% for a gate
+            assert ((b.grad.float() - a.grad.float()).norm() / a.grad.float().norm()) < 0.25, name
+    with torch.no_grad():
+        evals = [m.eval()(x, y, cu, 24, W3) for m in models]
+    assert evals[1].item() == evals[0].item()  # evaluation stays in bf16/float
+
+
+def test_fp8_mlp_traces_fullgraph_and_matches_eager():
+    x, fc_w, proj_w = relu2_mlp_case(torch.float32)
+
+    def f(x, fc_w, proj_w):
+        x = torch.nn.functional.rms_norm(x, (x.size(-1),))
+        return torch.ops.speedrun.relu2_mlp_fp8(x, *tg.fp8_mlp_operands(x, fc_w, proj_w))[0].square().sum()
+
+    results = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        inputs = [t.clone().requires_grad_(True) for t in (x, fc_w, proj_w)]
+        fn(*inputs).backward()
+        results.append([t.grad for t in inputs])
+    torch.testing.assert_close(results[1], results[0])
+
+
 def test_triton_kernels_compile_for_an_h100_without_one():
-    """The interpreter runs Python, not Triton's compiler: compile the kernel, forward and backward, for
-    sm_90 down to a cubin (no GPU needed) with the record's tiles, to catch what only the compiler rejects."""
+    """The interpreter runs Python, not Triton's compiler: compile the kernel, forward, backward and FP8
+    forward, for sm_90 down to a cubin (no GPU needed) with the record's tiles, to catch what only the
+    compiler rejects."""
     import kernels
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     fn = kernels._matmul_relu2_kernel
-    tiles = {k: v for k, v in kernels.RELU2_TILES.items() if k.isupper()}
-    options = {k: v for k, v in kernels.RELU2_TILES.items() if not k.isupper()}  # num_warps, num_stages
-    for backward in (False, True):
-        constexprs = {"BACKWARD": backward, **tiles}
-        signature = {n: "constexpr" if n in constexprs else "*bf16" if n.endswith("_ptr") else "i32"
+    for backward, fp8 in ((False, False), (True, False), (False, True)):
+        all_tiles = kernels.RELU2_FP8_TILES if fp8 else kernels.RELU2_TILES
+        tiles = {k: v for k, v in all_tiles.items() if k.isupper()}
+        options = {k: v for k, v in all_tiles.items() if not k.isupper()}  # num_warps, num_stages
+        constexprs = {"BACKWARD": backward, "FP8": fp8, **tiles}
+        pointers = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", aux_ptr="*fp8e4nv", scale_ptr="*fp32") if fp8 else {}
+        signature = {n: "constexpr" if n in constexprs else pointers.get(n, "*bf16") if n.endswith("_ptr") else "i32"
                      for n in fn.arg_names}
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32), options=options)
-        assert len(compiled.asm["cubin"]) > 1000, f"backward={backward}"
+        assert len(compiled.asm["cubin"]) > 1000, f"backward={backward}, fp8={fp8}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -367,6 +461,14 @@ def test_relu2_mlp_traces_fullgraph_and_matches_eager():
 def test_relu2_mlp_kernels_on_the_gpu_at_the_record_shapes():
     errors = check_relu2_mlp_op(*(t.cuda() for t in relu2_mlp_case(torch.bfloat16, T=4096 + 17, dim=768, hidden=3072)))
     assert max(errors) < 1e-2, errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="the FP8 kernel needs a CUDA GPU with FP8 (sm89+)")
+def test_fp8_mlp_kernels_on_the_gpu_at_the_record_shapes():
+    errors = check_relu2_mlp_fp8_op(*(t.cuda() for t in relu2_mlp_case(torch.bfloat16, T=4096 + 17, dim=768,
+                                                                       hidden=3072)))
+    assert max(errors[:2]) < 2e-3 and max(errors[2:]) < 0.08, errors
 
 
 def test_fused_mlp_fits_by_the_gpus_shared_memory(monkeypatch):
