@@ -42,6 +42,9 @@ def triton_runs_on(t: Tensor) -> bool:
 # one, from bf16 post.
 
 E4M3_MAX = 448.0  # the largest float8_e4m3fn value
+# One FP8 scale per row of 4 float32 (16 bytes): cuBLASLt (CUDA 13) refuses FP8 scale pointers that are not
+# 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED on an H100), so a scale is never a view 4 bytes into another.
+FP8_SCALE_ROW = 4
 
 
 def relu2_mlp_reference(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> Tensor:
@@ -52,11 +55,12 @@ def relu2_mlp_reference(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> Tensor:
 def relu2_mlp_fp8_reference(x_f8: Tensor, fc_f8_t: Tensor, proj_f8: Tensor, scales: Tensor,
                             dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """The FP8 forward in float32 arithmetic: (out, post, post_f8). x_f8 (T, dim), fc_f8_t (hidden, dim) and
-    proj_f8 (dim, hidden) in e4m3; scales (3,) float32: x's times W_fc's, W_proj's, and post's (post above
-    448 times its scale saturates)."""
-    post = torch.relu((x_f8.float() @ fc_f8_t.float().T) * scales[0]).square().to(dtype)
-    post_f8 = (post.float() / scales[2]).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-    out = (post_f8.float() @ proj_f8.float().T) * (scales[2] * scales[1])
+    proj_f8 (dim, hidden) in e4m3; scales (3, 4) float32, a 16-byte row each (FP8_SCALE_ROW): x's times
+    W_fc's, W_proj's, and post's (post above 448 times its scale saturates)."""
+    x_fc_s, proj_s, post_s = scales[:, 0]
+    post = torch.relu((x_f8.float() @ fc_f8_t.float().T) * x_fc_s).square().to(dtype)
+    post_f8 = (post.float() / post_s).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    out = (post_f8.float() @ proj_f8.float().T) * (post_s * proj_s)
     return out.to(dtype), post, post_f8
 
 
@@ -67,8 +71,8 @@ if triton is not None:
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr):
         """acc = A @ B (M x N, float32). Forward: out = relu(acc)² (post). Backward: out = acc * 2 sqrt(aux)
-        (aux: the saved post). FP8 (forward): A and B in e4m3, acc *= scale[0], and aux = min(post / scale[2],
-        448) in e4m3."""
+        (aux: the saved post). FP8 (forward): A and B in e4m3, acc *= scale[0, 0], and aux = min(post /
+        scale[2, 0], 448) in e4m3."""
         pid = tl.program_id(0)
         grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         group = GROUP_M * grid_n  # tiles in groups of GROUP_M rows: neighbouring programs share B in L2
@@ -93,12 +97,12 @@ if triton is not None:
             acc = acc * 2 * tl.sqrt(post)
         else:
             if FP8:
-                acc = acc * tl.load(scale_ptr)
+                acc = acc * tl.load(scale_ptr)  # row 0 of the (3, FP8_SCALE_ROW) scales
             acc = tl.maximum(acc, 0.0)
             acc = acc * acc
             if FP8:
                 acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # post as stored: what bf16 matmuls see
-                q = tl.minimum(acc / tl.load(scale_ptr + 2), 448.0)  # E4M3_MAX
+                q = tl.minimum(acc / tl.load(scale_ptr + 8), 448.0)  # row 2; 448: E4M3_MAX
                 tl.store(aux_ptr + at, q.to(aux_ptr.dtype.element_ty), mask=inside)
         tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
@@ -175,8 +179,8 @@ def relu2_mlp_fp8(x: Tensor, x_f8: Tensor, fc_w: Tensor, fc_f8_t: Tensor, proj_w
         return relu2_mlp_fp8_reference(x_f8, fc_f8_t, proj_f8, scales, x.dtype)[:2]
     post, post_f8 = _matmul_relu2(x_f8, fc_f8_t.T, None, x.dtype, scales)
     if not post_f8.is_cuda:  # the interpreter's CPU tensors: the down projection in float32
-        return ((post_f8.float() @ proj_f8.float().T) * (scales[2] * scales[1])).to(x.dtype), post
-    return torch._scaled_mm(post_f8, proj_f8.T, scale_a=scales[2:3], scale_b=scales[1:2], out_dtype=x.dtype,
+        return ((post_f8.float() @ proj_f8.float().T) * (scales[2, 0] * scales[1, 0])).to(x.dtype), post
+    return torch._scaled_mm(post_f8, proj_f8.T, scale_a=scales[2, :1], scale_b=scales[1, :1], out_dtype=x.dtype,
                             use_fast_accum=True), post
 
 

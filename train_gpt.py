@@ -1146,8 +1146,9 @@ def fp8_mlp_operands(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, .
     fc_s, proj_s = (w.detach().abs().amax().float().clamp_min(1e-30) / E4M3_MAX for w in (fc_w, proj_w))
     post_s = 1.3 * x.size(-1) * fc_w.float().square().sum(0).amax() / E4M3_MAX
     e4m3 = lambda t: t.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    scales = torch.stack([x_s * fc_s, proj_s, post_s.clamp_min(1e-30)])  # a 16-byte row each (kernels.FP8_SCALE_ROW)
     return (e4m3(x / x_s), fc_w, e4m3(fc_w.T / fc_s).contiguous(), proj_w, e4m3(proj_w / proj_s),
-            torch.stack([x_s * fc_s, proj_s, post_s.clamp_min(1e-30)]))
+            scales[:, None].repeat(1, kernels.FP8_SCALE_ROW))
 
 
 class Block(nn.Module):

@@ -361,8 +361,18 @@ def test_fp8_mlp_scales_keep_post_below_saturation_where_x_points_along_a_column
     _, post, post_f8 = kernels.relu2_mlp_fp8_reference(x_f8, fc_f8_t, proj_f8, scales, x.dtype)
     peak = x.size(1) * fc_w[:, j].square().sum()
     assert post[0, j] / peak == pytest.approx(1.0, rel=0.15)
-    assert post.max() / scales[2] <= 448 and post_f8.float().max() < 448  # no saturation
+    assert post.max() / scales[2, 0] <= 448 and post_f8.float().max() < 448  # no saturation
     assert post_f8.float().max() > 448 / 1.3 / 1.2  # and the range is used
+
+
+def test_fp8_mlp_scales_given_to_scaled_mm_are_16_byte_aligned():
+    """cuBLASLt under CUDA 13 refuses FP8 scales that are not 16-byte aligned (an H100 said
+    CUBLAS_STATUS_NOT_SUPPORTED for views 4 and 8 bytes into one tensor): the op passes rows of the scales."""
+    import kernels
+    scales = relu2_mlp_fp8_inputs(*relu2_mlp_case(torch.float32))[-1]
+    assert scales.shape == (3, kernels.FP8_SCALE_ROW) and scales.is_contiguous()
+    assert all((scales[i, :1].data_ptr() - scales.data_ptr()) % 16 == 0 for i in range(3))
+    assert torch.equal(scales, scales[:, :1].expand(3, kernels.FP8_SCALE_ROW))  # each row holds one scale
 
 
 def test_model_with_fp8_mlp_is_close_to_the_unfused_one_in_training_only():
@@ -465,9 +475,9 @@ def test_relu2_mlp_kernels_on_the_gpu_at_the_record_shapes():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="the FP8 kernel needs a CUDA GPU with FP8 (sm89+)")
-def test_fp8_mlp_kernels_on_the_gpu_at_the_record_shapes():
-    errors = check_relu2_mlp_fp8_op(*(t.cuda() for t in relu2_mlp_case(torch.bfloat16, T=4096 + 17, dim=768,
-                                                                       hidden=3072)))
+@pytest.mark.parametrize("T", [4096, 4096 + 17])
+def test_fp8_mlp_kernels_on_the_gpu_at_the_record_shapes(T):
+    errors = check_relu2_mlp_fp8_op(*(t.cuda() for t in relu2_mlp_case(torch.bfloat16, T=T, dim=768, hidden=3072)))
     assert max(errors[:2]) < 2e-3 and max(errors[2:]) < 0.08, errors
 
 
@@ -497,6 +507,18 @@ def test_build_runs_the_mlp_unfused_where_the_kernel_does_not_fit(tiny_args, mon
     assert not any(b.mlp.fused for b in model.blocks if b.mlp is not None)
     assert any("fused MLP off" in line and "99 KiB" in line for line in lines), lines
     assert "MLP: unfused" in tg.run_report(model, args, torch.device("cpu"), 1, "reference", False)[0]
+
+
+def test_build_runs_the_mlp_in_bf16_where_fp8_is_missing(tiny_args):
+    args = tiny_args(fused_mlp=True, fp8_mlp=True, compile=False)
+    lines = []
+    model = tg.build(args, torch.device("cpu"), 0, 1, log=lines.append)[0]  # the CPU: no FP8 matmuls in training
+    assert not any(b.mlp.fp8 for b in model.blocks if b.mlp is not None)
+    assert any(line.startswith("FP8 MLP off") for line in lines), lines
+    assert "MLP: fused," in tg.run_report(model, args, torch.device("cpu"), 1, "reference", False)[0]
+    model = tg.GPT(tg.ModelConfig.from_args(args), fused_mlp=True, fp8_mlp=True)  # as build() makes it on an H100
+    assert all(b.mlp.fp8 for b in model.blocks if b.mlp is not None)
+    assert "MLP: fused fp8," in tg.run_report(model, args, torch.device("cpu"), 1, "reference", False)[0]
 
 
 # kernels.py (the soft-capped cross-entropy of the FP8 head, --fused_ce): the kernels in Triton's
