@@ -112,7 +112,6 @@ class Hyperparameters:
     head_dim: int = 128  # width of each attention head
     mlp_ratio: int = 4  # MLP hidden width = mlp_ratio x model_dim
     no_attn_layers: tuple[int, ...] = (7,)  # blocks without attention (block 7: @YouJiacheng)
-    no_mlp_layers: tuple[int, ...] = ()  # blocks without an MLP: less compute, little loss (09/05/25: block 0)
     num_value_embeds: int = 3  # value-embedding tables for the first and, mirrored, last blocks
     window_pattern: str = "LSSSLSSLSSSL"  # per block: L = long window, S = short window (half)
     window_block: int = 128  # tokens per window block
@@ -131,6 +130,7 @@ class Hyperparameters:
     key_offset: bool = False  # long-window blocks' keys take their position-free dims from the previous token (12/14/25)
     paired_head_blocks: tuple[int, ...] = ()  # paired-head attention in these short-window blocks (01/07/26: 1,3,6,10)
     xsa: bool = False  # learnable XSA: each head removes tanh(a) of its output along its own value (04/29/26)
+    mudd: bool = False  # MUDD: per-token learned mixes of earlier block outputs into the last block and the head (04/22/26)
     # schedule: the stages in order (rows of Stage, above), sharing the scheduled steps, then extension_steps more
     stages: tuple[Stage, ...] = (Stage(3), Stage(7), Stage(11))  # the schedule table: batch, document cut, window, lr, MTP per stage
     extension_steps: int = 0  # last steps, after the cooldown: final learning rate, long window extension_window
@@ -222,8 +222,6 @@ class Hyperparameters:
         if bad or h.num_heads % 2 or len(set(h.paired_head_blocks)) != len(h.paired_head_blocks):
             raise ValueError(f"paired_head_blocks={h.paired_head_blocks}: distinct blocks with attention and a short "
                              f"window (S in window_pattern={h.window_pattern!r}), and an even num_heads={h.num_heads}")
-        if not all(0 <= i < h.num_layers for i in h.no_mlp_layers):
-            raise ValueError(f"no_mlp_layers={h.no_mlp_layers}: block indices below num_layers={h.num_layers}")
         if h.num_value_embeds * 2 > h.num_layers:
             raise ValueError(f"num_value_embeds={h.num_value_embeds} needs at least {2 * h.num_value_embeds} layers")
         if h.logit_softcap + math.log(h.vocab_size) >= 88:  # exp(cap) * vocab must fit in fp32 (any shift)
@@ -234,6 +232,9 @@ class Hyperparameters:
             raise ValueError(f"bigram_rows={h.bigram_rows}: 0 (off) or at least 2 (hashed rows + a document-start row)")
         if h.bigram_sign_rows < 0 or (h.bigram_sign_rows and not h.bigram_rows):
             raise ValueError(f"bigram_sign_rows={h.bigram_sign_rows}: 0, or a positive count with bigram_rows")
+        if h.mudd and not 0 <= h.backout_layer < h.num_layers - 1:
+            raise ValueError(f"mudd=true mixes in block backout_layer's output: set backout_layer (now "
+                             f"{h.backout_layer}) to a block below the last ({h.num_layers - 1})")
         if not -1 <= h.backout_layer < h.num_layers - 1:
             raise ValueError(f"backout_layer={h.backout_layer}: -1 (off) or a block index below the last "
                              f"({h.num_layers - 1}), whose output the final norm would only rescale")
@@ -301,6 +302,11 @@ PUBLIC_LINE = dict(
     head_adam_betas=(0.5, 0.95), head_weight_decay=0.375,  # the 2026 head: 0.75 per Adam step, which steps every second
     stages=tuple(dataclasses.replace(row, mtp=mtp) for row, mtp in  # the 2025-12-22 record's MTP weights
                  zip(RECORD_LINE["stages"], ((0.5, 0.25), (0.5, 0.0), (0.0, 0.0)))),
+    tied_embed_stages=2,  # embedding = the head's rows until 2/3 of training (12/19/25 re-tie, 12/22/25 untie)
+    mudd=True,  # MUDD before the last block and the head (04/22/26), without the 05/27/26 gates and DC attention
+    # the master's schedule ends: 15 of 1285 steps at the final learning rate with windows of 13 blocks (09/21/25,
+    # here 20 of 1670), learning rates decaying to 0.15 (02/10/26), the final validation looking back 20 blocks
+    extension_steps=20, extension_window=13, final_lr_frac=0.15, final_val_window=20,
 )
 DEFAULT_PRESET = "record"  # what a command without --preset runs (the dataclass defaults are record-0903)
 PRESETS = {  # name: (what it is, the fields it sets)
@@ -313,8 +319,10 @@ PRESETS = {  # name: (what it is, the fields it sets)
                     "master, 2026-08) that this file implements, at the public values: NorMuon (beta2 0.9), Muon's "
                     "cautious weight decay 1.2, XSA, YaRN, the smear gate, value-embedding gates, paired-head "
                     "attention in blocks 1,3,6,10, the LM head's betas 0.5,0.95 and decay, multi-token prediction "
-                    "(0.5/0.25, 0.5/0, 0/0); the configuration the side-by-side harness judges against record "
-                    "(bench/README), not yet measured there nor run on a GPU", PUBLIC_LINE),
+                    "(0.5/0.25, 0.5/0, 0/0), MUDD, the embedding tied to the head for two stages, a 20-step extension "
+                    "at windows of 13, learning rates to 0.15, a final validation over 20 blocks; the configuration "
+                    "the side-by-side harness judges against record (bench/README: one seed so far, before the "
+                    "last five)", PUBLIC_LINE),
     "record-0903": ("the public record of 2025-09-03 as it ran (1670 steps, 8 GPUs): the dataclass defaults", {}),
     "smoke": ("a tiny model on a built-in synthetic corpus (a random Markov chain whose entropy per token, "
               "the lowest loss possible, is known): about a minute on a laptop CPU; a checkpoint every 50 steps, "
@@ -412,10 +420,21 @@ def set_stage_columns(rows: tuple[Stage, ...], columns: dict[str, tuple]) -> tup
     return rows
 
 
+# Fields deleted since checkpoints were first written, each with its value that meant "off" (git and
+# bench/README.md keep the technique): a checkpoint holding that value resumes without it.
+REMOVED_FIELDS = {"no_mlp_layers": ()}
+
+
 def stored_args(saved: dict) -> dict:
     """A checkpoint's hyperparameters as fields: its stages rows made Stage again (checkpoints of the
-    column era, before the table, converted), list values made tuples."""
+    column era, before the table, converted), list values made tuples, deleted fields dropped where off."""
     saved = dict(saved)
+    for name, off in REMOVED_FIELDS.items():
+        value = saved.pop(name, off)
+        if (tuple(value) if isinstance(value, list) else value) != off:
+            raise ValueError(f"the checkpoint trained with {name}={cli_text(tuple(value))}, a technique this "
+                             "train_gpt.py no longer has (bench/README.md gives its results): resume it with the "
+                             "commit that wrote it")
     columns = {flag: tuple(saved.pop(flag)) for flag in STAGE_COLUMNS if flag in saved}
     if "stages" in saved:
         saved["stages"] = tuple(Stage(**{**row, "mtp": tuple(row["mtp"])}) for row in saved["stages"])
@@ -896,7 +915,6 @@ class ModelConfig:
     head_dim: int
     mlp_ratio: int
     no_attn_layers: tuple[int, ...]
-    no_mlp_layers: tuple[int, ...]
     num_value_embeds: int
     window_pattern: str
     attn_scale: float
@@ -913,6 +931,7 @@ class ModelConfig:
     key_offset: bool
     paired_head_blocks: tuple[int, ...]
     xsa: bool
+    mudd: bool
     tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order; () = off
@@ -1090,7 +1109,7 @@ class CausalSelfAttention(nn.Module):
         # embedding: 2 sigmoid(W x[:12]) scales each head's value embedding by context; zero init = 1.
         self.ve_gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels)) if ve_gate else None
 
-    def forward(self, x, ve, lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, xsa=None):
+    def forward(self, x, ve, lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, xsa=None, v_extra=None):
         T, H, D = x.size(0), self.num_heads, self.head_dim
         q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x)).view(T, 3 * H, D).chunk(3, dim=1)
         # Value embeddings (@KoszarskyB, @Grad62304977; value residual, arXiv 2410.17897): v mixes in a
@@ -1099,6 +1118,8 @@ class CausalSelfAttention(nn.Module):
             gate = 2 * torch.sigmoid(F.linear(x[:, : self.ve_gate_w.size(1)], self.ve_gate_w.type_as(x)))
             ve = ve.view_as(v) * gate.unsqueeze(-1)
         v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
+        if v_extra is not None:  # MUDD's value channel (GPT.hidden)
+            v = v + v_extra.view_as(v)
         own_v = v  # (T, H, D) before any pairing: each head's value at each token, for XSA
         if self.paired:
             q, k, v = pair_heads(q), pair_heads(k), pair_heads(v)
@@ -1154,20 +1175,23 @@ def fp8_mlp_operands(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, .
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, has_attn: bool, has_value_embed: bool = False, long_window: bool = False,
-                 paired: bool = False, has_mlp: bool = True):
+                 paired: bool = False):
         super().__init__()
         self.attn = CausalSelfAttention(cfg, ve_gate=cfg.ve_gate and has_value_embed,
                                         key_offset=cfg.key_offset and long_window, paired=paired) if has_attn else None
-        self.mlp = MLP(cfg) if has_mlp else None
+        self.mlp = MLP(cfg)
 
     def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, bigram=None,
-                xsa=None):
+                xsa=None, v_extra=None):
         x = lambdas[0] * x + lambdas[1] * x0  # learned mix with the embedding stream x0
         if bigram is not None:  # this block's weighted bigram hash embedding (see bigram_indices)
             x = x + bigram
         if self.attn is not None:
-            x = x + self.attn(norm(x), ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, xsa)
-        return x + self.mlp(norm(x)) if self.mlp is not None else x
+            x = x + self.attn(norm(x), ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, xsa, v_extra)
+        return x + self.mlp(norm(x))
+
+
+MUDD_DIM, MUDD_COEFS = 64, 8  # MUDD: each MLP's hidden width, and its outputs (6 and 3 used, 8 for even shards)
 
 
 class GPT(nn.Module):
@@ -1180,11 +1204,10 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in range(cfg.num_value_embeds))
         self.blocks = nn.ModuleList(Block(cfg, i not in cfg.no_attn_layers, ve is not None, cfg.window_pattern[i] == "L",
-                                          i in cfg.paired_head_blocks, i not in cfg.no_mlp_layers)
+                                          i in cfg.paired_head_blocks)
                                     for i, ve in enumerate(self.value_embed_layers()))
         for block in self.blocks:
-            if block.mlp is not None:
-                block.mlp.fused, block.mlp.fp8 = fused_mlp, fp8_mlp
+            block.mlp.fused, block.mlp.fp8 = fused_mlp, fp8_mlp
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
         # All scalars in one tensor (one Adam group, one collective), laid out by scalar_layout(): per
@@ -1223,6 +1246,15 @@ class GPT(nn.Module):
         if self.tied_embed:
             with torch.no_grad():
                 self.lm_head_w.normal_(0, 0.005)
+        # MUDD, trimmed (multiway dynamic dense connections, arXiv 2502.12170; the 2026-04-22 record, @lishengping,
+        # PR 259, as the public master keeps it): two small MLPs (dim -> 64, GELU -> MUDD_COEFS per token)
+        # whose outputs, times 0.1, weigh earlier block outputs (see hidden). The second layers and the
+        # biases start at zero, so the model starts as without MUDD. Drawn last: the rest is unchanged.
+        if cfg.mudd:
+            self.mudd_w1 = nn.Parameter(torch.empty(2 * MUDD_DIM, dim))
+            nn.init.kaiming_uniform_(self.mudd_w1, a=math.sqrt(5))  # as the public master (nn.Linear's init)
+            self.mudd_w2 = nn.Parameter(torch.zeros(2 * MUDD_COEFS, MUDD_DIM))
+            self.mudd_b2 = nn.Parameter(torch.zeros(2 * MUDD_COEFS))
 
     def scalar_layout(self) -> dict[str, slice]:
         """Where each kind of scalar lies in self.scalars (the features that are off take no room)."""
@@ -1270,12 +1302,23 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             if i >= L - L // 2:
                 x = x + skip_w[i - (L - L // 2)] * skips.pop()
+            v_extra = None
+            if cfg.mudd and i == L - 1:
+                # MUDD before the last block, over x0, block backout_layer's output and x itself: one mix joins
+                # the last block's attention values, another recombines the residual (the public master's,
+                # without its generated gates and lambdas)
+                before_last, c = x, self.mudd_coefs(x, 0, 6)
+                v_extra = c[0] * x0 + c[1] * backout + c[2] * x
+                x = (1 + c[5]) * x + c[3] * x0 + c[4] * backout
             x = block(x, x0, lambdas[i], ves[i], ve_lambdas[i], cu_seqlens, max_seqlen, windows[i], rope,
-                      self.attn_fn, None if bigram is None else bigram_w[i] * bigram, xsa[i])
+                      self.attn_fn, None if bigram is None else bigram_w[i] * bigram, xsa[i], v_extra)
             if i < L // 2:
                 skips.append(x)
             if i == cfg.backout_layer:
                 backout = x
+        if cfg.mudd:  # MUDD before the head: x0, block backout_layer's output and the last block's input
+            c = self.mudd_coefs(x, 1, 3)
+            x = x + c[0] * x0 + c[1] * backout + c[2] * before_last
         if backout is not None:
             # Backout (2025-10-04 record, @snimu, @classiclarryd; PRs 138, 140): the early blocks write much
             # that later blocks need as context but the prediction does not; a learned multiple of the
@@ -1284,6 +1327,12 @@ class GPT(nn.Module):
             # layout): --backout_layer 8.
             x = x - backout_w[0] * backout
         return norm(x)
+
+    def mudd_coefs(self, x: Tensor, j: int, n: int) -> tuple[Tensor, ...]:
+        """MUDD MLP j's first n per-token weights, (T, 1) each: 0.1 (W2 GELU(W1 x) + b2), as the public master."""
+        w1 = self.mudd_w1[j * MUDD_DIM: (j + 1) * MUDD_DIM].type_as(x)
+        w2, b2 = (t[j * MUDD_COEFS: j * MUDD_COEFS + n].type_as(x) for t in (self.mudd_w2, self.mudd_b2))
+        return (0.1 * (F.linear(F.gelu(F.linear(x, w1)), w2) + b2)).split(1, dim=-1)
 
     def softcap(self, logits: Tensor) -> Tensor:
         """Logit soft-cap: bounded logits, smoother early training (tanh cap of Gemma 2 brought in by
@@ -2156,8 +2205,9 @@ def param_groups_by_role(model: GPT) -> dict[str, list[nn.Parameter]]:
     if model.bigram_embed is not None:
         groups["bigram embedding"] = [model.bigram_embed.weight]
     smear = [model.smear_w] if model.smear_w is not None else []  # Muon's, as in the 2025-09-18 record
+    mudd = {"MUDD": [model.mudd_w1, model.mudd_w2, model.mudd_b2]} if model.cfg.mudd else {}
     return {**groups, "block matrices": [p for p in model.blocks.parameters() if p.ndim >= 2] + smear,
-            "LM head": [model.lm_head_w], "scalars": [model.scalars]}
+            "LM head": [model.lm_head_w], "scalars": [model.scalars], **mudd}
 
 
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, orthogonalize=newton_schulz,
@@ -2179,7 +2229,9 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
                         betas=tuple(args.embed_adam_betas) or betas),
                    dict(params=groups["LM head"], lr=args.adam_lr * args.head_lr_mult,
                         weight_decay=args.head_weight_decay, betas=tuple(args.head_adam_betas) or betas),
-                   dict(params=groups["scalars"], lr=args.adam_lr * args.scalar_lr_mult)]
+                   dict(params=groups["scalars"], lr=args.adam_lr * args.scalar_lr_mult),
+                   # MUDD's MLPs: a quarter of the base rate, betas 0.9 / 0.99 (the public master's)
+                   dict(params=groups.get("MUDD", []), lr=args.adam_lr * 0.25, betas=(0.9, 0.99))]
     adam = DistAdam([g for g in adam_groups if g["params"]], lr=args.adam_lr, betas=betas, eps=args.adam_eps,
                     rank=rank, world_size=world_size, update=update)
     muon = Muon(groups["block matrices"], lr=args.muon_lr, momentum=args.muon_momentum, ns_steps=args.ns_steps,
@@ -2255,8 +2307,7 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
     """The start-of-run lines: where and how it runs, then the size report."""
     return [f"device: {device} x {world_size}, grad accumulation {args.batch_size // args.seq_len // world_size}, "
             f"attention backend: {attention}, LM head: {'fp8' if fp8 else 'bf16'}, "
-            f"MLP: {'fused' if any(b.mlp is not None and b.mlp.fused for b in model.blocks) else 'unfused'}"
-            f"{' fp8' if any(b.mlp is not None and b.mlp.fp8 for b in model.blocks) else ''}, "
+            f"MLP: {'fused' if model.blocks[0].mlp.fused else 'unfused'}{' fp8' if model.blocks[0].mlp.fp8 else ''}, "
             f"cross-entropy: {'fused' if model.fused_ce else 'unfused'}, "
             f"compile: {args.compile}, "
             f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device)]

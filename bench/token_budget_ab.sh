@@ -83,12 +83,12 @@ elif [ "$round" = 2 ]; then
       --variant core_1mb "$one" \
       "$@" --out "$out/token_budget_ab2.md"
 elif [ "$round" = 3 ]; then
+  # round 3 also ran --variant no_mlp0 "--no_mlp_layers 0", a field deleted since (bench/README gives its result)
   "${on_record[@]}" --work /tmp/token_budget_ab3 \
       --variant paired "--paired_head_blocks 1,3,6,10" \
       --variant muon_wd043 "--muon_weight_decay 0.43" \
       --variant ve_gate "--ve_gate true" \
       --variant tied2 "--tied_embed_stages 2" \
-      --variant no_mlp0 "--no_mlp_layers 0" \
       --variant combo "--paired_head_blocks 1,3,6,10 --muon_weight_decay 0.43 --ve_gate true" \
       "$@" --out "$out/token_budget_ab3.md"
 elif [ "$round" = 8 ]; then

@@ -52,11 +52,11 @@ TINY = dict(vocab_size=VOCAB, bos_id=BOS, num_layers=4, model_dim=64, num_heads=
 # trick (an even row count, so the table shards over 2 processes), backout after block 2 of 4, the
 # asymmetric softcap 23 * sigmoid((z + 5) / 7.5), Polar Express in Muon, NorMuon's per-neuron scaling
 # YaRN at each window growth, the smear gate, the value-embedding gates, the partial key offset and
-# paired-head attention in the short-window block 1, no MLP in block 3, the token embedding tied to
-# the LM head for the first stage, and learnable XSA.
+# paired-head attention in the short-window block 1, the token embedding tied to the LM head for the
+# first stage, learnable XSA and MUDD.
 LATER_RECORDS = dict(bigram_rows=256, bigram_sign_rows=16, backout_layer=2, logit_softcap=23.0, softcap_shift=5.0,
                      orthogonalizer="polar_express", muon_beta2=0.9, yarn=True, smear=True, ve_gate=True,
-                     key_offset=True, paired_head_blocks=(1,), no_mlp_layers=(3,), tied_embed_stages=1, xsa=True)
+                     key_offset=True, paired_head_blocks=(1,), tied_embed_stages=1, xsa=True, mudd=True)
 # With the value-embedding and bigram tables decayed (strongly, so that it shows) and their own Adam betas,
 # and Muon's cautious weight decay.
 DECAYED_TABLES = dict(LATER_RECORDS, embed_weight_decay=0.5, embed_adam_betas=(0.75, 0.95), muon_weight_decay=1.2)

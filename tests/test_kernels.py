@@ -379,8 +379,7 @@ def test_model_with_fp8_mlp_is_close_to_the_unfused_one_in_training_only():
     from test_mtp import tiny_model, two_documents, W3
     models = [tiny_model(), tiny_model()]
     for block in models[1].blocks:
-        if block.mlp is not None:
-            block.mlp.fp8 = True
+        block.mlp.fp8 = True
     x, y, cu = two_documents()
     losses = [m(x, y, cu, 24, W3) for m in models]
     assert losses[1].item() != losses[0].item()
@@ -441,8 +440,7 @@ def test_model_with_fused_mlp_gives_the_unfused_losses_and_gradients():
     from test_mtp import tiny_model, two_documents, W3
     models = [tiny_model(), tiny_model()]
     for block in models[1].blocks:
-        if block.mlp is not None:
-            block.mlp.fused = True
+        block.mlp.fused = True
     x, y, cu = two_documents()
     losses = [m(x, y, cu, 24, W3) for m in models]
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
@@ -501,13 +499,13 @@ def test_build_runs_the_mlp_unfused_where_the_kernel_does_not_fit(tiny_args, mon
     import kernels
     args = tiny_args(fused_mlp=True, compile=False)
     model = tg.build(args, torch.device("cpu"), 0, 1)[0]
-    assert all(b.mlp.fused for b in model.blocks if b.mlp is not None)
+    assert all(b.mlp.fused for b in model.blocks)
     assert "MLP: fused" in tg.run_report(model, args, torch.device("cpu"), 1, "reference", False)[0]
     monkeypatch.setattr(kernels, "relu2_mlp_fits", lambda device: False)
     monkeypatch.setattr(kernels, "max_shared_memory", lambda device: 99 * 1024)
     lines = []
     model = tg.build(args, torch.device("cpu"), 0, 1, log=lines.append)[0]
-    assert not any(b.mlp.fused for b in model.blocks if b.mlp is not None)
+    assert not any(b.mlp.fused for b in model.blocks)
     assert any("fused MLP off" in line and "99 KiB" in line for line in lines), lines
     assert "MLP: unfused" in tg.run_report(model, args, torch.device("cpu"), 1, "reference", False)[0]
 
@@ -516,11 +514,11 @@ def test_build_runs_the_mlp_in_bf16_where_fp8_is_missing(tiny_args):
     args = tiny_args(fused_mlp=True, fp8_mlp=True, compile=False)
     lines = []
     model = tg.build(args, torch.device("cpu"), 0, 1, log=lines.append)[0]  # the CPU: no FP8 matmuls in training
-    assert not any(b.mlp.fp8 for b in model.blocks if b.mlp is not None)
+    assert not any(b.mlp.fp8 for b in model.blocks)
     assert any(line.startswith("FP8 MLP off") for line in lines), lines
     assert "MLP: fused," in tg.run_report(model, args, torch.device("cpu"), 1, "reference", False)[0]
     model = tg.GPT(tg.ModelConfig.from_args(args), fused_mlp=True, fp8_mlp=True)  # as build() makes it on an H100
-    assert all(b.mlp.fp8 for b in model.blocks if b.mlp is not None)
+    assert all(b.mlp.fp8 for b in model.blocks)
     assert "MLP: fused fp8," in tg.run_report(model, args, torch.device("cpu"), 1, "reference", False)[0]
 
 

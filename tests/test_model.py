@@ -97,8 +97,8 @@ def test_value_embeddings_and_window_pattern_follow_the_record_layout():
     ("paired_head_blocks", (2,), "a short window"),  # block 2 of TINY has no attention
     ("paired_head_blocks", (1, 1), "distinct blocks"),
     ("paired_head_blocks", (4,), "distinct blocks"),
-    ("no_mlp_layers", (4,), "no_mlp_layers=\\(4,\\): block indices below num_layers=4"),
     ("tied_embed_stages", 4, "tied_embed_stages=4: 0 \\(untied\\) up to the number of stages \\(3"),
+    ("mudd", True, "mudd=true mixes in block backout_layer's output: set backout_layer \\(now -1\\)"),
 ])
 def test_bad_hyperparameters_are_refused_with_a_reason(field, value, needle):
     with pytest.raises(ValueError, match=needle):
@@ -535,21 +535,33 @@ def test_paired_head_blocks_are_the_ones_named_and_change_the_model():
         assert not torch.equal(on(x, y, cu, 128, W3, reduction="none"), off(x, y, cu, 128, W3, reduction="none"))
 
 
-def test_a_block_without_mlp_is_the_block_whose_mlp_outputs_zero_and_saves_its_flops():
-    without = tiny_model(randomize=True, no_mlp_layers=(3,))
-    assert [b.mlp is None for b in without.blocks] == [False, False, False, True]
-    full = tiny_model()
-    missing = full.load_state_dict(without.state_dict(), strict=False).missing_keys
-    assert sorted(missing) == ["blocks.3.mlp.fc_w", "blocks.3.mlp.proj_w"]
-    with torch.no_grad():
-        full.blocks[3].mlp.fc_w.normal_()  # any input weights: a zero output projection adds nothing
-        full.blocks[3].mlp.proj_w.zero_()
+def test_mudd_starts_as_the_model_without_it_then_its_mixes_change_the_output_and_learn():
+    off, on = tiny_model(backout_layer=1), tiny_model(backout_layer=1, mudd=True)
+    for k, v in off.state_dict().items():  # MUDD's weights are drawn last: every other weight is the same
+        assert torch.equal(v, on.state_dict()[k]), k
+    assert on.mudd_w2.abs().max() == 0 and on.mudd_b2.abs().max() == 0 and on.mudd_w1.std() > 0
     x, y, cu = batch()
+    randomized = tiny_model(randomize=True, backout_layer=1)
+    on.load_state_dict(randomized.state_dict(), strict=False)  # all but MUDD's weights carry signal
     with torch.no_grad():
-        torch.testing.assert_close(without(x, y, cu, 128, W3, reduction="none"),
-                                   full(x, y, cu, 128, W3, reduction="none"), rtol=0, atol=0)
-    saved = tg.flops_per_token(full, W3, 128) - tg.flops_per_token(without, W3, 128)
-    assert saved == 6 * 2 * TINY["model_dim"] * 4 * TINY["model_dim"]  # the two matrices, forward and backward
+        torch.testing.assert_close(on(x, y, cu, 128, W3, reduction="none"),
+                                   randomized(x, y, cu, 128, W3, reduction="none"), rtol=0, atol=0)
+    loss = on(x, y, cu, 128, W3)
+    loss.backward()
+    assert on.mudd_w2.grad.norm() > 0 and on.mudd_b2.grad.norm() > 0  # the zero layers learn first
+    assert on.mudd_w1.grad.norm() == 0  # behind a zero second layer
+    with torch.no_grad():
+        on.mudd_b2[:6].fill_(0.5)  # both mixes before the last block, through its values and its residual
+        before_head = on(x, y, cu, 128, W3, reduction="none")
+        on.mudd_b2[:6].zero_()
+        on.mudd_b2[tg.MUDD_COEFS: tg.MUDD_COEFS + 3].fill_(0.5)  # the mix before the head
+        at_head = on(x, y, cu, 128, W3, reduction="none")
+        base = randomized(x, y, cu, 128, W3, reduction="none")
+    assert not torch.allclose(before_head, base) and not torch.allclose(at_head, base)
+    groups = {id(p): g for g in tg.build_optimizers(on, tg.Hyperparameters(**{**TINY, "backout_layer": 1, "mudd": True}),
+                                                   0, 1)[0].param_groups for p in g["params"]}
+    g = groups[id(on.mudd_w1)]
+    assert g is groups[id(on.mudd_b2)] and g["betas"] == (0.9, 0.99) and g["lr"] == TINY.get("adam_lr", 0.008) * 0.25
 
 
 def test_a_tied_embedding_reads_the_lm_heads_rows_and_the_head_starts_small_not_zero():

@@ -55,12 +55,23 @@ def test_the_public_line_preset_is_the_record_with_the_public_techniques_on():
     record, public = tg.parse_args(["--preset", "record"]), tg.parse_args(["--preset", "public-line"])
     differ = {f.name for f in dataclasses.fields(tg.Hyperparameters) if getattr(record, f.name) != getattr(public, f.name)}
     assert differ == {"preset", "stages", "muon_beta2", "muon_weight_decay", "xsa", "yarn", "smear", "ve_gate",
-                      "paired_head_blocks", "head_adam_betas", "head_weight_decay"}
+                      "paired_head_blocks", "head_adam_betas", "head_weight_decay", "tied_embed_stages",
+                      "extension_steps", "extension_window", "final_lr_frac", "final_val_window", "mudd"}
     assert [row.mtp for row in public.stages] == [(0.5, 0.25), (0.5, 0.0), (0.0, 0.0)]
     assert [dataclasses.replace(row, mtp=()) for row in public.stages] == list(record.stages)
     with torch.device("meta"):
         model = tg.GPT(tg.ModelConfig.from_args(public))
     assert model.smear_w is not None and any(b.attn is not None and b.attn.ve_gate_w is not None for b in model.blocks)
+
+
+def test_a_checkpoint_with_a_deleted_field_resumes_where_it_was_off_and_is_refused_where_on():
+    saved = {k: list(v) if isinstance(v, tuple) else v
+             for k, v in dataclasses.asdict(tg.parse_args(["--preset", "record"])).items() if k != "stages"}
+    for name, off in tg.REMOVED_FIELDS.items():
+        assert not hasattr(tg.Hyperparameters(), name)  # deleted from the dataclass
+        assert tg.Hyperparameters(**tg.stored_args({**saved, name: list(off)}))  # as written by json/torch: a list
+        with pytest.raises(ValueError, match=f"trained with {name}=0, a technique this train_gpt.py no longer has"):
+            tg.stored_args({**saved, name: [0]})
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
