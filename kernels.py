@@ -35,11 +35,11 @@ def triton_runs_on(t: Tensor) -> bool:
 # elementwise passes over the (tokens x 4 dim) activations that the epilogues replace cost about as
 # much memory traffic as the matmul takes time. The other matmuls stay on cuBLAS.
 #
-# --fp8_mlp (the public line's FP8 MLP forward, records of 2026-06 and #89): in the forward the same kernel
-# multiplies e4m3 operands and also writes post in e4m3 for the down projection (torch._scaled_mm). The
-# scales come from bounds, not from the data (train_gpt.py's MLP): the public line scales post by the
-# previous step's maximum instead, state that a checkpoint would have to carry. The backward is the bf16
-# one, from bf16 post.
+# --fp8_mlp (the public line's FP8 MLP forward: the up projection of the 2026-05-19 record, the down
+# projection of 2026-07-17, #89): in the forward the same kernel multiplies e4m3 operands and also writes
+# post in e4m3 for the down projection (torch._scaled_mm). The scales come from bounds, not from the data
+# (train_gpt.py's MLP): the public line scales post by the previous step's maximum instead, state that a
+# checkpoint would have to carry. The backward is the bf16 one, from bf16 post.
 
 E4M3_MAX = 448.0  # the largest float8_e4m3fn value
 # One FP8 scale per row of 4 float32 (16 bytes): cuBLASLt (CUDA 13) refuses FP8 scale pointers that are not
