@@ -376,19 +376,13 @@ def test_fp8_mlp_scales_given_to_scaled_mm_are_16_byte_aligned():
 
 
 def test_model_with_fp8_mlp_is_close_to_the_unfused_one_in_training_only():
-    from test_mtp import tiny_model, two_documents, W3
-    models = [tiny_model(), tiny_model()]
-    for block in models[1].blocks:
-        block.mlp.fp8 = True
-    x, y, cu = two_documents()
-    losses = [m(x, y, cu, 24, W3) for m in models]
+    from test_mtp import two_documents, W3
+    models, losses = unfused_and(fp8=True)
     assert losses[1].item() != losses[0].item()
     torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=0)
-    for loss in losses:
-        loss.backward()
-    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
-        if a.grad is not None and a.grad.norm() > 0:  # 4-10% (e4m3's 3 mantissa bits at dim 64), 16% for a gate
-            assert ((b.grad.float() - a.grad.float()).norm() / a.grad.float().norm()) < 0.25, name
+    for name, error in grad_errors(models):  # 4-10% (e4m3's 3 mantissa bits at dim 64), 16% for a gate
+        assert error < 0.25, name
+    x, y, cu = two_documents()
     with torch.no_grad():
         evals = [m.eval()(x, y, cu, 24, W3) for m in models]
     assert evals[1].item() == evals[0].item()  # evaluation stays in bf16/float
@@ -407,6 +401,28 @@ def test_fp8_mlp_traces_fullgraph_and_matches_eager():
         fn(*inputs).backward()
         results.append([t.grad for t in inputs])
     torch.testing.assert_close(results[1], results[0])
+
+
+def unfused_and(**mlp_flags):
+    """Two tiny models of the same weights, the second with these MLP flags (fused, fp8) on, and their
+    training losses on one batch, backpropagated."""
+    from test_mtp import tiny_model, two_documents, W3
+    models = [tiny_model(), tiny_model()]
+    for block in models[1].blocks:
+        for flag, value in mlp_flags.items():
+            setattr(block.mlp, flag, value)
+    x, y, cu = two_documents()
+    losses = [m(x, y, cu, 24, W3) for m in models]
+    for loss in losses:
+        loss.backward()
+    return models, losses
+
+
+def grad_errors(models):
+    """(name, relative error of the second model's gradient) for each parameter with a nonzero gradient."""
+    return [(name, ((b.grad.float() - a.grad.float()).norm() / a.grad.float().norm()).item())
+            for (name, a), b in zip(models[0].named_parameters(), models[1].parameters())
+            if a.grad is not None and a.grad.norm() > 0]
 
 
 def test_triton_kernels_compile_for_an_h100_without_one():
@@ -437,18 +453,10 @@ def test_relu2_mlp_reference_path_matches_float64_autograd(dtype):
 
 
 def test_model_with_fused_mlp_gives_the_unfused_losses_and_gradients():
-    from test_mtp import tiny_model, two_documents, W3
-    models = [tiny_model(), tiny_model()]
-    for block in models[1].blocks:
-        block.mlp.fused = True
-    x, y, cu = two_documents()
-    losses = [m(x, y, cu, 24, W3) for m in models]
+    models, losses = unfused_and(fused=True)
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
-    for loss in losses:
-        loss.backward()
-    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
-        if a.grad is not None:
-            assert ((b.grad.float() - a.grad.float()).norm() / a.grad.float().norm()) < 1e-2, name
+    for name, error in grad_errors(models):
+        assert error < 1e-2, name
 
 
 def test_relu2_mlp_traces_fullgraph_and_matches_eager():
