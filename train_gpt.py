@@ -158,11 +158,13 @@ class Hyperparameters:
     embed_weight_decay: float = 0.0  # value-embed + bigram tables: cautious decay lr_t^2 x this; 0 = off (2026: 0.025)
     embed_adam_betas: tuple[float, ...] = ()  # value-embed + bigram tables' Adam betas; empty = Adam's (2026: 0.75,0.95)
     head_lr_mult: float = 1.0  # LM head: adam_lr times this
-    # The 2026 records' LM head: betas 0.5,0.95 and cautious decay 0.005 x 150 = 0.75 per Adam step, Adam stepping
-    # every second training step there, so 0.375 here per step (as the tables' 0.0125)
+    # The 2026 records' LM head: betas 0.5,0.95 and cautious decay 0.005 x 150 = 0.75 per Adam step (Adam stepping
+    # every second training step there: 0.375 where Adam steps every step, as the tables' 0.0125)
     head_weight_decay: float = 0.0  # LM head: cautious decay lr_t^2 x this; 0 = off
     head_adam_betas: tuple[float, ...] = ()  # LM head's Adam betas; empty = Adam's
     scalar_lr_mult: float = 5.0  # scalars (residual mixes, skip and bigram weights): adam_lr times this
+    # (2025-09-30 record, PR 136: 2); checkpoints and signal stops fall on Adam's steps
+    adam_every: int = 1  # Adam steps every Nth step, on its gradients summed over those N steps; Muon every step
     # run
     val_every: int = 125  # validate every N steps (and at the end); 0 = only at the end
     warmup_steps: int = 3  # untimed compile warm-up steps per window size (weights restored after)
@@ -210,6 +212,9 @@ class Hyperparameters:
         if not 0 <= h.extension_steps < h.num_iterations or (h.extension_steps > 0) != (h.extension_window > 0):
             raise ValueError(f"extension_steps={h.extension_steps} and extension_window={h.extension_window}: "
                              f"both zero, or a window and fewer steps than num_iterations={h.num_iterations}")
+        if h.adam_every < 1 or h.save_every % h.adam_every:
+            raise ValueError(f"adam_every={h.adam_every}, save_every={h.save_every}: adam_every >= 1, and checkpoints "
+                             "fall on Adam's steps, so save_every must be a multiple of it")
         if not 0 <= h.tied_embed_stages <= len(h.stages) + (h.extension_steps > 0):
             raise ValueError(f"tied_embed_stages={h.tied_embed_stages}: 0 (untied) up to the number of stages "
                              f"({len(h.stages)} + the extension if any)")
@@ -299,7 +304,9 @@ PUBLIC_LINE = dict(
     RECORD_LINE,
     muon_beta2=0.9, muon_weight_decay=1.2,  # NorMuon (2026-03-22: 0.9) and cautious decay (11/10/25: 1.2)
     xsa=True, yarn=True, smear=True, ve_gate=True, paired_head_blocks=(1, 3, 6, 10),
-    head_adam_betas=(0.5, 0.95), head_weight_decay=0.375,  # the 2026 head: 0.75 per Adam step, which steps every second
+    head_adam_betas=(0.5, 0.95), head_weight_decay=0.75,  # the 2026 head: 0.75 per Adam step
+    # Adam every second step (09/30/25) at the 2026 records' decay per Adam step: the tables' 0.025, the head's 0.75
+    adam_every=2, embed_weight_decay=0.025,
     stages=tuple(dataclasses.replace(row, mtp=mtp) for row, mtp in  # the 2025-12-22 record's MTP weights
                  zip(RECORD_LINE["stages"], ((0.5, 0.25), (0.5, 0.0), (0.0, 0.0)))),
     tied_embed_stages=2,  # embedding = the head's rows until 2/3 of training (12/19/25 re-tie, 12/22/25 untie)
@@ -318,7 +325,7 @@ PRESETS = {  # name: (what it is, the fields it sets)
     "public-line": ("the record preset plus every technique of the public line's current code (modded-nanogpt "
                     "master, 2026-08) that this file implements, at the public values: NorMuon (beta2 0.9), Muon's "
                     "cautious weight decay 1.2, XSA, YaRN, the smear gate, value-embedding gates, paired-head "
-                    "attention in blocks 1,3,6,10, the LM head's betas 0.5,0.95 and decay, multi-token prediction "
+                    "attention in blocks 1,3,6,10, the LM head's betas 0.5,0.95 and decay, Adam every second step, multi-token prediction "
                     "(0.5/0.25, 0.5/0, 0/0), MUDD, the embedding tied to the head for two stages, a 20-step extension "
                     "at windows of 13, learning rates to 0.15, a final validation over 20 blocks; the configuration "
                     "the side-by-side harness judges against record (bench/README: one seed so far, before the "
@@ -2528,7 +2535,8 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
 def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: TrainingStage,
                args: Hyperparameters) -> Tensor:
     """One optimizer step over this rank's micro-batches; returns the summed loss (on the device), with
-    multi-token prediction's extra terms when the stage has them."""
+    multi-token prediction's extra terms when the stage has them. Muon steps every step; Adam on every
+    adam_every-th (step + 1 a multiple of it), its parameters' gradients summed until then."""
     device = model.lm_head_w.device
     loss = torch.zeros((), device=device)
     # multi-token prediction's weights as a tensor (one graph per stage whatever the values), pinned: no sync
@@ -2544,9 +2552,12 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Traini
             group["lr"] = group["initial_lr"] * lr_factor(step, args, stage.lr_mult)
     for group in muon.param_groups:
         group["momentum"] = muon_momentum(step, args)
-    for opt in optimizers:
-        opt.step()
-    model.zero_grad(set_to_none=True)
+    adam_steps = (step + 1) % args.adam_every == 0
+    if adam_steps:
+        adam.step()
+    muon.step()
+    for opt in (adam, muon) if adam_steps else (muon,):  # Adam's gradients otherwise wait for its step
+        opt.zero_grad(set_to_none=True)
     return loss
 
 
@@ -2588,6 +2599,7 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, stage
     finally:
         loader.close()
         model.tied_embed = untie > 0
+    model.zero_grad(set_to_none=True)  # Adam's gradients summed for a step that never came
     model.load_state_dict(initial_model)
     for opt, state in zip(optimizers, initial_opts):
         opt.load_state_dict(state)
@@ -2935,10 +2947,13 @@ def train(args: Hyperparameters) -> RunResult:
             try:
                 stop = agree(bool(stop_signals), watch.failure or failure, control)
             except ShardError as e:  # the data broke on a rank: every rank saves the steps done, then stops
+                # (a gradient summed for Adam's next step, adam_every > 1, is not in the checkpoint)
                 clock.stop()
                 checkpoint = save(step, data_state)
                 raise ShardError(f"{e}. Saved {checkpoint}; once the data is fixed, continue with: "
                                  f"{resume_command(checkpoint, world_size)}") from e
+            if stop and step % args.adam_every and step < N:  # Adam's summed gradient is not checkpointed:
+                stop = False  # stop after Adam's next step (every rank defers alike: the flag is agreed)
             if step > first_step and (stop or (args.save_every > 0 and step % args.save_every == 0 and step < N)):
                 clock.stop()  # checkpoints are not timed
                 checkpoint = save(step, data_state)

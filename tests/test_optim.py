@@ -340,6 +340,43 @@ def test_the_lm_head_takes_its_own_betas_and_decay_and_they_change_the_run(tiny_
         assert run.val_losses[-1][1] < run.val_losses[0][1] - 0.5
 
 
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_adam_steps_every_nth_step_on_the_gradient_summed_since_its_last_step_and_muon_every_step(
+        tiny_args, monkeypatch, every):
+    """Every micro-batch's gradient reaching the LM head is recorded as it arrives: at each Adam step the
+    head's gradient is the sum of those since the previous Adam step; Muon steps after every step."""
+    arrived, at_adam, muon_steps, built = [], [], [], {}
+    build, adam_step, muon_step = tg.build, tg.DistAdam.step, tg.Muon.step
+
+    def capturing(*a, **k):
+        out = build(*a, **k)
+        built["head"] = out[0].lm_head_w
+        built["head"].register_hook(lambda g: arrived.append(g.detach().clone()))
+        return out
+
+    def adam_recording(self):
+        at_adam.append((len(arrived), built["head"].grad.clone()))
+        return adam_step(self)
+    monkeypatch.setattr(tg, "build", capturing)
+    monkeypatch.setattr(tg.DistAdam, "step", adam_recording)
+    monkeypatch.setattr(tg.Muon, "step", lambda self: (muon_steps.append(1), muon_step(self))[1])
+    run = tg.train(tiny_args(num_iterations=6, val_every=6, adam_every=every))
+    micro = TINY["batch_size"] // TINY["seq_len"]
+    assert len(muon_steps) == 6 and [n for n, _ in at_adam] == [micro * s for s in range(every, 7, every)]
+    start = 0
+    for n, grad in at_adam:
+        torch.testing.assert_close(grad, torch.stack(arrived[start:n]).sum(0), rtol=1e-5, atol=1e-6)
+        start = n
+    assert run.val_losses[-1][1] < run.val_losses[0][1]
+
+
+def test_adam_every_is_checked_against_the_checkpoint_cadence(tiny_args):
+    assert tiny_args(adam_every=2, save_every=4).adam_every == 2
+    for bad in (dict(adam_every=0), dict(adam_every=2, save_every=3)):
+        with pytest.raises(ValueError, match="save_every must be a multiple of it"):
+            tiny_args(**bad)
+
+
 def test_dist_adam_refuses_a_parameter_that_does_not_shard():
     with pytest.raises(ValueError, match="does not split"):
         tg.DistAdam([torch.nn.Parameter(torch.zeros(5, 3))], lr=1e-3, betas=(0.8, 0.95), eps=1e-10,

@@ -167,6 +167,31 @@ def test_resumed_run_matches_an_uninterrupted_one_step_for_step(tiny_args, tmp_p
     assert dict(full.val_losses)[8] == dict(resumed.val_losses)[8]
 
 
+def test_with_adam_every_two_a_stop_mid_sum_waits_for_adams_step_and_the_run_resumes_exactly(
+        tiny_args, tmp_path, monkeypatch):
+    """SIGTERM after step 3, Adam's gradient summed over one of its two steps: the run trains step 4,
+    checkpoints there, and the resumed run is the uninterrupted one step for step."""
+    kw = dict(num_iterations=8, val_every=4, adam_every=2, checkpoint_dir=str(tmp_path / "ck"))
+    full = tg.train(tiny_args(run_id="full", **kw))
+    signals, train_step = [], tg.train_step
+
+    def signalled(model, compiled, optimizers, micro, step, stage, args):
+        loss = train_step(model, compiled, optimizers, micro, step, stage, args)
+        if step == 2:
+            signals.append(signal.SIGTERM)
+        return loss
+    monkeypatch.setattr(tg, "stop_on_signals", lambda: (signals, {}))
+    monkeypatch.setattr(tg, "train_step", signalled)
+    stopped = tg.train(tiny_args(run_id="cut", **kw))
+    monkeypatch.undo()
+    assert stopped.interrupted == signal.SIGTERM and len(stopped.train_losses) == 4
+    assert [p.name for p in (tmp_path / "ck" / "cut").iterdir()] == ["step_000004"]
+    assert "stopped by signal after step 4" in Path(stopped.log_path).read_text()
+    resumed = tg.train(tiny_args(run_id="cut", resume=str(tmp_path / "ck" / "cut" / "step_000004"), **kw))
+    assert stopped.train_losses + resumed.train_losses == full.train_losses
+    assert resumed.val_losses[-1] == full.val_losses[-1]
+
+
 def _checksums(folder: Path) -> dict[str, str]:
     import hashlib
     return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
