@@ -113,6 +113,9 @@ class Hyperparameters:
     mlp_ratio: int = 4  # MLP hidden width = mlp_ratio x model_dim
     no_attn_layers: tuple[int, ...] = (7,)  # blocks without attention (block 7: @YouJiacheng)
     num_value_embeds: int = 3  # value-embedding tables for the first and, mirrored, last blocks
+    # untied value embeddings (01/26/26, init 02/03/26): these blocks have a table each, drawn N(0, 0.01); the
+    # public master's layers 1, 2, 8, 9, 10 are our blocks 2, 3, 9, 10, 11. Needs num_value_embeds=0
+    value_embed_blocks: tuple[int, ...] = ()  # blocks with a value-embedding table each, N(0, 0.01); () = off
     window_pattern: str = "LSSSLSSLSSSL"  # per block: L = long window, S = short window (half)
     window_block: int = 128  # tokens per window block
     attn_scale: float = 0.12  # attention logit scale instead of 1/sqrt(head_dim), QK being normed (@leloykun)
@@ -131,6 +134,8 @@ class Hyperparameters:
     paired_head_blocks: tuple[int, ...] = ()  # paired-head attention in these short-window blocks (01/07/26: 1,3,6,10)
     xsa: bool = False  # learnable XSA: each head removes tanh(a) of its output along its own value (04/29/26)
     mudd: bool = False  # MUDD: per-token learned mixes of earlier block outputs into the last block and the head (04/22/26)
+    parallel_attn: bool = False  # blocks after backout_layer attend over its normed output, not their own input (03/06/26)
+    uniform_out_init: bool = False  # attention output projections start uniform as V, not zero (the public master)
     # schedule: the stages in order (rows of Stage, above), sharing the scheduled steps, then extension_steps more
     stages: tuple[Stage, ...] = (Stage(3), Stage(7), Stage(11))  # the schedule table: batch, document cut, window, lr, MTP per stage
     extension_steps: int = 0  # last steps, after the cooldown: final learning rate, long window extension_window
@@ -227,6 +232,11 @@ class Hyperparameters:
         if bad or h.num_heads % 2 or len(set(h.paired_head_blocks)) != len(h.paired_head_blocks):
             raise ValueError(f"paired_head_blocks={h.paired_head_blocks}: distinct blocks with attention and a short "
                              f"window (S in window_pattern={h.window_pattern!r}), and an even num_heads={h.num_heads}")
+        if h.value_embed_blocks and (h.num_value_embeds or len(set(h.value_embed_blocks)) < len(h.value_embed_blocks)
+                                     or any(not 0 <= i < h.num_layers or i in h.no_attn_layers
+                                            for i in h.value_embed_blocks)):
+            raise ValueError(f"value_embed_blocks={h.value_embed_blocks}: distinct blocks with attention, and "
+                             f"num_value_embeds=0 (now {h.num_value_embeds}): one layout or the other")
         if h.num_value_embeds * 2 > h.num_layers:
             raise ValueError(f"num_value_embeds={h.num_value_embeds} needs at least {2 * h.num_value_embeds} layers")
         if h.logit_softcap + math.log(h.vocab_size) >= 88:  # exp(cap) * vocab must fit in fp32 (any shift)
@@ -240,6 +250,9 @@ class Hyperparameters:
         if h.mudd and not 0 <= h.backout_layer < h.num_layers - 1:
             raise ValueError(f"mudd=true mixes in block backout_layer's output: set backout_layer (now "
                              f"{h.backout_layer}) to a block below the last ({h.num_layers - 1})")
+        if h.parallel_attn and h.backout_layer < 0:
+            raise ValueError("parallel_attn=true: the later blocks attend over block backout_layer's output; "
+                             "set backout_layer (now -1)")
         if not -1 <= h.backout_layer < h.num_layers - 1:
             raise ValueError(f"backout_layer={h.backout_layer}: -1 (off) or a block index below the last "
                              f"({h.num_layers - 1}), whose output the final norm would only rescale")
@@ -311,6 +324,9 @@ PUBLIC_LINE = dict(
                  zip(RECORD_LINE["stages"], ((0.5, 0.25), (0.5, 0.0), (0.0, 0.0)))),
     tied_embed_stages=2,  # embedding = the head's rows until 2/3 of training (12/19/25 re-tie, 12/22/25 untie)
     mudd=True,  # MUDD before the last block and the head (04/22/26), without the 05/27/26 gates and DC attention
+    parallel_attn=True,  # blocks 9-11 attend over block 8's output (the master's layers 8-10 over layer 7's)
+    num_value_embeds=0, value_embed_blocks=(2, 3, 9, 10, 11),  # the master's 5 untied tables at N(0, 0.01)
+    uniform_out_init=True,  # attention output projections drawn as V, not zero
     # the master's schedule ends: 15 of 1285 steps at the final learning rate with windows of 13 blocks (09/21/25,
     # here 20 of 1670), learning rates decaying to 0.15 (02/10/26), the final validation looking back 20 blocks
     extension_steps=20, extension_window=13, final_lr_frac=0.15, final_val_window=20,
@@ -325,11 +341,11 @@ PRESETS = {  # name: (what it is, the fields it sets)
     "public-line": ("the record preset plus every technique of the public line's current code (modded-nanogpt "
                     "master, 2026-08) that this file implements, at the public values: NorMuon (beta2 0.9), Muon's "
                     "cautious weight decay 1.2, XSA, YaRN, the smear gate, value-embedding gates, paired-head "
-                    "attention in blocks 1,3,6,10, the LM head's betas 0.5,0.95 and decay, Adam every second step, multi-token prediction "
-                    "(0.5/0.25, 0.5/0, 0/0), MUDD, the embedding tied to the head for two stages, a 20-step extension "
-                    "at windows of 13, learning rates to 0.15, a final validation over 20 blocks; the configuration "
-                    "the side-by-side harness judges against record (bench/README: one seed so far, before the "
-                    "last five)", PUBLIC_LINE),
+                    "attention in blocks 1,3,6,10, the LM head's betas 0.5,0.95 and decay, Adam every second "
+                    "step, multi-token prediction (0.5/0.25, 0.5/0, 0/0), MUDD, parallel attention inputs after "
+                    "block 8, five untied value embeddings, output projections drawn as V, the embedding tied to the head for two stages, a 20-step extension at windows of 13, "
+                    "learning rates to 0.15, a final validation over 20 blocks; the configuration the side-by-side "
+                    "harness judges against record (bench/results/public_line_ab_*.md)", PUBLIC_LINE),
     "record-0903": ("the public record of 2025-09-03 as it ran (1670 steps, 8 GPUs): the dataclass defaults", {}),
     "smoke": ("a tiny model on a built-in synthetic corpus (a random Markov chain whose entropy per token, "
               "the lowest loss possible, is known): about a minute on a laptop CPU; a checkpoint every 50 steps, "
@@ -923,6 +939,7 @@ class ModelConfig:
     mlp_ratio: int
     no_attn_layers: tuple[int, ...]
     num_value_embeds: int
+    value_embed_blocks: tuple[int, ...]
     window_pattern: str
     attn_scale: float
     gate_channels: int
@@ -939,6 +956,8 @@ class ModelConfig:
     paired_head_blocks: tuple[int, ...]
     xsa: bool
     mudd: bool
+    parallel_attn: bool
+    uniform_out_init: bool
     tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order; () = off
@@ -1107,8 +1126,9 @@ class CausalSelfAttention(nn.Module):
         # One fused weight for Q, K, V and the output projection (stored transposed, hdim x dim):
         # one matmul for QKV and one Muon group of same-shape matrices.
         self.qkvo_w = nn.Parameter(uniform_init_(torch.empty(4, hdim, cfg.model_dim), cfg.model_dim))
-        with torch.no_grad():
-            self.qkvo_w[3].zero_()  # output projection starts at zero: each block starts as identity
+        if not cfg.uniform_out_init:  # the public master draws it as V (after the 2026-01-30 record's V/O init)
+            with torch.no_grad():
+                self.qkvo_w[3].zero_()  # output projection starts at zero: each block starts as identity
         # Sparse head gate (@classiclarryd): sigmoid(W x[:12]) scales each head's output, so a head can
         # do nothing where the context says so; zero init = 0.5.
         self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels))
@@ -1189,12 +1209,14 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, bigram=None,
-                xsa=None, v_extra=None):
+                xsa=None, v_extra=None, attn_in=None):
+        """attn_in: the normed input of the attention when not this block's own (parallel_attn)."""
         x = lambdas[0] * x + lambdas[1] * x0  # learned mix with the embedding stream x0
         if bigram is not None:  # this block's weighted bigram hash embedding (see bigram_indices)
             x = x + bigram
         if self.attn is not None:
-            x = x + self.attn(norm(x), ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, xsa, v_extra)
+            x = x + self.attn(norm(x) if attn_in is None else attn_in, ve, ve_lambdas, cu_seqlens, max_seqlen, window,
+                              rope, attn_fn, xsa, v_extra)
         return x + self.mlp(norm(x))
 
 
@@ -1209,7 +1231,11 @@ class GPT(nn.Module):
         self.fused_ce = fused_ce and fp8_head  # the fused loss is the FP8 head's (fp8_head_ce)
         L, dim = cfg.num_layers, cfg.model_dim
         self.embed = nn.Embedding(cfg.vocab_size, dim)
-        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in range(cfg.num_value_embeds))
+        tables = len(cfg.value_embed_blocks) or cfg.num_value_embeds
+        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in range(tables))
+        if cfg.value_embed_blocks:  # the untied tables start small (the 2026-02-03 record's N(0, 0.01))
+            for m in self.value_embeds:
+                m.weight.data.mul_(0.01)
         self.blocks = nn.ModuleList(Block(cfg, i not in cfg.no_attn_layers, ve is not None, cfg.window_pattern[i] == "L",
                                           i in cfg.paired_head_blocks)
                                     for i, ve in enumerate(self.value_embed_layers()))
@@ -1276,8 +1302,11 @@ class GPT(nn.Module):
 
     def value_embed_layers(self) -> list[int | None]:
         """Which value-embedding table each block uses: tables 0..k-1 on the first k blocks and
-        again on the last k blocks (0,1,2 ... 0,1,2 and none in the middle: @YouJiacheng)."""
+        again on the last k blocks (0,1,2 ... 0,1,2 and none in the middle: @YouJiacheng), or with
+        value_embed_blocks one table each on those blocks."""
         k, L = self.cfg.num_value_embeds, self.cfg.num_layers
+        if self.cfg.value_embed_blocks:
+            return [self.cfg.value_embed_blocks.index(i) if i in self.cfg.value_embed_blocks else None for i in range(L)]
         return [i if i < k else i - (L - k) if i >= L - k else None for i in range(L)]
 
     def block_windows(self, windows: tuple[int, int]) -> list[int]:
@@ -1305,7 +1334,7 @@ class GPT(nn.Module):
         rope = self.rotary.at(windows[0])  # the stage's rotary tables (YaRN: by its long window)
         windows = self.block_windows(windows)
         skips = []  # U-net (@brendanh0gan): first-half outputs feed, in reverse order, the second half
-        backout = None
+        backout = attn_in = None
         for i, block in enumerate(self.blocks):
             if i >= L - L // 2:
                 x = x + skip_w[i - (L - L // 2)] * skips.pop()
@@ -1318,11 +1347,15 @@ class GPT(nn.Module):
                 v_extra = c[0] * x0 + c[1] * backout + c[2] * x
                 x = (1 + c[5]) * x + c[3] * x0 + c[4] * backout
             x = block(x, x0, lambdas[i], ves[i], ve_lambdas[i], cu_seqlens, max_seqlen, windows[i], rope,
-                      self.attn_fn, None if bigram is None else bigram_w[i] * bigram, xsa[i], v_extra)
+                      self.attn_fn, None if bigram is None else bigram_w[i] * bigram, xsa[i], v_extra, attn_in)
             if i < L // 2:
                 skips.append(x)
             if i == cfg.backout_layer:
                 backout = x
+                # Parallel attention inputs (2026-02-12 record's parallel residuals, PR 230, as the 2026-03-06
+                # record simplified them): every later block's attention reads this output, normed once, while
+                # its MLP reads the current residual; the public master's layers 8-10 read layer 7's
+                attn_in = norm(x) if cfg.parallel_attn else None
         if cfg.mudd:  # MUDD before the head: x0, block backout_layer's output and the last block's input
             c = self.mudd_coefs(x, 1, 3)
             x = x + c[0] * x0 + c[1] * backout + c[2] * before_last

@@ -99,6 +99,8 @@ def test_value_embeddings_and_window_pattern_follow_the_record_layout():
     ("paired_head_blocks", (4,), "distinct blocks"),
     ("tied_embed_stages", 4, "tied_embed_stages=4: 0 \\(untied\\) up to the number of stages \\(3"),
     ("mudd", True, "mudd=true mixes in block backout_layer's output: set backout_layer \\(now -1\\)"),
+    ("parallel_attn", True, "parallel_attn=true: the later blocks attend over block backout_layer's output"),
+    ("value_embed_blocks", (1, 3), "num_value_embeds=0 \\(now 1\\): one layout or the other"),
 ])
 def test_bad_hyperparameters_are_refused_with_a_reason(field, value, needle):
     with pytest.raises(ValueError, match=needle):
@@ -562,6 +564,56 @@ def test_mudd_starts_as_the_model_without_it_then_its_mixes_change_the_output_an
                                                    0, 1)[0].param_groups for p in g["params"]}
     g = groups[id(on.mudd_w1)]
     assert g is groups[id(on.mudd_b2)] and g["betas"] == (0.9, 0.99) and g["lr"] == TINY.get("adam_lr", 0.008) * 0.25
+
+
+def test_parallel_attn_feeds_every_later_attention_the_normed_output_of_the_backout_block():
+    """Blocks 1 and 3 (2 has no attention) attend over norm(block 0's output) with the flag, over their own
+    inputs without it; no new weights, and the model's output changes."""
+    off = tiny_model(randomize=True, backout_layer=0)
+    on = tiny_model(backout_layer=0, parallel_attn=True)
+    on.load_state_dict(off.state_dict())
+    x, y, cu = batch()
+    seen = {}
+    for name, model in (("off", off), ("on", on)):
+        model.blocks[0].register_forward_hook(lambda m, a, out, name=name: seen.__setitem__((name, 0), out))
+        for i in (1, 3):
+            model.blocks[i].attn.register_forward_pre_hook(lambda m, a, name=name, i=i: seen.__setitem__((name, i), a[0]))
+    with torch.no_grad():
+        out_off, out_on = (m(x, y, cu, 128, W3, reduction="none") for m in (off, on))
+    h0 = tg.norm(seen["on", 0])
+    assert torch.equal(seen["on", 1], h0) and torch.equal(seen["on", 3], h0)
+    assert not torch.allclose(seen["off", 3], tg.norm(seen["off", 0]))
+    assert torch.equal(seen["off", 0], seen["on", 0]) and not torch.allclose(out_off, out_on)
+
+
+@pytest.mark.parametrize("blocks", [(1, 3), (3, 0, 1), (2,), (1, 1), (4,)])
+def test_value_embed_blocks_give_each_named_block_a_small_table_of_its_own(blocks):
+    kw = dict(num_value_embeds=0, value_embed_blocks=blocks)
+    if blocks in ((2,), (1, 1), (4,)):  # block 2 of TINY has no attention; a repeat; past the last block
+        with pytest.raises(ValueError, match="distinct blocks with attention"):
+            tg.Hyperparameters(**{**TINY, **kw})
+        return
+    model = tiny_model(**kw)
+    assert model.value_embed_layers() == [blocks.index(i) if i in blocks else None for i in range(4)]
+    assert len(model.value_embeds) == len(blocks)
+    assert all(abs(m.weight.float().std().item() - 0.01) < 0.001 for m in model.value_embeds)
+    assert [b.attn.ve_gate_w is not None for b in tiny_model(ve_gate=True, **kw).blocks if b.attn] == \
+        [i in blocks for i in (0, 1, 3)]
+    x, y, cu = batch()
+    model = tiny_model(randomize=True, **kw)  # a zero output projection would hide the value path
+    model(x, y, cu, 128, W3).backward()
+    assert all(m.weight.grad.norm() > 0 for m in model.value_embeds)  # every table reaches the loss
+
+
+def test_uniform_out_init_draws_the_output_projection_as_v_and_changes_nothing_else():
+    zero, drawn = tiny_model(), tiny_model(uniform_out_init=True)
+    for k, v in zero.state_dict().items():
+        if k.endswith("qkvo_w"):
+            assert torch.equal(v[:3], drawn.state_dict()[k][:3]) and v[3].abs().max() == 0
+            out = drawn.state_dict()[k][3]
+            assert abs(out.std().item() - 0.5 / 64 ** 0.5) < 0.005 and out.abs().max() <= 3 ** 0.5 * 0.5 / 8
+        else:
+            assert torch.equal(v, drawn.state_dict()[k]), k
 
 
 def test_a_tied_embedding_reads_the_lm_heads_rows_and_the_head_starts_small_not_zero():
