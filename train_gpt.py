@@ -155,6 +155,8 @@ class Hyperparameters:
     orthogonalizer: str = "newton_schulz"  # Muon's: newton_schulz (the 09/03 record) | polar_express (later records)
     muon_beta2: float = 0.0  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off (2026: 0.9)
     muon_weight_decay: float = 0.0  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25: 1.2)
+    # the public master's NorMuon rates: 0.023 x 2 on the MLP's input (its shape factor), x 4 on its output (10/27/25)
+    mlp_muon_lr_mults: tuple[float, ...] = ()  # Muon lr multipliers of the MLP's input and output matrices; () = 1, 1
     adam_lr: float = 0.008  # Adam's base learning rate (embeddings, head and scalars: times their *_lr_mult)
     adam_beta1: float = 0.8  # Adam's first-moment decay
     adam_beta2: float = 0.95  # Adam's second-moment decay
@@ -168,6 +170,7 @@ class Hyperparameters:
     head_weight_decay: float = 0.0  # LM head: cautious decay lr_t^2 x this; 0 = off
     head_adam_betas: tuple[float, ...] = ()  # LM head's Adam betas; empty = Adam's
     scalar_lr_mult: float = 5.0  # scalars (residual mixes, skip and bigram weights): adam_lr times this
+    scalar_adam_betas: tuple[float, ...] = ()  # the scalars' Adam betas; empty = Adam's (12/21/25: 0.9,0.99)
     # (2025-09-30 record, PR 136: 2); checkpoints and signal stops fall on Adam's steps
     adam_every: int = 1  # Adam steps every Nth step, on its gradients summed over those N steps; Muon every step
     # run
@@ -217,6 +220,10 @@ class Hyperparameters:
         if not 0 <= h.extension_steps < h.num_iterations or (h.extension_steps > 0) != (h.extension_window > 0):
             raise ValueError(f"extension_steps={h.extension_steps} and extension_window={h.extension_window}: "
                              f"both zero, or a window and fewer steps than num_iterations={h.num_iterations}")
+        if len(h.mlp_muon_lr_mults) not in (0, 2) or not all(0 < m < math.inf for m in h.mlp_muon_lr_mults):
+            raise ValueError(f"mlp_muon_lr_mults={h.mlp_muon_lr_mults}: empty, or two positive numbers (input, output)")
+        if len(h.scalar_adam_betas) not in (0, 2):
+            raise ValueError(f"scalar_adam_betas={h.scalar_adam_betas}: empty, or two numbers (beta1, beta2)")
         if h.adam_every < 1 or h.save_every % h.adam_every:
             raise ValueError(f"adam_every={h.adam_every}, save_every={h.save_every}: adam_every >= 1, and checkpoints "
                              "fall on Adam's steps, so save_every must be a multiple of it")
@@ -327,6 +334,10 @@ PUBLIC_LINE = dict(
     parallel_attn=True,  # blocks 9-11 attend over block 8's output (the master's layers 8-10 over layer 7's)
     num_value_embeds=0, value_embed_blocks=(2, 3, 9, 10, 11),  # the master's 5 untied tables at N(0, 0.01)
     uniform_out_init=True,  # attention output projections drawn as V, not zero
+    # the master's optimizer: NorMuon at 0.023 (the MLP's input x 2, output x 4), momentum 0.85 -> 0.95 over 300
+    # steps and back over the last 50; the scalars' Adam betas 0.9, 0.99
+    muon_lr=0.023, mlp_muon_lr_mults=(2.0, 4.0), muon_momentum_start=0.85, muon_momentum=0.95,
+    muon_momentum_cooldown=50, scalar_adam_betas=(0.9, 0.99),
     # the master's schedule ends: 15 of 1285 steps at the final learning rate with windows of 13 blocks (09/21/25,
     # here 20 of 1670), learning rates decaying to 0.15 (02/10/26), the final validation looking back 20 blocks
     extension_steps=20, extension_window=13, final_lr_frac=0.15, final_val_window=20,
@@ -343,7 +354,8 @@ PRESETS = {  # name: (what it is, the fields it sets)
                     "cautious weight decay 1.2, XSA, YaRN, the smear gate, value-embedding gates, paired-head "
                     "attention in blocks 1,3,6,10, the LM head's betas 0.5,0.95 and decay, Adam every second "
                     "step, multi-token prediction (0.5/0.25, 0.5/0, 0/0), MUDD, parallel attention inputs after "
-                    "block 8, five untied value embeddings, output projections drawn as V, the embedding tied to the head for two stages, a 20-step extension at windows of 13, "
+                    "block 8, five untied value embeddings, output projections drawn as V, the master's NorMuon rates and "
+                    "momentum, the scalars' Adam betas 0.9,0.99, the embedding tied to the head for two stages, a 20-step extension at windows of 13, "
                     "learning rates to 0.15, a final validation over 20 blocks; the configuration the side-by-side "
                     "harness judges against record (bench/results/public_line_ab_*.md)", PUBLIC_LINE),
     "record-0903": ("the public record of 2025-09-03 as it ran (1670 steps, 8 GPUs): the dataclass defaults", {}),
@@ -1500,13 +1512,15 @@ class Muon(torch.optim.Optimizer):
     `normalize_neurons`. With weight_decay > 0, cautious weight decay (arXiv 2510.12402; public record
     of 2025-11-10): lr x weight_decay x p joins the update u only where u has p's sign, i.e. where the
     step already moves the entry toward zero; lr is the group's current (scheduled) lr, so the decay
-    per step falls as lr^2."""
+    per step falls as lr^2. lr_mults: a learning-rate multiplier by parameter (default 1), applied as the
+    shape scale is (matrices of one shape and multiplier share a group)."""
 
     def __init__(self, params, lr: float, momentum: float, ns_steps: int, rank: int = 0, world_size: int = 1,
-                 orthogonalize=newton_schulz, beta2: float = 0.0, weight_decay: float = 0.0):
-        params = list(params)
-        shapes = sorted({tuple(p.shape) for p in params}, key=lambda s: (-math.prod(s), s))
-        groups = [{"params": [p for p in params if tuple(p.shape) == s]} for s in shapes]
+                 orthogonalize=newton_schulz, beta2: float = 0.0, weight_decay: float = 0.0,
+                 lr_mults: dict[nn.Parameter, float] | None = None):
+        params, mult = list(params), (lr_mults or {}).get
+        keys = sorted({(tuple(p.shape), mult(p, 1.0)) for p in params}, key=lambda k: (-math.prod(k[0]), k))
+        groups = [{"params": [p for p in params if (tuple(p.shape), mult(p, 1.0)) == k], "lr_mult": k[1]} for k in keys]
         super().__init__(groups, dict(lr=lr, momentum=momentum, ns_steps=ns_steps, beta2=beta2,
                                       weight_decay=weight_decay))
         self.rank, self.world_size, self.orthogonalize = rank, world_size, orthogonalize
@@ -1586,7 +1600,7 @@ class Muon(torch.optim.Optimizer):
                 if group["beta2"]:
                     update = self.normalize_neurons(update, owned, group["beta2"])
                 shape = owned[0].shape
-                scale = max(1, shape[-2] / shape[-1]) ** 0.5
+                scale = max(1, shape[-2] / shape[-1]) ** 0.5 * group["lr_mult"]
                 lr, decay = group["lr"], group["lr"] * group["weight_decay"]
                 updates = list(update.to(owned[0].dtype).unbind(0))
                 if decay:
@@ -2269,14 +2283,17 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
                         betas=tuple(args.embed_adam_betas) or betas),
                    dict(params=groups["LM head"], lr=args.adam_lr * args.head_lr_mult,
                         weight_decay=args.head_weight_decay, betas=tuple(args.head_adam_betas) or betas),
-                   dict(params=groups["scalars"], lr=args.adam_lr * args.scalar_lr_mult),
+                   dict(params=groups["scalars"], lr=args.adam_lr * args.scalar_lr_mult,
+                        betas=tuple(args.scalar_adam_betas) or betas),
                    # MUDD's MLPs: a quarter of the base rate, betas 0.9 / 0.99 (the public master's)
                    dict(params=groups.get("MUDD", []), lr=args.adam_lr * 0.25, betas=(0.9, 0.99))]
     adam = DistAdam([g for g in adam_groups if g["params"]], lr=args.adam_lr, betas=betas, eps=args.adam_eps,
                     rank=rank, world_size=world_size, update=update)
+    fc, proj = args.mlp_muon_lr_mults or (1.0, 1.0)
+    mults = {p: m for block in model.blocks for p, m in ((block.mlp.fc_w, fc), (block.mlp.proj_w, proj))}
     muon = Muon(groups["block matrices"], lr=args.muon_lr, momentum=args.muon_momentum, ns_steps=args.ns_steps,
                 rank=rank, world_size=world_size, orthogonalize=orthogonalize, beta2=args.muon_beta2,
-                weight_decay=args.muon_weight_decay)
+                weight_decay=args.muon_weight_decay, lr_mults=mults)
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]

@@ -60,8 +60,9 @@ LATER_RECORDS = dict(bigram_rows=256, bigram_sign_rows=16, backout_layer=2, logi
                      key_offset=True, paired_head_blocks=(1,), tied_embed_stages=1, xsa=True, mudd=True,
                      parallel_attn=True, num_value_embeds=0, value_embed_blocks=(1, 3), uniform_out_init=True)
 # With the value-embedding and bigram tables decayed (strongly, so that it shows) and their own Adam betas,
-# and Muon's cautious weight decay.
-DECAYED_TABLES = dict(LATER_RECORDS, embed_weight_decay=0.5, embed_adam_betas=(0.75, 0.95), muon_weight_decay=1.2)
+# and Muon's cautious weight decay, the public master's MLP rates in Muon and the scalars' betas.
+DECAYED_TABLES = dict(LATER_RECORDS, embed_weight_decay=0.5, embed_adam_betas=(0.75, 0.95), muon_weight_decay=1.2,
+                      mlp_muon_lr_mults=(2.0, 4.0), scalar_adam_betas=(0.9, 0.99))
 
 
 @pytest.fixture

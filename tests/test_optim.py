@@ -377,6 +377,34 @@ def test_adam_every_is_checked_against_the_checkpoint_cadence(tiny_args):
             tiny_args(**bad)
 
 
+def test_muon_lr_mults_scale_a_matrix_update_as_the_shape_factor_does_and_split_its_group():
+    g = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    a, b, c = (torch.nn.Parameter(torch.zeros(64, 32)) for _ in range(3))
+    muon = tg.Muon([a, b, c], lr=0.1, momentum=0.9, ns_steps=5, lr_mults={b: 2.0, c: 4.0})
+    assert sorted(grp["lr_mult"] for grp in muon.param_groups) == [1.0, 2.0, 4.0]
+    for p in (a, b, c):
+        p.grad = g.clone()
+    muon.step()
+    torch.testing.assert_close(b.detach(), 2 * a.detach())
+    torch.testing.assert_close(c.detach(), 4 * a.detach())
+
+
+def test_the_mlp_muon_rates_and_the_scalars_betas_are_built_from_their_fields_and_checked():
+    args = tg.Hyperparameters(**{**TINY, "mlp_muon_lr_mults": (2.0, 4.0), "scalar_adam_betas": (0.9, 0.99)})
+    model = tg.GPT(tg.ModelConfig.from_args(args))
+    adam, muon = tg.build_optimizers(model, args, 0, 1)
+    mult = {id(p): grp["lr_mult"] for grp in muon.param_groups for p in grp["params"]}
+    for block in model.blocks:
+        assert (mult[id(block.mlp.fc_w)], mult[id(block.mlp.proj_w)]) == (2.0, 4.0)
+        assert block.attn is None or mult[id(block.attn.qkvo_w)] == 1.0
+    assert adam.param_groups[3]["params"] == [model.scalars] and adam.param_groups[3]["betas"] == (0.9, 0.99)
+    plain = tg.build_optimizers(model, tg.Hyperparameters(**TINY), 0, 1)[1]
+    assert {grp["lr_mult"] for grp in plain.param_groups} == {1.0}
+    for bad in (dict(mlp_muon_lr_mults=(2.0,)), dict(mlp_muon_lr_mults=(2.0, 0.0)), dict(scalar_adam_betas=(0.9,))):
+        with pytest.raises(ValueError, match="empty, or two"):
+            tg.Hyperparameters(**{**TINY, **bad})
+
+
 def test_dist_adam_refuses_a_parameter_that_does_not_shard():
     with pytest.raises(ValueError, match="does not split"):
         tg.DistAdam([torch.nn.Parameter(torch.zeros(5, 3))], lr=1e-3, betas=(0.8, 0.95), eps=1e-10,

@@ -57,7 +57,8 @@ def test_the_public_line_preset_is_the_record_with_the_public_techniques_on():
     assert differ == {"preset", "stages", "muon_beta2", "muon_weight_decay", "xsa", "yarn", "smear", "ve_gate",
                       "paired_head_blocks", "head_adam_betas", "head_weight_decay", "tied_embed_stages",
                       "extension_steps", "extension_window", "final_lr_frac", "final_val_window", "mudd", "parallel_attn", "adam_every", "num_value_embeds", "value_embed_blocks",
-                      "uniform_out_init",
+                      "uniform_out_init", "muon_lr", "mlp_muon_lr_mults", "muon_momentum_start", "muon_momentum",
+                      "muon_momentum_cooldown", "scalar_adam_betas",
                       "embed_weight_decay"}
     assert [row.mtp for row in public.stages] == [(0.5, 0.25), (0.5, 0.0), (0.0, 0.0)]
     assert [dataclasses.replace(row, mtp=()) for row in public.stages] == list(record.stages)
