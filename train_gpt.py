@@ -2276,13 +2276,15 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     groups = param_groups_by_role(model)
     tables = groups["value embeddings"] + groups.get("bigram embedding", [])  # decayed as in the 2026 records
     betas = (args.adam_beta1, args.adam_beta2)
-    # a token embedding that starts tied learns, once untied, at the head's rate (as the 2025-12-22 record)
-    embed_lr = args.adam_lr * (args.head_lr_mult if args.tied_embed_stages else args.embed_lr_mult)
-    adam_groups = [dict(params=groups["token embedding"], lr=embed_lr),
+    # a token embedding that starts tied learns, once untied, as the head does: its rate (the 2025-12-22 record),
+    # betas and decay (the public master's embed and lm_head entries)
+    head = dict(lr=args.adam_lr * args.head_lr_mult, weight_decay=args.head_weight_decay,
+                betas=tuple(args.head_adam_betas) or betas)
+    token = head if args.tied_embed_stages else dict(lr=args.adam_lr * args.embed_lr_mult)
+    adam_groups = [dict(params=groups["token embedding"], **token),
                    dict(params=tables, lr=args.adam_lr * args.embed_lr_mult, weight_decay=args.embed_weight_decay,
                         betas=tuple(args.embed_adam_betas) or betas),
-                   dict(params=groups["LM head"], lr=args.adam_lr * args.head_lr_mult,
-                        weight_decay=args.head_weight_decay, betas=tuple(args.head_adam_betas) or betas),
+                   dict(params=groups["LM head"], **head),
                    dict(params=groups["scalars"], lr=args.adam_lr * args.scalar_lr_mult,
                         betas=tuple(args.scalar_adam_betas) or betas),
                    # MUDD's MLPs: a quarter of the base rate, betas 0.9 / 0.99 (the public master's)

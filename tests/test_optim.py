@@ -332,6 +332,9 @@ def test_the_lm_head_takes_its_own_betas_and_decay_and_they_change_the_run(tiny_
     token, tables, head, scalars = adam.param_groups
     assert (head["betas"], head["weight_decay"]) == ((0.5, 0.95), 0.375)
     assert all(g["betas"] == (0.8, 0.95) and g["weight_decay"] == 0 for g in (token, tables, scalars))
+    tied = tg.Hyperparameters(**{**TINY, "head_adam_betas": (0.5, 0.95), "head_weight_decay": 0.375, "tied_embed_stages": 1})
+    token, _, head, _ = tg.build_optimizers(tg.GPT(tg.ModelConfig.from_args(tied)), tied, 0, 1)[0].param_groups
+    assert (token["lr"], token["betas"], token["weight_decay"]) == (head["lr"], (0.5, 0.95), 0.375)  # untied: the head's
     kw = dict(num_iterations=8, val_every=4, logit_softcap=23.0, softcap_shift=5.0)
     plain = tg.train(tiny_args(**kw))
     betas = tg.train(tiny_args(head_adam_betas=(0.5, 0.95), **kw))
