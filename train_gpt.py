@@ -74,6 +74,10 @@ class Stage:
     # next row's by its start (the last row and the extension hold theirs); every row has the same count. The
     # record's [1, 0.5, 0.25 -> 0], [1, 0.5 -> 0], [1] over three stages: mtp=0.5/0.25, 0.5/0, 0/0.
     mtp: tuple[float, ...] = ()
+    # Prefix-token loss (2026-07-13 record, PR 337): position t is also trained on the longest proper byte prefix
+    # of its target that is itself a token (prefix_table), at this weight at the stage's start, moving linearly
+    # to the next row's by its start. The record's 0.25 -> 0.25, 0.25 -> 0, 0: prefix=0.25, 0.25, 0.
+    prefix: float = 0.0
     share: int = 1  # this row's share of the scheduled steps, relative to the other rows'
 
 
@@ -211,9 +215,10 @@ class Hyperparameters:
             raise ValueError(f"stages={h.stages!r}: one Stage row or more")
         micro = h.batch_size // h.seq_len  # micro-batches per step, the same in every stage
         for i, row in enumerate(h.stages, start=1):
-            if row.window < 1 or row.batch < 0 or row.doc_len < 0 or row.share < 1 or not 0 < row.lr < math.inf:
+            if (row.window < 1 or row.batch < 0 or row.doc_len < 0 or row.share < 1 or not 0 < row.lr < math.inf
+                    or not 0 <= row.prefix < math.inf):
                 raise ValueError(f"stage {i} ({format_stages([row])}): window and share must be >= 1, batch and "
-                                 "doc_len >= 0 (0: batch_size, max_doc_len), lr a positive number")
+                                 "doc_len >= 0 (0: batch_size, max_doc_len), lr a positive number, prefix >= 0")
             if row.batch and (row.batch % micro or row.batch // micro > h.seq_len):
                 raise ValueError(f"stage {i}: batch={row.batch} must split into batch_size/seq_len={micro} "
                                  f"micro-batches of at most seq_len={h.seq_len} tokens")
@@ -327,8 +332,9 @@ PUBLIC_LINE = dict(
     head_adam_betas=(0.5, 0.95), head_weight_decay=0.75,  # the 2026 head: 0.75 per Adam step
     # Adam every second step (09/30/25) at the 2026 records' decay per Adam step: the tables' 0.025, the head's 0.75
     adam_every=2, embed_weight_decay=0.025,
-    stages=tuple(dataclasses.replace(row, mtp=mtp) for row, mtp in  # the 2025-12-22 record's MTP weights
-                 zip(RECORD_LINE["stages"], ((0.5, 0.25), (0.5, 0.0), (0.0, 0.0)))),
+    stages=tuple(dataclasses.replace(row, mtp=mtp, prefix=prefix) for row, mtp, prefix in  # the 2025-12-22 record's
+                 zip(RECORD_LINE["stages"], ((0.5, 0.25), (0.5, 0.0), (0.0, 0.0)), (0.25, 0.25, 0.0))),  # MTP, the
+    # 2026-07-13 record's prefix-token loss
     tied_embed_stages=2,  # embedding = the head's rows until 2/3 of training (12/19/25 re-tie, 12/22/25 untie)
     mudd=True,  # MUDD before the last block and the head (04/22/26), without the 05/27/26 gates and DC attention
     parallel_attn=True,  # blocks 9-11 attend over block 8's output (the master's layers 8-10 over layer 7's)
@@ -353,7 +359,7 @@ PRESETS = {  # name: (what it is, the fields it sets)
                     "master, 2026-08) that this file implements, at the public values: NorMuon (beta2 0.9), Muon's "
                     "cautious weight decay 1.2, XSA, YaRN, the smear gate, value-embedding gates, paired-head "
                     "attention in blocks 1,3,6,10, the LM head's betas 0.5,0.95 and decay, Adam every second "
-                    "step, multi-token prediction (0.5/0.25, 0.5/0, 0/0), MUDD, parallel attention inputs after "
+                    "step, multi-token prediction (0.5/0.25, 0.5/0, 0/0), the prefix-token loss (0.25, 0.25, 0), MUDD, parallel attention inputs after "
                     "block 8, five untied value embeddings, output projections drawn as V, the master's NorMuon rates and "
                     "momentum, the scalars' Adam betas 0.9,0.99, the embedding tied to the head for two stages, a 20-step extension at windows of 13, "
                     "learning rates to 0.15, a final validation over 20 blocks; the configuration the side-by-side "
@@ -407,7 +413,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def _stages(text: str) -> tuple[Stage, ...]:
     """--stages: rows joined by ';', each `field=value` pairs joined by ',' (mtp's weights by '/')."""
-    kinds = {"window": int, "batch": int, "doc_len": int, "lr": float, "share": int,
+    kinds = {"window": int, "batch": int, "doc_len": int, "lr": float, "share": int, "prefix": float,
              "mtp": lambda v: tuple(float(w) for w in v.split("/") if w.strip())}
     rows = []
     for part in filter(str.strip, text.split(";")):
@@ -1042,6 +1048,31 @@ def mtp_targets(targets: Tensor, cu_seqlens: Tensor, n: int) -> list[tuple[Tenso
     return out
 
 
+def prefix_table(token_bytes: list[bytes | None], vocab_size: int) -> Tensor:
+    """The prefix-token loss' table (2026-07-13 record, @ms337, PR 337): for each token id, the id of
+    the longest proper prefix of its bytes that is itself a token; -1 where there is none (one-byte
+    tokens, special and padding ids). Made from the vocabulary alone, never from the data."""
+    ids = {b: i for i, b in enumerate(token_bytes) if b is not None}
+    table = [-1] * vocab_size
+    for b, i in ids.items():
+        table[i] = next((ids[b[:k]] for k in range(len(b) - 1, 0, -1) if b[:k] in ids), -1)
+    return torch.tensor(table, dtype=torch.int64)
+
+
+def gpt2_token_bytes() -> list[bytes | None]:
+    """Each GPT-2 token's bytes (None for the special <|endoftext|>), from tiktoken."""
+    try:
+        import tiktoken
+        enc = tiktoken.get_encoding("gpt2")
+    except ImportError:
+        raise ValueError("the prefix-token loss reads the GPT-2 vocabulary: pip install tiktoken") from None
+    except Exception as e:  # tiktoken fetches its files on first use
+        raise OSError(f"the prefix-token loss reads the GPT-2 vocabulary, and tiktoken could not load it ({e}); "
+                      "offline, set TIKTOKEN_CACHE_DIR to a folder holding tiktoken's GPT-2 files") from None
+    special = {enc.encode_single_token(t) for t in enc.special_tokens_set}
+    return [None if i in special else enc.decode_single_token_bytes(i) for i in range(enc.n_vocab)]
+
+
 def yarn_frequencies(freqs: Tensor, old_window: int, new_window: int, alpha: float = 1.0, beta: float = 32.0) -> Tensor:
     """YaRN (arXiv 2309.00071) as the 2025-09-10 record (@classiclarryd, PR 122) applies it when the
     long window grows from old_window to new_window tokens: a frequency that turns fewer than alpha
@@ -1281,6 +1312,8 @@ class GPT(nn.Module):
         if cfg.bigram_sign_rows:  # drawn from the seeded RNG: the same on every rank, and saved in checkpoints
             signs = (torch.randint(0, 2, (cfg.bigram_sign_rows, dim)) * 2 - 1).bfloat16()
         self.register_buffer("bigram_signs", signs)
+        # the prefix-token loss' table (prefix_table), set by the trainer when a stage has that loss
+        self.register_buffer("prefix_ids", None, persistent=False)
         # the smear gate's weights on the embedding's first gate_channels channels: zero, as the record
         self.smear_w = nn.Parameter(torch.zeros(1, cfg.gate_channels)) if cfg.smear else None
         # Tied embedding (2025-12-22 record, @varunneal, PR 178): while tied_embed is set, token embeddings
@@ -1404,17 +1437,21 @@ class GPT(nn.Module):
         return self.softcap(F.linear(x, self.lm_head_w.type_as(x)))[0]
 
     def head_losses(self, x: Tensor, targets: Tensor, mtp_weights: Tensor | None = None,
-                    cu_seqlens: Tensor | None = None) -> Tensor:
+                    cu_seqlens: Tensor | None = None, prefix_weight: Tensor | None = None) -> Tensor:
         """Cross-entropy of every position of the final hidden state x against its target; with
         mtp_weights (w_2, w_3, ...), plus multi-token prediction's sum_k w_k * CE(logits_t, token t+k)
-        over the targets of t's document (mtp_targets), from the same logits."""
+        over the targets of t's document (mtp_targets); with prefix_weight (one value), plus that times
+        CE(logits_t, the prefix token of t's target) where it has one (prefix_ids); all from the same logits."""
         cfg = self.cfg
-        extra = [] if mtp_weights is None else mtp_targets(targets, cu_seqlens, mtp_weights.size(0))
+        extra = [] if mtp_weights is None else [(y, torch.where(keep, mtp_weights[j], 0)) for j, (y, keep) in
+                                                 enumerate(mtp_targets(targets, cu_seqlens, mtp_weights.size(0)))]
+        if prefix_weight is not None:
+            prefix = self.prefix_ids[targets]
+            extra.append((prefix.clamp(min=0), torch.where(prefix >= 0, prefix_weight[0], 0)))
         if self.fused_ce and self.training:
             # every target of a token in one pass over its logits: (T, K) targets, (T, K) weights
             ys = torch.stack([targets, *(y for y, _ in extra)], 1)
-            ws = torch.stack([torch.ones_like(targets, dtype=torch.float32),
-                              *(torch.where(keep, mtp_weights[j], 0) for j, (_, keep) in enumerate(extra))], 1)
+            ws = torch.stack([torch.ones_like(targets, dtype=torch.float32), *(w for _, w in extra)], 1)
             return torch.ops.speedrun.fp8_head_ce(x, self.lm_head_w, ys, ws, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
                                                   HEAD_GRAD_SCALE, cfg.logit_softcap, cfg.softcap_shift,
                                                   cfg.softcap_temp)[0]
@@ -1431,8 +1468,7 @@ class GPT(nn.Module):
         lse = z.exp().sum(-1).log()
         losses = lse - torch.where(vocab == targets[:, None], z, 0).sum(-1)
         # The weights are a tensor, not Python floats: new values every step reuse the compiled graph.
-        for j, (y, keep) in enumerate(extra):
-            w = torch.where(keep, mtp_weights[j], 0)
+        for y, w in extra:
             losses = losses + w * (lse - torch.where(vocab == y[:, None], z, 0).sum(-1))
         return losses
 
@@ -1441,12 +1477,14 @@ class GPT(nn.Module):
     eval_slice = 16384
 
     def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int],
-                reduction: str = "sum", mtp_weights: Tensor | None = None) -> Tensor:
+                reduction: str = "sum", mtp_weights: Tensor | None = None,
+                prefix_weight: Tensor | None = None) -> Tensor:
         """Summed cross-entropy of the micro-batch (reduction="none": per token). In training, mtp_weights
-        adds multi-token prediction's terms (head_losses); evaluation is always next-token only."""
+        and prefix_weight add multi-token prediction's and the prefix-token loss' terms (head_losses);
+        evaluation is always next-token only."""
         x = self.hidden(inputs, cu_seqlens, max_seqlen, windows)
         if self.training:
-            losses = self.head_losses(x, targets, mtp_weights, cu_seqlens)
+            losses = self.head_losses(x, targets, mtp_weights, cu_seqlens, prefix_weight)
         else:
             n = self.eval_slice
             losses = torch.cat([self.head_losses(x[i: i + n], targets[i: i + n]) for i in range(0, x.size(0), n)])
@@ -2084,6 +2122,7 @@ class TrainingStage:
     lr_mult: float = 1.0  # multiplies both optimizers' learning rates (on top of the cooldown)
     start: int = 0  # the first step of the stage
     mtp: tuple[tuple[float, float], ...] = ()  # multi-token prediction: (start, end) weight of targets t+2, t+3, ...
+    prefix: tuple[float, float] = (0.0, 0.0)  # the prefix-token loss' (start, end) weight
 
 
 def window_tokens(blocks: int, block: int) -> tuple[int, int]:
@@ -2109,14 +2148,14 @@ def training_stages(args: Hyperparameters) -> list[TrainingStage]:
         batch = row.batch or args.batch_size
         spec = BatchSpec(batch, batch // micro, row.doc_len or args.max_doc_len)
         end = -(-shares * (S + 1) // total) if not E or i < len(rows) - 1 else S
-        following = rows[i + 1].mtp if i + 1 < len(rows) else row.mtp  # the last row holds its weights
+        following = rows[i + 1] if i + 1 < len(rows) else row  # the last row holds its weights
         stages.append(TrainingStage(end=end, batch=spec, windows=window_tokens(row.window, args.window_block),
                                     lr_mult=row.lr, start=stages[-1].end if stages else 0,
-                                    mtp=mtp_pairs(row.mtp, following)))
+                                    mtp=mtp_pairs(row.mtp, following.mtp), prefix=(row.prefix, following.prefix)))
     if E:
         stages.append(TrainingStage(end=S + E + 1, batch=stages[-1].batch, lr_mult=1.0, start=S,
                                     windows=window_tokens(args.extension_window, args.window_block),
-                                    mtp=mtp_pairs(rows[-1].mtp, rows[-1].mtp)))
+                                    mtp=mtp_pairs(rows[-1].mtp, rows[-1].mtp), prefix=(rows[-1].prefix,) * 2))
     return stages
 
 
@@ -2130,11 +2169,12 @@ def mtp_pairs(start: tuple[float, ...], end: tuple[float, ...]) -> tuple[tuple[f
 
 
 def mtp_weights_at(stage: TrainingStage, step: int) -> tuple[float, ...]:
-    """The multi-token prediction weights of targets t+2, t+3, ... at a step: linear over the stage
-    from its start to its end values (as the record anneals them, reaching the end value at the
-    next stage's first step)."""
+    """The multi-token prediction weights of targets t+2, t+3, ... at a step, then the prefix-token
+    loss' weight if the stage has that term: linear over the stage from its start to its end values
+    (as the record anneals them, reaching the end value at the next stage's first step)."""
     f = min(max((step - stage.start) / (stage.end - stage.start), 0.0), 1.0)
-    return tuple(a + (b - a) * f for a, b in stage.mtp)
+    prefix = (stage.prefix,) if any(stage.prefix) else ()
+    return tuple(a + (b - a) * f for a, b in stage.mtp + prefix)
 
 
 def tokens_before(stages: list[TrainingStage], step: int) -> int:
@@ -2567,6 +2607,12 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         log("FP8 MLP off: it needs FP8 matmuls (a CUDA GPU of sm89+) and the fused MLP's kernel; the MLP runs in bf16")
     model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, fused_mlp, args.fused_ce,
                 fp8_mlp).to(device)
+    if any(any(st.prefix) for st in training_stages(args)):  # the prefix-token loss' table (untimed; the record
+        vocab = gpt2_token_bytes()                              # builds it in its timed region, ~0.1 s)
+        if args.vocab_size < len(vocab):
+            raise ValueError(f"the prefix-token loss (a stage's prefix > 0) is for GPT-2 tokens: vocab_size="
+                             f"{args.vocab_size} is below GPT-2's {len(vocab)}; set the stages' prefix to 0")
+        model.prefix_ids = prefix_table(vocab, args.vocab_size).to(device)
     orthogonalize, update, compiled = ORTHOGONALIZERS[args.orthogonalizer], adam_update, model
     if args.compile:
         # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final
@@ -2591,11 +2637,14 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Traini
     adam_every-th (step + 1 a multiple of it), its parameters' gradients summed until then."""
     device = model.lm_head_w.device
     loss = torch.zeros((), device=device)
-    # multi-token prediction's weights as a tensor (one graph per stage whatever the values), pinned: no sync
-    w = mtp_weights_at(stage, step)
-    mtp = torch.tensor(w, pin_memory=device.type == "cuda").to(device, non_blocking=True) if w else None
+    # multi-token prediction's and the prefix-token loss' weights as one tensor (one graph per stage whatever
+    # the values), pinned: no sync
+    w, n = mtp_weights_at(stage, step), len(stage.mtp)
+    weights = torch.tensor(w, pin_memory=device.type == "cuda").to(device, non_blocking=True) if w else None
+    mtp, prefix = (weights[:n] if n else None), (weights[n:] if len(w) > n else None)
     for inputs, targets, cu_seqlens in micro:
-        micro_loss = compiled(inputs, targets, cu_seqlens, stage.batch.max_doc_len, stage.windows, mtp_weights=mtp)
+        micro_loss = compiled(inputs, targets, cu_seqlens, stage.batch.max_doc_len, stage.windows, mtp_weights=mtp,
+                              prefix_weight=prefix)
         micro_loss.backward()
         loss += micro_loss.detach()
     adam, muon = optimizers
@@ -2634,7 +2683,7 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, stage
     any, then restore the initial weights and optimizer state exactly. The producer is a fresh one:
     the timed run starts from the same data."""
     untie = untie_step(stages, args)
-    shapes = list({(st.batch, st.windows, len(st.mtp), st.start < untie): st for st in stages}.values())
+    shapes = list({(st.batch, st.windows, len(st.mtp), any(st.prefix), st.start < untie): st for st in stages}.values())
     k = args.warmup_steps
     initial_model = {name: v.detach().clone() for name, v in model.state_dict().items()}
     initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]

@@ -1,4 +1,5 @@
-"""Multi-token prediction (mtp_weights): the loss, its gradients, its schedule, and a run that learns."""
+"""Multi-token prediction (mtp_weights) and the prefix-token loss (prefix_weight): the losses, their gradients,
+schedules, and runs that learn."""
 import math
 
 import pytest
@@ -209,3 +210,63 @@ def test_warmup_compiles_each_stage_whose_number_of_extra_targets_differs(tiny_a
     tg.train(tiny_args(num_iterations=6, val_every=0, warmup_steps=1,
                        stages=table(window_schedule=(2, 2, 2), mtp_weights=RECORD)))
     assert seen[:3] == [2, 1, 0]  # one warm-up step per shape, though the windows are the same
+
+
+# The prefix-token loss
+
+def test_prefix_table_maps_each_token_to_its_longest_proper_prefix_that_is_a_token():
+    vocab = [b"a", b"ab", b"abc", b"b", b"abd", None, b"xyz", b"abcd"]
+    assert tg.prefix_table(vocab, 10).tolist() == [-1, 0, 1, -1, 1, -1, -1, 2, -1, -1]  # padding ids: -1
+
+
+def synthetic_vocab(n=BOS):
+    """Token i is letter i % 8 repeated 1 + i // 8 times: 'a'..'h', 'aa'..'hh', ...; BOS is special."""
+    return [bytes([97 + i % 8]) * (1 + i // 8) for i in range(n)] + [None]
+
+
+def test_the_prefix_term_adds_its_weight_times_the_cross_entropy_of_each_targets_prefix_token():
+    model = tiny_model()
+    model.prefix_ids = tg.prefix_table(synthetic_vocab(), TINY["vocab_size"])
+    x, y, cu = two_documents()
+    plain = model(x, y, cu, 24, W3, reduction="none")
+    on = model(x, y, cu, 24, W3, reduction="none", prefix_weight=torch.tensor([0.25]))
+    h = model.hidden(x, cu, 24, W3)
+    z = logits(model, h).double()
+    expected = plain.double().clone()
+    for t in range(24):
+        p = model.prefix_ids[y[t].long()].item()
+        if p >= 0:
+            expected[t] += 0.25 * F.cross_entropy(z[t], torch.tensor(p))
+    torch.testing.assert_close(on.double(), expected, rtol=1e-5, atol=1e-5)
+    assert (on - plain).abs().max() > 0.1 and any(model.prefix_ids[y.long()] < 0)  # one-letter targets: none
+    # with multi-token prediction: the two terms add
+    both = model(x, y, cu, 24, W3, reduction="none", mtp_weights=torch.tensor([0.5]), prefix_weight=torch.tensor([0.25]))
+    mtp = model(x, y, cu, 24, W3, reduction="none", mtp_weights=torch.tensor([0.5]))
+    torch.testing.assert_close(both - mtp, on - plain, rtol=1e-4, atol=1e-5)
+
+
+def test_prefix_weights_follow_the_stage_rows_linearly_and_join_the_mtp_weights():
+    args = tg.Hyperparameters(**{**TINY, "num_iterations": 30, "stages": tg._stages(
+        "window=1,prefix=0.25,mtp=0.5;window=2,prefix=0.25,mtp=0;window=3,mtp=0")})
+    stages = tg.training_stages(args)
+    assert [st.prefix for st in stages] == [(0.25, 0.25), (0.25, 0.0), (0.0, 0.0)]
+    s1 = stages[1]
+    mid = (s1.start + s1.end) // 2
+    w = tg.mtp_weights_at(s1, mid)
+    assert len(w) == 1 and w[0] == pytest.approx(0.25 * (1 - (mid - s1.start) / (s1.end - s1.start)))  # mtp 0 dropped
+    assert tg.mtp_weights_at(stages[0], 0) == (0.5, 0.25) and tg.mtp_weights_at(stages[2], stages[2].start) == ()
+    with pytest.raises(ValueError, match="prefix >= 0"):
+        tg.Hyperparameters(**{**TINY, "stages": (tg.Stage(1, prefix=-0.1),)})
+
+
+def test_a_run_with_the_prefix_loss_learns_and_differs_and_a_small_vocabulary_is_refused(tiny_args, monkeypatch):
+    monkeypatch.setattr(tg, "gpt2_token_bytes", synthetic_vocab)
+    kw = dict(num_iterations=6, val_every=6, warmup_steps=1)
+    plain = tg.train(tiny_args(**kw))
+    prefix = tg.train(tiny_args(stages=table(window_schedule=(1, 2, 3)) and tuple(
+        tg.Stage(w, prefix=p) for w, p in ((1, 0.25), (2, 0.25), (3, 0.0))), **kw))
+    assert prefix.train_losses[0] > plain.train_losses[0]  # the extra term counts in the training loss
+    assert prefix.val_losses[-1][1] < prefix.val_losses[0][1] - 0.5
+    monkeypatch.setattr(tg, "gpt2_token_bytes", lambda: synthetic_vocab(100))
+    with pytest.raises(ValueError, match="is for GPT-2 tokens: vocab_size=64"):
+        tg.train(tiny_args(stages=(tg.Stage(1, prefix=0.25),), **kw))

@@ -1,6 +1,6 @@
 """Every preset resolves to the run it resolved to when tests/data/presets_pinned.json was written: each
 hyperparameter, and the schedule as training_stages makes it (steps, batch, micro-batch, document cut,
-windows, lr, multi-token prediction). A change that means to alter a preset rewrites the file with
+windows, lr, multi-token prediction, prefix-token loss). A change that means to alter a preset rewrites the file with
 `python tests/test_presets.py --write` and shows the difference in its diff."""
 import dataclasses
 import json
@@ -26,7 +26,7 @@ def resolved(name: str) -> dict:
             value = "<DATA_PATH>" + value[len(tg.DATA_PATH):]
         fields[key] = list(value) if isinstance(value, tuple) else value
     stages = [[st.start, st.end, st.batch.batch_size, st.batch.seq_len, st.batch.max_doc_len, list(st.windows),
-               st.lr_mult, [list(m) for m in st.mtp]] for st in tg.training_stages(args)]
+               list(st.prefix), st.lr_mult, [list(m) for m in st.mtp]] for st in tg.training_stages(args)]
     return dict(fields=fields, stages=stages)
 
 
@@ -61,7 +61,8 @@ def test_the_public_line_preset_is_the_record_with_the_public_techniques_on():
                       "muon_momentum_cooldown", "scalar_adam_betas",
                       "embed_weight_decay"}
     assert [row.mtp for row in public.stages] == [(0.5, 0.25), (0.5, 0.0), (0.0, 0.0)]
-    assert [dataclasses.replace(row, mtp=()) for row in public.stages] == list(record.stages)
+    assert [row.prefix for row in public.stages] == [0.25, 0.25, 0.0]
+    assert [dataclasses.replace(row, mtp=(), prefix=0.0) for row in public.stages] == list(record.stages)
     with torch.device("meta"):
         model = tg.GPT(tg.ModelConfig.from_args(public))
     assert model.smear_w is not None and any(b.attn is not None and b.attn.ve_gate_w is not None for b in model.blocks)
