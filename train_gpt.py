@@ -359,11 +359,12 @@ PRESETS = {  # name: (what it is, the fields it sets)
                     "master, 2026-08) that this file implements, at the public values: NorMuon (beta2 0.9), Muon's "
                     "cautious weight decay 1.2, XSA, YaRN, the smear gate, value-embedding gates, paired-head "
                     "attention in blocks 1,3,6,10, the LM head's betas 0.5,0.95 and decay, Adam every second "
-                    "step, multi-token prediction (0.5/0.25, 0.5/0, 0/0), the prefix-token loss (0.25, 0.25, 0), MUDD, parallel attention inputs after "
-                    "block 8, five untied value embeddings, output projections drawn as V, the master's NorMuon rates and "
-                    "momentum, the scalars' Adam betas 0.9,0.99, the embedding tied to the head for two stages, a 20-step extension at windows of 13, "
-                    "learning rates to 0.15, a final validation over 20 blocks; the configuration the side-by-side "
-                    "harness judges against record (bench/results/public_line_ab_*.md)", PUBLIC_LINE),
+                    "step, multi-token prediction (0.5/0.25, 0.5/0, 0/0), the prefix-token loss (0.25, 0.25, 0), "
+                    "MUDD, parallel attention inputs after block 8, five untied value embeddings, output "
+                    "projections drawn as V, the master's NorMuon rates and momentum, the scalars' Adam betas "
+                    "0.9,0.99, the embedding tied to the head for two stages, a 20-step extension at windows of "
+                    "13, learning rates to 0.15, a final validation over 20 blocks; the configuration the "
+                    "side-by-side harness judges against record (bench/results/public_line_ab_*.md)", PUBLIC_LINE),
     "record-0903": ("the public record of 2025-09-03 as it ran (1670 steps, 8 GPUs): the dataclass defaults", {}),
     "smoke": ("a tiny model on a built-in synthetic corpus (a random Markov chain whose entropy per token, "
               "the lowest loss possible, is known): about a minute on a laptop CPU; a checkpoint every 50 steps, "
@@ -1049,7 +1050,7 @@ def mtp_targets(targets: Tensor, cu_seqlens: Tensor, n: int) -> list[tuple[Tenso
 
 
 def prefix_table(token_bytes: list[bytes | None], vocab_size: int) -> Tensor:
-    """The prefix-token loss' table (2026-07-13 record, @ms337, PR 337): for each token id, the id of
+    """The prefix-token loss' table (2026-07-13 record, PR 337): for each token id, the id of
     the longest proper prefix of its bytes that is itself a token; -1 where there is none (one-byte
     tokens, special and padding ids). Made from the vocabulary alone, never from the data."""
     ids = {b: i for i, b in enumerate(token_bytes) if b is not None}
