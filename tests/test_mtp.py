@@ -263,8 +263,8 @@ def test_a_run_with_the_prefix_loss_learns_and_differs_and_a_small_vocabulary_is
     monkeypatch.setattr(tg, "gpt2_token_bytes", synthetic_vocab)
     kw = dict(num_iterations=6, val_every=6, warmup_steps=1)
     plain = tg.train(tiny_args(**kw))
-    prefix = tg.train(tiny_args(stages=table(window_schedule=(1, 2, 3)) and tuple(
-        tg.Stage(w, prefix=p) for w, p in ((1, 0.25), (2, 0.25), (3, 0.0))), **kw))
+    prefix = tg.train(tiny_args(stages=tuple(tg.Stage(w, prefix=p) for w, p in ((1, 0.25), (2, 0.25), (3, 0.0))),
+                                **kw))
     assert prefix.train_losses[0] > plain.train_losses[0]  # the extra term counts in the training loss
     assert prefix.val_losses[-1][1] < prefix.val_losses[0][1] - 0.5
     monkeypatch.setattr(tg, "gpt2_token_bytes", lambda: synthetic_vocab(100))
