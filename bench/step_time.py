@@ -2,11 +2,15 @@
 optionally show where the time goes (torch.profiler, top kernels by GPU time).
 
     python bench/step_time.py --ws 3 7 11 --steps 20 [--profile] [any train_gpt.py --field value ...]
+    python bench/step_time.py --stages --steps 20 --preset public-line [...]   # each stage of the schedule
 
 A step is the whole optimizer step of the configured global batch (8 micro-batches of 49,152
 tokens by default, accumulated on one GPU): forward, backward, Muon and Adam. Times are CUDA-event
-medians after compile and warm-up steps."""
+medians (and means: with --adam_every > 1 the steps alternate) after compile and warm-up steps. --ws
+times the first stage's targets at each window; --stages times every stage of the resolved schedule at
+its own batch, windows, extra targets and tied or untied embedding."""
 import argparse
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -25,13 +29,14 @@ def main():
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
     parser.add_argument("--profile", action="store_true", help="profile two extra steps at the last ws and print "
                         "the top kernels")
+    parser.add_argument("--stages", action="store_true", help="time each stage of the resolved schedule (its batch, "
+                        "windows, extra targets, embedding tied or not) instead of --ws")
     own, rest = parser.parse_known_args()
     args = tg.parse_args(rest)
     device = torch.device("cuda")
     model, compiled, optimizers, attention, fp8 = tg.build(args, device, 0, 1)
     producer = tg.BatchProducer(tg.shard_files(args.train_files, "training"), 0, 1, args.max_num_docs, args.bos_id)
     spec = tg.BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
-    loader = tg.BatchLoader(producer, lambda s: spec, device)
     step, stage = 0, None
 
     def run_step():
@@ -42,9 +47,21 @@ def main():
 
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, attention: {attention}, "
           f"LM head: {'fp8' if fp8 else 'bf16'}")
-    for ws in own.ws:
-        stage = tg.TrainingStage(end=args.num_iterations, batch=spec, windows=tg.window_tokens(ws, args.window_block),
-                                 mtp=tg.training_stages(args)[0].mtp)  # --mtp_weights: the first stage's extra targets
+    schedule = tg.training_stages(args)
+    if own.stages:
+        untie = tg.untie_step(schedule, args)
+        runs = [(f"stage {i + 1} (steps {st.start}-{st.end - 1})", st) for i, st in enumerate(schedule)]
+    else:  # --ws: the first stage's extra targets at each long window
+        runs = [(f"ws={ws}", dataclasses.replace(schedule[0], batch=spec, windows=tg.window_tokens(ws, args.window_block)))
+                for ws in own.ws]
+    per_run = own.warmup + own.steps  # batches each timed run reads; the loader prefetches, so its plan is fixed here
+    loader = tg.BatchLoader(producer, lambda i: runs[min(i // per_run, len(runs) - 1)][1].batch, device)
+    for name, stage in runs:
+        if own.stages:
+            step = stage.start  # the stage's own weights of its extra targets (and learning rate)
+            if model.tied_embed and stage.start >= untie:
+                tg.untie_embedding(model, optimizers[0])
+        spec = stage.batch
         for _ in range(own.warmup):
             run_step()
         torch.cuda.synchronize()
@@ -56,9 +73,10 @@ def main():
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        med = statistics.median(times)
-        print(f"ws={ws}: step of {args.batch_size:,} tokens: median {med:.1f} ms (min {min(times):.1f}, "
-              f"max {max(times):.1f}) over {own.steps} steps; {args.batch_size / med * 1e3:,.0f} tokens/s; "
+        med, mean = statistics.median(times), statistics.fmean(times)
+        print(f"{name}: step of {spec.batch_size:,} tokens, windows {stage.windows}: median {med:.1f} ms, "
+              f"mean {mean:.1f} (min {min(times):.1f}, max {max(times):.1f}) over {own.steps} steps; "
+              f"{spec.batch_size / mean * 1e3:,.0f} tokens/s; "
               f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
     if own.profile:
         from torch.profiler import ProfilerActivity, profile
