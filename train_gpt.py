@@ -117,8 +117,8 @@ class Hyperparameters:
     mlp_ratio: int = 4  # MLP hidden width = mlp_ratio x model_dim
     no_attn_layers: tuple[int, ...] = (7,)  # blocks without attention (block 7: @YouJiacheng)
     num_value_embeds: int = 3  # value-embedding tables for the first and, mirrored, last blocks
-    # untied value embeddings (01/26/26, init 02/03/26): these blocks have a table each, drawn N(0, 0.01); the
-    # public master's layers 1, 2, 8, 9, 10 are our blocks 2, 3, 9, 10, 11. Needs num_value_embeds=0
+    # untied value embeddings (01/26/26, init 02/03/26): these blocks have a table each, drawn N(0, 0.01) (the
+    # public master's 11 blocks: 1, 2, 8, 9, 10). Needs num_value_embeds=0
     value_embed_blocks: tuple[int, ...] = ()  # blocks with a value-embedding table each, N(0, 0.01); () = off
     window_pattern: str = "LSSSLSSLSSSL"  # per block: L = long window, S = short window (half)
     window_block: int = 128  # tokens per window block
@@ -135,7 +135,7 @@ class Hyperparameters:
     smear: bool = False  # smear gate: each token's embedding adds a gated share of the previous token's (09/18/25)
     ve_gate: bool = False  # value-embedding gate: 2 sigmoid(W x[:12]) per head scales the value embedding (12/29/25)
     key_offset: bool = False  # long-window blocks' keys take their position-free dims from the previous token (12/14/25)
-    paired_head_blocks: tuple[int, ...] = ()  # paired-head attention in these short-window blocks (01/07/26: 1,3,6,10)
+    paired_head_blocks: tuple[int, ...] = ()  # paired-head attention in these short-window blocks (01/07/26)
     xsa: bool = False  # learnable XSA: each head removes tanh(a) of its output along its own value (04/29/26)
     mudd: bool = False  # MUDD: per-token learned mixes of earlier block outputs into the last block and the head (04/22/26)
     parallel_attn: bool = False  # blocks after backout_layer attend over its normed output, not their own input (03/06/26)
@@ -200,7 +200,7 @@ class Hyperparameters:
     resume: str = ""  # a checkpoint folder, or "latest" (newest under checkpoint_dir)
     plan: bool = False  # print the resolved schedule and its projected 1- and 8-GPU time, then exit (no GPU used)
     # presets and the smoke preset's built-in data
-    preset: str = "record-0903"  # record | public-line | record-0903 | smoke | single | medium (then any field overrides)
+    preset: str = "record-0903"  # record | record-0903 | smoke | single | medium (then any field overrides)
     markov_corpus: bool = False  # write a synthetic Markov-chain corpus to train/val_files first
 
     def __post_init__(self):
@@ -296,75 +296,56 @@ class Hyperparameters:
             raise ValueError(f"attention={h.attention!r}: choose one of auto, {', '.join(ATTENTION_BACKENDS)}")
 
 
-# The public record line's techniques after 09/03 that our A/B on the development protocol kept
-# (bench/README.md: at 60% of the tokens, -0.074 val against the 09/03 algorithm for the first five,
-# same batches; the key offset -0.08 more; the momentum schedule -0.013 more; the bigram table -0.002 at
-# 44K-token batches, -0.009 at 32K), and the fused MLP (FP8 forward) and cross-entropy kernels for speed; multi-token
-# prediction, NorMuon, YaRN, the smear gate and the value-embedding gates did not help there.
+# The record preset: the public record line's techniques after 09/03 at the public master's values (modded-nanogpt
+# master, 2026-08), on its 11 blocks, with our kernels. On the proxy under the harness's batches/16 rule, 3 seeds
+# paired on H100s: -0.129 final loss against the previous record preset (12 blocks, our 2025 A/B's subset) at
+# 1.06x its step time on 12 blocks; on 11 blocks 0.99x the time and +0.005 +- 0.021 against 12 (an H200;
+# bench/results/public_line_ab_20261126.md, step_time_stages_h100_20261126.md). Each field names its record.
 RECORD_LINE = dict(
+    # the public master's 11 blocks: attention skipped in block 6, long windows in blocks 3 and 10
+    num_layers=11, no_attn_layers=(6,), window_pattern="SSSLSSSSSSL",
     logit_softcap=23.0, softcap_shift=5.0,  # asymmetric softcap 23 * sigmoid((z + 5) / 7.5) (2025-12-26)
-    backout_layer=8,  # subtract a learned multiple of block 8's output before the head
-    orthogonalizer="polar_express",  # Muon's per-step quintic coefficients (2025-09-29)
-    cooldown_frac=0.6,  # learning rates decay over the last 60% (the later records'), to 0.1 as on 09/03
-    # Muon momentum 0.8 -> 0.9 over 300 steps, back to 0.8 over the last 100: lower momentum than 09/03's
-    # 0.85 -> 0.95 and the later records' cooldown (theirs: the last 50), tuned on the development protocol
-    muon_momentum=0.9, muon_momentum_start=0.8, muon_momentum_cooldown=100,
-    # The schedule table: the 09/03 record's three equal stages (each at batch_size, 393,216 tokens, and lr x 1)
-    # with its 3 / 7 / 11-block windows, and short documents in the first (896 tokens, the later records').
-    #             window  documents cut at
-    stages=(Stage(3,      doc_len=896),
-            Stage(7,      doc_len=2048),
-            Stage(11,     doc_len=2048)),
-    key_offset=True,  # long-window keys' position-free dims from the previous token: one-block induction (12/14/25)
-    fused_mlp=True,  # ReLU² in the matmul epilogues: -12 ms a step at stage 3 on an H100, same learning (round 7)
-    fused_ce=True,  # the FP8 head's loss in Triton kernels: -22 ms a step at stage 3 on an H100, the same losses
-    fp8_mlp=True,  # the MLP's forward matmuls in FP8: -16 ms a step at stage 3 on an H100, final loss -0.0014 +- 0.0021
-    # bigram hash embedding with the record's +-1 sign rows, decay and betas for the embedding tables (05/27/26;
-    # decay 0.0125 each step = the record's 0.025 on the every-second step its Adam takes)
-    bigram_rows=377280, bigram_sign_rows=8192, embed_weight_decay=0.0125, embed_adam_betas=(0.75, 0.95),
-)
-# The public line's techniques that the record preset leaves off, at the public master's values
-# (bench/results/public_master_comparison.md), each to be kept or deleted by the side-by-side A/B.
-PUBLIC_LINE = dict(
-    RECORD_LINE,
-    muon_beta2=0.9, muon_weight_decay=1.2,  # NorMuon (2026-03-22: 0.9) and cautious decay (11/10/25: 1.2)
-    xsa=True, yarn=True, smear=True, ve_gate=True, paired_head_blocks=(1, 3, 6, 10),
-    head_adam_betas=(0.5, 0.95), head_weight_decay=0.75,  # the 2026 head: 0.75 per Adam step
-    # Adam every second step (09/30/25) at the 2026 records' decay per Adam step: the tables' 0.025, the head's 0.75
-    adam_every=2, embed_weight_decay=0.025,
-    stages=tuple(dataclasses.replace(row, mtp=mtp, prefix=prefix) for row, mtp, prefix in  # the 2025-12-22 record's
-                 zip(RECORD_LINE["stages"], ((0.5, 0.25), (0.5, 0.0), (0.0, 0.0)), (0.25, 0.25, 0.0))),  # MTP, the
-    # 2026-07-13 record's prefix-token loss
-    tied_embed_stages=2,  # embedding = the head's rows until 2/3 of training (12/19/25 re-tie, 12/22/25 untie)
+    backout_layer=7,  # subtract a learned multiple of block 7's output before the head (10/04/25)
+    parallel_attn=True,  # blocks after block 7 attend over its normed output (02/12/26, as 03/06/26 simplified it)
     mudd=True,  # MUDD before the last block and the head (04/22/26), without the 05/27/26 gates and DC attention
-    parallel_attn=True,  # blocks 9-11 attend over block 8's output (the master's layers 8-10 over layer 7's)
-    num_value_embeds=0, value_embed_blocks=(2, 3, 9, 10, 11),  # the master's 5 untied tables at N(0, 0.01)
-    uniform_out_init=True,  # attention output projections drawn as V, not zero
-    # the master's optimizer: NorMuon at 0.023 (the MLP's input x 2, output x 4), momentum 0.85 -> 0.95 over 300
-    # steps and back over the last 50; the scalars' Adam betas 0.9, 0.99
-    muon_lr=0.023, mlp_muon_lr_mults=(2.0, 4.0), muon_momentum_start=0.85, muon_momentum=0.95,
-    muon_momentum_cooldown=50, scalar_adam_betas=(0.9, 0.99),
-    # the master's schedule ends: 15 of 1285 steps at the final learning rate with windows of 13 blocks (09/21/25,
-    # here 20 of 1670), learning rates decaying to 0.15 (02/10/26), the final validation looking back 20 blocks
-    extension_steps=20, extension_window=13, final_lr_frac=0.15, final_val_window=20,
+    xsa=True, yarn=True, smear=True, ve_gate=True,  # learnable XSA (05/07/26), YaRN (09/10/25), smear (09/18/25),
+    # value-embedding gates (12/29/25); paired-head attention in four short-window blocks (01/07/26)
+    paired_head_blocks=(0, 2, 5, 9),
+    key_offset=True,  # long-window keys' position-free dims from the previous token: one-block induction (12/14/25)
+    # five untied value-embedding tables at N(0, 0.01) (01/26/26, 02/03/26), output projections drawn as V
+    num_value_embeds=0, value_embed_blocks=(1, 2, 8, 9, 10), uniform_out_init=True,
+    # bigram hash embedding with the +-1 sign rows (01/19/26, 05/20/26)
+    bigram_rows=377280, bigram_sign_rows=8192,
+    # NorMuon (beta2 0.9) at 0.023 with the MLP's input x 2 and output x 4, cautious decay 1.2, Polar Express;
+    # momentum 0.85 -> 0.95 over 300 steps and back over the last 50
+    orthogonalizer="polar_express", muon_beta2=0.9, muon_weight_decay=1.2, muon_lr=0.023, mlp_muon_lr_mults=(2.0, 4.0),
+    muon_momentum_start=0.85, muon_momentum=0.95, muon_momentum_cooldown=50,
+    # Adam every second step (09/30/25) with the decays per Adam step (tables 0.025, head 0.75), the tables' and the
+    # head's betas, the scalars' 0.9, 0.99
+    adam_every=2, embed_weight_decay=0.025, embed_adam_betas=(0.75, 0.95), head_adam_betas=(0.5, 0.95),
+    head_weight_decay=0.75, scalar_adam_betas=(0.9, 0.99),
+    tied_embed_stages=2,  # embedding = the head's rows until 2/3 of training (12/19/25 re-tie, 12/22/25 untie)
+    # The schedule table: three equal stages at batch_size (393,216 tokens) with 3 / 7 / 11-block windows, short
+    # documents in the first (02/10/26), multi-token prediction (12/22/25) and the prefix-token loss (07/13/26)
+    #             window  documents cut at  targets t+2, t+3  prefix-token weight
+    stages=(Stage(3,      doc_len=896,      mtp=(0.5, 0.25),  prefix=0.25),
+            Stage(7,      doc_len=2048,     mtp=(0.5, 0.0),   prefix=0.25),
+            Stage(11,     doc_len=2048,     mtp=(0.0, 0.0),   prefix=0.0)),
+    # learning rates decay over the last 60% to 0.15 (02/10/26); 20 of the 1670 steps at that rate with windows of
+    # 13 blocks (the 09/21/25 extension); the final validation looks back 20 blocks
+    cooldown_frac=0.6, final_lr_frac=0.15, extension_steps=20, extension_window=13, final_val_window=20,
+    # our kernels: ReLU² in the matmul epilogues (-12 ms a step at stage 3 on an H100), its forward in FP8 (-16 ms,
+    # final loss -0.0014 +- 0.0021), the FP8 head's soft-capped cross-entropy in Triton (-22 ms)
+    fused_mlp=True, fp8_mlp=True, fused_ce=True,
 )
 DEFAULT_PRESET = "record"  # what a command without --preset runs (the dataclass defaults are record-0903)
 PRESETS = {  # name: (what it is, the fields it sets)
-    "record": ("the 8-GPU record configuration: the 09/03 record plus the later public techniques our A/B "
-               "kept (softcap 23 shifted by 5, backout of block 8, Polar Express, cooldown over 60%, "
-               "896-token documents in the first stage, partial key offset, Muon momentum 0.8 -> 0.9 -> 0.8, bigram "
-               "hash embedding), and the fused ReLU² MLP (its forward in FP8) and soft-capped cross-entropy kernels",
-               RECORD_LINE),
-    "public-line": ("the record preset plus every technique of the public line's current code (modded-nanogpt "
-                    "master, 2026-08) that this file implements, at the public values: NorMuon (beta2 0.9), Muon's "
-                    "cautious weight decay 1.2, XSA, YaRN, the smear gate, value-embedding gates, paired-head "
-                    "attention in blocks 1,3,6,10, the LM head's betas 0.5,0.95 and decay, Adam every second "
-                    "step, multi-token prediction (0.5/0.25, 0.5/0, 0/0), the prefix-token loss (0.25, 0.25, 0), "
-                    "MUDD, parallel attention inputs after block 8, five untied value embeddings, output "
-                    "projections drawn as V, the master's NorMuon rates and momentum, the scalars' Adam betas "
-                    "0.9,0.99, the embedding tied to the head for two stages, a 20-step extension at windows of "
-                    "13, learning rates to 0.15, a final validation over 20 blocks; the configuration the "
-                    "side-by-side harness judges against record (bench/results/public_line_ab_*.md)", PUBLIC_LINE),
+    "record": ("the 8-GPU record configuration: the public line's current model and optimizer (modded-nanogpt "
+               "master, 2026-08) as far as this file implements them, on its 11 blocks: bigram hash embedding, "
+               "MUDD, XSA, YaRN, smear and value-embedding gates, paired heads, partial key offset, five untied value "
+               "tables, parallel attention inputs, backout, NorMuon with cautious decay, Adam every second step, "
+               "multi-token and prefix-token losses, the embedding tied for two stages, a 20-step extension; with "
+               "our fused ReLU² MLP (FP8 forward) and soft-capped cross-entropy kernels", RECORD_LINE),
     "record-0903": ("the public record of 2025-09-03 as it ran (1670 steps, 8 GPUs): the dataclass defaults", {}),
     "smoke": ("a tiny model on a built-in synthetic corpus (a random Markov chain whose entropy per token, "
               "the lowest loss possible, is known): about a minute on a laptop CPU; a checkpoint every 50 steps, "
@@ -1408,9 +1389,8 @@ class GPT(nn.Module):
         if backout is not None:
             # Backout (2025-10-04 record, @snimu, @classiclarryd; PRs 138, 140): the early blocks write much
             # that later blocks need as context but the prediction does not; a learned multiple of the
-            # residual after block backout_layer is taken out before the final norm and the head. The
-            # record takes the output of block 8 (the one after the attention-less block 7, as in our
-            # layout): --backout_layer 8.
+            # residual after block backout_layer is taken out before the final norm and the head: the
+            # output of the block after the attention-less one (block 8 of 12 on 10/04/25, block 7 of 11 now).
             x = x - backout_w[0] * backout
         return norm(x)
 
@@ -2237,13 +2217,12 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
 # public logs' train_time does), with FlashAttention-4, PyTorch 2.11.0+cu130. A table row is a real run;
 # a shape without one is reported unmeasured, never interpolated.
 STEP_US_PER_TOKEN = {
-    # one H100 80GB HBM3, 2026-11-25, commit 387cb13 (bench/results/side_by_side_h100_20261125/timing3_table.md);
-    # the record preset has since become faster (FP8 MLP forward, the cross-entropy's target gather, the MLP kernel
-    # keeping post only: 712.3 -> 696.4 ms at stage 3 for the FP8 MLP alone, bench/results/fp8_mlp_h100_20261126.md),
-    # so these rows are upper bounds until the harness times the preset again
-    ("H100", "record", 16384, 896, 3): 2.090,
-    ("H100", "record", 32768, 2048, 7): 1.892,
-    ("H100", "record", 49152, 2048, 11): 1.846,
+    # one H100 80GB HBM3, 2026-11-26, FA4, the record preset at its own shapes (bench/step_time.py --stages:
+    # 667.2 / 678.1 / 688.8 / 691.5 ms per 393,216-token step; bench/results/step_time_stages_h100_20261126.md)
+    ("H100", "record", 49152, 896, 3): 1.697,
+    ("H100", "record", 49152, 2048, 7): 1.725,
+    ("H100", "record", 49152, 2048, 11): 1.752,
+    ("H100", "record", 49152, 2048, 13): 1.759,
 }
 # 8-GPU step time over one-GPU step time at the same global batch, by micro-batch tokens per GPU, with one
 # micro-batch per GPU on 8 (bench/README: record #89's 8xH100 logs over its and the public master's

@@ -2,7 +2,7 @@
 optionally show where the time goes (torch.profiler, top kernels by GPU time).
 
     python bench/step_time.py --ws 3 7 11 --steps 20 [--profile] [any train_gpt.py --field value ...]
-    python bench/step_time.py --stages --steps 20 --preset public-line [...]   # each stage of the schedule
+    python bench/step_time.py --stages --steps 20 [--preset record ...]   # each stage of the schedule
 
 A step is the whole optimizer step of the configured global batch (8 micro-batches of 49,152
 tokens by default, accumulated on one GPU): forward, backward, Muon and Adam. Times are CUDA-event

@@ -24,7 +24,7 @@ def run_cli(*argv, cwd=ROOT):
     (["--window_schedule", "3,x"], "expected comma-separated integers such as 3,7,11, not '3,x'"),
     (["--lr_schedule", "1,x"], "expected comma-separated numbers such as 1,1.52,1.73, not '1,x'"),
     (["--no_such_field", "1"], "unrecognized arguments: --no_such_field 1"),
-    (["--preset", "huge"], "--preset huge: choose one of record, public-line, record-0903, smoke, single, medium"),
+    (["--preset", "huge"], "--preset huge: choose one of record, record-0903, smoke, single, medium"),
     (["--num_iteration", "10"], "unrecognized arguments: --num_iteration 10"),  # no abbreviations
     (["--save", "10"], "unrecognized arguments: --save 10"),
 ])

@@ -7,7 +7,7 @@ import torch
 
 import train_gpt as tg
 
-RECORD_SHAPES = [(49152, 896, 3), (49152, 2048, 7), (49152, 2048, 11)]  # the record preset's three stages
+RECORD_SHAPES = [(49152, 896, 3), (49152, 2048, 7), (49152, 2048, 11), (49152, 2048, 13)]  # record's stages, extension
 
 
 def stage_rows(out: str) -> dict[str, list[str]]:
@@ -28,25 +28,26 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     assert tg.main(["--plan"]) == 0
     out = capsys.readouterr().out
     rows = stage_rows(out)
-    assert list(rows) == ["1", "2", "3"]
+    assert list(rows) == ["1", "2", "3", "ext"]
     # steps, batch, micro-batches on 1 / 8 GPUs, micro tokens, document cut, windows, lr, tokens
-    assert rows["1"][1:11] == ["0-556", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "219,021,312"]
-    assert rows["3"][1] == "1114-1669" and rows["3"][8] == "1408/640"  # step 1670 is the final validation only
+    assert rows["1"][1:11] == ["0-550", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "216,662,016"]
+    assert rows["3"][1] == "1101-1649" and rows["3"][8] == "1408/640"
+    assert rows["ext"][1] == "1650-1669" and rows["ext"][8] == "1664/768"  # step 1670 is the final validation only
     assert f"trained tokens: {1670 * 393216:,}" in out
     assert not list(tmp_path.iterdir())  # no log, no checkpoint folder
 
 
 def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, capsys, monkeypatch):
-    table = {("H100", "record", *shape): us for shape, us in zip(RECORD_SHAPES, (2.0, 2.5, 3.0))}
+    table = {("H100", "record", *shape): us for shape, us in zip(RECORD_SHAPES, (2.0, 2.5, 3.0, 3.5))}
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", table)
     monkeypatch.setattr(tg, "EIGHT_GPU_RATIO", {"H100": {49152: 0.125}})
     lines = tg.schedule_plan(tg.parse_args([]))
-    steps = [557, 557, 556]
-    one = [n * 393216 * us * 1e-6 for n, us in zip(steps, (2.0, 2.5, 3.0))]
+    steps = [551, 550, 549, 20]
+    one = [n * 393216 * us * 1e-6 for n, us in zip(steps, (2.0, 2.5, 3.0, 3.5))]
     rows = stage_rows("\n".join(lines))
-    for i, seconds in enumerate(one):
-        assert float(rows[str(i + 1)][-2]) == pytest.approx(seconds, abs=0.05)
-        assert float(rows[str(i + 1)][-1]) == pytest.approx(seconds * 0.125, abs=0.05)
+    for name, seconds in zip(["1", "2", "3", "ext"], one):
+        assert float(rows[name][-2]) == pytest.approx(seconds, abs=0.05)
+        assert float(rows[name][-1]) == pytest.approx(seconds * 0.125, abs=0.05)
     assert lines[-2] == f"projected time: 1 x H100 {sum(one):.1f} s, 8 x H100 {sum(one) * 0.125:.1f} s (time per " \
                         "token at each stage's shape, x record #89's 8-GPU ratio)"
 
@@ -56,9 +57,9 @@ def test_plan_says_which_stages_are_unmeasured_rather_than_guessing(no_gpu, monk
     lines = tg.schedule_plan(tg.parse_args([]))
     rows = stage_rows("\n".join(lines))
     assert rows["1"][-2:] == ["-", "-"] and rows["3"][-2] != "-"
-    assert lines[-2].startswith("projected time: incomplete, stage(s) 1, 2 not in")
+    assert lines[-2].startswith("projected time: incomplete, stage(s) 1, 2, ext not in")
     # another preset's model at the same shapes has no measured time
-    other = stage_rows("\n".join(tg.schedule_plan(tg.parse_args(["--preset", "public-line"]))))
+    other = stage_rows("\n".join(tg.schedule_plan(tg.parse_args(["--preset", "record-0903"]))))
     assert all(row[-2:] == ["-", "-"] for row in other.values())
     # 24 micro-batches a step (the single preset) is not the measured one-micro-batch-per-GPU case on 8 GPUs
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H100", "single", 16384, *shape[1:]): 2.0 for shape in RECORD_SHAPES})

@@ -156,14 +156,16 @@ def _losses_from(run):
 
 @pytest.mark.parametrize("features", [{}, DECAYED_TABLES], ids=["0903", "decayed_tables"])
 def test_resumed_run_matches_an_uninterrupted_one_step_for_step(tiny_args, tmp_path, features):
-    full = tg.train(tiny_args(num_iterations=8, val_every=4, save_every=3, run_id="full",
+    every = 3 * features.get("adam_every", 1)  # checkpoints fall on Adam's steps
+    full = tg.train(tiny_args(num_iterations=8, val_every=4, save_every=every, run_id="full",
                               checkpoint_dir=str(tmp_path / "ck"), **features))
-    assert sorted(p.name for p in (tmp_path / "ck" / "full").iterdir()) == ["step_000003", "step_000006", "step_000008"]
-    resumed = tg.train(tiny_args(num_iterations=8, val_every=4, resume=str(tmp_path / "ck" / "full" / "step_000003"),
+    assert sorted(p.name for p in (tmp_path / "ck" / "full").iterdir()) == \
+        [f"step_{s:06d}" for s in sorted({*range(every, 8, every), 8})]
+    resumed = tg.train(tiny_args(num_iterations=8, val_every=4, resume=str(tmp_path / "ck" / "full" / f"step_{every:06d}"),
                                  run_id="again", checkpoint_dir=str(tmp_path / "ck2"), **features))
-    assert resumed.first_step == 3
+    assert resumed.first_step == every
     a, b = _losses_from(full), _losses_from(resumed)
-    assert list(b) == [4, 5, 6, 7, 8] and all(a[k] == b[k] for k in b)
+    assert list(b) == list(range(every + 1, 9)) and all(a[k] == b[k] for k in b)
     assert dict(full.val_losses)[8] == dict(resumed.val_losses)[8]
 
 
@@ -293,7 +295,10 @@ def test_a_checkpoint_resumes_on_another_number_of_processes_as_it_would_have_go
     _, two = torch.load(tmp_path / "two.pt")
     first, on_two = torch.load(tmp_path / "on_two.pt")
     assert on_one.first_step == first == 2
-    close = lambda a, b: torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=0)
+    # with Adam every second step, its gradient sums the micro-batches in another order on 1 and 2 processes
+    # (tests/test_train.py: two processes against one): 2-3e-5 of the loss from Adam's second step on
+    rtol = 1e-5 if features.get("adam_every", 1) == 1 else 1e-4
+    close = lambda a, b: torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=rtol, atol=0)
     close(on_one.train_losses, two[2:])
     close(on_two, one.train_losses[2:])
     assert on_one.train_losses[-1] < on_one.train_losses[0]  # training goes on: the losses are not frozen

@@ -44,9 +44,13 @@ def test_two_processes_one_accumulation_step_equal_one_process_two_steps(tiny_ar
     spawn(_train_worker, 2, args, out)
     two_train, two_val = torch.load(out)
     one = tg.train(args)
-    torch.testing.assert_close(torch.tensor(two_train), torch.tensor(one.train_losses), rtol=1e-5, atol=0)
+    # Equal to the bit with Adam every step. With Adam every second step its gradient sums two steps of two
+    # micro-batches in another order on 2 processes (each rank's two steps, then the ranks) than on 1 (the
+    # micro-batches in turn), and Adam's second step onwards shows that rounding: 2-3e-5 of the loss.
+    rtol = 1e-5 if args.adam_every == 1 else 1e-4
+    torch.testing.assert_close(torch.tensor(two_train), torch.tensor(one.train_losses), rtol=rtol, atol=0)
     torch.testing.assert_close(torch.tensor([v for _, v in two_val]), torch.tensor([v for _, v in one.val_losses]),
-                               rtol=1e-5, atol=0)
+                               rtol=rtol, atol=0)
 
 
 def test_warmup_leaves_weights_and_optimizer_state_bit_identical(tiny_args):
