@@ -1,0 +1,136 @@
+"""Exposed communication of whole training steps on several GPUs (issue 33 item 3):
+
+    torchrun --standalone --nproc_per_node=2 bench/comm_time.py --steps 10 --batch_size 98304 [train_gpt.py flags]
+
+With --batch_size 98304 (2 x 49,152) each of 2 GPUs holds one micro-batch a step, as each of 8 GPUs does in the
+record run, so no accumulation hides the communication. Every rank times --steps steps of one stage of the
+schedule (--stage, default the last scheduled one), each between a barrier and a synchronize, then profiles two more and reports for each
+step: its time, the NCCL kernels' time, and the exposed part: NCCL time during which no other kernel runs on the
+GPU, so the step waits on the network. Under --adam_every 2 the two profiled steps are one with Adam and one
+without."""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import train_gpt as tg  # noqa: E402
+
+
+def kernel_intervals(trace: dict) -> list[tuple[float, float, bool]]:
+    """(start, end, is_communication) in microseconds of every GPU kernel of a Chrome trace written by
+    torch.profiler (events of category "kernel"; NCCL's kernels are the communication)."""
+    out = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), "nccl" in e.get("name", "").lower()))
+    return out
+
+
+def exposed_time(intervals: list[tuple[float, float, bool]]) -> tuple[float, float]:
+    """(communication time, the part of it not covered by any computing kernel), both as lengths of
+    unions of intervals: two overlapping NCCL kernels count once."""
+    def union(spans):
+        merged = []
+        for a, b in sorted(spans):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        return merged
+
+    comm = union([(a, b) for a, b, c in intervals if c])
+    compute = union([(a, b) for a, b, c in intervals if not c])
+    total = sum(b - a for a, b in comm)
+    covered, j = 0.0, 0
+    for a, b in comm:  # both lists are sorted and disjoint within themselves
+        while j < len(compute) and compute[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(compute) and compute[k][0] < b:
+            covered += min(b, compute[k][1]) - max(a, compute[k][0])
+            k += 1
+    return total, total - covered
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup untimed ones)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--stage", type=int, default=-1, help="which stage of the schedule (0-based; default: "
+                        "the last scheduled stage, the one with the longest windows)")
+    own, rest = parser.parse_known_args()
+    args = tg.parse_args(rest)
+    rank, world_size, device = tg.start_processes(args)
+    model, compiled, optimizers, attention, _ = tg.build(args, device, rank, world_size)
+    stages = tg.training_stages(args)
+    stage = stages[own.stage] if own.stage >= 0 else stages[len(args.stages) - 1]
+    if stage.start >= tg.untie_step(stages, args) and model.tied_embed:
+        tg.untie_embedding(model, optimizers[0])
+    producer = tg.BatchProducer(tg.shard_files(args.train_files, "training"), rank, world_size, args.max_num_docs,
+                                args.bos_id)
+    loader = tg.BatchLoader(producer, lambda s: stage.batch, device)
+    step = stage.start
+
+    def run_step():
+        nonlocal step
+        tg.train_step(model, compiled, optimizers, loader.next()[1], step, stage, args)
+        step += 1
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # the CPU: a plumbing check only
+
+    def together():
+        sync()
+        if world_size > 1:
+            dist.barrier()
+
+    for _ in range(own.warmup):
+        run_step()
+    times = []
+    for _ in range(own.steps):
+        together()
+        start = time.perf_counter()
+        run_step()
+        sync()
+        times.append(1000 * (time.perf_counter() - start))
+    from torch.profiler import ProfilerActivity, profile
+    together()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            run_step()
+        sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"trace{rank}.json")
+        prof.export_chrome_trace(path)
+        intervals = kernel_intervals(json.loads(Path(path).read_text()))
+    comm, exposed = exposed_time(intervals)
+    med = statistics.median(times)
+    line = (f"rank {rank}/{world_size}: stage windows {stage.windows}, {stage.batch.batch_size:,} tokens a step, "
+            f"{stage.batch.batch_size // stage.batch.seq_len // world_size} micro-batch(es) a GPU, attention {attention}: "
+            f"step median {med:.1f} ms (min {min(times):.1f}, max {max(times):.1f}, {own.steps} steps); "
+            f"profiled 2 steps: NCCL {comm / 2e3:.2f} ms a step, exposed {exposed / 2e3:.2f} ms a step "
+            f"({exposed / 2e3 / med:.1%} of the median step), {len(intervals)} kernels")
+    lines = [None] * world_size
+    if world_size > 1:
+        dist.all_gather_object(lines, line)
+    else:
+        lines = [line]
+    if rank == 0:
+        name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        print(f"device: {name}, torch {torch.__version__}", flush=True)
+        print("\n".join(lines), flush=True)
+    loader.close()
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""bench/comm_time.py's arithmetic: which kernels are communication, and how much of their time no
+computing kernel covers (the GPU run itself is a bench, not a test)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import comm_time  # noqa: E402
+
+
+def test_exposed_time_counts_nccl_time_that_no_computing_kernel_overlaps():
+    intervals = [(0, 10, False), (5, 15, True),  # 5 of 10 covered
+                 (20, 30, True), (22, 24, False), (26, 27, False),  # 3 of 10 covered
+                 (40, 50, True), (45, 55, True),  # two NCCL kernels at once: 15 us, none covered
+                 (60, 70, False)]  # compute alone
+    total, exposed = comm_time.exposed_time(intervals)
+    assert total == 10 + 10 + 15
+    assert exposed == 5 + 7 + 15
+    assert comm_time.exposed_time([(0, 10, False)]) == (0.0, 0.0)
+    assert comm_time.exposed_time([(0, 4, True), (0, 10, False)]) == (4, 0)  # fully hidden
+
+
+def test_kernel_intervals_reads_the_profilers_kernel_events_only():
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", "ts": 100, "dur": 20},
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16bf16", "ts": 90, "dur": 15},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 80, "dur": 50},
+        {"ph": "i", "cat": "kernel", "name": "ncclKernel", "ts": 1}]}
+    assert comm_time.kernel_intervals(trace) == [(100.0, 120.0, True), (90.0, 105.0, False)]
+    assert comm_time.exposed_time(comm_time.kernel_intervals(trace)) == (20.0, 15.0)
