@@ -294,7 +294,7 @@ def test_value_embedding_and_bigram_tables_are_an_adam_group_of_their_own_at_the
 def test_the_tables_own_group_changes_nothing_at_the_defaults_and_decay_changes_the_run(tiny_args, monkeypatch):
     """Bit-identical to the layout before (one group for all embeddings) with the decay off (and the token
     embedding untied: tied, it learns at the head's rate, so it could not share the tables' group)."""
-    untied = {**LATER_RECORDS, "tied_embed_stages": 0}
+    untied = {**LATER_RECORDS, "tied_embed_stages": 0, "adam_every": 1}  # Adam on all 8 steps: decay shows
     args = tiny_args(num_iterations=8, val_every=4, **untied)
     split = tg.train(args)
     build = tg.build_optimizers

@@ -21,10 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_presets_set_their_configuration_and_fields_still_override():
     assert tg.parse_args(["--preset", "record-0903"]) == tg.Hyperparameters()  # the 09/03 record: the defaults
-    record = tg.parse_args([])  # today's record: the 09/03 one with the later techniques that were kept
+    record = tg.parse_args([])  # today's record: the public line's techniques on 11 blocks
     assert record == tg.Hyperparameters(preset="record", **tg.RECORD_LINE) != tg.Hyperparameters()
-    assert (record.logit_softcap, record.backout_layer, record.orthogonalizer) == (23.0, 8, "polar_express")
-    assert tg.parse_args(["--preset", "record", "--backout_layer", "-1"]).backout_layer == -1
+    assert (record.logit_softcap, record.backout_layer, record.orthogonalizer, record.num_layers) == \
+        (23.0, 7, "polar_express", 11)
+    assert tg.parse_args(["--preset", "record", "--backout_layer", "5"]).backout_layer == 5
     single = tg.parse_args(["--preset", "single"])
     assert single.batch_size == tg.Hyperparameters().batch_size and single.batch_size // single.seq_len == 24
     assert single == dataclasses.replace(record, preset="single", seq_len=16384, max_num_docs=128)

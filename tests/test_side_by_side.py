@@ -138,15 +138,15 @@ def test_ours_runs_the_0903_algorithm_and_a_variant_can_pick_todays_record(monke
     public = PUBLIC_LIKE.replace("class Hyperparameters:\n", "class Hyperparameters:\n" + fields)
     monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--public", str(fake_checkout(tmp_path, public)),
                                       "--public_code", "0903", "--train_files", train,
-                                      "--val_files", val, "--steps", "20", "--seeds", "0", "--work", str(tmp_path / "w"),
+                                      "--val_files", val, "--steps", "40", "--seeds", "0", "--work", str(tmp_path / "w"),
                                       "--variant", "today", "--preset record"])
     fh.main()
     ours = [cmd[cmd.index("--nproc_per_node=1") + 2:] for cmd in launched if str(fh.ROOT / "train_gpt.py") in cmd]
     assert len(ours) == 2 and len(launched) == 3  # the public run, then ours and the variant
     base, today = (tg.parse_args(argv) for argv in ours)
     assert base.preset == "record-0903" and base.logit_softcap == 30.0 and base.orthogonalizer == "newton_schulz"
-    assert today.preset == "record" and (today.logit_softcap, today.backout_layer) == (23.0, 8)
-    assert base.num_iterations == today.num_iterations == 20 and base.batch_size == today.batch_size == 131072
+    assert today.preset == "record" and (today.logit_softcap, today.backout_layer, today.num_layers) == (23.0, 7, 11)
+    assert base.num_iterations == today.num_iterations == 40 and base.batch_size == today.batch_size == 131072
 
 
 # ---- the public line's current code (master) and record #89: patches, the scaling rule, the data check
