@@ -27,8 +27,9 @@ def test_loss_still_falls_with_bigram_hash_embedding_backout_and_asymmetric_soft
     losses = [v for _, v in run.val_losses]
     # about uniform at first: a zero bigram table, and a head at N(0, 0.005) (tied to the embedding)
     assert abs(losses[0] - torch.log(torch.tensor(64.0)).item()) < 1e-2
-    assert losses[-1] < losses[0] - 0.8 and losses[-1] < losses[1]  # (tied, the tiny model learns a bit slower)
-    assert run.train_losses[-1] < run.train_losses[0] - 0.8
+    # (tied, and Adam on every second step, the tiny model learns a bit slower)
+    assert losses[-1] < losses[0] - 0.6 and losses[-1] < losses[1]
+    assert run.train_losses[-1] < run.train_losses[0] - 0.6
 
 
 def _train_worker(rank, world_size, args, out):
@@ -150,15 +151,15 @@ def test_muon_momentum_warms_up_then_cools_down_over_the_last_steps():
     assert got == pytest.approx([0.85, 0.90, 0.95, 0.95, 0.90, 0.85])
 
 
-def test_record_preset_momentum_at_the_development_protocol_length_stays_between_its_start_and_peak():
-    """Round 6's schedule at 357 steps: 0.8 up to 0.9 over 300 steps, the cooldown taking over after step 257
-    (a step up of at most 0.1 x 43/300 there), back to 0.8 at the end."""
-    args = tg.parse_args(["--num_iterations", "357"])
-    m = [tg.muon_momentum(s, args) for s in range(358)]
-    assert m[0] == pytest.approx(0.8) and m[-1] == pytest.approx(0.8) and max(m) == pytest.approx(0.9, abs=2e-3)
-    assert all(0.8 - 1e-9 <= x <= 0.9 + 1e-9 for x in m)
-    jumps = [b - a for a, b in zip(m, m[1:])]
-    assert max(jumps) < 0.015 and all(j <= 1e-9 for j in jumps[258:])  # rises, one small step up, then only falls
+def test_record_preset_momentum_is_the_public_masters_schedule():
+    """0.85 up to 0.95 over 300 steps, held, and back to 0.85 over the last 50 (the public master's
+    get_muon_momentum, whose cool-down counts from its total steps, the extension's included)."""
+    args = tg.parse_args([])
+    N = args.num_iterations
+    m = [tg.muon_momentum(s, args) for s in range(N + 1)]
+    assert m[0] == pytest.approx(0.85) and m[150] == pytest.approx(0.90) and m[300] == pytest.approx(0.95)
+    assert m[N - 50] == pytest.approx(0.95) and m[N - 25] == pytest.approx(0.90) and m[N] == pytest.approx(0.85)
+    assert all(x == pytest.approx(0.95) for x in m[300: N - 49])
 
 
 def test_default_schedule_is_the_0903_record_unchanged():
