@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import train_gpt as tg  # noqa: E402
@@ -100,7 +101,6 @@ def main():
         run_step()
         sync()
         times.append(1000 * (time.perf_counter() - start))
-    from torch.profiler import ProfilerActivity, profile
     together()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -118,11 +118,10 @@ def main():
             f"step median {med:.1f} ms (min {min(times):.1f}, max {max(times):.1f}, {own.steps} steps); "
             f"profiled 2 steps: NCCL {comm / 2e3:.2f} ms a step, exposed {exposed / 2e3:.2f} ms a step "
             f"({exposed / 2e3 / med:.1%} of the median step), {len(intervals)} kernels")
-    lines = [None] * world_size
+    lines = [line]
     if world_size > 1:
+        lines = [None] * world_size
         dist.all_gather_object(lines, line)
-    else:
-        lines = [line]
     if rank == 0:
         name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
         print(f"device: {name}, torch {torch.__version__}", flush=True)
