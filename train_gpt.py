@@ -1747,7 +1747,7 @@ class DistAdam(torch.optim.Optimizer):
 # -----------------------------------------------------------------------------------------------
 # Data
 
-# Shard format (used by train_gpt.py, data/tokenize_corpus.py, data/cached_fineweb10B.py and the tests)
+# Shard format (the data tools read and write it with data/shards.py, which needs no torch; a test checks they agree)
 # A shard is a 256 x int32 header -- magic, version, token count, zeros -- followed by the tokens
 # as uint16. This is the format of llm.c and the public speedrun's FineWeb shards.
 

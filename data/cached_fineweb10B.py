@@ -6,7 +6,7 @@
     python data/cached_fineweb10B.py 8 --corpus finewebedu10B --dir /scratch/fwe
 
 Each shard is ~100M tokens (~200 MB). Files that are already complete (valid header, exact size, checked
-with train_gpt.read_shard_header) are skipped without touching the network; truncated or corrupt ones
+with data/shards.py) are skipped without touching the network; truncated or corrupt ones
 are deleted and fetched again. Downloads go through huggingface_hub, so HF_ENDPOINT, HF_TOKEN,
 HF_HUB_OFFLINE, proxies and its cache apply. Each file is downloaded into the hidden staging folder
 DIR/.hf_staging, validated there and only then renamed to DIR/<name>, so DIR never holds half a file.
@@ -27,7 +27,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from train_gpt import ShardError, read_shard_header  # noqa: E402  (the one shard reader of the project)
+from data.shards import ShardError, read_shard_header  # noqa: E402  (the shard format without torch)
 
 STAGING = ".hf_staging"  # subfolder of DIR where huggingface_hub writes before the file is validated and moved
 PROG = "cached_fineweb10B.py"

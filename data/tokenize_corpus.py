@@ -54,8 +54,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, where train_gpt lives
-from train_gpt import BOS_ID, write_shard  # noqa: E402  (the project's one shard writer)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+from data.shards import BOS_ID, write_shard  # noqa: E402  (the shard format without torch)
 
 DEFAULT_VAL_TOKENS = 10_485_760
 DEFAULT_SHARD_TOKENS = 100_000_000
