@@ -1478,10 +1478,10 @@ class GPT(nn.Module):
 # makes world size x accumulation steps interchangeable.
 
 def quintic_orthogonalize(G: Tensor, coefficients, safety: float = 0.0) -> Tensor:
-    """Approximately orthogonalize a batch of matrices (..., m, n) in bf16: scale to spectral norm <= 1
-    (by the Frobenius norm, times 1 + safety), then per (a, b, c) one step X <- aX + (bA + cA^2)X with
+    """Approximately orthogonalize a batch of matrices (..., m, n) in bf16 (float32 on the CPU): scale to spectral
+    norm <= 1 (by the Frobenius norm, times 1 + safety), then per (a, b, c) one step X <- aX + (bA + cA^2)X with
     A = X X^T, an odd quintic polynomial of the singular values that pushes them toward 1."""
-    X = G.bfloat16()
+    X = G.bfloat16() if G.is_cuda else G.float()  # float32 on the CPU (see build: its bf16 matmuls are emulated)
     transposed = X.size(-2) > X.size(-1)
     if transposed:
         X = X.mT
@@ -2385,7 +2385,7 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
                fp8: bool) -> list[str]:
     """The start-of-run lines: where and how it runs, then the size report."""
     return [f"device: {device} x {world_size}, grad accumulation {args.batch_size // args.seq_len // world_size}, "
-            f"attention backend: {attention}, LM head: {'fp8' if fp8 else 'bf16'}, "
+            f"attention backend: {attention}, LM head: {'fp8' if fp8 else 'bf16' if device.type == 'cuda' else 'float32'}, "
             f"MLP: {'fused' if model.blocks[0].mlp.fused else 'unfused'}{' fp8' if model.blocks[0].mlp.fp8 else ''}, "
             f"cross-entropy: {'fused' if model.fused_ce else 'unfused'}, "
             f"compile: {args.compile}, "
@@ -2574,7 +2574,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     """The model (seeded, identical on every rank), its compiled twin, the optimizers, and the
     attention backend and LM-head kind chosen for this device."""
     attention = select_attention(args.attention, device, args.compile, log)
-    fp8 = args.fp8_head and device.type == "cuda" and fp8_supported(device)  # on the CPU FP8 is emulated: bf16
+    fp8 = args.fp8_head and device.type == "cuda" and fp8_supported(device)  # elsewhere the head is a plain matmul
     fused_mlp = args.fused_mlp and kernels.relu2_mlp_fits(device)
     if args.fused_mlp and not fused_mlp:
         log(f"fused MLP off: its kernel needs {kernels.relu2_tiles_shared_memory() // 1024} KiB of shared memory, this "
@@ -2587,6 +2587,8 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         log("FP8 MLP off: it needs FP8 matmuls (a CUDA GPU of sm89+) and the fused MLP's kernel; the MLP runs in bf16")
     model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, fused_mlp, args.fused_ce,
                 fp8_mlp).to(device)
+    if device.type == "cpu":  # float32 throughout: a CPU without bf16 instructions (AVX2) emulates bf16 matmuls,
+        model.float()         # ~40x slower than float32; the GPU keeps the record's bf16 embeddings and activations
     if any(any(st.prefix) for st in training_stages(args)):  # the prefix-token loss' table (untimed; the record
         vocab = gpt2_token_bytes()                              # builds it in its timed region, ~0.1 s)
         if args.vocab_size < len(vocab):
