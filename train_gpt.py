@@ -140,6 +140,11 @@ class Hyperparameters:
     mudd: bool = False  # MUDD: per-token learned mixes of earlier block outputs into the last block and the head (04/22/26)
     parallel_attn: bool = False  # blocks after backout_layer attend over its normed output, not their own input (03/06/26)
     uniform_out_init: bool = False  # attention output projections start uniform as V, not zero (the public master)
+    # per-sublayer residual weights (2026-02-12/16 records, PRs 230, 233): x <- r x + p out around the attention
+    # and the MLP, r = sqrt(1.1), p = 1 at init, learned per block (the residual mix's x weight is the attention's r)
+    sublayer_lambdas: bool = False
+    skip_from: int = -1  # one skip from this block's output into the first attention-less block, weight sigmoid(l),
+    # l = -1.5 at init (2025-11-18 and 12-14 records, PRs 159, 169), instead of the U-net; -1 = the U-net
     # schedule: the stages in order (rows of Stage, above), sharing the scheduled steps, then extension_steps more
     stages: tuple[Stage, ...] = (Stage(3), Stage(7), Stage(11))  # the schedule table: batch, document cut, window, lr, MTP per stage
     extension_steps: int = 0  # last steps, after the cooldown: final learning rate, long window extension_window
@@ -249,6 +254,9 @@ class Hyperparameters:
                                             for i in h.value_embed_blocks)):
             raise ValueError(f"value_embed_blocks={h.value_embed_blocks}: distinct blocks with attention, and "
                              f"num_value_embeds=0 (now {h.num_value_embeds}): one layout or the other")
+        if h.skip_from >= 0 and not (h.no_attn_layers and 0 <= h.skip_from < min(h.no_attn_layers)):
+            raise ValueError(f"skip_from={h.skip_from}: a block before the first attention-less one "
+                             f"(no_attn_layers={h.no_attn_layers}), or -1 for the U-net")
         if h.num_value_embeds * 2 > h.num_layers:
             raise ValueError(f"num_value_embeds={h.num_value_embeds} needs at least {2 * h.num_value_embeds} layers")
         if h.logit_softcap + math.log(h.vocab_size) >= 88:  # exp(cap) * vocab must fit in fp32 (any shift)
@@ -312,6 +320,10 @@ RECORD_LINE = dict(
     # value-embedding gates (12/29/25); paired-head attention in four short-window blocks (01/07/26)
     paired_head_blocks=(0, 2, 5, 9),
     key_offset=True,  # long-window keys' position-free dims from the previous token: one-block induction (12/14/25)
+    # the residual stream as the public master's: per-sublayer weights x <- r x + p out, r = sqrt(1.1), p = 1 at init
+    # (02/12/26, 02/16/26), and one skip sigmoid(l) x (block 3's output) into block 6 instead of the U-net
+    # (11/18/25, 12/14/25); attention logits at 0.1 before YaRN's growth, the master's (ours was 09/03's 0.12)
+    sublayer_lambdas=True, skip_from=3, attn_scale=0.1,
     # five untied value-embedding tables at N(0, 0.01) (01/26/26, 02/03/26), output projections drawn as V
     num_value_embeds=0, value_embed_blocks=(1, 2, 8, 9, 10), uniform_out_init=True,
     # bigram hash embedding with the +-1 sign rows (01/19/26, 05/20/26)
@@ -343,7 +355,8 @@ PRESETS = {  # name: (what it is, the fields it sets)
     "record": ("the 8-GPU record configuration: the public line's current model and optimizer (modded-nanogpt "
                "master, 2026-08) as far as this file implements them, on its 11 blocks: bigram hash embedding, "
                "MUDD, XSA, YaRN, smear and value-embedding gates, paired heads, partial key offset, five untied value "
-               "tables, parallel attention inputs, backout, NorMuon with cautious decay, Adam every second step, "
+               "tables, parallel attention inputs, backout, per-sublayer residual weights and one gated skip, "
+               "NorMuon with cautious decay, Adam every second step, "
                "multi-token and prefix-token losses, the embedding tied for two stages, a 20-step extension; with "
                "our fused ReLU² MLP (FP8 forward) and soft-capped cross-entropy kernels", RECORD_LINE),
     "record-0903": ("the public record of 2025-09-03 as it ran (1670 steps, 8 GPUs): the dataclass defaults", {}),
@@ -958,6 +971,8 @@ class ModelConfig:
     mudd: bool
     parallel_attn: bool
     uniform_out_init: bool
+    sublayer_lambdas: bool
+    skip_from: int
     tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order; () = off
@@ -1234,15 +1249,17 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, bigram=None,
-                xsa=None, v_extra=None, attn_in=None):
-        """attn_in: the normed input of the attention when not this block's own (parallel_attn)."""
+                xsa=None, v_extra=None, attn_in=None, sub=None):
+        """attn_in: the normed input of the attention when not this block's own (parallel_attn). sub: the
+        sublayer weights (attention output, MLP residual, MLP output) where sublayer_lambdas is on."""
         x = lambdas[0] * x + lambdas[1] * x0  # learned mix with the embedding stream x0
         if bigram is not None:  # this block's weighted bigram hash embedding (see bigram_indices)
             x = x + bigram
         if self.attn is not None:
-            x = x + self.attn(norm(x) if attn_in is None else attn_in, ve, ve_lambdas, cu_seqlens, max_seqlen, window,
-                              rope, attn_fn, xsa, v_extra)
-        return x + self.mlp(norm(x))
+            y = self.attn(norm(x) if attn_in is None else attn_in, ve, ve_lambdas, cu_seqlens, max_seqlen, window,
+                          rope, attn_fn, xsa, v_extra)
+            x = x + (y if sub is None else sub[0] * y)
+        return x + self.mlp(norm(x)) if sub is None else sub[1] * x + sub[2] * self.mlp(norm(x))
 
 
 MUDD_DIM, MUDD_COEFS = 64, 8  # MUDD: each MLP's hidden width, and its outputs (6 and 3 used, 8 for even shards)
@@ -1274,9 +1291,11 @@ class GPT(nn.Module):
         # 2026-01-19 record's), the backout weight (0.5, the 2025-10-04 record's), the smear weight
         # (0, the 2025-09-18 record's) and XSA's strength per block and head (0, the 2026-04-29 record's);
         # padded to a multiple of 64 so it shards over any world size <= 64.
-        inits = dict(blocks=torch.tensor([1.0, 0.0, 0.5, 0.5]).repeat(L), skips=torch.ones(L // 2),
+        r = math.sqrt(1.1) if cfg.sublayer_lambdas else 1.0  # the 2026-02-12 record's per-sublayer residual init
+        inits = dict(blocks=torch.tensor([r, 0.0, 0.5, 0.5]).repeat(L),
+                     skips=torch.ones(L // 2) if cfg.skip_from < 0 else torch.tensor([-1.5]),
                      bigram=torch.full((L,), 0.1), backout=torch.tensor([0.5]), smear=torch.zeros(1),
-                     xsa=torch.zeros(L * cfg.num_heads))
+                     xsa=torch.zeros(L * cfg.num_heads), sublayer=torch.tensor([1.0, r, 1.0]).repeat(L))
         scalars = torch.cat([inits[name] for name, part in self.scalar_layout().items() if part.stop > part.start])
         self.scalars = nn.Parameter(F.pad(scalars, (0, -scalars.numel() % 64)))
         for m in (self.embed, *self.value_embeds):
@@ -1319,9 +1338,9 @@ class GPT(nn.Module):
     def scalar_layout(self) -> dict[str, slice]:
         """Where each kind of scalar lies in self.scalars (the features that are off take no room)."""
         cfg, L = self.cfg, self.cfg.num_layers
-        sizes = dict(blocks=4 * L, skips=L // 2, bigram=L if cfg.bigram_rows else 0,
+        sizes = dict(blocks=4 * L, skips=L // 2 if cfg.skip_from < 0 else 1, bigram=L if cfg.bigram_rows else 0,
                      backout=1 if cfg.backout_layer >= 0 else 0, smear=1 if cfg.smear else 0,
-                     xsa=L * cfg.num_heads if cfg.xsa else 0)
+                     xsa=L * cfg.num_heads if cfg.xsa else 0, sublayer=3 * L if cfg.sublayer_lambdas else 0)
         layout, start = {}, 0
         for name, n in sizes.items():
             layout[name], start = slice(start, start + n), start + n
@@ -1349,6 +1368,8 @@ class GPT(nn.Module):
         lambdas, ve_lambdas = block_scalars[:, :2], block_scalars[:, 2:]
         bigram_w, backout_w = s[at["bigram"]], s[at["backout"]]
         xsa = s[at["xsa"]].view(L, cfg.num_heads) if cfg.xsa else [None] * L
+        sub = s[at["sublayer"]].view(L, 3) if cfg.sublayer_lambdas else [None] * L
+        skip_into = min(cfg.no_attn_layers) if cfg.skip_from >= 0 else -1  # validated: after skip_from
         x = F.embedding(inputs, self.lm_head_w).type_as(self.embed.weight) if self.tied_embed else self.embed(inputs)
         if self.smear_w is not None:
             x = smear(x, cu_seqlens, s[at["smear"]], self.smear_w)
@@ -1363,7 +1384,9 @@ class GPT(nn.Module):
         skips = []  # U-net (@brendanh0gan): first-half outputs feed, in reverse order, the second half
         backout = attn_in = None
         for i, block in enumerate(self.blocks):
-            if i >= L - L // 2:
+            if i == skip_into:  # the one skip (skip_from) instead of the U-net
+                x = x + torch.sigmoid(skip_w[0]) * skips.pop()
+            elif skip_into < 0 and i >= L - L // 2:
                 x = x + skip_w[i - (L - L // 2)] * skips.pop()
             v_extra = None
             if cfg.mudd and i == L - 1:
@@ -1374,8 +1397,8 @@ class GPT(nn.Module):
                 v_extra = c[0] * x0 + c[1] * backout + c[2] * x
                 x = (1 + c[5]) * x + c[3] * x0 + c[4] * backout
             x = block(x, x0, lambdas[i], ves[i], ve_lambdas[i], cu_seqlens, max_seqlen, windows[i], rope,
-                      self.attn_fn, None if bigram is None else bigram_w[i] * bigram, xsa[i], v_extra, attn_in)
-            if i < L // 2:
+                      self.attn_fn, None if bigram is None else bigram_w[i] * bigram, xsa[i], v_extra, attn_in, sub[i])
+            if i == cfg.skip_from or (skip_into < 0 and i < L // 2):
                 skips.append(x)
             if i == cfg.backout_layer:
                 backout = x

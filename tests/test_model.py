@@ -641,3 +641,54 @@ def test_untie_step_is_the_start_of_the_first_untied_stage():
     assert [st.start for st in stages] == [0, 7, 14]
     for n, step in ((0, 0), (1, 7), (2, 14), (3, math.inf)):
         assert tg.untie_step(stages, tg.Hyperparameters(**{**TINY, "num_iterations": 20, "tied_embed_stages": n})) == step
+
+
+def test_sublayer_weights_at_one_give_the_model_without_them():
+    # LATER_RECORDS has them, with one skip (skip_from=1), as the record preset
+    on = tiny_model(randomize=True, **LATER_RECORDS)
+    off = tiny_model(randomize=True, **{**LATER_RECORDS, "sublayer_lambdas": False})
+    at = on.scalar_layout()
+    assert at["sublayer"].stop - at["sublayer"].start == 3 * TINY["num_layers"]
+    assert at["skips"].stop - at["skips"].start == 1
+    assert off.scalar_layout()["sublayer"].stop == off.scalar_layout()["sublayer"].start
+    fresh = tiny_model(**LATER_RECORDS)
+    assert torch.allclose(fresh.scalars[at["sublayer"]].view(-1, 3), torch.tensor([1.0, 1.1 ** 0.5, 1.0]))
+    assert torch.allclose(fresh.scalars[at["blocks"]].view(-1, 4)[:, 0], torch.tensor(1.1 ** 0.5))
+    on.load_state_dict(off.state_dict(), strict=False)  # the same weights; scalars differ in length
+    with torch.no_grad():
+        on.scalars.zero_()
+        on.scalars[: at["sublayer"].start] = off.scalars[: at["sublayer"].start]
+        on.scalars[at["sublayer"]] = 1.0
+    x, y, cu = batch()
+    assert torch.allclose(on(x, y, cu, 128, W3), off(x, y, cu, 128, W3), rtol=1e-5)
+    with torch.no_grad():
+        on.scalars[at["sublayer"].start + 2] = 0.5  # block 0's MLP output weight: the loss moves
+    assert not torch.allclose(on(x, y, cu, 128, W3), off(x, y, cu, 128, W3), rtol=1e-5)
+
+
+def test_one_skip_carries_its_block_output_into_the_attention_less_block_and_learns():
+    model = tiny_model(randomize=True, **LATER_RECORDS)
+    at = model.scalar_layout()
+    x, y, cu = batch()
+    model(x, y, cu, 128, W3).backward()
+    assert model.scalars.grad[at["skips"]].abs().item() > 0
+    with torch.no_grad():
+        model.scalars[at["skips"]] = -30.0  # sigmoid ~ 0: no skip
+    seen = []
+    hook = model.blocks[2].register_forward_pre_hook(lambda m, a: seen.append(a[0].clone()))
+    model(x, y, cu, 128, W3)
+    with torch.no_grad():
+        model.scalars[at["skips"]] = 0.0  # sigmoid = 0.5
+    after_1 = []
+    h1 = model.blocks[1].register_forward_hook(lambda m, a, out: after_1.append(out.clone()))
+    model(x, y, cu, 128, W3)
+    hook.remove(), h1.remove()
+    assert torch.allclose((seen[1] - seen[0]).float(), 0.5 * after_1[0].float(), rtol=2e-2, atol=2e-2)  # bf16 stream
+    assert torch.equal(seen[0], after_1[0])  # without the skip, block 2 reads block 1's output as it is
+
+
+def test_skip_from_must_come_before_the_attention_less_block():
+    for bad in (2, 3):
+        with pytest.raises(ValueError, match="skip_from"):
+            tg.Hyperparameters(**{**TINY, "skip_from": bad})
+
