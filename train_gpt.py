@@ -140,11 +140,10 @@ class Hyperparameters:
     mudd: bool = False  # MUDD: per-token learned mixes of earlier block outputs into the last block and the head (04/22/26)
     parallel_attn: bool = False  # blocks after backout_layer attend over its normed output, not their own input (03/06/26)
     uniform_out_init: bool = False  # attention output projections start uniform as V, not zero (the public master)
-    # per-sublayer residual weights (2026-02-12/16 records, PRs 230, 233): x <- r x + p out around the attention
-    # and the MLP, r = sqrt(1.1), p = 1 at init, learned per block (the residual mix's x weight is the attention's r)
-    sublayer_lambdas: bool = False
-    skip_from: int = -1  # one skip from this block's output into the first attention-less block, weight sigmoid(l),
-    # l = -1.5 at init (2025-11-18 and 12-14 records, PRs 159, 169), instead of the U-net; -1 = the U-net
+    # (the residual mix's x weight is the attention's r; 2026-02-12/16 records, PRs 230, 233)
+    sublayer_lambdas: bool = False  # per-sublayer residual weights: x <- r x + p out, r = sqrt(1.1), p = 1 at init
+    # one skip instead of the U-net, weighted sigmoid(l), l = -1.5 at init (2025-11-18 and 12-14 records, PRs 159, 169)
+    skip_from: int = -1  # one skip from this block's output into the first attention-less block; -1 = the U-net
     # schedule: the stages in order (rows of Stage, above), sharing the scheduled steps, then extension_steps more
     stages: tuple[Stage, ...] = (Stage(3), Stage(7), Stage(11))  # the schedule table: batch, document cut, window, lr, MTP per stage
     extension_steps: int = 0  # last steps, after the cooldown: final learning rate, long window extension_window

@@ -1,4 +1,5 @@
 """Shared fixtures: a synthetic corpus written as real shards, and a tiny model configuration."""
+import functools
 import sys
 from pathlib import Path
 
@@ -9,6 +10,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train_gpt as tg  # noqa: E402
+
+
+def pytest_configure(config):
+    # README's first test command leaves these out (-m "not slow"), its second runs only them (-m slow); CI runs both
+    config.addinivalue_line("markers", "slow: end to end, several seconds or more on a 2-core CPU: several processes, "
+                                       "subprocess command lines, whole presets, compiled graphs, the Triton interpreter")
+
 
 VOCAB, BOS = 64, 63  # tiny vocabulary; the last id plays <|endoftext|>
 
@@ -26,14 +34,22 @@ def markov_documents(rng, n_tokens, min_len=5, max_len=300, vocab=VOCAB, bos=BOS
     return np.array(out[:n_tokens])
 
 
+@functools.lru_cache(maxsize=None)
+def corpus_tokens(train_sizes, val_size, seed, doc_kw) -> tuple[np.ndarray, ...]:
+    """The val shard's and the training shards' tokens, made once per session (sampling them token by token
+    takes ~1.4 s a corpus on a 2-core CPU, and most tests use the same one)."""
+    rng = np.random.default_rng(seed)
+    return tuple(markov_documents(rng, n, **dict(doc_kw)) for n in (val_size, *train_sizes))
+
+
 def write_corpus(directory, train_sizes=(20_000, 20_000), val_size=10_000, seed=0, **doc_kw):
     """val shard + training shards named like the FineWeb ones; returns (train pattern, val pattern)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    tg.write_shard(directory / "syn_val_000000.bin", markov_documents(rng, val_size, **doc_kw))
-    for i, n in enumerate(train_sizes, start=1):
-        tg.write_shard(directory / f"syn_train_{i:06d}.bin", markov_documents(rng, n, **doc_kw))
+    val, *train = corpus_tokens(tuple(train_sizes), val_size, seed, tuple(sorted(doc_kw.items())))
+    tg.write_shard(directory / "syn_val_000000.bin", val)
+    for i, tokens in enumerate(train, start=1):
+        tg.write_shard(directory / f"syn_train_{i:06d}.bin", tokens)
     return str(directory / "syn_train_*.bin"), str(directory / "syn_val_*.bin")
 
 

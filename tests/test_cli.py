@@ -47,6 +47,7 @@ def test_help_describes_every_commented_field_and_lists_the_presets(capsys):
         assert f"\n  {name} " in out
 
 
+@pytest.mark.slow
 def test_a_start_up_error_is_one_line_with_a_non_zero_exit_and_leaves_no_log(tmp_path):
     proc = run_cli("--train_files", str(tmp_path / "none_*.bin"), "--log_dir", str(tmp_path / "logs"),
                    "--run_id", "failed", "--device", "cpu")
@@ -55,6 +56,7 @@ def test_a_start_up_error_is_one_line_with_a_non_zero_exit_and_leaves_no_log(tmp
     assert not (tmp_path / "logs" / "failed.txt").exists()
 
 
+@pytest.mark.slow
 def test_no_usable_gpu_is_one_line_saying_why_unless_the_cpu_is_asked_for(tmp_path, monkeypatch):
     """The record preset where torch sees no GPU (a CPU-only build; a CUDA build without a driver) stops
     before anything else with one line naming the cause and the fix; --device cpu and the smoke preset's
@@ -106,6 +108,7 @@ def test_a_damaged_later_training_shard_is_found_at_start_up(tiny_args, tmp_path
     assert not (Path(args.log_dir) / "bad.txt").exists()
 
 
+@pytest.mark.slow
 def test_a_data_error_mid_run_saves_a_checkpoint_and_says_how_to_continue(tiny_args, tmp_path, monkeypatch):
     args = tiny_args(num_iterations=24, val_every=0, run_id="mid", checkpoint_dir=str(tmp_path / "ck"))
     second = sorted(Path(args.train_files).parent.glob("syn_train_*.bin"))[1]
@@ -126,6 +129,7 @@ def test_a_data_error_mid_run_saves_a_checkpoint_and_says_how_to_continue(tiny_a
     assert resumed.first_step == int(saved[0].name[5:]) and resumed.val_losses[-1][0] == 24
 
 
+@pytest.mark.slow
 def test_the_resume_hint_alone_continues_with_the_checkpoints_hyperparameters(tiny_args, tmp_path):
     args = tiny_args(num_iterations=6, val_every=3, save_every=3, run_id="hint", checkpoint_dir=str(tmp_path / "ck"),
                      max_doc_len=64, muon_lr=0.03)

@@ -17,7 +17,8 @@ sys.path.insert(0, str(ROOT))
 README = ROOT / "README.md"
 DOCKERFILE = ROOT / "Dockerfile"
 FIRST_SCREEN = 60  # lines
-TEST_COMMAND = "pip install -r requirements.txt && python -m pytest -q tests"
+TEST_COMMAND = 'pip install -r requirements.txt && python -m pytest -q tests -m "not slow"'  # the quick set
+SLOW_COMMAND = "python -m pytest -q tests -m slow"  # the end-to-end set, the README's second command
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
@@ -184,8 +185,10 @@ def check_first_screen(readme: str, ci_script: str) -> None:
     assert hopper, "no Hopper set-up command (requirements.txt and requirements-hopper.txt) in the first screen"
     assert any(re.search(r"(^|&&\s*)\./run\.sh\b", c) for c in first), "no ./run.sh (the main job) in the first screen"
     assert TEST_COMMAND in first, f"the test command `{TEST_COMMAND}` is not in the first screen"
-    assert TEST_COMMAND in [line.strip() for line in ci_script.splitlines()], \
-        f".ci/run does not run the README's test command `{TEST_COMMAND}`"
+    assert SLOW_COMMAND in commands(readme), f"the end-to-end test command `{SLOW_COMMAND}` is not in the README"
+    for command in (TEST_COMMAND, SLOW_COMMAND):
+        assert command in [line.strip() for line in ci_script.splitlines()], \
+            f".ci/run does not run the README's test command `{command}`"
 
 
 def headings(markdown: str) -> list[str]:
@@ -329,8 +332,8 @@ VOLUME ["/workspace/data", "/workspace/checkpoints", "/workspace/logs", "/worksp
 GOOD_README = "\n".join([
     "# x", "", f"    pip install torch --index-url {CPU_INDEX} && pip install -r requirements.txt",
     "    pip install torch==2.11.0 -r requirements.txt -r requirements-hopper.txt",
-    "    python data/cached_fineweb10B.py 9 && ./run.sh", f"    {TEST_COMMAND}", ""])
-GOOD_CI = f"#!/bin/sh\n{TEST_COMMAND}\n"
+    "    python data/cached_fineweb10B.py 9 && ./run.sh", f"    {TEST_COMMAND}", "", f"    {SLOW_COMMAND}", ""])
+GOOD_CI = f"#!/bin/sh\n{TEST_COMMAND}\n{SLOW_COMMAND}\n"
 
 
 def test_the_checks_catch_mistakes(tmp_path):
@@ -373,6 +376,10 @@ def test_the_checks_catch_mistakes(tmp_path):
         check_first_screen("\n" * FIRST_SCREEN + GOOD_README, GOOD_CI)
     with pytest.raises(AssertionError, match=".ci/run"):
         check_first_screen(GOOD_README, "#!/bin/sh\npython -m pytest tests\n")
+    with pytest.raises(AssertionError, match="-m slow"):  # CI must run the end-to-end set too
+        check_first_screen(GOOD_README, f"#!/bin/sh\n{TEST_COMMAND}\n")
+    with pytest.raises(AssertionError, match="end-to-end"):
+        check_first_screen(GOOD_README.replace(f"    {SLOW_COMMAND}", ""), GOOD_CI)
     # links: a missing file, a missing heading, a good file and heading
     (tmp_path / "a.md").write_text("# Title\n\n## The public line\n")
     md = tmp_path / "README.md"

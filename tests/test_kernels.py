@@ -83,6 +83,7 @@ def test_fp8_head_op_compiles_in_a_graph_without_breaks():
     assert (gx.shape, gx.dtype, gw.shape, gw.dtype) == ((8, 32), torch.bfloat16, (16, 32), torch.float32)
 
 
+@pytest.mark.slow
 def test_fp8_head_compiled_with_the_loss_matches_eager():
     """Compiled, the gradient's FP8 quantization is traced into the backward graph and fused with the
     cross-entropy backward; the result must equal the eager op's up to rounding."""
@@ -283,6 +284,7 @@ def run_in_triton_interpreter(script_text: str, tmp_path):
 
 # On a CUDA machine the GPU test below runs the compiled kernels instead. (On the H100 with PyTorch 2.11 this
 # interpreter run failed inside Triton: "TypeError: only 0-dimensional arrays can be converted to Python scalars".)
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU machines' check; the GPU test covers the compiled kernels")
 def test_triton_kernels_match_float64_autograd_in_the_triton_interpreter(tmp_path):
     errors = run_in_triton_interpreter(INTERPRETER_SCRIPT, tmp_path)
@@ -599,6 +601,7 @@ print(json.dumps([t.check_softcap_ce_kernels(*t.softcap_ce_case(K=K)) for K in (
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU machines' check; the GPU test covers the compiled kernels")
 def test_softcap_ce_kernels_match_float64_autograd_in_the_triton_interpreter(tmp_path):
     """The interpreter's float8 casts round wrongly (1.89e-3 becomes 9.8e-4 in e5m2): the kernel writes its

@@ -276,6 +276,7 @@ def test_head_loss_with_the_asymmetric_cap_equals_the_plain_formula_forward_and_
     assert rel(x.grad, xr.grad) < tol[1] and rel(model.lm_head_w.grad, wr.grad) < tol[1]
 
 
+@pytest.mark.slow
 def test_all_three_trace_as_one_graph_and_match_eager_in_value_and_gradient():
     """torch.compile(fullgraph=True) takes the model with every technique on (no graph break, no
     data-dependent Python branch); aot_eager keeps the check fast on the CPU."""

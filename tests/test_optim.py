@@ -170,6 +170,7 @@ def _optimizer_worker(rank, world_size, out, features):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("features", [{}, DECAYED_TABLES], ids=["0903", "decayed_tables"])
 def test_distributed_muon_and_adam_on_two_processes_equal_one_process_with_summed_grads(tmp_path, features):
     out = str(tmp_path / "two.pt")

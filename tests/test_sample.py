@@ -30,6 +30,7 @@ def tiny_checkpoint(tmp_path_factory):
     return tg.train(args).checkpoint
 
 
+@pytest.mark.slow
 def test_sample_generates_the_requested_number_of_tokens_from_a_tiny_checkpoint(tiny_args, tmp_path):
     run = tg.train(tiny_args(num_iterations=3, val_every=0, save_every=3, checkpoint_dir=str(tmp_path / "ck")))
     out = _sample(run.checkpoint, "--tokens", "12", "--device", "cpu")
@@ -42,6 +43,7 @@ def test_sample_generates_the_requested_number_of_tokens_from_a_tiny_checkpoint(
     assert len(greedy.stdout.split()) == 5
 
 
+@pytest.mark.slow
 def test_sample_refuses_a_missing_checkpoint_in_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("SPEEDRUN_DEBUG", raising=False)
     out = _sample(str(tmp_path / "nope"))  # through the command line, as a user runs it
@@ -89,6 +91,7 @@ def test_sample_takes_token_ids_as_the_prompt_of_a_non_gpt2_vocabulary(tiny_chec
         "sample.py: error: --prompt: token id 64 is out of this checkpoint's vocabulary (ids 0 to 63)"]
 
 
+@pytest.mark.slow
 def test_sample_decodes_text_with_the_gpt2_vocabulary(tiny_args, tmp_path):
     cache = os.environ.get("TIKTOKEN_CACHE_DIR") or str(ROOT.parent / "shared/data/gpt2/tiktoken_cache")
     if not Path(cache).is_dir():

@@ -38,6 +38,7 @@ def _train_worker(rank, world_size, args, out):
         torch.save((run.train_losses, run.val_losses), out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("features", [{}, LATER_RECORDS], ids=["0903", "later_records"])
 def test_two_processes_one_accumulation_step_equal_one_process_two_steps(tiny_args, tmp_path, features):
     args = tiny_args(batch_size=2 * 128, num_iterations=8, val_every=4, **features)
@@ -238,6 +239,7 @@ def test_the_model_is_compiled_with_inductors_fusions_capped(tiny_args, monkeypa
         torch.compile(torch.nn.Linear(2, 2), options={"max_fusion_unique_io_bufers": 32})
 
 
+@pytest.mark.slow
 def test_a_compiled_run_with_an_extension_and_a_final_window_compiles_every_graph_it_needs(tiny_args, monkeypatch):
     """3 stages + the extension, each in training and evaluation, and the final validation's window: 9
     graphs of one function, one more than dynamo's default limit, which fullgraph turns into a failure.
