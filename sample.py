@@ -53,7 +53,7 @@ def load_model(checkpoint: Path, device: torch.device, max_len: int) -> tuple[tg
         first = first if len(first) <= 200 else first[:197] + "..."
         raise ValueError(f"{checkpoint}: its weights do not fit this train_gpt.py's model ({first})") from e
     model.tied_embed = meta["step"] < tg.untie_step(tg.training_stages(args), args)  # as training would go on
-    return model.to(device).eval(), args
+    return tg.to_device(model, device).eval(), args
 
 
 def encode_prompt(prompt: str, args: tg.Hyperparameters):

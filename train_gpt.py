@@ -2592,6 +2592,13 @@ def _version(module: str) -> str:
 # -----------------------------------------------------------------------------------------------
 # Training: build, one step, validation, warm-up, the run
 
+def to_device(model: GPT, device: torch.device) -> GPT:
+    """The model on device. On the CPU in float32 throughout: a CPU without bf16 instructions (AVX2) emulates bf16
+    matmuls, ~40x slower than float32; the GPU keeps the record's bf16 embeddings and activations."""
+    model = model.to(device)
+    return model.float() if device.type == "cpu" else model
+
+
 def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int, log=print):
     """The model (seeded, identical on every rank), its compiled twin, the optimizers, and the
     attention backend and LM-head kind chosen for this device."""
@@ -2607,10 +2614,8 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     fp8_mlp = args.fp8_mlp and fp8 and fused_mlp  # the FP8 MLP is the fused kernel's, on an FP8 GPU
     if args.fp8_mlp and not fp8_mlp:
         log("FP8 MLP off: it needs FP8 matmuls (a CUDA GPU of sm89+) and the fused MLP's kernel; the MLP runs in bf16")
-    model = GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, fused_mlp, args.fused_ce,
-                fp8_mlp).to(device)
-    if device.type == "cpu":  # float32 throughout: a CPU without bf16 instructions (AVX2) emulates bf16 matmuls,
-        model.float()         # ~40x slower than float32; the GPU keeps the record's bf16 embeddings and activations
+    model = to_device(GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, fused_mlp, args.fused_ce,
+                          fp8_mlp), device)
     if any(any(st.prefix) for st in training_stages(args)):  # the prefix-token loss' table (untimed; the record
         vocab = gpt2_token_bytes()                              # builds it in its timed region, ~0.1 s)
         if args.vocab_size < len(vocab):
