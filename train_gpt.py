@@ -2240,7 +2240,8 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
 # a shape without one is reported unmeasured, never interpolated.
 STEP_US_PER_TOKEN = {
     # one H100 80GB HBM3, 2026-11-26, FA4, the record preset at its own shapes (bench/step_time.py --stages:
-    # 667.2 / 678.1 / 688.8 / 691.5 ms per 393,216-token step; bench/results/step_time_stages_h100_20261126.md)
+    # 667.2 / 678.1 / 688.8 / 691.5 ms per 393,216-token step; bench/results/step_time_stages_h100_20261126.md),
+    # before its residual stream became the master's (sublayer_lambdas, skip_from: +0.3% at window 11, varlen)
     ("H100", "record", 49152, 896, 3): 1.697,
     ("H100", "record", 49152, 2048, 7): 1.725,
     ("H100", "record", 49152, 2048, 11): 1.752,
