@@ -140,7 +140,7 @@ class Hyperparameters:
     mudd: bool = False  # MUDD: per-token learned mixes of earlier block outputs into the last block and the head (04/22/26)
     parallel_attn: bool = False  # blocks after backout_layer attend over its normed output, not their own input (03/06/26)
     uniform_out_init: bool = False  # attention output projections start uniform as V, not zero (the public master)
-    # (the residual mix's x weight is the attention's r; 2026-02-12/16 records, PRs 230, 233)
+    # 2026-02-12/16 records (PRs 230, 233); the attention's r is the residual mix's own x weight
     sublayer_lambdas: bool = False  # per-sublayer residual weights: x <- r x + p out, r = sqrt(1.1), p = 1 at init
     # one skip instead of the U-net, weighted sigmoid(l), l = -1.5 at init (2025-11-18 and 12-14 records, PRs 159, 169)
     skip_from: int = -1  # one skip from this block's output into the first attention-less block; -1 = the U-net
@@ -1289,7 +1289,9 @@ class GPT(nn.Module):
         # skip weight per skipped block (1.0), then, where on, each block's bigram weight (0.1, the
         # 2026-01-19 record's), the backout weight (0.5, the 2025-10-04 record's), the smear weight
         # (0, the 2025-09-18 record's) and XSA's strength per block and head (0, the 2026-04-29 record's);
-        # padded to a multiple of 64 so it shards over any world size <= 64.
+        # with skip_from, one skip logit (-1.5) in place of the U-net's weights; with sublayer_lambdas, per
+        # block the attention output's and the MLP's residual and output weights (1, sqrt(1.1), 1), the residual
+        # mix's a starting at sqrt(1.1); padded to a multiple of 64 so it shards over any world size <= 64.
         r = math.sqrt(1.1) if cfg.sublayer_lambdas else 1.0  # the 2026-02-12 record's per-sublayer residual init
         inits = dict(blocks=torch.tensor([r, 0.0, 0.5, 0.5]).repeat(L),
                      skips=torch.ones(L // 2) if cfg.skip_from < 0 else torch.tensor([-1.5]),
@@ -1503,7 +1505,7 @@ def quintic_orthogonalize(G: Tensor, coefficients, safety: float = 0.0) -> Tenso
     """Approximately orthogonalize a batch of matrices (..., m, n) in bf16 (float32 on the CPU): scale to spectral
     norm <= 1 (by the Frobenius norm, times 1 + safety), then per (a, b, c) one step X <- aX + (bA + cA^2)X with
     A = X X^T, an odd quintic polynomial of the singular values that pushes them toward 1."""
-    X = G.bfloat16() if G.is_cuda else G.float()  # float32 on the CPU (see build: its bf16 matmuls are emulated)
+    X = G.bfloat16() if G.is_cuda else G.float()  # float32 on the CPU (see to_device: bf16 matmuls are emulated)
     transposed = X.size(-2) > X.size(-1)
     if transposed:
         X = X.mT
@@ -2408,7 +2410,8 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
                fp8: bool) -> list[str]:
     """The start-of-run lines: where and how it runs, then the size report."""
     return [f"device: {device} x {world_size}, grad accumulation {args.batch_size // args.seq_len // world_size}, "
-            f"attention backend: {attention}, LM head: {'fp8' if fp8 else 'bf16' if device.type == 'cuda' else 'float32'}, "
+            f"attention backend: {attention}, "
+            f"LM head: {'fp8' if fp8 else 'bf16' if device.type == 'cuda' else 'float32'}, "
             f"MLP: {'fused' if model.blocks[0].mlp.fused else 'unfused'}{' fp8' if model.blocks[0].mlp.fp8 else ''}, "
             f"cross-entropy: {'fused' if model.fused_ce else 'unfused'}, "
             f"compile: {args.compile}, "

@@ -14,8 +14,9 @@ import train_gpt as tg  # noqa: E402
 
 def pytest_configure(config):
     # README's first test command leaves these out (-m "not slow"), its second runs only them (-m slow); CI runs both
-    config.addinivalue_line("markers", "slow: end to end, several seconds or more on a 2-core CPU: several processes, "
-                                       "subprocess command lines, whole presets, compiled graphs, the Triton interpreter")
+    config.addinivalue_line("markers", "slow: end to end, several seconds or more on a 2-core CPU: several "
+                                       "processes, subprocess command lines, whole presets, compiled graphs, "
+                                       "the Triton interpreter")
 
 
 VOCAB, BOS = 64, 63  # tiny vocabulary; the last id plays <|endoftext|>
