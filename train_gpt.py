@@ -360,7 +360,7 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "our fused ReLU² MLP (FP8 forward) and soft-capped cross-entropy kernels", RECORD_LINE),
     "record-0903": ("the public record of 2025-09-03 as it ran (1670 steps, 8 GPUs): the dataclass defaults", {}),
     "smoke": ("a tiny model on a built-in synthetic corpus (a random Markov chain whose entropy per token, "
-              "the lowest loss possible, is known): about a minute on a laptop CPU; a checkpoint every 50 steps, "
+              "the lowest loss possible, is known): about 1.5 minutes on a 2-core CPU; a checkpoint every 50 steps, "
               "for `python sample.py latest`", dict(
         markov_corpus=True, train_files=os.path.join(DATA_PATH, "data/smoke/markov_train_*.bin"),
         val_files=os.path.join(DATA_PATH, "data/smoke/markov_val_*.bin"), vocab_size=128, bos_id=127,
