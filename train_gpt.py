@@ -138,6 +138,8 @@ class Hyperparameters:
     paired_head_blocks: tuple[int, ...] = ()  # paired-head attention in these short-window blocks (01/07/26)
     xsa: bool = False  # learnable XSA: each head removes tanh(a) of its output along its own value (04/29/26)
     mudd: bool = False  # MUDD: per-token learned mixes of earlier block outputs into the last block and the head (04/22/26)
+    mudd_gates: bool = False  # per-token x0, bigram, XSA, attention-output and skip weights from two small MLPs (05/27/26)
+    xsa_blocks: tuple[int, ...] = ()  # with mudd_gates: XSA in these blocks only, its strength per token (05/27/26: 1,3,4,7)
     parallel_attn: bool = False  # blocks after backout_layer attend over its normed output, not their own input (03/06/26)
     uniform_out_init: bool = False  # attention output projections start uniform as V, not zero (the public master)
     # 2026-02-12/16 records (PRs 230, 233); the attention's r is the residual mix's own x weight
@@ -269,6 +271,16 @@ class Hyperparameters:
         if h.mudd and not 0 <= h.backout_layer < h.num_layers - 1:
             raise ValueError(f"mudd=true mixes in block backout_layer's output: set backout_layer (now "
                              f"{h.backout_layer}) to a block below the last ({h.num_layers - 1})")
+        if h.mudd and (h.skip_from < 0 or not h.value_embed_blocks):
+            raise ValueError("mudd=true mixes in the skip's source block and the first value embedding before the head: "
+                             f"set skip_from (now {h.skip_from}) and value_embed_blocks (now {h.value_embed_blocks})")
+        if h.mudd_gates and (not h.mudd or h.xsa or not h.bigram_rows or "L" not in h.window_pattern[:-2]):
+            raise ValueError("mudd_gates=true needs mudd=true, bigram_rows > 0, a long-window block before the last two "
+                             f"(window_pattern={h.window_pattern!r}) and xsa=false (the gates give XSA per token in "
+                             "xsa_blocks)")
+        if (h.xsa_blocks and not h.mudd_gates) or any(not 0 <= i < h.num_layers or i in h.no_attn_layers
+                                                      for i in h.xsa_blocks):
+            raise ValueError(f"xsa_blocks={h.xsa_blocks}: blocks with attention, with mudd_gates=true")
         if h.parallel_attn and h.backout_layer < 0:
             raise ValueError("parallel_attn=true: the later blocks attend over block backout_layer's output; "
                              "set backout_layer (now -1)")
@@ -968,6 +980,8 @@ class ModelConfig:
     paired_head_blocks: tuple[int, ...]
     xsa: bool
     mudd: bool
+    mudd_gates: bool
+    xsa_blocks: tuple[int, ...]
     parallel_attn: bool
     uniform_out_init: bool
     sublayer_lambdas: bool
@@ -1141,12 +1155,12 @@ def pair_heads(x: Tensor) -> Tensor:
 def exclude_own_value(y: Tensor, v: Tensor, alpha: Tensor) -> Tensor:
     """Learnable exclusive self-attention (XSA, arXiv 2603.09078; learnable strength: the 2026-04-29
     record, @_djdumpling, PR 264). y, v: (T, H, D) attention outputs and the values they attend over;
-    alpha: (H,). Each head removes tanh(alpha) of its output's component along its own token's value
+    alpha: (H,) or per token (T, H). Each head removes tanh(alpha) of its output's component along its own token's value
     direction, i.e. of what it copies of the token itself, which the residual stream already carries.
     alpha = 0 (the start) changes nothing; tanh(alpha) = 1 leaves y orthogonal to v."""
     unit = F.normalize(v, dim=-1, eps=1e-4)
     along = (y * unit).sum(-1, keepdim=True)
-    return y - torch.tanh(alpha).type_as(y)[:, None] * along * unit
+    return y - torch.tanh(alpha).type_as(y)[..., None] * along * unit
 
 
 def rotate(x: Tensor, rope: tuple[Tensor, Tensor, float]) -> Tensor:  # x: (T, H, D)
@@ -1157,7 +1171,8 @@ def rotate(x: Tensor, rope: tuple[Tensor, Tensor, float]) -> Tensor:  # x: (T, H
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ve_gate: bool = False, key_offset: bool = False, paired: bool = False):
+    def __init__(self, cfg: ModelConfig, ve_gate: bool = False, key_offset: bool = False, paired: bool = False,
+                 head_gate: bool = True):
         super().__init__()
         self.key_offset, self.paired = key_offset, paired
         self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.attn_scale
@@ -1169,20 +1184,25 @@ class CausalSelfAttention(nn.Module):
             with torch.no_grad():
                 self.qkvo_w[3].zero_()  # output projection starts at zero: each block starts as identity
         # Sparse head gate (@classiclarryd): sigmoid(W x[:12]) scales each head's output, so a head can
-        # do nothing where the context says so; zero init = 0.5.
-        self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels))
+        # do nothing where the context says so; zero init = 0.5. (Under mudd_gates the gates' per-token weights
+        # replace it in the long-window blocks, and the other blocks have none, as in the 2026-05-27 record.)
+        self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels)) if head_gate else None
         # Value-embedding gate (2025-12-29 record, @classiclarryd, PR 186), in blocks with a value
         # embedding: 2 sigmoid(W x[:12]) scales each head's value embedding by context; zero init = 1.
         self.ve_gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels)) if ve_gate else None
 
-    def forward(self, x, ve, lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, xsa=None, v_extra=None):
+    def forward(self, x, ve, lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, xsa=None, v_extra=None,
+                out_gate=None, ve_gate=None):
+        """xsa: XSA's strength, (H,) or per token (T, H); out_gate, ve_gate: per-token (T, H) weights of the
+        head outputs and value embeddings given by MUDD (GPT.hidden), in place of this block's own gates."""
         T, H, D = x.size(0), self.num_heads, self.head_dim
         q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x)).view(T, 3 * H, D).chunk(3, dim=1)
         # Value embeddings (@KoszarskyB, @Grad62304977; value residual, arXiv 2410.17897): v mixes in a
         # per-token table lookup.
-        if ve is not None and self.ve_gate_w is not None:
-            gate = 2 * torch.sigmoid(F.linear(x[:, : self.ve_gate_w.size(1)], self.ve_gate_w.type_as(x)))
-            ve = ve.view_as(v) * gate.unsqueeze(-1)
+        if ve is not None and ve_gate is None and self.ve_gate_w is not None:
+            ve_gate = 2 * torch.sigmoid(F.linear(x[:, : self.ve_gate_w.size(1)], self.ve_gate_w.type_as(x)))
+        if ve is not None and ve_gate is not None:
+            ve = ve.view_as(v) * ve_gate.unsqueeze(-1)
         v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
         if v_extra is not None:  # MUDD's value channel (GPT.hidden)
             v = v + v_extra.view_as(v)
@@ -1197,7 +1217,10 @@ class CausalSelfAttention(nn.Module):
         y = y.reshape(T, H, D)  # paired heads back in place (otherwise already this shape)
         if xsa is not None:
             y = exclude_own_value(y, own_v, xsa)
-        y = y * torch.sigmoid(F.linear(x[:, : self.gate_w.size(1)], self.gate_w.type_as(x))).unsqueeze(-1)
+        if out_gate is not None:
+            y = y * out_gate.unsqueeze(-1)
+        elif self.gate_w is not None:
+            y = y * torch.sigmoid(F.linear(x[:, : self.gate_w.size(1)], self.gate_w.type_as(x))).unsqueeze(-1)
         return y.reshape(T, H * D) @ self.qkvo_w[3].type_as(y)
 
 
@@ -1244,24 +1267,33 @@ class Block(nn.Module):
                  paired: bool = False):
         super().__init__()
         self.attn = CausalSelfAttention(cfg, ve_gate=cfg.ve_gate and has_value_embed,
-                                        key_offset=cfg.key_offset and long_window, paired=paired) if has_attn else None
+                                        key_offset=cfg.key_offset and long_window, paired=paired,
+                                        head_gate=not cfg.mudd_gates) if has_attn else None
         self.mlp = MLP(cfg)
 
     def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, bigram=None,
-                xsa=None, v_extra=None, attn_in=None, sub=None):
+                xsa=None, v_extra=None, attn_in=None, sub=None, out_gate=None, ve_gate=None):
         """attn_in: the normed input of the attention when not this block's own (parallel_attn). sub: the
-        sublayer weights (attention output, MLP residual, MLP output) where sublayer_lambdas is on."""
+        sublayer weights (attention output, MLP residual, MLP output) where sublayer_lambdas is on. Every weight
+        may be a scalar or per token, (T, 1)."""
         x = lambdas[0] * x + lambdas[1] * x0  # learned mix with the embedding stream x0
         if bigram is not None:  # this block's weighted bigram hash embedding (see bigram_indices)
             x = x + bigram
         if self.attn is not None:
             y = self.attn(norm(x) if attn_in is None else attn_in, ve, ve_lambdas, cu_seqlens, max_seqlen, window,
-                          rope, attn_fn, xsa, v_extra)
+                          rope, attn_fn, xsa, v_extra, out_gate, ve_gate)
             x = x + (y if sub is None else sub[0] * y)
         return x + self.mlp(norm(x)) if sub is None else sub[1] * x + sub[2] * self.mlp(norm(x))
 
 
-MUDD_DIM, MUDD_COEFS = 64, 8  # MUDD: each MLP's hidden width, and its outputs (6 and 3 used, 8 for even shards)
+MUDD_DIM, MUDD_COEFS = 64, 16  # MUDD: each MLP's hidden width, and its outputs (14 and 5 used, 16 for even shards)
+# What MUDD's per-token weights multiply, with their values at the start (the public master's): MLP 0 before the last
+# block: the value channel's x0, backout and x, the residual's x0, backout and own weight - 1, the value embedding's
+# weight for the first and second half of the heads, then the last block's own weights: the residual before the
+# attention, the attention output, x0, the bigram, the residual before the MLP and the MLP output; MLP 1 before the
+# head: x0, backout, the last block's input, the first value embedding and the skip's source block's output.
+MUDD_INIT = ((0, 0, 0, 0, 0, 0, 2, 2, math.sqrt(1.1), 1, 0, 0.05, math.sqrt(1.1), 1), (0, 0, 0, 0, 0))
+MUDD_SCALE = 0.1  # the MLPs' outputs are 0.1 (W2 GELU(W1 x) + b2), the public master's
 
 
 class GPT(nn.Module):
@@ -1282,6 +1314,8 @@ class GPT(nn.Module):
                                     for i, ve in enumerate(self.value_embed_layers()))
         for block in self.blocks:
             block.mlp.fused, block.mlp.fp8 = fused_mlp, fp8_mlp
+        if cfg.mudd and self.blocks[-1].attn is not None:
+            self.blocks[-1].attn.ve_gate_w = None  # MUDD gives the last block's value-embedding gate (MUDD_INIT)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
         # All scalars in one tensor (one Adam group, one collective), laid out by scalar_layout(): per
@@ -1326,15 +1360,34 @@ class GPT(nn.Module):
         if self.tied_embed:
             with torch.no_grad():
                 self.lm_head_w.normal_(0, 0.005)
-        # MUDD, trimmed (multiway dynamic dense connections, arXiv 2502.12170; the 2026-04-22 record, @lishengping,
-        # PR 259, as the public master keeps it): two small MLPs (dim -> 64, GELU -> MUDD_COEFS per token)
-        # whose outputs, times 0.1, weigh earlier block outputs (see hidden). The second layers and the
-        # biases start at zero, so the model starts as without MUDD. Drawn last: the rest is unchanged.
+        # MUDD (multiway dynamic dense connections, arXiv 2502.12170; the 2026-04-22 record, @lishengping, PR 259, as
+        # the public master has it): two small MLPs (dim -> 64, GELU -> MUDD_COEFS per token) whose outputs weigh
+        # earlier block outputs and set the last block's own weights per token (MUDD_INIT, hidden). The second
+        # layers start at zero and the biases at MUDD_INIT. Drawn last: the rest is unchanged.
         if cfg.mudd:
             self.mudd_w1 = nn.Parameter(torch.empty(2 * MUDD_DIM, dim))
             nn.init.kaiming_uniform_(self.mudd_w1, a=math.sqrt(5))  # as the public master (nn.Linear's init)
             self.mudd_w2 = nn.Parameter(torch.zeros(2 * MUDD_COEFS, MUDD_DIM))
-            self.mudd_b2 = nn.Parameter(torch.zeros(2 * MUDD_COEFS))
+            self.mudd_b2 = nn.Parameter(torch.cat([F.pad(torch.tensor(b, dtype=torch.float) / MUDD_SCALE,
+                                                         (0, MUDD_COEFS - len(b))) for b in MUDD_INIT]))
+        # MUDD gates (the 2026-05-27 record, @lishengping, PR 292): two more small MLPs of the same form, one from x0
+        # and one from the input of the block after the first long-window block (gate_layout), give per token the
+        # x0 and bigram weights of the blocks before the last, XSA's strengths in xsa_blocks, a linear weight per
+        # head of the long-window blocks' outputs (instead of the sigmoid head gates) and the skip's weight. The
+        # last entry of the biases is the outputs' common scale (learned, 0.1 at the start).
+        if cfg.mudd_gates:
+            width = max(sum(n for _, _, n, _ in part) for part in self.gate_layout())
+            self.gate_width = width + -width % 8  # padded: every gate tensor's rows shard over 8 ranks
+            self.mudd_gate_w1 = nn.Parameter(torch.empty(2 * MUDD_DIM, dim))
+            nn.init.kaiming_uniform_(self.mudd_gate_w1, a=math.sqrt(5))
+            self.mudd_gate_w2 = nn.Parameter(torch.zeros(2 * self.gate_width, MUDD_DIM))
+            b2 = torch.zeros(2 * self.gate_width + 8)
+            for j, part in enumerate(self.gate_layout()):
+                start = j * self.gate_width
+                for _, _, n, init in part:
+                    b2[start: start + n], start = init / MUDD_SCALE, start + n
+            b2[-8] = MUDD_SCALE
+            self.mudd_gate_b2 = nn.Parameter(b2)
 
     def scalar_layout(self) -> dict[str, slice]:
         """Where each kind of scalar lies in self.scalars (the features that are off take no room)."""
@@ -1346,6 +1399,33 @@ class GPT(nn.Module):
         for name, n in sizes.items():
             layout[name], start = slice(start, start + n), start + n
         return layout
+
+    def gate_layout(self) -> tuple[list[tuple[str, int, int, float]], list[tuple[str, int, int, float]]]:
+        """The MUDD gates' outputs, (what, block, width, value at the start) in order, of the gate from x0 (the
+        blocks up to the first long-window one) and of the gate from the next block's input (the later blocks, then
+        the skip's weight). The last block's x0 and bigram weights are MUDD's own (MUDD_INIT)."""
+        cfg, H = self.cfg, self.cfg.num_heads
+        split = cfg.window_pattern.index("L") + 1  # the public master's: from x0 for blocks 0-3, from x at block 4
+        parts = ([], [])
+        for i in range(cfg.num_layers):
+            part = parts[i >= split]
+            if i in cfg.xsa_blocks:
+                part.append(("xsa", i, H, 0.0))
+            if cfg.window_pattern[i] == "L" and i not in cfg.no_attn_layers:
+                part.append(("out", i, H, 0.25))
+            if i < cfg.num_layers - 1:
+                part += [("x0", i, 1, 0.0), ("bigram", i, 1, 0.05)]
+        parts[1].append(("skip", min(cfg.no_attn_layers), 1, 0.5))
+        return parts
+
+    def gates(self, x: Tensor, j: int, into: dict[str, list]) -> None:
+        """Gate MLP j's per-token weights from x, (T, width) each, stored into[what][block] (gate_layout)."""
+        w1 = self.mudd_gate_w1[j * MUDD_DIM: (j + 1) * MUDD_DIM].type_as(x)
+        w2, b2 = (t[j * self.gate_width: (j + 1) * self.gate_width].type_as(x)
+                  for t in (self.mudd_gate_w2, self.mudd_gate_b2))
+        out, start = self.mudd_gate_b2[-8].type_as(x) * (F.linear(F.gelu(F.linear(x, w1)), w2) + b2), 0
+        for what, i, n, _ in self.gate_layout()[j]:
+            into[what][i], start = out[:, start: start + n], start + n
 
     def value_embed_layers(self) -> list[int | None]:
         """Which value-embedding table each block uses: tables 0..k-1 on the first k blocks and
@@ -1384,21 +1464,35 @@ class GPT(nn.Module):
         windows = self.block_windows(windows)
         skips = []  # U-net (@brendanh0gan): first-half outputs feed, in reverse order, the second half
         backout = attn_in = None
+        g = {what: [None] * L for what in ("xsa", "out", "x0", "bigram", "skip")}  # per token, from the MUDD gates
+        if cfg.mudd_gates:
+            self.gates(x0, 0, g)
         for i, block in enumerate(self.blocks):
+            if cfg.mudd_gates and i == cfg.window_pattern.index("L") + 1:
+                self.gates(x, 1, g)
             if i == skip_into:  # the one skip (skip_from) instead of the U-net
-                x = x + torch.sigmoid(skip_w[0]) * skips.pop()
+                w = torch.sigmoid(skip_w[0])
+                x = x + (w if g["skip"][i] is None else w * g["skip"][i]) * skips[0]
             elif skip_into < 0 and i >= L - L // 2:
                 x = x + skip_w[i - (L - L // 2)] * skips.pop()
-            v_extra = None
+            mix, sub_i, xsa_i = lambdas[i], sub[i], g["xsa"][i] if cfg.mudd_gates else xsa[i]
+            bigram_i = None if bigram is None else bigram_w[i] * bigram
+            if g["x0"][i] is not None:
+                mix, bigram_i = (lambdas[i][0], g["x0"][i]), g["bigram"][i] * bigram
+            v_extra = ve_gate = None
             if cfg.mudd and i == L - 1:
                 # MUDD before the last block, over x0, block backout_layer's output and x itself: one mix joins
-                # the last block's attention values, another recombines the residual (the public master's,
-                # without its generated gates and lambdas)
-                before_last, c = x, self.mudd_coefs(x, 0, 6)
+                # the last block's attention values, another recombines the residual, and the block's own weights
+                # and value-embedding gate come per token (MUDD_INIT)
+                before_last, c = x, self.mudd_coefs(x, 0, 14)
                 v_extra = c[0] * x0 + c[1] * backout + c[2] * x
                 x = (1 + c[5]) * x + c[3] * x0 + c[4] * backout
-            x = block(x, x0, lambdas[i], ves[i], ve_lambdas[i], cu_seqlens, max_seqlen, windows[i], rope,
-                      self.attn_fn, None if bigram is None else bigram_w[i] * bigram, xsa[i], v_extra, attn_in, sub[i])
+                half = cfg.num_heads // 2
+                ve_gate = torch.cat([c[6].expand(-1, half), c[7].expand(-1, cfg.num_heads - half)], dim=-1)
+                mix, sub_i = (c[8], c[10]), (c[9], c[12], c[13])
+                bigram_i = None if bigram is None else c[11] * bigram
+            x = block(x, x0, mix, ves[i], ve_lambdas[i], cu_seqlens, max_seqlen, windows[i], rope, self.attn_fn,
+                      bigram_i, xsa_i, v_extra, attn_in, sub_i, g["out"][i], ve_gate)
             if i == cfg.skip_from or (skip_into < 0 and i < L // 2):
                 skips.append(x)
             if i == cfg.backout_layer:
@@ -1407,9 +1501,11 @@ class GPT(nn.Module):
                 # record simplified them): every later block's attention reads this output, normed once, while
                 # its MLP reads the current residual; the public master's layers 8-10 read layer 7's
                 attn_in = norm(x) if cfg.parallel_attn else None
-        if cfg.mudd:  # MUDD before the head: x0, block backout_layer's output and the last block's input
-            c = self.mudd_coefs(x, 1, 3)
-            x = x + c[0] * x0 + c[1] * backout + c[2] * before_last
+        if cfg.mudd:  # MUDD before the head: x0, block backout_layer's output, the last block's input, the first
+            # value embedding and the skip's source block's output
+            c = self.mudd_coefs(x, 1, 5)
+            x = (x + c[0] * x0 + c[1] * backout + c[2] * before_last
+                 + c[3] * ves[cfg.value_embed_blocks[0]].type_as(x) + c[4] * skips[0])
         if backout is not None:
             # Backout (2025-10-04 record, @snimu, @classiclarryd; PRs 138, 140): the early blocks write much
             # that later blocks need as context but the prediction does not; a learned multiple of the
@@ -1419,10 +1515,10 @@ class GPT(nn.Module):
         return norm(x)
 
     def mudd_coefs(self, x: Tensor, j: int, n: int) -> tuple[Tensor, ...]:
-        """MUDD MLP j's first n per-token weights, (T, 1) each: 0.1 (W2 GELU(W1 x) + b2), as the public master."""
+        """MUDD MLP j's first n per-token weights, (T, 1) each: MUDD_SCALE (W2 GELU(W1 x) + b2), as the public master."""
         w1 = self.mudd_w1[j * MUDD_DIM: (j + 1) * MUDD_DIM].type_as(x)
         w2, b2 = (t[j * MUDD_COEFS: j * MUDD_COEFS + n].type_as(x) for t in (self.mudd_w2, self.mudd_b2))
-        return (0.1 * (F.linear(F.gelu(F.linear(x, w1)), w2) + b2)).split(1, dim=-1)
+        return (MUDD_SCALE * (F.linear(F.gelu(F.linear(x, w1)), w2) + b2)).split(1, dim=-1)
 
     def softcap(self, logits: Tensor) -> Tensor:
         """Logit soft-cap: bounded logits, smoother early training (tanh cap of Gemma 2 brought in by
@@ -2305,6 +2401,8 @@ def param_groups_by_role(model: GPT) -> dict[str, list[nn.Parameter]]:
         groups["bigram embedding"] = [model.bigram_embed.weight]
     smear = [model.smear_w] if model.smear_w is not None else []  # Muon's, as in the 2025-09-18 record
     mudd = {"MUDD": [model.mudd_w1, model.mudd_w2, model.mudd_b2]} if model.cfg.mudd else {}
+    if model.cfg.mudd_gates:
+        mudd["MUDD gates"] = [model.mudd_gate_w1, model.mudd_gate_w2, model.mudd_gate_b2]
     return {**groups, "block matrices": [p for p in model.blocks.parameters() if p.ndim >= 2] + smear,
             "LM head": [model.lm_head_w], "scalars": [model.scalars], **mudd}
 
@@ -2333,7 +2431,9 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
                    dict(params=groups["scalars"], lr=args.adam_lr * args.scalar_lr_mult,
                         betas=tuple(args.scalar_adam_betas) or betas),
                    # MUDD's MLPs: a quarter of the base rate, betas 0.9 / 0.99 (the public master's)
-                   dict(params=groups.get("MUDD", []), lr=args.adam_lr * 0.25, betas=(0.9, 0.99))]
+                   dict(params=groups.get("MUDD", []), lr=args.adam_lr * 0.25, betas=(0.9, 0.99)),
+                   # the MUDD gates' MLPs and scale: a tenth of it (the 2026-05-27 record's)
+                   dict(params=groups.get("MUDD gates", []), lr=args.adam_lr * 0.1, betas=(0.9, 0.99))]
     adam = DistAdam([g for g in adam_groups if g["params"]], lr=args.adam_lr, betas=betas, eps=args.adam_eps,
                     rank=rank, world_size=world_size, update=update)
     fc, proj = args.mlp_muon_lr_mults or (1.0, 1.0)

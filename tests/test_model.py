@@ -41,7 +41,10 @@ def test_fresh_model_predicts_uniformly_so_its_loss_is_log_vocab():
     assert torch.allclose(per_token.sum(), loss)
 
 
-@pytest.mark.parametrize("features", [{}, LATER_RECORDS], ids=["0903", "later_records"])
+MUDD_GATES = dict(LATER_RECORDS, mudd_gates=True, xsa=False, xsa_blocks=(1,))
+
+
+@pytest.mark.parametrize("features", [{}, LATER_RECORDS, MUDD_GATES], ids=["0903", "later_records", "mudd_gates"])
 def test_loss_at_a_position_depends_only_on_earlier_tokens_of_its_document(features):
     model = tiny_model(randomize=True, **features)
     x, y, cu = batch(doc_starts=(0, 60))
@@ -219,7 +222,8 @@ def test_new_weights_get_gradients_and_the_default_model_has_none_of_them():
     x, y, cu = batch()
     model(x, y, cu, 128, W3).backward()
     at = model.scalar_layout()
-    assert model.bigram_embed.weight.grad.abs().sum() > 0 and model.scalars.grad[at["bigram"]].abs().min() > 0
+    # every block's bigram weight but the last's, which MUDD gives per token (MUDD_INIT)
+    assert model.bigram_embed.weight.grad.abs().sum() > 0 and model.scalars.grad[at["bigram"]][:-1].abs().min() > 0
     assert model.scalars.grad[at["backout"]].abs().min() > 0
     assert model.bigram_signs.abs().eq(1).all() and model.bigram_signs.shape == (16, TINY["model_dim"])
     assert {"bigram_embed.weight", "bigram_signs"} <= set(model.state_dict()), "saved in checkpoints"
@@ -538,33 +542,116 @@ def test_paired_head_blocks_are_the_ones_named_and_change_the_model():
         assert not torch.equal(on(x, y, cu, 128, W3, reduction="none"), off(x, y, cu, 128, W3, reduction="none"))
 
 
+MUDD_CFG = dict(backout_layer=1, skip_from=1, sublayer_lambdas=True, num_value_embeds=0, value_embed_blocks=(0,))
+
+
 def test_mudd_starts_as_the_model_without_it_then_its_mixes_change_the_output_and_learn():
-    off, on = tiny_model(backout_layer=1), tiny_model(backout_layer=1, mudd=True)
+    """At the start MUDD's mixes are zero and the last block's per-token weights are its static ones' values, so the
+    model computes what the model without MUDD computes (with the last block's static weights set to MUDD_INIT)."""
+    off, on = tiny_model(**MUDD_CFG), tiny_model(**MUDD_CFG, mudd=True)
     for k, v in off.state_dict().items():  # MUDD's weights are drawn last: every other weight is the same
         assert torch.equal(v, on.state_dict()[k]), k
-    assert on.mudd_w2.abs().max() == 0 and on.mudd_b2.abs().max() == 0 and on.mudd_w1.std() > 0
+    assert on.mudd_w2.abs().max() == 0 and on.mudd_w1.std() > 0
+    b2 = (on.mudd_b2 * tg.MUDD_SCALE).view(2, tg.MUDD_COEFS)
+    torch.testing.assert_close(b2[0, :14], torch.tensor(tg.MUDD_INIT[0], dtype=torch.float))
+    assert b2[0, 14:].abs().max() == 0 and b2[1].abs().max() == 0
     x, y, cu = batch()
-    randomized = tiny_model(randomize=True, backout_layer=1)
+    randomized = tiny_model(randomize=True, **MUDD_CFG)
     on.load_state_dict(randomized.state_dict(), strict=False)  # all but MUDD's weights carry signal
-    with torch.no_grad():
+    at, L = randomized.scalar_layout(), TINY["num_layers"]
+    with torch.no_grad():  # the last block's static weights (residual and x0 mix, sublayer weights) into MUDD's biases
+        mix, sub = randomized.scalars[at["blocks"]].view(L, 4)[-1], randomized.scalars[at["sublayer"]].view(L, 3)[-1]
+        for i, w in zip((8, 10, 9, 12, 13), (mix[0], mix[1], sub[0], sub[1], sub[2])):
+            on.mudd_b2[i] = w / tg.MUDD_SCALE
         torch.testing.assert_close(on(x, y, cu, 128, W3, reduction="none"),
-                                   randomized(x, y, cu, 128, W3, reduction="none"), rtol=0, atol=0)
+                                   randomized(x, y, cu, 128, W3, reduction="none"), rtol=1e-5, atol=1e-5)
     loss = on(x, y, cu, 128, W3)
     loss.backward()
     assert on.mudd_w2.grad.norm() > 0 and on.mudd_b2.grad.norm() > 0  # the zero layers learn first
     assert on.mudd_w1.grad.norm() == 0  # behind a zero second layer
     with torch.no_grad():
-        on.mudd_b2[:6].fill_(0.5)  # both mixes before the last block, through its values and its residual
-        before_head = on(x, y, cu, 128, W3, reduction="none")
-        on.mudd_b2[:6].zero_()
-        on.mudd_b2[tg.MUDD_COEFS: tg.MUDD_COEFS + 3].fill_(0.5)  # the mix before the head
-        at_head = on(x, y, cu, 128, W3, reduction="none")
-        base = randomized(x, y, cu, 128, W3, reduction="none")
-    assert not torch.allclose(before_head, base) and not torch.allclose(at_head, base)
-    groups = {id(p): g for g in tg.build_optimizers(on, tg.Hyperparameters(**{**TINY, "backout_layer": 1, "mudd": True}),
+        base = on(x, y, cu, 128, W3, reduction="none")
+        changed = []
+        for i in (*range(6), 8, 9, 10, 12, 13, *range(tg.MUDD_COEFS, tg.MUDD_COEFS + 5)):
+            on.mudd_b2[i] += 3  # each weight MUDD sets (no bigram here, and no value embedding in the last block)
+            changed.append(not torch.allclose(on(x, y, cu, 128, W3, reduction="none"), base))
+            on.mudd_b2[i] -= 3
+    assert all(changed), changed
+    groups = {id(p): g for g in tg.build_optimizers(on, tg.Hyperparameters(**{**TINY, **MUDD_CFG, "mudd": True}),
                                                    0, 1)[0].param_groups for p in g["params"]}
     g = groups[id(on.mudd_w1)]
     assert g is groups[id(on.mudd_b2)] and g["betas"] == (0.9, 0.99) and g["lr"] == TINY.get("adam_lr", 0.008) * 0.25
+
+
+def test_mudd_gates_give_per_token_weights_in_their_layout_and_replace_the_static_ones():
+    """Tiny blocks L S S L, block 2 without attention: the gate from x0 serves block 0 (the first long-window
+    block), the gate from block 1's input the rest; each weight does what gate_layout says it does."""
+    model = tiny_model(randomize=True, **MUDD_GATES)
+    pre, post = model.gate_layout()
+    H = TINY["num_heads"]
+    assert pre == [("out", 0, H, 0.25), ("x0", 0, 1, 0.0), ("bigram", 0, 1, 0.05)]
+    assert post == [("xsa", 1, H, 0.0), ("x0", 1, 1, 0.0), ("bigram", 1, 1, 0.05), ("x0", 2, 1, 0.0),
+                    ("bigram", 2, 1, 0.05), ("out", 3, H, 0.25), ("skip", 2, 1, 0.5)]
+    assert model.gate_width == 16 and model.mudd_gate_w2.shape == (32, tg.MUDD_DIM)  # rows shard over 8 ranks
+    assert all(b.attn is None or b.attn.gate_w is None for b in model.blocks)  # no sigmoid head gates
+    fresh = tiny_model(**MUDD_GATES)
+    assert fresh.mudd_gate_w2.abs().max() == 0 and fresh.mudd_gate_b2[-8] == tg.MUDD_SCALE
+    torch.testing.assert_close(fresh.mudd_gate_b2[:3] * tg.MUDD_SCALE, torch.tensor([0.25, 0.25, 0.0]))
+    torch.testing.assert_close(fresh.mudd_gate_b2[16 + 8] * tg.MUDD_SCALE, torch.tensor(0.5))  # the skip's
+    x, y, cu = batch()
+    g = {what: [None] * 4 for what in ("xsa", "out", "x0", "bigram", "skip")}
+    model.gates(torch.randn(128, TINY["model_dim"]), 1, g)
+    assert g["xsa"][1].shape == (128, H) and g["skip"][2].shape == (128, 1) and g["x0"][0] is None
+    assert g["x0"][1].std() > 0, "per token"
+
+    def loss_with(change):
+        m = tiny_model(randomize=True, **MUDD_GATES)
+        with torch.no_grad():
+            m.mudd_gate_w2.zero_()  # each gate output is its bias times the scale
+            change(m)
+            return m(x, y, cu, 128, W3, reduction="none")
+
+    def bias(m, j, what, block, value):
+        start = j * m.gate_width
+        for w, i, n, _ in m.gate_layout()[j]:
+            if (w, i) == (what, block):
+                m.mudd_gate_b2[start: start + n] = value / m.mudd_gate_b2[-8]
+            start += n
+
+    def zero_gate_and(what, j, block, then):
+        return lambda m: (bias(m, j, what, block, 0.0), then(m))
+
+    def noop(m):
+        pass
+    # a zero output weight: block 0's and block 3's attention weights no longer matter; a non-zero one, they do
+    for j, block in ((0, 0), (1, 3)):
+        qkvo = lambda m, block=block: m.blocks[block].attn.qkvo_w.mul_(2)
+        assert torch.equal(loss_with(zero_gate_and("out", j, block, noop)), loss_with(zero_gate_and("out", j, block, qkvo)))
+        assert not torch.equal(loss_with(noop), loss_with(qkvo))
+    # a zero skip weight: the skip's logit no longer matters
+    logit = lambda m: m.scalars[m.scalar_layout()["skips"]].add_(1.0)
+    assert torch.equal(loss_with(zero_gate_and("skip", 1, 2, noop)), loss_with(zero_gate_and("skip", 1, 2, logit)))
+    assert not torch.equal(loss_with(noop), loss_with(logit))
+    # the x0 and bigram weights of the gated blocks replace the static ones, which no longer matter
+    at = model.scalar_layout()
+    static = lambda m: (m.scalars[at["bigram"]].add_(1.0), m.scalars[at["blocks"]].view(4, 4)[:3, 1].add_(1.0))
+    assert torch.equal(loss_with(noop), loss_with(static))
+    for j, what, block in ((0, "x0", 0), (0, "bigram", 0), (1, "x0", 2), (1, "bigram", 1), (1, "xsa", 1)):
+        assert not torch.equal(loss_with(noop), loss_with(lambda m: bias(m, j, what, block, 0.7))), (what, block)
+    loss = model(x, y, cu, 128, W3)
+    loss.backward()
+    assert model.mudd_gate_w2.grad.norm() > 0 and model.mudd_gate_w1.grad.norm() > 0
+    assert model.mudd_gate_b2.grad[-8] != 0, "the scale learns"
+    groups = {id(p): g for g in tg.build_optimizers(model, tg.Hyperparameters(**{**TINY, **MUDD_GATES}),
+                                                   0, 1)[0].param_groups for p in g["params"]}
+    g = groups[id(model.mudd_gate_w1)]
+    assert g is groups[id(model.mudd_gate_b2)] and g["betas"] == (0.9, 0.99) and g["lr"] == TINY.get("adam_lr", 0.008) * 0.1
+    for bad in (dict(mudd=False), dict(xsa=True), dict(bigram_rows=0, bigram_sign_rows=0), dict(xsa_blocks=(2,)),
+                dict(window_pattern="SSLL")):
+        with pytest.raises(ValueError, match="mudd_gates|xsa_blocks"):
+            tg.Hyperparameters(**{**TINY, **MUDD_GATES, **bad})
+    with pytest.raises(ValueError, match="xsa_blocks"):
+        tg.Hyperparameters(**{**TINY, "xsa_blocks": (1,)})
 
 
 def test_parallel_attn_feeds_every_later_attention_the_normed_output_of_the_backout_block():
