@@ -140,6 +140,7 @@ class Hyperparameters:
     mudd: bool = False  # MUDD: per-token learned mixes of earlier block outputs into the last block and the head (04/22/26)
     mudd_gates: bool = False  # per-token x0, bigram, XSA, attention-output and skip weights from two small MLPs (05/27/26)
     xsa_blocks: tuple[int, ...] = ()  # with mudd_gates: XSA in these blocks only, its strength per token (05/27/26: 1,3,4,7)
+    dc: bool = False  # with mudd_gates: DC attention, heads' local maps mixed per token, in the last block (05/27/26)
     parallel_attn: bool = False  # blocks after backout_layer attend over its normed output, not their own input (03/06/26)
     uniform_out_init: bool = False  # attention output projections start uniform as V, not zero (the public master)
     # 2026-02-12/16 records (PRs 230, 233); the attention's r is the residual mix's own x weight
@@ -278,6 +279,9 @@ class Hyperparameters:
             raise ValueError("mudd_gates=true needs mudd=true, bigram_rows > 0, a long-window block before the last two "
                              f"(window_pattern={h.window_pattern!r}) and xsa=false (the gates give XSA per token in "
                              "xsa_blocks)")
+        if h.dc and (not h.mudd_gates or h.num_layers - 1 in h.paired_head_blocks + h.no_attn_layers):
+            raise ValueError("dc=true takes its weights from the MUDD gates and runs in the last block: set "
+                             "mudd_gates=true, with attention and without paired heads in the last block")
         if (h.xsa_blocks and not h.mudd_gates) or any(not 0 <= i < h.num_layers or i in h.no_attn_layers
                                                       for i in h.xsa_blocks):
             raise ValueError(f"xsa_blocks={h.xsa_blocks}: blocks with attention, with mudd_gates=true")
@@ -982,6 +986,7 @@ class ModelConfig:
     mudd: bool
     mudd_gates: bool
     xsa_blocks: tuple[int, ...]
+    dc: bool
     parallel_attn: bool
     uniform_out_init: bool
     sublayer_lambdas: bool
@@ -1163,6 +1168,36 @@ def exclude_own_value(y: Tensor, v: Tensor, alpha: Tensor) -> Tensor:
     return y - torch.tanh(alpha).type_as(y)[..., None] * along * unit
 
 
+DC_WINDOW, DC_CHUNK = 112, 128  # DC attention's local window in tokens (the public master's), and its query blocks
+
+
+def dc_correction(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w1: Tensor, w2: Tensor, scale: float,
+                  window: int = DC_WINDOW, chunk: int = DC_CHUNK) -> Tensor:
+    """Dynamically composable attention, post-composition only, rank 1 (DCMHA, arXiv 2405.08553; the 2026-05-27
+    record's lightweight DC, @lishengping, PR 292). Each head g's softmax over the `window` latest keys of the
+    query's document (itself included), P_g, is recomputed; per token, one map A = sum_g w1_g P_g mixes the heads
+    (w1 RMS-normed over heads) and head h adds w2_h A v_h to its output. q, k, v: (T, H, D) as attention saw them;
+    w1, w2: (T, H) per-token weights. Queries go in blocks of `chunk`, each against its keys and the window - 1
+    before them, so memory is O(T H chunk (chunk + window)), never T x T."""
+    T, H, D = q.shape
+    halo, pad = window - 1, -T % chunk
+    n, width = (T + pad) // chunk, chunk + window - 1
+    doc = torch.searchsorted(cu_seqlens, torch.arange(T, device=q.device), right=True)
+    q_blocks = F.pad(q, (0, 0, 0, 0, 0, pad)).view(n, chunk, H, D)
+    k_blocks, v_blocks = (F.pad(t, (0, 0, 0, 0, halo, pad)).unfold(0, width, chunk) for t in (k, v))  # (n, H, D, width)
+    doc_q = F.pad(doc, (0, pad), value=-1).view(n, chunk)
+    doc_k = F.pad(doc, (halo, pad), value=-2).unfold(0, width, chunk)  # (n, width)
+    i, j = torch.arange(chunk, device=q.device), torch.arange(width, device=q.device)
+    near = (j[None, :] >= i[:, None]) & (j[None, :] <= i[:, None] + halo)  # key j of block row i: window back
+    mask = near & (doc_q[:, :, None] == doc_k[:, None, :])  # (n, chunk, width)
+    scores = torch.einsum("nihd,nhdj->nhij", q_blocks.float(), k_blocks.float()) * scale
+    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)  # each row has its own key
+    w1 = w1.float() * torch.rsqrt(w1.float().square().mean(-1, keepdim=True) + 1e-6)
+    composed = torch.einsum("nig,ngij->nij", F.pad(w1, (0, 0, 0, pad)).view(n, chunk, H), probs)
+    out = torch.einsum("nij,nhdj->nihd", composed.type_as(v), v_blocks)
+    return (out.reshape(n * chunk, H, D)[:T] * w2.unsqueeze(-1)).type_as(v)
+
+
 def rotate(x: Tensor, rope: tuple[Tensor, Tensor, float]) -> Tensor:  # x: (T, H, D)
     """Rotary embedding with a stage's tables (Rotary.at)."""
     cos, sin = rope[0][: x.size(0), None, :], rope[1][: x.size(0), None, :]
@@ -1192,9 +1227,10 @@ class CausalSelfAttention(nn.Module):
         self.ve_gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels)) if ve_gate else None
 
     def forward(self, x, ve, lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, xsa=None, v_extra=None,
-                out_gate=None, ve_gate=None):
+                out_gate=None, ve_gate=None, dc=None):
         """xsa: XSA's strength, (H,) or per token (T, H); out_gate, ve_gate: per-token (T, H) weights of the
-        head outputs and value embeddings given by MUDD (GPT.hidden), in place of this block's own gates."""
+        head outputs and value embeddings given by MUDD (GPT.hidden), in place of this block's own gates; dc: DC
+        attention's per-token (w1, w2), (T, H) each (dc_correction)."""
         T, H, D = x.size(0), self.num_heads, self.head_dim
         q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x)).view(T, 3 * H, D).chunk(3, dim=1)
         # Value embeddings (@KoszarskyB, @Grad62304977; value residual, arXiv 2410.17897): v mixes in a
@@ -1215,6 +1251,8 @@ class CausalSelfAttention(nn.Module):
             k = offset_keys(k, cu_seqlens)
         y = attn_fn(q, k, v, cu_seqlens, max_seqlen, window, self.scale * rope[2])  # rope[2]: YaRN's, else 1
         y = y.reshape(T, H, D)  # paired heads back in place (otherwise already this shape)
+        if dc is not None:  # before XSA and the output weights, as in the 2026-05-27 record
+            y = y + dc_correction(q, k, v, cu_seqlens, dc[0], dc[1], self.scale * rope[2])
         if xsa is not None:
             y = exclude_own_value(y, own_v, xsa)
         if out_gate is not None:
@@ -1272,7 +1310,7 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, bigram=None,
-                xsa=None, v_extra=None, attn_in=None, sub=None, out_gate=None, ve_gate=None):
+                xsa=None, v_extra=None, attn_in=None, sub=None, out_gate=None, ve_gate=None, dc=None):
         """attn_in: the normed input of the attention when not this block's own (parallel_attn). sub: the
         sublayer weights (attention output, MLP residual, MLP output) where sublayer_lambdas is on. Every weight
         may be a scalar or per token, (T, 1)."""
@@ -1281,7 +1319,7 @@ class Block(nn.Module):
             x = x + bigram
         if self.attn is not None:
             y = self.attn(norm(x) if attn_in is None else attn_in, ve, ve_lambdas, cu_seqlens, max_seqlen, window,
-                          rope, attn_fn, xsa, v_extra, out_gate, ve_gate)
+                          rope, attn_fn, xsa, v_extra, out_gate, ve_gate, dc)
             x = x + (y if sub is None else sub[0] * y)
         return x + self.mlp(norm(x)) if sub is None else sub[1] * x + sub[2] * self.mlp(norm(x))
 
@@ -1373,8 +1411,8 @@ class GPT(nn.Module):
         # MUDD gates (the 2026-05-27 record, @lishengping, PR 292): two more small MLPs of the same form, one from x0
         # and one from the input of the block after the first long-window block (gate_layout), give per token the
         # x0 and bigram weights of the blocks before the last, XSA's strengths in xsa_blocks, a linear weight per
-        # head of the long-window blocks' outputs (instead of the sigmoid head gates) and the skip's weight. The
-        # last entry of the biases is the outputs' common scale (learned, 0.1 at the start).
+        # head of the long-window blocks' outputs (instead of the sigmoid head gates), the skip's weight and, with dc,
+        # DC attention's weights. The last entry of the biases is the outputs' common scale (learned, 0.1 at start).
         if cfg.mudd_gates:
             width = max(sum(n for _, _, n, _ in part) for part in self.gate_layout())
             self.gate_width = width + -width % 8  # padded: every gate tensor's rows shard over 8 ranks
@@ -1403,7 +1441,7 @@ class GPT(nn.Module):
     def gate_layout(self) -> tuple[list[tuple[str, int, int, float]], list[tuple[str, int, int, float]]]:
         """The MUDD gates' outputs, (what, block, width, value at the start) in order, of the gate from x0 (the
         blocks up to the first long-window one) and of the gate from the next block's input (the later blocks, then
-        the skip's weight). The last block's x0 and bigram weights are MUDD's own (MUDD_INIT)."""
+        the skip's weight and DC's). The last block's x0 and bigram weights are MUDD's own (MUDD_INIT)."""
         cfg, H = self.cfg, self.cfg.num_heads
         split = cfg.window_pattern.index("L") + 1  # the public master's: from x0 for blocks 0-3, from x at block 4
         parts = ([], [])
@@ -1416,6 +1454,8 @@ class GPT(nn.Module):
             if i < cfg.num_layers - 1:
                 part += [("x0", i, 1, 0.0), ("bigram", i, 1, 0.05)]
         parts[1].append(("skip", min(cfg.no_attn_layers), 1, 0.5))
+        if cfg.dc:  # DC attention's w1 (1 at the start) and w2 (0: no correction at the start)
+            parts[1].extend([("dc1", cfg.num_layers - 1, H, 1.0), ("dc2", cfg.num_layers - 1, H, 0.0)])
         return parts
 
     def gates(self, x: Tensor, j: int, into: dict[str, list]) -> None:
@@ -1464,7 +1504,7 @@ class GPT(nn.Module):
         windows = self.block_windows(windows)
         skips = []  # U-net (@brendanh0gan): first-half outputs feed, in reverse order, the second half
         backout = attn_in = None
-        g = {what: [None] * L for what in ("xsa", "out", "x0", "bigram", "skip")}  # per token, from the MUDD gates
+        g = {what: [None] * L for what in ("xsa", "out", "x0", "bigram", "skip", "dc1", "dc2")}  # from the MUDD gates
         if cfg.mudd_gates:
             self.gates(x0, 0, g)
         for i, block in enumerate(self.blocks):
@@ -1492,7 +1532,8 @@ class GPT(nn.Module):
                 mix, sub_i = (c[8], c[10]), (c[9], c[12], c[13])
                 bigram_i = None if bigram is None else c[11] * bigram
             x = block(x, x0, mix, ves[i], ve_lambdas[i], cu_seqlens, max_seqlen, windows[i], rope, self.attn_fn,
-                      bigram_i, xsa_i, v_extra, attn_in, sub_i, g["out"][i], ve_gate)
+                      bigram_i, xsa_i, v_extra, attn_in, sub_i, g["out"][i], ve_gate,
+                      None if g["dc1"][i] is None else (g["dc1"][i], g["dc2"][i]))
             if i == cfg.skip_from or (skip_into < 0 and i < L // 2):
                 skips.append(x)
             if i == cfg.backout_layer:

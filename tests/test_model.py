@@ -41,7 +41,7 @@ def test_fresh_model_predicts_uniformly_so_its_loss_is_log_vocab():
     assert torch.allclose(per_token.sum(), loss)
 
 
-MUDD_GATES = dict(LATER_RECORDS, mudd_gates=True, xsa=False, xsa_blocks=(1,))
+MUDD_GATES = dict(LATER_RECORDS, mudd_gates=True, xsa=False, xsa_blocks=(1,), dc=True)
 
 
 @pytest.mark.parametrize("features", [{}, LATER_RECORDS, MUDD_GATES], ids=["0903", "later_records", "mudd_gates"])
@@ -591,7 +591,8 @@ def test_mudd_gates_give_per_token_weights_in_their_layout_and_replace_the_stati
     H = TINY["num_heads"]
     assert pre == [("out", 0, H, 0.25), ("x0", 0, 1, 0.0), ("bigram", 0, 1, 0.05)]
     assert post == [("xsa", 1, H, 0.0), ("x0", 1, 1, 0.0), ("bigram", 1, 1, 0.05), ("x0", 2, 1, 0.0),
-                    ("bigram", 2, 1, 0.05), ("out", 3, H, 0.25), ("skip", 2, 1, 0.5)]
+                    ("bigram", 2, 1, 0.05), ("out", 3, H, 0.25), ("skip", 2, 1, 0.5), ("dc1", 3, H, 1.0),
+                    ("dc2", 3, H, 0.0)]
     assert model.gate_width == 16 and model.mudd_gate_w2.shape == (32, tg.MUDD_DIM)  # rows shard over 8 ranks
     assert all(b.attn is None or b.attn.gate_w is None for b in model.blocks)  # no sigmoid head gates
     fresh = tiny_model(**MUDD_GATES)
@@ -599,7 +600,7 @@ def test_mudd_gates_give_per_token_weights_in_their_layout_and_replace_the_stati
     torch.testing.assert_close(fresh.mudd_gate_b2[:3] * tg.MUDD_SCALE, torch.tensor([0.25, 0.25, 0.0]))
     torch.testing.assert_close(fresh.mudd_gate_b2[16 + 8] * tg.MUDD_SCALE, torch.tensor(0.5))  # the skip's
     x, y, cu = batch()
-    g = {what: [None] * 4 for what in ("xsa", "out", "x0", "bigram", "skip")}
+    g = {what: [None] * 4 for what in ("xsa", "out", "x0", "bigram", "skip", "dc1", "dc2")}
     model.gates(torch.randn(128, TINY["model_dim"]), 1, g)
     assert g["xsa"][1].shape == (128, H) and g["skip"][2].shape == (128, 1) and g["x0"][0] is None
     assert g["x0"][1].std() > 0, "per token"
@@ -636,7 +637,7 @@ def test_mudd_gates_give_per_token_weights_in_their_layout_and_replace_the_stati
     at = model.scalar_layout()
     static = lambda m: (m.scalars[at["bigram"]].add_(1.0), m.scalars[at["blocks"]].view(4, 4)[:3, 1].add_(1.0))
     assert torch.equal(loss_with(noop), loss_with(static))
-    for j, what, block in ((0, "x0", 0), (0, "bigram", 0), (1, "x0", 2), (1, "bigram", 1), (1, "xsa", 1)):
+    for j, what, block in ((0, "x0", 0), (0, "bigram", 0), (1, "x0", 2), (1, "bigram", 1), (1, "xsa", 1), (1, "dc2", 3)):
         assert not torch.equal(loss_with(noop), loss_with(lambda m: bias(m, j, what, block, 0.7))), (what, block)
     loss = model(x, y, cu, 128, W3)
     loss.backward()
@@ -652,6 +653,31 @@ def test_mudd_gates_give_per_token_weights_in_their_layout_and_replace_the_stati
             tg.Hyperparameters(**{**TINY, **MUDD_GATES, **bad})
     with pytest.raises(ValueError, match="xsa_blocks"):
         tg.Hyperparameters(**{**TINY, "xsa_blocks": (1,)})
+    with pytest.raises(ValueError, match="dc=true"):
+        tg.Hyperparameters(**{**TINY, **MUDD_GATES, "mudd_gates": False, "xsa": True, "xsa_blocks": ()})
+    # DC's correction is zero at the start: the same model without DC computes the same
+    with_dc, without = tiny_model(**MUDD_GATES), tiny_model(**{**MUDD_GATES, "dc": False})
+    with torch.no_grad():
+        torch.testing.assert_close(with_dc(x, y, cu, 128, W3, reduction="none"),
+                                   without(x, y, cu, 128, W3, reduction="none"), rtol=0, atol=0)
+
+
+def test_dc_correction_is_the_per_token_loop_and_does_not_depend_on_the_query_blocks():
+    torch.manual_seed(0)
+    T, H, D, window, scale = 70, 3, 8, 9, 0.3
+    q, k, v = (torch.randn(T, H, D) for _ in range(3))
+    cu, w1, w2 = torch.tensor([0, 20, 45, 70, 70]), torch.randn(T, H), torch.randn(T, H)
+    out = tg.dc_correction(q, k, v, cu, w1, w2, scale, window=window, chunk=16)
+    ref = torch.zeros_like(v)
+    for t in range(T):
+        first = max(int(cu[cu <= t].max()), t - window + 1)  # the window's keys within the document, itself included
+        mix = w1[t] / torch.sqrt(w1[t].square().mean() + 1e-6)
+        composed = sum(mix[g] * (scale * k[first: t + 1, g] @ q[t, g]).softmax(0) for g in range(H))
+        for h in range(H):
+            ref[t, h] = w2[t, h] * (composed[:, None] * v[first: t + 1, h]).sum(0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tg.dc_correction(q, k, v, cu, w1, w2, scale, window=window, chunk=32), out)
+    assert tg.dc_correction(q, k, v, cu, w1, torch.zeros(T, H), scale).abs().max() == 0
 
 
 def test_parallel_attn_feeds_every_later_attention_the_normed_output_of_the_backout_block():
