@@ -1414,7 +1414,8 @@ class GPT(nn.Module):
         # head of the long-window blocks' outputs (instead of the sigmoid head gates), the skip's weight and, with dc,
         # DC attention's weights. The last entry of the biases is the outputs' common scale (learned, 0.1 at start).
         if cfg.mudd_gates:
-            width = max(sum(n for _, _, n, _ in part) for part in self.gate_layout())
+            self.gate_parts = self.gate_layout()  # built once: the forward reads it, the compiler sees constants
+            width = max(sum(n for _, _, n, _ in part) for part in self.gate_parts)
             self.gate_width = width + -width % 8  # padded: every gate tensor's rows shard over 8 ranks
             self.mudd_gate_w1 = nn.Parameter(torch.empty(2 * MUDD_DIM, dim))
             nn.init.kaiming_uniform_(self.mudd_gate_w1, a=math.sqrt(5))
@@ -1446,7 +1447,7 @@ class GPT(nn.Module):
         split = cfg.window_pattern.index("L") + 1  # the public master's: from x0 for blocks 0-3, from x at block 4
         parts = ([], [])
         for i in range(cfg.num_layers):
-            part = parts[i >= split]
+            part = parts[int(i >= split)]
             if i in cfg.xsa_blocks:
                 part.append(("xsa", i, H, 0.0))
             if cfg.window_pattern[i] == "L" and i not in cfg.no_attn_layers:
@@ -1464,7 +1465,7 @@ class GPT(nn.Module):
         w2, b2 = (t[j * self.gate_width: (j + 1) * self.gate_width].type_as(x)
                   for t in (self.mudd_gate_w2, self.mudd_gate_b2))
         out, start = self.mudd_gate_b2[-8].type_as(x) * (F.linear(F.gelu(F.linear(x, w1)), w2) + b2), 0
-        for what, i, n, _ in self.gate_layout()[j]:
+        for what, i, n, _ in self.gate_parts[j]:
             into[what][i], start = out[:, start: start + n], start + n
 
     def value_embed_layers(self) -> list[int | None]:
