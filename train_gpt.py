@@ -136,10 +136,10 @@ class Hyperparameters:
     ve_gate: bool = False  # value-embedding gate: 2 sigmoid(W x[:12]) per head scales the value embedding (12/29/25)
     key_offset: bool = False  # long-window blocks' keys take their position-free dims from the previous token (12/14/25)
     paired_head_blocks: tuple[int, ...] = ()  # paired-head attention in these short-window blocks (01/07/26)
-    xsa: bool = False  # learnable XSA: each head removes tanh(a) of its output along its own value (04/29/26)
     mudd: bool = False  # MUDD: per-token learned mixes of earlier block outputs into the last block and the head (04/22/26)
     mudd_gates: bool = False  # per-token x0, bigram, XSA, attention-output and skip weights from two small MLPs (05/27/26)
-    xsa_blocks: tuple[int, ...] = ()  # with mudd_gates: XSA in these blocks only, its strength per token (05/27/26: 1,3,4,7)
+    # learnable XSA (04/29/26): each head removes tanh(a) of its output along its own value, a per token from the gates
+    xsa_blocks: tuple[int, ...] = ()  # with mudd_gates: XSA in these blocks (05/27/26: 1,3,4,7)
     dc: bool = False  # with mudd_gates: DC attention, heads' local maps mixed per token, in the last block (05/27/26)
     parallel_attn: bool = False  # blocks after backout_layer attend over its normed output, not their own input (03/06/26)
     uniform_out_init: bool = False  # attention output projections start uniform as V, not zero (the public master)
@@ -275,10 +275,9 @@ class Hyperparameters:
         if h.mudd and (h.skip_from < 0 or not h.value_embed_blocks):
             raise ValueError("mudd=true mixes in the skip's source block and the first value embedding before the head: "
                              f"set skip_from (now {h.skip_from}) and value_embed_blocks (now {h.value_embed_blocks})")
-        if h.mudd_gates and (not h.mudd or h.xsa or not h.bigram_rows or "L" not in h.window_pattern[:-2]):
-            raise ValueError("mudd_gates=true needs mudd=true, bigram_rows > 0, a long-window block before the last two "
-                             f"(window_pattern={h.window_pattern!r}) and xsa=false (the gates give XSA per token in "
-                             "xsa_blocks)")
+        if h.mudd_gates and (not h.mudd or not h.bigram_rows or "L" not in h.window_pattern[:-2]):
+            raise ValueError("mudd_gates=true needs mudd=true, bigram_rows > 0 and a long-window block before the last "
+                             f"two (window_pattern={h.window_pattern!r})")
         if h.dc and (not h.mudd_gates or h.num_layers - 1 in h.paired_head_blocks + h.no_attn_layers):
             raise ValueError("dc=true takes its weights from the MUDD gates and runs in the last block: set "
                              "mudd_gates=true, with attention and without paired heads in the last block")
@@ -330,8 +329,11 @@ RECORD_LINE = dict(
     logit_softcap=23.0, softcap_shift=5.0,  # asymmetric softcap 23 * sigmoid((z + 5) / 7.5) (2025-12-26)
     backout_layer=7,  # subtract a learned multiple of block 7's output before the head (10/04/25)
     parallel_attn=True,  # blocks after block 7 attend over its normed output (02/12/26, as 03/06/26 simplified it)
-    mudd=True,  # MUDD before the last block and the head (04/22/26), without the 05/27/26 gates and DC attention
-    xsa=True, yarn=True, smear=True, ve_gate=True,  # learnable XSA (05/07/26), YaRN (09/10/25), smear (09/18/25),
+    mudd=True,  # MUDD before the last block and the head (04/22/26, with the master's 14 + 5 per-token weights)
+    # the MUDD gates: per-token x0, bigram, XSA (blocks 1, 3, 4, 7), long-window output and skip weights, and DC
+    # attention in the last block (05/27/26); on the proxy -0.0157 +- 0.0058 at equal tokens, +3.4% step (an H200)
+    mudd_gates=True, xsa_blocks=(1, 3, 4, 7), dc=True,
+    yarn=True, smear=True, ve_gate=True,  # YaRN (09/10/25), smear (09/18/25),
     # value-embedding gates (12/29/25); paired-head attention in four short-window blocks (01/07/26)
     paired_head_blocks=(0, 2, 5, 9),
     key_offset=True,  # long-window keys' position-free dims from the previous token: one-block induction (12/14/25)
@@ -369,8 +371,9 @@ DEFAULT_PRESET = "record"  # what a command without --preset runs (the dataclass
 PRESETS = {  # name: (what it is, the fields it sets)
     "record": ("the 8-GPU record configuration: the public line's current model and optimizer (modded-nanogpt "
                "master, 2026-08) as far as this file implements them, on its 11 blocks: bigram hash embedding, "
-               "MUDD, XSA, YaRN, smear and value-embedding gates, paired heads, partial key offset, five untied value "
-               "tables, parallel attention inputs, backout, per-sublayer residual weights and one gated skip, "
+               "MUDD with its gates, XSA and DC attention, YaRN, smear and value-embedding gates, paired heads, "
+               "partial key offset, five untied value tables, parallel attention inputs, backout, per-sublayer "
+               "residual weights and one gated skip, "
                "NorMuon with cautious decay, Adam every second step, "
                "multi-token and prefix-token losses, the embedding tied for two stages, a 20-step extension; with "
                "our fused ReLU² MLP (FP8 forward) and soft-capped cross-entropy kernels", RECORD_LINE),
@@ -473,7 +476,7 @@ def set_stage_columns(rows: tuple[Stage, ...], columns: dict[str, tuple]) -> tup
 
 # Fields deleted since checkpoints were first written, each with its value that meant "off" (git and
 # bench/README.md keep the technique): a checkpoint holding that value resumes without it.
-REMOVED_FIELDS = {"no_mlp_layers": ()}
+REMOVED_FIELDS = {"no_mlp_layers": (), "xsa": False}  # deleted techniques, as they read when off
 
 
 def stored_args(saved: dict) -> dict:
@@ -483,7 +486,7 @@ def stored_args(saved: dict) -> dict:
     for name, off in REMOVED_FIELDS.items():
         value = saved.pop(name, off)
         if (tuple(value) if isinstance(value, list) else value) != off:
-            raise ValueError(f"the checkpoint trained with {name}={cli_text(tuple(value))}, a technique this "
+            raise ValueError(f"the checkpoint trained with {name}={cli_text(tuple(value) if isinstance(value, list) else value)}, a technique this "
                              "train_gpt.py no longer has (bench/README.md gives its results): resume it with the "
                              "commit that wrote it")
     columns = {flag: tuple(saved.pop(flag)) for flag in STAGE_COLUMNS if flag in saved}
@@ -982,7 +985,6 @@ class ModelConfig:
     ve_gate: bool
     key_offset: bool
     paired_head_blocks: tuple[int, ...]
-    xsa: bool
     mudd: bool
     mudd_gates: bool
     xsa_blocks: tuple[int, ...]
@@ -1360,15 +1362,14 @@ class GPT(nn.Module):
         # block the residual mix (a, b) = (1, 0) and the value mix (c, d) = (0.5, 0.5), then one U-net
         # skip weight per skipped block (1.0), then, where on, each block's bigram weight (0.1, the
         # 2026-01-19 record's), the backout weight (0.5, the 2025-10-04 record's), the smear weight
-        # (0, the 2025-09-18 record's) and XSA's strength per block and head (0, the 2026-04-29 record's);
-        # with skip_from, one skip logit (-1.5) in place of the U-net's weights; with sublayer_lambdas, per
+        # (0, the 2025-09-18 record's); with skip_from, one skip logit (-1.5) in place of the U-net's weights; with sublayer_lambdas, per
         # block the attention output's and the MLP's residual and output weights (1, sqrt(1.1), 1), the residual
         # mix's a starting at sqrt(1.1); padded to a multiple of 64 so it shards over any world size <= 64.
         r = math.sqrt(1.1) if cfg.sublayer_lambdas else 1.0  # the 2026-02-12 record's per-sublayer residual init
         inits = dict(blocks=torch.tensor([r, 0.0, 0.5, 0.5]).repeat(L),
                      skips=torch.ones(L // 2) if cfg.skip_from < 0 else torch.tensor([-1.5]),
                      bigram=torch.full((L,), 0.1), backout=torch.tensor([0.5]), smear=torch.zeros(1),
-                     xsa=torch.zeros(L * cfg.num_heads), sublayer=torch.tensor([1.0, r, 1.0]).repeat(L))
+                     sublayer=torch.tensor([1.0, r, 1.0]).repeat(L))
         scalars = torch.cat([inits[name] for name, part in self.scalar_layout().items() if part.stop > part.start])
         self.scalars = nn.Parameter(F.pad(scalars, (0, -scalars.numel() % 64)))
         for m in (self.embed, *self.value_embeds):
@@ -1431,9 +1432,10 @@ class GPT(nn.Module):
     def scalar_layout(self) -> dict[str, slice]:
         """Where each kind of scalar lies in self.scalars (the features that are off take no room)."""
         cfg, L = self.cfg, self.cfg.num_layers
-        sizes = dict(blocks=4 * L, skips=L // 2 if cfg.skip_from < 0 else 1, bigram=L if cfg.bigram_rows else 0,
+        sizes = dict(blocks=4 * L, skips=L // 2 if cfg.skip_from < 0 else 1,
+                     bigram=L if cfg.bigram_rows and not cfg.mudd_gates else 0,  # the gates' are per token
                      backout=1 if cfg.backout_layer >= 0 else 0, smear=1 if cfg.smear else 0,
-                     xsa=L * cfg.num_heads if cfg.xsa else 0, sublayer=3 * L if cfg.sublayer_lambdas else 0)
+                     sublayer=3 * L if cfg.sublayer_lambdas else 0)
         layout, start = {}, 0
         for name, n in sizes.items():
             layout[name], start = slice(start, start + n), start + n
@@ -1489,7 +1491,6 @@ class GPT(nn.Module):
         block_scalars, skip_w = s[at["blocks"]].view(L, 4), s[at["skips"]]
         lambdas, ve_lambdas = block_scalars[:, :2], block_scalars[:, 2:]
         bigram_w, backout_w = s[at["bigram"]], s[at["backout"]]
-        xsa = s[at["xsa"]].view(L, cfg.num_heads) if cfg.xsa else [None] * L
         sub = s[at["sublayer"]].view(L, 3) if cfg.sublayer_lambdas else [None] * L
         skip_into = min(cfg.no_attn_layers) if cfg.skip_from >= 0 else -1  # validated: after skip_from
         x = F.embedding(inputs, self.lm_head_w).type_as(self.embed.weight) if self.tied_embed else self.embed(inputs)
@@ -1516,8 +1517,8 @@ class GPT(nn.Module):
                 x = x + (w if g["skip"][i] is None else w * g["skip"][i]) * skips[0]
             elif skip_into < 0 and i >= L - L // 2:
                 x = x + skip_w[i - (L - L // 2)] * skips.pop()
-            mix, sub_i, xsa_i = lambdas[i], sub[i], g["xsa"][i] if cfg.mudd_gates else xsa[i]
-            bigram_i = None if bigram is None else bigram_w[i] * bigram
+            mix, sub_i, xsa_i = lambdas[i], sub[i], g["xsa"][i]
+            bigram_i = None if bigram is None or cfg.mudd_gates else bigram_w[i] * bigram
             if g["x0"][i] is not None:
                 mix, bigram_i = (lambdas[i][0], g["x0"][i]), g["bigram"][i] * bigram
             v_extra = ve_gate = None
@@ -2454,7 +2455,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     """Muon for every matrix inside the blocks and the smear gate's (as the 2025-09-18 record); Adam for
     embeddings, LM head and scalars. The bigram table learns as the other embeddings do (the
     2026-01-19 record gave it the value embeddings' Adam settings); its per-block weights, the
-    backout weight, the smear weight and XSA's strengths are scalars. The value-embedding
+    backout weight and the smear weight are scalars. The value-embedding
     and bigram tables are a group apart from the token embedding, at its lr, for their own weight
     decay and betas (embed_weight_decay, embed_adam_betas), as the LM head may have (head_weight_decay,
     head_adam_betas); at the defaults nothing differs."""

@@ -70,12 +70,14 @@ TINY = dict(vocab_size=VOCAB, bos_id=BOS, num_layers=4, model_dim=64, num_heads=
 # asymmetric softcap 23 * sigmoid((z + 5) / 7.5), Polar Express in Muon, NorMuon's per-neuron scaling
 # YaRN at each window growth, the smear gate, the value-embedding gates, the partial key offset and
 # paired-head attention in the short-window block 1, the token embedding tied to the LM head for the
-# first stage, learnable XSA, MUDD, parallel attention inputs, untied value embeddings in blocks 1 and 3,
+# first stage, MUDD with its gates (XSA in block 1, DC attention in the last block), parallel attention inputs,
+# untied value embeddings in blocks 1 and 3,
 # output projections drawn as V, Adam every second step, per-sublayer residual weights and one skip from block 1
 # into the attention-less block 2 instead of the U-net (as the record preset runs them).
 LATER_RECORDS = dict(bigram_rows=256, bigram_sign_rows=16, backout_layer=2, logit_softcap=23.0, softcap_shift=5.0,
                      orthogonalizer="polar_express", muon_beta2=0.9, yarn=True, smear=True, ve_gate=True,
-                     key_offset=True, paired_head_blocks=(1,), tied_embed_stages=1, xsa=True, mudd=True,
+                     key_offset=True, paired_head_blocks=(1,), tied_embed_stages=1, mudd=True, mudd_gates=True,
+                     xsa_blocks=(1,), dc=True,
                      parallel_attn=True, num_value_embeds=0, value_embed_blocks=(1, 3), uniform_out_init=True,
                      adam_every=2, sublayer_lambdas=True, skip_from=1)
 # With the value-embedding and bigram tables decayed (strongly, so that it shows) and their own Adam betas,

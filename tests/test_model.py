@@ -41,10 +41,10 @@ def test_fresh_model_predicts_uniformly_so_its_loss_is_log_vocab():
     assert torch.allclose(per_token.sum(), loss)
 
 
-MUDD_GATES = dict(LATER_RECORDS, mudd_gates=True, xsa=False, xsa_blocks=(1,), dc=True)
+MUDD_GATES = LATER_RECORDS  # the MUDD gates with XSA in block 1 and DC attention
 
 
-@pytest.mark.parametrize("features", [{}, LATER_RECORDS, MUDD_GATES], ids=["0903", "later_records", "mudd_gates"])
+@pytest.mark.parametrize("features", [{}, LATER_RECORDS], ids=["0903", "later_records"])
 def test_loss_at_a_position_depends_only_on_earlier_tokens_of_its_document(features):
     model = tiny_model(randomize=True, **features)
     x, y, cu = batch(doc_starts=(0, 60))
@@ -222,14 +222,17 @@ def test_new_weights_get_gradients_and_the_default_model_has_none_of_them():
     x, y, cu = batch()
     model(x, y, cu, 128, W3).backward()
     at = model.scalar_layout()
-    # every block's bigram weight but the last's, which MUDD gives per token (MUDD_INIT)
-    assert model.bigram_embed.weight.grad.abs().sum() > 0 and model.scalars.grad[at["bigram"]][:-1].abs().min() > 0
+    # the bigram weights are per token here (the MUDD gates' and MUDD's): none among the scalars
+    assert model.bigram_embed.weight.grad.abs().sum() > 0 and at["bigram"].stop == at["bigram"].start
+    plain = tiny_model(randomize=True, bigram_rows=256)  # without the gates, one learned weight per block
+    plain(x, y, cu, 128, W3).backward()
+    assert plain.scalars.grad[plain.scalar_layout()["bigram"]].abs().min() > 0
     assert model.scalars.grad[at["backout"]].abs().min() > 0
     assert model.bigram_signs.abs().eq(1).all() and model.bigram_signs.shape == (16, TINY["model_dim"])
     assert {"bigram_embed.weight", "bigram_signs"} <= set(model.state_dict()), "saved in checkpoints"
     default = tiny_model()
     assert default.bigram_embed is None and default.bigram_signs is None
-    assert at["bigram"].stop - at["bigram"].start == 4 and default.scalar_layout()["bigram"] == slice(18, 18)
+    assert plain.scalar_layout()["bigram"] == slice(18, 22) and default.scalar_layout()["bigram"] == slice(18, 18)
 
 
 def test_asymmetric_softcap_stays_in_0_23_and_its_gradient_is_the_formulas():
@@ -449,34 +452,11 @@ def test_xsa_removes_tanh_alpha_of_each_heads_output_along_its_own_value():
     # what is orthogonal to v stays: only the component along v changes
     torch.testing.assert_close(out - (out * unit).sum(-1, keepdim=True) * unit,
                                y - (y * unit).sum(-1, keepdim=True) * unit)
-
-
-@pytest.mark.parametrize("paired", [(), (1,)], ids=["plain", "paired_block_1"])
-def test_xsa_starts_as_the_model_without_it_then_learns_a_strength_per_block_and_head(paired):
-    """alpha starts at 0: the same losses as without XSA; its gradient reaches every block with attention
-    (paired blocks too: they use each head's own, unpaired value) and nothing else; the strengths are
-    scalars, trained by Adam with the others."""
-    off = tiny_model(randomize=True, paired_head_blocks=paired)
-    on = tiny_model(xsa=True, paired_head_blocks=paired)
-    state = off.state_dict()
-    at = on.scalar_layout()
-    used = max(part.stop for part in off.scalar_layout().values())  # off's scalars before its padding
-    assert at["xsa"].start == used and on.scalars.numel() >= at["xsa"].stop  # XSA's come after the others
-    scalars = torch.zeros_like(on.scalars)
-    scalars[:used] = state.pop("scalars")[:used]
-    on.load_state_dict({**state, "scalars": scalars})
-    x, y, cu = batch()
-    torch.testing.assert_close(on(x, y, cu, 128, W3, reduction="none"), off(x, y, cu, 128, W3, reduction="none"),
-                               rtol=0, atol=0)
-    on(x, y, cu, 128, W3).backward()
-    grad = on.scalars.grad[at["xsa"]].view(TINY["num_layers"], TINY["num_heads"])
-    has_attn = [i not in TINY["no_attn_layers"] for i in range(TINY["num_layers"])]
-    assert [bool((row != 0).all()) for row in grad] == has_attn  # blocks with attention: every head; block 2: none
-    with torch.no_grad():  # a strength away from 0 changes the model
-        on.scalars[at["xsa"]] = 1.0
-        assert not torch.equal(on(x, y, cu, 128, W3, reduction="none"), off(x, y, cu, 128, W3, reduction="none"))
-    adam, _ = tg.build_optimizers(on, tg.Hyperparameters(**{**TINY, "xsa": True}), 0, 1)
-    assert any(p is on.scalars for p in adam.param_groups[-1]["params"])
+    per_token = alpha.expand(7, 3).clone()  # a strength per token and head (the MUDD gates'): the same where equal
+    per_token[3] = 0.0
+    out2 = tg.exclude_own_value(y, v, per_token)
+    torch.testing.assert_close(out2[:3], out[:3])
+    torch.testing.assert_close(out2[3], y[3])
 
 
 def test_pair_heads_puts_head_h_at_2t_and_head_h_plus_half_at_2t_plus_1():
@@ -647,14 +627,14 @@ def test_mudd_gates_give_per_token_weights_in_their_layout_and_replace_the_stati
                                                    0, 1)[0].param_groups for p in g["params"]}
     g = groups[id(model.mudd_gate_w1)]
     assert g is groups[id(model.mudd_gate_b2)] and g["betas"] == (0.9, 0.99) and g["lr"] == TINY.get("adam_lr", 0.008) * 0.1
-    for bad in (dict(mudd=False), dict(xsa=True), dict(bigram_rows=0, bigram_sign_rows=0), dict(xsa_blocks=(2,)),
+    for bad in (dict(mudd=False), dict(bigram_rows=0, bigram_sign_rows=0), dict(xsa_blocks=(2,)),
                 dict(window_pattern="SSLL")):
         with pytest.raises(ValueError, match="mudd_gates|xsa_blocks"):
             tg.Hyperparameters(**{**TINY, **MUDD_GATES, **bad})
     with pytest.raises(ValueError, match="xsa_blocks"):
         tg.Hyperparameters(**{**TINY, "xsa_blocks": (1,)})
     with pytest.raises(ValueError, match="dc=true"):
-        tg.Hyperparameters(**{**TINY, **MUDD_GATES, "mudd_gates": False, "xsa": True, "xsa_blocks": ()})
+        tg.Hyperparameters(**{**TINY, **MUDD_GATES, "mudd_gates": False, "xsa_blocks": ()})
     # DC's correction is zero at the start: the same model without DC computes the same
     with_dc, without = tiny_model(**MUDD_GATES), tiny_model(**{**MUDD_GATES, "dc": False})
     with torch.no_grad():
@@ -788,11 +768,15 @@ def test_one_skip_carries_its_block_output_into_the_attention_less_block_and_lea
     assert model.scalars.grad[at["skips"]].abs().item() > 0
     with torch.no_grad():
         model.scalars[at["skips"]] = -30.0  # sigmoid ~ 0: no skip
+        model.mudd_gate_w2.zero_()  # the MUDD gates' skip weight: 1 for every token
+        parts = [what for what, _, _, _ in model.gate_parts[1]]
+        start = model.gate_width + sum(n for _, _, n, _ in model.gate_parts[1][: parts.index("skip")])
+        model.mudd_gate_b2[start] = 1 / model.mudd_gate_b2[-8]
     seen = []
     hook = model.blocks[2].register_forward_pre_hook(lambda m, a: seen.append(a[0].clone()))
     model(x, y, cu, 128, W3)
     with torch.no_grad():
-        model.scalars[at["skips"]] = 0.0  # sigmoid = 0.5
+        model.scalars[at["skips"]] = 0.0  # sigmoid = 0.5, times the MUDD gates' skip weight, 1 here
     after_1 = []
     h1 = model.blocks[1].register_forward_hook(lambda m, a, out: after_1.append(out.clone()))
     model(x, y, cu, 128, W3)

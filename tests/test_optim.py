@@ -279,8 +279,9 @@ def test_value_embedding_and_bigram_tables_are_an_adam_group_of_their_own_at_the
     args = tg.Hyperparameters(**{**TINY, **DECAYED_TABLES})
     model = tg.GPT(tg.ModelConfig.from_args(args))
     adam, _ = tg.build_optimizers(model, args, 0, 1)
-    token, tables, head, scalars, mudd = adam.param_groups  # MUDD's MLPs last (the features include MUDD)
+    token, tables, head, scalars, mudd, gates = adam.param_groups  # MUDD's MLPs and its gates' last
     assert [id(p) for p in mudd["params"]] == [id(model.mudd_w1), id(model.mudd_w2), id(model.mudd_b2)]
+    assert [id(p) for p in gates["params"]] == [id(model.mudd_gate_w1), id(model.mudd_gate_w2), id(model.mudd_gate_b2)]
     assert [id(p) for p in token["params"]] == [id(model.embed.weight)]
     assert [id(p) for p in tables["params"]] == [id(m.weight) for m in model.value_embeds] + [id(model.bigram_embed.weight)]
     assert tables["lr"] == args.adam_lr * args.embed_lr_mult

@@ -110,7 +110,7 @@ def test_a_checkpoint_written_before_the_new_fields_is_read_as_their_defaults(ti
     meta_path = Path(run.checkpoint) / "model.pt"
     meta = torch.load(meta_path, weights_only=True)
     for k in ("softcap_shift", "bigram_rows", "bigram_sign_rows", "backout_layer", "embed_weight_decay",
-              "embed_adam_betas", "head_weight_decay", "head_adam_betas", "xsa", "fused_ce"):
+              "embed_adam_betas", "head_weight_decay", "head_adam_betas", "fused_ce"):
         del meta["args"][k]  # as an older train_gpt.py wrote it
     torch.save(meta, meta_path)
     with pytest.raises(ValueError, match="different model: bigram_rows: checkpoint 0, now 256"):
