@@ -141,6 +141,7 @@ class Hyperparameters:
     # learnable XSA (04/29/26): each head removes tanh(a) of its output along its own value, a per token from the gates
     xsa_blocks: tuple[int, ...] = ()  # with mudd_gates: XSA in these blocks (05/27/26: 1,3,4,7)
     dc: bool = False  # with mudd_gates: DC attention, heads' local maps mixed per token, in the last block (05/27/26)
+    cplm_bands: tuple[int, ...] = ()  # copy mixture (CPLM, PR 379): pointer bands in training, evaluation; () = off
     parallel_attn: bool = False  # blocks after backout_layer attend over its normed output, not their own input (03/06/26)
     uniform_out_init: bool = False  # attention output projections start uniform as V, not zero (the public master)
     # 2026-02-12/16 records (PRs 230, 233); the attention's r is the residual mix's own x weight
@@ -284,6 +285,9 @@ class Hyperparameters:
         if (h.xsa_blocks and not h.mudd_gates) or any(not 0 <= i < h.num_layers or i in h.no_attn_layers
                                                       for i in h.xsa_blocks):
             raise ValueError(f"xsa_blocks={h.xsa_blocks}: blocks with attention, with mudd_gates=true")
+        if h.cplm_bands and (len(h.cplm_bands) != 2 or min(h.cplm_bands) < 1 or h.bos_id + 1 >= h.vocab_size):
+            raise ValueError(f"cplm_bands={h.cplm_bands}: two band lengths in tokens (training, evaluation; the PR's "
+                             f"2048,8192), and the copy column bos_id + 1 = {h.bos_id + 1} below vocab_size={h.vocab_size}")
         if h.parallel_attn and h.backout_layer < 0:
             raise ValueError("parallel_attn=true: the later blocks attend over block backout_layer's output; "
                              "set backout_layer (now -1)")
@@ -989,6 +993,8 @@ class ModelConfig:
     mudd_gates: bool
     xsa_blocks: tuple[int, ...]
     dc: bool
+    cplm_bands: tuple[int, ...]
+    bos_id: int  # CPLM's copy column is bos_id + 1
     parallel_attn: bool
     uniform_out_init: bool
     sublayer_lambdas: bool
@@ -1326,6 +1332,7 @@ class Block(nn.Module):
         return x + self.mlp(norm(x)) if sub is None else sub[1] * x + sub[2] * self.mlp(norm(x))
 
 
+COPY_DIM = 128  # CPLM's pointer: the width of its query and key
 MUDD_DIM, MUDD_COEFS = 64, 16  # MUDD: each MLP's hidden width, and its outputs (14 and 5 used, 16 for even shards)
 # What MUDD's per-token weights multiply, with their values at the start (the public master's): MLP 0 before the last
 # block: the value channel's x0, backout and x, the residual's x0, backout and own weight - 1, the value embedding's
@@ -1341,7 +1348,7 @@ class GPT(nn.Module):
                  fused_ce: bool = False, fp8_mlp: bool = False):
         super().__init__()
         self.cfg, self.attn_fn, self.fp8_head = cfg, attn_fn, fp8_head
-        self.fused_ce = fused_ce and fp8_head  # the fused loss is the FP8 head's (fp8_head_ce)
+        self.fused_ce = fused_ce and fp8_head and not cfg.cplm_bands  # the FP8 head's fused loss (fp8_head_ce)
         L, dim = cfg.num_layers, cfg.model_dim
         self.embed = nn.Embedding(cfg.vocab_size, dim)
         tables = len(cfg.value_embed_blocks) or cfg.num_value_embeds
@@ -1369,7 +1376,7 @@ class GPT(nn.Module):
         inits = dict(blocks=torch.tensor([r, 0.0, 0.5, 0.5]).repeat(L),
                      skips=torch.ones(L // 2) if cfg.skip_from < 0 else torch.tensor([-1.5]),
                      bigram=torch.full((L,), 0.1), backout=torch.tensor([0.5]), smear=torch.zeros(1),
-                     sublayer=torch.tensor([1.0, r, 1.0]).repeat(L))
+                     sublayer=torch.tensor([1.0, r, 1.0]).repeat(L), copy_gain=torch.ones(1))
         scalars = torch.cat([inits[name] for name, part in self.scalar_layout().items() if part.stop > part.start])
         self.scalars = nn.Parameter(F.pad(scalars, (0, -scalars.numel() % 64)))
         for m in (self.embed, *self.value_embeds):
@@ -1428,6 +1435,12 @@ class GPT(nn.Module):
                     b2[start: start + n], start = init / MUDD_SCALE, start + n
             b2[-8] = MUDD_SCALE
             self.mudd_gate_b2 = nn.Parameter(b2)
+        # CPLM's pointer (copy_pointer): query and key projections of the final state, N(0, 1/dim) (uniform), and the
+        # sink's key, N(0, 1/COPY_DIM), as in PR 379; its query gain (1 at the start) is a scalar. Drawn last.
+        if cfg.cplm_bands:
+            bound = math.sqrt(3 / dim)
+            self.copy_qk = nn.Parameter(torch.empty(2 * COPY_DIM, dim).uniform_(-bound, bound))
+            self.copy_sink = nn.Parameter(torch.randn(COPY_DIM) / math.sqrt(COPY_DIM))
 
     def scalar_layout(self) -> dict[str, slice]:
         """Where each kind of scalar lies in self.scalars (the features that are off take no room)."""
@@ -1435,7 +1448,7 @@ class GPT(nn.Module):
         sizes = dict(blocks=4 * L, skips=L // 2 if cfg.skip_from < 0 else 1,
                      bigram=L if cfg.bigram_rows and not cfg.mudd_gates else 0,  # the gates' are per token
                      backout=1 if cfg.backout_layer >= 0 else 0, smear=1 if cfg.smear else 0,
-                     sublayer=3 * L if cfg.sublayer_lambdas else 0)
+                     sublayer=3 * L if cfg.sublayer_lambdas else 0, copy_gain=1 if cfg.cplm_bands else 0)
         layout, start = {}, 0
         for name, n in sizes.items():
             layout[name], start = slice(start, start + n), start + n
@@ -1578,14 +1591,55 @@ class GPT(nn.Module):
     def next_token_logits(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int]) -> Tensor:
         """Soft-capped logits at the last position (for sampling; bf16 head)."""
         x = self.hidden(inputs, cu_seqlens, max_seqlen, windows)[-1:]
-        return self.softcap(F.linear(x, self.lm_head_w.type_as(x)))[0]
+        logits = self.softcap(F.linear(x, self.lm_head_w.type_as(x)))[0]
+        if self.cfg.cplm_bands:  # the copy column is no token (sampling here leaves CPLM's pointer out)
+            logits[self.cfg.bos_id + 1] = float("-inf")
+        return logits
+
+    def copy_pointer(self, x: Tensor, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+        """CPLM's pointer (copy-pointer language model, @NathanGodey, PR 379 of the public line): one head over the
+        final states x, q = g norm(W_q x), k = norm(W_k x), scores q.k / sqrt(COPY_DIM), attends over the earlier
+        positions of the same document in the query's band of `band` tokens and the one before it (the stage's
+        cplm_bands entry), plus a learned sink key. Returns, per position, the probability it gives the target, summed
+        over earlier positions holding that token (p_copy), and the sink's share (a_sink). Bands of queries go
+        together in training (memory O(T band)), one at a time in evaluation."""
+        cfg, d = self.cfg, COPY_DIM
+        band = cfg.cplm_bands[0 if self.training else 1]
+        gain = self.scalars[self.scalar_layout()["copy_gain"]][0]
+        q = (norm(F.linear(x, self.copy_qk[:d].type_as(x))) * gain).float() / math.sqrt(d)
+        k = norm(F.linear(x, self.copy_qk[d:].type_as(x))).float()
+        T, pad = x.size(0), -x.size(0) % band
+        n = (T + pad) // band
+        sink = (q @ self.copy_sink.float())
+        doc = torch.searchsorted(cu_seqlens, torch.arange(T, device=x.device), right=True)
+        qb, sink = F.pad(q, (0, 0, 0, pad)).view(n, band, d), F.pad(sink, (0, pad)).view(n, band, 1)
+        kb = F.pad(k, (0, 0, band, pad)).unfold(0, 2 * band, band)  # (n, d, 2 band): the band before and this one
+        doc_q, doc_k = F.pad(doc, (0, pad), value=-1).view(n, band), F.pad(doc, (band, pad), value=-2).unfold(0, 2 * band, band)
+        tokens = F.pad(inputs, (band, pad), value=-1).unfold(0, 2 * band, band)
+        wanted = F.pad(targets, (0, pad), value=-2).view(n, band)
+        i, j = torch.arange(band, device=x.device), torch.arange(2 * band, device=x.device)
+        earlier = j[None, :] < i[:, None] + band  # key j of the two bands lies strictly before query i
+        step = n if self.training else 1
+        p_copy, a_sink = [], []
+        for b in range(0, n, step):
+            s = slice(b, b + step)
+            scores = torch.einsum("nid,ndj->nij", qb[s], kb[s])
+            scores = scores.masked_fill(~(earlier & (doc_q[s, :, None] == doc_k[s, None, :])), float("-inf"))
+            probs = torch.cat([sink[s], scores], dim=-1).softmax(dim=-1)
+            a_sink.append(probs[..., 0])
+            p_copy.append(torch.where(tokens[s, None, :] == wanted[s, :, None], probs[..., 1:], 0).sum(-1))
+        return torch.cat(p_copy).flatten()[:T], torch.cat(a_sink).flatten()[:T]
 
     def head_losses(self, x: Tensor, targets: Tensor, mtp_weights: Tensor | None = None,
-                    cu_seqlens: Tensor | None = None, prefix_weight: Tensor | None = None) -> Tensor:
+                    cu_seqlens: Tensor | None = None, prefix_weight: Tensor | None = None,
+                    copy: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Cross-entropy of every position of the final hidden state x against its target; with
         mtp_weights (w_2, w_3, ...), plus multi-token prediction's sum_k w_k * CE(logits_t, token t+k)
         over the targets of t's document (mtp_targets); with prefix_weight (one value), plus that times
-        CE(logits_t, the prefix token of t's target) where it has one (prefix_ids); all from the same logits."""
+        CE(logits_t, the prefix token of t's target) where it has one (prefix_ids); all from the same logits.
+        With copy = (p_copy, a_sink) (copy_pointer), the next-token term is CPLM's: -log of the mixture
+        p_lm(y) (1 - alpha (1 - a_sink)) / (1 - alpha) + alpha p_copy(y), alpha the softmax's share of the copy
+        column bos_id + 1 (a padding row no token uses), as PR 379."""
         cfg = self.cfg
         extra = [] if mtp_weights is None else [(y, torch.where(keep, mtp_weights[j], 0)) for j, (y, keep) in
                                                  enumerate(mtp_targets(targets, cu_seqlens, mtp_weights.size(0)))]
@@ -1611,6 +1665,10 @@ class GPT(nn.Module):
         vocab = torch.arange(z.size(-1), device=z.device)
         lse = z.exp().sum(-1).log()
         losses = lse - torch.where(vocab == targets[:, None], z, 0).sum(-1)
+        if copy is not None:
+            alpha = (z[:, cfg.bos_id + 1] - lse).exp()
+            p_lm = (-losses).exp() * (1 - alpha * (1 - copy[1])) / (1 - alpha).clamp_min(1e-6)
+            losses = -(p_lm + alpha * copy[0] + 1e-9).log()
         # The weights are a tensor, not Python floats: new values every step reuse the compiled graph.
         for y, w in extra:
             losses = losses + w * (lse - torch.where(vocab == y[:, None], z, 0).sum(-1))
@@ -1627,11 +1685,14 @@ class GPT(nn.Module):
         and prefix_weight add multi-token prediction's and the prefix-token loss' terms (head_losses);
         evaluation is always next-token only."""
         x = self.hidden(inputs, cu_seqlens, max_seqlen, windows)
+        copy = self.copy_pointer(x, inputs, targets, cu_seqlens) if self.cfg.cplm_bands else None
         if self.training:
-            losses = self.head_losses(x, targets, mtp_weights, cu_seqlens, prefix_weight)
+            losses = self.head_losses(x, targets, mtp_weights, cu_seqlens, prefix_weight, copy)
         else:
             n = self.eval_slice
-            losses = torch.cat([self.head_losses(x[i: i + n], targets[i: i + n]) for i in range(0, x.size(0), n)])
+            part = (lambda i: None) if copy is None else (lambda i: (copy[0][i: i + n], copy[1][i: i + n]))
+            losses = torch.cat([self.head_losses(x[i: i + n], targets[i: i + n], copy=part(i))
+                                for i in range(0, x.size(0), n)])
         return losses.sum() if reduction == "sum" else losses
 
 
@@ -2446,6 +2507,8 @@ def param_groups_by_role(model: GPT) -> dict[str, list[nn.Parameter]]:
     mudd = {"MUDD": [model.mudd_w1, model.mudd_w2, model.mudd_b2]} if model.cfg.mudd else {}
     if model.cfg.mudd_gates:
         mudd["MUDD gates"] = [model.mudd_gate_w1, model.mudd_gate_w2, model.mudd_gate_b2]
+    if model.cfg.cplm_bands:
+        mudd["copy pointer"] = [model.copy_qk, model.copy_sink]
     return {**groups, "block matrices": [p for p in model.blocks.parameters() if p.ndim >= 2] + smear,
             "LM head": [model.lm_head_w], "scalars": [model.scalars], **mudd}
 
@@ -2476,7 +2539,9 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
                    # MUDD's MLPs: a quarter of the base rate, betas 0.9 / 0.99 (the public master's)
                    dict(params=groups.get("MUDD", []), lr=args.adam_lr * 0.25, betas=(0.9, 0.99)),
                    # the MUDD gates' MLPs and scale: a tenth of it (the 2026-05-27 record's)
-                   dict(params=groups.get("MUDD gates", []), lr=args.adam_lr * 0.1, betas=(0.9, 0.99))]
+                   dict(params=groups.get("MUDD gates", []), lr=args.adam_lr * 0.1, betas=(0.9, 0.99)),
+                   # CPLM's pointer: the base rate, betas 0.9 / 0.99 (PR 379's)
+                   dict(params=groups.get("copy pointer", []), lr=args.adam_lr, betas=(0.9, 0.99))]
     adam = DistAdam([g for g in adam_groups if g["params"]], lr=args.adam_lr, betas=betas, eps=args.adam_eps,
                     rank=rank, world_size=world_size, update=update)
     fc, proj = args.mlp_muon_lr_mults or (1.0, 1.0)

@@ -42,9 +42,10 @@ def test_fresh_model_predicts_uniformly_so_its_loss_is_log_vocab():
 
 
 MUDD_GATES = LATER_RECORDS  # the MUDD gates with XSA in block 1 and DC attention
+CPLM = dict(LATER_RECORDS, vocab_size=72, cplm_bands=(16, 32))  # the copy column: 64, which no token uses
 
 
-@pytest.mark.parametrize("features", [{}, LATER_RECORDS], ids=["0903", "later_records"])
+@pytest.mark.parametrize("features", [{}, LATER_RECORDS, CPLM], ids=["0903", "later_records", "cplm"])
 def test_loss_at_a_position_depends_only_on_earlier_tokens_of_its_document(features):
     model = tiny_model(randomize=True, **features)
     x, y, cu = batch(doc_starts=(0, 60))
@@ -658,6 +659,50 @@ def test_dc_correction_is_the_per_token_loop_and_does_not_depend_on_the_query_bl
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tg.dc_correction(q, k, v, cu, w1, w2, scale, window=window, chunk=32), out)
     assert tg.dc_correction(q, k, v, cu, w1, torch.zeros(T, H), scale).abs().max() == 0
+
+
+def test_cplm_pointer_is_the_per_position_loop_and_the_mixture_is_a_distribution():
+    """The pointer against a loop over positions (earlier positions of the document within the band, a sink);
+    the mixture's probabilities over every token sum to one, and the loss is -log of the mixture."""
+    model = tiny_model(randomize=True, **CPLM)
+    x, y, cu = batch(doc_starts=(0, 40, 90))
+    for training, band in ((True, 16), (False, 32)):
+        model.train(training)
+        with torch.no_grad():
+            h = model.hidden(x, cu, 128, W3)
+            p_copy, a_sink = model.copy_pointer(h, x, y, cu)
+            d = tg.COPY_DIM
+            gain = model.scalars[model.scalar_layout()["copy_gain"]][0]
+            q = (tg.norm(h @ model.copy_qk[:d].type_as(h).T) * gain).float() / d ** 0.5
+            k = tg.norm(h @ model.copy_qk[d:].type_as(h).T).float()
+            for t in range(128):
+                start = max(max(s for s in (0, 40, 90) if s <= t), (t // band - 1) * band)
+                scores = torch.cat([(q[t] @ model.copy_sink)[None], k[start:t] @ q[t]]).softmax(0)
+                torch.testing.assert_close(a_sink[t], scores[0], rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(p_copy[t], scores[1:][x[start:t] == y[t]].sum(), rtol=1e-5, atol=1e-6)
+    assert p_copy.max() > 0 and a_sink.min() < 1
+    model.eval()
+    with torch.no_grad():
+        h = model.hidden(x, cu, 128, W3)
+        total = torch.zeros(128)
+        for token in set(range(CPLM["vocab_size"])) - {TINY["bos_id"] + 1}:  # every column but the copy column
+            target = torch.full_like(y, token)
+            copy = model.copy_pointer(h, x, target, cu)
+            total += (-model.head_losses(h, target, copy=copy)).exp()
+        torch.testing.assert_close(total, torch.ones(128), rtol=1e-5, atol=1e-5)
+    loss = model(x, y, cu, 128, W3)
+    model.train()
+    model(x, y, cu, 128, W3).backward()
+    assert model.copy_qk.grad.norm() > 0 and model.copy_sink.grad.norm() > 0
+    assert model.scalars.grad[model.scalar_layout()["copy_gain"]].abs().min() > 0
+    assert model.next_token_logits(x, cu, 128, W3)[TINY["bos_id"] + 1] == float("-inf")
+    groups = {id(p): g for g in tg.build_optimizers(model, tg.Hyperparameters(**{**TINY, **CPLM}), 0, 1)[0].param_groups
+              for p in g["params"]}
+    assert groups[id(model.copy_qk)] is groups[id(model.copy_sink)] and groups[id(model.copy_qk)]["betas"] == (0.9, 0.99)
+    assert torch.isfinite(loss)
+    for bad in (dict(cplm_bands=(16,)), dict(cplm_bands=(0, 8)), dict(vocab_size=64)):
+        with pytest.raises(ValueError, match="cplm_bands"):
+            tg.Hyperparameters(**{**TINY, **CPLM, **bad})
 
 
 def test_parallel_attn_feeds_every_later_attention_the_normed_output_of_the_backout_block():
