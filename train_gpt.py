@@ -662,14 +662,18 @@ mm_fp8.register_autograd(_mm_fp8_backward, setup_context=_mm_fp8_setup_context)
 # softcapped cross-entropy"): the loss comes from kernels.softcap_ce, and the backward's logit
 # gradient from kernels.softcap_ce_grad, written once, in FP8, in both layouts the two matmuls need.
 # Each token has K targets (T, K) with weights (T, K): the next token (weight 1) and, with multi-token
-# prediction, the tokens after it at their weights, 0 where a target lies past the token's document.
+# prediction, the tokens after it at their weights, 0 where a target lies past the token's document. The op also
+# gives each target's own cross-entropy term, lse - z (T, K), for losses that are not a weighted sum of them
+# (CPLM's mixture): their gradients join the weights in the backward, whose kernel takes any per-target weights.
 @torch.library.custom_op("speedrun::fp8_head_ce", mutates_args=())
 def fp8_head_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, x_s: float, w_s: float, grad_s: float,
-                cap: float, shift: float, temp: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(losses, lse, logits, x_f8_t, w_f8_t): each token's loss; the rest is kept for the backward."""
+                cap: float, shift: float, temp: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(losses, lse, logits, x_f8_t, w_f8_t, terms): each token's weighted loss, the rest kept for the backward,
+    and each target's term lse - z (T, K)."""
     logits, x_f8_t, w_f8_t = _fp8_logits(x, w, x_s, w_s)
     losses, lse = kernels.softcap_ce(logits, targets, cap, shift, temp, weights)
-    return losses, lse, logits, x_f8_t, w_f8_t
+    z = cap * torch.sigmoid((logits.gather(1, targets.long()).float() + shift) / temp)  # the soft-capped targets
+    return losses, lse, logits, x_f8_t, w_f8_t, lse[:, None] - z
 
 
 @fp8_head_ce.register_fake
@@ -677,7 +681,7 @@ def _(x, w, targets, weights, x_s, w_s, grad_s, cap, shift, temp):
     (T, D), V = x.shape, w.size(0)
     return (x.new_empty(T, dtype=torch.float32), x.new_empty(T, dtype=torch.float32),
             x.new_empty(T, V, dtype=torch.bfloat16), x.new_empty(D, T, dtype=torch.float8_e4m3fn),
-            w.new_empty(D, V, dtype=torch.float8_e4m3fn))
+            w.new_empty(D, V, dtype=torch.float8_e4m3fn), x.new_empty(T, targets.size(1), dtype=torch.float32))
 
 
 @torch.library.custom_op("speedrun::fp8_head_ce_backward", mutates_args=())
@@ -696,13 +700,18 @@ def _(grad_losses, logits, targets, weights, lse, x_f8_t, w_f8_t, x_s, w_s, grad
 
 def _fp8_head_ce_setup_context(ctx, inputs, output):
     _, _, targets, weights, *ctx.scalars = inputs  # x_s, w_s, grad_s, cap, shift, temp
-    _, lse, logits, x_f8_t, w_f8_t = output
+    _, lse, logits, x_f8_t, w_f8_t, _ = output
     ctx.save_for_backward(logits, targets, weights, lse, x_f8_t, w_f8_t)
 
 
-def _fp8_head_ce_autograd(ctx, grad_losses, *_):
-    grad_x, grad_w = torch.ops.speedrun.fp8_head_ce_backward(grad_losses.float().contiguous(), *ctx.saved_tensors,
-                                                             *ctx.scalars)
+def _fp8_head_ce_autograd(ctx, grad_losses, _lse, _logits, _x_f8_t, _w_f8_t, grad_terms):
+    logits, targets, weights, lse, x_f8_t, w_f8_t = ctx.saved_tensors
+    # every target's weight in the gradient: the weighted losses' and the terms' own, one backward for both
+    weights = weights * (0 if grad_losses is None else grad_losses.float()[:, None])
+    if grad_terms is not None:
+        weights = weights + grad_terms.float()
+    grad_x, grad_w = torch.ops.speedrun.fp8_head_ce_backward(torch.ones_like(lse), logits, targets, weights.contiguous(),
+                                                             lse, x_f8_t, w_f8_t, *ctx.scalars)
     return grad_x, grad_w, None, None, None, None, None, None, None, None
 
 
@@ -1348,7 +1357,7 @@ class GPT(nn.Module):
                  fused_ce: bool = False, fp8_mlp: bool = False):
         super().__init__()
         self.cfg, self.attn_fn, self.fp8_head = cfg, attn_fn, fp8_head
-        self.fused_ce = fused_ce and fp8_head and not cfg.cplm_bands  # the FP8 head's fused loss (fp8_head_ce)
+        self.fused_ce = fused_ce and fp8_head  # the fused loss is the FP8 head's (fp8_head_ce)
         L, dim = cfg.num_layers, cfg.model_dim
         self.embed = nn.Embedding(cfg.vocab_size, dim)
         tables = len(cfg.value_embed_blocks) or cfg.num_value_embeds
@@ -1621,13 +1630,15 @@ class GPT(nn.Module):
         earlier = j[None, :] < i[:, None] + band  # key j of the two bands lies strictly before query i
         step = n if self.training else 1
         p_copy, a_sink = [], []
-        for b in range(0, n, step):
+        for b in range(0, n, step):  # the softmax over the keys and the sink written out: no (.., 1 + 2 band) copy
             s = slice(b, b + step)
             scores = torch.einsum("nid,ndj->nij", qb[s], kb[s])
-            scores = scores.masked_fill(~(earlier & (doc_q[s, :, None] == doc_k[s, None, :])), float("-inf"))
-            probs = torch.cat([sink[s], scores], dim=-1).softmax(dim=-1)
-            a_sink.append(probs[..., 0])
-            p_copy.append(torch.where(tokens[s, None, :] == wanted[s, :, None], probs[..., 1:], 0).sum(-1))
+            scores = torch.where(earlier & (doc_q[s, :, None] == doc_k[s, None, :]), scores, float("-inf"))
+            top = torch.maximum(scores.amax(-1), sink[s, :, 0]).detach()  # any shift gives the same softmax
+            e, e_sink = (scores - top[..., None]).exp(), (sink[s, :, 0] - top).exp()
+            total = e.sum(-1) + e_sink
+            a_sink.append(e_sink / total)
+            p_copy.append(torch.where(tokens[s, None, :] == wanted[s, :, None], e, 0).sum(-1) / total)
         return torch.cat(p_copy).flatten()[:T], torch.cat(a_sink).flatten()[:T]
 
     def head_losses(self, x: Tensor, targets: Tensor, mtp_weights: Tensor | None = None,
@@ -1647,12 +1658,17 @@ class GPT(nn.Module):
             prefix = self.prefix_ids[targets]
             extra.append((prefix.clamp(min=0), torch.where(prefix >= 0, prefix_weight[0], 0)))
         if self.fused_ce and self.training:
-            # every target of a token in one pass over its logits: (T, K) targets, (T, K) weights
+            # every target of a token in one pass over its logits: (T, K) targets, (T, K) weights; with CPLM, the
+            # next token's term and the copy column's (the last target) go into the mixture instead, at weight 0
             ys = torch.stack([targets, *(y for y, _ in extra)], 1)
             ws = torch.stack([torch.ones_like(targets, dtype=torch.float32), *(w for _, w in extra)], 1)
-            return torch.ops.speedrun.fp8_head_ce(x, self.lm_head_w, ys, ws, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
-                                                  HEAD_GRAD_SCALE, cfg.logit_softcap, cfg.softcap_shift,
-                                                  cfg.softcap_temp)[0]
+            if copy is not None:
+                ys = torch.cat([ys, torch.full_like(targets, cfg.bos_id + 1)[:, None]], 1)
+                ws = torch.cat([torch.zeros_like(ws[:, :1]), ws[:, 1:], torch.zeros_like(ws[:, :1])], 1)
+            out = torch.ops.speedrun.fp8_head_ce(x, self.lm_head_w, ys, ws, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
+                                                 HEAD_GRAD_SCALE, cfg.logit_softcap, cfg.softcap_shift,
+                                                 cfg.softcap_temp)
+            return out[0] if copy is None else out[0] + cplm_nll(out[5][:, 0], out[5][:, -1], *copy)
         if self.fp8_head and self.training:
             logits = torch.ops.speedrun.mm_fp8(x, self.lm_head_w, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
                                                HEAD_GRAD_SCALE)[0]
@@ -1666,9 +1682,7 @@ class GPT(nn.Module):
         lse = z.exp().sum(-1).log()
         losses = lse - torch.where(vocab == targets[:, None], z, 0).sum(-1)
         if copy is not None:
-            alpha = (z[:, cfg.bos_id + 1] - lse).exp()
-            p_lm = (-losses).exp() * (1 - alpha * (1 - copy[1])) / (1 - alpha).clamp_min(1e-6)
-            losses = -(p_lm + alpha * copy[0] + 1e-9).log()
+            losses = cplm_nll(losses, lse - z[:, cfg.bos_id + 1], *copy)
         # The weights are a tensor, not Python floats: new values every step reuse the compiled graph.
         for y, w in extra:
             losses = losses + w * (lse - torch.where(vocab == y[:, None], z, 0).sum(-1))
@@ -1694,6 +1708,15 @@ class GPT(nn.Module):
             losses = torch.cat([self.head_losses(x[i: i + n], targets[i: i + n], copy=part(i))
                                 for i in range(0, x.size(0), n)])
         return losses.sum() if reduction == "sum" else losses
+
+
+def cplm_nll(next_term: Tensor, copy_term: Tensor, p_copy: Tensor, a_sink: Tensor) -> Tensor:
+    """CPLM's next-token loss (PR 379) from the head's cross-entropy terms lse - z of the next token (p_lm =
+    exp(-term)) and of the copy column (alpha = exp(-term)): -log(p_lm (1 - alpha (1 - a_sink)) / (1 - alpha) +
+    alpha p_copy). The pointer's sink share goes back to the head's softmax, renormalized without the copy column."""
+    alpha = (-copy_term).exp()
+    p_lm = (-next_term).exp() * (1 - alpha * (1 - a_sink)) / (1 - alpha).clamp_min(1e-6)
+    return -(p_lm + alpha * p_copy + 1e-9).log()
 
 
 # -----------------------------------------------------------------------------------------------

@@ -727,18 +727,54 @@ def test_fp8_head_ce_op_gives_the_unfused_heads_losses_and_gradients_compiled_or
         out[0].sum().backward()
     assert [(t.shape, t.dtype) for t in out] == [((8,), torch.float32), ((8,), torch.float32),
                                                  ((8, 16), torch.bfloat16),
-                                                 ((32, 8), torch.float8_e4m3fn), ((32, 16), torch.float8_e4m3fn)]
+                                                 ((32, 8), torch.float8_e4m3fn), ((32, 16), torch.float8_e4m3fn),
+                                                 ((8, 2), torch.float32)]
     assert (x.grad.shape, x.grad.dtype) == ((8, 32), torch.bfloat16)
     assert (w.grad.shape, w.grad.dtype) == ((16, 32), torch.float32)
 
 
-def test_model_with_fused_ce_trains_on_the_fp8_heads_losses_and_gradients():
+def test_fp8_head_ce_terms_carry_any_losss_gradient_as_the_unfused_head():
+    """The per-target terms lse - z of the op, used by a loss that is no weighted sum of them (here a mixture, as
+    CPLM's), and its weighted losses at once: the same values and gradients as the unfused FP8 head."""
+    if not tg.fp8_supported(DEVICE):
+        pytest.skip(f"_scaled_mm FP8 does not run on {DEVICE}")
+    x0, w0, targets = fp8_head_ce_case()
+    targets = torch.stack([targets, (targets * 7 + 3) % w0.size(0)], 1)  # two targets per token
+    weights = torch.tensor([0.0, 0.5], device=DEVICE).expand(x0.size(0), 2).contiguous()
+
+    def mixture(terms, losses):
+        return (-torch.log(torch.exp(-terms[:, 0]) + 0.3 * torch.exp(-terms[:, 1])) + losses).sum()
+    results = []
+    for fused in (False, True):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        if fused:
+            out = torch.ops.speedrun.fp8_head_ce(x, w, targets, weights, tg.head_x_scale(x.size(1)), tg.HEAD_W_SCALE,
+                                                 tg.HEAD_GRAD_SCALE, CAP, SHIFT, TEMP)
+            terms, losses = out[5], out[0]
+        else:
+            logits = torch.ops.speedrun.mm_fp8(x, w, tg.head_x_scale(x.size(1)), tg.HEAD_W_SCALE, tg.HEAD_GRAD_SCALE)[0]
+            z = CAP * torch.sigmoid((logits.float() + SHIFT) / TEMP)
+            terms = torch.logsumexp(z, -1)[:, None] - z.gather(1, targets.long())
+            losses = (terms * weights).sum(1)
+        loss = mixture(terms, losses)
+        loss.backward()
+        results.append((loss.detach(), x.grad.float(), w.grad))
+    (l0, gx0, gw0), (l1, gx1, gw1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-4)
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+    assert rel(gx1, gx0) < 0.05 and rel(gw1, gw0) < 0.05, (rel(gx1, gx0), rel(gw1, gw0))  # e5m2 gradients
+
+
+@pytest.mark.parametrize("cplm", [False, True], ids=["next_token", "cplm"])
+def test_model_with_fused_ce_trains_on_the_fp8_heads_losses_and_gradients(cplm):
     """The model's loss with the fused op equals the FP8 head's; its gradients lie as close to the bf16
-    head's as the unfused FP8 head's do (FP8 rounding, not the fusion, sets the difference)."""
+    head's as the unfused FP8 head's do (FP8 rounding, not the fusion, sets the difference). With CPLM the
+    fused op's terms feed the mixture (the copy column 64 of a vocabulary of 72)."""
     if not tg.fp8_supported(DEVICE):
         pytest.skip(f"_scaled_mm FP8 does not run on {DEVICE}")
     from conftest import TINY
-    args = tg.Hyperparameters(**{**TINY, "logit_softcap": CAP, "softcap_shift": SHIFT})
+    extra = dict(vocab_size=72, cplm_bands=(32, 64)) if cplm else {}
+    args = tg.Hyperparameters(**{**TINY, "logit_softcap": CAP, "softcap_shift": SHIFT, **extra})
     results = []
     for fp8, fused in ((False, False), (True, False), (True, True)):
         torch.manual_seed(0)
@@ -747,8 +783,8 @@ def test_model_with_fused_ce_trains_on_the_fp8_heads_losses_and_gradients():
             for p in model.parameters():
                 p.add_(0.1 * torch.randn_like(p.float()).to(p.dtype))
         g = torch.Generator().manual_seed(1)
-        x = torch.randint(0, TINY["vocab_size"], (128,), generator=g, dtype=torch.int32).to(DEVICE)
-        y = torch.randint(0, TINY["vocab_size"], (128,), generator=g, dtype=torch.int32).to(DEVICE)
+        x = torch.randint(0, TINY["vocab_size"] // (4 if cplm else 1), (128,), generator=g, dtype=torch.int32).to(DEVICE)
+        y = torch.randint(0, TINY["vocab_size"] // (4 if cplm else 1), (128,), generator=g, dtype=torch.int32).to(DEVICE)
         cu = torch.tensor([0, 128], dtype=torch.int32, device=DEVICE)
         loss = model(x, y, cu, 128, tg.window_tokens(3, TINY["window_block"]))
         loss.backward()
