@@ -337,6 +337,9 @@ RECORD_LINE = dict(
     # the MUDD gates: per-token x0, bigram, XSA (blocks 1, 3, 4, 7), long-window output and skip weights, and DC
     # attention in the last block (05/27/26); on the proxy -0.0157 +- 0.0058 at equal tokens, +3.4% step (an H200)
     mudd_gates=True, xsa_blocks=(1, 3, 4, 7), dc=True,
+    # the copy-pointer mixture of public pull request 379 (not in the master): a pointer over the document's last 2,048
+    # tokens in training, 8,192 in validation; on the proxy -0.0398 +- 0.0040 at equal tokens, +5.0% step (an H200)
+    cplm_bands=(2048, 8192),
     yarn=True, smear=True, ve_gate=True,  # YaRN (09/10/25), smear (09/18/25),
     # value-embedding gates (12/29/25); paired-head attention in four short-window blocks (01/07/26)
     paired_head_blocks=(0, 2, 5, 9),
@@ -377,10 +380,10 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "master, 2026-08) as far as this file implements them, on its 11 blocks: bigram hash embedding, "
                "MUDD with its gates, XSA and DC attention, YaRN, smear and value-embedding gates, paired heads, "
                "partial key offset, five untied value tables, parallel attention inputs, backout, per-sublayer "
-               "residual weights and one gated skip, "
-               "NorMuon with cautious decay, Adam every second step, "
-               "multi-token and prefix-token losses, the embedding tied for two stages, a 20-step extension; with "
-               "our fused ReLU² MLP (FP8 forward) and soft-capped cross-entropy kernels", RECORD_LINE),
+               "residual weights and one gated skip, NorMuon with cautious decay, Adam every second step, "
+               "multi-token and prefix-token losses, the embedding tied for two stages, a 20-step extension; plus "
+               "the copy-pointer mixture of public pull request 379 (CPLM); with our fused ReLU² MLP (FP8 forward) "
+               "and soft-capped cross-entropy kernels", RECORD_LINE),
     "record-0903": ("the public record of 2025-09-03 as it ran (1670 steps, 8 GPUs): the dataclass defaults", {}),
     "smoke": ("a tiny model on a built-in synthetic corpus (a random Markov chain whose entropy per token, "
               "the lowest loss possible, is known): about 1.5 minutes on a 2-core CPU; a checkpoint every 50 steps, "
@@ -2466,7 +2469,9 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
 STEP_US_PER_TOKEN = {
     # one H100 80GB HBM3, 2026-11-26, FA4, the record preset at its own shapes (bench/step_time.py --stages:
     # 667.2 / 678.1 / 688.8 / 691.5 ms per 393,216-token step; bench/results/step_time_stages_h100_20261126.md),
-    # before its residual stream became the master's (sublayer_lambdas, skip_from: +0.3% at window 11, varlen)
+    # before its residual stream became the master's (sublayer_lambdas, skip_from: +0.3% at window 11, varlen), and
+    # before the MUDD gates with DC attention (+3.4%) and CPLM (+5.0%; both at window 11, varlen, on an H200): until
+    # they are measured again on an H100, --plan's projection for the record preset is about 9% short
     ("H100", "record", 49152, 896, 3): 1.697,
     ("H100", "record", 49152, 2048, 7): 1.725,
     ("H100", "record", 49152, 2048, 11): 1.752,

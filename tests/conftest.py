@@ -73,13 +73,14 @@ TINY = dict(vocab_size=VOCAB, bos_id=BOS, num_layers=4, model_dim=64, num_heads=
 # first stage, MUDD with its gates (XSA in block 1, DC attention in the last block), parallel attention inputs,
 # untied value embeddings in blocks 1 and 3,
 # output projections drawn as V, Adam every second step, per-sublayer residual weights and one skip from block 1
-# into the attention-less block 2 instead of the U-net (as the record preset runs them).
+# into the attention-less block 2 instead of the U-net, and CPLM's copy pointer (bands of 16 and 32 tokens; a
+# vocabulary of 72 leaves its copy column, 64, unused by the tokens) (as the record preset runs them).
 LATER_RECORDS = dict(bigram_rows=256, bigram_sign_rows=16, backout_layer=2, logit_softcap=23.0, softcap_shift=5.0,
                      orthogonalizer="polar_express", muon_beta2=0.9, yarn=True, smear=True, ve_gate=True,
                      key_offset=True, paired_head_blocks=(1,), tied_embed_stages=1, mudd=True, mudd_gates=True,
                      xsa_blocks=(1,), dc=True,
                      parallel_attn=True, num_value_embeds=0, value_embed_blocks=(1, 3), uniform_out_init=True,
-                     adam_every=2, sublayer_lambdas=True, skip_from=1)
+                     adam_every=2, sublayer_lambdas=True, skip_from=1, vocab_size=72, cplm_bands=(16, 32))
 # With the value-embedding and bigram tables decayed (strongly, so that it shows) and their own Adam betas,
 # and Muon's cautious weight decay, the public master's MLP rates in Muon and the scalars' betas.
 DECAYED_TABLES = dict(LATER_RECORDS, embed_weight_decay=0.5, embed_adam_betas=(0.75, 0.95), muon_weight_decay=1.2,

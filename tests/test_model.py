@@ -798,6 +798,7 @@ def test_sublayer_weights_at_one_give_the_model_without_them():
         on.scalars.zero_()
         on.scalars[: at["sublayer"].start] = off.scalars[: at["sublayer"].start]
         on.scalars[at["sublayer"]] = 1.0
+        on.scalars[at["copy_gain"]] = off.scalars[off.scalar_layout()["copy_gain"]]  # the layout's last entry
     x, y, cu = batch()
     assert torch.allclose(on(x, y, cu, 128, W3), off(x, y, cu, 128, W3), rtol=1e-5)
     with torch.no_grad():

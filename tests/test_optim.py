@@ -279,7 +279,8 @@ def test_value_embedding_and_bigram_tables_are_an_adam_group_of_their_own_at_the
     args = tg.Hyperparameters(**{**TINY, **DECAYED_TABLES})
     model = tg.GPT(tg.ModelConfig.from_args(args))
     adam, _ = tg.build_optimizers(model, args, 0, 1)
-    token, tables, head, scalars, mudd, gates = adam.param_groups  # MUDD's MLPs and its gates' last
+    token, tables, head, scalars, mudd, gates, copy = adam.param_groups  # MUDD's MLPs, its gates', CPLM's pointer last
+    assert [id(p) for p in copy["params"]] == [id(model.copy_qk), id(model.copy_sink)]
     assert [id(p) for p in mudd["params"]] == [id(model.mudd_w1), id(model.mudd_w2), id(model.mudd_b2)]
     assert [id(p) for p in gates["params"]] == [id(model.mudd_gate_w1), id(model.mudd_gate_w2), id(model.mudd_gate_b2)]
     assert [id(p) for p in token["params"]] == [id(model.embed.weight)]
