@@ -138,7 +138,7 @@ class Hyperparameters:
     paired_head_blocks: tuple[int, ...] = ()  # paired-head attention in these short-window blocks (01/07/26)
     mudd: bool = False  # MUDD: per-token learned mixes of earlier block outputs into the last block and the head (04/22/26)
     mudd_gates: bool = False  # per-token x0, bigram, XSA, attention-output and skip weights from two small MLPs (05/27/26)
-    # learnable XSA (04/29/26): each head removes tanh(a) of its output along its own value, a per token from the gates
+    # learnable XSA (04/29/26): each head removes tanh(a) of its output along its own value, a set per token by the gates
     xsa_blocks: tuple[int, ...] = ()  # with mudd_gates: XSA in these blocks (05/27/26: 1,3,4,7)
     dc: bool = False  # with mudd_gates: DC attention, heads' local maps mixed per token, in the last block (05/27/26)
     cplm_bands: tuple[int, ...] = ()  # copy mixture (CPLM, PR 379): pointer bands in training, evaluation; () = off
@@ -493,7 +493,8 @@ def stored_args(saved: dict) -> dict:
     for name, off in REMOVED_FIELDS.items():
         value = saved.pop(name, off)
         if (tuple(value) if isinstance(value, list) else value) != off:
-            raise ValueError(f"the checkpoint trained with {name}={cli_text(tuple(value) if isinstance(value, list) else value)}, a technique this "
+            value = tuple(value) if isinstance(value, list) else value
+            raise ValueError(f"the checkpoint trained with {name}={cli_text(value)}, a technique this "
                              "train_gpt.py no longer has (bench/README.md gives its results): resume it with the "
                              "commit that wrote it")
     columns = {flag: tuple(saved.pop(flag)) for flag in STAGE_COLUMNS if flag in saved}
@@ -1194,7 +1195,7 @@ DC_WINDOW, DC_CHUNK = 112, 128  # DC attention's local window in tokens (the pub
 def dc_correction(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w1: Tensor, w2: Tensor, scale: float,
                   window: int = DC_WINDOW, chunk: int = DC_CHUNK) -> Tensor:
     """Dynamically composable attention, post-composition only, rank 1 (DCMHA, arXiv 2405.08553; the 2026-05-27
-    record's lightweight DC, @lishengping, PR 292). Each head g's softmax over the `window` latest keys of the
+    record's lightweight DC, PR 315). Each head g's softmax over the `window` latest keys of the
     query's document (itself included), P_g, is recomputed; per token, one map A = sum_g w1_g P_g mixes the heads
     (w1 RMS-normed over heads) and head h adds w2_h A v_h to its output. q, k, v: (T, H, D) as attention saw them;
     w1, w2: (T, H) per-token weights. Queries go in blocks of `chunk`, each against its keys and the window - 1
@@ -1428,7 +1429,7 @@ class GPT(nn.Module):
             self.mudd_w2 = nn.Parameter(torch.zeros(2 * MUDD_COEFS, MUDD_DIM))
             self.mudd_b2 = nn.Parameter(torch.cat([F.pad(torch.tensor(b, dtype=torch.float) / MUDD_SCALE,
                                                          (0, MUDD_COEFS - len(b))) for b in MUDD_INIT]))
-        # MUDD gates (the 2026-05-27 record, @lishengping, PR 292): two more small MLPs of the same form, one from x0
+        # MUDD gates (the 2026-05-27 record, PR 315): two more small MLPs of the same form, one from x0
         # and one from the input of the block after the first long-window block (gate_layout), give per token the
         # x0 and bigram weights of the blocks before the last, XSA's strengths in xsa_blocks, a linear weight per
         # head of the long-window blocks' outputs (instead of the sigmoid head gates), the skip's weight and, with dc,
