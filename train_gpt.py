@@ -747,7 +747,7 @@ def fp8_supported(device: torch.device) -> bool:
 def attention_reference(q, k, v, cu_seqlens, max_seqlen, window, scale):
     """Plain PyTorch: an explicit (T, T) mask and SDPA. O(T^2) memory, for CPUs and tests."""
     pos = torch.arange(q.size(0), device=q.device)
-    doc = torch.searchsorted(cu_seqlens, pos, right=True)
+    doc = document_ids(cu_seqlens, q.size(0))
     delta = pos[:, None] - pos[None, :]
     mask = (doc[:, None] == doc[None, :]) & (delta >= 0) & (delta <= window)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
@@ -1040,6 +1040,19 @@ def document_starts(cu_seqlens: Tensor, T: int) -> Tensor:
     return torch.zeros(T + 1, dtype=torch.bool, device=cu_seqlens.device).index_fill(0, cu_seqlens.long(), True)[:T]
 
 
+def document_ids(cu_seqlens: Tensor, T: int) -> Tensor:
+    """(T,) each position's document: how many of cu_seqlens' offsets lie at or before it."""
+    return torch.searchsorted(cu_seqlens, torch.arange(T, device=cu_seqlens.device), right=True)
+
+
+def blocks_with_lookback(t: Tensor, block: int, lookback: int, value=0) -> Tensor:
+    """t (T, ...) cut into blocks of `block` rows, each with the `lookback` rows before it, padded with `value`
+    before the start and after the end: (n, ..., lookback + block), n = ceil(T / block). The keys of blocked local
+    attention (dc_correction, GPT.copy_pointer)."""
+    pad = -t.size(0) % block
+    return F.pad(t.movedim(0, -1), (lookback, pad), value=value).movedim(-1, 0).unfold(0, lookback + block, block)
+
+
 def bigram_indices(inputs: Tensor, cu_seqlens: Tensor, rows: int, sign_rows: int = 0) -> tuple[Tensor, Tensor | None]:
     """Each position's row of the bigram table and (sign_rows > 0) of the sign table.
 
@@ -1203,11 +1216,11 @@ def dc_correction(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w1: Tenso
     T, H, D = q.shape
     halo, pad = window - 1, -T % chunk
     n, width = (T + pad) // chunk, chunk + window - 1
-    doc = torch.searchsorted(cu_seqlens, torch.arange(T, device=q.device), right=True)
+    doc = document_ids(cu_seqlens, T)
     q_blocks = F.pad(q, (0, 0, 0, 0, 0, pad)).view(n, chunk, H, D)
-    k_blocks, v_blocks = (F.pad(t, (0, 0, 0, 0, halo, pad)).unfold(0, width, chunk) for t in (k, v))  # (n, H, D, width)
+    k_blocks, v_blocks = (blocks_with_lookback(t, chunk, halo) for t in (k, v))  # (n, H, D, width)
     doc_q = F.pad(doc, (0, pad), value=-1).view(n, chunk)
-    doc_k = F.pad(doc, (halo, pad), value=-2).unfold(0, width, chunk)  # (n, width)
+    doc_k = blocks_with_lookback(doc, chunk, halo, value=-2)  # (n, width)
     i, j = torch.arange(chunk, device=q.device), torch.arange(width, device=q.device)
     near = (j[None, :] >= i[:, None]) & (j[None, :] <= i[:, None] + halo)  # key j of block row i: window back
     mask = near & (doc_q[:, :, None] == doc_k[:, None, :])  # (n, chunk, width)
@@ -1435,6 +1448,7 @@ class GPT(nn.Module):
         # head of the long-window blocks' outputs (instead of the sigmoid head gates), the skip's weight and, with dc,
         # DC attention's weights. The last entry of the biases is the outputs' common scale (learned, 0.1 at start).
         if cfg.mudd_gates:
+            self.gate_split = cfg.window_pattern.index("L") + 1  # the master's: gate 0 for blocks 0-3, gate 1 from 4 on
             self.gate_parts = self.gate_layout()  # built once: the forward reads it, the compiler sees constants
             width = max(sum(n for _, _, n, _ in part) for part in self.gate_parts)
             self.gate_width = width + -width % 8  # padded: every gate tensor's rows shard over 8 ranks
@@ -1442,7 +1456,7 @@ class GPT(nn.Module):
             nn.init.kaiming_uniform_(self.mudd_gate_w1, a=math.sqrt(5))
             self.mudd_gate_w2 = nn.Parameter(torch.zeros(2 * self.gate_width, MUDD_DIM))
             b2 = torch.zeros(2 * self.gate_width + 8)
-            for j, part in enumerate(self.gate_layout()):
+            for j, part in enumerate(self.gate_parts):
                 start = j * self.gate_width
                 for _, _, n, init in part:
                     b2[start: start + n], start = init / MUDD_SCALE, start + n
@@ -1472,10 +1486,9 @@ class GPT(nn.Module):
         blocks up to the first long-window one) and of the gate from the next block's input (the later blocks, then
         the skip's weight and DC's). The last block's x0 and bigram weights are MUDD's own (MUDD_INIT)."""
         cfg, H = self.cfg, self.cfg.num_heads
-        split = cfg.window_pattern.index("L") + 1  # the public master's: from x0 for blocks 0-3, from x at block 4
         parts = ([], [])
         for i in range(cfg.num_layers):
-            part = parts[int(i >= split)]
+            part = parts[int(i >= self.gate_split)]
             if i in cfg.xsa_blocks:
                 part.append(("xsa", i, H, 0.0))
             if cfg.window_pattern[i] == "L" and i not in cfg.no_attn_layers:
@@ -1536,7 +1549,7 @@ class GPT(nn.Module):
         if cfg.mudd_gates:
             self.gates(x0, 0, g)
         for i, block in enumerate(self.blocks):
-            if cfg.mudd_gates and i == cfg.window_pattern.index("L") + 1:
+            if cfg.mudd_gates and i == self.gate_split:
                 self.gates(x, 1, g)
             if i == skip_into:  # the one skip (skip_from) instead of the U-net
                 w = torch.sigmoid(skip_w[0])
@@ -1624,11 +1637,11 @@ class GPT(nn.Module):
         T, pad = x.size(0), -x.size(0) % band
         n = (T + pad) // band
         sink = (q @ self.copy_sink.float())
-        doc = torch.searchsorted(cu_seqlens, torch.arange(T, device=x.device), right=True)
+        doc = document_ids(cu_seqlens, T)
         qb, sink = F.pad(q, (0, 0, 0, pad)).view(n, band, d), F.pad(sink, (0, pad)).view(n, band, 1)
-        kb = F.pad(k, (0, 0, band, pad)).unfold(0, 2 * band, band)  # (n, d, 2 band): the band before and this one
-        doc_q, doc_k = F.pad(doc, (0, pad), value=-1).view(n, band), F.pad(doc, (band, pad), value=-2).unfold(0, 2 * band, band)
-        tokens = F.pad(inputs, (band, pad), value=-1).unfold(0, 2 * band, band)
+        kb = blocks_with_lookback(k, band, band)  # (n, d, 2 band): the band before and this one
+        doc_q, doc_k = F.pad(doc, (0, pad), value=-1).view(n, band), blocks_with_lookback(doc, band, band, value=-2)
+        tokens = blocks_with_lookback(inputs, band, band, value=-1)
         wanted = F.pad(targets, (0, pad), value=-2).view(n, band)
         i, j = torch.arange(band, device=x.device), torch.arange(2 * band, device=x.device)
         earlier = j[None, :] < i[:, None] + band  # key j of the two bands lies strictly before query i
