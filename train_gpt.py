@@ -1369,6 +1369,11 @@ MUDD_INIT = ((0, 0, 0, 0, 0, 0, 2, 2, math.sqrt(1.1), 1, 0, 0.05, math.sqrt(1.1)
 MUDD_SCALE = 0.1  # the MLPs' outputs are 0.1 (W2 GELU(W1 x) + b2), the public master's
 
 
+def mudd_mlp(x: Tensor, w1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
+    """The small per-token MLP of MUDD and of its gates: W2 GELU(W1 x) + b2, in x's dtype."""
+    return F.linear(F.gelu(F.linear(x, w1.type_as(x))), w2.type_as(x)) + b2.type_as(x)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn=attention_reference, fp8_head: bool = False, fused_mlp: bool = False,
                  fused_ce: bool = False, fp8_mlp: bool = False):
@@ -1502,10 +1507,10 @@ class GPT(nn.Module):
 
     def gates(self, x: Tensor, j: int, into: dict[str, list]) -> None:
         """Gate MLP j's per-token weights from x, (T, width) each, stored into[what][block] (gate_layout)."""
-        w1 = self.mudd_gate_w1[j * MUDD_DIM: (j + 1) * MUDD_DIM].type_as(x)
-        w2, b2 = (t[j * self.gate_width: (j + 1) * self.gate_width].type_as(x)
-                  for t in (self.mudd_gate_w2, self.mudd_gate_b2))
-        out, start = self.mudd_gate_b2[-8].type_as(x) * (F.linear(F.gelu(F.linear(x, w1)), w2) + b2), 0
+        rows = slice(j * self.gate_width, (j + 1) * self.gate_width)
+        out = mudd_mlp(x, self.mudd_gate_w1[j * MUDD_DIM: (j + 1) * MUDD_DIM], self.mudd_gate_w2[rows],
+                       self.mudd_gate_b2[rows])
+        out, start = self.mudd_gate_b2[-8].type_as(x) * out, 0
         for what, i, n, _ in self.gate_parts[j]:
             into[what][i], start = out[:, start: start + n], start + n
 
@@ -1598,9 +1603,9 @@ class GPT(nn.Module):
 
     def mudd_coefs(self, x: Tensor, j: int, n: int) -> tuple[Tensor, ...]:
         """MUDD MLP j's first n per-token weights, (T, 1) each: MUDD_SCALE (W2 GELU(W1 x) + b2), as the public master."""
-        w1 = self.mudd_w1[j * MUDD_DIM: (j + 1) * MUDD_DIM].type_as(x)
-        w2, b2 = (t[j * MUDD_COEFS: j * MUDD_COEFS + n].type_as(x) for t in (self.mudd_w2, self.mudd_b2))
-        return (MUDD_SCALE * (F.linear(F.gelu(F.linear(x, w1)), w2) + b2)).split(1, dim=-1)
+        rows = slice(j * MUDD_COEFS, j * MUDD_COEFS + n)
+        out = mudd_mlp(x, self.mudd_w1[j * MUDD_DIM: (j + 1) * MUDD_DIM], self.mudd_w2[rows], self.mudd_b2[rows])
+        return (MUDD_SCALE * out).split(1, dim=-1)
 
     def softcap(self, logits: Tensor) -> Tensor:
         """Logit soft-cap: bounded logits, smoother early training (tanh cap of Gemma 2 brought in by
