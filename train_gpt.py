@@ -2486,15 +2486,13 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
 # public logs' train_time does), with FlashAttention-4, PyTorch 2.11.0+cu130. A table row is a real run;
 # a shape without one is reported unmeasured, never interpolated.
 STEP_US_PER_TOKEN = {
-    # one H100 80GB HBM3, 2026-11-26, FA4, the record preset at its own shapes (bench/step_time.py --stages:
-    # 667.2 / 678.1 / 688.8 / 691.5 ms per 393,216-token step; bench/results/step_time_stages_h100_20261126.md),
-    # before its residual stream became the master's (sublayer_lambdas, skip_from: +0.3% at window 11, varlen), and
-    # before the MUDD gates with DC attention (+3.4%) and CPLM (+5.0%; both at window 11, varlen, on an H200): until
-    # they are measured again on an H100, --plan's projection for the record preset is about 9% short
-    ("H100", "record", 49152, 896, 3): 1.697,
-    ("H100", "record", 49152, 2048, 7): 1.725,
-    ("H100", "record", 49152, 2048, 11): 1.752,
-    ("H100", "record", 49152, 2048, 13): 1.759,
+    # one H100 80GB HBM3, 2026-11-26 (seventh session), FA4, the record preset at its own shapes, with the MUDD gates,
+    # DC attention and CPLM (bench/step_time.py --stages: 745.3 / 758.5 / 766.0 / 771.8 ms per 393,216-token step;
+    # bench/results/step_time_stages_h100_20261126b/)
+    ("H100", "record", 49152, 896, 3): 1.895,
+    ("H100", "record", 49152, 2048, 7): 1.929,
+    ("H100", "record", 49152, 2048, 11): 1.948,
+    ("H100", "record", 49152, 2048, 13): 1.963,
 }
 # 8-GPU step time over one-GPU step time at the same global batch, by micro-batch tokens per GPU, with one
 # micro-batch per GPU on 8 (bench/README: record #89's 8xH100 logs over its and the public master's
