@@ -3073,7 +3073,7 @@ def no_gpu_reason() -> str:
     with warnings.catch_warnings(record=True) as seen:  # torch explains a failed CUDA start in a warning
         warnings.simplefilter("always")
         torch.cuda.is_available()
-    why = " ".join(str(w.message).split()) if seen else ""
+    why = " ".join(str(seen[-1].message).split()) if seen else ""
     build = (f"this PyTorch ({torch.__version__}) is a CPU-only build" if torch.version.cuda is None else
              f"PyTorch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU" + (f": {why}" if why else
              " (no NVIDIA driver, a driver older than the build needs, or CUDA_VISIBLE_DEVICES hides them)"))

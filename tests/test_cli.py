@@ -162,3 +162,15 @@ def test_cpu_runs_report_a_float32_head_and_memory_per_process(tiny_args, capsys
 def test_sizes_and_step_counts_must_be_positive(argv):
     with pytest.raises(ValueError, match=f"^{argv[0]} {argv[1]}: must be positive$"):
         tg.parse_args(argv)
+
+
+def test_no_gpu_reason_quotes_the_warning_torch_gives(monkeypatch):
+    import warnings
+
+    def unavailable():
+        warnings.warn("CUDA initialization: The NVIDIA driver on your system is too old (found version 11040).")
+        return False
+    monkeypatch.setattr(tg.torch.cuda, "is_available", unavailable)
+    monkeypatch.setattr(tg.torch.version, "cuda", "13.0")  # a CUDA build on a machine whose driver is too old
+    reason = tg.no_gpu_reason()
+    assert reason.startswith("no usable GPU: ") and "The NVIDIA driver on your system is too old" in reason
