@@ -1,16 +1,25 @@
-"""Triton kernels of train_gpt.py, each with a PyTorch reference that runs where Triton cannot (the
-CPU, a machine without Triton): the ReLU² MLP with its activation in the matmul epilogues (--fused_mlp,
-a custom op here), and the FP8 LM head's soft-capped cross-entropy (--fused_ce, inside train_gpt.py's
-fp8_head_ce op). train_gpt.py logs this file's source with its own.
+"""The kernels and custom ops of train_gpt.py, each with a PyTorch reference that runs where its kernel cannot
+(the CPU, a machine without Triton or FlashAttention):
+- the ReLU² MLP with its activation in the matmul epilogues (--fused_mlp, Triton, a custom op);
+- the FP8 LM head: its matmul (mm_fp8) and its soft-capped cross-entropy fused with it (fp8_head_ce, --fused_ce;
+  the loss in Triton), custom ops with their backward;
+- varlen attention: the backends (FlashAttention-3 and -4 as custom ops, PyTorch's varlen, the reference), their
+  registry and the start-up check that picks one.
+train_gpt.py logs this file's source with its own.
 
 Set TRITON_INTERPRET=1 before the first import of triton to run the kernels on the CPU (slowly, in
 Triton's interpreter): that is how the CPU tests check them against the references.
 """
 from __future__ import annotations
 
+import glob
+import math
 import os
+import sys
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 try:
@@ -419,3 +428,392 @@ def _softcap_ce_grad_into(g: Tensor, g_t: Tensor, grad_losses: Tensor, logits: T
     r = SOFTCAP_CE_TILES["targets"]
     _softcap_ce_bwd_targets_kernel[(triton.cdiv(T, r["BLOCK_R"]),)](logits, targets, weights, lse, grad_losses, g,
                                                                    g_t, *numbers, K=targets.size(1), **r)
+
+
+# -----------------------------------------------------------------------------------------------
+# The FP8 LM head (matmul and fused loss as custom ops) and the attention backends
+
+def document_ids(cu_seqlens: Tensor, T: int) -> Tensor:
+    """(T,) each position's document: how many of cu_seqlens' offsets lie at or before it."""
+    return torch.searchsorted(cu_seqlens, torch.arange(T, device=cu_seqlens.device), right=True)
+
+
+
+def _quantize(t: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """t / scale in an FP8 dtype, both row-major and transposed: FP8 matmuls (_scaled_mm) accept only
+    a row-major first and a column-major second operand, so each operand is needed both ways."""
+    t_f8 = t.div(scale).to(dtype)
+    return t_f8, t_f8.T.contiguous()
+
+
+# Compiled, the scale, cast and transpose are one pass; eager PyTorch takes three, its transpose
+# uncoalesced (~6x slower on an H100). Used for the forward operands inside the op; the gradient's
+# quantization is traced into the compiled backward instead (_mm_fp8_backward).
+_quantize_fused = torch.compile(_quantize, dynamic=False, fullgraph=True)
+
+
+def quantize(t: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return (_quantize_fused if t.is_cuda else _quantize)(t, scale, dtype)
+
+
+# FP8 LM head (@YouJiacheng). Forward in e4m3 with fixed scales, backward grads in e5m2. A
+# custom op is opaque to torch.compile, which keeps the FP8 operands in the layouts _scaled_mm needs.
+def _fp8_logits(x: Tensor, w: Tensor, x_s: float, w_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    x_f8, x_f8_t = quantize(x, x_s, torch.float8_e4m3fn)
+    w_f8, w_f8_t = quantize(w, w_s, torch.float8_e4m3fn)
+    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
+                           scale_a=x.new_tensor(x_s, dtype=torch.float32),
+                           scale_b=x.new_tensor(w_s, dtype=torch.float32))
+    return out, x_f8_t, w_f8_t  # the transposed operands are what the backward needs
+
+
+def _fp8_grads(g_f8: Tensor, g_f8_t: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_s: float,
+               grad_s: float) -> tuple[Tensor, Tensor]:
+    scale = lambda v: g_f8.new_tensor(v, dtype=torch.float32)
+    grad_x = torch._scaled_mm(g_f8, w_f8_t.T, out_dtype=torch.bfloat16, scale_a=scale(grad_s), scale_b=scale(w_s))
+    grad_w = torch._scaled_mm(g_f8_t, x_f8_t.T, out_dtype=torch.float32, scale_a=scale(grad_s), scale_b=scale(x_s))
+    return grad_x, grad_w
+
+
+@torch.library.custom_op("speedrun::mm_fp8", mutates_args=())
+def mm_fp8(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _fp8_logits(x, w, x_s, w_s)
+
+
+@mm_fp8.register_fake
+def _(x, w, x_s, w_s, grad_s):
+    return (x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16),
+            x.new_empty(x.size(1), x.size(0), dtype=torch.float8_e4m3fn),
+            w.new_empty(w.size(1), w.size(0), dtype=torch.float8_e4m3fn))
+
+
+@torch.library.custom_op("speedrun::mm_fp8_backward", mutates_args=())
+def mm_fp8_backward(g_f8: Tensor, g_f8_t: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_s: float,
+                    grad_s: float) -> tuple[Tensor, Tensor]:
+    return _fp8_grads(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s)
+
+
+@mm_fp8_backward.register_fake
+def _(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s):
+    return (g_f8.new_empty(g_f8.size(0), w_f8_t.size(0), dtype=torch.bfloat16),
+            g_f8.new_empty(g_f8.size(1), x_f8_t.size(0), dtype=torch.float32))
+
+
+def _mm_fp8_setup_context(ctx, inputs, output):
+    _, _, x_s, w_s, grad_s = inputs
+    _, x_f8_t, w_f8_t = output
+    ctx.save_for_backward(x_f8_t, w_f8_t)
+    ctx.scales = (x_s, w_s, grad_s)
+
+
+def _mm_fp8_backward(ctx, grad_out, *_):
+    x_f8_t, w_f8_t = ctx.saved_tensors
+    # The (tokens x vocab) gradient is quantized here, in the traced graph rather than inside the opaque
+    # op, so torch.compile fuses scale and cast into the kernel that computes it (the cross-entropy
+    # backward): it is written once, in FP8, instead of in bf16 and then read back to quantize.
+    g_f8, g_f8_t = _quantize(grad_out, ctx.scales[2], torch.float8_e5m2)
+    grad_x, grad_w = torch.ops.speedrun.mm_fp8_backward(g_f8, g_f8_t, x_f8_t, w_f8_t, *ctx.scales)
+    return grad_x, grad_w, None, None, None
+
+
+mm_fp8.register_autograd(_mm_fp8_backward, setup_context=_mm_fp8_setup_context)
+
+
+# FP8 head and its soft-capped cross-entropy in one op (--fused_ce; the public record line's "fused
+# softcapped cross-entropy"): the loss comes from softcap_ce, and the backward's logit
+# gradient from softcap_ce_grad, written once, in FP8, in both layouts the two matmuls need.
+# Each token has K targets (T, K) with weights (T, K): the next token (weight 1) and, with multi-token
+# prediction, the tokens after it at their weights, 0 where a target lies past the token's document. The op also
+# gives each target's own cross-entropy term, lse - z (T, K), for losses that are not a weighted sum of them
+# (CPLM's mixture): their gradients join the weights in the backward, whose kernel takes any per-target weights.
+@torch.library.custom_op("speedrun::fp8_head_ce", mutates_args=())
+def fp8_head_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, x_s: float, w_s: float, grad_s: float,
+                cap: float, shift: float, temp: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(losses, lse, logits, x_f8_t, w_f8_t, terms): each token's weighted loss, the rest kept for the backward,
+    and each target's term lse - z (T, K)."""
+    logits, x_f8_t, w_f8_t = _fp8_logits(x, w, x_s, w_s)
+    losses, lse = softcap_ce(logits, targets, cap, shift, temp, weights)
+    z = cap * torch.sigmoid((logits.gather(1, targets.long()).float() + shift) / temp)  # the soft-capped targets
+    return losses, lse, logits, x_f8_t, w_f8_t, lse[:, None] - z
+
+
+@fp8_head_ce.register_fake
+def _(x, w, targets, weights, x_s, w_s, grad_s, cap, shift, temp):
+    (T, D), V = x.shape, w.size(0)
+    return (x.new_empty(T, dtype=torch.float32), x.new_empty(T, dtype=torch.float32),
+            x.new_empty(T, V, dtype=torch.bfloat16), x.new_empty(D, T, dtype=torch.float8_e4m3fn),
+            w.new_empty(D, V, dtype=torch.float8_e4m3fn), x.new_empty(T, targets.size(1), dtype=torch.float32))
+
+
+@torch.library.custom_op("speedrun::fp8_head_ce_backward", mutates_args=())
+def fp8_head_ce_backward(grad_losses: Tensor, logits: Tensor, targets: Tensor, weights: Tensor, lse: Tensor,
+                         x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_s: float, grad_s: float, cap: float,
+                         shift: float, temp: float) -> tuple[Tensor, Tensor]:
+    g_f8, g_f8_t = softcap_ce_grad(grad_losses, logits, targets, lse, cap, shift, temp, grad_s, weights)
+    return _fp8_grads(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s)
+
+
+@fp8_head_ce_backward.register_fake
+def _(grad_losses, logits, targets, weights, lse, x_f8_t, w_f8_t, x_s, w_s, grad_s, cap, shift, temp):
+    return (logits.new_empty(logits.size(0), x_f8_t.size(0), dtype=torch.bfloat16),
+            logits.new_empty(logits.size(1), x_f8_t.size(0), dtype=torch.float32))
+
+
+def _fp8_head_ce_setup_context(ctx, inputs, output):
+    _, _, targets, weights, *ctx.scalars = inputs  # x_s, w_s, grad_s, cap, shift, temp
+    _, lse, logits, x_f8_t, w_f8_t, _ = output
+    ctx.save_for_backward(logits, targets, weights, lse, x_f8_t, w_f8_t)
+
+
+def _fp8_head_ce_autograd(ctx, grad_losses, _lse, _logits, _x_f8_t, _w_f8_t, grad_terms):
+    logits, targets, weights, lse, x_f8_t, w_f8_t = ctx.saved_tensors
+    # every target's weight in the gradient: the weighted losses' and the terms' own, one backward for both
+    weights = weights * (0 if grad_losses is None else grad_losses.float()[:, None])
+    if grad_terms is not None:
+        weights = weights + grad_terms.float()
+    grad_x, grad_w = torch.ops.speedrun.fp8_head_ce_backward(torch.ones_like(lse), logits, targets, weights.contiguous(),
+                                                             lse, x_f8_t, w_f8_t, *ctx.scalars)
+    return grad_x, grad_w, None, None, None, None, None, None, None, None
+
+
+fp8_head_ce.register_autograd(_fp8_head_ce_autograd, setup_context=_fp8_head_ce_setup_context)
+
+
+# The LM head's fixed FP8 scales (the 09/03 record's): activations are RMS-normed, so |x| <= sqrt(dim)
+# fits e4m3 at sqrt(dim)/448; weights at 2^-9; the gradient of the summed loss at 1/448.
+HEAD_W_SCALE = 2**-9
+HEAD_GRAD_SCALE = 1 / E4M3_MAX
+
+
+def head_x_scale(model_dim: int) -> float:
+    return math.sqrt(model_dim) / E4M3_MAX
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """FP8 matmuls need Hopper/Ada (sm89+) tensor cores; _scaled_mm also runs on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu"
+
+
+# Varlen attention: q, k, v are (tokens, heads, head_dim) for a whole micro-batch; cu_seqlens marks
+# the documents (padded with repeats of the buffer length); each query sees itself and the `window`
+# tokens before it in its own document. Every backend below computes exactly this.
+
+def attention_reference(q, k, v, cu_seqlens, max_seqlen, window, scale):
+    """Plain PyTorch: an explicit (T, T) mask and SDPA. O(T^2) memory, for CPUs and tests."""
+    pos = torch.arange(q.size(0), device=q.device)
+    doc = document_ids(cu_seqlens, q.size(0))
+    delta = pos[:, None] - pos[None, :]
+    mask = (doc[:, None] == doc[None, :]) & (delta >= 0) & (delta <= window)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def _attention_varlen(q, k, v, cu_seqlens, max_seqlen, window, scale):
+    """PyTorch's built-in varlen attention (FlashAttention-2 kernels), any recent CUDA GPU."""
+    from torch.nn.attention.varlen import varlen_attn
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, window_size=(window, 0))
+
+
+# FlashAttention-3 and -4 as opaque custom ops: torch.compile(fullgraph=True) cannot trace their
+# Python front ends (flash-attn-4's autograd.Function runs a fake-mode check), so each library's own
+# forward and backward kernels become a pair of ops, with output shapes for the compiler's fake
+# tensors and the backward attached by register_autograd.
+def flash_attention_op(name: str, forward, backward):
+    """The attention function of backend `name`, built on two ops `speedrun::{name}` and
+    `speedrun::{name}_backward`. `forward(q, k, v, cu_seqlens, max_seqlen, window, scale)` returns
+    (out (T, H, D), lse (H, T) float32); `backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen,
+    window, scale)` returns the gradients of q, k and v. Outputs are contiguous, as the fakes say."""
+
+    @torch.library.custom_op(f"speedrun::{name}", mutates_args=())
+    def attend(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int,
+               scale: float) -> tuple[Tensor, Tensor]:
+        out, lse = forward(q, k, v, cu_seqlens, max_seqlen, window, scale)
+        return out.contiguous(), lse.contiguous()
+
+    @attend.register_fake
+    def _(q, k, v, cu_seqlens, max_seqlen, window, scale):
+        return q.new_empty(q.shape), q.new_empty(q.size(1), q.size(0), dtype=torch.float32)
+
+    @torch.library.custom_op(f"speedrun::{name}_backward", mutates_args=())
+    def attend_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        cu_seqlens: Tensor, max_seqlen: int, window: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        grads = backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, max_seqlen, window, scale)
+        return tuple(g.contiguous() for g in grads)
+
+    @attend_backward.register_fake
+    def _(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, window, scale):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_seqlens, max_seqlen, window, scale = inputs
+        ctx.save_for_backward(q, k, v, cu_seqlens, *output)
+        ctx.static = (max_seqlen, window, scale)
+
+    def grad(ctx, grad_out, grad_lse):  # lse is an internal output: nothing flows back through it
+        q, k, v, cu_seqlens, out, lse = ctx.saved_tensors
+        return *attend_backward(grad_out, q, k, v, out, lse, cu_seqlens, *ctx.static), None, None, None, None
+
+    attend.register_autograd(grad, setup_context=setup_context)
+
+    def attention(q, k, v, cu_seqlens, max_seqlen, window, scale):
+        return attend(q, k, v, cu_seqlens, max_seqlen, window, scale)[0]
+    attention.__doc__ = forward.__doc__
+    return attention
+
+
+def _fa3_forward(q, k, v, cu_seqlens, max_seqlen, window, scale):
+    """FlashAttention-3 (Hopper kernels, torch.ops.flash_attn_3): what the public records use. One split
+    (num_splits=1, the default of FA3's Python interface; the op's own default 0 picks split-KV plus a
+    combine kernel): 0.94 -> 0.82 ms forward + backward per 49,152-token micro-batch on one H100, the same
+    output (bench/fa3_num_splits.py)."""
+    out, lse, *_ = torch.ops.flash_attn_3.fwd(
+        q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen, softmax_scale=scale, is_causal=True, window_size_left=window, window_size_right=0,
+        num_splits=1)
+    return out, lse
+
+
+def _fa3_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, window, scale):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    torch.ops.flash_attn_3.bwd(
+        grad_out, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+        max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, is_causal=True,
+        window_size_left=window, window_size_right=0)
+    return dq, dk, dv
+
+
+def _fa4_forward(q, k, v, cu_seqlens, max_seqlen, window, scale):
+    """FlashAttention-4 (CuTe DSL kernels, pip flash-attn-4), sm90+."""
+    from flash_attn.cute.interface import _flash_attn_fwd  # the kernels under its autograd.Function
+    out, lse, *_ = _flash_attn_fwd(
+        q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True, window_size_left=window, window_size_right=0,
+        return_lse=True)
+    return out, lse
+
+
+def _fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, window, scale):
+    from flash_attn.cute.interface import _flash_attn_bwd
+    dq, dk, dv = _flash_attn_bwd(
+        q, k, v, out, grad_out, lse, softmax_scale=scale, causal=True, window_size_left=window,
+        window_size_right=0, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen)[:3]
+    return dq, dk, dv
+
+
+def _load_fa3() -> bool:
+    """Register torch.ops.flash_attn_3: from the flash_attn_3 wheel if installed, else from the FA3
+    build that xformers==0.0.34 bundles (CUDA 12, stable ABI; under a CUDA-13 torch it needs
+    libcudart.so.12, from pip's nvidia-cuda-runtime-cu12)."""
+    if hasattr(torch.ops.flash_attn_3, "fwd"):
+        return True
+    if _importable("flash_attn_3._C"):
+        return hasattr(torch.ops.flash_attn_3, "fwd")
+    import ctypes
+    import importlib.util
+    spec = importlib.util.find_spec("xformers")  # locates the package without importing it
+    so = Path(spec.origin).parent / "flash_attn_3" / "_C.so" if spec and spec.origin else None
+    if so is None or not so.exists():
+        return False
+    try:
+        ctypes.CDLL("libcudart.so.12", mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        found = [p for d in sys.path for p in glob.glob(os.path.join(d, "nvidia/cuda_runtime/lib/libcudart.so.12"))]
+        if not found:
+            return False
+        ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
+    try:
+        torch.ops.load_library(str(so))
+    except OSError:
+        return False
+    return hasattr(torch.ops.flash_attn_3, "fwd")
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except Exception:
+        return False
+
+
+ATTENTION_BACKENDS = {"fa3": flash_attention_op("fa3", _fa3_forward, _fa3_backward),
+                      "fa4": flash_attention_op("fa4", _fa4_forward, _fa4_backward), "varlen": _attention_varlen,
+                      "reference": attention_reference}
+
+
+def available_attention_backends(device: torch.device) -> list[str]:
+    """Backends that can run on `device`, best first."""
+    if device.type != "cuda":
+        return ["reference"]
+    names = []
+    hopper = torch.cuda.get_device_capability(device) >= (9, 0)
+    if hopper and _importable("flash_attn.cute"):  # fa4 before fa3: 704 vs 715 ms per step on one H100
+        names.append("fa4")
+    if hopper and _load_fa3():
+        names.append("fa3")
+    if _importable("torch.nn.attention.varlen"):
+        names.append("varlen")
+    return names + ["reference"]
+
+
+# Where each backend comes from, for the error when one is asked for and missing or failing.
+ATTENTION_INSTALL = {
+    "fa3": "a Hopper GPU (H100/H200) and "
+           "`pip install --no-deps xformers==0.0.34 nvidia-cuda-runtime-cu12==12.8.90` (README: Hopper attention)",
+    "fa4": "a Hopper GPU (H100/H200) and `pip install -r requirements-hopper.txt` (README: Hopper attention)",
+    "varlen": "PyTorch >= 2.11", "reference": "PyTorch"}
+
+
+def check_attention(name: str, device: torch.device, compiled: bool) -> str | None:
+    """Why backend `name` cannot be used here, or None: a tiny varlen forward and backward (two
+    documents and padding, a sliding window), traced with fullgraph as the model is when `compiled`,
+    must match the reference path. Run once at start-up, it keeps a backend that is installed but
+    breaks (e.g. one torch.compile cannot trace) from being chosen."""
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(256, 2, 128, device=device, generator=g, dtype=torch.bfloat16).requires_grad_()
+                   for _ in range(3))
+        cu = torch.tensor([0, 100, 256, 256], dtype=torch.int32, device=device)
+        fn = lambda q, k, v: ATTENTION_BACKENDS[name](q, k, v, cu, 256, 64, 0.12)
+        if compiled:  # AOT autograd with fake tensors, as the model's compile will trace it (no codegen)
+            fn = torch.compile(fn, fullgraph=True, dynamic=False, backend="aot_eager")
+        out = fn(q, k, v)
+        out.float().square().sum().backward()
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = attention_reference(qr, kr, vr, cu, 256, 64, 0.12)
+    ref.square().sum().backward()
+    err = max(float((a.detach().float() - b.detach()).norm() / b.detach().norm()) for a, b in
+              [(out, ref), (q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)])
+    # bf16 kernels land near 1e-2 against the float32 reference; a wrong mask or window near 1
+    return None if err < 5e-2 else f"differs from the reference path (relative error {err:.1e})"
+
+
+def select_attention(name: str, device: torch.device, compiled: bool = False, log=print) -> str:
+    """The backend to run: `name`, or for "auto" the fastest one installed here that passes its
+    check (the log says why each faster one was skipped). A requested backend that is missing or
+    fails its check is an error naming where it comes from."""
+    available = available_attention_backends(device)
+    if name != "auto" and name not in available:
+        raise ValueError(f"attention backend {name!r} is not available on {device} (available: {available}); "
+                         f"it needs {ATTENTION_INSTALL[name]}")
+    skipped = []
+    for candidate in ([name] if name != "auto" else available):
+        if candidate == "reference" and (name == "reference" or device.type != "cuda" or not skipped):
+            return candidate  # the definition the others are checked against
+        if candidate == "reference":  # O(T^2) memory: never a silent fallback for a GPU run
+            raise ValueError(f"no attention backend passed its start-up check on {device}: " + "; ".join(skipped))
+        reason = check_attention(candidate, device, compiled)
+        if reason is None:
+            return candidate
+        if name != "auto":
+            raise ValueError(f"attention backend {name!r} failed its start-up check on {device}: {reason} "
+                             f"(it needs {ATTENTION_INSTALL[name]})")
+        skipped.append(f"{candidate}: {reason}")
+        log(f"attention: skipping {skipped[-1]}")
+    return "reference"

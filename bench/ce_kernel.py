@@ -1,7 +1,7 @@
 """Time the FP8 LM head with its soft-capped cross-entropy, forward and backward, at the record's
 micro-batch shape on one GPU: the unfused head and loss as torch.compile builds them in train_gpt.py
 (the mm_fp8 op, then the loss in compiled PyTorch, whose backward quantizes the logits' gradient) against
-train_gpt.py's fp8_head_ce op (kernels.py's Triton loss and gradient kernels) with each tile
+kernels.py's fp8_head_ce op (its Triton loss and gradient kernels) with each tile
 configuration given; the fused op's relative error against the unfused one. With --extra_targets N,
 each token also has multi-token prediction's next N tokens as targets, at weights 0.5, 0.25, ... (0 for
 one token in eight, as past a document's end). Seconds per run, not minutes of model compile: the way to

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import train_gpt as tg  # noqa: E402  (the FA3 loader)
+import kernels  # noqa: E402  (the FA3 loader)
 
 
 def main():
@@ -25,7 +25,7 @@ def main():
     p.add_argument("--max_doc_len", type=int, default=2048)
     p.add_argument("--reps", type=int, default=30)
     a = p.parse_args()
-    if not tg._load_fa3():
+    if not kernels._load_fa3():
         raise SystemExit("fa3_num_splits.py: error: torch.ops.flash_attn_3 is not installed (README: Hopper attention)")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     g = torch.Generator().manual_seed(0)

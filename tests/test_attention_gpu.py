@@ -7,11 +7,12 @@ cu_seqlens. Tolerance: relative Frobenius error below 1e-2 for the output and 2e
 import pytest
 import torch
 
+import kernels
 import train_gpt as tg
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the attention kernels under test need a CUDA GPU")
 DEVICE = torch.device("cuda")
-BACKENDS = [b for b in tg.available_attention_backends(DEVICE) if b != "reference"] if torch.cuda.is_available() else []
+BACKENDS = [b for b in kernels.available_attention_backends(DEVICE) if b != "reference"] if torch.cuda.is_available() else []
 T = 4096
 LAYOUTS = {  # document lengths; cu_seqlens is padded with repeats of T where marked
     "one document": ([T], 0),

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+import kernels
 import train_gpt as tg
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -26,7 +27,7 @@ def explicit_attention(q, k, v, doc_lengths, window, scale):
     return out
 
 
-@pytest.mark.parametrize("backend", tg.available_attention_backends(DEVICE))
+@pytest.mark.parametrize("backend", kernels.available_attention_backends(DEVICE))
 @pytest.mark.parametrize("window", [3, 16, 1000])
 def test_attention_backend_matches_explicit_masked_computation(backend, window):
     g = torch.Generator().manual_seed(window)
@@ -76,7 +77,7 @@ def test_fp8_head_op_compiles_in_a_graph_without_breaks():
     with FakeTensorMode():  # the fake (meta) implementations give the real shapes and dtypes
         x, w = torch.empty(8, 32, dtype=torch.bfloat16), torch.empty(16, 32)
         out, x8t, w8t = torch.ops.speedrun.mm_fp8(x, w, 0.1, 0.1, 0.1)
-        g8, g8t = tg.quantize(out, 0.1, torch.float8_e5m2)
+        g8, g8t = kernels.quantize(out, 0.1, torch.float8_e5m2)
         gx, gw = torch.ops.speedrun.mm_fp8_backward(g8, g8t, x8t, w8t, 0.1, 0.1, 0.1)
     assert (out.shape, x8t.shape, w8t.shape) == ((8, 16), (32, 8), (32, 16))
     assert x8t.dtype == w8t.dtype == torch.float8_e4m3fn
@@ -124,8 +125,8 @@ def fake_backends(monkeypatch):
     """A registry whose two fastest backends are installed but broken, the third sound."""
     for name, fn in [("breaks", _graph_breaking), ("wrong", _off_by_half), ("sound", tg.attention_reference)]:
         monkeypatch.setitem(tg.ATTENTION_BACKENDS, name, fn)
-        monkeypatch.setitem(tg.ATTENTION_INSTALL, name, f"pip install {name}")
-    monkeypatch.setattr(tg, "available_attention_backends", lambda device: ["breaks", "wrong", "sound", "reference"])
+        monkeypatch.setitem(kernels.ATTENTION_INSTALL, name, f"pip install {name}")
+    monkeypatch.setattr(kernels, "available_attention_backends", lambda device: ["breaks", "wrong", "sound", "reference"])
 
 
 def test_auto_skips_installed_backends_that_fail_their_check_and_says_why(fake_backends):
@@ -145,13 +146,13 @@ def test_a_requested_backend_that_fails_or_is_missing_is_one_error_naming_its_so
 
 
 def test_a_gpu_run_never_falls_back_to_the_quadratic_reference_silently(fake_backends, monkeypatch):
-    monkeypatch.setattr(tg, "available_attention_backends", lambda device: ["wrong", "reference"])
+    monkeypatch.setattr(kernels, "available_attention_backends", lambda device: ["wrong", "reference"])
     with pytest.raises(ValueError, match=r"no attention backend passed its start-up check on cuda: wrong: "):
         tg.select_attention("auto", torch.device("cuda"), log=lambda m: None)
     assert tg.select_attention("auto", torch.device("cpu"), log=lambda m: None) == "reference"  # the CPU path
 
 
-# FlashAttention-3/4 are wrapped as custom-op pairs (tg.flash_attention_op). Their kernels need a
+# FlashAttention-3/4 are wrapped as custom-op pairs (kernels.flash_attention_op). Their kernels need a
 # Hopper GPU (tests/test_attention_gpu.py); here the same wrapper carries explicit float math, which
 # exercises the registration itself: fakes, autograd, and fullgraph tracing through the op.
 
@@ -196,7 +197,7 @@ def _untraceable_forward(q, k, v, cu, max_seqlen, window, scale):
     return out, _explicit_forward(q, k, v, cu, max_seqlen, window, scale)[1]
 
 
-WRAPPED = tg.flash_attention_op("test_wrapped", _untraceable_forward, _explicit_backward)
+WRAPPED = kernels.flash_attention_op("test_wrapped", _untraceable_forward, _explicit_backward)
 
 
 def _attention_inputs(seed=0, T=96, H=2, D=16):
@@ -233,8 +234,8 @@ def test_flash_attention_op_traces_fullgraph_and_matches_the_reference_in_value_
 def test_auto_picks_a_wrapped_backend_whose_raw_front_end_breaks_compilation(monkeypatch):
     monkeypatch.setitem(tg.ATTENTION_BACKENDS, "raw", lambda *a: _Untraceable.apply(*a))
     monkeypatch.setitem(tg.ATTENTION_BACKENDS, "wrapped", WRAPPED)
-    monkeypatch.setitem(tg.ATTENTION_INSTALL, "raw", "pip install raw")
-    monkeypatch.setattr(tg, "available_attention_backends", lambda device: ["raw", "wrapped", "reference"])
+    monkeypatch.setitem(kernels.ATTENTION_INSTALL, "raw", "pip install raw")
+    monkeypatch.setattr(kernels, "available_attention_backends", lambda device: ["raw", "wrapped", "reference"])
     said = []
     assert tg.select_attention("auto", torch.device("cpu"), compiled=True, log=said.append) == "wrapped"
     assert len(said) == 1 and said[0].startswith("attention: skipping raw: ")
