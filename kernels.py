@@ -433,11 +433,6 @@ def _softcap_ce_grad_into(g: Tensor, g_t: Tensor, grad_losses: Tensor, logits: T
 # -----------------------------------------------------------------------------------------------
 # The FP8 LM head (matmul and fused loss as custom ops) and the attention backends
 
-def document_ids(cu_seqlens: Tensor, T: int) -> Tensor:
-    """(T,) each position's document: how many of cu_seqlens' offsets lie at or before it."""
-    return torch.searchsorted(cu_seqlens, torch.arange(T, device=cu_seqlens.device), right=True)
-
-
 
 def _quantize(t: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """t / scale in an FP8 dtype, both row-major and transposed: FP8 matmuls (_scaled_mm) accept only
@@ -594,6 +589,11 @@ def fp8_supported(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 9)
     return device.type == "cpu"
+
+
+def document_ids(cu_seqlens: Tensor, T: int) -> Tensor:
+    """(T,) each position's document: how many of cu_seqlens' offsets lie at or before it."""
+    return torch.searchsorted(cu_seqlens, torch.arange(T, device=cu_seqlens.device), right=True)
 
 
 # Varlen attention: q, k, v are (tokens, heads, head_dim) for a whole micro-batch; cu_seqlens marks
