@@ -2859,6 +2859,69 @@ def next_batches(loader: BatchLoader, step: int) -> tuple[list | None, ShardErro
         return None, error
 
 
+class RunControl:
+    """Everything around the timed loop that is not training: the stop signals, the ranks' agreement to go on
+    (a non-finite loss, the data breaking on a rank), the checkpoint cadence and the checkpoints themselves, each
+    outside the clock. The loop asks `go(step)` before each step."""
+
+    def __init__(self, args: Hyperparameters, model, optimizers, loader: BatchLoader, clock: Clock,
+                 watch: LossWatch, figures: Figures, rank: int, world_size: int, first_step: int, log):
+        self.args, self.model, self.optimizers, self.loader, self.clock = args, model, optimizers, loader, clock
+        self.watch, self.figures, self.rank, self.world_size, self.first_step, self.log = (
+            watch, figures, rank, world_size, first_step, log)
+        self.signals, self.handlers = stop_on_signals()
+        self.group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=args.collective_timeout_s))
+                      if world_size > 1 else None)
+        self.checkpoint, self.interrupted = None, 0
+
+    def save(self, step: int, data_state: dict) -> Path:
+        """A checkpoint of `step` steps, written once every rank's losses so far are known finite (the GPU
+        synchronised first, so every loss is in): the last good checkpoint a failure names is good."""
+        self.clock.sync()
+        self.watch.newest(self.checkpoint)
+        agree(False, self.watch.failure, self.group)
+        self.checkpoint = save_checkpoint(step, self.model, self.optimizers, data_state, self.clock.ms, self.args,
+                                          self.rank, self.world_size)
+        return self.checkpoint
+
+    def go(self, step: int) -> list | None:
+        """`step` steps done: the ranks agree to go on, a checkpoint is written if due (outside the clock), then
+        step + 1's micro-batches (None after the last step, or once stopped: `interrupted` says by what)."""
+        args, N = self.args, self.args.num_iterations
+        data_state = self.loader.state  # the data position after `step` steps: what a checkpoint made now holds
+        micro, failure = next_batches(self.loader, step) if step < N else (None, None)
+        try:
+            stop = agree(bool(self.signals), self.watch.failure or failure, self.group)
+        except ShardError as e:  # the data broke on a rank: every rank saves the steps done, then stops
+            # (a gradient summed for Adam's next step, adam_every > 1, is not in the checkpoint)
+            self.clock.stop()
+            checkpoint = self.save(step, data_state)
+            raise ShardError(f"{e}. Saved {checkpoint}; once the data is fixed, continue with: "
+                             f"{resume_command(checkpoint, self.world_size)}") from e
+        if stop and step % args.adam_every and step < N:  # Adam's summed gradient is not checkpointed:
+            stop = False  # stop after Adam's next step (every rank defers alike: the flag is agreed)
+        if step > self.first_step and (stop or (args.save_every > 0 and step % args.save_every == 0 and step < N)):
+            self.clock.stop()  # checkpoints are not timed
+            self.log(f"checkpoint: {self.save(step, data_state)}")
+            self.clock.start()
+            self.figures.restart(step)
+            if stop:
+                self.interrupted = self.signals[0] if self.signals else signal.SIGTERM
+                self.log(f"stopped by signal after step {step}; continue with: "
+                         f"{resume_command(self.checkpoint, self.world_size)}")
+                return None
+        return micro
+
+    def finish(self):
+        """The final checkpoint (--save_every > 0), unless a signal stopped the run (it saved already)."""
+        if self.args.save_every > 0 and not self.interrupted:
+            self.log(f"checkpoint: {self.save(self.args.num_iterations, self.loader.state)}")
+
+    def close(self):
+        for sig, handler in self.handlers.items():
+            signal.signal(sig, handler)
+
+
 def finish(log, args: Hyperparameters, device: torch.device, world_size: int, step: int, losses, tokens, val_losses,
            train_ms: float, first_step: int, checkpoint, interrupted: int) -> RunResult:
     """Every rank's per-step losses gathered, peak memory, and the closing summary line (`step` steps done)."""
@@ -2883,7 +2946,7 @@ def finish(log, args: Hyperparameters, device: torch.device, world_size: int, st
 def train(args: Hyperparameters) -> RunResult:
     rank, world_size, device = start_processes(args)
     args, resume, branch = name_run(args, world_size)
-    log, loader, handlers = Logger(args, rank), None, {}
+    log, loader, run = Logger(args, rank), None, None
     try:
         log_header(log, args, device, resume, branch)
         train_files, val = prepare_data(args, rank, world_size, device, log)
@@ -2905,46 +2968,17 @@ def train(args: Hyperparameters) -> RunResult:
             warmup(model, compiled, optimizers, producer(), val, stages, args, world_size)
             log(f"warm-up (compile) done in {time.perf_counter() - t:.1f}s")
         loader = BatchLoader(producer(data_state), lambda s: stage_at(stages, s).batch, device, start_step=first_step)
-        stop_signals, handlers = stop_on_signals()
-        control = (dist.new_group(backend="gloo", timeout=timedelta(seconds=args.collective_timeout_s))
-                   if world_size > 1 else None)
         figures = Figures(model, device, peak_tflops(device, args.peak_tflops), world_size, first_step)
-        watch, losses, tokens, val_losses, checkpoint, interrupted = LossWatch(device), [], [], [], None, 0
+        watch, losses, tokens, val_losses = LossWatch(device), [], [], []
+        run = RunControl(args, model, optimizers, loader, clock, watch, figures, rank, world_size, first_step, log)
         if args.log_every > 0:
             log(f"every {args.log_every} steps: {Figures.LEGEND}")
-
-        def save(step: int, data_state: dict) -> Path:
-            """A checkpoint of `step` steps, written once every rank's losses so far are known finite (the GPU
-            synchronised first, so every loss is in): the last good checkpoint a failure names is good."""
-            clock.sync()
-            watch.newest(checkpoint)
-            agree(False, watch.failure, control)
-            return save_checkpoint(step, model, optimizers, data_state, clock.ms, args, rank, world_size)
         # =============================== the timed region: training =================================
         clock.start()
         for step in range(first_step, N + 1):  # `step` steps done; the ranks agree to go on, then run one more
-            data_state = loader.state  # the data position after `step` steps: what a checkpoint made now holds
-            micro, failure = next_batches(loader, step) if step < N else (None, None)
-            try:
-                stop = agree(bool(stop_signals), watch.failure or failure, control)
-            except ShardError as e:  # the data broke on a rank: every rank saves the steps done, then stops
-                # (a gradient summed for Adam's next step, adam_every > 1, is not in the checkpoint)
-                clock.stop()
-                checkpoint = save(step, data_state)
-                raise ShardError(f"{e}. Saved {checkpoint}; once the data is fixed, continue with: "
-                                 f"{resume_command(checkpoint, world_size)}") from e
-            if stop and step % args.adam_every and step < N:  # Adam's summed gradient is not checkpointed:
-                stop = False  # stop after Adam's next step (every rank defers alike: the flag is agreed)
-            if step > first_step and (stop or (args.save_every > 0 and step % args.save_every == 0 and step < N)):
-                clock.stop()  # checkpoints are not timed
-                checkpoint = save(step, data_state)
-                log(f"checkpoint: {checkpoint}")
-                clock.start()
-                figures.restart(step)
-                if stop:
-                    interrupted = stop_signals[0] if stop_signals else signal.SIGTERM
-                    log(f"stopped by signal after step {step}; continue with: {resume_command(checkpoint, world_size)}")
-                    break
+            micro = run.go(step)
+            if run.interrupted:
+                break
             model.tied_embed = step < untie
             if (step == N or (args.val_every > 0 and step % args.val_every == 0)) and not (resume and step == first_step):
                 clock.stop()  # validation is not timed
@@ -2966,18 +3000,16 @@ def train(args: Hyperparameters) -> RunResult:
             watch.push(step + 1, loss, sum(m[0].numel() for m in micro))
             ms = clock.read_ms()
             log(f"step:{step + 1}/{N} train_time:{ms:.0f}ms step_avg:{ms / (step + 1):.2f}ms")
-            latest = watch.newest(checkpoint)
+            latest = watch.newest(run.checkpoint)
             if args.log_every > 0 and (step + 1) % args.log_every == 0:
                 log(f"step:{step + 1}/{N} {figures.line(step + 1, stage, latest)}")
         # ============================================================================================
-        if args.save_every > 0 and not interrupted:
-            checkpoint = save(N, loader.state)
-            log(f"checkpoint: {checkpoint}")
+        run.finish()
         return finish(log, args, device, world_size, step, losses, tokens, val_losses, clock.ms, first_step,
-                      checkpoint, interrupted)
+                      run.checkpoint, run.interrupted)
     finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+        if run is not None:
+            run.close()
         if loader is not None:
             loader.close()
         if world_size > 1 and dist.is_initialized():
