@@ -2869,9 +2869,9 @@ class RunControl:
         self.args, self.model, self.optimizers, self.loader, self.clock = args, model, optimizers, loader, clock
         self.watch, self.figures, self.rank, self.world_size, self.first_step, self.log = (
             watch, figures, rank, world_size, first_step, log)
-        self.signals, self.handlers = stop_on_signals()
         self.group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=args.collective_timeout_s))
                       if world_size > 1 else None)
+        self.signals, self.handlers = stop_on_signals()  # last: close() restores the handlers
         self.checkpoint, self.interrupted = None, 0
 
     def save(self, step: int, data_state: dict) -> Path:
