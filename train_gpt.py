@@ -2060,11 +2060,17 @@ def untie_step(stages: list[TrainingStage], args: Hyperparameters) -> float:
 
 
 def untie_embedding(model: "GPT", adam: "DistAdam"):
-    """The token embedding table becomes a copy of the LM head, and continues from its Adam moments."""
+    """The token embedding table becomes a copy of the LM head, and continues from its Adam moments (the
+    model reads it from the next step on: tie_embedding_at)."""
     with torch.no_grad():
         model.embed.weight.copy_(model.lm_head_w)
     adam.copy_state(model.lm_head_w, model.embed.weight)
-    model.tied_embed = False
+
+
+def tie_embedding_at(model: "GPT", step: int, untie: float):
+    """The one writer of model.tied_embed: tied for the steps before `untie` (untie_step), as the graphs of
+    those steps are compiled."""
+    model.tied_embed = step < untie
 
 
 def val_windows(stages: list[TrainingStage], step: int, args: Hyperparameters) -> tuple[int, int]:
@@ -2570,16 +2576,16 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, stage
     loader = BatchLoader(producer, lambda s: shapes[min(s // k, len(shapes) - 1)].batch, model.lm_head_w.device)
     try:
         for stage in shapes:
-            model.tied_embed = stage.start < untie  # its graphs are compiled with the embedding it trains with
+            tie_embedding_at(model, stage.start, untie)  # its graphs are compiled with the embedding it trains with
             for i in range(k):
                 train_step(model, compiled, optimizers, loader.next()[1], i, stage, args)
             evaluate(model, compiled, val, stage.windows, args, world_size)
         if args.final_val_window:
-            model.tied_embed = untie == math.inf  # the final validation: tied only if never untied
+            tie_embedding_at(model, args.num_iterations, untie)  # the final validation: tied only if never untied
             evaluate(model, compiled, val, val_windows(stages, args.num_iterations, args), args, world_size)
     finally:
         loader.close()
-        model.tied_embed = untie > 0
+        tie_embedding_at(model, 0, untie)
     model.zero_grad(set_to_none=True)  # Adam's gradients summed for a step that never came
     model.load_state_dict(initial_model)
     for opt, state in zip(optimizers, initial_opts):
@@ -2979,7 +2985,7 @@ def train(args: Hyperparameters) -> RunResult:
             micro = run.go(step)
             if run.interrupted:
                 break
-            model.tied_embed = step < untie
+            tie_embedding_at(model, step, untie)
             if (step == N or (args.val_every > 0 and step % args.val_every == 0)) and not (resume and step == first_step):
                 clock.stop()  # validation is not timed
                 val_losses.append((step, evaluate(model, compiled, val, val_windows(stages, step, args), args,

@@ -75,6 +75,7 @@ def main():
     stage = stages[own.stage] if own.stage >= 0 else stages[len(args.stages) - 1]
     if stage.start >= tg.untie_step(stages, args) and model.tied_embed:
         tg.untie_embedding(model, optimizers[0])
+    tg.tie_embedding_at(model, stage.start, tg.untie_step(stages, args))
     producer = tg.BatchProducer(tg.shard_files(args.train_files, "training"), rank, world_size, args.max_num_docs,
                                 args.bos_id)
     loader = tg.BatchLoader(producer, lambda s: stage.batch, device)

@@ -61,6 +61,7 @@ def main():
             step = stage.start  # the stage's own weights of its extra targets (and learning rate)
             if model.tied_embed and stage.start >= untie:
                 tg.untie_embedding(model, optimizers[0])
+            tg.tie_embedding_at(model, stage.start, untie)
         spec = stage.batch
         for _ in range(own.warmup):
             run_step()

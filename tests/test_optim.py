@@ -91,6 +91,8 @@ def test_untying_copies_the_head_and_its_moments_into_the_token_embedding(tiny_a
     assert model.embed.weight.grad is None and model.lm_head_w.grad is not None
     adam.step()
     tg.untie_embedding(model, adam)
+    assert model.tied_embed  # until the loop's next step reads it (tie_embedding_at)
+    tg.tie_embedding_at(model, 1, 1)
     assert not model.tied_embed and torch.equal(model.embed.weight, model.lm_head_w.detach().bfloat16())
     assert torch.equal(adam.state[model.embed.weight]["exp_avg_sq"], adam.state[model.lm_head_w]["exp_avg_sq"])
 
