@@ -73,9 +73,10 @@ def main():
     model, compiled, optimizers, attention, _ = tg.build(args, device, rank, world_size)
     stages = tg.training_stages(args)
     stage = stages[own.stage] if own.stage >= 0 else stages[len(args.stages) - 1]
-    if stage.start >= tg.untie_step(stages, args) and model.tied_embed:
+    untie = tg.untie_step(stages, args)
+    if stage.start >= untie and model.tied_embed:
         tg.untie_embedding(model, optimizers[0])
-    tg.tie_embedding_at(model, stage.start, tg.untie_step(stages, args))
+    tg.tie_embedding_at(model, stage.start, untie)
     producer = tg.BatchProducer(tg.shard_files(args.train_files, "training"), rank, world_size, args.max_num_docs,
                                 args.bos_id)
     loader = tg.BatchLoader(producer, lambda s: stage.batch, device)
