@@ -54,8 +54,8 @@ from kernels import (ATTENTION_BACKENDS, E4M3_MAX, HEAD_GRAD_SCALE, HEAD_W_SCALE
 
 # -----------------------------------------------------------------------------------------------
 # Hyperparameters: every field is a command-line override, `--field value`.
-# Defaults are the public speedrun record of 2025-09-03 (#29: 1670 steps, 8xH100): --preset record-0903.
-# A command without --preset runs --preset record: these defaults with the RECORD_LINE fields below.
+# The defaults are the record (--preset record, what a command without --preset runs); the public record of
+# 2025-09-03 (#29: 1670 steps, 8xH100) is --preset record-0903, its differences in RECORD_0903 below.
 
 DATA_PATH = os.environ.get("DATA_PATH", os.path.dirname(os.path.abspath(__file__)))
 BOS_ID = 50256  # GPT-2's <|endoftext|>, put before every document: the speedrun's beginning of sequence
@@ -111,83 +111,95 @@ class Hyperparameters:
     val_seq_len: int = 262144  # validation buffer: context resets at its edges (the public speedrun's 262,144)
     max_doc_len: int = 2048  # training documents are cut here and the rest dropped (validation: never cut)
     max_num_docs: int = 256  # cu_seqlens is padded to this many sequences, so shapes stay static
-    # model
+    # model: the public master's 11 blocks, attention skipped in block 6, long windows in blocks 3 and 10
     vocab_size: int = 50304  # GPT-2's 50,257 padded to a multiple of 128 for fast matmuls (@Grad62304977)
-    num_layers: int = 12  # transformer blocks
+    num_layers: int = 11  # transformer blocks (09/03/25: 12)
     model_dim: int = 768  # residual stream width
     num_heads: int = 6  # attention heads per block
     head_dim: int = 128  # width of each attention head
     mlp_ratio: int = 4  # MLP hidden width = mlp_ratio x model_dim
-    no_attn_layers: tuple[int, ...] = (7,)  # blocks without attention (block 7: @YouJiacheng)
-    num_value_embeds: int = 3  # value-embedding tables for the first and, mirrored, last blocks
-    # untied value embeddings (01/26/26, init 02/03/26): these blocks have a table each, drawn N(0, 0.01) (the
-    # public master's 11 blocks: 1, 2, 8, 9, 10). Needs num_value_embeds=0
-    value_embed_blocks: tuple[int, ...] = ()  # blocks with a value-embedding table each, N(0, 0.01); () = off
-    window_pattern: str = "LSSSLSSLSSSL"  # per block: L = long window, S = short window (half)
+    no_attn_layers: tuple[int, ...] = (6,)  # blocks without attention (09/03/25: block 7 of 12, @YouJiacheng)
+    num_value_embeds: int = 0  # value-embedding tables for the first and, mirrored, last blocks; 0 with value_embed_blocks
+    # untied value embeddings (01/26/26, init 02/03/26): these blocks have a table each, drawn N(0, 0.01). Needs
+    # num_value_embeds=0
+    value_embed_blocks: tuple[int, ...] = (1, 2, 8, 9, 10)  # blocks with a value-embedding table each, N(0, 0.01); () = off
+    window_pattern: str = "SSSLSSSSSSL"  # per block: L = long window, S = short window (half)
     window_block: int = 128  # tokens per window block
-    attn_scale: float = 0.12  # attention logit scale instead of 1/sqrt(head_dim), QK being normed (@leloykun)
+    attn_scale: float = 0.1  # attention logit scale, QK being normed (@leloykun; 09/03/25: 0.12; YaRN raises it)
     gate_channels: int = 12  # input channels of the sparse head gate
     rotary_min_freq: float = 1 / 1024  # lowest rotary frequency (the highest is 1)
-    yarn: bool = False  # YaRN: at each long-window growth, slow the slow rotary frequencies, raise attn_scale (09/10/25)
-    logit_softcap: float = 30.0  # logits = logit_softcap * sigmoid((z + softcap_shift) / softcap_temp)
+    yarn: bool = True  # YaRN: at each long-window growth, slow the slow rotary frequencies, raise attn_scale (09/10/25)
+    logit_softcap: float = 23.0  # logits = logit_softcap * sigmoid((z + softcap_shift) / softcap_temp) (09/03/25: 30)
     softcap_temp: float = 7.5  # the softcap's temperature
-    softcap_shift: float = 0.0  # asymmetric softcap: 5 with --logit_softcap 23 is the 2025-12-26 record's cap
-    bigram_rows: int = 0  # rows of the bigram hash embedding, 0 = off (377,280 in the 2026-05-27 record)
-    bigram_sign_rows: int = 0  # rows of fixed random +-1 signs that multiply bigram rows, 0 = none (2026-05-20: 8,192)
-    backout_layer: int = -1  # backout: subtract a learned multiple of this block's output before the head; -1 = off
-    smear: bool = False  # smear gate: each token's embedding adds a gated share of the previous token's (09/18/25)
-    ve_gate: bool = False  # value-embedding gate: 2 sigmoid(W x[:12]) per head scales the value embedding (12/29/25)
-    key_offset: bool = False  # long-window blocks' keys take their position-free dims from the previous token (12/14/25)
-    paired_head_blocks: tuple[int, ...] = ()  # paired-head attention in these short-window blocks (01/07/26)
-    mudd: bool = False  # MUDD: per-token learned mixes of earlier block outputs into the last block and the head (04/22/26)
-    mudd_gates: bool = False  # per-token x0, bigram, XSA, attention-output and skip weights from two small MLPs (05/27/26)
+    softcap_shift: float = 5.0  # asymmetric softcap: 5 with logit_softcap 23 is the 2025-12-26 record's cap (09/03/25: 0)
+    bigram_rows: int = 377_280  # rows of the bigram hash embedding, 0 = off (01/19/26; 377,280 since 05/27/26)
+    bigram_sign_rows: int = 8_192  # rows of fixed random +-1 signs that multiply bigram rows, 0 = none (05/20/26)
+    backout_layer: int = 7  # backout: subtract a learned multiple of this block's output before the head; -1 = off (10/04/25)
+    smear: bool = True  # smear gate: each token's embedding adds a gated share of the previous token's (09/18/25)
+    ve_gate: bool = True  # value-embedding gate: 2 sigmoid(W x[:12]) per head scales the value embedding (12/29/25)
+    key_offset: bool = True  # long-window blocks' keys take their position-free dims from the previous token (12/14/25)
+    paired_head_blocks: tuple[int, ...] = (0, 2, 5, 9)  # paired-head attention in these short-window blocks (01/07/26)
+    mudd: bool = True  # MUDD: per-token learned mixes of earlier block outputs into the last block and the head (04/22/26)
+    # MUDD gates (05/27/26): on the proxy with DC attention -0.0157 +- 0.0058 at equal tokens, +3.4% step (an H200)
+    mudd_gates: bool = True  # per-token x0, bigram, XSA, attention-output and skip weights from two small MLPs (05/27/26)
     # learnable XSA (04/29/26): each head removes tanh(a) of its output along its own value, a set per token by the gates
-    xsa_blocks: tuple[int, ...] = ()  # with mudd_gates: XSA in these blocks (05/27/26: 1,3,4,7)
-    dc: bool = False  # with mudd_gates: DC attention, heads' local maps mixed per token, in the last block (05/27/26)
-    cplm_bands: tuple[int, ...] = ()  # copy mixture (CPLM, PR 379): pointer bands in training, evaluation; () = off
-    parallel_attn: bool = False  # blocks after backout_layer attend over its normed output, not their own input (03/06/26)
-    uniform_out_init: bool = False  # attention output projections start uniform as V, not zero (the public master)
+    xsa_blocks: tuple[int, ...] = (1, 3, 4, 7)  # with mudd_gates: XSA in these blocks (05/27/26)
+    dc: bool = True  # with mudd_gates: DC attention, heads' local maps mixed per token, in the last block (05/27/26)
+    # the copy-pointer mixture of public pull request 379 (not in the master): on the proxy -0.0398 +- 0.0040 at
+    # equal tokens, +5.0% step (an H200)
+    cplm_bands: tuple[int, ...] = (2048, 8192)  # copy mixture (CPLM, PR 379): pointer bands in training, evaluation; () = off
+    parallel_attn: bool = True  # blocks after backout_layer attend over its normed output, not their own input (03/06/26)
+    uniform_out_init: bool = True  # attention output projections start uniform as V, not zero (the public master)
     # 2026-02-12/16 records (PRs 230, 233); the attention's r is the residual mix's own x weight
-    sublayer_lambdas: bool = False  # per-sublayer residual weights: x <- r x + p out, r = sqrt(1.1), p = 1 at init
+    sublayer_lambdas: bool = True  # per-sublayer residual weights: x <- r x + p out, r = sqrt(1.1), p = 1 at init
     # one skip instead of the U-net, weighted sigmoid(l), l = -1.5 at init (2025-11-18 and 12-14 records, PRs 159, 169)
-    skip_from: int = -1  # one skip from this block's output into the first attention-less block; -1 = the U-net
-    # schedule: the stages in order (rows of Stage, above), sharing the scheduled steps, then extension_steps more
-    stages: tuple[Stage, ...] = (Stage(3), Stage(7), Stage(11))  # the schedule table: batch, document cut, window, lr, MTP per stage
-    extension_steps: int = 0  # last steps, after the cooldown: final learning rate, long window extension_window
-    extension_window: int = 0  # long window of the extension, in blocks
-    tied_embed_stages: int = 0  # embeddings read from the LM head for this many stages, then a copy learns (12/22/25: 2)
-    final_val_window: int = 0  # long window of the final validation, in blocks; 0 = the last stage's (09/10/25: 13)
+    skip_from: int = 3  # one skip from this block's output into the first attention-less block; -1 = the U-net
+    # schedule: the stages in order (rows of Stage, above), sharing the scheduled steps, then extension_steps more.
+    # Three equal stages at batch_size with 3 / 7 / 11-block windows, short documents in the first (02/10/26),
+    # multi-token prediction (12/22/25) and the prefix-token loss (07/13/26)
+    stages: tuple[Stage, ...] = (  # the schedule table: batch, document cut, window, lr, MTP per stage
+        #     window  documents cut at  targets t+2, t+3  prefix-token weight
+        Stage(3,      doc_len=896,      mtp=(0.5, 0.25),  prefix=0.25),
+        Stage(7,      doc_len=2048,     mtp=(0.5, 0.0),   prefix=0.25),
+        Stage(11,     doc_len=2048,     mtp=(0.0, 0.0),   prefix=0.0))
+    extension_steps: int = 20  # last steps, after the cooldown: final learning rate, long window extension_window (09/21/25)
+    extension_window: int = 13  # long window of the extension, in blocks
+    tied_embed_stages: int = 2  # embeddings read from the LM head for this many stages, then a copy learns (12/22/25)
+    final_val_window: int = 20  # long window of the final validation, in blocks; 0 = the last stage's (09/10/25: 13)
     # optimization
     num_iterations: int = 1670  # training steps, extension_steps included
-    cooldown_frac: float = 0.45  # linear decay of both learning rates over this final fraction (before the extension)
-    final_lr_frac: float = 0.1  # learning rates end the cooldown at this fraction of their peak
-    muon_lr: float = 0.05  # Muon's learning rate (block matrices)
+    cooldown_frac: float = 0.6  # linear decay of both learning rates over this final fraction (before the extension; 02/10/26)
+    final_lr_frac: float = 0.15  # learning rates end the cooldown at this fraction of their peak (02/10/26)
+    # NorMuon (beta2 0.9) with cautious decay 1.2 and Polar Express, momentum 0.85 -> 0.95 over 300 steps and back over
+    # the last 50 (the public master's)
+    muon_lr: float = 0.023  # Muon's learning rate (block matrices; 09/03/25: 0.05)
     muon_momentum: float = 0.95  # Muon's peak momentum (Nesterov)
     muon_momentum_start: float = 0.85  # Muon's momentum at step 0, warmed up linearly to muon_momentum
     muon_momentum_warmup: int = 300  # steps of that momentum warm-up
-    muon_momentum_cooldown: int = 0  # last steps: momentum back down to muon_momentum_start, linearly
+    muon_momentum_cooldown: int = 50  # last steps: momentum back down to muon_momentum_start, linearly; 0 = none
     ns_steps: int = 5  # iterations of Muon's orthogonalization
-    orthogonalizer: str = "newton_schulz"  # Muon's: newton_schulz (the 09/03 record) | polar_express (later records)
-    muon_beta2: float = 0.0  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off (2026: 0.9)
-    muon_weight_decay: float = 0.0  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25: 1.2)
+    orthogonalizer: str = "polar_express"  # Muon's: newton_schulz (the 09/03 record) | polar_express (later records)
+    muon_beta2: float = 0.9  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off
+    muon_weight_decay: float = 1.2  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25)
     # the public master's NorMuon rates: 0.023 x 2 on the MLP's input (its shape factor), x 4 on its output (10/27/25)
-    mlp_muon_lr_mults: tuple[float, ...] = ()  # Muon lr multipliers of the MLP's input and output matrices; () = 1, 1
+    mlp_muon_lr_mults: tuple[float, ...] = (2.0, 4.0)  # Muon lr multipliers of the MLP's input and output matrices; () = 1, 1
     adam_lr: float = 0.008  # Adam's base learning rate (embeddings, head and scalars: times their *_lr_mult)
     adam_beta1: float = 0.8  # Adam's first-moment decay
     adam_beta2: float = 0.95  # Adam's second-moment decay
     adam_eps: float = 1e-10  # small epsilon: no dependence on the gradient's scale (@YouJiacheng)
     embed_lr_mult: float = 75.0  # token and value embeddings
-    embed_weight_decay: float = 0.0  # value-embed + bigram tables: cautious decay lr_t^2 x this; 0 = off (2026: 0.025)
-    embed_adam_betas: tuple[float, ...] = ()  # value-embed + bigram tables' Adam betas; empty = Adam's (2026: 0.75,0.95)
+    # decays are per Adam step (Adam stepping every second training step: adam_every)
+    embed_weight_decay: float = 0.025  # value-embed + bigram tables: cautious decay lr_t^2 x this; 0 = off (2026)
+    embed_adam_betas: tuple[float, ...] = (0.75, 0.95)  # value-embed + bigram tables' Adam betas; empty = Adam's (2026)
     head_lr_mult: float = 1.0  # LM head: adam_lr times this
     # The 2026 records' LM head: betas 0.5,0.95 and cautious decay 0.005 x 150 = 0.75 per Adam step (Adam stepping
     # every second training step there: 0.375 where Adam steps every step, as the tables' 0.0125)
-    head_weight_decay: float = 0.0  # LM head: cautious decay lr_t^2 x this; 0 = off
-    head_adam_betas: tuple[float, ...] = ()  # LM head's Adam betas; empty = Adam's
+    head_weight_decay: float = 0.75  # LM head: cautious decay lr_t^2 x this; 0 = off
+    head_adam_betas: tuple[float, ...] = (0.5, 0.95)  # LM head's Adam betas; empty = Adam's
     scalar_lr_mult: float = 5.0  # scalars (residual mixes, skip and bigram weights): adam_lr times this
-    scalar_adam_betas: tuple[float, ...] = ()  # the scalars' Adam betas; empty = Adam's (12/21/25: 0.9,0.99)
-    # (2025-09-30 record, PR 136: 2); checkpoints and signal stops fall on Adam's steps
-    adam_every: int = 1  # Adam steps every Nth step, on its gradients summed over those N steps; Muon every step
+    scalar_adam_betas: tuple[float, ...] = (0.9, 0.99)  # the scalars' Adam betas; empty = Adam's (12/21/25)
+    # (2025-09-30 record, PR 136); checkpoints and signal stops fall on Adam's steps
+    adam_every: int = 2  # Adam steps every Nth step, on its gradients summed over those N steps; Muon every step
     # run
     val_every: int = 125  # validate every N steps (and at the end); 0 = only at the end
     warmup_steps: int = 3  # untimed compile warm-up steps per window size (weights restored after)
@@ -195,9 +207,11 @@ class Hyperparameters:
     device: str = "cuda"  # cuda (refused with the reason where torch sees no GPU) | cpu | auto (cuda if seen, else cpu)
     compile: bool = True  # torch.compile the model (false: eager, for debugging and CPU runs)
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
-    fused_mlp: bool = False  # ReLU² inside the MLP's matmul epilogues (kernels.py), where the GPU has the shared memory
-    fp8_mlp: bool = False  # the fused MLP's forward matmuls in FP8 (kernels.py), where the GPU has FP8 and the kernel
-    fused_ce: bool = False  # the FP8 head's soft-capped cross-entropy in Triton kernels, its gradient written in FP8
+    # our kernels: ReLU² in the matmul epilogues (-12 ms a step at stage 3 on an H100), its forward in FP8 (-16 ms,
+    # final loss -0.0014 +- 0.0021), the FP8 head's soft-capped cross-entropy in Triton (-22 ms)
+    fused_mlp: bool = True  # ReLU² inside the MLP's matmul epilogues (kernels.py), where the GPU has the shared memory
+    fp8_mlp: bool = True  # the fused MLP's forward matmuls in FP8 (kernels.py), where the GPU has FP8 and the kernel
+    fused_ce: bool = True  # the FP8 head's soft-capped cross-entropy in Triton kernels, its gradient written in FP8
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
     log_dir: str = "logs"  # logs go to log_dir/<run_id>.txt (rank 0 writes)
@@ -211,7 +225,7 @@ class Hyperparameters:
     resume: str = ""  # a checkpoint folder, or "latest" (newest under checkpoint_dir)
     plan: bool = False  # print the resolved schedule and its projected 1- and 8-GPU time, then exit (no GPU used)
     # presets and the smoke preset's built-in data
-    preset: str = "record-0903"  # record | record-0903 | smoke | single | medium (then any field overrides)
+    preset: str = "record"  # record | record-0903 | smoke | single | medium (then any field overrides)
     markov_corpus: bool = False  # write a synthetic Markov-chain corpus to train/val_files first
 
     def __post_init__(self):
@@ -325,59 +339,29 @@ class Hyperparameters:
             raise ValueError(f"attention={h.attention!r}: choose one of auto, {', '.join(ATTENTION_BACKENDS)}")
 
 
-# The record preset: the public record line's techniques after 09/03 at the public master's values (modded-nanogpt
-# master, 2026-08), on its 11 blocks, with our kernels. On the proxy under the harness's batches/16 rule, 3 seeds
-# paired on H100s: -0.129 final loss against the previous record preset (12 blocks, our 2025 A/B's subset) at
-# 1.06x its step time on 12 blocks; on 11 blocks 0.99x the time and +0.005 +- 0.021 against 12 (an H200;
-# bench/results/public_line_ab_20261126.md, step_time_stages_h100_20261126.md). Each field names its record.
-RECORD_LINE = dict(
-    # the public master's 11 blocks: attention skipped in block 6, long windows in blocks 3 and 10
-    num_layers=11, no_attn_layers=(6,), window_pattern="SSSLSSSSSSL",
-    logit_softcap=23.0, softcap_shift=5.0,  # asymmetric softcap 23 * sigmoid((z + 5) / 7.5) (2025-12-26)
-    backout_layer=7,  # subtract a learned multiple of block 7's output before the head (10/04/25)
-    parallel_attn=True,  # blocks after block 7 attend over its normed output (02/12/26, as 03/06/26 simplified it)
-    mudd=True,  # MUDD before the last block and the head (04/22/26, with the master's 14 + 5 per-token weights)
-    # the MUDD gates: per-token x0, bigram, XSA (blocks 1, 3, 4, 7), long-window output and skip weights, and DC
-    # attention in the last block (05/27/26); on the proxy -0.0157 +- 0.0058 at equal tokens, +3.4% step (an H200)
-    mudd_gates=True, xsa_blocks=(1, 3, 4, 7), dc=True,
-    # the copy-pointer mixture of public pull request 379 (not in the master): a pointer over the document's last 2,048
-    # tokens in training, 8,192 in validation; on the proxy -0.0398 +- 0.0040 at equal tokens, +5.0% step (an H200)
-    cplm_bands=(2048, 8192),
-    yarn=True, smear=True, ve_gate=True,  # YaRN (09/10/25), smear (09/18/25),
-    # value-embedding gates (12/29/25); paired-head attention in four short-window blocks (01/07/26)
-    paired_head_blocks=(0, 2, 5, 9),
-    key_offset=True,  # long-window keys' position-free dims from the previous token: one-block induction (12/14/25)
-    # the residual stream as the public master's: per-sublayer weights x <- r x + p out, r = sqrt(1.1), p = 1 at init
-    # (02/12/26, 02/16/26), and one skip sigmoid(l) x (block 3's output) into block 6 instead of the U-net
-    # (11/18/25, 12/14/25); attention logits at 0.1 before YaRN's growth, the master's (ours was 09/03's 0.12)
-    sublayer_lambdas=True, skip_from=3, attn_scale=0.1,
-    # five untied value-embedding tables at N(0, 0.01) (01/26/26, 02/03/26), output projections drawn as V
-    num_value_embeds=0, value_embed_blocks=(1, 2, 8, 9, 10), uniform_out_init=True,
-    # bigram hash embedding with the +-1 sign rows (01/19/26, 05/20/26)
-    bigram_rows=377280, bigram_sign_rows=8192,
-    # NorMuon (beta2 0.9) at 0.023 with the MLP's input x 2 and output x 4, cautious decay 1.2, Polar Express;
-    # momentum 0.85 -> 0.95 over 300 steps and back over the last 50
-    orthogonalizer="polar_express", muon_beta2=0.9, muon_weight_decay=1.2, muon_lr=0.023, mlp_muon_lr_mults=(2.0, 4.0),
-    muon_momentum_start=0.85, muon_momentum=0.95, muon_momentum_cooldown=50,
-    # Adam every second step (09/30/25) with the decays per Adam step (tables 0.025, head 0.75), the tables' and the
-    # head's betas, the scalars' 0.9, 0.99
-    adam_every=2, embed_weight_decay=0.025, embed_adam_betas=(0.75, 0.95), head_adam_betas=(0.5, 0.95),
-    head_weight_decay=0.75, scalar_adam_betas=(0.9, 0.99),
-    tied_embed_stages=2,  # embedding = the head's rows until 2/3 of training (12/19/25 re-tie, 12/22/25 untie)
-    # The schedule table: three equal stages at batch_size (393,216 tokens) with 3 / 7 / 11-block windows, short
-    # documents in the first (02/10/26), multi-token prediction (12/22/25) and the prefix-token loss (07/13/26)
-    #             window  documents cut at  targets t+2, t+3  prefix-token weight
-    stages=(Stage(3,      doc_len=896,      mtp=(0.5, 0.25),  prefix=0.25),
-            Stage(7,      doc_len=2048,     mtp=(0.5, 0.0),   prefix=0.25),
-            Stage(11,     doc_len=2048,     mtp=(0.0, 0.0),   prefix=0.0)),
-    # learning rates decay over the last 60% to 0.15 (02/10/26); 20 of the 1670 steps at that rate with windows of
-    # 13 blocks (the 09/21/25 extension); the final validation looks back 20 blocks
-    cooldown_frac=0.6, final_lr_frac=0.15, extension_steps=20, extension_window=13, final_val_window=20,
-    # our kernels: ReLU² in the matmul epilogues (-12 ms a step at stage 3 on an H100), its forward in FP8 (-16 ms,
-    # final loss -0.0014 +- 0.0021), the FP8 head's soft-capped cross-entropy in Triton (-22 ms)
-    fused_mlp=True, fp8_mlp=True, fused_ce=True,
+# The defaults above are the record: the public record line's techniques after 09/03 at the public master's values
+# (modded-nanogpt master, 2026-08), on its 11 blocks, with our kernels and CPLM. On the proxy under the harness's
+# batches/16 rule, 3 seeds paired on H100s: -0.129 final loss against the previous record preset (12 blocks, our
+# 2025 A/B's subset) at 1.06x its step time on 12 blocks; on 11 blocks 0.99x the time and +0.005 +- 0.021 against 12
+# (an H200; bench/results/public_line_ab_20261126.md, step_time_stages_h100_20261126.md).
+#
+# The public record of 2025-09-03 (#29: 1670 steps, 8xH100) as it ran: every field where it differs from the record.
+# A new technique's field joins this dict with its "off" value, so that record-0903 and old checkpoints keep it off.
+RECORD_0903 = dict(
+    num_layers=12, no_attn_layers=(7,), window_pattern="LSSSLSSLSSSL", attn_scale=0.12,
+    num_value_embeds=3, value_embed_blocks=(), uniform_out_init=False,  # three tied value tables, U-net
+    sublayer_lambdas=False, skip_from=-1, parallel_attn=False, backout_layer=-1,
+    logit_softcap=30.0, softcap_shift=0.0, bigram_rows=0, bigram_sign_rows=0,
+    yarn=False, smear=False, ve_gate=False, key_offset=False, paired_head_blocks=(),
+    mudd=False, mudd_gates=False, xsa_blocks=(), dc=False, cplm_bands=(),
+    stages=(Stage(3), Stage(7), Stage(11)), extension_steps=0, extension_window=0, tied_embed_stages=0,
+    final_val_window=0, cooldown_frac=0.45, final_lr_frac=0.1,
+    orthogonalizer="newton_schulz", muon_lr=0.05, muon_beta2=0.0, muon_weight_decay=0.0, mlp_muon_lr_mults=(),
+    muon_momentum_cooldown=0, adam_every=1, embed_weight_decay=0.0, embed_adam_betas=(), head_weight_decay=0.0,
+    head_adam_betas=(), scalar_adam_betas=(),
+    fused_mlp=False, fp8_mlp=False, fused_ce=False,  # PyTorch's MLP and loss, as it ran
 )
-DEFAULT_PRESET = "record"  # what a command without --preset runs (the dataclass defaults are record-0903)
+DEFAULT_PRESET = "record"  # what a command without --preset runs: the dataclass defaults
 PRESETS = {  # name: (what it is, the fields it sets)
     "record": ("the 8-GPU record configuration: the public line's current model and optimizer (modded-nanogpt "
                "master, 2026-08) as far as this file implements them, on its 11 blocks: bigram hash embedding, "
@@ -386,22 +370,23 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "residual weights and one gated skip, NorMuon with cautious decay, Adam every second step, "
                "multi-token and prefix-token losses, the embedding tied for two stages, a 20-step extension; plus "
                "the copy-pointer mixture of public pull request 379 (CPLM); with our fused ReLU² MLP (FP8 forward) "
-               "and soft-capped cross-entropy kernels", RECORD_LINE),
-    "record-0903": ("the public record of 2025-09-03 as it ran (1670 steps, 8 GPUs): the dataclass defaults", {}),
+               "and soft-capped cross-entropy kernels: the dataclass defaults", {}),
+    "record-0903": ("the public record of 2025-09-03 as it ran (1670 steps, 8 GPUs)", RECORD_0903),
     "smoke": ("a tiny model on a built-in synthetic corpus (a random Markov chain whose entropy per token, "
               "the lowest loss possible, is known): about 1.5 minutes on a 2-core CPU; a checkpoint every 50 steps, "
-              "for `python sample.py latest`", dict(
-        markov_corpus=True, train_files=os.path.join(DATA_PATH, "data/smoke/markov_train_*.bin"),
+              "for `python sample.py latest`; the 09/03 record's model and optimizer at that size (none of the later "
+              "techniques: RECORD_0903)", dict(
+        RECORD_0903, markov_corpus=True, train_files=os.path.join(DATA_PATH, "data/smoke/markov_train_*.bin"),
         val_files=os.path.join(DATA_PATH, "data/smoke/markov_val_*.bin"), vocab_size=128, bos_id=127,
         num_layers=4, model_dim=128, num_heads=2, head_dim=64, no_attn_layers=(2,), num_value_embeds=1,
         window_pattern="LSSL", stages=(Stage(1), Stage(2), Stage(3)), window_block=64, batch_size=8 * 512, seq_len=512,
         val_seq_len=1024, val_tokens=32768, max_doc_len=512, max_num_docs=64, num_iterations=150, val_every=50,
         log_every=10, compile=False, warmup_steps=0, device="auto", save_every=50)),
     "single": ("the record on one GPU with 24-40 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
-               "global batch", dict(RECORD_LINE, seq_len=16384, max_num_docs=128)),
-    "medium": ("GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the record's learning "
-               "rates and window pattern (repeated), attention in every block, 4000 steps",
-               dict(num_layers=24, model_dim=1024, num_heads=16, head_dim=64, no_attn_layers=(),
+               "global batch", dict(seq_len=16384, max_num_docs=128)),
+    "medium": ("GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the 09/03 record's model, "
+               "learning rates and window pattern (repeated), attention in every block, 4000 steps",
+               dict(RECORD_0903, num_layers=24, model_dim=1024, num_heads=16, head_dim=64, no_attn_layers=(),
                     window_pattern="LSSSLSSLSSSL" * 2, seq_len=24576, max_num_docs=128, num_iterations=4000)),
 }
 
@@ -491,7 +476,8 @@ REMOVED_FIELDS = {"no_mlp_layers": (), "xsa": False}  # deleted techniques, as t
 
 def stored_args(saved: dict) -> dict:
     """A checkpoint's hyperparameters as fields: its stages rows made Stage again (checkpoints of the
-    column era, before the table, converted), list values made tuples, deleted fields dropped where off."""
+    column era, before the table, converted), list values made tuples, deleted fields dropped where off,
+    fields it predates off."""
     saved = dict(saved)
     for name, off in REMOVED_FIELDS.items():
         value = saved.pop(name, off)
@@ -501,10 +487,12 @@ def stored_args(saved: dict) -> dict:
                              "train_gpt.py no longer has (bench/README.md gives its results): resume it with the "
                              "commit that wrote it")
     columns = {flag: tuple(saved.pop(flag)) for flag in STAGE_COLUMNS if flag in saved}
+    # a field newer than the checkpoint was off when it trained: its RECORD_0903 value, not the record's default
+    saved = {**{k: v for k, v in RECORD_0903.items() if k != "stages" and k not in saved}, **saved}
     if "stages" in saved:
         saved["stages"] = tuple(Stage(**{**row, "mtp": tuple(row["mtp"])}) for row in saved["stages"])
-    elif columns:
-        saved["stages"] = set_stage_columns(Hyperparameters.stages, columns)
+    else:  # before the table: the 09/03 rows with the checkpoint's columns
+        saved["stages"] = set_stage_columns(RECORD_0903["stages"], columns)
     return {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
 
 

@@ -57,10 +57,10 @@ def write_corpus(directory, train_sizes=(20_000, 20_000), val_size=10_000, seed=
 def stages(base=None, **columns):
     """A stages table from the command line's single columns (window_schedule=..., batch_schedule=...,
     doc_len_schedule=..., lr_schedule=..., mtp_weights=...) over base (default: the 09/03 record's rows)."""
-    return tg.set_stage_columns(tg.Hyperparameters.stages if base is None else base, columns)
+    return tg.set_stage_columns(tg.RECORD_0903["stages"] if base is None else base, columns)
 
 
-TINY = dict(vocab_size=VOCAB, bos_id=BOS, num_layers=4, model_dim=64, num_heads=2, head_dim=32, gate_channels=8,
+TINY = dict(tg.RECORD_0903, vocab_size=VOCAB, bos_id=BOS, num_layers=4, model_dim=64, num_heads=2, head_dim=32, gate_channels=8,
             no_attn_layers=(2,), num_value_embeds=1, window_pattern="LSSL", stages=(tg.Stage(1), tg.Stage(2), tg.Stage(3)),
             window_block=16, batch_size=8 * 128, seq_len=128, val_seq_len=256, val_tokens=4096, max_doc_len=96,
             max_num_docs=32, num_iterations=20, val_every=10, compile=False, warmup_steps=0, device="auto")

@@ -73,8 +73,8 @@ def test_window_limits_how_far_back_attention_reaches():
     assert delta[10 + 16] > 0
 
 
-def test_value_embeddings_and_window_pattern_follow_the_record_layout():
-    args = tg.Hyperparameters()
+def test_value_embeddings_and_window_pattern_follow_the_0903_record_layout():
+    args = tg.Hyperparameters(**tg.RECORD_0903)
     cfg = tg.ModelConfig.from_args(args)
     with torch.device("meta"):
         model = tg.GPT(cfg)
@@ -120,7 +120,7 @@ def test_command_line_overrides_every_kind_of_field():
     table = tg.parse_args(["--stages", "window=3,batch=131072,doc_len=896,mtp=0.5/0.25;window=7,lr=1.52,mtp=0/0,share=2"])
     assert table.stages == (tg.Stage(3, batch=131072, doc_len=896, mtp=(0.5, 0.25)), tg.Stage(7, lr=1.52, mtp=(0, 0), share=2))
     assert tg.parse_args(["--stages", tg.format_stages(table.stages)]).stages == table.stages  # the text round-trips
-    assert tg.parse_args(["--preset", "record-0903"]) == tg.Hyperparameters()
+    assert tg.parse_args(["--preset", "record-0903"]) == tg.Hyperparameters(preset="record-0903", **tg.RECORD_0903)
 
 
 def test_attention_backend_choice_on_cpu_is_the_reference_and_others_are_refused():
@@ -319,7 +319,7 @@ def test_yarn_slows_only_the_frequencies_that_turn_few_times_across_the_old_wind
 
 
 def test_yarn_gives_each_long_window_of_the_schedule_its_tables_and_attention_scale():
-    args = tg.Hyperparameters(**TINY, yarn=True, extension_steps=2, extension_window=4)
+    args = tg.Hyperparameters(**dict(TINY, yarn=True, extension_steps=2, extension_window=4))
     cfg = tg.ModelConfig.from_args(args)
     assert cfg.yarn_windows == (16, 32, 48, 64)  # the stages' windows (1, 2, 3) then the extension's 4, x 16 tokens
     rotary = tg.Rotary(32, 256, 1 / 64, cfg.yarn_windows)
@@ -387,7 +387,7 @@ def test_smear_starts_as_a_no_op_and_then_learns_both_its_weights():
 
 
 def test_value_embedding_gate_scales_each_heads_value_embedding_by_context():
-    cfg = tg.ModelConfig.from_args(tg.Hyperparameters(**TINY, ve_gate=True))
+    cfg = tg.ModelConfig.from_args(tg.Hyperparameters(**dict(TINY, ve_gate=True)))
     g = torch.Generator().manual_seed(0)
     attn = tg.CausalSelfAttention(cfg, ve_gate=True)
     with torch.no_grad():

@@ -144,7 +144,7 @@ def test_extra_terms_reach_the_embeddings_as_autograd_of_the_direct_formula_does
 
 
 def test_schedule_is_the_records_at_stage_starts_and_ends_and_linear_inside():
-    args = tg.Hyperparameters(stages=table(mtp_weights=RECORD), num_iterations=30)
+    args = tg.Hyperparameters(**dict(tg.RECORD_0903, stages=table(mtp_weights=RECORD), num_iterations=30))
     stages = tg.training_stages(args)
     assert [(st.start, st.end) for st in stages] == [(0, 11), (11, 21), (21, 31)]
     assert [st.mtp for st in stages] == [((0.5, 0.5), (0.25, 0.0)), ((0.5, 0.0),), ()]  # 2, 1, 0 extra targets
@@ -161,7 +161,8 @@ def test_schedule_is_the_records_at_stage_starts_and_ends_and_linear_inside():
     stages = tg.training_stages(args)
     assert [st.mtp for st in stages] == [((0.4, 0.2),), ((0.2, 0.1),), ((0.1, 0.1),), ((0.1, 0.1),)]
     assert tg.mtp_weights_at(stages[1], 16) == pytest.approx((0.15,)) and tg.mtp_weights_at(stages[3], 31) == (0.1,)
-    assert all(st.mtp == () for st in tg.training_stages(tg.Hyperparameters(extension_steps=10, extension_window=13)))
+    off = tg.Hyperparameters(**dict(tg.RECORD_0903, extension_steps=10, extension_window=13))
+    assert all(st.mtp == () for st in tg.training_stages(off))
     assert tg.parse_args(["--preset", "record-0903", "--mtp_weights", "0.5,0.25,0.5,0,0,0"]).stages == table(mtp_weights=RECORD)
     fused = tg.parse_args(["--mtp_weights", "0.5,0.25,0.5,0,0,0"])  # the record preset's fused loss takes them
     assert fused.fused_ce and [row.mtp for row in fused.stages] == [(0.5, 0.25), (0.5, 0.0), (0.0, 0.0)]

@@ -426,7 +426,7 @@ def test_orthogonalization_work_of_the_record_model_is_spread_evenly_over_ranks(
     (stored alike, as in the 09/03 record), 8 ranks each get 3 MLP and at most 2 attention matrices:
     the busiest rank does 5 of the 35 equal units of work, the fewest any split allows."""
     with torch.device("meta"):
-        model = tg.GPT(tg.ModelConfig.from_args(tg.Hyperparameters()))
+        model = tg.GPT(tg.ModelConfig.from_args(tg.Hyperparameters(**tg.RECORD_0903)))
     params = tg.param_groups_by_role(model)["block matrices"]
     loads = []
     for rank in range(world_size):

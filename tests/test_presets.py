@@ -44,10 +44,10 @@ def test_every_preset_resolves_to_its_pinned_run(name):
 
 
 def test_the_pin_notices_a_changed_stage(monkeypatch):
-    rows = tg.RECORD_LINE["stages"]
-    monkeypatch.setitem(tg.RECORD_LINE, "stages", (dataclasses.replace(rows[0], doc_len=1024), *rows[1:]))
+    rows = tg.RECORD_0903["stages"]
+    monkeypatch.setitem(tg.RECORD_0903, "stages", (dataclasses.replace(rows[0], doc_len=1024), *rows[1:]))
     with pytest.raises(AssertionError):
-        test_every_preset_resolves_to_its_pinned_run("record")
+        test_every_preset_resolves_to_its_pinned_run("record-0903")
 
 
 # fields whose default is 0, -1, False or () but that choose how a run is controlled, not what it learns

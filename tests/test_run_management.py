@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_presets_set_their_configuration_and_fields_still_override():
-    assert tg.parse_args(["--preset", "record-0903"]) == tg.Hyperparameters()  # the 09/03 record: the defaults
-    record = tg.parse_args([])  # today's record: the public line's techniques on 11 blocks
-    assert record == tg.Hyperparameters(preset="record", **tg.RECORD_LINE) != tg.Hyperparameters()
+    record = tg.parse_args([])  # today's record: the public line's techniques on 11 blocks, the defaults
+    assert record == tg.Hyperparameters()  # one source of defaults: the dataclass is what a bare command runs
+    old = tg.parse_args(["--preset", "record-0903"])  # the 09/03 record: its differences over the defaults
+    assert old == tg.Hyperparameters(preset="record-0903", **tg.RECORD_0903) != record
     assert (record.logit_softcap, record.backout_layer, record.orthogonalizer, record.num_layers) == \
         (23.0, 7, "polar_express", 11)
     assert tg.parse_args(["--preset", "record", "--backout_layer", "5"]).backout_layer == 5
@@ -52,9 +53,9 @@ def test_markov_corpus_is_deterministic_and_sits_at_its_entropy_floor(tmp_path):
 
 def _hand_countable_model():
     """Two blocks of width 32 (attention in the first only), vocabulary 64, 64-token micro-batches."""
-    args = tg.Hyperparameters(vocab_size=64, bos_id=63, num_layers=2, model_dim=32, num_heads=2, head_dim=16,
-                              gate_channels=4, no_attn_layers=(1,), num_value_embeds=1, window_pattern="LS",
-                              window_block=8, seq_len=64, val_seq_len=64, batch_size=128)
+    args = tg.Hyperparameters(**dict(tg.RECORD_0903, vocab_size=64, bos_id=63, num_layers=2, model_dim=32, num_heads=2,
+                                     head_dim=16, gate_channels=4, no_attn_layers=(1,), num_value_embeds=1,
+                                     window_pattern="LS", window_block=8, seq_len=64, val_seq_len=64, batch_size=128))
     with torch.device("meta"):
         return args, tg.GPT(tg.ModelConfig.from_args(args))
 
@@ -85,10 +86,10 @@ def test_parameter_counts_and_memory_estimate_match_a_hand_count():
 
 
 def test_bigram_table_is_an_adam_embedding_in_the_size_report_and_adds_no_matmul_flops():
-    args = tg.Hyperparameters(bigram_rows=377_280, bigram_sign_rows=8192, backout_layer=8, logit_softcap=23.0,
-                              softcap_shift=5.0)
+    args = tg.Hyperparameters(**dict(tg.RECORD_0903, bigram_rows=377_280, bigram_sign_rows=8192, backout_layer=8,
+                                     logit_softcap=23.0, softcap_shift=5.0))
     with torch.device("meta"):
-        model, base = tg.GPT(tg.ModelConfig.from_args(args)), tg.GPT(tg.ModelConfig.from_args(tg.Hyperparameters()))
+        model, base = (tg.GPT(tg.ModelConfig.from_args(a)) for a in (args, tg.Hyperparameters(**tg.RECORD_0903)))
     table = model.bigram_embed.weight
     assert table.shape == (377_280, 768) and table.dtype == torch.bfloat16
     assert (base.scalars.numel(), model.scalars.numel()) == (64, 128)  # 48 + 6, then + 12 bigram + 1 backout, padded

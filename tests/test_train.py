@@ -165,8 +165,8 @@ def test_record_preset_momentum_is_the_public_masters_schedule():
     assert all(x == pytest.approx(0.95) for x in m[300: N - 49])
 
 
-def test_default_schedule_is_the_0903_record_unchanged():
-    args = tg.Hyperparameters()
+def test_the_0903_schedule_is_the_records_unchanged():
+    args = tg.parse_args(["--preset", "record-0903"])
     assert [tg.lr_factor(s, args, 1.0) for s in range(1671)] == pytest.approx(
         [1.0 if s / 1670 < 0.55 else (1 - s / 1670) / 0.45 * 0.9 + 0.1 for s in range(1671)], rel=1e-12)
     assert [tg.muon_momentum(s, args) for s in (0, 300, 1670)] == pytest.approx([0.85, 0.95, 0.95])
@@ -178,7 +178,7 @@ def test_default_schedule_is_the_0903_record_unchanged():
     (dict(stages=(tg.Stage(3, batch=131071),)), "stage 1: batch=131071 must split into batch_size/seq_len=8"),
     (dict(stages=(tg.Stage(3), tg.Stage(7, share=0))), "stage 2 .*window and share must be >= 1"),
     (dict(stages=()), "one Stage row or more"),
-    (dict(extension_steps=10), "extension_steps=10 and extension_window=0"),
+    (dict(extension_steps=10, extension_window=0), "extension_steps=10 and extension_window=0"),
 ])
 def test_a_schedule_that_cannot_run_is_refused_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
