@@ -1,6 +1,5 @@
 """Optimizers: Newton-Schulz, Muon and the sharded Adam, on one process and on two gloo processes."""
 import math
-import os
 
 import pytest
 import torch

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import train_gpt as tg
 from conftest import LATER_RECORDS, TINY, stages as table
