@@ -7,6 +7,7 @@
 #   git show REV:train_gpt.py > old_train_gpt.py      # then copy it to the GPU machine with the repository
 #   (a kernels.py beside OLD_TRAIN_GPT_PY goes with it: git show REV:kernels.py; else the working tree's)
 #   DATA_DIR=/path/to/shards bash bench/ab_step_time.sh old_train_gpt.py
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 set -u
 if [ $# -ne 1 ] || [ ! -f "$1" ]; then
   echo "usage: DATA_DIR=/path/to/shards bash bench/ab_step_time.sh OLD_TRAIN_GPT_PY" >&2

@@ -5,6 +5,7 @@
 # with --attention fa4, fa3 and auto. Install both libraries first (README: Hopper attention); DATA_DIR and
 # RESULTS_DIR as in bench/gpu_env.sh; the 20-step logs are copied to RESULTS_DIR.
 #   DATA_DIR=/path/to/shards RESULTS_DIR=/path/to/results bash bench/attention_backends.sh
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L

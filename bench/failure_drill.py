@@ -9,6 +9,7 @@ before its step number STEP (1-based, as the log counts):
         twice --collective_timeout_s (NCCL's watchdog, then its heartbeat monitor), not wait.
   exit: that rank's process dies instead of step STEP: the others must fail, not wait.
 Each rank's stderr goes to the console; exit status is main()'s (torchrun reports the first failure)."""
+import argparse
 import os
 import sys
 import time
@@ -19,9 +20,12 @@ import train_gpt as tg  # noqa: E402
 
 
 def main() -> int:
-    failure, at, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-    if failure not in ("nan", "hang", "exit"):
-        sys.exit(f"failure_drill.py: error: {failure!r}: choose nan, hang or exit")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("failure", choices=("nan", "hang", "exit"))
+    parser.add_argument("at", type=int, metavar="STEP")
+    parser.add_argument("argv", nargs=argparse.REMAINDER, metavar="train_gpt.py flags")
+    cli = parser.parse_args()
+    failure, at, argv = cli.failure, cli.at, cli.argv
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if rank == world_size - 1:
         train_step = tg.train_step

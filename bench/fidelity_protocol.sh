@@ -14,6 +14,7 @@
 #       only); the public final val loss is the target that record-line changes must reach in
 #       fewer tokens                                                      -> OUT_DIR/fidelity_200.md
 # Both schedules share one work folder, so the second reuses the first's compile caches.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 set -euo pipefail
 if [ $# -lt 3 ]; then
     sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'

@@ -6,6 +6,9 @@
 # Relative paths are taken from the folder the script is started in; the script then runs from the
 # repository root, where train_gpt.py writes logs/ and checkpoints/, with torchrun on the PATH and
 # the train_gpt.py flags for DATA_DIR in the array PROXY.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then  # run, not sourced
+  case "${1:-}" in -h|--help) sed -n '1,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
+fi
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DATA_DIR="${DATA_DIR:-$REPO_ROOT/data/proxy}"
 RESULTS_DIR="${RESULTS_DIR:-$REPO_ROOT/bench/results/new}"

@@ -4,6 +4,7 @@
 # DATA_DIR); the run's log is copied to RESULTS_DIR (bench/gpu_env.sh, bench/CONTRIBUTING_GPU.md).
 # Add --profile to the benchmark line to see the top kernels.
 #   DATA_DIR=/path/to/shards RESULTS_DIR=/path/to/results bash bench/gpu_proof_1gpu.sh
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L

@@ -3,6 +3,7 @@
 # (torchrun, 2 processes, 4 accumulation steps each): the distributed optimizers and data split. Its
 # losses should match the 1-GPU run's at equal steps (bench/README.md). The log goes to RESULTS_DIR.
 #   DATA_DIR=/path/to/shards RESULTS_DIR=/path/to/results bash bench/gpu_proof_2gpu.sh
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L

@@ -7,6 +7,7 @@
 #   C: resumed from B's checkpoint to step 60.
 # B's and C's losses should follow A's (bench/README.md). The three logs go to RESULTS_DIR.
 #   DATA_DIR=/path/to/shards RESULTS_DIR=/path/to/results bash bench/gpu_proof_2gpu_resume.sh
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L

@@ -7,6 +7,7 @@
 # "medium proof done" (bench/CONTRIBUTING_GPU.md):
 #   mkdir -p /tmp/p && DATA_DIR=... RESULTS_DIR=/tmp/p setsid nohup bash bench/gpu_proof_run_management.sh medium \
 #       >/tmp/p/out.txt 2>&1 </dev/null &
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 set -u
 PRESET="${1:-single}"
 source "$(dirname "$0")/gpu_env.sh"

@@ -11,6 +11,7 @@
 #      the rank dies at step 4; every rank must stop (a hang: within about 2 x --collective_timeout_s).
 # Logs and the drill outputs go to RESULTS_DIR; bench/README.md reads them.
 #   DATA_DIR=/path/to/shards RESULTS_DIR=/path/to/results bash bench/multi_gpu_proof.sh
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L

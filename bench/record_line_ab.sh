@@ -9,6 +9,7 @@
 #   bash bench/record_line_ab.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [more --variant NAME "FLAGS" ...]
 #
 # The batch-size stages change the tokens per step: bench/token_budget_ab.sh compares at equal tokens.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 set -euo pipefail
 if [ $# -lt 3 ]; then
     sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'

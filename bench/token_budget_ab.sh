@@ -25,6 +25,7 @@
 #   to rerun them as they ran, check out commit 1c8e29a.
 #
 #   [ROUND=1|2|3|4|8] bash bench/token_budget_ab.sh PUBLIC_CHECKOUT SHARD_DIR OUT_DIR [more harness flags]
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 set -euo pipefail
 if [ $# -lt 3 ]; then
     sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'

@@ -240,8 +240,16 @@ def section_references(text: str) -> list[str]:
     return re.findall(r"\((?:top-level )?README[:,] ([A-Z][\w' -]*)\)", text)
 
 
-def docs_linked(readme: str) -> list[str]:
-    return re.findall(r"\]\((bench/notes_[\w-]+\.md)\)", readme)
+def docs_linked(index: str) -> list[str]:
+    """The topic summaries bench/README.md links in bench/results/, as paths relative to bench/."""
+    return re.findall(r"\]\((results/[\w-]+\.md)\)", index)
+
+
+BENCH_INDEX = ROOT / "bench" / "README.md"
+
+
+def topic_summaries() -> list[Path]:
+    return sorted({BENCH_INDEX.parent / p for p in docs_linked(BENCH_INDEX.read_text(encoding="utf-8"))})
 
 
 # ---- the tests
@@ -296,18 +304,20 @@ def test_readme_first_screen_has_the_setup_main_job_and_test_commands():
     check_first_screen(README.read_text(), (ROOT / ".ci" / "run").read_text())
 
 
-def test_readme_and_bench_notes_links_resolve():
-    notes = sorted((ROOT / "bench").glob("notes_*.md"))
-    bad = [f"{f.relative_to(ROOT)}: {b}" for f in [README, *notes] for b in broken_links(f)]
+def test_readme_bench_index_and_topic_summaries_links_resolve():
+    """The README, bench/README.md (the index of tools and topics) and every topic summary it links in
+    bench/results/: each relative link's file exists, and its heading where it names one."""
+    topics = topic_summaries()
+    assert topics, "bench/README.md links no topic summary in bench/results/"
+    bad = [f"{f.relative_to(ROOT)}: {b}" for f in [README, BENCH_INDEX, *topics] for b in broken_links(f)]
     assert not bad, "broken links:\n" + "\n".join(bad)
-    linked = set(docs_linked(README.read_text()))
-    assert linked == {f"bench/{f.name}" for f in notes}, f"README links {sorted(linked)}, bench/ holds {[f.name for f in notes]}"
 
 
 def test_sections_named_by_code_and_docs_exist_in_the_readme():
     files = [*ROOT.glob("*.py"), *ROOT.glob("*.sh"), *ROOT.glob("requirements*.txt"), DOCKERFILE,
              ROOT / ".dockerignore", *(ROOT / "data").glob("*.py"), *(ROOT / "records").glob("*.py"),
-             *(ROOT / "bench").glob("*.py"), *(ROOT / "bench").glob("*.sh"), *(ROOT / "bench").glob("*.md")]
+             *(ROOT / "bench").glob("*.py"), *(ROOT / "bench").glob("*.sh"), *(ROOT / "bench").glob("*.md"),
+             *[f for f in topic_summaries() if f.exists()]]
     readme_sections = set(headings(README.read_text()))
     missing = []
     for f in files:
