@@ -611,3 +611,27 @@ def test_the_pinned_public_logs_stage_into_valid_python(name, tmp_path):
             compile(text, file, "exec")
     total = {"mudd-base": 1385, "mudd-v1": 1335}[name]
     assert fh.public_stages(code.script)[-1].end == total
+
+
+def test_pair_tables_reads_back_what_side_by_side_writes_and_pairs_across_files(tmp_path, capsys):
+    """Two jobs' tables (side_by_side.format_table): a base run in one, a variant in the other, and a run lost in the
+    first (a column of dashes); pair_tables parses them back exactly, pairs by seed and finds the target's crossing."""
+    import pair_tables as pt
+    base = {f"base seed {s}": {0: (10.0, 0.0), 50: (round(3.0 + 0.01 * s, 4), 5000.0),
+                               100: (round(2.5 + 0.01 * s, 4), 10000.0)} for s in range(3)}  # as the table rounds
+    variant = {f"var seed {s}": {0: (10.0, 0.0), 50: (round(2.9 + 0.01 * s, 4), 5500.0),
+                                 100: (round(2.4 + 0.02 * s, 4), 11000.0)} for s in range(3)}
+    lost = {"var seed 3": {}}
+    first = tmp_path / "a.md"
+    first.write_text("\n".join(["Device: x", "", *fh.format_table({**base, **lost}, {"base": list(base), "var": ["var seed 3"]})]))
+    second = tmp_path / "b.md"
+    second.write_text("\n".join(fh.format_table(variant, {"var": list(variant)})))
+    assert pt.parse(first) == base and pt.parse(second) == variant  # the lost run is no run
+    sys.argv = ["pair_tables.py", str(second), str(first), "--base", "base", "--target", "2.95"]
+    pt.main()
+    out = capsys.readouterr().out
+    diffs = [v - b for v, b in zip([2.4, 2.42, 2.44], [2.5, 2.51, 2.52])]
+    m, h = fh.interval95(diffs)
+    assert "| var | 3 | " in out and f"{m:+.4f} +- {h:.4f} (3)" in out
+    assert "| base seed 0 | 55.0 | 0.550 |" in out  # 3.00 at 50 and 2.50 at 100: 2.95 at step 55
+    assert "| var seed 2 | 49.8 | 0.498 |" in out  # 10 at 0 and 2.92 at 50: between them

@@ -1,0 +1,103 @@
+"""Pair runs from tables that side_by_side.py wrote in different jobs: a baseline run once, its variants later.
+Reads the validation-loss table (and the training-time table) of each file, groups the runs by label ("LABEL seed N"
+columns; the public code's "public master seed N" too), and prints each group's final loss with its 95% interval and,
+for every group after the base, the mean paired difference to the base over the seeds both ran; with --target, the
+step at which each run's validation loss first reached the target, linear between validations, and that step as a
+fraction of the run's own steps.
+
+    python bench/pair_tables.py results/a_table.md results/b_table.md [...] --base record [--target 2.6709]
+
+The base defaults to the first label found. Runs of one name in two files must agree (the same run): otherwise the
+later file's runs of that name are left out, with a warning."""
+import argparse
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_by_side import finals_table  # noqa: E402
+
+COLUMN = re.compile(r"^(?P<label>.+) seed (?P<seed>\d+)$")
+
+
+def read_table(lines: list[str], start: int) -> tuple[list[str], dict[int, list[str]], int]:
+    """The markdown table whose header is lines[start]: its column names and {step: cells}, and the next line."""
+    names = [c.strip() for c in lines[start].strip().strip("|").split("|")][1:]
+    rows, i = {}, start + 2  # past the header and the --- row
+    while i < len(lines) and lines[i].startswith("|"):
+        cells = [c.strip() for c in lines[i].strip().strip("|").split("|")]
+        rows[int(cells[0])] = cells[1:]
+        i += 1
+    return names, rows, i
+
+
+def parse(path: Path) -> dict[str, dict[int, tuple[float, float]]]:
+    """{run: {step: (val loss, training ms)}} from one side_by_side.py table (ms 0 where no time table follows)."""
+    lines = path.read_text().splitlines()
+    headers = [i for i, line in enumerate(lines) if line.startswith("| step |")]
+    if not headers:
+        raise ValueError(f"{path}: no '| step |' table: not a side_by_side.py table")
+    names, losses, after = read_table(lines, headers[0])
+    times = {}
+    timed = [i for i in headers if i >= after and any("Training time" in line for line in lines[after:i])]
+    if timed:
+        time_names, time_rows, _ = read_table(lines, timed[0])
+        times = {(n, s): float(cells[k]) for s, cells in time_rows.items() for k, n in enumerate(time_names)
+                 if cells[k] != "-"}
+    runs = {}
+    for k, name in enumerate(names):
+        if not COLUMN.match(name):
+            continue  # the "mean - mean" columns
+        by_step = {s: (float(cells[k]), 1000 * times.get((name, s), 0.0)) for s, cells in losses.items()
+                   if cells[k] != "-"}
+        if by_step:  # a column of dashes: a run that never validated (it failed)
+            runs[name] = by_step
+    return runs
+
+
+def crossing(by_step: dict[int, tuple], target: float) -> float | None:
+    """The step at which the validation loss first reached the target, linear between validations."""
+    steps = sorted(by_step)
+    for a, b in zip(steps, steps[1:]):
+        la, lb = by_step[a][0], by_step[b][0]
+        if lb <= target:
+            return float(a) if la <= target else a + (la - target) / (la - lb) * (b - a)
+    return float(steps[0]) if steps and by_step[steps[0]][0] <= target else None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("tables", nargs="+", type=Path, help="side_by_side.py tables (--out files)")
+    parser.add_argument("--base", help="the label the others are paired with (default: the first label found)")
+    parser.add_argument("--target", type=float, help="also the step each run first reached this validation loss")
+    a = parser.parse_args()
+    results: dict[str, dict[int, tuple]] = {}
+    for path in a.tables:
+        for name, by_step in parse(path).items():
+            if name in results and results[name] != by_step:
+                print(f"warning: {path}: {name!r} differs from the run of that name read before; left out",
+                      file=sys.stderr)
+                continue
+            results[name] = by_step
+    groups: dict[str, list[str]] = {}
+    seeds = {}
+    for name in results:
+        m = COLUMN.match(name)
+        groups.setdefault(m["label"], []).append(name)
+        seeds[name] = int(m["seed"])
+    base = a.base or next(iter(groups), None)
+    if base not in groups:
+        parser.error(f"--base {base}: no runs of that label; labels: {', '.join(groups) or 'none'}")
+    groups = {base: groups[base], **{g: n for g, n in groups.items() if g != base}}
+    print("\n".join(finals_table(results, groups, seeds)))
+    if a.target is not None:
+        print(f"\nFirst reached val loss <= {a.target} (linear between validations):\n")
+        print("| run | step | of its steps |\n| --- | --- | --- |")
+        for name in (n for members in groups.values() for n in members):
+            hit, last = crossing(results[name], a.target), max(results[name])
+            print(f"| {name} | {'not reached' if hit is None else f'{hit:.1f}'} | "
+                  f"{'-' if hit is None else f'{hit / last:.3f}'} |")
+
+
+if __name__ == "__main__":
+    main()
