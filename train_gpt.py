@@ -1451,9 +1451,17 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
+        self.finish(self.apply_updates(self.launch_reduce()))
+
+    # step() in three phases, so that train_step can launch both optimizers' reduce-scatters before either
+    # updates anything: launch_reduce -> apply_updates (waits on one group's reduce at a time) -> finish
+
+    @torch.no_grad()
+    def launch_reduce(self) -> list:
+        """Launch every group's reduce-scatter (asynchronously); returns what `apply_updates` takes."""
         W = self.world_size
         pending = []
-        for group in self.param_groups:  # 1) launch every group's reduce-scatter
+        for group in self.param_groups:
             params = group["params"]
             per_rank, _ = self._owned(group)
             grads = torch.stack([p.grad for p in params])
@@ -1465,8 +1473,14 @@ class Muon(torch.optim.Optimizer):
             else:
                 mine, work = grads, None
             pending.append((group, mine, work))
+        return pending
+
+    @torch.no_grad()
+    def apply_updates(self, pending: list) -> list:
+        """Per group: wait for its reduce-scatter, update this rank's share, launch its all-gather."""
+        W = self.world_size
         gathers = []
-        for group, grad, work in pending:  # 2) per group: wait, update own share, launch all-gather
+        for group, grad, work in pending:
             if work is not None:
                 work.wait()
             params = group["params"]
@@ -1501,7 +1515,12 @@ class Muon(torch.optim.Optimizer):
                 local = torch.stack(owned) if owned else out.new_empty(0, *params[0].shape)
                 local = torch.cat([local, out.new_zeros(per_rank - len(owned), *params[0].shape)])
                 gathers.append((params, out, dist.all_gather_into_tensor(out, local, async_op=True)))
-        for params, out, work in gathers:  # 3) every rank gets every updated matrix
+        return gathers
+
+    @torch.no_grad()
+    def finish(self, gathers: list):
+        """Wait for the all-gathers: every rank gets every updated matrix."""
+        for params, out, work in gathers:
             work.wait()
             for p, new in zip(params, out):
                 p.copy_(new)
@@ -1580,7 +1599,14 @@ class DistAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        W, r = self.world_size, self.rank
+        self.finish(self.apply_updates(self.launch_reduce()))
+
+    # the three phases of step(), as Muon's (train_step interleaves the two optimizers' phases)
+
+    @torch.no_grad()
+    def launch_reduce(self) -> list:
+        """Launch every parameter's reduce-scatter (asynchronously); returns what `apply_updates` takes."""
+        W = self.world_size
         pending = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -1592,6 +1618,12 @@ class DistAdam(torch.optim.Optimizer):
                     pending.append((group, p, g, dist.reduce_scatter_tensor(g, p.grad, op=dist.ReduceOp.SUM, async_op=True)))
                 else:
                     pending.append((group, p, p.grad, None))
+        return pending
+
+    @torch.no_grad()
+    def apply_updates(self, pending: list) -> list:
+        """Per parameter: wait for its reduce-scatter, update this rank's rows, launch their all-gather."""
+        W, r = self.world_size, self.rank
         gathers = []
         for group, p, g, work in pending:
             if work is not None:
@@ -1611,6 +1643,11 @@ class DistAdam(torch.optim.Optimizer):
                         group["lr"] ** 2 * group["weight_decay"], beta1, beta2, group["eps"])
             if W > 1:
                 gathers.append(dist.all_gather_into_tensor(p, p_slice, async_op=True))
+        return gathers
+
+    @torch.no_grad()
+    def finish(self, gathers: list):
+        """Wait for the all-gathers: every rank has every updated parameter."""
         for work in gathers:
             work.wait()
 
@@ -2527,11 +2564,16 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Traini
             group["lr"] = group["initial_lr"] * lr_factor(step, args, stage.lr_mult)
     for group in muon.param_groups:
         group["momentum"] = muon_momentum(step, args)
-    adam_steps = (step + 1) % args.adam_every == 0
-    if adam_steps:
-        adam.step()
-    muon.step()
-    for opt in (adam, muon) if adam_steps else (muon,):  # Adam's gradients otherwise wait for its step
+    stepping = (muon, adam) if (step + 1) % args.adam_every == 0 else (muon,)
+    # Communication overlapped with the optimizers' math: every reduce-scatter is launched before any update
+    # (Muon's first: its orthogonalization is the longest math, so it can start soonest), each update waits
+    # only on its own parameters' reduce, and the all-gathers are waited on last (as the public code orders
+    # its reduces and updates since its record of 2026-01-18)
+    reduces = [opt.launch_reduce() for opt in stepping]
+    gathers = [opt.apply_updates(pending) for opt, pending in zip(stepping, reduces)]
+    for opt, pending in zip(stepping, gathers):
+        opt.finish(pending)
+    for opt in stepping:  # Adam's gradients otherwise wait for its step
         opt.zero_grad(set_to_none=True)
     return loss
 

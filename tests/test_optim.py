@@ -354,7 +354,7 @@ def test_adam_steps_every_nth_step_on_the_gradient_summed_since_its_last_step_an
     """Every micro-batch's gradient reaching the LM head is recorded as it arrives: at each Adam step the
     head's gradient is the sum of those since the previous Adam step; Muon steps after every step."""
     arrived, at_adam, muon_steps, built = [], [], [], {}
-    build, adam_step, muon_step = tg.build, tg.DistAdam.step, tg.Muon.step
+    build, adam_launch, muon_launch = tg.build, tg.DistAdam.launch_reduce, tg.Muon.launch_reduce
 
     def capturing(*a, **k):
         out = build(*a, **k)
@@ -362,12 +362,12 @@ def test_adam_steps_every_nth_step_on_the_gradient_summed_since_its_last_step_an
         built["head"].register_hook(lambda g: arrived.append(g.detach().clone()))
         return out
 
-    def adam_recording(self):
+    def adam_recording(self):  # train_step runs the optimizers in phases; the first one of Adam's step
         at_adam.append((len(arrived), built["head"].grad.clone()))
-        return adam_step(self)
+        return adam_launch(self)
     monkeypatch.setattr(tg, "build", capturing)
-    monkeypatch.setattr(tg.DistAdam, "step", adam_recording)
-    monkeypatch.setattr(tg.Muon, "step", lambda self: (muon_steps.append(1), muon_step(self))[1])
+    monkeypatch.setattr(tg.DistAdam, "launch_reduce", adam_recording)
+    monkeypatch.setattr(tg.Muon, "launch_reduce", lambda self: (muon_steps.append(1), muon_launch(self))[1])
     run = tg.train(tiny_args(num_iterations=6, val_every=6, adam_every=every))
     micro = TINY["batch_size"] // TINY["seq_len"]
     assert len(muon_steps) == 6 and [n for n, _ in at_adam] == [micro * s for s in range(every, 7, every)]
@@ -439,3 +439,20 @@ def test_orthogonalization_work_of_the_record_model_is_spread_evenly_over_ranks(
         loads.append(work)
     unit = 768 * 768 * 3072  # one MLP matrix = one of the 4 stacked attention matrices' 4 x 768^3
     assert sum(loads) // unit == 35 and max(loads) <= -(-35 // world_size) * unit + 11 * 6 * 6 * 12
+
+
+def test_train_step_launches_every_reduce_scatter_before_any_update(tiny_args, monkeypatch):
+    """Communication overlaps the optimizers' math: on an Adam step both optimizers' reduce-scatters are
+    launched first (Muon's, then Adam's), then the updates, and the all-gathers are waited on last."""
+    calls = []
+    for cls in (tg.Muon, tg.DistAdam):
+        for phase in ("launch_reduce", "apply_updates", "finish"):
+            def recording(self, *a, _phase=phase, _orig=getattr(cls, phase), _name=cls.__name__):
+                calls.append((_name, _phase))
+                return _orig(self, *a)
+            monkeypatch.setattr(cls, phase, recording)
+    tg.train(tiny_args(num_iterations=2, val_every=2, adam_every=2))
+    muon_only = [("Muon", "launch_reduce"), ("Muon", "apply_updates"), ("Muon", "finish")]
+    both = [("Muon", "launch_reduce"), ("DistAdam", "launch_reduce"), ("Muon", "apply_updates"),
+            ("DistAdam", "apply_updates"), ("Muon", "finish"), ("DistAdam", "finish")]
+    assert calls == muon_only + both
