@@ -2473,6 +2473,10 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     if args.fused_mlp and not fused_mlp:
         log(f"fused MLP off: its kernel needs {kernels.relu2_tiles_shared_memory() // 1024} KiB of shared memory, this "
             f"GPU has {kernels.max_shared_memory(device) // 1024} KiB; the MLP runs unfused (same results)")
+    # TF32 tensor cores for the float32 matmuls: DC attention's and CPLM's scores (their bf16 inputs are exact in
+    # TF32's 10-bit mantissa; the pointer's query and the DC mix round at 2^-11), no longer on CUDA cores
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # as Inductor advises
     torch.manual_seed(args.seed)
     if args.fused_ce and not fp8:
         log("fused cross-entropy off: it is the FP8 head's, and the LM head runs in bf16 here (same results)")
