@@ -1234,8 +1234,9 @@ class GPT(nn.Module):
         final states x, q = g norm(W_q x), k = norm(W_k x), scores q.k / sqrt(COPY_DIM), attends over the earlier
         positions of the same document in the query's band of `band` tokens and the one before it (the stage's
         cplm_bands entry), plus a learned sink key. Returns, per position, the probability it gives the target, summed
-        over earlier positions holding that token (p_copy), and the sink's share (a_sink). Bands of queries go
-        together in training (memory O(T band)), one at a time in evaluation."""
+        over earlier positions holding that token (p_copy), and the sink's share (a_sink). On a GPU through
+        kernels.copy_pointer; elsewhere written out here, bands of queries together in training (memory O(T band)),
+        one at a time in evaluation."""
         cfg, d = self.cfg, COPY_DIM
         band = cfg.cplm_bands[0 if self.training else 1]
         gain = self.scalars[self.scalar_layout()["copy_gain"]][0]
@@ -1245,6 +1246,10 @@ class GPT(nn.Module):
         n = (T + pad) // band
         sink = (q @ self.copy_sink.float())
         doc = document_ids(cu_seqlens, T)
+        if kernels.triton_runs_on(q):  # the flash-style kernels of kernels.py: no (T, 2 band) scores in memory
+            start = cu_seqlens[doc - 1].int()  # each position's document start
+            p_copy, a_sink, _ = torch.ops.speedrun.copy_pointer(q, k, sink, start, inputs.int(), targets.int(), band)
+            return p_copy, a_sink
         qb, sink = F.pad(q, (0, 0, 0, pad)).view(n, band, d), F.pad(sink, (0, pad)).view(n, band, 1)
         kb = blocks_with_lookback(k, band, band)  # (n, d, 2 band): the band before and this one
         doc_q, doc_k = F.pad(doc, (0, pad), value=-1).view(n, band), blocks_with_lookback(doc, band, band, value=-2)

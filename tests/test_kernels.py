@@ -826,3 +826,66 @@ def test_softcap_ce_kernels_on_the_gpu_at_the_record_shapes():
                                                    TEMP, tg.HEAD_GRAD_SCALE)
         same = (g[rows].view(torch.uint8) == ref.view(torch.uint8)).float().mean().item()
         assert same > 0.999, (rows[0].item(), same)
+
+
+# kernels.copy_pointer (CPLM's pointer): its Triton kernels in the interpreter against the (T, T)-mask reference and
+# the model's written-out pointer, gradients included; on a GPU the compiled kernels.
+
+def copy_pointer_case(T=130, band=32, D=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(T, D, generator=g) * 0.3 for _ in range(2))
+    sink = torch.randn(T, generator=g)
+    cu = torch.tensor([0, 37, 60, 61, T])  # a one-token document too
+    start = cu[kernels.document_ids(cu, T) - 1].int()
+    tokens, targets = (torch.randint(0, 5, (T,), generator=g, dtype=torch.int32) for _ in range(2))
+    return q, k, sink, start, tokens, targets, band, cu
+
+
+def check_copy_pointer_op(q, k, sink, start, tokens, targets, band, cu) -> list[float]:
+    """Max abs errors of the op's p_copy, a_sink and the gradients of q, k, sink against the reference."""
+    g = torch.Generator().manual_seed(1)
+    up = torch.randn(2, q.size(0), generator=g).to(q.device)
+    got, want = [], []
+    for fn, out in ((lambda *a: kernels.copy_pointer(*a)[:2], got), (kernels.copy_pointer_reference, want)):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, sink)]
+        p, a = fn(*leaves, start, tokens, targets, band)
+        (p * up[0] + a * up[1]).sum().backward()
+        out += [p, a, *(t.grad for t in leaves)]
+    return [(x - y).abs().max().item() for x, y in zip(got, want)]
+
+
+POINTER_SCRIPT = """
+import json, sys, torch
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import kernels, train_gpt as tg, test_kernels as t
+assert kernels.triton_runs_on(torch.zeros(1)), "the Triton interpreter is not in use"
+errors = t.check_copy_pointer_op(*t.copy_pointer_case()) + t.check_copy_pointer_op(*t.copy_pointer_case(T=100, band=16))
+# the model's pointer through the kernel against its written-out path (the one CPUs run)
+from conftest import TINY
+model = tg.GPT(tg.ModelConfig.from_args(tg.Hyperparameters(**dict(TINY, vocab_size=80, cplm_bands=(32, 64)))))
+x = torch.randn(150, TINY["model_dim"])
+inputs, targets = torch.randint(0, 6, (150,)), torch.randint(0, 6, (150,))
+cu = torch.tensor([0, 50, 51, 150])
+for training in (True, False):
+    model.train(training)
+    kernel = model.copy_pointer(x, inputs, targets, cu)
+    kernels.INTERPRET = False  # triton_runs_on: no, so the written-out path
+    plain = model.copy_pointer(x, inputs, targets, cu)
+    kernels.INTERPRET = True
+    errors += [(a - b).abs().max().item() for a, b in zip(kernel, plain)]
+print(json.dumps(errors))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU machines' check; the GPU test covers the compiled kernels")
+def test_copy_pointer_kernels_match_the_reference_and_the_written_out_pointer_in_the_interpreter(tmp_path):
+    errors = run_in_triton_interpreter(POINTER_SCRIPT, tmp_path)
+    assert len(errors) == 14 and max(errors) < 1e-5, errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_copy_pointer_kernels_on_the_gpu_match_the_reference():
+    case = copy_pointer_case(T=3000, band=512)
+    q, k, sink, start, tokens, targets = (t.cuda() for t in case[:6])
+    errors = check_copy_pointer_op(q, k, sink, start, tokens, targets, case[6], case[7])
+    assert max(errors) < 2e-3, errors  # TF32 scores (10-bit mantissa)
