@@ -923,11 +923,17 @@ if triton is not None:
         tl.store(dk_ptr + offs_n[:, None] * D + offs_d[None, :], dk, mask=col[:, None])
 
 
-def _pointer_blocks(band: int) -> int:
-    block = min(64, band)
-    if band % block or block < 16:
-        raise ValueError(f"the pointer kernel needs a band that is a multiple of {block} (and >= 16), not {band}")
-    return block
+# The pointer kernels' tiles: query rows BM and key rows BN per program (each at most the band, which they divide),
+# and warps per program; bench/pointer_kernel.py times the choices.
+POINTER_TILES = dict(BM=64, BN=64, num_warps=4)
+
+
+def _pointer_tiles(band: int) -> dict:
+    tiles = dict(POINTER_TILES, BM=min(POINTER_TILES["BM"], band), BN=min(POINTER_TILES["BN"], band))
+    if band % tiles["BM"] or band % tiles["BN"] or min(tiles["BM"], tiles["BN"]) < 16:
+        raise ValueError(f"the pointer kernels need a band that is a multiple of their tiles "
+                         f"({tiles['BM']}, {tiles['BN']}; at least 16), not {band}")
+    return tiles
 
 
 @torch.library.custom_op("speedrun::copy_pointer", mutates_args=())
@@ -935,10 +941,10 @@ def copy_pointer(q: Tensor, k: Tensor, sink: Tensor, start: Tensor, tokens: Tens
                  band: int) -> tuple[Tensor, Tensor, Tensor]:
     """(p_copy, a_sink, lse) of CPLM's pointer; q, k (T, D) float32, sink (T,), start/tokens/targets (T,) int32."""
     T, D = q.shape
-    block = _pointer_blocks(band)
+    tiles = _pointer_tiles(band)
     lse, p, s = (torch.empty(T, device=q.device, dtype=torch.float32) for _ in range(3))
-    _pointer_fwd_kernel[(triton.cdiv(T, block),)](q, k, sink, start, tokens, targets, lse, p, s, T, band, D=D,
-                                                  BM=block, BN=block)
+    _pointer_fwd_kernel[(triton.cdiv(T, tiles["BM"]),)](q, k, sink, start, tokens, targets, lse, p, s, T, band, D=D,
+                                                        **tiles)
     return p, s, lse
 
 
@@ -951,11 +957,12 @@ def _(q, k, sink, start, tokens, targets, band):
 def copy_pointer_backward(q: Tensor, k: Tensor, start: Tensor, tokens: Tensor, targets: Tensor, lse: Tensor,
                           g_copy: Tensor, dd: Tensor, band: int) -> tuple[Tensor, Tensor]:
     T, D = q.shape
-    block = _pointer_blocks(band)
+    tiles = _pointer_tiles(band)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    grid = (triton.cdiv(T, block),)
-    _pointer_dq_kernel[grid](q, k, start, tokens, targets, lse, g_copy, dd, dq, T, band, D=D, BM=block, BN=block)
-    _pointer_dk_kernel[grid](q, k, start, tokens, targets, lse, g_copy, dd, dk, T, band, D=D, BM=block, BN=block)
+    _pointer_dq_kernel[(triton.cdiv(T, tiles["BM"]),)](q, k, start, tokens, targets, lse, g_copy, dd, dq, T, band,
+                                                       D=D, **tiles)
+    _pointer_dk_kernel[(triton.cdiv(T, tiles["BN"]),)](q, k, start, tokens, targets, lse, g_copy, dd, dk, T, band,
+                                                       D=D, **tiles)
     return dq, dk
 
 
