@@ -924,8 +924,9 @@ if triton is not None:
 
 
 # The pointer kernels' tiles: query rows BM and key rows BN per program (each at most the band, which they divide),
-# and warps per program; bench/pointer_kernel.py times the choices.
-POINTER_TILES = dict(BM=64, BN=64, num_warps=4)
+# warps per program and pipeline stages (3 stages of float32 tiles take 225 KiB of shared memory in the dq kernel
+# for sm_90, at the limit; 2 take 160); bench/pointer_kernel.py times the choices.
+POINTER_TILES = dict(BM=64, BN=64, num_warps=4, num_stages=2)
 
 
 def _pointer_tiles(band: int) -> dict:

@@ -4,9 +4,9 @@ Triton kernels) with each tile configuration given; the op's largest errors agai
 queries and keys as the model norms them, documents of random lengths, a vocabulary of 512 so that copies happen.
 Seconds per run: the way to choose kernels.POINTER_TILES before timing whole steps (bench/step_time.py).
 
-    python bench/pointer_kernel.py [--tokens 49152] [--band 2048] [--tiles 64,64,4 64,32,4 32,64,4 ...]
+    python bench/pointer_kernel.py [--tokens 49152] [--band 2048] [--tiles 64,64,4,2 64,32,4,3 32,64,4,2 ...]
 
-A tile configuration is BM (query rows), BN (key rows), num_warps."""
+A tile configuration is BM (query rows), BN (key rows), num_warps, num_stages."""
 import argparse
 import math
 import sys
@@ -49,7 +49,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=49152)
     parser.add_argument("--band", type=int, default=2048)
-    parser.add_argument("--tiles", nargs="+", default=["64,64,4", "64,32,4", "32,64,4", "32,32,4", "64,64,8"])
+    parser.add_argument("--tiles", nargs="+", default=["64,64,4,2", "64,64,4,1", "64,32,4,2", "32,64,4,2", "32,32,4,3", "64,64,8,2"])
     a = parser.parse_args()
     q, k, sink, cu, tokens, targets = case(a.tokens, a.band)
     doc = kernels.document_ids(cu, a.tokens)
@@ -71,12 +71,12 @@ def main():
     ref = run(False)
     print(f"written out, compiled: {timed(lambda: run(False)):.2f} ms forward + backward")
     for text in a.tiles:
-        bm, bn, warps = (int(v) for v in text.split(","))
-        kernels.POINTER_TILES = dict(BM=bm, BN=bn, num_warps=warps)
+        bm, bn, warps, stages = (int(v) for v in text.split(","))
+        kernels.POINTER_TILES = dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages)
         got = run(True)
         errors = ", ".join(f"{name} {(x - y).abs().max().item():.1e}" for name, x, y in
                            zip(("p_copy", "a_sink", "dq", "dk", "dsink"), got, ref))
-        print(f"kernel BM={bm} BN={bn} warps={warps}: {timed(lambda: run(True)):.2f} ms forward + backward; "
+        print(f"kernel BM={bm} BN={bn} warps={warps} stages={stages}: {timed(lambda: run(True)):.2f} ms forward + backward; "
               f"max errors: {errors}")
 
 

@@ -889,3 +889,21 @@ def test_copy_pointer_kernels_on_the_gpu_match_the_reference():
     q, k, sink, start, tokens, targets = (t.cuda() for t in case[:6])
     errors = check_copy_pointer_op(q, k, sink, start, tokens, targets, case[6], case[7])
     assert max(errors) < 2e-3, errors  # TF32 scores (10-bit mantissa)
+
+
+def test_copy_pointer_kernels_compile_for_an_h100_without_one():
+    """The pointer's three kernels with kernels.POINTER_TILES, compiled for sm_90 down to a cubin (no GPU needed): what
+    only the compiler rejects, shared memory over the H100's 227 KiB included."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    tiles = kernels.POINTER_TILES
+    constexprs = dict(D=tg.COPY_DIM, BM=tiles["BM"], BN=tiles["BN"])
+    for fn in (kernels._pointer_fwd_kernel, kernels._pointer_dq_kernel, kernels._pointer_dk_kernel):
+        signature = {n: "constexpr" if n in constexprs else
+                     ("*i32" if n in ("start_ptr", "tok_ptr", "tgt_ptr") else "*fp32") if n.endswith("_ptr") else "i32"
+                     for n in fn.arg_names}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]))
+        assert len(compiled.asm["cubin"]) > 1000 and compiled.metadata.shared <= 227 * 1024, fn.__name__
