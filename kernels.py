@@ -453,10 +453,11 @@ def quantize(t: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tenso
 
 # FP8 LM head (@YouJiacheng). Forward in e4m3 with fixed scales, backward grads in e5m2. A
 # custom op is opaque to torch.compile, which keeps the FP8 operands in the layouts _scaled_mm needs.
-def _fp8_logits(x: Tensor, w: Tensor, x_s: float, w_s: float) -> tuple[Tensor, Tensor, Tensor]:
+def _fp8_logits(x: Tensor, w: Tensor, x_s: float, w_s: float,
+                out_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor, Tensor]:
     x_f8, x_f8_t = quantize(x, x_s, torch.float8_e4m3fn)
     w_f8, w_f8_t = quantize(w, w_s, torch.float8_e4m3fn)
-    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
+    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=out_dtype, use_fast_accum=True,
                            scale_a=x.new_tensor(x_s, dtype=torch.float32),
                            scale_b=x.new_tensor(w_s, dtype=torch.float32))
     return out, x_f8_t, w_f8_t  # the transposed operands are what the backward needs
@@ -521,14 +522,20 @@ mm_fp8.register_autograd(_mm_fp8_backward, setup_context=_mm_fp8_setup_context)
 # prediction, the tokens after it at their weights, 0 where a target lies past the token's document. The op also
 # gives each target's own cross-entropy term, lse - z (T, K), for losses that are not a weighted sum of them
 # (CPLM's mixture): their gradients join the weights in the backward, whose kernel takes any per-target weights.
+HEAD_LOGITS_DTYPE = torch.float8_e4m3fn  # the fused head's logits between its matmul and its loss kernels
+
+
 @torch.library.custom_op("speedrun::fp8_head_ce", mutates_args=())
 def fp8_head_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, x_s: float, w_s: float, grad_s: float,
                 cap: float, shift: float, temp: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(losses, lse, logits, x_f8_t, w_f8_t, terms): each token's weighted loss, the rest kept for the backward,
     and each target's term lse - z (T, K)."""
-    logits, x_f8_t, w_f8_t = _fp8_logits(x, w, x_s, w_s)
+    # the raw logits in e4m3 (ANVIL2, the public line's 2026-08-30 record): half the bytes of bf16 written by the
+    # matmul and read by the loss' forward and backward kernels, at 3 mantissa bits (|logit| < 448, e4m3's largest)
+    logits, x_f8_t, w_f8_t = _fp8_logits(x, w, x_s, w_s, HEAD_LOGITS_DTYPE)
     losses, lse = softcap_ce(logits, targets, cap, shift, temp, weights)
-    z = cap * torch.sigmoid((logits.gather(1, targets.long()).float() + shift) / temp)  # the soft-capped targets
+    picked = logits.view(torch.uint8).gather(1, targets.long()).view(logits.dtype)  # gather has no FP8 kernels
+    z = cap * torch.sigmoid((picked.float() + shift) / temp)  # the soft-capped targets
     return losses, lse, logits, x_f8_t, w_f8_t, lse[:, None] - z
 
 
@@ -536,7 +543,7 @@ def fp8_head_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, x_s: flo
 def _(x, w, targets, weights, x_s, w_s, grad_s, cap, shift, temp):
     (T, D), V = x.shape, w.size(0)
     return (x.new_empty(T, dtype=torch.float32), x.new_empty(T, dtype=torch.float32),
-            x.new_empty(T, V, dtype=torch.bfloat16), x.new_empty(D, T, dtype=torch.float8_e4m3fn),
+            x.new_empty(T, V, dtype=HEAD_LOGITS_DTYPE), x.new_empty(D, T, dtype=torch.float8_e4m3fn),
             w.new_empty(D, V, dtype=torch.float8_e4m3fn), x.new_empty(T, targets.size(1), dtype=torch.float32))
 
 

@@ -698,9 +698,10 @@ def fused_fp8_head_ce(x, w, targets, weights=None):
 
 
 def test_fp8_head_ce_op_gives_the_unfused_heads_losses_and_gradients_compiled_or_not():
-    """Same FP8 matmuls, the same losses; the gradients differ in how the logits' gradient rounds to e5m2
-    (from float32 here, from bf16 there), by as much as e5m2's own error when a row's entries are alike
-    (they then all round the same way): both are as far from float64 autograd."""
+    """Same FP8 matmuls; the fused op keeps the logits in e4m3 (HEAD_LOGITS_DTYPE), the unfused head in bf16, so its
+    losses are a little further from float64 autograd (at most 1.5 times here: the operands' own e4m3 rounding
+    dominates); the gradients differ in how the logits' gradient rounds to e5m2 (from float32 here, from bf16
+    there), by as much as e5m2's own error when a row's entries are alike: both are as far from float64 autograd."""
     if not tg.fp8_supported(DEVICE):
         pytest.skip(f"_scaled_mm FP8 does not run on {DEVICE}")
     x0, w0, targets = fp8_head_ce_case()
@@ -719,7 +720,7 @@ def test_fp8_head_ce_op_gives_the_unfused_heads_losses_and_gradients_compiled_or
         assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
         errors.append([rel(losses.detach(), expected.detach()), rel(x.grad, xr.grad), rel(w.grad, wr.grad)])
     for fused in errors[1:]:
-        assert fused[0] < errors[0][0] + 1e-6, errors  # the same losses
+        assert fused[0] < 1.5 * errors[0][0], errors  # about the same losses, from e4m3 logits
         assert all(f < 1.1 * u + 0.005 and f < 0.1 for f, u in zip(fused[1:], errors[0][1:])), errors
     with torch._subclasses.FakeTensorMode():  # the fakes give the real shapes and dtypes
         x, w = torch.empty(8, 32, dtype=torch.bfloat16, requires_grad=True), torch.empty(16, 32, requires_grad=True)
@@ -727,7 +728,7 @@ def test_fp8_head_ce_op_gives_the_unfused_heads_losses_and_gradients_compiled_or
                                              0.1, CAP, SHIFT, TEMP)
         out[0].sum().backward()
     assert [(t.shape, t.dtype) for t in out] == [((8,), torch.float32), ((8,), torch.float32),
-                                                 ((8, 16), torch.bfloat16),
+                                                 ((8, 16), torch.float8_e4m3fn),
                                                  ((32, 8), torch.float8_e4m3fn), ((32, 16), torch.float8_e4m3fn),
                                                  ((8, 2), torch.float32)]
     assert (x.grad.shape, x.grad.dtype) == ((8, 32), torch.bfloat16)
@@ -761,14 +762,14 @@ def test_fp8_head_ce_terms_carry_any_losss_gradient_as_the_unfused_head():
         loss.backward()
         results.append((loss.detach(), x.grad.float(), w.grad))
     (l0, gx0, gw0), (l1, gx1, gw1) = results
-    torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(l1, l0, rtol=1e-3, atol=1e-3)  # e4m3 logits in the op, bf16 in the unfused head
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()
     assert rel(gx1, gx0) < 0.05 and rel(gw1, gw0) < 0.05, (rel(gx1, gx0), rel(gw1, gw0))  # e5m2 gradients
 
 
 @pytest.mark.parametrize("cplm", [False, True], ids=["next_token", "cplm"])
 def test_model_with_fused_ce_trains_on_the_fp8_heads_losses_and_gradients(cplm):
-    """The model's loss with the fused op equals the FP8 head's; its gradients lie as close to the bf16
+    """The model's loss with the fused op is the FP8 head's (to e4m3 logits' rounding); its gradients lie as close to the bf16
     head's as the unfused FP8 head's do (FP8 rounding, not the fusion, sets the difference). With CPLM the
     fused op's terms feed the mixture (the copy column 64 of a vocabulary of 80)."""
     if not tg.fp8_supported(DEVICE):
@@ -793,7 +794,7 @@ def test_model_with_fused_ce_trains_on_the_fp8_heads_losses_and_gradients(cplm):
         assert model.fused_ce == fused
     assert not tg.GPT(tg.ModelConfig.from_args(args), fused_ce=True).fused_ce  # only ever the FP8 head's loss
     (_, g_bf16), (l_fp8, g_fp8), (l_fused, g_fused) = results
-    torch.testing.assert_close(l_fused, l_fp8, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(l_fused, l_fp8, rtol=1e-3, atol=1e-3)  # e4m3 logits (fused) against bf16 (unfused)
     rel = lambda a: ((a - g_bf16).norm() / g_bf16.norm()).item()
     assert rel(g_fused) < 1.2 * rel(g_fp8) + 0.01 and rel(g_fused) < 0.1, (rel(g_fused), rel(g_fp8))
 
