@@ -908,3 +908,24 @@ def test_copy_pointer_kernels_compile_for_an_h100_without_one():
                                   target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]))
         assert len(compiled.asm["cubin"]) > 1000 and compiled.metadata.shared <= 227 * 1024, fn.__name__
+
+
+def test_softcap_ce_kernels_compile_for_e4m3_logits_on_an_h100_without_one():
+    """The loss kernels read the fused head's e4m3 logits (HEAD_LOGITS_DTYPE): compiled for sm_90 down to a cubin
+    (no GPU needed) with kernels.SOFTCAP_CE_TILES, three targets per token."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    assert kernels.HEAD_LOGITS_DTYPE == torch.float8_e4m3fn
+    numbers = {"cap", "inv_cap", "inv_temp", "shift_over_temp", "inv_grad_scale"}
+    pointers = dict(logits_ptr="*fp8e4nv", targets_ptr="*i32", g_ptr="*fp8e5", g_t_ptr="*fp8e5")
+    for fn, tiles, extra in ((kernels._softcap_ce_fwd_kernel, "fwd", dict(K=3, BLOCK_K=4)),
+                             (kernels._softcap_ce_bwd_kernel, "bwd", dict(K=3)),
+                             (kernels._softcap_ce_bwd_targets_kernel, "targets", dict(K=3))):
+        tiles = kernels.SOFTCAP_CE_TILES[tiles]
+        constexprs = {**{k: v for k, v in tiles.items() if k.isupper()}, **extra}
+        signature = {n: "constexpr" if n in constexprs else pointers.get(n, "*fp32") if n.endswith("_ptr")
+                     else "fp32" if n in numbers else "i32" for n in fn.arg_names}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=tiles["num_warps"]))
+        assert len(compiled.asm["cubin"]) > 1000, fn.__name__
