@@ -453,10 +453,11 @@ def quantize(t: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tenso
 
 # FP8 LM head (@YouJiacheng). Forward in e4m3 with fixed scales, backward grads in e5m2. A
 # custom op is opaque to torch.compile, which keeps the FP8 operands in the layouts _scaled_mm needs.
-def _fp8_logits(x: Tensor, w: Tensor, x_s: float, w_s: float) -> tuple[Tensor, Tensor, Tensor]:
+def _fp8_logits(x: Tensor, w: Tensor, x_s: float, w_s: float,
+                out_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor, Tensor]:
     x_f8, x_f8_t = quantize(x, x_s, torch.float8_e4m3fn)
     w_f8, w_f8_t = quantize(w, w_s, torch.float8_e4m3fn)
-    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
+    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=out_dtype, use_fast_accum=True,
                            scale_a=x.new_tensor(x_s, dtype=torch.float32),
                            scale_b=x.new_tensor(w_s, dtype=torch.float32))
     return out, x_f8_t, w_f8_t  # the transposed operands are what the backward needs
@@ -521,14 +522,20 @@ mm_fp8.register_autograd(_mm_fp8_backward, setup_context=_mm_fp8_setup_context)
 # prediction, the tokens after it at their weights, 0 where a target lies past the token's document. The op also
 # gives each target's own cross-entropy term, lse - z (T, K), for losses that are not a weighted sum of them
 # (CPLM's mixture): their gradients join the weights in the backward, whose kernel takes any per-target weights.
+HEAD_LOGITS_DTYPE = torch.float8_e4m3fn  # the fused head's logits between its matmul and its loss kernels
+
+
 @torch.library.custom_op("speedrun::fp8_head_ce", mutates_args=())
 def fp8_head_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, x_s: float, w_s: float, grad_s: float,
                 cap: float, shift: float, temp: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(losses, lse, logits, x_f8_t, w_f8_t, terms): each token's weighted loss, the rest kept for the backward,
     and each target's term lse - z (T, K)."""
-    logits, x_f8_t, w_f8_t = _fp8_logits(x, w, x_s, w_s)
+    # the raw logits in e4m3 (ANVIL2, the public line's 2026-08-30 record): half the bytes of bf16 written by the
+    # matmul and read by the loss' forward and backward kernels, at 3 mantissa bits (|logit| < 448, e4m3's largest)
+    logits, x_f8_t, w_f8_t = _fp8_logits(x, w, x_s, w_s, HEAD_LOGITS_DTYPE)
     losses, lse = softcap_ce(logits, targets, cap, shift, temp, weights)
-    z = cap * torch.sigmoid((logits.gather(1, targets.long()).float() + shift) / temp)  # the soft-capped targets
+    picked = logits.view(torch.uint8).gather(1, targets.long()).view(logits.dtype)  # gather has no FP8 kernels
+    z = cap * torch.sigmoid((picked.float() + shift) / temp)  # the soft-capped targets
     return losses, lse, logits, x_f8_t, w_f8_t, lse[:, None] - z
 
 
@@ -536,7 +543,7 @@ def fp8_head_ce(x: Tensor, w: Tensor, targets: Tensor, weights: Tensor, x_s: flo
 def _(x, w, targets, weights, x_s, w_s, grad_s, cap, shift, temp):
     (T, D), V = x.shape, w.size(0)
     return (x.new_empty(T, dtype=torch.float32), x.new_empty(T, dtype=torch.float32),
-            x.new_empty(T, V, dtype=torch.bfloat16), x.new_empty(D, T, dtype=torch.float8_e4m3fn),
+            x.new_empty(T, V, dtype=HEAD_LOGITS_DTYPE), x.new_empty(D, T, dtype=torch.float8_e4m3fn),
             w.new_empty(D, V, dtype=torch.float8_e4m3fn), x.new_empty(T, targets.size(1), dtype=torch.float32))
 
 
@@ -817,3 +824,175 @@ def select_attention(name: str, device: torch.device, compiled: bool = False, lo
         skipped.append(f"{candidate}: {reason}")
         log(f"attention: skipping {skipped[-1]}")
     return "reference"
+
+
+# -----------------------------------------------------------------------------------------------
+# CPLM's pointer (train_gpt.py's GPT.copy_pointer) as flash-style Triton kernels: query i's softmax over its keys j
+# (start_i <= j < i, j in i's band of `band` tokens or the one before) and a sink score, never written out. Per query:
+# lse (log of the softmax's normalizer), p_copy (its mass on keys whose token is i's target) and a_sink (the sink's
+# share). With w_ij the softmax and m_ij = [token_j = target_i], for upstream gradients gP, gS and
+# D_i = gP_i p_copy_i + gS_i a_sink_i: dL/ds_ij = w_ij (gP_i m_ij - D_i), dL/dsink_i = a_sink_i (gS_i - D_i).
+
+def copy_pointer_reference(q: Tensor, k: Tensor, sink: Tensor, start: Tensor, tokens: Tensor, targets: Tensor,
+                           band: int) -> tuple[Tensor, Tensor]:
+    """Plain PyTorch with a (T, T) mask, for CPUs and tests: (p_copy, a_sink)."""
+    i, j = torch.arange(q.size(0), device=q.device)[:, None], torch.arange(q.size(0), device=q.device)[None, :]
+    allowed = (j < i) & (j >= start[:, None]) & (j >= (i // band - 1) * band)
+    scores = torch.where(allowed, q @ k.T, float("-inf"))
+    lse = torch.logsumexp(torch.cat([scores, sink[:, None]], 1), 1)
+    w = (scores - lse[:, None]).exp()
+    return torch.where(tokens[None, :] == targets[:, None], w, 0).sum(1), (sink - lse).exp()
+
+
+if triton is not None:
+    @triton.jit
+    def _pointer_scores(q, k_ptr, j0, offs_d, T, D: tl.constexpr, BN: tl.constexpr):
+        offs_n = j0 + tl.arange(0, BN)
+        kt = tl.load(k_ptr + offs_n[None, :] * D + offs_d[:, None], mask=offs_n[None, :] < T, other=0.0)
+        return tl.dot(q, kt, input_precision="tf32"), offs_n
+
+    @triton.jit
+    def _pointer_fwd_kernel(q_ptr, k_ptr, sink_ptr, start_ptr, tok_ptr, tgt_ptr, lse_ptr, p_ptr, s_ptr, T, band,
+                            D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        i0 = tl.program_id(0) * BM
+        offs_m, offs_d = i0 + tl.arange(0, BM), tl.arange(0, D)
+        row = offs_m < T
+        q = tl.load(q_ptr + offs_m[:, None] * D + offs_d[None, :], mask=row[:, None], other=0.0)
+        t = tl.load(sink_ptr + offs_m, mask=row, other=0.0)
+        low = tl.maximum(tl.load(start_ptr + offs_m, mask=row, other=0), (i0 // band - 1) * band)
+        y = tl.load(tgt_ptr + offs_m, mask=row, other=-1)
+        m, l, c = t, tl.full([BM], 1.0, tl.float32), tl.zeros([BM], tl.float32)
+        j_first = tl.maximum((tl.min(tl.where(row, low, T)) // BN) * BN, 0)
+        for j0 in range(j_first, i0 + BM, BN):
+            s, offs_n = _pointer_scores(q, k_ptr, j0, offs_d, T, D, BN)
+            ok = (offs_n[None, :] < offs_m[:, None]) & (offs_n[None, :] >= low[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])  # exp(-inf) = 0 where masked
+            tok = tl.load(tok_ptr + offs_n, mask=offs_n < T, other=-2)
+            l = l * alpha + tl.sum(p, 1)
+            c = c * alpha + tl.sum(tl.where(tok[None, :] == y[:, None], p, 0.0), 1)
+            m = m_new
+        lse = m + tl.log(l)
+        tl.store(lse_ptr + offs_m, lse, mask=row)
+        tl.store(p_ptr + offs_m, c / l, mask=row)
+        tl.store(s_ptr + offs_m, tl.exp(t - lse), mask=row)
+
+    @triton.jit
+    def _pointer_dq_kernel(q_ptr, k_ptr, start_ptr, tok_ptr, tgt_ptr, lse_ptr, gp_ptr, dd_ptr, dq_ptr, T, band,
+                           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        i0 = tl.program_id(0) * BM
+        offs_m, offs_d = i0 + tl.arange(0, BM), tl.arange(0, D)
+        row = offs_m < T
+        q = tl.load(q_ptr + offs_m[:, None] * D + offs_d[None, :], mask=row[:, None], other=0.0)
+        low = tl.maximum(tl.load(start_ptr + offs_m, mask=row, other=0), (i0 // band - 1) * band)
+        y = tl.load(tgt_ptr + offs_m, mask=row, other=-1)
+        lse = tl.load(lse_ptr + offs_m, mask=row, other=0.0)
+        gp = tl.load(gp_ptr + offs_m, mask=row, other=0.0)
+        dd = tl.load(dd_ptr + offs_m, mask=row, other=0.0)
+        dq = tl.zeros([BM, D], tl.float32)
+        j_first = tl.maximum((tl.min(tl.where(row, low, T)) // BN) * BN, 0)
+        for j0 in range(j_first, i0 + BM, BN):
+            s, offs_n = _pointer_scores(q, k_ptr, j0, offs_d, T, D, BN)
+            ok = (offs_n[None, :] < offs_m[:, None]) & (offs_n[None, :] >= low[:, None])
+            w = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+            tok = tl.load(tok_ptr + offs_n, mask=offs_n < T, other=-2)
+            gs = w * (tl.where(tok[None, :] == y[:, None], gp[:, None], 0.0) - dd[:, None])
+            k = tl.load(k_ptr + offs_n[:, None] * D + offs_d[None, :], mask=offs_n[:, None] < T, other=0.0)
+            dq += tl.dot(gs, k, input_precision="tf32")
+        tl.store(dq_ptr + offs_m[:, None] * D + offs_d[None, :], dq, mask=row[:, None])
+
+    @triton.jit
+    def _pointer_dk_kernel(q_ptr, k_ptr, start_ptr, tok_ptr, tgt_ptr, lse_ptr, gp_ptr, dd_ptr, dk_ptr, T, band,
+                           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        j0 = tl.program_id(0) * BN
+        offs_n, offs_d = j0 + tl.arange(0, BN), tl.arange(0, D)
+        col = offs_n < T
+        k = tl.load(k_ptr + offs_n[:, None] * D + offs_d[None, :], mask=col[:, None], other=0.0)
+        tok = tl.load(tok_ptr + offs_n, mask=col, other=-2)
+        dk = tl.zeros([BN, D], tl.float32)
+        i_end = tl.minimum((j0 // band + 2) * band, T)  # queries of this band and the next see these keys
+        for i0 in range((j0 // BM) * BM, i_end, BM):
+            offs_m = i0 + tl.arange(0, BM)
+            row = offs_m < T
+            q = tl.load(q_ptr + offs_m[:, None] * D + offs_d[None, :], mask=row[:, None], other=0.0)
+            low = tl.maximum(tl.load(start_ptr + offs_m, mask=row, other=T), (offs_m // band - 1) * band)
+            y = tl.load(tgt_ptr + offs_m, mask=row, other=-1)
+            lse = tl.load(lse_ptr + offs_m, mask=row, other=0.0)
+            gp = tl.load(gp_ptr + offs_m, mask=row, other=0.0)
+            dd = tl.load(dd_ptr + offs_m, mask=row, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="tf32")
+            ok = (offs_n[None, :] < offs_m[:, None]) & (offs_n[None, :] >= low[:, None]) & row[:, None]
+            w = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+            gs = w * (tl.where(tok[None, :] == y[:, None], gp[:, None], 0.0) - dd[:, None])
+            dk += tl.dot(tl.trans(gs), q, input_precision="tf32")
+        tl.store(dk_ptr + offs_n[:, None] * D + offs_d[None, :], dk, mask=col[:, None])
+
+
+# The pointer kernels' tiles: query rows BM and key rows BN per program (each at most the band, which they divide),
+# warps per program and pipeline stages (3 stages of float32 tiles take 225 KiB of shared memory in the dq kernel
+# for sm_90, at the limit; 2 take 160); bench/pointer_kernel.py times the choices.
+POINTER_TILES = dict(BM=64, BN=64, num_warps=4, num_stages=2)
+
+
+def _pointer_tiles(band: int) -> dict:
+    tiles = dict(POINTER_TILES, BM=min(POINTER_TILES["BM"], band), BN=min(POINTER_TILES["BN"], band))
+    if band % tiles["BM"] or band % tiles["BN"] or min(tiles["BM"], tiles["BN"]) < 16:
+        raise ValueError(f"the pointer kernels need a band that is a multiple of their tiles "
+                         f"({tiles['BM']}, {tiles['BN']}; at least 16), not {band}")
+    return tiles
+
+
+@torch.library.custom_op("speedrun::copy_pointer", mutates_args=())
+def copy_pointer(q: Tensor, k: Tensor, sink: Tensor, start: Tensor, tokens: Tensor, targets: Tensor,
+                 band: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(p_copy, a_sink, lse) of CPLM's pointer; q, k (T, D) float32, sink (T,), start/tokens/targets (T,) int32."""
+    T, D = q.shape
+    tiles = _pointer_tiles(band)
+    lse, p, s = (torch.empty(T, device=q.device, dtype=torch.float32) for _ in range(3))
+    _pointer_fwd_kernel[(triton.cdiv(T, tiles["BM"]),)](q, k, sink, start, tokens, targets, lse, p, s, T, band, D=D,
+                                                        **tiles)
+    return p, s, lse
+
+
+@copy_pointer.register_fake
+def _(q, k, sink, start, tokens, targets, band):
+    return tuple(q.new_empty(q.size(0)) for _ in range(3))
+
+
+@torch.library.custom_op("speedrun::copy_pointer_backward", mutates_args=())
+def copy_pointer_backward(q: Tensor, k: Tensor, start: Tensor, tokens: Tensor, targets: Tensor, lse: Tensor,
+                          g_copy: Tensor, dd: Tensor, band: int) -> tuple[Tensor, Tensor]:
+    T, D = q.shape
+    tiles = _pointer_tiles(band)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    _pointer_dq_kernel[(triton.cdiv(T, tiles["BM"]),)](q, k, start, tokens, targets, lse, g_copy, dd, dq, T, band,
+                                                       D=D, **tiles)
+    _pointer_dk_kernel[(triton.cdiv(T, tiles["BN"]),)](q, k, start, tokens, targets, lse, g_copy, dd, dk, T, band,
+                                                       D=D, **tiles)
+    return dq, dk
+
+
+@copy_pointer_backward.register_fake
+def _(q, k, start, tokens, targets, lse, g_copy, dd, band):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+def _copy_pointer_setup_context(ctx, inputs, output):
+    q, k, _, start, tokens, targets, band = inputs
+    p, s, lse = output
+    ctx.save_for_backward(q, k, start, tokens, targets, lse, p, s)
+    ctx.band = band
+
+
+def _copy_pointer_autograd(ctx, g_copy, g_sink, _g_lse):
+    q, k, start, tokens, targets, lse, p, s = ctx.saved_tensors
+    g_copy = torch.zeros_like(p) if g_copy is None else g_copy.float().contiguous()
+    g_sink = torch.zeros_like(s) if g_sink is None else g_sink.float()
+    dd = (g_copy * p + g_sink * s).contiguous()
+    dq, dk = copy_pointer_backward(q, k, start, tokens, targets, lse, g_copy, dd, ctx.band)
+    return dq, dk, s * (g_sink - dd), None, None, None, None
+
+
+copy_pointer.register_autograd(_copy_pointer_autograd, setup_context=_copy_pointer_setup_context)

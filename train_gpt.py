@@ -655,6 +655,37 @@ def blocks_with_lookback(t: Tensor, block: int, lookback: int, value=0) -> Tenso
     return F.pad(t.movedim(0, -1), (lookback, pad), value=value).movedim(-1, 0).unfold(0, lookback + block, block)
 
 
+def pointer_written_out(q: Tensor, k: Tensor, sink: Tensor, doc: Tensor, inputs: Tensor, targets: Tensor,
+                        band: int, chunked: bool = False) -> tuple[Tensor, Tensor]:
+    """CPLM's pointer softmax written out in PyTorch (GPT.copy_pointer where Triton does not run; kernels.copy_pointer
+    computes the same): query i's scores q_i.k_j over its keys j (earlier positions of its document `doc` in its band
+    of `band` tokens and the band before) and the sink's score sink_i. Returns p_copy (the softmax's mass on keys
+    whose input token is i's target) and a_sink (the sink's share). Bands of queries go together (memory
+    O(T band)), one at a time if `chunked`."""
+    T, d = q.shape
+    pad = -T % band
+    n = (T + pad) // band
+    qb, sink = F.pad(q, (0, 0, 0, pad)).view(n, band, d), F.pad(sink, (0, pad)).view(n, band, 1)
+    kb = blocks_with_lookback(k, band, band)  # (n, d, 2 band): the band before and this one
+    doc_q, doc_k = F.pad(doc, (0, pad), value=-1).view(n, band), blocks_with_lookback(doc, band, band, value=-2)
+    tokens = blocks_with_lookback(inputs, band, band, value=-1)
+    wanted = F.pad(targets, (0, pad), value=-2).view(n, band)
+    i, j = torch.arange(band, device=q.device), torch.arange(2 * band, device=q.device)
+    earlier = j[None, :] < i[:, None] + band  # key j of the two bands lies strictly before query i
+    step = 1 if chunked else n
+    p_copy, a_sink = [], []
+    for b in range(0, n, step):  # the softmax over the keys and the sink written out: no (.., 1 + 2 band) copy
+        s = slice(b, b + step)
+        scores = torch.einsum("nid,ndj->nij", qb[s], kb[s])
+        scores = torch.where(earlier & (doc_q[s, :, None] == doc_k[s, None, :]), scores, float("-inf"))
+        top = torch.maximum(scores.amax(-1), sink[s, :, 0]).detach()  # any shift gives the same softmax
+        e, e_sink = (scores - top[..., None]).exp(), (sink[s, :, 0] - top).exp()
+        total = e.sum(-1) + e_sink
+        a_sink.append(e_sink / total)
+        p_copy.append(torch.where(tokens[s, None, :] == wanted[s, :, None], e, 0).sum(-1) / total)
+    return torch.cat(p_copy).flatten()[:T], torch.cat(a_sink).flatten()[:T]
+
+
 def bigram_indices(inputs: Tensor, cu_seqlens: Tensor, rows: int, sign_rows: int = 0) -> tuple[Tensor, Tensor | None]:
     """Each position's row of the bigram table and (sign_rows > 0) of the sign table.
 
@@ -1234,36 +1265,20 @@ class GPT(nn.Module):
         final states x, q = g norm(W_q x), k = norm(W_k x), scores q.k / sqrt(COPY_DIM), attends over the earlier
         positions of the same document in the query's band of `band` tokens and the one before it (the stage's
         cplm_bands entry), plus a learned sink key. Returns, per position, the probability it gives the target, summed
-        over earlier positions holding that token (p_copy), and the sink's share (a_sink). Bands of queries go
-        together in training (memory O(T band)), one at a time in evaluation."""
+        over earlier positions holding that token (p_copy), and the sink's share (a_sink). On a GPU through
+        kernels.copy_pointer; elsewhere written out (pointer_written_out), bands of queries one at a time in
+        evaluation."""
         cfg, d = self.cfg, COPY_DIM
         band = cfg.cplm_bands[0 if self.training else 1]
         gain = self.scalars[self.scalar_layout()["copy_gain"]][0]
         q = (norm(F.linear(x, self.copy_qk[:d].type_as(x))) * gain).float() / math.sqrt(d)
         k = norm(F.linear(x, self.copy_qk[d:].type_as(x))).float()
-        T, pad = x.size(0), -x.size(0) % band
-        n = (T + pad) // band
-        sink = (q @ self.copy_sink.float())
-        doc = document_ids(cu_seqlens, T)
-        qb, sink = F.pad(q, (0, 0, 0, pad)).view(n, band, d), F.pad(sink, (0, pad)).view(n, band, 1)
-        kb = blocks_with_lookback(k, band, band)  # (n, d, 2 band): the band before and this one
-        doc_q, doc_k = F.pad(doc, (0, pad), value=-1).view(n, band), blocks_with_lookback(doc, band, band, value=-2)
-        tokens = blocks_with_lookback(inputs, band, band, value=-1)
-        wanted = F.pad(targets, (0, pad), value=-2).view(n, band)
-        i, j = torch.arange(band, device=x.device), torch.arange(2 * band, device=x.device)
-        earlier = j[None, :] < i[:, None] + band  # key j of the two bands lies strictly before query i
-        step = n if self.training else 1
-        p_copy, a_sink = [], []
-        for b in range(0, n, step):  # the softmax over the keys and the sink written out: no (.., 1 + 2 band) copy
-            s = slice(b, b + step)
-            scores = torch.einsum("nid,ndj->nij", qb[s], kb[s])
-            scores = torch.where(earlier & (doc_q[s, :, None] == doc_k[s, None, :]), scores, float("-inf"))
-            top = torch.maximum(scores.amax(-1), sink[s, :, 0]).detach()  # any shift gives the same softmax
-            e, e_sink = (scores - top[..., None]).exp(), (sink[s, :, 0] - top).exp()
-            total = e.sum(-1) + e_sink
-            a_sink.append(e_sink / total)
-            p_copy.append(torch.where(tokens[s, None, :] == wanted[s, :, None], e, 0).sum(-1) / total)
-        return torch.cat(p_copy).flatten()[:T], torch.cat(a_sink).flatten()[:T]
+        sink, doc = q @ self.copy_sink.float(), document_ids(cu_seqlens, x.size(0))
+        if kernels.triton_runs_on(q):  # the flash-style kernels of kernels.py: no (T, 2 band) scores in memory
+            start = cu_seqlens[doc - 1].int()  # each position's document start
+            p_copy, a_sink, _ = torch.ops.speedrun.copy_pointer(q, k, sink, start, inputs.int(), targets.int(), band)
+            return p_copy, a_sink
+        return pointer_written_out(q, k, sink, doc, inputs, targets, band, chunked=not self.training)
 
     def head_losses(self, x: Tensor, targets: Tensor, mtp_weights: Tensor | None = None,
                     cu_seqlens: Tensor | None = None, prefix_weight: Tensor | None = None,
@@ -2510,6 +2525,10 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     if args.fused_mlp and not fused_mlp:
         log(f"fused MLP off: its kernel needs {kernels.relu2_tiles_shared_memory() // 1024} KiB of shared memory, this "
             f"GPU has {kernels.max_shared_memory(device) // 1024} KiB; the MLP runs unfused (same results)")
+    # TF32 tensor cores for the float32 matmuls: DC attention's and CPLM's scores (their bf16 inputs are exact in
+    # TF32's 10-bit mantissa; the pointer's query and the DC mix round at 2^-11), no longer on CUDA cores
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # as Inductor advises
     torch.manual_seed(args.seed)
     if args.fused_ce and not fp8:
         log("fused cross-entropy off: it is the FP8 head's, and the LM head runs in bf16 here (same results)")

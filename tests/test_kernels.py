@@ -698,9 +698,10 @@ def fused_fp8_head_ce(x, w, targets, weights=None):
 
 
 def test_fp8_head_ce_op_gives_the_unfused_heads_losses_and_gradients_compiled_or_not():
-    """Same FP8 matmuls, the same losses; the gradients differ in how the logits' gradient rounds to e5m2
-    (from float32 here, from bf16 there), by as much as e5m2's own error when a row's entries are alike
-    (they then all round the same way): both are as far from float64 autograd."""
+    """Same FP8 matmuls; the fused op keeps the logits in e4m3 (HEAD_LOGITS_DTYPE), the unfused head in bf16, so its
+    losses are a little further from float64 autograd (at most 1.5 times here: the operands' own e4m3 rounding
+    dominates); the gradients differ in how the logits' gradient rounds to e5m2 (from float32 here, from bf16
+    there), by as much as e5m2's own error when a row's entries are alike: both are as far from float64 autograd."""
     if not tg.fp8_supported(DEVICE):
         pytest.skip(f"_scaled_mm FP8 does not run on {DEVICE}")
     x0, w0, targets = fp8_head_ce_case()
@@ -719,7 +720,7 @@ def test_fp8_head_ce_op_gives_the_unfused_heads_losses_and_gradients_compiled_or
         assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
         errors.append([rel(losses.detach(), expected.detach()), rel(x.grad, xr.grad), rel(w.grad, wr.grad)])
     for fused in errors[1:]:
-        assert fused[0] < errors[0][0] + 1e-6, errors  # the same losses
+        assert fused[0] < 1.5 * errors[0][0], errors  # about the same losses, from e4m3 logits
         assert all(f < 1.1 * u + 0.005 and f < 0.1 for f, u in zip(fused[1:], errors[0][1:])), errors
     with torch._subclasses.FakeTensorMode():  # the fakes give the real shapes and dtypes
         x, w = torch.empty(8, 32, dtype=torch.bfloat16, requires_grad=True), torch.empty(16, 32, requires_grad=True)
@@ -727,7 +728,7 @@ def test_fp8_head_ce_op_gives_the_unfused_heads_losses_and_gradients_compiled_or
                                              0.1, CAP, SHIFT, TEMP)
         out[0].sum().backward()
     assert [(t.shape, t.dtype) for t in out] == [((8,), torch.float32), ((8,), torch.float32),
-                                                 ((8, 16), torch.bfloat16),
+                                                 ((8, 16), torch.float8_e4m3fn),
                                                  ((32, 8), torch.float8_e4m3fn), ((32, 16), torch.float8_e4m3fn),
                                                  ((8, 2), torch.float32)]
     assert (x.grad.shape, x.grad.dtype) == ((8, 32), torch.bfloat16)
@@ -761,14 +762,14 @@ def test_fp8_head_ce_terms_carry_any_losss_gradient_as_the_unfused_head():
         loss.backward()
         results.append((loss.detach(), x.grad.float(), w.grad))
     (l0, gx0, gw0), (l1, gx1, gw1) = results
-    torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(l1, l0, rtol=1e-3, atol=1e-3)  # e4m3 logits in the op, bf16 in the unfused head
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()
     assert rel(gx1, gx0) < 0.05 and rel(gw1, gw0) < 0.05, (rel(gx1, gx0), rel(gw1, gw0))  # e5m2 gradients
 
 
 @pytest.mark.parametrize("cplm", [False, True], ids=["next_token", "cplm"])
 def test_model_with_fused_ce_trains_on_the_fp8_heads_losses_and_gradients(cplm):
-    """The model's loss with the fused op equals the FP8 head's; its gradients lie as close to the bf16
+    """The model's loss with the fused op is the FP8 head's (to e4m3 logits' rounding); its gradients lie as close to the bf16
     head's as the unfused FP8 head's do (FP8 rounding, not the fusion, sets the difference). With CPLM the
     fused op's terms feed the mixture (the copy column 64 of a vocabulary of 80)."""
     if not tg.fp8_supported(DEVICE):
@@ -793,7 +794,7 @@ def test_model_with_fused_ce_trains_on_the_fp8_heads_losses_and_gradients(cplm):
         assert model.fused_ce == fused
     assert not tg.GPT(tg.ModelConfig.from_args(args), fused_ce=True).fused_ce  # only ever the FP8 head's loss
     (_, g_bf16), (l_fp8, g_fp8), (l_fused, g_fused) = results
-    torch.testing.assert_close(l_fused, l_fp8, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(l_fused, l_fp8, rtol=1e-3, atol=1e-3)  # e4m3 logits (fused) against bf16 (unfused)
     rel = lambda a: ((a - g_bf16).norm() / g_bf16.norm()).item()
     assert rel(g_fused) < 1.2 * rel(g_fp8) + 0.01 and rel(g_fused) < 0.1, (rel(g_fused), rel(g_fp8))
 
@@ -826,3 +827,105 @@ def test_softcap_ce_kernels_on_the_gpu_at_the_record_shapes():
                                                    TEMP, tg.HEAD_GRAD_SCALE)
         same = (g[rows].view(torch.uint8) == ref.view(torch.uint8)).float().mean().item()
         assert same > 0.999, (rows[0].item(), same)
+
+
+# kernels.copy_pointer (CPLM's pointer): its Triton kernels in the interpreter against the (T, T)-mask reference and
+# the model's written-out pointer, gradients included; on a GPU the compiled kernels.
+
+def copy_pointer_case(T=130, band=32, D=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(T, D, generator=g) * 0.3 for _ in range(2))
+    sink = torch.randn(T, generator=g)
+    cu = torch.tensor([0, 37, 60, 61, T])  # a one-token document too
+    start = cu[kernels.document_ids(cu, T) - 1].int()
+    tokens, targets = (torch.randint(0, 5, (T,), generator=g, dtype=torch.int32) for _ in range(2))
+    return q, k, sink, start, tokens, targets, band, cu
+
+
+def check_copy_pointer_op(q, k, sink, start, tokens, targets, band, cu) -> list[float]:
+    """Max abs errors of the op's p_copy, a_sink and the gradients of q, k, sink against the reference."""
+    g = torch.Generator().manual_seed(1)
+    up = torch.randn(2, q.size(0), generator=g).to(q.device)
+    got, want = [], []
+    for fn, out in ((lambda *a: kernels.copy_pointer(*a)[:2], got), (kernels.copy_pointer_reference, want)):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, sink)]
+        p, a = fn(*leaves, start, tokens, targets, band)
+        (p * up[0] + a * up[1]).sum().backward()
+        out += [p, a, *(t.grad for t in leaves)]
+    return [(x - y).abs().max().item() for x, y in zip(got, want)]
+
+
+POINTER_SCRIPT = """
+import json, sys, torch
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import kernels, train_gpt as tg, test_kernels as t
+assert kernels.triton_runs_on(torch.zeros(1)), "the Triton interpreter is not in use"
+errors = t.check_copy_pointer_op(*t.copy_pointer_case()) + t.check_copy_pointer_op(*t.copy_pointer_case(T=100, band=16))
+# the model's pointer through the kernel against its written-out path (the one CPUs run)
+from conftest import TINY
+model = tg.GPT(tg.ModelConfig.from_args(tg.Hyperparameters(**dict(TINY, vocab_size=80, cplm_bands=(32, 64)))))
+x = torch.randn(150, TINY["model_dim"])
+inputs, targets = torch.randint(0, 6, (150,)), torch.randint(0, 6, (150,))
+cu = torch.tensor([0, 50, 51, 150])
+for training in (True, False):
+    model.train(training)
+    kernel = model.copy_pointer(x, inputs, targets, cu)
+    kernels.INTERPRET = False  # triton_runs_on: no, so the written-out path
+    plain = model.copy_pointer(x, inputs, targets, cu)
+    kernels.INTERPRET = True
+    errors += [(a - b).abs().max().item() for a, b in zip(kernel, plain)]
+print(json.dumps(errors))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU machines' check; the GPU test covers the compiled kernels")
+def test_copy_pointer_kernels_match_the_reference_and_the_written_out_pointer_in_the_interpreter(tmp_path):
+    errors = run_in_triton_interpreter(POINTER_SCRIPT, tmp_path)
+    assert len(errors) == 14 and max(errors) < 1e-5, errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_copy_pointer_kernels_on_the_gpu_match_the_reference():
+    case = copy_pointer_case(T=3000, band=512)
+    q, k, sink, start, tokens, targets = (t.cuda() for t in case[:6])
+    errors = check_copy_pointer_op(q, k, sink, start, tokens, targets, case[6], case[7])
+    assert max(errors) < 2e-3, errors  # TF32 scores (10-bit mantissa)
+
+
+def test_copy_pointer_kernels_compile_for_an_h100_without_one():
+    """The pointer's three kernels with kernels.POINTER_TILES, compiled for sm_90 down to a cubin (no GPU needed): what
+    only the compiler rejects, shared memory over the H100's 227 KiB included."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    tiles = kernels.POINTER_TILES
+    constexprs = dict(D=tg.COPY_DIM, BM=tiles["BM"], BN=tiles["BN"])
+    for fn in (kernels._pointer_fwd_kernel, kernels._pointer_dq_kernel, kernels._pointer_dk_kernel):
+        signature = {n: "constexpr" if n in constexprs else
+                     ("*i32" if n in ("start_ptr", "tok_ptr", "tgt_ptr") else "*fp32") if n.endswith("_ptr") else "i32"
+                     for n in fn.arg_names}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]))
+        assert len(compiled.asm["cubin"]) > 1000 and compiled.metadata.shared <= 227 * 1024, fn.__name__
+
+
+def test_softcap_ce_kernels_compile_for_e4m3_logits_on_an_h100_without_one():
+    """The loss kernels read the fused head's e4m3 logits (HEAD_LOGITS_DTYPE): compiled for sm_90 down to a cubin
+    (no GPU needed) with kernels.SOFTCAP_CE_TILES, three targets per token."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    assert kernels.HEAD_LOGITS_DTYPE == torch.float8_e4m3fn
+    numbers = {"cap", "inv_cap", "inv_temp", "shift_over_temp", "inv_grad_scale"}
+    pointers = dict(logits_ptr="*fp8e4nv", targets_ptr="*i32", g_ptr="*fp8e5", g_t_ptr="*fp8e5")
+    for fn, tiles, extra in ((kernels._softcap_ce_fwd_kernel, "fwd", dict(K=3, BLOCK_K=4)),
+                             (kernels._softcap_ce_bwd_kernel, "bwd", dict(K=3)),
+                             (kernels._softcap_ce_bwd_targets_kernel, "targets", dict(K=3))):
+        tiles = kernels.SOFTCAP_CE_TILES[tiles]
+        constexprs = {**{k: v for k, v in tiles.items() if k.isupper()}, **extra}
+        signature = {n: "constexpr" if n in constexprs else pointers.get(n, "*fp32") if n.endswith("_ptr")
+                     else "fp32" if n in numbers else "i32" for n in fn.arg_names}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=tiles["num_warps"]))
+        assert len(compiled.asm["cubin"]) > 1000, fn.__name__
