@@ -932,8 +932,9 @@ if triton is not None:
 
 # The pointer kernels' tiles: query rows BM and key rows BN per program (each at most the band, which they divide),
 # warps per program and pipeline stages (3 stages of float32 tiles take 225 KiB of shared memory in the dq kernel
-# for sm_90, at the limit; 2 take 160); bench/pointer_kernel.py times the choices.
-POINTER_TILES = dict(BM=64, BN=64, num_warps=4, num_stages=2)
+# for sm_90, at the limit; 2 take 160); bench/pointer_kernel.py times the choices: on one H100 at band 2048, 49,152
+# tokens, forward + backward, BN=32 1.65 ms, BN=64 2.18 ms, the compiled written-out pointer 4.96 ms (2026-11-26).
+POINTER_TILES = dict(BM=64, BN=32, num_warps=4, num_stages=2)
 
 
 def _pointer_tiles(band: int) -> dict:
