@@ -4,10 +4,9 @@
 
 With --batch_size 98304 (2 x 49,152) each of 2 GPUs holds one micro-batch a step, as each of 8 GPUs does in the
 record run, so no accumulation hides the communication. Every rank times --steps steps of one stage of the
-schedule (--stage, default the last scheduled one), each between a barrier and a synchronize, then profiles two more and reports for each
+schedule (--stage, default the last scheduled one), each between a barrier and a synchronize, then profiles --profile_steps more and reports for each
 step: its time, the NCCL kernels' time, and the exposed part: NCCL time during which no other kernel runs on the
-GPU, so the step waits on the network. Under --adam_every 2 the two profiled steps are one with Adam and one
-without."""
+GPU, so the step waits on the network. Under --adam_every 2 half the profiled steps are with Adam, half without."""
 import argparse
 import json
 import os
@@ -65,6 +64,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup untimed ones)")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--profile_steps", type=int, default=8, help="steps profiled after the timed ones (even: "
+                        "as many with Adam as without under --adam_every 2)")
     parser.add_argument("--stage", type=int, default=-1, help="which stage of the schedule (0-based; default: "
                         "the last scheduled stage, the one with the longest windows)")
     own, rest = parser.parse_known_args()
@@ -106,7 +107,7 @@ def main():
     together()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        for _ in range(2):
+        for _ in range(own.profile_steps):
             run_step()
         sync()
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,12 +115,13 @@ def main():
         prof.export_chrome_trace(path)
         intervals = kernel_intervals(json.loads(Path(path).read_text()))
     comm, exposed = exposed_time(intervals)
+    n = own.profile_steps
     med = statistics.median(times)
     line = (f"rank {rank}/{world_size}: stage windows {stage.windows}, {stage.batch.batch_size:,} tokens a step, "
             f"{stage.batch.batch_size // stage.batch.seq_len // world_size} micro-batch(es) a GPU, attention {attention}: "
             f"step median {med:.1f} ms (min {min(times):.1f}, max {max(times):.1f}, {own.steps} steps); "
-            f"profiled 2 steps: NCCL {comm / 2e3:.2f} ms a step, exposed {exposed / 2e3:.2f} ms a step "
-            f"({exposed / 2e3 / med:.1%} of the median step), {len(intervals)} kernels")
+            f"profiled {n} steps: NCCL {comm / n / 1e3:.2f} ms a step, exposed {exposed / n / 1e3:.2f} ms a step "
+            f"({exposed / n / 1e3 / med:.1%} of the median step), {len(intervals)} kernels")
     lines = [line]
     if world_size > 1:
         lines = [None] * world_size
