@@ -2146,13 +2146,13 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
 # public logs' train_time does), with FlashAttention-4, PyTorch 2.11.0+cu130. A table row is a real run;
 # a shape without one is reported unmeasured, never interpolated.
 STEP_US_PER_TOKEN = {
-    # one H100 80GB HBM3, 2026-11-26 (seventh session), FA4, the record preset at its own shapes, with the MUDD gates,
-    # DC attention and CPLM (bench/step_time.py --stages: 745.3 / 758.5 / 766.0 / 771.8 ms per 393,216-token step;
-    # bench/results/step_time_stages_h100_20261126b/)
-    ("H100", "record", 49152, 896, 3): 1.895,
-    ("H100", "record", 49152, 2048, 7): 1.929,
-    ("H100", "record", 49152, 2048, 11): 1.948,
-    ("H100", "record", 49152, 2048, 13): 1.963,
+    # one H100 80GB HBM3, 2026-11-26, FA4, the record preset at its own shapes (MUDD gates, DC attention, CPLM with
+    # its Triton pointer kernels, TF32, e4m3 logits; bench/step_time.py --stages: 714.0 / 717.6 / 734.3 / 737.0 ms
+    # per 393,216-token step; bench/results/step_time_stages_h100_20261126c/)
+    ("H100", "record", 49152, 896, 3): 1.816,
+    ("H100", "record", 49152, 2048, 7): 1.825,
+    ("H100", "record", 49152, 2048, 11): 1.867,
+    ("H100", "record", 49152, 2048, 13): 1.874,
 }
 # 8-GPU step time over one-GPU step time at the same global batch, by micro-batch tokens per GPU, with one
 # micro-batch per GPU on 8 (bench/README: record #89's 8xH100 logs over its and the public master's
