@@ -846,6 +846,16 @@ def copy_pointer_reference(q: Tensor, k: Tensor, sink: Tensor, start: Tensor, to
 
 if triton is not None:
     @triton.jit
+    def _pointer_queries(q_ptr, start_ptr, tgt_ptr, i0, T, band, D: tl.constexpr, BM: tl.constexpr):
+        """A block of BM queries from i0: offsets, feature offsets, which exist, q, the first key each may
+        see (its document's start, at most a band before its own band) and its target."""
+        offs_m, offs_d = i0 + tl.arange(0, BM), tl.arange(0, D)
+        row = offs_m < T
+        q = tl.load(q_ptr + offs_m[:, None] * D + offs_d[None, :], mask=row[:, None], other=0.0)
+        low = tl.maximum(tl.load(start_ptr + offs_m, mask=row, other=0), (i0 // band - 1) * band)
+        return offs_m, offs_d, row, q, low, tl.load(tgt_ptr + offs_m, mask=row, other=-1)
+
+    @triton.jit
     def _pointer_scores(q, k_ptr, j0, offs_d, T, D: tl.constexpr, BN: tl.constexpr):
         offs_n = j0 + tl.arange(0, BN)
         kt = tl.load(k_ptr + offs_n[None, :] * D + offs_d[:, None], mask=offs_n[None, :] < T, other=0.0)
@@ -855,12 +865,8 @@ if triton is not None:
     def _pointer_fwd_kernel(q_ptr, k_ptr, sink_ptr, start_ptr, tok_ptr, tgt_ptr, lse_ptr, p_ptr, s_ptr, T, band,
                             D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         i0 = tl.program_id(0) * BM
-        offs_m, offs_d = i0 + tl.arange(0, BM), tl.arange(0, D)
-        row = offs_m < T
-        q = tl.load(q_ptr + offs_m[:, None] * D + offs_d[None, :], mask=row[:, None], other=0.0)
+        offs_m, offs_d, row, q, low, y = _pointer_queries(q_ptr, start_ptr, tgt_ptr, i0, T, band, D, BM)
         t = tl.load(sink_ptr + offs_m, mask=row, other=0.0)
-        low = tl.maximum(tl.load(start_ptr + offs_m, mask=row, other=0), (i0 // band - 1) * band)
-        y = tl.load(tgt_ptr + offs_m, mask=row, other=-1)
         m, l, c = t, tl.full([BM], 1.0, tl.float32), tl.zeros([BM], tl.float32)
         j_first = tl.maximum((tl.min(tl.where(row, low, T)) // BN) * BN, 0)
         for j0 in range(j_first, i0 + BM, BN):
@@ -883,11 +889,7 @@ if triton is not None:
     def _pointer_dq_kernel(q_ptr, k_ptr, start_ptr, tok_ptr, tgt_ptr, lse_ptr, gp_ptr, dd_ptr, dq_ptr, T, band,
                            D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         i0 = tl.program_id(0) * BM
-        offs_m, offs_d = i0 + tl.arange(0, BM), tl.arange(0, D)
-        row = offs_m < T
-        q = tl.load(q_ptr + offs_m[:, None] * D + offs_d[None, :], mask=row[:, None], other=0.0)
-        low = tl.maximum(tl.load(start_ptr + offs_m, mask=row, other=0), (i0 // band - 1) * band)
-        y = tl.load(tgt_ptr + offs_m, mask=row, other=-1)
+        offs_m, offs_d, row, q, low, y = _pointer_queries(q_ptr, start_ptr, tgt_ptr, i0, T, band, D, BM)
         lse = tl.load(lse_ptr + offs_m, mask=row, other=0.0)
         gp = tl.load(gp_ptr + offs_m, mask=row, other=0.0)
         dd = tl.load(dd_ptr + offs_m, mask=row, other=0.0)
