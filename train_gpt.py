@@ -2590,8 +2590,8 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Traini
     # its reduces and updates since its record of 2026-01-18)
     reduces = [opt.launch_reduce() for opt in stepping]
     gathers = [opt.apply_updates(pending) for opt, pending in zip(stepping, reduces)]
-    for opt, pending in zip(stepping, gathers):
-        opt.finish(pending)
+    for opt, launched in zip(stepping, gathers):
+        opt.finish(launched)
     for opt in stepping:  # Adam's gradients otherwise wait for its step
         opt.zero_grad(set_to_none=True)
     return loss
