@@ -2672,6 +2672,7 @@ class RunResult:
     first_step: int = 0  # a resumed run starts after its checkpoint's step
     checkpoint: str | None = None  # the last checkpoint written
     interrupted: int = 0  # the signal (SIGTERM / SIGINT) that stopped the run after saving a checkpoint
+    stage_ms: list = dataclasses.field(default_factory=list)  # (stage number, first step, steps, training ms)
 
 
 class LossWatch:
@@ -2977,15 +2978,31 @@ class RunControl:
             signal.signal(sig, handler)
 
 
+def stage_times(stages: list[TrainingStage], marks: list[tuple[int, float]], step: int,
+                train_ms: float) -> list[tuple[int, int, int, float]]:
+    """(stage number from 1, first step, steps, training ms) of each stage this run trained in, from the
+    training time at each stage's first step (`marks`) and at the last step done (`step`, `train_ms`)."""
+    ends = marks[1:] + [(step, train_ms)]
+    return [(stages.index(stage_at(stages, a)) + 1, a, b - a, ms_b - ms_a)
+            for (a, ms_a), (b, ms_b) in zip(marks, ends) if b > a]
+
+
 def finish(log, args: Hyperparameters, device: torch.device, world_size: int, step: int, losses, tokens, val_losses,
-           train_ms: float, first_step: int, checkpoint, interrupted: int) -> RunResult:
-    """Every rank's per-step losses gathered, peak memory, and the closing summary line (`step` steps done)."""
+           train_ms: float, first_step: int, checkpoint, interrupted: int,
+           stages_ms: list[tuple[int, int, int, float]] = ()) -> RunResult:
+    """Every rank's per-step losses gathered, peak memory, each stage's step time, and the closing summary
+    line (`step` steps done)."""
     per_step = torch.stack(losses) if losses else torch.zeros(0, device=device)
     if world_size > 1:
         dist.all_reduce(per_step)
     if device.type == "cuda":
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    stages = training_stages(args)
+    for number, first, steps, ms in stages_ms:  # the first step of a stage is one of its steps (no recompile: warm-up)
+        batch = stages[number - 1].batch.batch_size
+        log(f"stage {number}, steps {first}-{first + steps - 1}: {ms / steps:.1f} ms a step over {steps} steps, "
+            f"{batch * steps / ms * 1000:,.0f} tokens/s")
     log(f"{'stopped' if interrupted else 'finished'} at step {step}/{args.num_iterations}: training time "
         f"{train_ms / 1000:.1f}s ({train_ms / max(step, 1):.1f} ms/step)" +
         (f", val_loss {val_losses[-1][1]:.4f} at step {val_losses[-1][0]}" if val_losses else "") +
@@ -2995,7 +3012,7 @@ def finish(log, args: Hyperparameters, device: torch.device, world_size: int, st
         log(f"train_loss per step {first_step + 1}-{first_step + len(train_losses)}: " +
             " ".join(f"{x:.4f}" for x in train_losses), console=False)
     return RunResult(train_losses, val_losses, train_ms, log.path, first_step, str(checkpoint) if checkpoint else None,
-                     interrupted)
+                     interrupted, list(stages_ms))
 
 
 def train(args: Hyperparameters) -> RunResult:
@@ -3028,6 +3045,7 @@ def train(args: Hyperparameters) -> RunResult:
         run = RunControl(args, model, optimizers, loader, clock, watch, figures, rank, world_size, first_step, log)
         if args.log_every > 0:
             log(f"every {args.log_every} steps: {Figures.LEGEND}")
+        stage_marks = []  # (step, training ms) where each stage's steps of this run begin
         # =============================== the timed region: training =================================
         clock.start()
         for step in range(first_step, N + 1):  # `step` steps done; the ranks agree to go on, then run one more
@@ -3046,6 +3064,10 @@ def train(args: Hyperparameters) -> RunResult:
             if step == N:
                 break
             stage = stage_at(stages, step)
+            if step == first_step or step == stage.start:  # each stage's time, exact at its edges (a GPU sync)
+                clock.stop()
+                stage_marks.append((step, clock.ms))
+                clock.start()
             loss = train_step(model, compiled, optimizers, micro, step, stage, args)
             if step + 1 == untie:  # the last tied step is done: the next step, and its checkpoint, are untied
                 untie_embedding(model, optimizers[0])
@@ -3061,7 +3083,7 @@ def train(args: Hyperparameters) -> RunResult:
         # ============================================================================================
         run.finish()
         return finish(log, args, device, world_size, step, losses, tokens, val_losses, clock.ms, first_step,
-                      run.checkpoint, run.interrupted)
+                      run.checkpoint, run.interrupted, stage_times(stages, stage_marks, step, clock.ms))
     finally:
         if run is not None:
             run.close()

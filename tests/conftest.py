@@ -98,5 +98,5 @@ def tiny_args(corpus, tmp_path):
 
     def make(**overrides):
         return tg.Hyperparameters(**{**TINY, "train_files": train, "val_files": val, "log_dir": str(tmp_path / "logs"),
-                                     **overrides})
+                                     "checkpoint_dir": str(tmp_path / "checkpoints"), **overrides})
     return make

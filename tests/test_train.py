@@ -257,3 +257,22 @@ def test_a_compiled_run_with_an_extension_and_a_final_window_compiles_every_grap
     finally:
         torch._dynamo.reset()  # and leave none of these nine for the tests after
     assert [s for s, _ in run.val_losses] == [0, 3, 6, 9, 12] and run.val_losses[-1][1] < run.val_losses[0][1]
+
+
+def test_each_stage_step_time_is_logged_and_the_stages_add_up_to_the_training_time(tiny_args):
+    """Three stages of 20 steps (7 / 7 / 6): one line each in the log with the stage's steps and ms a step, and
+    the stages' times sum to the run's training time, up to the timed bookkeeping before the first step; a run
+    resumed mid-stage times that stage from its step."""
+    args = tiny_args(num_iterations=20, val_every=5, save_every=10)
+    run = tg.train(args)
+    stages = tg.training_stages(args)
+    assert [(n, first, steps) for n, first, steps, _ in run.stage_ms] == [
+        (i + 1, st.start, min(st.end, args.num_iterations) - st.start) for i, st in enumerate(stages)]
+    total = sum(ms for *_, ms in run.stage_ms)  # all but the timed moments before step 0's step (bookkeeping)
+    assert run.train_time_ms - 50 < total <= run.train_time_ms
+    text = Path(run.log_path).read_text()
+    for n, first, steps, ms in run.stage_ms:
+        assert f"stage {n}, steps {first}-{first + steps - 1}: {ms / steps:.1f} ms a step over {steps} steps" in text
+    step_10 = str(Path(run.checkpoint).parent / "step_000010")
+    resumed = tg.train(tiny_args(num_iterations=20, val_every=5, save_every=10, resume=step_10))
+    assert [(n, first, steps) for n, first, steps, _ in resumed.stage_ms] == [(2, 10, 4), (3, 14, 6)]
