@@ -846,37 +846,40 @@ def copy_pointer_reference(q: Tensor, k: Tensor, sink: Tensor, start: Tensor, to
 
 if triton is not None:
     @triton.jit
-    def _pointer_queries(q_ptr, start_ptr, tgt_ptr, i0, T, band, D: tl.constexpr, BM: tl.constexpr):
+    def _pointer_queries(q_ptr, start_ptr, tgt_ptr, i0, T, band, D: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr):
         """A block of BM queries from i0: offsets, feature offsets, which exist, q, the first key each may
-        see (its document's start, at most a band before its own band) and its target."""
+        see (its document's start, at most a band before its own band), its target, and where the block's
+        first key block of BN starts."""
         offs_m, offs_d = i0 + tl.arange(0, BM), tl.arange(0, D)
         row = offs_m < T
         q = tl.load(q_ptr + offs_m[:, None] * D + offs_d[None, :], mask=row[:, None], other=0.0)
         low = tl.maximum(tl.load(start_ptr + offs_m, mask=row, other=0), (i0 // band - 1) * band)
-        return offs_m, offs_d, row, q, low, tl.load(tgt_ptr + offs_m, mask=row, other=-1)
+        j_first = tl.maximum((tl.min(tl.where(row, low, T)) // BN) * BN, 0)
+        return offs_m, offs_d, row, q, low, tl.load(tgt_ptr + offs_m, mask=row, other=-1), j_first
 
     @triton.jit
-    def _pointer_scores(q, k_ptr, j0, offs_d, T, D: tl.constexpr, BN: tl.constexpr):
+    def _pointer_scores(q, k_ptr, tok_ptr, j0, offs_m, low, offs_d, T, D: tl.constexpr, BN: tl.constexpr):
+        """The block of BN keys from j0 for the queries offs_m: scores (-inf where a key is not strictly before
+        the query or before its first key `low`), key offsets and the keys' tokens."""
         offs_n = j0 + tl.arange(0, BN)
         kt = tl.load(k_ptr + offs_n[None, :] * D + offs_d[:, None], mask=offs_n[None, :] < T, other=0.0)
-        return tl.dot(q, kt, input_precision="tf32"), offs_n
+        s = tl.dot(q, kt, input_precision="tf32")
+        ok = (offs_n[None, :] < offs_m[:, None]) & (offs_n[None, :] >= low[:, None])
+        return tl.where(ok, s, float("-inf")), offs_n, tl.load(tok_ptr + offs_n, mask=offs_n < T, other=-2)
 
     @triton.jit
     def _pointer_fwd_kernel(q_ptr, k_ptr, sink_ptr, start_ptr, tok_ptr, tgt_ptr, lse_ptr, p_ptr, s_ptr, T, band,
                             D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         i0 = tl.program_id(0) * BM
-        offs_m, offs_d, row, q, low, y = _pointer_queries(q_ptr, start_ptr, tgt_ptr, i0, T, band, D, BM)
+        offs_m, offs_d, row, q, low, y, j_first = _pointer_queries(q_ptr, start_ptr, tgt_ptr, i0, T, band, D, BM, BN)
         t = tl.load(sink_ptr + offs_m, mask=row, other=0.0)
         m, l, c = t, tl.full([BM], 1.0, tl.float32), tl.zeros([BM], tl.float32)
-        j_first = tl.maximum((tl.min(tl.where(row, low, T)) // BN) * BN, 0)
         for j0 in range(j_first, i0 + BM, BN):
-            s, offs_n = _pointer_scores(q, k_ptr, j0, offs_d, T, D, BN)
-            ok = (offs_n[None, :] < offs_m[:, None]) & (offs_n[None, :] >= low[:, None])
-            s = tl.where(ok, s, float("-inf"))
+            s, offs_n, tok = _pointer_scores(q, k_ptr, tok_ptr, j0, offs_m, low, offs_d, T, D, BN)
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])  # exp(-inf) = 0 where masked
-            tok = tl.load(tok_ptr + offs_n, mask=offs_n < T, other=-2)
             l = l * alpha + tl.sum(p, 1)
             c = c * alpha + tl.sum(tl.where(tok[None, :] == y[:, None], p, 0.0), 1)
             m = m_new
@@ -889,17 +892,14 @@ if triton is not None:
     def _pointer_dq_kernel(q_ptr, k_ptr, start_ptr, tok_ptr, tgt_ptr, lse_ptr, gp_ptr, dd_ptr, dq_ptr, T, band,
                            D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         i0 = tl.program_id(0) * BM
-        offs_m, offs_d, row, q, low, y = _pointer_queries(q_ptr, start_ptr, tgt_ptr, i0, T, band, D, BM)
+        offs_m, offs_d, row, q, low, y, j_first = _pointer_queries(q_ptr, start_ptr, tgt_ptr, i0, T, band, D, BM, BN)
         lse = tl.load(lse_ptr + offs_m, mask=row, other=0.0)
         gp = tl.load(gp_ptr + offs_m, mask=row, other=0.0)
         dd = tl.load(dd_ptr + offs_m, mask=row, other=0.0)
         dq = tl.zeros([BM, D], tl.float32)
-        j_first = tl.maximum((tl.min(tl.where(row, low, T)) // BN) * BN, 0)
         for j0 in range(j_first, i0 + BM, BN):
-            s, offs_n = _pointer_scores(q, k_ptr, j0, offs_d, T, D, BN)
-            ok = (offs_n[None, :] < offs_m[:, None]) & (offs_n[None, :] >= low[:, None])
-            w = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
-            tok = tl.load(tok_ptr + offs_n, mask=offs_n < T, other=-2)
+            s, offs_n, tok = _pointer_scores(q, k_ptr, tok_ptr, j0, offs_m, low, offs_d, T, D, BN)
+            w = tl.exp(s - lse[:, None])  # 0 where masked
             gs = w * (tl.where(tok[None, :] == y[:, None], gp[:, None], 0.0) - dd[:, None])
             k = tl.load(k_ptr + offs_n[:, None] * D + offs_d[None, :], mask=offs_n[:, None] < T, other=0.0)
             dq += tl.dot(gs, k, input_precision="tf32")
