@@ -2988,7 +2988,7 @@ def stage_times(stages: list[TrainingStage], marks: list[tuple[int, float]], ste
 
 
 def finish(log, args: Hyperparameters, device: torch.device, world_size: int, step: int, losses, tokens, val_losses,
-           train_ms: float, first_step: int, checkpoint, interrupted: int,
+           train_ms: float, first_step: int, checkpoint, interrupted: int, stages: list[TrainingStage] = (),
            stages_ms: list[tuple[int, int, int, float]] = ()) -> RunResult:
     """Every rank's per-step losses gathered, peak memory, each stage's step time, and the closing summary
     line (`step` steps done)."""
@@ -2998,7 +2998,6 @@ def finish(log, args: Hyperparameters, device: torch.device, world_size: int, st
     if device.type == "cuda":
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-    stages = training_stages(args)
     for number, first, steps, ms in stages_ms:  # the first step of a stage is one of its steps (no recompile: warm-up)
         batch = stages[number - 1].batch.batch_size
         log(f"stage {number}, steps {first}-{first + steps - 1}: {ms / steps:.1f} ms a step over {steps} steps, "
@@ -3083,7 +3082,7 @@ def train(args: Hyperparameters) -> RunResult:
         # ============================================================================================
         run.finish()
         return finish(log, args, device, world_size, step, losses, tokens, val_losses, clock.ms, first_step,
-                      run.checkpoint, run.interrupted, stage_times(stages, stage_marks, step, clock.ms))
+                      run.checkpoint, run.interrupted, stages, stage_times(stages, stage_marks, step, clock.ms))
     finally:
         if run is not None:
             run.close()
