@@ -287,12 +287,27 @@ def softcap_ce_grad_reference(grad_losses: Tensor, logits: Tensor, targets: Tens
 
 
 if triton is not None:
-    # z = cap * sigmoid(u), u = (logit + shift) / temp as one multiply-add with reciprocals from the host:
-    # one division per (token, vocab) entry (Triton's float32 `/` is PTX's approximate div.full.f32),
-    # where the formulas as written take five in the backward.
+    # On the GPU the loss kernels are bound by the special-function unit (exp, reciprocal, tanh: one
+    # each per instruction), not by memory. The sigmoid as 1/(1 + exp(-u)) takes two of them per (token, vocab)
+    # entry, as (1 + tanh(u / 2)) / 2 with PTX's tanh.approx.f32 one (the public line's CE kernel writes its
+    # sigmoid so, `__tanhf`). tanh.approx's relative error is below 2^-10.9 (PTX ISA), so z = cap * sigmoid(u) is
+    # off by at most cap * 2^-11.9 (0.006 at cap 23), far below the e5m2 gradient's 2^-3 steps. The interpreter
+    # (CPU tests) has no PTX: there the same formula takes the exact tanh.
+    _TANH_APPROX = tl.constexpr(not INTERPRET)
+
+    @triton.jit
+    def _tanh(x):
+        if _TANH_APPROX:
+            return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+    # z = cap * sigmoid(u), u = (logit + shift) / temp as one multiply-add with reciprocals from the host
     @triton.jit
     def _softcap(logit, cap, inv_temp, shift_over_temp):
-        return cap / (1.0 + tl.exp(-(logit * inv_temp + shift_over_temp)))
+        half_cap = 0.5 * cap
+        return half_cap + half_cap * _tanh(0.5 * (logit * inv_temp + shift_over_temp))
 
     @triton.jit
     def _softcap_ce_fwd_kernel(logits_ptr, targets_ptr, weights_ptr, losses_ptr, lse_ptr, V, cap, inv_temp,

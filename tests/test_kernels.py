@@ -636,10 +636,10 @@ def test_softcap_ce_reference_takes_weighted_extra_targets_and_ignores_absent_on
 def test_softcap_ce_kernels_compile_for_an_h100_without_one(K):
     """Compiled for sm_90 as Triton's JIT compiles them for the record (sizes and pointers divisible by 16),
     with the next-token target alone or with two extra targets: every load and store over the (tokens x
-    vocab) tensors moves 16 bytes, the transposed e5m2 copy goes through shared memory, and one division
-    per entry is left (the softcap's sigmoid), whatever the number of targets. Only the targets' own
-    entries are read and written one at a time: one 2-byte gather in the forward (one more division), and
-    the targets kernel's K reads, K divisions and 2K one-byte stores."""
+    vocab) tensors moves 16 bytes, the transposed e5m2 copy goes through shared memory, and the softcap's
+    sigmoid is one tanh.approx.f32 per entry and no division, whatever the number of targets. Only the
+    targets' own entries are read and written one at a time: one 2-byte gather in the forward (one more
+    tanh), and the targets kernel's K reads, K tanh and 2K one-byte stores."""
     import re
     import kernels
     import triton
@@ -663,7 +663,9 @@ def test_softcap_ce_kernels_compile_for_an_h100_without_one(K):
         assert len(compiled.asm["cubin"]) > 1000, fn.__name__
         found = re.findall(r"^\s*(?:@%p\d+\s+)?([a-z]+(?:\.[a-z0-9]+)*)", compiled.asm["ptx"], re.M)
         entries_per_thread = tiles.get("BLOCK_T", 1) * tiles.get("BLOCK_V", 0) // (32 * tiles["num_warps"])
-        ops[fn.__name__] = (found, found.count("div.full.f32") + found.count("div.rn.f32"), entries_per_thread)
+        divisions = found.count("div.full.f32") + found.count("div.rn.f32") + found.count("rcp.approx.ftz.f32")
+        assert divisions == 0, (fn.__name__, divisions)
+        ops[fn.__name__] = (found, found.count("tanh.approx.f32"), entries_per_thread)
     (fwd, fwd_div, fwd_n), (bwd, bwd_div, bwd_n) = ops["_softcap_ce_fwd_kernel"], ops["_softcap_ce_bwd_kernel"]
     hit, hit_div, _ = ops["_softcap_ce_bwd_targets_kernel"]
     fwd, bwd = set(fwd) - {"ld.global.b16"} if fwd.count("ld.global.b16") == 1 else set(fwd), set(bwd)
@@ -811,22 +813,28 @@ def test_build_keeps_the_unfused_loss_where_the_head_is_not_fp8(tiny_args):
 def test_softcap_ce_kernels_on_the_gpu_at_the_record_shapes():
     """Against float64 autograd at 4,113 tokens x 50,304; then at 43,008 tokens, past 2^31 entries (the
     kernels' 64-bit offsets), the e5m2 gradient against the reference's cast of its float32 values, by
-    chunks of rows: equal but for last-bit roundings."""
+    chunks of rows: equal but for one-step roundings. The kernels' sigmoid is tanh.approx.f32 (relative error
+    below 2^-10.9), so z = cap sigmoid(u) may be off by cap 2^-11.9: Z_ERR bounds lse, twice it a target's term
+    (K = 3: three terms of weight <= 1), and the gradient's relative error stays near 2 Z_ERR."""
     import kernels
-    for K in (None, 3):
+    z_err = CAP * 2**-11.9
+    for K, terms in ((None, 1), (3, 3)):
         errors = check_softcap_ce_kernels(*softcap_ce_case(T=4096 + 17, V=50304, device="cuda", K=K))
-        assert max(errors[:3]) < 1e-4 and not errors[3], (K, errors)
+        loss_err, lse_err, grad_err, transposed_differs = errors
+        assert loss_err < 2 * terms * z_err and lse_err < z_err and grad_err < 4 * z_err, (K, errors)
+        assert not transposed_differs, (K, errors)
     logits, targets, grad, _ = softcap_ce_case(T=43008, V=50304, device="cuda")
     losses, lse = kernels.softcap_ce(logits, targets, CAP, SHIFT, TEMP)
     g, g_t = kernels.softcap_ce_grad(grad, logits, targets, lse, CAP, SHIFT, TEMP, tg.HEAD_GRAD_SCALE)
     assert torch.equal(g_t.view(torch.uint8), g.T.contiguous().view(torch.uint8))
     for rows in torch.arange(logits.size(0), device="cuda").split(4096):
         ref_losses, ref_lse = kernels.softcap_ce_reference(logits[rows], targets[rows], CAP, SHIFT, TEMP)
-        assert (losses[rows] - ref_losses).abs().max() < 1e-4 and (lse[rows] - ref_lse).abs().max() < 1e-4
+        assert (losses[rows] - ref_losses).abs().max() < 2 * z_err and (lse[rows] - ref_lse).abs().max() < z_err
         ref, _ = kernels.softcap_ce_grad_reference(grad[rows], logits[rows], targets[rows], lse[rows], CAP, SHIFT,
                                                    TEMP, tg.HEAD_GRAD_SCALE)
-        same = (g[rows].view(torch.uint8) == ref.view(torch.uint8)).float().mean().item()
-        assert same > 0.999, (rows[0].item(), same)
+        codes, ref_codes = g[rows].view(torch.uint8).int(), ref.view(torch.uint8).int()
+        same = (codes == ref_codes).float().mean().item()
+        assert same > 0.95 and (codes - ref_codes).abs().max() <= 1, (rows[0].item(), same)  # one e5m2 step at most
 
 
 # kernels.copy_pointer (CPLM's pointer): its Triton kernels in the interpreter against the (T, T)-mask reference and

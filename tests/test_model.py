@@ -643,9 +643,10 @@ def test_mudd_gates_give_per_token_weights_in_their_layout_and_replace_the_stati
                                    without(x, y, cu, 128, W3, reduction="none"), rtol=0, atol=0)
 
 
-def test_dc_correction_is_the_per_token_loop_and_does_not_depend_on_the_query_blocks():
+@pytest.mark.parametrize("window", [9, 12])  # key blocks of 24 keys; of 27 keys padded to 32 with masked ones
+def test_dc_correction_is_the_per_token_loop_and_does_not_depend_on_the_query_blocks(window):
     torch.manual_seed(0)
-    T, H, D, window, scale = 70, 3, 8, 9, 0.3
+    T, H, D, scale = 70, 3, 8, 0.3
     q, k, v = (torch.randn(T, H, D) for _ in range(3))
     cu, w1, w2 = torch.tensor([0, 20, 45, 70, 70]), torch.randn(T, H), torch.randn(T, H)
     out = tg.dc_correction(q, k, v, cu, w1, w2, scale, window=window, chunk=16)
