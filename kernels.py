@@ -12,6 +12,7 @@ Triton's interpreter): that is how the CPU tests check them against the referenc
 """
 from __future__ import annotations
 
+import functools
 import glob
 import math
 import os
@@ -466,6 +467,14 @@ def quantize(t: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tenso
     return (_quantize_fused if t.is_cuda else _quantize)(t, scale, dtype)
 
 
+@functools.cache
+def scale_tensor(value: float, device: torch.device) -> Tensor:
+    """A fixed FP8 scale as a float32 scalar on the device, made once. Made anew at every call (x.new_tensor(v)),
+    it is a blocking copy from the host, which on CUDA waits for the whole stream: six waits per micro-batch in
+    the FP8 head, after each of which the GPU idles until the host has queued work again."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
 # FP8 LM head (@YouJiacheng). Forward in e4m3 with fixed scales, backward grads in e5m2. A
 # custom op is opaque to torch.compile, which keeps the FP8 operands in the layouts _scaled_mm needs.
 def _fp8_logits(x: Tensor, w: Tensor, x_s: float, w_s: float,
@@ -473,14 +482,13 @@ def _fp8_logits(x: Tensor, w: Tensor, x_s: float, w_s: float,
     x_f8, x_f8_t = quantize(x, x_s, torch.float8_e4m3fn)
     w_f8, w_f8_t = quantize(w, w_s, torch.float8_e4m3fn)
     out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=out_dtype, use_fast_accum=True,
-                           scale_a=x.new_tensor(x_s, dtype=torch.float32),
-                           scale_b=x.new_tensor(w_s, dtype=torch.float32))
+                           scale_a=scale_tensor(x_s, x.device), scale_b=scale_tensor(w_s, x.device))
     return out, x_f8_t, w_f8_t  # the transposed operands are what the backward needs
 
 
 def _fp8_grads(g_f8: Tensor, g_f8_t: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_s: float,
                grad_s: float) -> tuple[Tensor, Tensor]:
-    scale = lambda v: g_f8.new_tensor(v, dtype=torch.float32)
+    scale = lambda v: scale_tensor(v, g_f8.device)
     grad_x = torch._scaled_mm(g_f8, w_f8_t.T, out_dtype=torch.bfloat16, scale_a=scale(grad_s), scale_b=scale(w_s))
     grad_w = torch._scaled_mm(g_f8_t, x_f8_t.T, out_dtype=torch.float32, scale_a=scale(grad_s), scale_b=scale(x_s))
     return grad_x, grad_w

@@ -699,6 +699,31 @@ def fused_fp8_head_ce(x, w, targets, weights=None):
                                           tg.HEAD_GRAD_SCALE, CAP, SHIFT, TEMP)[0]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="the FP8 head runs on CUDA GPUs of sm89+")
+def test_fp8_head_forward_and_backward_never_wait_for_the_gpu():
+    """After a first call (which makes the fixed scales' device tensors), the fused FP8 head's forward and
+    backward queue their work without one synchronizing operation: a scale made anew each call from a Python
+    float was a blocking host-to-device copy, six stream waits per micro-batch."""
+    x0, w0, targets = fp8_head_ce_case(T=4096, dim=768, V=50304)
+    for strict in (False, True):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        weights = torch.ones(x.size(0), 1, device=DEVICE)
+        torch.cuda.set_sync_debug_mode("error" if strict else "default")
+        try:
+            fused_fp8_head_ce(x, w, targets[:, None], weights).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(w.grad).all()
+
+
+def test_fixed_fp8_scales_are_made_once_per_device():
+    import kernels
+    a = kernels.scale_tensor(0.25, torch.device("cpu"))
+    assert a is kernels.scale_tensor(0.25, torch.device("cpu")) and a.dtype == torch.float32 and a.item() == 0.25
+    assert kernels.scale_tensor(0.5, torch.device("cpu")).item() == 0.5
+
+
 def test_fp8_head_ce_op_gives_the_unfused_heads_losses_and_gradients_compiled_or_not():
     """Same FP8 matmuls; the fused op keeps the logits in e4m3 (HEAD_LOGITS_DTYPE), the unfused head in bf16, so its
     losses are a little further from float64 autograd (at most 1.5 times here: the operands' own e4m3 rounding
