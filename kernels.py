@@ -26,7 +26,6 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # e.g. macOS: only the references run
     triton = None
 
@@ -117,47 +116,6 @@ if triton is not None:
                 tl.store(aux_ptr + at, q.to(aux_ptr.dtype.element_ty), mask=inside)
         tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
-    # Hopper's form of the same kernel (sm_90+): persistent (one program per SM walks the output tiles), operands
-    # and results moved by the tensor memory accelerator (TMA descriptors, out-of-range rows and columns filled
-    # with zeros on load and dropped on store), and the epilogue in two halves of BLOCK_N / 2 columns so that
-    # its staging buffers fit beside the operand pipeline in shared memory. The public line's kernel is built the
-    # same way (tiles 128 x 256, K 64 in bf16 and 128 in FP8, 8 warps, 3-4 stages: triton_kernels.py at f411b3d3).
-    @triton.jit
-    def _relu2_epilogue(acc, out_desc, aux_desc, scale_ptr, m0, n0, BACKWARD: tl.constexpr, FP8: tl.constexpr):
-        if BACKWARD:
-            acc = acc * 2 * tl.sqrt(aux_desc.load([m0, n0]).to(tl.float32))
-        else:
-            if FP8:
-                acc = acc * tl.load(scale_ptr)  # row 0 of the (3, FP8_SCALE_ROW) scales
-            acc = tl.maximum(acc, 0.0)
-            acc = acc * acc
-            if FP8:
-                acc = acc.to(out_desc.dtype).to(tl.float32)  # post as stored: what bf16 matmuls see
-                aux_desc.store([m0, n0], tl.minimum(acc / tl.load(scale_ptr + 8), 448.0).to(aux_desc.dtype))
-        out_desc.store([m0, n0], acc.to(out_desc.dtype))
-
-    @triton.jit
-    def _matmul_relu2_tma_kernel(a_desc, b_desc, out_desc, aux_desc, scale_ptr, M, N, K, BACKWARD: tl.constexpr,
-                                 FP8: tl.constexpr, B_NK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
-        """_matmul_relu2_kernel's arithmetic with TMA descriptors: a (M, K); b (K, N), or (N, K) if B_NK; out and
-        aux (M, N) in blocks of (BLOCK_M, BLOCK_N / 2)."""
-        grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-        group = GROUP_M * grid_n
-        for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True):
-            first_m = (tile // group) * GROUP_M
-            rows_in_group = tl.minimum(grid_m - first_m, GROUP_M)
-            m0 = (first_m + (tile % group) % rows_in_group) * BLOCK_M
-            n0 = ((tile % group) // rows_in_group) * BLOCK_N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in range(0, K, BLOCK_K):
-                a = a_desc.load([m0, k])
-                b = b_desc.load([n0, k]).T if B_NK else b_desc.load([k, n0])
-                acc = tl.dot(a, b, acc)
-            left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            _relu2_epilogue(left, out_desc, aux_desc, scale_ptr, m0, n0, BACKWARD, FP8)
-            _relu2_epilogue(right, out_desc, aux_desc, scale_ptr, m0, n0 + BLOCK_N // 2, BACKWARD, FP8)
-
 # Tile sizes of the fused matmul: the fastest of five on an H100 (bench/mlp_kernel.py, bench/README.md);
 # the interpreter tests shrink them. FP8 tiles take twice the K per byte of shared memory.
 RELU2_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
@@ -184,18 +142,6 @@ def relu2_mlp_fits(device: torch.device) -> bool:
                                             relu2_tiles_shared_memory(RELU2_FP8_TILES, itemsize=1))
 
 
-def relu2_tma(device: torch.device) -> bool:
-    """Whether the fused MLP takes _matmul_relu2_tma_kernel (TMA: sm_90+, with the shared memory of its pipeline and
-    epilogue, 208 KiB at the record's tiles: H100, H200, B200; or the interpreter with RELU2_TMA_INTERPRET set by
-    the tests) rather than _matmul_relu2_kernel."""
-    if device.type != "cuda":
-        return INTERPRET and RELU2_TMA_INTERPRET
-    return torch.cuda.get_device_capability(device) >= (9, 0) and max_shared_memory(device) >= 216 * 1024
-
-
-RELU2_TMA_INTERPRET = False  # the CPU tests run the TMA kernel in the interpreter by setting this
-
-
 def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dtype,
                   scales: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Forward (aux None): relu(a @ b)²; with scales (a and b in e4m3) also its e4m3 copy.
@@ -210,23 +156,9 @@ def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dty
         # float32 and PyTorch casts, the same values as the compiled kernel's store
         post_f8 = torch.empty(M, N, device=a.device, dtype=torch.float32 if INTERPRET else torch.float8_e4m3fn)
     t = RELU2_FP8_TILES if fp8 else RELU2_TILES
-    tiles = triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"])
-    operands = (a, b.T if b.stride(0) == 1 else b, out, aux if aux is not None else out)
-    if relu2_tma(a.device) and all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and t.stride(0) * t.element_size() % 16 == 0
-                                   for t in operands):  # TMA's alignment rules
-        BM, BN, BK = t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"]
-        b_nk = b.stride(0) == 1  # (K, N) as the transpose of a contiguous (N, K): the FP8 forward's W_fc
-        desc = lambda x, block: TensorDescriptor.from_tensor(x, block)
-        side = post_f8 if fp8 else aux if aux is not None else out  # the epilogue's second tensor (unused: out)
-        sms = 4 if INTERPRET else torch.cuda.get_device_properties(a.device).multi_processor_count
-        _matmul_relu2_tma_kernel[(min(sms, tiles),)](
-            desc(a, [BM, BK]), desc(b.T, [BN, BK]) if b_nk else desc(b, [BK, BN]), desc(out, [BM, BN // 2]),
-            desc(side, [BM, BN // 2]), scales if fp8 else out, M, N, K, BACKWARD=aux is not None, FP8=fp8, B_NK=b_nk,
-            NUM_SMS=sms, **t)
-    else:
-        _matmul_relu2_kernel[(tiles,)](a, b, out, post_f8 if fp8 else aux, scales if fp8 else out, M, N, K,
-                                       a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
-                                       out.stride(1), BACKWARD=aux is not None, FP8=fp8, **t)
+    grid = (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"]),)
+    _matmul_relu2_kernel[grid](a, b, out, post_f8 if fp8 else aux, scales if fp8 else out, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
+                               out.stride(1), BACKWARD=aux is not None, FP8=fp8, **t)
     if fp8 and INTERPRET:
         post_f8 = post_f8.to(torch.float8_e4m3fn)
     return out, post_f8

@@ -260,19 +260,16 @@ import json, sys, torch
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import kernels, test_kernels as t
 assert kernels.triton_runs_on(torch.zeros(1)), "the Triton interpreter is not in use"
-kernels.RELU2_TMA_INTERPRET = sys.argv[3:] == ["tma"]
 kernels.RELU2_TILES = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2)  # 50 x 40 x 72: edge tiles masked
 kernels.RELU2_FP8_TILES = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
-size = dict(dim=48, hidden=80) if kernels.RELU2_TMA_INTERPRET else {}  # TMA: rows of 16-byte multiples in e4m3 too
-print(json.dumps(t.check_relu2_mlp_op(*t.relu2_mlp_case(torch.float32, **size))
-                 + t.check_relu2_mlp_fp8_op(*t.relu2_mlp_case(torch.float32, **size))))
+print(json.dumps(t.check_relu2_mlp_op(*t.relu2_mlp_case(torch.float32))
+                 + t.check_relu2_mlp_fp8_op(*t.relu2_mlp_case(torch.float32))))
 """
 
 
-def run_in_triton_interpreter(script_text: str, tmp_path, *extra: str):
+def run_in_triton_interpreter(script_text: str, tmp_path):
     """Run a check script in a fresh process with TRITON_INTERPRET=1 (it must be set before triton is first
-    imported); the script gets the project's and the tests' folders as arguments (then `extra`) and prints
-    JSON last."""
+    imported); the script gets the project's and the tests' folders as arguments and prints JSON last."""
     import json
     import subprocess
     import sys
@@ -280,7 +277,7 @@ def run_in_triton_interpreter(script_text: str, tmp_path, *extra: str):
     script = tmp_path / "interpret.py"
     script.write_text(script_text)
     root, here = Path(tg.__file__).parent, Path(__file__).parent
-    proc = subprocess.run([sys.executable, str(script), str(root), str(here), *extra], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(script), str(root), str(here)], capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -290,9 +287,8 @@ def run_in_triton_interpreter(script_text: str, tmp_path, *extra: str):
 # interpreter run failed inside Triton: "TypeError: only 0-dimensional arrays can be converted to Python scalars".)
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU machines' check; the GPU test covers the compiled kernels")
-@pytest.mark.parametrize("kernel", ["pointers", "tma"])  # _matmul_relu2_kernel; Hopper's _matmul_relu2_tma_kernel
-def test_triton_kernels_match_float64_autograd_in_the_triton_interpreter(tmp_path, kernel):
-    errors = run_in_triton_interpreter(INTERPRETER_SCRIPT, tmp_path, kernel)
+def test_triton_kernels_match_float64_autograd_in_the_triton_interpreter(tmp_path):
+    errors = run_in_triton_interpreter(INTERPRETER_SCRIPT, tmp_path)
     # float32 only: the interpreter of Triton 3.9 multiplies bf16 tiles wrongly (a plain tl.dot too); the
     # GPU test below covers bf16
     assert max(errors[:4]) < 1e-5, errors  # the bf16 op's kernels
@@ -452,35 +448,6 @@ def test_triton_kernels_compile_for_an_h100_without_one():
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32), options=options)
         assert len(compiled.asm["cubin"]) > 1000, f"backward={backward}, fp8={fp8}"
-
-
-def test_hopper_tma_kernel_compiles_for_an_h100_without_one():
-    """_matmul_relu2_tma_kernel for sm_90 with the record's tiles (forward, backward, FP8 forward with W_fc as
-    (N, K)), down to a cubin: TMA loads and stores (cp.async.bulk.tensor), wgmma, and the shared memory of the
-    operand pipeline and the half-tile epilogue within an H100's 227 KiB."""
-    import kernels
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    fn = kernels._matmul_relu2_tma_kernel
-    for backward, fp8 in ((False, False), (True, False), (False, True)):
-        all_tiles = kernels.RELU2_FP8_TILES if fp8 else kernels.RELU2_TILES
-        tiles = {k: v for k, v in all_tiles.items() if k.isupper()}
-        BM, BN, BK = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
-        operand = "fp8e4nv" if fp8 else "bf16"
-        side = "fp8e4nv" if fp8 else "bf16"
-        signature = dict(a_desc=f"tensordesc<{operand}[{BM},{BK}]>",
-                         b_desc=f"tensordesc<{operand}[{BN},{BK}]>" if fp8 else f"tensordesc<bf16[{BK},{BN}]>",
-                         out_desc=f"tensordesc<bf16[{BM},{BN // 2}]>", aux_desc=f"tensordesc<{side}[{BM},{BN // 2}]>",
-                         scale_ptr="*fp32" if fp8 else "*bf16", M="i32", N="i32", K="i32")
-        constexprs = {"BACKWARD": backward, "FP8": fp8, "B_NK": fp8, "NUM_SMS": 132, **tiles}
-        signature.update({n: "constexpr" for n in constexprs})
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32),
-                                  options={k: v for k, v in all_tiles.items() if not k.isupper()})
-        ptx = compiled.asm["ptx"]
-        assert "cp.async.bulk.tensor" in ptx and "wgmma" in ptx, f"backward={backward}, fp8={fp8}"
-        assert compiled.metadata.shared <= 227 * 1024, (backward, fp8, compiled.metadata.shared)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
