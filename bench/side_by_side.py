@@ -37,7 +37,8 @@ Runs go one after the other (step times then compare; the per-stage table is pri
 --parallel all at once sharing the GPU (losses only; the tables say so). Prints and writes markdown:
 val loss at each validation, tokens and training time there, the tokens and time to --target, the
 final losses per group with a 95% interval and the paired (same seed) difference, and ms/step and
-us/token per stage."""
+us/token per stage; in a timing run (--step_div > 1, runs one after the other) also each run's time over the
+public schedule's own step counts, from its stage medians."""
 from __future__ import annotations
 
 import argparse
@@ -742,13 +743,21 @@ def finals_table(results: dict[str, dict[int, tuple]], groups: dict[str, list[st
     return lines
 
 
-def stage_table(per_run: dict[str, list[dict]]) -> list[str]:
-    """ms/step and us/token per stage for each run (runs that did not share the GPU)."""
-    lines = ["| run | " + " | ".join(f"stage {i + 1}" for i in range(max(map(len, per_run.values())))) + " |",
-             "| --- |" + " --- |" * max(map(len, per_run.values()))]
+def stage_table(per_run: dict[str, list[dict]], full_steps: list[int] | None = None) -> list[str]:
+    """ms/step and us/token per stage for each run (runs that did not share the GPU). With full_steps (the public
+    schedule's unscaled steps per stage), also each run's time over that schedule: the sum of its stage medians
+    times those steps, for runs with one timed stage per public stage (the timing run: --step_div > 1)."""
+    n = max(map(len, per_run.values()))
+    whole = full_steps is not None
+    lines = ["| run | " + " | ".join(f"stage {i + 1}" for i in range(n))
+             + (f" | public schedule ({' / '.join(map(str, full_steps))} steps) |" if whole else " |"),
+             "| --- |" + " --- |" * (n + whole)]
     for name, stages in per_run.items():
         cells = [f"{s['median']:.1f} ms ({s['median'] * 1000 / s['batch']:.3f} us/tok, {s['batch']:,}, {s['steps']} steps)"
                  if s["median"] is not None else "-" for s in stages]
+        if whole:
+            timed = len(stages) == len(full_steps) and all(s["median"] is not None for s in stages)
+            cells.append(f"{sum(s['median'] * k for s, k in zip(stages, full_steps)) / 1000:.1f} s" if timed else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -908,8 +917,11 @@ def main():
     if a.target is not None:
         lines += ["", *target_table(results, a.target, a.batch_size)]
     if not a.parallel:
+        full = [st.end - st.start for st in public_stages(code.script, a.batch_div)] if staged_code and a.step_div > 1 \
+            else None  # the timing run: each code's stage times over the public schedule's own step counts
         lines += ["", "Per stage: median ms per step (us per token, tokens per step, steps), each stage's first two "
-                  "steps left out", "", *stage_table(per_stage)]
+                  "steps left out" + (", and the public schedule's time at these step times" if full else ""), "",
+                  *stage_table(per_stage, full)]
     table = "\n".join(lines)
     print(table)
     if a.out:

@@ -393,6 +393,10 @@ def test_step_times_give_each_stage_its_median_step(tmp_path):
     assert got[1]["median"] == 200 and got[1]["mean"] == pytest.approx(1300 / 6)  # 300 at the end is one of 6
     assert "| a | 100.0 ms (100.000 us/tok, 1,000, 5 steps) | 200.0 ms (100.000 us/tok, 2,000, 6 steps) |" in \
         fh.stage_table({"a": got})
+    # over the public schedule's own step counts: 400 x 100 ms + 30 x 200 ms; a run with a stage untimed gets none
+    whole = fh.stage_table({"a": got, "b": [got[0], dict(got[1], median=None)]}, full_steps=[400, 30])
+    assert whole[0].endswith("| public schedule (400 / 30 steps) |") and whole[2].endswith("| 46.0 s |")
+    assert whole[3].endswith("| - | - |")
 
 
 def test_finals_pair_runs_of_the_same_seed():
