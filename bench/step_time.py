@@ -8,7 +8,9 @@ A step is the whole optimizer step of the configured global batch (8 micro-batch
 tokens by default, accumulated on one GPU): forward, backward, Muon and Adam. Times are CUDA-event
 medians (and means: with --adam_every > 1 the steps alternate) after compile and warm-up steps. --ws
 times the first stage's targets at each window; --stages times every stage of the resolved schedule at
-its own batch, windows, extra targets and tied or untied embedding."""
+its own batch, windows, extra targets and tied or untied embedding, then sums the schedule's training time at
+those mean step times (`--num_iterations 776`: that schedule's one-GPU time, beside bench/side_by_side.py's
+public schedule time measured in the same session)."""
 import argparse
 import dataclasses
 import statistics
@@ -56,6 +58,7 @@ def main():
                 for ws in own.ws]
     per_run = own.warmup + own.steps  # batches each timed run reads; the loader prefetches, so its plan is fixed here
     loader = tg.BatchLoader(producer, lambda i: runs[min(i // per_run, len(runs) - 1)][1].batch, device)
+    whole_ms, tokens = 0.0, 0  # --stages: the schedule's training time at the measured mean step times
     for name, stage in runs:
         if own.stages:
             step = stage.start  # the stage's own weights of its extra targets (and learning rate)
@@ -75,10 +78,15 @@ def main():
             end.synchronize()
             times.append(start.elapsed_time(end))
         med, mean = statistics.median(times), statistics.fmean(times)
+        whole_ms += (stage.end - stage.start) * mean
+        tokens += (stage.end - stage.start) * spec.batch_size
         print(f"{name}: step of {spec.batch_size:,} tokens, windows {stage.windows}: median {med:.1f} ms, "
               f"mean {mean:.1f} (min {min(times):.1f}, max {max(times):.1f}) over {own.steps} steps; "
               f"{spec.batch_size / mean * 1e3:,.0f} tokens/s; "
               f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+    if own.stages:
+        print(f"schedule: {schedule[-1].end} steps, {tokens:,} tokens: {whole_ms / 1000:.1f} s of training steps on "
+              f"this GPU at these mean step times", flush=True)
     if own.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
