@@ -288,12 +288,12 @@ def softcap_ce_grad_reference(grad_losses: Tensor, logits: Tensor, targets: Tens
 
 
 if triton is not None:
-    # On the GPU the loss kernels are bound by the special-function unit (exp, reciprocal, tanh: one
-    # each per instruction), not by memory. The sigmoid as 1/(1 + exp(-u)) takes two of them per (token, vocab)
-    # entry, as (1 + tanh(u / 2)) / 2 with PTX's tanh.approx.f32 one (the public line's CE kernel writes its
-    # sigmoid so, `__tanhf`). tanh.approx's relative error is below 2^-10.9 (PTX ISA), so z = cap * sigmoid(u) is
-    # off by at most cap * 2^-11.9 (0.006 at cap 23), far below the e5m2 gradient's 2^-3 steps. The interpreter
-    # (CPU tests) has no PTX: there the same formula takes the exact tanh.
+    # The sigmoid as 1/(1 + exp(-u)) takes two special-function-unit instructions per (token, vocab) entry (ex2 and
+    # a reciprocal), as (1 + tanh(u / 2)) / 2 with PTX's tanh.approx.f32 one: with the softmax's exp, two per entry
+    # in each loss kernel instead of three (the public line's CE kernel writes its sigmoid so, `__tanhf`).
+    # tanh.approx's relative error is below 2^-10.9 (PTX ISA), so z = cap * sigmoid(u) is off by at most
+    # cap * 2^-11.9 (0.006 at cap 23), far below the e5m2 gradient's 2^-3 steps. The interpreter (CPU tests) has no
+    # PTX: there the same formula takes the exact tanh.
     _TANH_APPROX = tl.constexpr(not INTERPRET)
 
     @triton.jit
