@@ -276,3 +276,28 @@ def test_each_stage_step_time_is_logged_and_the_stages_add_up_to_the_training_ti
     step_10 = str(Path(run.checkpoint).parent / "step_000010")
     resumed = tg.train(tiny_args(num_iterations=20, val_every=5, save_every=10, resume=step_10))
     assert [(n, first, steps) for n, first, steps, _ in resumed.stage_ms] == [(2, 10, 4), (3, 14, 6)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the host-device synchronization check needs a CUDA GPU")
+def test_a_training_step_on_the_gpu_never_waits_for_the_gpu(tiny_args):
+    """A whole optimizer step of the later records' techniques (forward, backward, Muon and, at step 1, Adam) queues
+    its work without one synchronizing operation, after a first step that makes what is made once (the FP8 head's
+    scales, the optimizers' state). A wait inside the step leaves the GPU idle until the host catches up: six
+    blocking scale copies per micro-batch in the FP8 head were one. The batches are on the device and their
+    loader stopped before the check."""
+    args = tiny_args(**LATER_RECORDS, device="cuda", attention="varlen")
+    device = torch.device("cuda")
+    model, compiled, optimizers, _, _ = tg.build(args, device, 0, 1, log=lambda line: None)
+    stage = tg.training_stages(args)[0]
+    producer = tg.BatchProducer(tg.shard_files(args.train_files, "training"), 0, 1, args.max_num_docs, args.bos_id)
+    loader = tg.BatchLoader(producer, lambda i: stage.batch, device)
+    micro = [loader.next()[1] for _ in range(2)]
+    loader.close()
+    tg.train_step(model, compiled, optimizers, micro[0], 0, stage, args)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = tg.train_step(model, compiled, optimizers, micro[1], 1, stage, args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss)
