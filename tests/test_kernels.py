@@ -666,16 +666,16 @@ def test_softcap_ce_kernels_compile_for_an_h100_without_one(K):
         divisions = found.count("div.full.f32") + found.count("div.rn.f32") + found.count("rcp.approx.ftz.f32")
         assert divisions == 0, (fn.__name__, divisions)
         ops[fn.__name__] = (found, found.count("tanh.approx.f32"), entries_per_thread)
-    (fwd, fwd_div, fwd_n), (bwd, bwd_div, bwd_n) = ops["_softcap_ce_fwd_kernel"], ops["_softcap_ce_bwd_kernel"]
-    hit, hit_div, _ = ops["_softcap_ce_bwd_targets_kernel"]
+    (fwd, fwd_tanh, fwd_n), (bwd, bwd_tanh, bwd_n) = ops["_softcap_ce_fwd_kernel"], ops["_softcap_ce_bwd_kernel"]
+    hit, hit_tanh, _ = ops["_softcap_ce_bwd_targets_kernel"]
     fwd, bwd = set(fwd) - {"ld.global.b16"} if fwd.count("ld.global.b16") == 1 else set(fwd), set(bwd)
     assert "ld.global.v4.b32" in fwd and "ld.global.v4.b32" in bwd and "st.global.v4.b32" in bwd
     assert not {"ld.global.b16", "st.global.b8"} & (fwd | bwd), (fwd, bwd)
-    assert (hit.count("ld.global.b16"), hit_div, hit.count("st.global.b8")) == (K, K, 2 * K), hit
+    assert (hit.count("ld.global.b16"), hit_tanh, hit.count("st.global.b8")) == (K, K, 2 * K), hit
     # the e5m2 tile (bytes), not the bf16 input, goes through shared memory to be transposed (Triton 3.6 had
-    # transposed the input with ldmatrix.trans and computed everything twice: the division count below)
+    # transposed the input with ldmatrix.trans and computed everything twice: the tanh count below)
     assert "st.shared.b8" in bwd and any(op.startswith("ld.shared") for op in bwd) and "ldmatrix" not in str(bwd)
-    assert (fwd_div, bwd_div) == (fwd_n + 1, bwd_n), ops
+    assert (fwd_tanh, bwd_tanh) == (fwd_n + 1, bwd_n), ops
 
 
 def fp8_head_ce_case(T=64, dim=128, V=256, device=DEVICE):
@@ -839,8 +839,8 @@ def test_softcap_ce_kernels_on_the_gpu_at_the_record_shapes():
     """Against float64 autograd at 4,113 tokens x 50,304; then at 43,008 tokens, past 2^31 entries (the
     kernels' 64-bit offsets), the e5m2 gradient against the reference's cast of its float32 values, by
     chunks of rows: equal but for one-step roundings. The kernels' sigmoid is tanh.approx.f32 (relative error
-    below 2^-10.9), so z = cap sigmoid(u) may be off by cap 2^-11.9: Z_ERR bounds lse, twice it a target's term
-    (K = 3: three terms of weight <= 1), and the gradient's relative error stays near 2 Z_ERR."""
+    below 2^-10.9), so z = cap sigmoid(u) may be off by cap 2^-11.9: z_err bounds lse, twice it a target's term
+    (K = 3: three terms of weight <= 1), and the gradient's relative error stays near 2 z_err."""
     import kernels
     z_err = CAP * 2**-11.9
     for K, terms in ((None, 1), (3, 3)):
