@@ -2522,11 +2522,22 @@ def to_device(model: GPT, device: torch.device) -> GPT:
     return model.float() if device.type == "cpu" else model
 
 
+def check_fp8_head_shapes(vocab_size: int, model_dim: int):
+    """cuBLAS' FP8 matmuls (torch._scaled_mm) take only dimensions divisible by 16: refused here, before any compile,
+    with the fix, rather than as a cuBLAS error in the first step."""
+    if vocab_size % 16 or model_dim % 16:
+        raise ValueError(f"--fp8_head: the FP8 LM head's matmuls need vocab_size and model_dim divisible by 16, not "
+                         f"{vocab_size} and {model_dim}; pad the vocabulary (the record's 50304 is GPT-2's 50257 "
+                         "rounded up to 128) or pass --fp8_head false")
+
+
 def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int, log=print):
     """The model (seeded, identical on every rank), its compiled twin, the optimizers, and the
     attention backend and LM-head kind chosen for this device."""
     attention = select_attention(args.attention, device, args.compile, log)
     fp8 = args.fp8_head and device.type == "cuda" and fp8_supported(device)  # elsewhere the head is a plain matmul
+    if fp8:
+        check_fp8_head_shapes(args.vocab_size, args.model_dim)
     fused_mlp = args.fused_mlp and kernels.relu2_mlp_fits(device)
     if args.fused_mlp and not fused_mlp:
         log(f"fused MLP off: its kernel needs {kernels.relu2_tiles_shared_memory() // 1024} KiB of shared memory, this "

@@ -533,6 +533,13 @@ def test_build_runs_the_mlp_in_bf16_where_fp8_is_missing(tiny_args):
     assert "MLP: fused fp8," in tg.run_report(model, args, torch.device("cpu"), 1, "reference", False)[0]
 
 
+def test_fp8_head_refuses_dimensions_its_matmuls_cannot_take_with_the_fix():
+    tg.check_fp8_head_shapes(50304, 768)  # the record's
+    for vocab, dim in ((72, 768), (50257, 768), (50304, 100)):
+        with pytest.raises(ValueError, match=rf"divisible by 16, not {vocab} and {dim}.*--fp8_head false"):
+            tg.check_fp8_head_shapes(vocab, dim)
+
+
 # kernels.py (the soft-capped cross-entropy of the FP8 head, --fused_ce): the kernels in Triton's
 # interpreter and compiled for an H100, the op against the unfused FP8 head and loss, the model's fused
 # path, and the kernels on a GPU at the record's shapes.

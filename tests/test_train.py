@@ -285,7 +285,7 @@ def test_a_training_step_on_the_gpu_never_waits_for_the_gpu(tiny_args):
     scales, the optimizers' state). A wait inside the step leaves the GPU idle until the host catches up: six
     blocking scale copies per micro-batch in the FP8 head were one. The batches are on the device and their
     loader stopped before the check."""
-    args = tiny_args(**LATER_RECORDS, device="cuda", attention="varlen")
+    args = tiny_args(**dict(LATER_RECORDS, vocab_size=80), device="cuda", attention="varlen")  # FP8 matmuls: 16 | V
     device = torch.device("cuda")
     model, compiled, optimizers, _, _ = tg.build(args, device, 0, 1, log=lambda line: None)
     stage = tg.training_stages(args)[0]
