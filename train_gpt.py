@@ -169,8 +169,9 @@ class Hyperparameters:
     final_val_window: int = 20  # long window of the final validation, in blocks; 0 = the last stage's (09/10/25: 13)
     # optimization
     num_iterations: int = 1670  # training steps, extension_steps included
-    # The public master decays over 0.6 (02/10/26) of its 1270 + 15 steps. Ours: at 776 steps (0.90 of its tokens) 0.7
-    # ended lower on the proxy in 3 seeds of 3, -0.0018 +- 0.0026 (bench/results/speed_h100_20261127.md)
+    # The public master decays over 0.6 (02/10/26) of its 1270 + 15 steps. Ours: at 776 steps (0.90 of the public
+    # schedule's tokens) 0.7 ended lower on the proxy in 3 seeds of 3, -0.0018 +- 0.0026
+    # (bench/results/cooldown_timing_h100_20261127b.md)
     cooldown_frac: float = 0.7  # linear decay of both learning rates over this final fraction (before the extension)
     final_lr_frac: float = 0.15  # learning rates end the cooldown at this fraction of their peak (02/10/26)
     # NorMuon (beta2 0.9) with cautious decay 1.2 and Polar Express, momentum 0.85 -> 0.95 over 300 steps and back over
