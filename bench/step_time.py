@@ -3,6 +3,7 @@ optionally show where the time goes (torch.profiler, top kernels by GPU time).
 
     python bench/step_time.py --ws 3 7 11 --steps 20 [--profile] [any train_gpt.py --field value ...]
     python bench/step_time.py --stages --steps 20 [--preset record ...]   # each stage of the schedule
+    python bench/step_time.py --ws 3 --profile --trace ws3.json.gz ...        # + the GPU's idle gaps
 
 A step is the whole optimizer step of the configured global batch (8 micro-batches of 49,152
 tokens by default, accumulated on one GPU): forward, backward, Muon and Adam. Times are CUDA-event
@@ -13,6 +14,8 @@ those mean step times (`--num_iterations 776`: that schedule's one-GPU time, bes
 public schedule time measured in the same session)."""
 import argparse
 import dataclasses
+import gzip
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -21,6 +24,31 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
+from comm_time import kernel_intervals  # noqa: E402
+
+
+def idle_report(trace: dict, steps: int, top: int = 12) -> str:
+    """Where the GPU waited on the host in a torch.profiler Chrome trace: the span from the first kernel's start
+    to the last one's end, the part of it no kernel covers, and the longest such gaps with the kernels around
+    them (a gap before a kernel is host time: Python, launches, or a wait on the CPU)."""
+    kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", ""))
+                     for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel")
+    if not kernels:
+        return "trace: no GPU kernels"
+    assert len(kernels) == len(kernel_intervals(trace))
+    gaps, end, before = [], kernels[0][0], kernels[0][2]
+    for a, b, name in kernels:
+        if a > end:
+            gaps.append((a - end, before, name))
+        if b >= end:
+            end, before = b, name
+    span = end - kernels[0][0]
+    idle = sum(g for g, _, _ in gaps)
+    lines = [f"trace: {len(kernels)} kernels over {span / 1e3 / steps:.1f} ms a step; GPU idle {idle / 1e3 / steps:.1f} "
+             f"ms a step ({idle / span:.1%}) in {len(gaps)} gaps; longest:"]
+    for g, a, b in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {g / 1e3:8.3f} ms after {a[:70]} / before {b[:70]}")
+    return "\n".join(lines)
 
 
 def main():
@@ -31,6 +59,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
     parser.add_argument("--profile", action="store_true", help="profile two extra steps at the last ws and print "
                         "the top kernels")
+    parser.add_argument("--trace", default="", help="with --profile: also write the profile's Chrome trace here "
+                        "(.json.gz) and print where the GPU sat idle between kernels")
     parser.add_argument("--stages", action="store_true", help="time each stage of the resolved schedule (its batch, "
                         "windows, extra targets, embedding tied or not) instead of --ws")
     own, rest = parser.parse_known_args()
@@ -94,6 +124,10 @@ def main():
                 run_step()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90))
+        if own.trace:
+            prof.export_chrome_trace(own.trace)
+            with gzip.open(own.trace) if own.trace.endswith(".gz") else open(own.trace) as f:
+                print(idle_report(json.load(f), 2))
     loader.close()
 
 
