@@ -168,7 +168,10 @@ class Hyperparameters:
     tied_embed_stages: int = 2  # embeddings read from the LM head for this many stages, then a copy learns (12/22/25)
     final_val_window: int = 20  # long window of the final validation, in blocks; 0 = the last stage's (09/10/25: 13)
     # optimization
-    num_iterations: int = 1670  # training steps, extension_steps included
+    # 776 x 393,216 = 305.1M tokens (the public record #89: 338.8M). On the proxy at batches / 16 (the harness's rule:
+    # the 8-GPU step count is the proxy's) it reached the public code's mean final loss at steps 763-771 of 776 in
+    # 3 seeds of 3 (bench/results/cooldown_timing_h100_20261127b.md)
+    num_iterations: int = 776  # training steps, extension_steps included
     # The public master decays over 0.6 (02/10/26) of its 1270 + 15 steps. Ours: at 776 steps (0.90 of the public
     # schedule's tokens) 0.7 ended lower on the proxy in 3 seeds of 3, -0.0018 +- 0.0026
     # (bench/results/cooldown_timing_h100_20261127b.md)
@@ -359,7 +362,7 @@ RECORD_0903 = dict(
     yarn=False, smear=False, ve_gate=False, key_offset=False, paired_head_blocks=(),
     mudd=False, mudd_gates=False, xsa_blocks=(), dc=False, cplm_bands=(),
     stages=(Stage(3), Stage(7), Stage(11)), extension_steps=0, extension_window=0, tied_embed_stages=0,
-    final_val_window=0, cooldown_frac=0.45, final_lr_frac=0.1,
+    num_iterations=1670, final_val_window=0, cooldown_frac=0.45, final_lr_frac=0.1,
     orthogonalizer="newton_schulz", muon_lr=0.05, muon_beta2=0.0, muon_weight_decay=0.0, mlp_muon_lr_mults=(),
     muon_momentum_cooldown=0, adam_every=1, embed_weight_decay=0.0, embed_adam_betas=(), head_weight_decay=0.0,
     head_adam_betas=(), scalar_adam_betas=(),

@@ -30,10 +30,11 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     rows = stage_rows(out)
     assert list(rows) == ["1", "2", "3", "ext"]
     # steps, batch, micro-batches on 1 / 8 GPUs, micro tokens, document cut, windows, lr, tokens
-    assert rows["1"][1:11] == ["0-550", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "216,662,016"]
-    assert rows["3"][1] == "1101-1649" and rows["3"][8] == "1408/640"
-    assert rows["ext"][1] == "1650-1669" and rows["ext"][8] == "1664/768"  # step 1670 is the final validation only
-    assert f"trained tokens: {1670 * 393216:,}" in out
+    assert rows["1"][1:11] == ["0-252", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "99,483,648"]
+    assert rows["3"][1] == "505-755" and rows["3"][8] == "1408/640"
+    assert rows["ext"][1] == "756-775" and rows["ext"][8] == "1664/768"  # step 776 is the final validation only
+    assert f"trained tokens: {776 * 393216:,}" in out
+    assert 776 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
     assert not list(tmp_path.iterdir())  # no log, no checkpoint folder
 
 
@@ -42,7 +43,7 @@ def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, 
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", table)
     monkeypatch.setattr(tg, "EIGHT_GPU_RATIO", {"H100": {49152: 0.125}})
     lines = tg.schedule_plan(tg.parse_args([]))
-    steps = [551, 550, 549, 20]
+    steps = [253, 252, 251, 20]
     one = [n * 393216 * us * 1e-6 for n, us in zip(steps, (2.0, 2.5, 3.0, 3.5))]
     rows = stage_rows("\n".join(lines))
     for name, seconds in zip(["1", "2", "3", "ext"], one):

@@ -1,0 +1,28 @@
+"""bench/step_time.py's reading of a profile: where the GPU sat idle between kernels."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import step_time  # noqa: E402
+
+
+def kernel(ts, dur, name):
+    return {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "name": name}
+
+
+def test_idle_report_counts_only_time_no_kernel_covers_and_names_the_longest_gap():
+    trace = {"traceEvents": [
+        kernel(0, 10, "gemm"), kernel(5, 20, "relu"),  # overlapping: busy 0-25
+        {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 500, "name": "aten::mm"},  # host events are not GPU time
+        kernel(40, 10, "softmax"),  # idle 25-40
+        kernel(50, 5, "copy"),  # back to back: no gap
+        kernel(155, 45, "adam")]}  # idle 55-155
+    report = step_time.idle_report(trace, steps=2).splitlines()
+    # span 0-200 = 0.1 ms a step over 2 steps; idle 15 + 100 = 115 us of 200
+    assert report[0] == "trace: 5 kernels over 0.1 ms a step; GPU idle 0.1 ms a step (57.5%) in 2 gaps; longest:"
+    assert report[1].split() == ["0.100", "ms", "after", "copy", "/", "before", "adam"]
+    assert report[2].split() == ["0.015", "ms", "after", "relu", "/", "before", "softmax"]
+
+
+def test_idle_report_of_a_trace_without_kernels():
+    assert step_time.idle_report({"traceEvents": []}, 2) == "trace: no GPU kernels"
