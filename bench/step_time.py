@@ -71,10 +71,12 @@ def main():
     spec = tg.BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
     step, stage = 0, None
 
+    losses = []
+
     def run_step():
         nonlocal step
         _, micro = loader.next()
-        tg.train_step(model, compiled, optimizers, micro, step, stage, args)
+        losses.append(tg.train_step(model, compiled, optimizers, micro, step, stage, args))
         step += 1
 
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, attention: {attention}, "
@@ -113,7 +115,8 @@ def main():
         print(f"{name}: step of {spec.batch_size:,} tokens, windows {stage.windows}: median {med:.1f} ms, "
               f"mean {mean:.1f} (min {min(times):.1f}, max {max(times):.1f}) over {own.steps} steps; "
               f"{spec.batch_size / mean * 1e3:,.0f} tokens/s; "
-              f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+              f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; loss per micro-batch over them "
+              f"{torch.stack(losses[-own.steps:]).mean().item() / (spec.batch_size // spec.seq_len):.4f}", flush=True)
     if own.stages:
         print(f"schedule: {schedule[-1].end} steps, {tokens:,} tokens: {whole_ms / 1000:.1f} s of training steps on "
               f"this GPU at these mean step times", flush=True)
