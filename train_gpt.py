@@ -2154,18 +2154,19 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
     return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
 
 
-# The schedule's cost before a run (--plan). Measured one-GPU time per token of a preset's model at a
-# stage's shape, by (GPU kind, preset, micro-batch tokens per GPU, document cut, long window in blocks): the per-stage medians of bench/side_by_side.py, whose clock counts training steps only (as the
-# public logs' train_time does), with FlashAttention-4, PyTorch 2.11.0+cu130. A table row is a real run;
-# a shape without one is reported unmeasured, never interpolated.
+# The schedule's cost before a run (--plan). Measured one-GPU time per token of a preset's model at a stage's shape,
+# by (GPU kind, preset, micro-batch tokens per GPU, document cut, long window in blocks): each stage's mean step
+# time as train_gpt.py logs it, whose clock counts training steps only (as the public logs' train_time does).
+# A table row is a real run; a shape without one is reported unmeasured, never interpolated.
 STEP_US_PER_TOKEN = {
-    # one H100 80GB HBM3, 2026-11-26, FA4, the record preset at its own shapes (MUDD gates, DC attention, CPLM with
-    # its Triton pointer kernels, TF32, e4m3 logits; bench/step_time.py --stages: 714.0 / 717.6 / 734.3 / 737.0 ms
-    # per 393,216-token step; bench/results/step_time_stages_h100_20261126c/)
-    ("H100", "record", 49152, 896, 3): 1.816,
-    ("H100", "record", 49152, 2048, 7): 1.825,
-    ("H100", "record", 49152, 2048, 11): 1.867,
-    ("H100", "record", 49152, 2048, 13): 1.874,
+    # one H100 80GB HBM3 (of a two-GPU machine, the other idle), 2026-11-27, PyTorch 2.11.0+cu130, FlashAttention-3
+    # (xformers 0.0.34): the record preset's 776-step schedule cut to 80 steps on one GPU, each stage's mean over its
+    # 19-21 steps: 659.6 / 685.2 / 695.0 / 698.8 ms per 393,216-token step
+    # (bench/results/record776_h100x2_20261127.md)
+    ("H100", "record", 49152, 896, 3): 1.677,
+    ("H100", "record", 49152, 2048, 7): 1.743,
+    ("H100", "record", 49152, 2048, 11): 1.767,
+    ("H100", "record", 49152, 2048, 13): 1.777,
 }
 # 8-GPU step time over one-GPU step time at the same global batch, by micro-batch tokens per GPU, with one
 # micro-batch per GPU on 8 (bench/README: record #89's 8xH100 logs over its and the public master's
@@ -2954,6 +2955,12 @@ class RunControl:
         self.signals, self.handlers = stop_on_signals()  # last: close() restores the handlers
         self.checkpoint, self.interrupted = None, 0
 
+    def line_up(self):
+        """Every rank waits here for the others (one all-reduce on the CPU group: no GPU wait): called just before
+        the clock starts, so that no rank's clock counts another rank's last untimed work (without it, rank 0's clock
+        read 0.82 s before the first step on two H100s: the wait for rank 1)."""
+        agree(False, self.watch.failure, self.group)
+
     def save(self, step: int, data_state: dict) -> Path:
         """A checkpoint of `step` steps, written once every rank's losses so far are known finite (the GPU
         synchronised first, so every loss is in): the last good checkpoint a failure names is good."""
@@ -3070,6 +3077,7 @@ def train(args: Hyperparameters) -> RunResult:
             log(f"every {args.log_every} steps: {Figures.LEGEND}")
         stage_marks = []  # (step, training ms) where each stage's steps of this run begin
         gc.collect()  # the warm-up's garbage collected now, not by a pause inside the timed steps (as the public code)
+        run.line_up()  # every rank starts its clock together
         # =============================== the timed region: training =================================
         clock.start()
         for step in range(first_step, N + 1):  # `step` steps done; the ranks agree to go on, then run one more

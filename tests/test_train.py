@@ -56,6 +56,25 @@ def test_two_processes_one_accumulation_step_equal_one_process_two_steps(tiny_ar
                                rtol=rtol, atol=0)
 
 
+def _slow_collector_worker(rank, world_size, args, out):
+    import gc
+    import time
+    collect = gc.collect
+    gc.collect = lambda *a: (time.sleep(4.0) if rank == 1 else None, collect(*a))[1]  # rank 1 lags into the clock
+    run = tg.train(args)
+    torch.save(run.train_time_ms, f"{out}.{rank}")
+
+
+@pytest.mark.slow
+def test_no_rank_clock_counts_another_rank_still_getting_ready(tiny_args, tmp_path):
+    """Rank 1 spends 4 s collecting garbage before the timed region; rank 0 must not time its wait for it."""
+    args = tiny_args(batch_size=2 * 128, num_iterations=2, val_every=0)
+    out = str(tmp_path / "ms")
+    spawn(_slow_collector_worker, 2, args, out)
+    ms = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    assert max(ms) < 2000, ms  # two steps of the tiny model; the lag would make rank 0's over 4000
+
+
 def test_warmup_leaves_weights_and_optimizer_state_bit_identical(tiny_args):
     args = tiny_args(warmup_steps=2)
     device = torch.device("cpu")
