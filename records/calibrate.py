@@ -227,8 +227,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
         "calibrate.py", __doc__,
         "python records/calibrate.py OUT --steps S [S ...] --seeds N [options] [-- TRAINER FLAGS...]",
         "examples:\n"
-        "  python records/calibrate.py logs/cal --steps 1550 1600 1650 --seeds 4 --dry_run\n"
-        "  python records/calibrate.py logs/cal --steps 1550,1600,1650 --seeds 4 --plan_runs 10\n"
+        "  python records/calibrate.py logs/cal --steps 740 760 780 --seeds 4 --dry_run\n"
+        "  python records/calibrate.py logs/cal --steps 740,760,780 --seeds 4 --plan_runs 10\n"
         "  python records/calibrate.py logs/cal-smoke --steps 100 150 --seeds 2 --nproc_per_node 1 "
         "-- --preset smoke")
     ap.add_argument("out", metavar="OUT", type=Path,
