@@ -6,7 +6,8 @@ With --batch_size 98304 (2 x 49,152) each of 2 GPUs holds one micro-batch a step
 record run, so no accumulation hides the communication. Every rank times --steps steps of one stage of the
 schedule (--stage, default the last scheduled one), each between a barrier and a synchronize, then profiles --profile_steps more and reports for each
 step: its time, the NCCL kernels' time, and the exposed part: NCCL time during which no other kernel runs on the
-GPU, so the step waits on the network. Under --adam_every 2 half the profiled steps are with Adam, half without."""
+GPU, so the step waits on the network, split into the time a rank waits for another to arrive at the collective
+(uneven work) and the time data moves. Under --adam_every 2 half the profiled steps are with Adam, half without."""
 import argparse
 import json
 import os
@@ -58,6 +59,25 @@ def exposed_time(intervals: list[tuple[float, float, bool]]) -> tuple[float, flo
             covered += min(b, compute[k][1]) - max(a, compute[k][0])
             k += 1
     return total, total - covered
+
+
+def peer_wait_split(nccl_by_rank: list[list[tuple[float, float]]], rank: int,
+                    compute: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """This rank's exposed NCCL time split in two: (waiting for another rank to arrive, transferring). The ranks
+    launch the same collectives in the same order, so the k-th NCCL kernel of every rank is one collective; an NCCL
+    kernel starts when its rank arrives and spins until the last rank does, so before the last arrival it waits and
+    after it moves data. Times on one clock (one host). None when the ranks' NCCL kernel counts differ."""
+    if len({len(k) for k in nccl_by_rank}) != 1:
+        return None
+    waiting, moving = [], []
+    for k, (start, end) in enumerate(nccl_by_rank[rank]):
+        last_arrival = max(kernels[k][0] for kernels in nccl_by_rank)
+        if last_arrival > start:
+            waiting.append((start, min(last_arrival, end), True))
+        if end > last_arrival:
+            moving.append((max(start, last_arrival), end, True))
+    busy = [(a, b, False) for a, b in compute]
+    return exposed_time(waiting + busy)[1], exposed_time(moving + busy)[1]
 
 
 def main():
@@ -113,15 +133,25 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, f"trace{rank}.json")
         prof.export_chrome_trace(path)
-        intervals = kernel_intervals(json.loads(Path(path).read_text()))
+        trace = json.loads(Path(path).read_text())
+    intervals = kernel_intervals(trace)
     comm, exposed = exposed_time(intervals)
+    base = trace.get("baseTimeNanoseconds", 0) / 1e3  # the ranks' traces on one clock (microseconds)
+    nccl = [[(base + a, base + b) for a, b, c in intervals if c]]
+    if world_size > 1:
+        nccl = [None] * world_size
+        dist.all_gather_object(nccl, [(base + a, base + b) for a, b, c in intervals if c])
+    split = peer_wait_split(nccl, rank, [(base + a, base + b) for a, b, c in intervals if not c])
     n = own.profile_steps
     med = statistics.median(times)
     line = (f"rank {rank}/{world_size}: stage windows {stage.windows}, {stage.batch.batch_size:,} tokens a step, "
             f"{stage.batch.batch_size // stage.batch.seq_len // world_size} micro-batch(es) a GPU, attention {attention}: "
             f"step median {med:.1f} ms (min {min(times):.1f}, max {max(times):.1f}, {own.steps} steps); "
             f"profiled {n} steps: NCCL {comm / n / 1e3:.2f} ms a step, exposed {exposed / n / 1e3:.2f} ms a step "
-            f"({exposed / n / 1e3 / med:.1%} of the median step), {len(intervals)} kernels")
+            f"({exposed / n / 1e3 / med:.1%} of the median step)" +
+            (f": {split[0] / n / 1e3:.2f} ms waiting for another rank to arrive, {split[1] / n / 1e3:.2f} ms moving "
+             f"data ({split[1] / n / 1e3 / med:.1%})" if split else ": the ranks' NCCL kernels do not pair up") +
+            f", {len(intervals)} kernels")
     lines = [line]
     if world_size > 1:
         lines = [None] * world_size

@@ -27,3 +27,16 @@ def test_kernel_intervals_reads_the_profilers_kernel_events_only():
         {"ph": "i", "cat": "kernel", "name": "ncclKernel", "ts": 1}]}
     assert comm_time.kernel_intervals(trace) == [(100.0, 120.0, True), (90.0, 105.0, False)]
     assert comm_time.exposed_time(comm_time.kernel_intervals(trace)) == (20.0, 15.0)
+
+
+def test_exposed_nccl_time_splits_into_waiting_for_the_other_rank_and_moving_data():
+    # one collective: rank 0 arrives at 10, rank 1 at 16; both finish at 20
+    nccl = [[(10.0, 20.0)], [(16.0, 20.0)]]
+    # rank 0 computes 8-12 (covers 2 us of its wait) and nothing while data moves
+    assert comm_time.peer_wait_split(nccl, 0, [(8.0, 12.0)]) == (4.0, 4.0)
+    # rank 1 arrived last: no wait; its compute 17-18 covers 1 us of the transfer
+    assert comm_time.peer_wait_split(nccl, 1, [(17.0, 18.0)]) == (0.0, 3.0)
+    # the k-th kernels pair up across ranks: a second collective where rank 1 waits
+    nccl = [[(10.0, 20.0), (30.0, 35.0)], [(16.0, 20.0), (25.0, 35.0)]]
+    assert comm_time.peer_wait_split(nccl, 1, []) == (5.0, 4.0 + 5.0)
+    assert comm_time.peer_wait_split([[(0.0, 1.0)], []], 0, []) is None  # counts differ: no pairing
