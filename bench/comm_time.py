@@ -61,6 +61,17 @@ def exposed_time(intervals: list[tuple[float, float, bool]]) -> tuple[float, flo
     return total, total - covered
 
 
+def idle_time(intervals: list[tuple[float, float, bool]]) -> float:
+    """Time between the first kernel's start and the last one's end during which no kernel of any kind runs:
+    the GPU waiting on the host (launches, Python, a CPU wait)."""
+    spans = sorted((a, b) for a, b, _ in intervals)
+    idle, end = 0.0, spans[0][1] if spans else 0.0
+    for a, b in spans:
+        idle += max(0.0, a - end)
+        end = max(end, b)
+    return idle
+
+
 def peer_wait_split(nccl_by_rank: list[list[tuple[float, float]]], rank: int,
                     compute: list[tuple[float, float]]) -> tuple[float, float] | None:
     """This rank's exposed NCCL time split in two: (waiting for another rank to arrive, transferring). The ranks
@@ -151,7 +162,7 @@ def main():
             f"({exposed / n / 1e3 / med:.1%} of the median step)" +
             (f": {split[0] / n / 1e3:.2f} ms waiting for another rank to arrive, {split[1] / n / 1e3:.2f} ms moving "
              f"data ({split[1] / n / 1e3 / med:.1%})" if split else ": the ranks' NCCL kernels do not pair up") +
-            f", {len(intervals)} kernels")
+            f"; GPU idle {idle_time(intervals) / n / 1e3:.2f} ms a step, {len(intervals)} kernels")
     lines = [line]
     if world_size > 1:
         lines = [None] * world_size

@@ -40,3 +40,8 @@ def test_exposed_nccl_time_splits_into_waiting_for_the_other_rank_and_moving_dat
     nccl = [[(10.0, 20.0), (30.0, 35.0)], [(16.0, 20.0), (25.0, 35.0)]]
     assert comm_time.peer_wait_split(nccl, 1, []) == (5.0, 4.0 + 5.0)
     assert comm_time.peer_wait_split([[(0.0, 1.0)], []], 0, []) is None  # counts differ: no pairing
+
+
+def test_idle_time_is_the_time_no_kernel_of_any_kind_runs():
+    assert comm_time.idle_time([(0, 10, False), (5, 12, True), (20, 30, False), (25, 26, True), (31, 40, True)]) == 8 + 1
+    assert comm_time.idle_time([]) == 0.0
