@@ -2168,6 +2168,7 @@ STEP_US_PER_TOKEN = {
     ("H100", "record", 49152, 2048, 11): 1.767,
     ("H100", "record", 49152, 2048, 13): 1.777,
 }
+STEP_US_ATTENTION = "FlashAttention-3"  # the attention kernel the table's runs used (--plan says so)
 # 8-GPU step time over one-GPU step time at the same global batch, by micro-batch tokens per GPU, with one
 # micro-batch per GPU on 8 (bench/README: record #89's 8xH100 logs over its and the public master's
 # one-H100 times in the harness: 30.9/238.0, 57.7/435.5, 83.0/644.0 ms).
@@ -2209,8 +2210,8 @@ def schedule_plan(args: Hyperparameters, kind: str = "H100") -> list[str]:
     else:
         lines.append(f"projected time: 1 x {kind} {one:.1f} s, 8 x {kind} {eight:.1f} s (time per token at each "
                      "stage's shape, x record #89's 8-GPU ratio)")
-    lines.append(f"(times as measured for --preset {args.preset}'s model; other model or kernel flags are not "
-                 "reflected)")
+    lines.append(f"(times as measured for --preset {args.preset}'s model with {STEP_US_ATTENTION}; other model or "
+                 "kernel flags are not reflected)")
     return lines
 
 
