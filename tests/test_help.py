@@ -74,7 +74,14 @@ def test_ctrl_c_before_training_starts_is_one_line_and_status_130(tmp_path):
     proc = subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), "--preset", "smoke", "--log_dir",
                              str(tmp_path / "logs")], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    time.sleep(0.5)  # inside the imports
+    # inside the imports: once numpy's library is mapped (it loads after the handler is set, and torch after it),
+    # not at a fixed delay, which a loaded machine can outlast before the handler is set
+    maps, deadline = Path(f"/proc/{proc.pid}/maps"), time.monotonic() + 60
+    if maps.parent.exists():
+        while "numpy" not in maps.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+    else:  # no /proc: a delay that is inside the imports on an idle machine
+        time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, (out, err)
