@@ -61,15 +61,25 @@ def exposed_time(intervals: list[tuple[float, float, bool]]) -> tuple[float, flo
     return total, total - covered
 
 
+def kernel_gaps(kernels: list[tuple]) -> list[tuple[float, object, object]]:
+    """The stretches no kernel covers, between the first kernel's start and the last one's end: (length, label of the
+    kernel that ended last before it, label of the kernel after it) for kernels (start, end, label) in any order. The
+    GPU waits on the host there (launches, Python, a CPU wait)."""
+    kernels = sorted(kernels)
+    if not kernels:
+        return []
+    gaps, end, before = [], kernels[0][1], kernels[0][2]
+    for a, b, label in kernels:
+        if a > end:
+            gaps.append((a - end, before, label))
+        if b >= end:
+            end, before = b, label
+    return gaps
+
+
 def idle_time(intervals: list[tuple[float, float, bool]]) -> float:
-    """Time between the first kernel's start and the last one's end during which no kernel of any kind runs:
-    the GPU waiting on the host (launches, Python, a CPU wait)."""
-    spans = sorted((a, b) for a, b, _ in intervals)
-    idle, end = 0.0, spans[0][1] if spans else 0.0
-    for a, b in spans:
-        idle += max(0.0, a - end)
-        end = max(end, b)
-    return idle
+    """Time during which no kernel of any kind runs, between the first kernel's start and the last one's end."""
+    return sum(g for g, _, _ in kernel_gaps(intervals))
 
 
 def peer_wait_split(nccl_by_rank: list[list[tuple[float, float]]], rank: int,
@@ -148,10 +158,10 @@ def main():
     intervals = kernel_intervals(trace)
     comm, exposed = exposed_time(intervals)
     base = trace.get("baseTimeNanoseconds", 0) / 1e3  # the ranks' traces on one clock (microseconds)
-    nccl = [[(base + a, base + b) for a, b, c in intervals if c]]
+    nccl = [[(base + a, base + b) for a, b, c in intervals if c]]  # every rank's, on rank `rank` at index `rank`
     if world_size > 1:
-        nccl = [None] * world_size
-        dist.all_gather_object(nccl, [(base + a, base + b) for a, b, c in intervals if c])
+        mine, nccl = nccl[0], [None] * world_size
+        dist.all_gather_object(nccl, mine)
     split = peer_wait_split(nccl, rank, [(base + a, base + b) for a, b, c in intervals if not c])
     n = own.profile_steps
     med = statistics.median(times)

@@ -24,23 +24,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
+from comm_time import kernel_gaps  # noqa: E402
 
 
 def idle_report(trace: dict, steps: int, top: int = 12) -> str:
     """Where the GPU waited on the host in a torch.profiler Chrome trace: the span from the first kernel's start
     to the last one's end, the part of it no kernel covers, and the longest such gaps with the kernels around
     them (a gap before a kernel is host time: Python, launches, or a wait on the CPU)."""
-    kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", ""))
-                     for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel")
+    kernels = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", ""))
+               for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"]
     if not kernels:
         return "trace: no GPU kernels"
-    gaps, end, before = [], kernels[0][0], kernels[0][2]
-    for a, b, name in kernels:
-        if a > end:
-            gaps.append((a - end, before, name))
-        if b >= end:
-            end, before = b, name
-    span = end - kernels[0][0]
+    gaps = kernel_gaps(kernels)
+    span = max(b for _, b, _ in kernels) - min(a for a, _, _ in kernels)
     idle = sum(g for g, _, _ in gaps)
     lines = [f"trace: {len(kernels)} kernels over {span / 1e3 / steps:.1f} ms a step; GPU idle {idle / 1e3 / steps:.1f} "
              f"ms a step ({idle / span:.1%}) in {len(gaps)} gaps; longest:"]
