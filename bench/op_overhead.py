@@ -1,0 +1,73 @@
+"""Host time per call of the custom ops a training step launches, at shapes so small that the GPU finishes each
+call before the host has issued the next: what a micro-batch pays on the CPU for each op, whatever its size.
+
+    python bench/op_overhead.py [--calls 2000] [--tokens 256]
+
+Each op is called --calls times in a row without a synchronize (then one), eagerly and from inside a compiled
+function (the way the model's compiled graph calls it: Inductor's generated code calling the op), and the wall time
+per call is reported. At 16K-token micro-batches a step's GPU work is about 32 ms per micro-batch on an H100 and the
+compiled forward and backward launch ~865 kernels (bench/results/record776_h100x2_20261127.md): an op that costs the
+host a few hundred microseconds per call is what leaves the GPU idle there."""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels  # noqa: E402
+import train_gpt as tg  # noqa: E402
+
+
+def per_call_us(fn, calls: int) -> float:
+    """Wall time per call of fn() over `calls` calls issued back to back, after 20 untimed ones."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--tokens", type=int, default=256, help="rows of each op's input (small: host-bound)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("op_overhead.py: needs a CUDA GPU (the ops' Triton kernels and CUDA timing)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, dim, hidden = args.tokens, 768, 3072
+    make = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
+    x = F.rms_norm(make(T, dim), (dim,))
+    fc_w, proj_w = make(dim, hidden) * dim ** -0.5, make(dim, hidden) * hidden ** -0.5
+    operands = tg.fp8_mlp_operands(x, fc_w, proj_w)
+    post = torch.relu(x @ fc_w).square()
+    grad = make(T, dim)
+    ops = {
+        "relu2_mlp_fp8 (forward)": lambda: torch.ops.speedrun.relu2_mlp_fp8(x, *operands),
+        "relu2_mlp_backward": lambda: torch.ops.speedrun.relu2_mlp_backward(grad, x, fc_w, proj_w, post),
+        "a bare matmul (aten::mm)": lambda: x @ fc_w,
+    }
+    if kernels._load_fa3():
+        q = make(T, 6, 128)
+        cu = torch.tensor([0, T // 2, T], dtype=torch.int32, device="cuda")
+        fa3 = kernels.flash_attention_op("fa3_overhead", kernels._fa3_forward, kernels._fa3_backward)
+        ops["fa3 (forward)"] = lambda: fa3(q, q, q, cu, T, 128, 0.1)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {T} tokens a call, "
+          f"{args.calls} calls; microseconds per call, host-bound")
+    # entering a compiled function (guards, wrappers) and one small kernel of Inductor's, taken off each op's figure
+    entry = per_call_us(torch.compile(lambda: x + 1, fullgraph=True, dynamic=False), args.calls)
+    print(f"{'entry + one Inductor kernel':28s} {entry:7.1f}")
+    for name, op in ops.items():
+        eager = per_call_us(op, args.calls)
+        inside = per_call_us(torch.compile(lambda op=op: op(), fullgraph=True, dynamic=False), args.calls)
+        print(f"{name:28s} eager {eager:7.1f}   inside a compiled function {inside - entry:7.1f} (+ entry)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
