@@ -7,7 +7,8 @@ record run, so no accumulation hides the communication. Every rank times --steps
 schedule (--stage, default the last scheduled one), each between a barrier and a synchronize, then profiles --profile_steps more and reports for each
 step: its time, the NCCL kernels' time, and the exposed part: NCCL time during which no other kernel runs on the
 GPU, so the step waits on the network, split into the time a rank waits for another to arrive at the collective
-(uneven work) and the time data moves. Under --adam_every 2 half the profiled steps are with Adam, half without."""
+(uneven work) and the time data moves, and the bytes a rank sends a step (as a ring moves them). Under
+--adam_every 2 half the profiled steps are with Adam, half without."""
 import argparse
 import json
 import os
@@ -101,6 +102,35 @@ def peer_wait_split(nccl_by_rank: list[list[tuple[float, float]]], rank: int,
     return exposed_time(waiting + busy)[1], exposed_time(moving + busy)[1]
 
 
+class CollectiveBytes:
+    """While active, counts the bytes this rank sends in the collectives train_step launches, as a ring moves them:
+    a reduce-scatter or all-gather of a full tensor of n bytes sends n (W - 1) / W per rank, an all-reduce twice
+    that. Bytes a step over the time data moves give the link's effective bandwidth; at another GPU count W' the
+    same tensors send (W' - 1) / W' of their size."""
+    FULL = {"reduce_scatter_tensor": (lambda out, inp, *a, **k: inp, 1),  # (the full tensor, ring passes)
+            "all_gather_into_tensor": (lambda out, inp, *a, **k: out, 1),
+            "all_reduce": (lambda t, *a, **k: t, 2)}
+
+    def __init__(self, world_size: int):
+        self.world_size, self.sent, self.saved = world_size, 0.0, {}
+
+    def __enter__(self):
+        share = (self.world_size - 1) / self.world_size
+        for name, (tensor_of, passes) in self.FULL.items():
+            original = self.saved[name] = getattr(dist, name)
+
+            def counted(*a, _original=original, _tensor_of=tensor_of, _passes=passes, **k):
+                t = _tensor_of(*a, **k)
+                self.sent += t.numel() * t.element_size() * share * _passes
+                return _original(*a, **k)
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.saved.items():
+            setattr(dist, name, original)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup untimed ones)")
@@ -147,7 +177,7 @@ def main():
         times.append(1000 * (time.perf_counter() - start))
     together()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof, CollectiveBytes(world_size) as sent:
         for _ in range(own.profile_steps):
             run_step()
         sync()
@@ -172,6 +202,7 @@ def main():
             f"({exposed / n / 1e3 / med:.1%} of the median step)" +
             (f": {split[0] / n / 1e3:.2f} ms waiting for another rank to arrive, {split[1] / n / 1e3:.2f} ms moving "
              f"data ({split[1] / n / 1e3 / med:.1%})" if split else ": the ranks' NCCL kernels do not pair up") +
+            f"; sent {sent.sent / n / 1e6:.1f} MB a step (ring)" +
             f"; GPU idle {idle_time(intervals) / n / 1e3:.2f} ms a step, {len(intervals)} kernels")
     lines = [line]
     if world_size > 1:

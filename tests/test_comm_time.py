@@ -45,3 +45,24 @@ def test_exposed_nccl_time_splits_into_waiting_for_the_other_rank_and_moving_dat
 def test_idle_time_is_the_time_no_kernel_of_any_kind_runs():
     assert comm_time.idle_time([(0, 10, False), (5, 12, True), (20, 30, False), (25, 26, True), (31, 40, True)]) == 8 + 1
     assert comm_time.idle_time([]) == 0.0
+
+
+def test_collective_bytes_counts_what_each_rank_sends_in_a_ring_and_restores_torch_distributed():
+    import torch
+    import torch.distributed as dist
+    before = {name: getattr(dist, name) for name in comm_time.CollectiveBytes.FULL}
+    calls = []
+    for name in before:  # stand-ins that only record: no process group on this CPU
+        setattr(dist, name, lambda *a, _name=name, **k: calls.append(_name))
+    try:
+        stand_ins = {name: getattr(dist, name) for name in before}
+        with comm_time.CollectiveBytes(world_size=4) as sent:
+            full, shard = torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(2, 16, dtype=torch.bfloat16)
+            dist.reduce_scatter_tensor(shard, full, op=None, async_op=True)  # 256 bytes in: 3/4 of them sent
+            dist.all_gather_into_tensor(full, shard, async_op=True)  # 256 bytes out: 3/4
+            dist.all_reduce(torch.zeros(10))  # 40 bytes, two passes: 2 x 3/4
+        assert calls == list(before) and sent.sent == 192 + 192 + 60
+        assert {name: getattr(dist, name) for name in before} == stand_ins  # put back on exit
+    finally:
+        for name, fn in before.items():
+            setattr(dist, name, fn)
