@@ -7,6 +7,7 @@ unfused MLP. Seconds per run, not minutes of model compile: the way to choose ke
 RELU2_FP8_TILES before timing whole steps (bench/step_time.py --fused_mlp true [--fp8_mlp true]).
 
     python bench/mlp_kernel.py [--tokens 49152] [--tiles 128,128,64,8,3 ...] [--fp8_tiles 128,256,128,8,3 ...]
+        [--pointer_kernel]
 
 A tile configuration is BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages (GROUP_M stays 8)."""
 import argparse
@@ -60,7 +61,11 @@ def main():
     parser.add_argument("--fp8_tiles", nargs="*", default=["128,256,128,8,3", "128,128,128,8,4", "128,256,64,8,4"],
                         help="the same for the FP8 forward's kernel (none: no FP8 timing)")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--pointer_kernel", action="store_true",
+                        help="on Hopper too, the pointer-based _matmul_relu2_kernel, not _matmul_relu2_tma_kernel")
     args = parser.parse_args()
+    if args.pointer_kernel:
+        kernels.relu2_tma_programs = lambda device: 0
     if not torch.cuda.is_available():
         sys.exit("mlp_kernel.py: needs a CUDA GPU (the Triton kernels and CUDA-event timing)")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -70,8 +75,9 @@ def main():
     with torch.no_grad():  # the MLP's input is RMS-normed (the FP8 scale of x relies on it)
         inputs[0].copy_(F.rms_norm(inputs[0], (args.dim,)))
     grad = torch.randn(args.tokens, args.dim, device="cuda", generator=g).bfloat16()
+    kernel = "_matmul_relu2_tma_kernel" if kernels.relu2_tma_programs(torch.device("cuda")) else "_matmul_relu2_kernel"
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; MLP {args.tokens} x {args.dim} "
-          f"-> {args.hidden} -> {args.dim}, bf16, forward + backward, median of {args.iters}")
+          f"-> {args.hidden} -> {args.dim}, bf16, forward + backward, median of {args.iters}; fused: {kernel}")
     compiled = torch.compile(unfused, fullgraph=True)
     base = time_fwd_bwd(compiled, inputs, grad, args.iters)
     for t in inputs:

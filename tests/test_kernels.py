@@ -260,16 +260,29 @@ import json, sys, torch
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import kernels, test_kernels as t
 assert kernels.triton_runs_on(torch.zeros(1)), "the Triton interpreter is not in use"
+kernels.RELU2_TMA_INTERPRET = sys.argv[3:] == ["tma"]
 kernels.RELU2_TILES = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2)  # 50 x 40 x 72: edge tiles masked
 kernels.RELU2_FP8_TILES = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
-print(json.dumps(t.check_relu2_mlp_op(*t.relu2_mlp_case(torch.float32))
-                 + t.check_relu2_mlp_fp8_op(*t.relu2_mlp_case(torch.float32))))
+size = dict(dim=48, hidden=80) if kernels.RELU2_TMA_INTERPRET else {}  # TMA: rows of 16-byte multiples in e4m3 too
+# the kernel that ran each call: both kinds must have run where the test says so
+calls = []
+for name in ("_matmul_relu2_kernel", "_matmul_relu2_tma_kernel"):
+    launcher = getattr(kernels, name)
+    class Spy:
+        def __getitem__(self, grid, launcher=launcher, name=name):
+            calls.append(name)
+            return launcher[grid]
+    setattr(kernels, name, Spy())
+errors = (t.check_relu2_mlp_op(*t.relu2_mlp_case(torch.float32, **size))
+          + t.check_relu2_mlp_fp8_op(*t.relu2_mlp_case(torch.float32, **size)))
+print(json.dumps(errors + [sorted(set(calls))]))
 """
 
 
-def run_in_triton_interpreter(script_text: str, tmp_path):
+def run_in_triton_interpreter(script_text: str, tmp_path, *extra: str):
     """Run a check script in a fresh process with TRITON_INTERPRET=1 (it must be set before triton is first
-    imported); the script gets the project's and the tests' folders as arguments and prints JSON last."""
+    imported); the script gets the project's and the tests' folders as arguments (then `extra`) and prints
+    JSON last."""
     import json
     import subprocess
     import sys
@@ -277,7 +290,7 @@ def run_in_triton_interpreter(script_text: str, tmp_path):
     script = tmp_path / "interpret.py"
     script.write_text(script_text)
     root, here = Path(tg.__file__).parent, Path(__file__).parent
-    proc = subprocess.run([sys.executable, str(script), str(root), str(here)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(script), str(root), str(here), *extra], capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -287,8 +300,10 @@ def run_in_triton_interpreter(script_text: str, tmp_path):
 # interpreter run failed inside Triton: "TypeError: only 0-dimensional arrays can be converted to Python scalars".)
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU machines' check; the GPU test covers the compiled kernels")
-def test_triton_kernels_match_float64_autograd_in_the_triton_interpreter(tmp_path):
-    errors = run_in_triton_interpreter(INTERPRETER_SCRIPT, tmp_path)
+@pytest.mark.parametrize("kernel", ["pointers", "tma"])  # _matmul_relu2_kernel; Hopper's _matmul_relu2_tma_kernel
+def test_triton_kernels_match_float64_autograd_in_the_triton_interpreter(tmp_path, kernel):
+    *errors, ran = run_in_triton_interpreter(INTERPRETER_SCRIPT, tmp_path, kernel)
+    assert ran == ["_matmul_relu2_tma_kernel" if kernel == "tma" else "_matmul_relu2_kernel"], ran
     # float32 only: the interpreter of Triton 3.9 multiplies bf16 tiles wrongly (a plain tl.dot too); the
     # GPU test below covers bf16
     assert max(errors[:4]) < 1e-5, errors  # the bf16 op's kernels
@@ -450,6 +465,35 @@ def test_triton_kernels_compile_for_an_h100_without_one():
         assert len(compiled.asm["cubin"]) > 1000, f"backward={backward}, fp8={fp8}"
 
 
+def test_hopper_tma_kernel_compiles_for_an_h100_without_one():
+    """_matmul_relu2_tma_kernel for sm_90 with the record's tiles (forward, backward, and the FP8 forward with
+    W_fc as (N, K)), down to PTX and a cubin: TMA loads and stores (cp.async.bulk.tensor), wgmma, and shared
+    memory for the operand pipeline and the half-tile epilogue within RELU2_TMA_SHARED_MEMORY (an H100 has 227 KiB)."""
+    import kernels
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    fn = kernels._matmul_relu2_tma_kernel
+    for backward, fp8 in ((False, False), (True, False), (False, True)):
+        all_tiles = kernels.RELU2_FP8_TILES if fp8 else kernels.RELU2_TILES
+        tiles = {k: v for k, v in all_tiles.items() if k.isupper()}
+        BM, BN, BK = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
+        operand = "fp8e4nv" if fp8 else "bf16"
+        signature = dict(a_desc=f"tensordesc<{operand}[{BM},{BK}]>",
+                         b_desc=f"tensordesc<fp8e4nv[{BN},{BK}]>" if fp8 else f"tensordesc<bf16[{BK},{BN}]>",
+                         out_desc=f"tensordesc<bf16[{BM},{BN // 2}]>",
+                         side_desc=f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[{BM},{BN // 2}]>",
+                         scale_ptr="*fp32" if fp8 else "*bf16", M="i32", N="i32", K="i32")
+        constexprs = {"BACKWARD": backward, "FP8": fp8, "B_NK": fp8, "NUM_SMS": 132, **tiles}
+        signature.update({n: "constexpr" for n in constexprs})
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={k: v for k, v in all_tiles.items() if not k.isupper()})
+        assert "cp.async.bulk.tensor" in compiled.asm["ptx"] and "wgmma" in compiled.asm["ptx"], (backward, fp8)
+        assert len(compiled.asm["cubin"]) > 1000, (backward, fp8)
+        assert compiled.metadata.shared <= kernels.RELU2_TMA_SHARED_MEMORY, (backward, fp8, compiled.metadata.shared)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_relu2_mlp_reference_path_matches_float64_autograd(dtype):
     assert max(check_relu2_mlp_op(*relu2_mlp_case(dtype))) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
@@ -476,8 +520,20 @@ def test_relu2_mlp_traces_fullgraph_and_matches_eager():
     torch.testing.assert_close(results[1], results[0])
 
 
+def use_kernel(kernel: str, monkeypatch):
+    """Make the fused MLP take the pointer kernel where the TMA one would run (for "pointers"); check that
+    the TMA one runs here (for "tma": Hopper GPUs) or skip."""
+    import kernels
+    if kernel == "pointers":
+        monkeypatch.setattr(kernels, "relu2_tma_programs", lambda device: 0)
+    elif not kernels.relu2_tma_programs(torch.device("cuda")):
+        pytest.skip("_matmul_relu2_tma_kernel runs on sm_90+ GPUs only")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels need a CUDA GPU")
-def test_relu2_mlp_kernels_on_the_gpu_at_the_record_shapes():
+@pytest.mark.parametrize("kernel", ["pointers", "tma"])
+def test_relu2_mlp_kernels_on_the_gpu_at_the_record_shapes(kernel, monkeypatch):
+    use_kernel(kernel, monkeypatch)
     errors = check_relu2_mlp_op(*(t.cuda() for t in relu2_mlp_case(torch.bfloat16, T=4096 + 17, dim=768, hidden=3072)))
     assert max(errors) < 1e-2, errors
 
@@ -485,7 +541,9 @@ def test_relu2_mlp_kernels_on_the_gpu_at_the_record_shapes():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="the FP8 kernel needs a CUDA GPU with FP8 (sm89+)")
 @pytest.mark.parametrize("T", [4096, 4096 + 17])
-def test_fp8_mlp_kernels_on_the_gpu_at_the_record_shapes(T):
+@pytest.mark.parametrize("kernel", ["pointers", "tma"])
+def test_fp8_mlp_kernels_on_the_gpu_at_the_record_shapes(T, kernel, monkeypatch):
+    use_kernel(kernel, monkeypatch)
     errors = check_relu2_mlp_fp8_op(*(t.cuda() for t in relu2_mlp_case(torch.bfloat16, T=T, dim=768, hidden=3072)))
     # an H100 (2026-11-26): 8.0e-3 / 1.9e-3 against the float32 emulation (the tensor cores' FP8 accumulation and
     # _scaled_mm's fast accumulation; a post a rounding away from an e4m3 boundary lands on the other side), 0.058
