@@ -711,6 +711,32 @@ def bigram_indices(inputs: Tensor, cu_seqlens: Tensor, rows: int, sign_rows: int
     return row, sign
 
 
+class TableLookup(torch.autograd.Function):
+    """weight[idx], whose backward adds the looked-up rows' gradients into grad_sum (float32, the table's shape)
+    instead of handing autograd a gradient of the whole table: a dense table gradient costs a zero fill, a
+    scatter and a cast of every row per micro-batch and an add per micro-batch accumulated, where only the
+    looked-up rows change (ours; the trainer hands the sum to the optimizer: flush_table_grads)."""
+
+    @staticmethod
+    def forward(ctx, idx: Tensor, weight: Tensor, grad_sum: Tensor) -> Tensor:
+        ctx.save_for_backward(idx)
+        ctx.grad_sum = grad_sum
+        return F.embedding(idx, weight)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        idx, = ctx.saved_tensors
+        ctx.grad_sum.index_add_(0, idx.reshape(-1), grad.reshape(-1, grad.size(-1)).float())
+        return None, None, None
+
+
+def lookup(idx: Tensor, weight: Tensor, grad_sum: Tensor | None) -> Tensor:
+    """weight[idx]; in training with the table's gradient sum attached (keep_table_grads), through TableLookup."""
+    if grad_sum is None or not torch.is_grad_enabled():
+        return F.embedding(idx, weight)
+    return TableLookup.apply(idx, weight, grad_sum)
+
+
 def smear(x: Tensor, cu_seqlens: Tensor, weight: Tensor, gate_w: Tensor) -> Tensor:
     """Smear gate (2025-09-18 record, @classiclarryd, PR 130): each position's token embedding adds
     the previous position's, times weight * sigmoid(gate_w . its own first channels), so one token
@@ -1073,6 +1099,11 @@ class GPT(nn.Module):
         self.register_buffer("bigram_signs", signs)
         # the prefix-token loss' table (prefix_table), set by the trainer when a stage has that loss
         self.register_buffer("prefix_ids", None, persistent=False)
+        # the token tables' gradient sums in float32 (TableLookup), attached by the trainer: keep_table_grads
+        self.register_buffer("lm_head_grad_sum", None, persistent=False)
+        self.token_lookups = set()
+        for m in self.tables():
+            m.register_buffer("grad_sum", None, persistent=False)
         # the smear gate's weights on the embedding's first gate_channels channels: zero, as the record
         self.smear_w = nn.Parameter(torch.zeros(1, cfg.gate_channels)) if cfg.smear else None
         # Tied embedding (2025-12-22 record, @varunneal, PR 178): while tied_embed is set, token embeddings
@@ -1160,6 +1191,42 @@ class GPT(nn.Module):
         for what, i, n, _ in self.gate_parts[j]:
             into[what][i], start = out[:, start: start + n], start + n
 
+    def tables(self) -> list[nn.Embedding]:
+        """The token tables looked up by index: the token embedding, the value embeddings, the bigram table."""
+        return [self.embed, *self.value_embeds, *([self.bigram_embed] if self.bigram_embed is not None else [])]
+
+    def keep_table_grads(self):
+        """Training from here on sums the token tables' gradients in float32 buffers (TableLookup), the LM
+        head's too for its lookups while tied; flush_table_grads hands the sums to the optimizer."""
+        self.lm_head_grad_sum = torch.zeros_like(self.lm_head_w, dtype=torch.float32)
+        for m in self.tables():
+            m.grad_sum = torch.zeros_like(m.weight, dtype=torch.float32)
+        self.token_lookups = set()  # which of lm_head_w and embed.weight served the token lookups since the flush
+
+    def note_token_lookups(self):
+        """Called once per training step (the trainer's, outside the compiled graph): the table its lookups read."""
+        self.token_lookups.add("lm_head_w" if self.tied_embed else "embed")
+
+    def zero_table_grads(self):
+        for grad_sum in (self.lm_head_grad_sum, *(m.grad_sum for m in self.tables())):
+            if grad_sum is not None:
+                grad_sum.zero_()
+        self.token_lookups = set()
+
+    def flush_table_grads(self):
+        """The sums since the last flush into the tables' .grad (added to what autograd left there: the LM head's
+        own gradient), then zeroed. A table not looked up since (the token embedding while tied, the head once
+        untied) gets none from here, as with autograd."""
+        used = [(self.lm_head_w, self.lm_head_grad_sum)] if "lm_head_w" in self.token_lookups else []
+        used += [(self.embed.weight, self.embed.grad_sum)] if "embed" in self.token_lookups else []
+        used += [(m.weight, m.grad_sum) for m in self.tables()[1:]]
+        self.token_lookups = set()
+        for p, grad_sum in used:
+            if grad_sum is None:
+                continue
+            p.grad = grad_sum.to(p.dtype, copy=True) if p.grad is None else p.grad.add_(grad_sum)
+            grad_sum.zero_()
+
     def value_embed_layers(self) -> list[int | None]:
         """Which value-embedding table each block uses: tables 0..k-1 on the first k blocks and
         again on the last k blocks (0,1,2 ... 0,1,2 and none in the middle: @YouJiacheng), or with
@@ -1183,15 +1250,18 @@ class GPT(nn.Module):
         bigram_w, backout_w = s[at["bigram"]], s[at["backout"]]
         sub = s[at["sublayer"]].view(L, 3) if cfg.sublayer_lambdas else [None] * L
         skip_into = min(cfg.no_attn_layers) if cfg.skip_from >= 0 else -1  # validated: after skip_from
-        x = F.embedding(inputs, self.lm_head_w).type_as(self.embed.weight) if self.tied_embed else self.embed(inputs)
+        x = (lookup(inputs, self.lm_head_w, self.lm_head_grad_sum).type_as(self.embed.weight) if self.tied_embed
+             else lookup(inputs, self.embed.weight, self.embed.grad_sum))
         if self.smear_w is not None:
             x = smear(x, cu_seqlens, s[at["smear"]], self.smear_w)
         x = x0 = norm(x)  # normed embedding (@Grad62304977)
-        ves = [self.value_embeds[i](inputs) if i is not None else None for i in self.value_embed_layers()]
+        ves = [lookup(inputs, self.value_embeds[i].weight, self.value_embeds[i].grad_sum) if i is not None else None
+               for i in self.value_embed_layers()]
         bigram = None
         if self.bigram_embed is not None:  # one lookup, added before every block with that block's weight
             rows, signs = bigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.bigram_sign_rows)
-            bigram = self.bigram_embed(rows) if signs is None else self.bigram_embed(rows) * self.bigram_signs[signs]
+            bigram = lookup(rows, self.bigram_embed.weight, self.bigram_embed.grad_sum)
+            bigram = bigram if signs is None else bigram * self.bigram_signs[signs]
         rope = self.rotary.at(windows[0])  # the stage's rotary tables (YaRN: by its long window)
         windows = self.block_windows(windows)
         skips = []  # U-net (@brendanh0gan): first-half outputs feed, in reverse order, the second half
@@ -2563,6 +2633,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         log("FP8 MLP off: it needs FP8 matmuls (a CUDA GPU of sm89+) and the fused MLP's kernel; the MLP runs in bf16")
     model = to_device(GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, fused_mlp, args.fused_ce,
                           fp8_mlp), device)
+    model.keep_table_grads()  # the token tables' gradients summed sparsely (TableLookup), flushed on Adam's steps
     if any(any(st.prefix) for st in training_stages(args)):  # the prefix-token loss' table (untimed; the record
         vocab = gpt2_token_bytes()                              # builds it in its timed region, ~0.1 s)
         if args.vocab_size < len(vocab):
@@ -2598,6 +2669,7 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Traini
     w, n = mtp_weights_at(stage, step), len(stage.mtp)
     weights = torch.tensor(w, pin_memory=device.type == "cuda").to(device, non_blocking=True) if w else None
     mtp, prefix = (weights[:n] if n else None), (weights[n:] if len(w) > n else None)
+    model.note_token_lookups()
     for inputs, targets, cu_seqlens in micro:
         micro_loss = compiled(inputs, targets, cu_seqlens, stage.batch.max_doc_len, stage.windows, mtp_weights=mtp,
                               prefix_weight=prefix)
@@ -2610,6 +2682,8 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Traini
     for group in muon.param_groups:
         group["momentum"] = muon_momentum(step, args)
     stepping = (muon, adam) if (step + 1) % args.adam_every == 0 else (muon,)
+    if adam in stepping:
+        model.flush_table_grads()  # the token tables' gradients summed since Adam's last step
     # Communication overlapped with the optimizers' math: every reduce-scatter is launched before any update
     # (Muon's first: its orthogonalization is the longest math, so it can start soonest), each update waits
     # only on its own parameters' reduce, and the all-gathers are waited on last (as the public code orders
@@ -2662,6 +2736,7 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, stage
         loader.close()
         tie_embedding_at(model, 0, untie)
     model.zero_grad(set_to_none=True)  # Adam's gradients summed for a step that never came
+    model.zero_table_grads()  # (and the tables' sums)
     model.load_state_dict(initial_model)
     for opt, state in zip(optimizers, initial_opts):
         opt.load_state_dict(state)

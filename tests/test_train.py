@@ -33,6 +33,20 @@ def test_loss_still_falls_with_bigram_hash_embedding_backout_and_asymmetric_soft
     assert run.train_losses[-1] < run.train_losses[0] - 0.6
 
 
+def test_token_tables_summed_by_their_lookups_train_as_autograds_gradients(tiny_args, monkeypatch):
+    """The trainer's table sums (TableLookup, flushed on Adam's steps, zeroed after the warm-up) train as the
+    tables' autograd gradients do: tied then untied, Adam every second step (float32 on the CPU: the same sums in
+    another order)."""
+    args = tiny_args(num_iterations=8, val_every=4, warmup_steps=1, **LATER_RECORDS)
+    summed = tg.train(args)
+    monkeypatch.setattr(tg.GPT, "keep_table_grads", lambda self: None)
+    plain = tg.train(args)
+    torch.testing.assert_close(torch.tensor(summed.train_losses), torch.tensor(plain.train_losses), rtol=2e-5, atol=0)
+    torch.testing.assert_close(torch.tensor([v for _, v in summed.val_losses]),
+                               torch.tensor([v for _, v in plain.val_losses]), rtol=2e-5, atol=0)
+    assert summed.train_losses[-1] != summed.train_losses[0]
+
+
 def _train_worker(rank, world_size, args, out):
     run = tg.train(args)
     if rank == 0:
