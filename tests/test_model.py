@@ -342,7 +342,8 @@ def test_token_tables_summed_by_their_lookups_get_autograds_gradients(tied):
 @pytest.mark.slow
 def test_token_tables_summed_by_their_lookups_inside_inductors_graph():
     """The lookups' backward adds into a buffer from inside the compiled backward (a mutation Inductor keeps).
-    The 09/03 model: Inductor's CPU code for LATER_RECORDS' model corrupts memory here with or without the sums."""
+    The 09/03 model: for LATER_RECORDS' model Inductor's CPU code (torch 2.13) corrupts memory with or without the
+    sums, in the backward of DC attention's key blocks (blocks_with_lookback) when a padded sequence is one block."""
     plain, summed = _grads_with_and_without_table_sums(False, "inductor", {})
     assert summed.keys() == plain.keys() and "embed.weight" in plain
     for name in plain:
