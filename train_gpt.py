@@ -1255,8 +1255,9 @@ class GPT(nn.Module):
         if self.smear_w is not None:
             x = smear(x, cu_seqlens, s[at["smear"]], self.smear_w)
         x = x0 = norm(x)  # normed embedding (@Grad62304977)
-        ves = [lookup(inputs, self.value_embeds[i].weight, self.value_embeds[i].grad_sum) if i is not None else None
-               for i in self.value_embed_layers()]
+        tables = {i: lookup(inputs, self.value_embeds[i].weight, self.value_embeds[i].grad_sum)  # each table once
+                  for i in dict.fromkeys(self.value_embed_layers()) if i is not None}
+        ves = [tables.get(i) for i in self.value_embed_layers()]
         bigram = None
         if self.bigram_embed is not None:  # one lookup, added before every block with that block's weight
             rows, signs = bigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.bigram_sign_rows)
@@ -2381,7 +2382,10 @@ def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[
     groups = param_groups_by_role(model)
     adam = sum(p.numel() for name, ps in groups.items() if name != "block matrices" for p in ps)
     muon = sum(p.numel() for p in groups["block matrices"])
-    return {
+    sums = {}
+    if model.lm_head_grad_sum is not None:  # float32, the shapes of the LM head and the token tables (keep_table_grads)
+        sums["table gradient sums"] = 4 * (model.lm_head_w.numel() + sum(m.weight.numel() for m in model.tables()))
+    return sums | {
         "weights + grads": 2 * sum(p.numel() * p.element_size() for p in model.parameters()),
         "optimizer shards": (8 * adam + 4 * muon) // world_size,  # fp32 Adam moments, fp32 Muon momentum
         # bf16 logits, then a fp32 soft-capped copy and a bf16 gradient, or (fused) two FP8 gradients

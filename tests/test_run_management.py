@@ -83,6 +83,8 @@ def test_parameter_counts_and_memory_estimate_match_a_hand_count():
         "weights + grads": weights, "optimizer shards": optimizer,
         "logits": 8 * 64 * 64, "activations": 32 * 64 * 32 * 2}
     assert lines[5].startswith("memory per GPU: ~0.4 MiB: weights + grads 0.2")  # MiB below 1 GiB
+    model.keep_table_grads()  # as the trainer's model: the LM head's and the tables' float32 gradient sums
+    assert tg.memory_estimate(model, args, world_size=2)["table gradient sums"] == 4 * (2048 + 2048 + 2048)
 
 
 def test_bigram_table_is_an_adam_embedding_in_the_size_report_and_adds_no_matmul_flops():
