@@ -121,8 +121,8 @@ if triton is not None:
     # program per SM walks the output tiles (persistent), the tensor memory accelerator moves the operands and
     # results (TMA descriptors: edge tiles are zero-filled on load and clipped on store), and the epilogue runs
     # on two halves of BLOCK_N / 2 columns so that its staging buffers fit in shared memory beside the operand
-    # pipeline. On one H100 at 49,152 x 768 -> 3,072: FP8 forward 379 -> 299 us, backward 542 -> 482 us per
-    # call (bench/results/mlp_tma_h100_20261127.md).
+    # pipeline. On one H100 at 49,152 x 768 -> 3,072: FP8 forward 375-379 -> 307-313 us, backward 536-542 -> 480-481
+    # us per call; the record's step at window 11 12-13 ms shorter (bench/results/mlp_tma_tables_h100_20261127.md).
     @triton.jit
     def _matmul_relu2_tma_kernel(a_desc, b_desc, out_desc, side_desc, scale_ptr, M, N, K, BACKWARD: tl.constexpr,
                                  FP8: tl.constexpr, B_NK: tl.constexpr, BLOCK_M: tl.constexpr,

@@ -1,0 +1,83 @@
+"""Time the fused ReLU² matmul's kernels alone, one call at a time, at the record's micro-batch shape on one GPU:
+kernels.py's pointer kernel (_matmul_relu2_kernel) and Hopper's TMA kernel (_matmul_relu2_tma_kernel), for the
+FP8 forward (relu(x W_fc)² and its e4m3 copy) and the backward's (grad W_projᵀ) * 2 sqrt(post); optionally the
+public line's linear_relu_square (from its triton_kernels.py, given by path, run as it is) on the same operands.
+Each row: median µs per call (triton.testing.do_bench), TFLOP/s, and the largest error against float32 torch
+relative to the largest reference value. bench/mlp_kernel.py times the whole op (with its cuBLAS matmuls) instead.
+
+    python bench/relu2_kernels.py [--tokens 49152] [--public_kernels PATH/triton_kernels.py]
+"""
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=49152, help="rows of the micro-batch")
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--hidden", type=int, default=3072)
+    parser.add_argument("--public_kernels", default="", help="the public line's triton_kernels.py (optional)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("relu2_kernels.py: needs a CUDA GPU")
+    from triton.testing import do_bench
+    M, K, N = args.tokens, args.dim, args.hidden
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = F.rms_norm(torch.randn(M, K, device="cuda", generator=g), (K,)).bfloat16()
+    fc_w = (torch.randn(K, N, device="cuda", generator=g) * K ** -0.5).bfloat16()  # (dim, hidden), as train_gpt.py
+    proj_w = (torch.randn(K, N, device="cuda", generator=g) * N ** -0.5).bfloat16()
+    grad = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    # FP8 operands scaled by their maxima (train_gpt.py scales by bounds; the kernels do not care)
+    x_s, w_s = x.float().abs().max() / kernels.E4M3_MAX, fc_w.float().abs().max() / kernels.E4M3_MAX
+    x_f8 = (x.float() / x_s).to(torch.float8_e4m3fn)
+    fc_f8_t = (fc_w.float().T / w_s).to(torch.float8_e4m3fn).contiguous()  # (hidden, dim)
+    post_ref = torch.relu((x_f8.float() @ fc_f8_t.float().T) * (x_s * w_s)).square()
+    post_s = post_ref.max() * 1.25 / kernels.E4M3_MAX
+    scales = torch.zeros(3, kernels.FP8_SCALE_ROW, device="cuda")
+    scales[0, 0], scales[1, 0], scales[2, 0] = x_s * w_s, 1.0, post_s
+    post = post_ref.bfloat16()
+    grad_pre_ref = (grad.float() @ proj_w.float()) * 2 * post.float().sqrt()
+    flops = 2 * M * K * N
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {M} x {K} -> {N}, {flops / 1e9:.0f} "
+          f"GFLOP a call; median of do_bench")
+
+    def row(name, fn, reference):
+        out = fn()
+        out = out[0] if isinstance(out, tuple) else out
+        err = ((out.float() - reference).abs().max() / reference.abs().max()).item()
+        us = do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+        print(f"{name:<44} {us:8.1f} us  {flops / us / 1e6:6.0f} TFLOP/s  error {err:.1e}", flush=True)
+
+    tma = kernels.relu2_tma_programs(x.device)
+    for kernel in ["_matmul_relu2_kernel"] + (["_matmul_relu2_tma_kernel"] if tma else []):
+        kernels.relu2_tma_programs = (lambda device: 0) if kernel == "_matmul_relu2_kernel" else (lambda device: tma)
+        row(f"{kernel}: FP8 forward", lambda: kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales),
+            post_ref)
+        row(f"{kernel}: backward", lambda: kernels._matmul_relu2(grad, proj_w, post, torch.bfloat16), grad_pre_ref)
+    if not tma:
+        print("(no TMA kernel here: it runs on sm_90+ GPUs)")
+    if args.public_kernels:
+        spec = importlib.util.spec_from_file_location("public_triton_kernels", args.public_kernels)
+        public = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(public)
+        deq, act_s = (x_s * w_s).reshape(1).float(), post_s.reshape(1).float()
+        amax = torch.zeros(torch.cuda.get_device_properties(0).multi_processor_count, device="cuda")
+        fc_nk, proj_nk = fc_w.T.contiguous(), proj_w.T.contiguous()  # its weights are (hidden, dim)
+        # its FP8 forward also writes post in e4m3 and per-SM maxima
+        row("public linear_relu_square: FP8 forward", lambda: public.linear_relu_square(
+            x, fc_nk, a_f8=x_f8, b_f8=fc_f8_t, dequant_scale_ptr=deq, activation_scale=act_s, partial_amax=amax),
+            post_ref)
+        row("public linear_relu_square: backward", lambda: public.linear_relu_square(grad, proj_nk, aux=post),
+            grad_pre_ref)
+
+
+if __name__ == "__main__":
+    main()
