@@ -424,7 +424,8 @@ PATCHES = [
 ]
 
 # With --profile_step: the top of the public training section profiles two steps (N, N+1) and prints the
-# kernels by GPU time when step N+2 begins.
+# kernels by GPU time when step N+2 begins; their Chrome trace goes to harness_profile_stepN.json.gz in the run's
+# folder (for bench/profile_compare.py).
 PROFILE_HOOK = """    if step == {n}:  # harness: profile two training steps
         _harness_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
         _harness_prof.__enter__()
@@ -432,6 +433,7 @@ PROFILE_HOOK = """    if step == {n}:  # harness: profile two training steps
         torch.cuda.synchronize()
         _harness_prof.__exit__(None, None, None)
         print0(_harness_prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90), console=True)
+        _harness_prof.export_chrome_trace("harness_profile_step{n}.json.gz")  # every kernel: bench/profile_compare.py
 """
 
 
