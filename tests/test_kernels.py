@@ -528,6 +528,11 @@ def use_kernel(kernel: str, monkeypatch):
         monkeypatch.setattr(kernels, "relu2_tma_programs", lambda device: 0)
     elif not kernels.relu2_tma_programs(torch.device("cuda")):
         pytest.skip("_matmul_relu2_tma_kernel runs on sm_90+ GPUs only")
+    else:  # and the TMA kernel is the one that runs (its layout checks fall back to the pointer kernel)
+        class Refuse:
+            def __getitem__(self, grid):
+                raise AssertionError("_matmul_relu2_kernel ran where _matmul_relu2_tma_kernel should")
+        monkeypatch.setattr(kernels, "_matmul_relu2_kernel", Refuse())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels need a CUDA GPU")
