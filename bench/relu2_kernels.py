@@ -6,6 +6,10 @@ Each row: median µs per call (triton.testing.do_bench), TFLOP/s, and the larges
 relative to the largest reference value. bench/mlp_kernel.py times the whole op (with its cuBLAS matmuls) instead.
 
     python bench/relu2_kernels.py [--tokens 49152] [--public_kernels PATH/triton_kernels.py]
+        [--fp8_tiles 128,256,64,8,7 ...] [--tiles 128,256,64,8,3 ...]
+
+--fp8_tiles / --tiles: more tile configurations to time for the FP8 forward / the backward, each
+BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages (GROUP_M 8), after kernels.py's own (RELU2_FP8_TILES, RELU2_TILES).
 """
 import argparse
 import importlib.util
@@ -25,6 +29,8 @@ def main():
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--hidden", type=int, default=3072)
     parser.add_argument("--public_kernels", default="", help="the public line's triton_kernels.py (optional)")
+    parser.add_argument("--fp8_tiles", nargs="*", default=[], help="more FP8 forward tile configurations")
+    parser.add_argument("--tiles", nargs="*", default=[], help="more backward tile configurations")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("relu2_kernels.py: needs a CUDA GPU")
@@ -54,14 +60,31 @@ def main():
         out = out[0] if isinstance(out, tuple) else out
         err = ((out.float() - reference).abs().max() / reference.abs().max()).item()
         us = do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-        print(f"{name:<44} {us:8.1f} us  {flops / us / 1e6:6.0f} TFLOP/s  error {err:.1e}", flush=True)
+        print(f"{name:<56} {us:8.1f} us  {flops / us / 1e6:6.0f} TFLOP/s  error {err:.1e}", flush=True)
 
     tma = kernels.relu2_tma_programs(x.device)
+    own = dict(kernels.RELU2_FP8_TILES), dict(kernels.RELU2_TILES)
+    tile = lambda text: dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), map(int, text.split(","))),
+                             GROUP_M=8)
     for kernel in ["_matmul_relu2_kernel"] + (["_matmul_relu2_tma_kernel"] if tma else []):
         kernels.relu2_tma_programs = (lambda device: 0) if kernel == "_matmul_relu2_kernel" else (lambda device: tma)
-        row(f"{kernel}: FP8 forward", lambda: kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales),
-            post_ref)
-        row(f"{kernel}: backward", lambda: kernels._matmul_relu2(grad, proj_w, post, torch.bfloat16), grad_pre_ref)
+        for fp8_tiles in [own[0]] + [tile(t) for t in args.fp8_tiles]:
+            kernels.RELU2_FP8_TILES = fp8_tiles
+            label = "" if fp8_tiles == own[0] else " " + ",".join(str(v) for k, v in fp8_tiles.items() if k != "GROUP_M")
+            try:
+                row(f"{kernel}: FP8 forward{label}",
+                    lambda: kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales), post_ref)
+            except Exception as e:  # e.g. more shared memory than the GPU has: say so, go on
+                print(f"{kernel}: FP8 forward{label}: failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        for bf16_tiles in [own[1]] + [tile(t) for t in args.tiles]:
+            kernels.RELU2_TILES = bf16_tiles
+            label = "" if bf16_tiles == own[1] else " " + ",".join(str(v) for k, v in bf16_tiles.items() if k != "GROUP_M")
+            try:
+                row(f"{kernel}: backward{label}", lambda: kernels._matmul_relu2(grad, proj_w, post, torch.bfloat16),
+                    grad_pre_ref)
+            except Exception as e:
+                print(f"{kernel}: backward{label}: failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        kernels.RELU2_FP8_TILES, kernels.RELU2_TILES = own
     if not tma:
         print("(no TMA kernel here: it runs on sm_90+ GPUs)")
     if args.public_kernels:
