@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
 from comm_time import kernel_gaps  # noqa: E402
+from profile_compare import by_kind, kernels_from_trace  # noqa: E402
 
 
 def idle_report(trace: dict, steps: int, top: int = 12) -> str:
@@ -55,7 +56,7 @@ def main():
     parser.add_argument("--profile", action="store_true", help="profile two extra steps at the last ws and print "
                         "the top kernels")
     parser.add_argument("--trace", default="", help="with --profile: also write the profile's Chrome trace here "
-                        "(.json.gz) and print where the GPU sat idle between kernels")
+                        "(.json.gz) and print where the GPU sat idle between kernels and its kernel time by kind of work")
     parser.add_argument("--stages", action="store_true", help="time each stage of the resolved schedule (its batch, "
                         "windows, extra targets, embedding tied or not) instead of --ws")
     own, rest = parser.parse_known_args()
@@ -126,7 +127,11 @@ def main():
         if own.trace:
             prof.export_chrome_trace(own.trace)
             with gzip.open(own.trace) if own.trace.endswith(".gz") else open(own.trace) as f:
-                print(idle_report(json.load(f), 2))
+                trace = json.load(f)
+            print(idle_report(trace, 2))
+            print("kernel time by kind of work, ms a step (bench/profile_compare.py compares two profiles):")
+            for kind, ms in sorted(by_kind(kernels_from_trace(trace), 2).items(), key=lambda kv: -kv[1]):
+                print(f"  {ms:8.2f}  {kind}")
     loader.close()
 
 
