@@ -6,7 +6,7 @@ Each row: median µs per call (triton.testing.do_bench), TFLOP/s, and the larges
 relative to the largest reference value. bench/mlp_kernel.py times the whole op (with its cuBLAS matmuls) instead.
 
     python bench/relu2_kernels.py [--tokens 49152] [--public_kernels PATH/triton_kernels.py]
-        [--fp8_tiles 128,256,64,8,7 ...] [--tiles 128,256,64,8,3 ...]
+        [--fp8_tiles 128,256,64,8,7 ...] [--tiles 128,256,64,8,3 ...] [--input_grad]
 
 --fp8_tiles / --tiles: more tile configurations to time for the FP8 forward / the backward, each
 BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages (GROUP_M 8), after kernels.py's own (RELU2_FP8_TILES, RELU2_TILES).
@@ -31,6 +31,10 @@ def main():
     parser.add_argument("--public_kernels", default="", help="the public line's triton_kernels.py (optional)")
     parser.add_argument("--fp8_tiles", nargs="*", default=[], help="more FP8 forward tile configurations")
     parser.add_argument("--tiles", nargs="*", default=[], help="more backward tile configurations")
+    parser.add_argument("--input_grad", action="store_true",
+                        help="also the up projection's input gradient (grad_pre W_fcᵀ) as the bf16 matmul it is and "
+                             "as an FP8 one (_scaled_mm, grad_pre in e4m3 or e5m2): what an FP8 input gradient "
+                             "could save, the quantization not counted (public pull request #363 does this)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("relu2_kernels.py: needs a CUDA GPU")
@@ -87,6 +91,18 @@ def main():
         kernels.RELU2_FP8_TILES, kernels.RELU2_TILES = own
     if not tma:
         print("(no TMA kernel here: it runs on sm_90+ GPUs)")
+    if args.input_grad:
+        grad_pre = grad_pre_ref.bfloat16()
+        dx_ref = grad_pre.float() @ fc_w.float().T
+        row("input gradient, bf16 matmul", lambda: grad_pre @ fc_w.T, dx_ref)
+        w_col = fc_f8_t.T.contiguous().T  # W_fcᵀ (hidden, dim) column-major: _scaled_mm's second operand
+        for dtype, top in ((torch.float8_e4m3fn, kernels.E4M3_MAX), (torch.float8_e5m2, 57344.0)):
+            g_s = grad_pre.float().abs().max() / top
+            g_f8 = (grad_pre.float() / g_s).to(dtype)
+            scale_a, scale_b = g_s.reshape(()).float(), w_s.reshape(()).float()
+            row(f"input gradient, FP8 matmul ({str(dtype).split('_')[1]} x e4m3)",
+                lambda: torch._scaled_mm(g_f8, w_col, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
+                                         use_fast_accum=True), dx_ref)
     if args.public_kernels:
         spec = importlib.util.spec_from_file_location("public_triton_kernels", args.public_kernels)
         public = importlib.util.module_from_spec(spec)
