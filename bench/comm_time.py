@@ -25,16 +25,14 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import train_gpt as tg  # noqa: E402
+from profile_compare import kernel_events  # noqa: E402
 
 
 def kernel_intervals(trace: dict) -> list[tuple[float, float, bool]]:
     """(start, end, is_communication) in microseconds of every GPU kernel of a Chrome trace written by
     torch.profiler (events of category "kernel"; NCCL's kernels are the communication)."""
-    out = []
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") == "X" and e.get("cat") == "kernel":
-            out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), "nccl" in e.get("name", "").lower()))
-    return out
+    return [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), "nccl" in e.get("name", "").lower())
+            for e in kernel_events(trace)]
 
 
 def exposed_time(intervals: list[tuple[float, float, bool]]) -> tuple[float, float]:

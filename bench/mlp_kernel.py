@@ -35,6 +35,12 @@ def fp8(x, fc_w, proj_w):
     return torch.ops.speedrun.relu2_mlp_fp8(x, *tg.fp8_mlp_operands(x, fc_w, proj_w))[0]
 
 
+def parse_tiles(text: str) -> dict:
+    """"BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages" as kernels.RELU2_TILES holds it (GROUP_M 8)."""
+    m, n, k, warps, stages = map(int, text.split(","))
+    return dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=warps, num_stages=stages)
+
+
 def time_fwd_bwd(fn, inputs, grad, iters: int) -> float:
     """Median ms of forward + backward over iters runs, after three untimed ones."""
     times = []
@@ -89,8 +95,7 @@ def main():
     bf16_tiles = dict(kernels.RELU2_TILES)
     for name, fn, all_tiles in [("fused", fused, args.tiles), ("fp8", fp8, args.fp8_tiles)]:
         for tiles in all_tiles:
-            m, n, k, warps, stages = map(int, tiles.split(","))
-            chosen = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=warps, num_stages=stages)
+            chosen = parse_tiles(tiles)
             if name == "fused":
                 kernels.RELU2_TILES = chosen
             else:  # the FP8 forward's backward is the bf16 kernel's: the default tiles there

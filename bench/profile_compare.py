@@ -47,14 +47,18 @@ def _ms(token: str) -> float:
     return float(number.group(1)) * UNITS[number.group(2)]
 
 
+def kernel_events(trace: dict) -> list[dict]:
+    """The GPU kernels of a torch.profiler Chrome trace: its complete events ("X") of category "kernel"."""
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"]
+
+
 def kernels_from_trace(trace: dict) -> dict[str, tuple[float, int]]:
     """{kernel name: (total ms, calls)} over the GPU kernel events of a torch.profiler Chrome trace."""
     out = defaultdict(lambda: [0.0, 0])
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") == "X" and e.get("cat") == "kernel":
-            entry = out[e.get("name", "")]
-            entry[0] += float(e["dur"]) / 1e3
-            entry[1] += 1
+    for e in kernel_events(trace):
+        entry = out[e.get("name", "")]
+        entry[0] += float(e["dur"]) / 1e3
+        entry[1] += 1
     return {name: (ms, calls) for name, (ms, calls) in out.items()}
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
+from mlp_kernel import parse_tiles  # noqa: E402
 
 
 def main():
@@ -67,28 +68,22 @@ def main():
         print(f"{name:<56} {us:8.1f} us  {flops / us / 1e6:6.0f} TFLOP/s  error {err:.1e}", flush=True)
 
     tma = kernels.relu2_tma_programs(x.device)
-    own = dict(kernels.RELU2_FP8_TILES), dict(kernels.RELU2_TILES)
-    tile = lambda text: dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), map(int, text.split(","))),
-                             GROUP_M=8)
+    calls = [("FP8 forward", "RELU2_FP8_TILES", args.fp8_tiles, post_ref,
+              lambda: kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales)),
+             ("backward", "RELU2_TILES", args.tiles, grad_pre_ref,
+              lambda: kernels._matmul_relu2(grad, proj_w, post, torch.bfloat16))]
     for kernel in ["_matmul_relu2_kernel"] + (["_matmul_relu2_tma_kernel"] if tma else []):
         kernels.relu2_tma_programs = (lambda device: 0) if kernel == "_matmul_relu2_kernel" else (lambda device: tma)
-        for fp8_tiles in [own[0]] + [tile(t) for t in args.fp8_tiles]:
-            kernels.RELU2_FP8_TILES = fp8_tiles
-            label = "" if fp8_tiles == own[0] else " " + ",".join(str(v) for k, v in fp8_tiles.items() if k != "GROUP_M")
-            try:
-                row(f"{kernel}: FP8 forward{label}",
-                    lambda: kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales), post_ref)
-            except Exception as e:  # e.g. more shared memory than the GPU has: say so, go on
-                print(f"{kernel}: FP8 forward{label}: failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-        for bf16_tiles in [own[1]] + [tile(t) for t in args.tiles]:
-            kernels.RELU2_TILES = bf16_tiles
-            label = "" if bf16_tiles == own[1] else " " + ",".join(str(v) for k, v in bf16_tiles.items() if k != "GROUP_M")
-            try:
-                row(f"{kernel}: backward{label}", lambda: kernels._matmul_relu2(grad, proj_w, post, torch.bfloat16),
-                    grad_pre_ref)
-            except Exception as e:
-                print(f"{kernel}: backward{label}: failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-        kernels.RELU2_FP8_TILES, kernels.RELU2_TILES = own
+        for what, table, extra, reference, fn in calls:
+            own = getattr(kernels, table)
+            for tiles in [own] + [parse_tiles(t) for t in extra]:
+                setattr(kernels, table, tiles)
+                label = "" if tiles is own else " " + ",".join(str(v) for k, v in tiles.items() if k != "GROUP_M")
+                try:
+                    row(f"{kernel}: {what}{label}", fn, reference)
+                except Exception as e:  # e.g. more shared memory than the GPU has: say so, go on
+                    print(f"{kernel}: {what}{label}: failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            setattr(kernels, table, own)
     if not tma:
         print("(no TMA kernel here: it runs on sm_90+ GPUs)")
     if args.input_grad:

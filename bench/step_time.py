@@ -26,15 +26,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
 from comm_time import kernel_gaps  # noqa: E402
-from profile_compare import by_kind, kernels_from_trace  # noqa: E402
+from profile_compare import by_kind, kernel_events, kernels_from_trace  # noqa: E402
 
 
 def idle_report(trace: dict, steps: int, top: int = 12) -> str:
     """Where the GPU waited on the host in a torch.profiler Chrome trace: the span from the first kernel's start
     to the last one's end, the part of it no kernel covers, and the longest such gaps with the kernels around
     them (a gap before a kernel is host time: Python, launches, or a wait on the CPU)."""
-    kernels = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", ""))
-               for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    kernels = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "")) for e in kernel_events(trace)]
     if not kernels:
         return "trace: no GPU kernels"
     gaps = kernel_gaps(kernels)
