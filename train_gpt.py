@@ -213,6 +213,8 @@ class Hyperparameters:
     seed: int = 0  # seed of the weights' initialization (the data order is fixed by the shards)
     device: str = "cuda"  # cuda (refused with the reason where torch sees no GPU) | cpu | auto (cuda if seen, else cpu)
     compile: bool = True  # torch.compile the model (false: eager, for debugging and CPU runs)
+    # at 16K-token micro-batches a step's ~900 kernel launches per micro-batch from Python leave the GPU waiting
+    cpp_wrapper: bool = True  # Inductor's C++ wrapper: the compiled model launches its kernels from C++ (slower compile)
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     # our kernels: ReLU² in the matmul epilogues (-12 ms a step at stage 3 on an H100), its forward in FP8 (-16 ms,
     # final loss -0.0014 +- 0.0021), the FP8 head's soft-capped cross-entropy in Triton (-22 ms)
@@ -2654,6 +2656,9 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         # Inductor's fusions capped at 32 input/output buffers: uncapped, the backward fuses every block's
         # scalar-gradient reductions with the bigram and embedding backward into one kernel of 80+ buffers,
         # ~2.7 ms per 49K-token micro-batch on an H100; capped, the stage-3 step is ~10 ms faster (bench/README)
+        # set globally, not as the model's compile option: the backward compiles lazily, after the option's
+        # scope has closed, and fails without it (pytorch/pytorch#178845); the optimizers' graphs take it too
+        torch._inductor.config.cpp_wrapper = args.cpp_wrapper and device.type == "cuda"
         compiled = torch.compile(model, dynamic=False, fullgraph=True, options=dict(max_fusion_unique_io_buffers=32))
         orthogonalize = torch.compile(orthogonalize, dynamic=False, fullgraph=True)
         # dynamic=True: shapes, step sizes, decay rates and betas are arguments of one graph per dtype and
@@ -2705,7 +2710,8 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Traini
 def evaluate(model: GPT, compiled, val, windows: tuple[int, int], args: Hyperparameters, world_size: int) -> float:
     """Mean loss per token over the whole validation set (all ranks)."""
     model.eval()
-    with torch.no_grad():
+    # validation is untimed: its graphs keep the Python wrapper, quicker to compile than the C++ one (--cpp_wrapper)
+    with torch.no_grad(), torch._inductor.config.patch(cpp_wrapper=False):
         total = torch.zeros((), device=model.lm_head_w.device)
         for inputs, targets, cu_seqlens in val:
             # a document may run the whole buffer: max_seqlen is the buffer length
