@@ -213,8 +213,10 @@ class Hyperparameters:
     seed: int = 0  # seed of the weights' initialization (the data order is fixed by the shards)
     device: str = "cuda"  # cuda (refused with the reason where torch sees no GPU) | cpu | auto (cuda if seen, else cpu)
     compile: bool = True  # torch.compile the model (false: eager, for debugging and CPU runs)
-    # at 16K-token micro-batches a step's ~900 kernel launches per micro-batch from Python leave the GPU waiting
-    cpp_wrapper: bool = True  # Inductor's C++ wrapper: the compiled model launches its kernels from C++ (slower compile)
+    # Inductor's C++ wrapper: the compiled graphs launch their kernels from C++, not Python. At 16K-token micro-batches
+    # Python's launches left the GPU waiting: 8 x 16K tokens at window 3, 283-332 -> 245-246 ms a step on an H100
+    # (bench/results/cpp_wrapper_fp8_grad_h100_20261127.md); its compile takes longer (g++ builds each graph's wrapper)
+    cpp_wrapper: bool = True  # false: the Python wrapper (quicker to compile, for debugging)
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     # our kernels: ReLU² in the matmul epilogues (-12 ms a step at stage 3 on an H100), its forward in FP8 (-16 ms,
     # final loss -0.0014 +- 0.0021), the FP8 head's soft-capped cross-entropy in Triton (-22 ms)
