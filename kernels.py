@@ -70,7 +70,7 @@ def relu2_mlp_fp8_reference(x_f8: Tensor, fc_f8_t: Tensor, proj_f8: Tensor, scal
     W_fc's, W_proj's, and post's (post above 448 times its scale saturates)."""
     x_fc_s, proj_s, post_s = scales[:, 0]
     post = torch.relu((x_f8.float() @ fc_f8_t.float().T) * x_fc_s).square().to(dtype)
-    post_f8 = (post.float() / post_s).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    post_f8 = (post.float() * post_s.reciprocal()).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)  # as the kernels
     out = (post_f8.float() @ proj_f8.float().T) * (post_s * proj_s)
     return out.to(dtype), post, post_f8
 
@@ -113,7 +113,7 @@ if triton is not None:
             acc = acc * acc
             if FP8:
                 acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # post as stored: what bf16 matmuls see
-                q = tl.minimum(acc / tl.load(scale_ptr + 8), 448.0)  # row 2; 448: E4M3_MAX
+                q = tl.minimum(acc * (1.0 / tl.load(scale_ptr + 8)), 448.0)  # row 2; 448: E4M3_MAX
                 tl.store(aux_ptr + at, q.to(aux_ptr.dtype.element_ty), mask=inside)
         tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
@@ -147,6 +147,7 @@ if triton is not None:
                     acc = tl.dot(a, b_desc.load([ki * BLOCK_K, n0]), acc)
             if FP8:
                 acc = acc * tl.load(scale_ptr)  # row 0 of the (3, FP8_SCALE_ROW) scales
+                inv_post_s = 1.0 / tl.load(scale_ptr + 8)  # row 2: a multiply per entry, not a division
             halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             for h in tl.static_range(2):
                 c = halves[0] if h == 0 else halves[1]
@@ -158,7 +159,7 @@ if triton is not None:
                     c = c * c
                     if FP8:
                         c = c.to(out_desc.dtype).to(tl.float32)  # post as stored: what bf16 matmuls see
-                        side_desc.store([m0, n], tl.minimum(c / tl.load(scale_ptr + 8), 448.0).to(side_desc.dtype))
+                        side_desc.store([m0, n], tl.minimum(c * inv_post_s, 448.0).to(side_desc.dtype))
                 out_desc.store([m0, n], c.to(out_desc.dtype))
 
 # Tile sizes of the fused matmul: the fastest of five on an H100 (bench/mlp_kernel.py, bench/README.md);
