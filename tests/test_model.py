@@ -336,7 +336,10 @@ def test_token_tables_summed_by_their_lookups_get_autograds_gradients(tied):
     assert summed.keys() == plain.keys() and ("embed.weight" in plain) == (not tied)
     assert "bigram_embed.weight" in plain and "lm_head_w" in plain
     for name in plain:
-        torch.testing.assert_close(summed[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
+        # float32 sums in another order: entries that nearly cancel may differ by a few ulps of the tensor's largest
+        # (torch 2.11 on the tied head: the plain gradient adds head and lookups per micro-batch, the sums at the end)
+        scale = plain[name].abs().max().item()
+        torch.testing.assert_close(summed[name], plain[name], rtol=1e-5, atol=1e-6 * scale, msg=name)
 
 
 @pytest.mark.slow
