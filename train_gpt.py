@@ -214,9 +214,10 @@ class Hyperparameters:
     device: str = "cuda"  # cuda (refused with the reason where torch sees no GPU) | cpu | auto (cuda if seen, else cpu)
     compile: bool = True  # torch.compile the model (false: eager, for debugging and CPU runs)
     # Inductor's C++ wrapper: the compiled graphs launch their kernels from C++, not Python. At 16K-token micro-batches
-    # Python's launches left the GPU waiting: 8 x 16K tokens at window 3, 283-332 -> 245-246 ms a step on an H100
-    # (bench/results/cpp_wrapper_fp8_grad_h100_20261127.md); its compile takes longer (g++ builds each graph's wrapper)
-    cpp_wrapper: bool = True  # false: the Python wrapper (quicker to compile, for debugging)
+    # Python's launches left the GPU waiting: 8 x 16K tokens at window 3, 283-332 -> 245-246 ms a step on an H100; at
+    # 49K no change (660.5 against 659.9 ms at window 11), and g++ builds each graph's wrapper, a longer compile
+    # (bench/results/cpp_wrapper_fp8_grad_h100_20261127.md). On in the single preset (16K-token micro-batches)
+    cpp_wrapper: bool = False
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     # our kernels: ReLU² in the matmul epilogues (-12 ms a step at stage 3 on an H100), its forward in FP8 (-16 ms,
     # final loss -0.0014 +- 0.0021), the FP8 head's soft-capped cross-entropy in Triton (-22 ms)
@@ -394,7 +395,7 @@ PRESETS = {  # name: (what it is, the fields it sets)
         val_seq_len=1024, val_tokens=32768, max_doc_len=512, max_num_docs=64, num_iterations=150, val_every=50,
         log_every=10, compile=False, warmup_steps=0, device="auto", save_every=50)),
     "single": ("the record on one GPU with 24-40 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
-               "global batch", dict(seq_len=16384, max_num_docs=128)),
+               "global batch", dict(seq_len=16384, max_num_docs=128, cpp_wrapper=True)),
     "medium": ("GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the 09/03 record's model, "
                "learning rates and window pattern (repeated), attention in every block, 4000 steps",
                dict(RECORD_0903, num_layers=24, model_dim=1024, num_heads=16, head_dim=64, no_attn_layers=(),

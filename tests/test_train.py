@@ -266,7 +266,7 @@ def test_the_model_is_compiled_with_inductors_fusions_capped(tiny_args, monkeypa
     seen = []
     monkeypatch.setattr(tg.torch, "compile", lambda fn, **kw: seen.append((fn, kw)) or fn)
     monkeypatch.setattr(torch._inductor.config, "cpp_wrapper", True)  # as a former build on a GPU leaves it
-    model, *_ = tg.build(tiny_args(compile=True), torch.device("cpu"), 0, 1, log=lambda *a, **k: None)
+    model, *_ = tg.build(tiny_args(compile=True, cpp_wrapper=True), torch.device("cpu"), 0, 1, log=lambda *a, **k: None)
     options = [kw.get("options") for fn, kw in seen if fn is model]
     assert options == [{"max_fusion_unique_io_buffers": 32}]
     assert torch._inductor.config.cpp_wrapper is False  # the C++ wrapper (--cpp_wrapper) only on a CUDA device
