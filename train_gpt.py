@@ -217,7 +217,7 @@ class Hyperparameters:
     # Python's launches left the GPU waiting: 8 x 16K tokens at window 3, 283-332 -> 245-246 ms a step on an H100; at
     # 49K no change (660.5 against 659.9 ms at window 11), and g++ builds each graph's wrapper, a longer compile
     # (bench/results/cpp_wrapper_fp8_grad_h100_20261127.md). On in the single preset (16K-token micro-batches)
-    cpp_wrapper: bool = False
+    cpp_wrapper: bool = False  # compiled graphs launch their kernels from C++ (quicker steps at small micro-batches)
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     # our kernels: ReLU² in the matmul epilogues (-12 ms a step at stage 3 on an H100), its forward in FP8 (-16 ms,
     # final loss -0.0014 +- 0.0021), the FP8 head's soft-capped cross-entropy in Triton (-22 ms)
