@@ -395,7 +395,7 @@ PRESETS = {  # name: (what it is, the fields it sets)
         val_seq_len=1024, val_tokens=32768, max_doc_len=512, max_num_docs=64, num_iterations=150, val_every=50,
         log_every=10, compile=False, warmup_steps=0, device="auto", save_every=50)),
     "single": ("the record on one GPU with 24-40 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
-               "global batch", dict(seq_len=16384, max_num_docs=128, cpp_wrapper=True)),
+               "global batch; Inductor's C++ wrapper, as Python's launches would leave the GPU waiting", dict(seq_len=16384, max_num_docs=128, cpp_wrapper=True)),
     "medium": ("GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the 09/03 record's model, "
                "learning rates and window pattern (repeated), attention in every block, 4000 steps",
                dict(RECORD_0903, num_layers=24, model_dim=1024, num_heads=16, head_dim=64, no_attn_layers=(),
