@@ -38,7 +38,7 @@ Runs go one after the other (step times then compare; the per-stage table is pri
 val loss at each validation, tokens and training time there, the tokens and time to --target, the
 final losses per group with a 95% interval and the paired (same seed) difference, and ms/step and
 us/token per stage; in a timing run (--step_div > 1, runs one after the other) also each run's time over the
-public schedule's own step counts, from its stage medians."""
+public schedule's own step counts, from its stage medians, and each later run's us/token over the first's."""
 from __future__ import annotations
 
 import argparse
@@ -748,19 +748,31 @@ def finals_table(results: dict[str, dict[int, tuple]], groups: dict[str, list[st
 def stage_table(per_run: dict[str, list[dict]], full_steps: list[int] | None = None) -> list[str]:
     """ms/step and us/token per stage for each run (runs that did not share the GPU). With full_steps (the public
     schedule's unscaled steps per stage), also each run's time over that schedule: the sum of its stage medians
-    times those steps, for runs with one timed stage per public stage (the timing run: --step_div > 1)."""
+    times those steps, for runs with one timed stage per public stage (the timing run: --step_div > 1). Then each
+    later run's us/token (and schedule time) over the first run's, stage by stage (issue 33's bar: <= 1)."""
     n = max(map(len, per_run.values()))
     whole = full_steps is not None
     lines = ["| run | " + " | ".join(f"stage {i + 1}" for i in range(n))
              + (f" | public schedule ({' / '.join(map(str, full_steps))} steps) |" if whole else " |"),
              "| --- |" + " --- |" * (n + whole)]
+    us = {name: [s["median"] * 1000 / s["batch"] if s["median"] is not None else None for s in stages]
+          for name, stages in per_run.items()}
+    total = {}
     for name, stages in per_run.items():
-        cells = [f"{s['median']:.1f} ms ({s['median'] * 1000 / s['batch']:.3f} us/tok, {s['batch']:,}, {s['steps']} steps)"
-                 if s["median"] is not None else "-" for s in stages]
+        cells = [f"{s['median']:.1f} ms ({u:.3f} us/tok, {s['batch']:,}, {s['steps']} steps)" if u is not None else "-"
+                 for s, u in zip(stages, us[name])]
         if whole:
             timed = len(stages) == len(full_steps) and all(s["median"] is not None for s in stages)
-            cells.append(f"{sum(s['median'] * k for s, k in zip(stages, full_steps)) / 1000:.1f} s" if timed else "-")
+            total[name] = sum(s["median"] * k for s, k in zip(stages, full_steps)) / 1000 if timed else None
+            cells.append(f"{total[name]:.1f} s" if timed else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    first, *later = per_run
+    ratio = lambda a, b: f"{a / b:.3f}x" if a is not None and b is not None else "-"
+    for name in later:
+        cells = [ratio(a, b) for a, b in zip(us[name], us[first])] + ["-"] * (len(us[first]) - len(us[name]))
+        if whole:
+            cells.append(ratio(total[name], total[first]))
+        lines.append(f"| {name} / {first} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -922,7 +934,8 @@ def main():
         full = [st.end - st.start for st in public_stages(code.script, a.batch_div)] if staged_code and a.step_div > 1 \
             else None  # the timing run: each code's stage times over the public schedule's own step counts
         lines += ["", "Per stage: median ms per step (us per token, tokens per step, steps), each stage's first two "
-                  "steps left out" + (", and the public schedule's time at these step times" if full else ""), "",
+                  "steps left out" + (", and the public schedule's time at these step times" if full else "")
+                  + "; then each later run over the first", "",
                   *stage_table(per_stage, full)]
     table = "\n".join(lines)
     print(table)

@@ -397,6 +397,11 @@ def test_step_times_give_each_stage_its_median_step(tmp_path):
     whole = fh.stage_table({"a": got, "b": [got[0], dict(got[1], median=None)]}, full_steps=[400, 30])
     assert whole[0].endswith("| public schedule (400 / 30 steps) |") and whole[2].endswith("| 46.0 s |")
     assert whole[3].endswith("| - | - |")
+    # each later run over the first, stage by stage: us per token (the bar), and the schedule's time
+    slower = [dict(got[0], median=110), dict(got[1], median=190)]
+    ratios = fh.stage_table({"public": got, "ours": slower}, full_steps=[400, 30])
+    assert ratios[-1] == "| ours / public | 1.100x | 0.950x | 1.080x |"  # (400 x 110 + 30 x 190) / 46,000 ms
+    assert fh.stage_table({"public": got, "b": [got[0], dict(got[1], median=None)]})[-1] == "| b / public | 1.000x | - |"
 
 
 def test_finals_pair_runs_of_the_same_seed():
