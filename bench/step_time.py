@@ -11,7 +11,7 @@ medians (and means: with --adam_every > 1 the steps alternate) after compile and
 times the first stage's targets at each window; --stages times every stage of the resolved schedule at
 its own batch, windows, extra targets and tied or untied embedding, then sums the schedule's training time at
 those mean step times (`--num_iterations 776`: that schedule's one-GPU time, beside bench/side_by_side.py's
-public schedule time measured in the same session)."""
+public schedule time measured in the same session) and prints them as train_gpt.py's STEP_US_PER_TOKEN entries."""
 import argparse
 import dataclasses
 import gc
@@ -44,6 +44,18 @@ def idle_report(trace: dict, steps: int, top: int = 12) -> str:
     for g, a, b in sorted(gaps, reverse=True)[:top]:
         lines.append(f"  {g / 1e3:8.3f} ms after {a[:70]} / before {b[:70]}")
     return "\n".join(lines)
+
+
+def plan_entries(device_name: str, preset: str, rows: list[tuple[int, int, int, int, float]]) -> list[str]:
+    """--stages' measured stages as train_gpt.py's STEP_US_PER_TOKEN entries (what --plan projects from): key (GPU
+    kind, preset, micro-batch tokens, document cut, long window in blocks), value mean us per token. rows: (seq_len,
+    max_doc_len, long window in blocks, tokens per step, mean ms per step), one per stage; a shape measured twice
+    (the extension's window, say, in two stages) keeps its first."""
+    kind = next((k for k in ("H100", "H200", "B200", "A100") if k in device_name), device_name)
+    seen = {}
+    for seq_len, doc_len, window, batch, ms in rows:
+        seen.setdefault((kind, preset, seq_len, doc_len, window), ms * 1000 / batch)
+    return [f"    {key!r}: {us:.3f}," for key, us in seen.items()]
 
 
 def main():
@@ -86,6 +98,7 @@ def main():
     per_run = own.warmup + own.steps  # batches each timed run reads; the loader prefetches, so its plan is fixed here
     loader = tg.BatchLoader(producer, lambda i: runs[min(i // per_run, len(runs) - 1)][1].batch, device)
     whole_ms, tokens = 0.0, 0  # --stages: the schedule's training time at the measured mean step times
+    plan_rows = []  # --stages: (seq_len, doc cut, long window in blocks, tokens per step, mean ms) per stage
     for name, stage in runs:
         if own.stages:
             step = stage.start  # the stage's own weights of its extra targets (and learning rate)
@@ -108,6 +121,7 @@ def main():
         med, mean = statistics.median(times), statistics.fmean(times)
         whole_ms += (stage.end - stage.start) * mean
         tokens += (stage.end - stage.start) * spec.batch_size
+        plan_rows.append((spec.seq_len, spec.max_doc_len, stage.windows[0] // args.window_block, spec.batch_size, mean))
         print(f"{name}: step of {spec.batch_size:,} tokens, windows {stage.windows}: median {med:.1f} ms, "
               f"mean {mean:.1f} (min {min(times):.1f}, max {max(times):.1f}) over {own.steps} steps; "
               f"{spec.batch_size / mean * 1e3:,.0f} tokens/s; "
@@ -116,6 +130,8 @@ def main():
     if own.stages:
         print(f"schedule: {schedule[-1].end} steps, {tokens:,} tokens: {whole_ms / 1000:.1f} s of training steps on "
               f"this GPU at these mean step times", flush=True)
+        print("as train_gpt.py's STEP_US_PER_TOKEN entries (--plan's projection):", *plan_entries(
+            torch.cuda.get_device_name(), args.preset, plan_rows), sep="\n", flush=True)
     if own.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

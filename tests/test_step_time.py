@@ -1,9 +1,12 @@
-"""bench/step_time.py's reading of a profile: where the GPU sat idle between kernels."""
+"""bench/step_time.py's reading of a profile (where the GPU sat idle between kernels) and its --stages lines for
+--plan's table."""
+import ast
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import step_time  # noqa: E402
+import train_gpt as tg  # noqa: E402  (step_time put the repository on the path)
 
 
 def kernel(ts, dur, name):
@@ -26,3 +29,11 @@ def test_idle_report_counts_only_time_no_kernel_covers_and_names_the_longest_gap
 
 def test_idle_report_of_a_trace_without_kernels():
     assert step_time.idle_report({"traceEvents": []}, 2) == "trace: no GPU kernels"
+
+
+def test_plan_entries_are_train_gpts_table_keys_in_us_per_token():
+    rows = [(49152, 896, 3, 393216, 659.6), (49152, 2048, 11, 393216, 695.0), (49152, 2048, 11, 393216, 700.0)]
+    lines = step_time.plan_entries("NVIDIA H100 80GB HBM3", "record", rows)
+    assert lines == ["    ('H100', 'record', 49152, 896, 3): 1.677,", "    ('H100', 'record', 49152, 2048, 11): 1.767,"]
+    table = ast.literal_eval("{" + "".join(lines) + "}")  # pastes into train_gpt.STEP_US_PER_TOKEN as it is
+    assert set(table) <= set(tg.STEP_US_PER_TOKEN) and table[("H100", "record", 49152, 896, 3)] == 1.677
