@@ -215,8 +215,9 @@ class Hyperparameters:
     compile: bool = True  # torch.compile the model (false: eager, for debugging and CPU runs)
     # Inductor's C++ wrapper: the compiled graphs launch their kernels from C++, not Python. At 16K-token micro-batches
     # Python's launches left the GPU waiting: 8 x 16K tokens at window 3, 283-332 -> 245-246 ms a step on an H100; at
-    # 49K no change (660.5 against 659.9 ms at window 11), and g++ builds each graph's wrapper, a longer compile
-    # (bench/results/cpp_wrapper_fp8_grad_h100_20261127.md). On in the single preset (16K-token micro-batches)
+    # 49K no change (660.5 against 659.9 ms at window 11), and g++ builds each graph's wrapper, a longer compile: the
+    # warm-up of 4 stage shapes took 775 s cold (beside another compile) and 157 s warm on an H100
+    # (bench/results/cpp_wrapper_fp8_grad_h100_20261127.md, one_session_h100_20261127.md). On in the single preset
     cpp_wrapper: bool = False  # compiled graphs launch their kernels from C++ (quicker steps at small micro-batches)
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     # our kernels: ReLU² in the matmul epilogues (-12 ms a step at stage 3 on an H100), its forward in FP8 (-16 ms,
@@ -2726,23 +2727,28 @@ def evaluate(model: GPT, compiled, val, windows: tuple[int, int], args: Hyperpar
 
 
 def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, stages: list[TrainingStage],
-           args: Hyperparameters, world_size: int):
+           args: Hyperparameters, world_size: int, log=lambda msg: None):
     """Untimed warm-up: compile the training and validation graphs of every distinct stage shape on
     real batches (warmup_steps optimizer steps each), and the final validation's longer window if
     any, then restore the initial weights and optimizer state exactly. The producer is a fresh one:
-    the timed run starts from the same data."""
+    the timed run starts from the same data. Logs each shape as it is done (a cold compile takes minutes)."""
     untie = untie_step(stages, args)
     shapes = list({(st.batch, st.windows, len(st.mtp), any(st.prefix), st.start < untie): st for st in stages}.values())
     k = args.warmup_steps
     initial_model = {name: v.detach().clone() for name, v in model.state_dict().items()}
     initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]
     loader = BatchLoader(producer, lambda s: shapes[min(s // k, len(shapes) - 1)].batch, model.lm_head_w.device)
+    t0 = time.perf_counter()
+    log(f"warm-up: compiling {len(shapes)} stage shape(s){' and the final validation' if args.final_val_window else ''}"
+        f"{' with the C++ wrapper' if args.cpp_wrapper else ''}; minutes each on a cold compile cache")
     try:
-        for stage in shapes:
+        for n, stage in enumerate(shapes, 1):
             tie_embedding_at(model, stage.start, untie)  # its graphs are compiled with the embedding it trains with
             for i in range(k):
                 train_step(model, compiled, optimizers, loader.next()[1], i, stage, args)
             evaluate(model, compiled, val, stage.windows, args, world_size)
+            log(f"warm-up: shape {n}/{len(shapes)} (stage from step {stage.start}: {stage.batch.batch_size:,} tokens, "
+                f"windows {stage.windows[0]}/{stage.windows[1]} tokens) done at {time.perf_counter() - t0:.0f}s")
         if args.final_val_window:
             tie_embedding_at(model, args.num_iterations, untie)  # the final validation: tied only if never untied
             evaluate(model, compiled, val, val_windows(stages, args.num_iterations, args), args, world_size)
@@ -3157,7 +3163,7 @@ def train(args: Hyperparameters) -> RunResult:
                                                     state, log)
         if args.warmup_steps > 0:
             t = time.perf_counter()
-            warmup(model, compiled, optimizers, producer(), val, stages, args, world_size)
+            warmup(model, compiled, optimizers, producer(), val, stages, args, world_size, log)
             log(f"warm-up (compile) done in {time.perf_counter() - t:.1f}s")
         loader = BatchLoader(producer(data_state), lambda s: stage_at(stages, s).batch, device, start_step=first_step)
         figures = Figures(model, device, peak_tflops(device, args.peak_tflops), world_size, first_step)

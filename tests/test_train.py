@@ -100,8 +100,12 @@ def test_warmup_leaves_weights_and_optimizer_state_bit_identical(tiny_args):
     changed = []
     original_finish = optimizers[1].finish  # Muon's last phase (train_step runs the optimizers in phases)
     optimizers[1].finish = lambda g: (original_finish(g), changed.append(model.blocks[0].mlp.fc_w.clone()))
-    tg.warmup(model, compiled, optimizers, producer, val, tg.training_stages(args), args, 1)
+    lines = []
+    tg.warmup(model, compiled, optimizers, producer, val, tg.training_stages(args), args, 1, lines.append)
     assert len(changed) == 2 * len(args.stages)
+    n = len(args.stages)  # the tiny stages differ in windows: one shape each, each shape's progress logged
+    assert lines[0].startswith(f"warm-up: compiling {n} stage shape(s)")
+    assert [line.split(" (")[0] for line in lines[1:]] == [f"warm-up: shape {i}/{n}" for i in range(1, n + 1)]
     assert not torch.equal(changed[-1], before_model["blocks.0.mlp.fc_w"]), "warm-up really trained"
     for k, v in model.state_dict().items():
         assert torch.equal(v, before_model[k]), k
