@@ -5,7 +5,8 @@
         --train_files "DIR/fineweb_train_*.bin" --val_files "DIR/fineweb_val_*.bin" \\
         [--public_code master|89|0903|mudd-base|mudd-v1] [--public_commit HASH] [--public_attention fa3|varlen] \\
         [--batch_div 16] [--step_div 1] [--accum N] [--val_every 125] [--seeds 0 1 2] [--public_seeds 0 1 2] \\
-        [--ours_args "FLAGS"] [--variant NAME "FLAGS" ...] [--parallel [--stagger]] [--target LOSS] [--out table.md]
+        [--ours_args "FLAGS"] [--variant NAME "FLAGS" ...] [--parallel [--stagger] | --warm_first] [--target LOSS] \
+        [--out table.md]
 
 Public codes (--public_code), all read from a checkout of KellerJordan/modded-nanogpt:
   master  the public line's current code: train_gpt.py and the kernel files it imports, at the commit
@@ -34,8 +35,9 @@ Validation is the same for both codes: the first --val_tokens tokens of the val 
 --val_seq_len (the public val_batch_size becomes accum x val_seq_len).
 
 Runs go one after the other (step times then compare; the per-stage table is printed), or with
---parallel all at once sharing the GPU (losses only; the tables say so). Prints and writes markdown:
-val loss at each validation, tokens and training time there, the tokens and time to --target, the
+--parallel all at once sharing the GPU (losses only; the tables say so). --warm_first runs each code's first run
+once beforehand, all at the same time and untimed, so that the timed runs compile from warm caches. Prints and
+writes markdown: val loss at each validation, tokens and training time there, the tokens and time to --target, the
 final losses per group with a 95% interval and the paired (same seed) difference, and ms/step and
 us/token per stage; in a timing run (--step_div > 1, runs one after the other) also each run's time over the
 public schedule's own step counts, from its stage medians, and each later run's us/token over the first's."""
@@ -814,6 +816,9 @@ def main():
     p.add_argument("--target", type=float, help="also tabulate the tokens and time each run took to reach this val loss")
     p.add_argument("--profile_step", type=int, help="all but 0903: profile public training steps N and N+1 and print "
                    "the top kernels into its log")
+    p.add_argument("--warm_first", action="store_true", help="before the runs, which then go one at a time: each "
+                   "code's first run once, all at the same time, untimed, so that every timed run compiles from a warm "
+                   "cache (one cold compile's wait instead of one per code)")
     p.add_argument("--start_after", help="all but 0903: public runs wait after their warm-up until this file exists, "
                    "then start the clock (compile a timing run while learning runs still share the GPU)")
     p.add_argument("--check_only", action="store_true", help="stage and check the data plan, run nothing")
@@ -826,6 +831,8 @@ def main():
         a.seeds = [0, 1, 2] if staged_code else [0, 1]
     if a.public_seeds is None and staged_code:
         a.public_seeds = [0, 1, 2]
+    if a.warm_first and a.parallel:
+        fail("--warm_first is for runs timed one after the other; --parallel runs share the GPU anyway")
     if a.accum is None:
         a.accum = 1 if a.batch_div > 1 else 8
     if a.public_code == "0903":
@@ -857,25 +864,31 @@ def main():
     ours_common += ["--train_files", a.train_files, "--val_files", a.val_files, "--val_tokens", str(a.val_tokens),
                     "--val_seq_len", str(a.val_seq_len), "--val_every", str(a.val_every),
                     "--log_dir", str(a.work / "logs"), *a.ours_args.split()]
-    stamp = time.strftime("%Y%m%d_%H%M%S")
-    runs = []  # (column, log path, command, cwd, env, seed, stages)
     env_public = {"PYTHONPATH": os.pathsep.join([str(stage), *filter(None, [os.environ.get("PYTHONPATH")])]),
                   "TORCHINDUCTOR_CACHE_DIR": str(a.work / f"cache_public_{code.name}"), "PYTHONUNBUFFERED": "1"}
-    for seed in [None] if a.public_seeds is None else a.public_seeds:
-        rid = f"public_{code.name}_{stamp}_" + ("unseeded" if seed is None else f"seed{seed}")
-        source_i = override((stage / "train_gpt.py").read_text(), "run_id", repr(rid))
-        (stage / f"{rid}.py").write_text(source_i if seed is None else seed_public(source_i, seed))
-        runs.append((f"public {code.name}" + ("" if seed is None else f" seed {seed}"), stage / "logs" / f"{rid}.txt",
-                     ["torchrun", "--standalone", "--nproc_per_node=1", f"{rid}.py"], stage, env_public, seed,
-                     pub_stages))
-    for label, extra in variants:
-        for seed in a.seeds:
-            rid = f"{label}_{stamp}_seed{seed}"
-            argv = [*ours_common, *extra.split(), "--seed", str(seed), "--run_id", rid]
-            runs.append((f"{label} seed {seed}", a.work / "logs" / f"{rid}.txt",
-                         ["torchrun", "--standalone", "--nproc_per_node=1", str(a.ours.resolve()), *argv], ROOT,
-                         {"TORCHINDUCTOR_CACHE_DIR": str(a.work / f"cache_{label}")}, seed,
-                         tg.training_stages(tg.parse_args(argv))))
+
+    def make_runs(stamp: str) -> list:
+        """(column, log path, command, cwd, env, seed, stages) of every run, its files named by stamp."""
+        runs = []
+        for seed in [None] if a.public_seeds is None else a.public_seeds:
+            rid = f"public_{code.name}_{stamp}_" + ("unseeded" if seed is None else f"seed{seed}")
+            source_i = override((stage / "train_gpt.py").read_text(), "run_id", repr(rid))
+            (stage / f"{rid}.py").write_text(source_i if seed is None else seed_public(source_i, seed))
+            runs.append((f"public {code.name}" + ("" if seed is None else f" seed {seed}"),
+                         stage / "logs" / f"{rid}.txt", ["torchrun", "--standalone", "--nproc_per_node=1", f"{rid}.py"],
+                         stage, env_public, seed, pub_stages))
+        for label, extra in variants:
+            for seed in a.seeds:
+                rid = f"{label}_{stamp}_seed{seed}"
+                argv = [*ours_common, *extra.split(), "--seed", str(seed), "--run_id", rid]
+                runs.append((f"{label} seed {seed}", a.work / "logs" / f"{rid}.txt",
+                             ["torchrun", "--standalone", "--nproc_per_node=1", str(a.ours.resolve()), *argv], ROOT,
+                             {"TORCHINDUCTOR_CACHE_DIR": str(a.work / f"cache_{label}")}, seed,
+                             tg.training_stages(tg.parse_args(argv))))
+        return runs
+
+    stamp = time.strftime("%Y%m%d_%H%M%S")
+    runs = make_runs(stamp)
 
     print(f"public code: {code.name}, {code.origin}; staged in {stage}", flush=True)
     plans = []
@@ -896,6 +909,17 @@ def main():
         print("data plan: " + "; ".join(plans), flush=True)
     if a.check_only:
         return
+    if a.warm_first:  # each code's first run once, all at the same time: its compile cache fills while they share
+        warm = []
+        for r in make_runs(stamp + "_warm"):
+            if all(group_of(w[0]) != group_of(r[0]) for w in warm):
+                warm.append(r)
+        print(f"warming the compile caches: {', '.join(r[0] for r in warm)} at once (their times are not used)",
+              flush=True)
+        for (name, log, *_), proc in zip(warm, launch_all(warm, len(warm), False)):
+            if proc.wait() != 0:
+                fail(f"the cache-warming run of {name} exited with {proc.returncode}; its output: "
+                     f"{log.with_suffix('.out')}")
     at_once = (a.max_parallel or runs_that_fit()) if a.parallel else 1
     procs = launch_all(runs, at_once, a.parallel and a.stagger)
     for (name, log, *_), proc in zip(runs, procs):

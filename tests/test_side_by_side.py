@@ -149,6 +149,40 @@ def test_ours_runs_the_0903_algorithm_and_a_variant_can_pick_todays_record(monke
     assert base.num_iterations == today.num_iterations == 40 and base.batch_size == today.batch_size == 131072
 
 
+
+def test_warm_first_runs_each_code_once_at_the_same_time_before_the_timed_runs(monkeypatch, tmp_path):
+    """--warm_first: one untimed run per code (the public code, ours, each variant), files named apart from the
+    timed runs', all launched before any timed run; a warming run that fails stops the harness."""
+    from conftest import write_corpus
+    train, val = write_corpus(tmp_path / "data")
+    launched = []
+
+    def fake_launch(cmd, cwd, log, env):
+        launched.append((cmd, log.name))
+        return SimpleNamespace(poll=lambda: 0, wait=lambda: rc, returncode=0)
+    monkeypatch.setattr(fh, "launch", fake_launch)
+    fields = "".join(f"    {name}: int = 1 # x\n" for name in ("val_files", "val_batch_size", "val_loss_every"))
+    public = PUBLIC_LIKE.replace("class Hyperparameters:\n", "class Hyperparameters:\n" + fields)
+    argv = ["side_by_side.py", "--public", str(fake_checkout(tmp_path, public)), "--public_code", "0903",
+            "--train_files", train, "--val_files", val, "--steps", "40", "--seeds", "0", "1",
+            "--work", str(tmp_path / "w"), "--variant", "today", "--preset record", "--warm_first"]
+    rc = 0
+    monkeypatch.setattr(sys, "argv", argv)
+    fh.main()
+    logs = [name for _, name in launched]
+    warm, timed = logs[:3], logs[3:]
+    assert [n.split("_")[0] for n in warm] == ["public", "ours", "today"] and all("_warm_" in n for n in warm)
+    assert len(timed) == 5 and not any("_warm" in n for n in timed)  # the 0903 code's one run, 2 seeds x 2 of ours
+    launched.clear()
+    rc = 1
+    with pytest.raises(SystemExit, match="cache-warming run of public 0903 exited"):
+        fh.main()
+    assert len(launched) == 3  # the warming runs only
+    monkeypatch.setattr(sys, "argv", argv + ["--parallel"])
+    with pytest.raises(SystemExit, match="--warm_first is for runs timed one after the other"):
+        fh.main()
+
+
 # ---- the public line's current code (master) and record #89: patches, the scaling rule, the data check
 
 # The lines of the public master script each patch anchors on, in a stand-in that is not the public code.
