@@ -917,10 +917,11 @@ def main():
                 warm.append(r)
         print(f"warming the compile caches: {', '.join(r[0] for r in warm)} at once (their times are not used)",
               flush=True)
-        for (name, log, *_), proc in zip(warm, launch_all(warm, len(warm), False)):
-            if proc.wait() != 0:
-                fail(f"the cache-warming run of {name} exited with {proc.returncode}; its output: "
-                     f"{log.with_suffix('.out')}")
+        procs = launch_all(warm, len(warm), False)
+        failed = [f"{name} exited with {proc.returncode}; its output: {log.with_suffix('.out')}"
+                  for (name, log, *_), proc in zip(warm, procs) if proc.wait() != 0]  # every run ends first
+        if failed:
+            fail("the cache-warming run of " + "; ".join(failed))
     at_once = (a.max_parallel or runs_that_fit()) if a.parallel else 1
     procs = launch_all(runs, at_once, a.parallel and a.stagger)
     for (name, log, *_), proc in zip(runs, procs):
