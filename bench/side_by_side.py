@@ -818,8 +818,8 @@ def main():
                    "the top kernels into its log")
     p.add_argument("--warm_first", action="store_true", help="before the runs, which then go one at a time: each "
                    "code's first run once, all at the same time, untimed, so that every timed run compiles from a warm "
-                   "cache (one cold compile's wait instead of one per code; the warming runs train their whole schedule: meant "
-                   "for the short timing runs, --step_div 16)")
+                   "cache (one cold compile's wait instead of one per code; the warming runs train their whole "
+                   "schedule: meant for the short timing runs, --step_div 16)")
     p.add_argument("--start_after", help="all but 0903: public runs wait after their warm-up until this file exists, "
                    "then start the clock (compile a timing run while learning runs still share the GPU)")
     p.add_argument("--check_only", action="store_true", help="stage and check the data plan, run nothing")
