@@ -111,7 +111,7 @@ class Hyperparameters:
     seq_len: int = 49152  # tokens per micro-batch (one rank, one accumulation step)
     val_seq_len: int = 262144  # validation buffer: context resets at its edges (the public speedrun's 262,144)
     max_doc_len: int = 2048  # training documents are cut here and the rest dropped (validation: never cut)
-    max_num_docs: int = 256  # cu_seqlens is padded to this many sequences, so shapes stay static
+    max_num_docs: int = 0  # cu_seqlens padded to this many sequences (static shapes); 0: this run's fullest micro-batch (doc_slots)
     # model: the public master's 11 blocks, attention skipped in block 6, long windows in blocks 3 and 10
     vocab_size: int = 50304  # GPT-2's 50,257 padded to a multiple of 128 for fast matmuls (@Grad62304977)
     num_layers: int = 11  # transformer blocks (09/03/25: 12)
@@ -243,10 +243,11 @@ class Hyperparameters:
 
     def __post_init__(self):
         h = self
-        for name in ("num_iterations", "batch_size", "seq_len", "val_tokens", "val_seq_len", "max_doc_len",
-                     "max_num_docs"):
+        for name in ("num_iterations", "batch_size", "seq_len", "val_tokens", "val_seq_len", "max_doc_len"):
             if getattr(h, name) < 1:
                 raise ValueError(f"--{name} {getattr(h, name)}: must be positive")
+        if h.max_num_docs < 0:
+            raise ValueError(f"--max_num_docs {h.max_num_docs}: a positive count, or 0 to size it from the data")
         if h.batch_size % h.seq_len:
             raise ValueError(f"batch_size={h.batch_size} must be a multiple of seq_len={h.seq_len}")
         if not h.stages or not all(isinstance(row, Stage) for row in h.stages):
@@ -393,14 +394,14 @@ PRESETS = {  # name: (what it is, the fields it sets)
         val_files=os.path.join(DATA_PATH, "data/smoke/markov_val_*.bin"), vocab_size=128, bos_id=127,
         num_layers=4, model_dim=128, num_heads=2, head_dim=64, no_attn_layers=(2,), num_value_embeds=1,
         window_pattern="LSSL", stages=(Stage(1), Stage(2), Stage(3)), window_block=64, batch_size=8 * 512, seq_len=512,
-        val_seq_len=1024, val_tokens=32768, max_doc_len=512, max_num_docs=64, num_iterations=150, val_every=50,
+        val_seq_len=1024, val_tokens=32768, max_doc_len=512, num_iterations=150, val_every=50,
         log_every=10, compile=False, warmup_steps=0, device="auto", save_every=50)),
     "single": ("the record on one GPU with 24-40 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
-               "global batch; Inductor's C++ wrapper, as Python's launches would leave the GPU waiting", dict(seq_len=16384, max_num_docs=128, cpp_wrapper=True)),
+               "global batch; Inductor's C++ wrapper, as Python's launches would leave the GPU waiting", dict(seq_len=16384, cpp_wrapper=True)),
     "medium": ("GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the 09/03 record's model, "
                "learning rates and window pattern (repeated), attention in every block, 4000 steps",
                dict(RECORD_0903, num_layers=24, model_dim=1024, num_heads=16, head_dim=64, no_attn_layers=(),
-                    window_pattern="LSSSLSSLSSSL" * 2, seq_len=24576, max_num_docs=128, num_iterations=4000)),
+                    window_pattern="LSSSLSSLSSSL" * 2, seq_len=24576, num_iterations=4000)),
 }
 
 
@@ -1915,7 +1916,7 @@ def assemble(pieces, num_tokens: int, max_num_docs: int) -> tuple[np.ndarray, np
     has max_num_docs + 1 entries, padded with num_tokens (empty sequences) so shapes stay static."""
     if len(pieces) > max_num_docs:
         raise ValueError(f"a micro-batch of {num_tokens} tokens holds {len(pieces)} documents, more than "
-                         f"max_num_docs={max_num_docs}: raise --max_num_docs (very short documents?)")
+                         f"max_num_docs={max_num_docs}: raise --max_num_docs, or 0 to size it from the data")
     x = np.empty(num_tokens, dtype=np.int32)
     y = np.empty(num_tokens, dtype=np.int32)
     cu = np.full(max_num_docs + 1, num_tokens, dtype=np.int32)
@@ -1933,6 +1934,7 @@ class BatchSpec:
     batch_size: int  # tokens per step, all ranks
     seq_len: int  # tokens per micro-batch
     max_doc_len: int
+    num_docs: int = 0  # cu_seqlens' sequences (max_num_docs); 0 until doc_slots has read the run's documents
 
 
 class BatchProducer:
@@ -1943,9 +1945,9 @@ class BatchProducer:
     do not depend on how world size and accumulation split the batch. Each step takes its own
     BatchSpec, so batch size and max_doc_len may change between steps."""
 
-    def __init__(self, files: list[str], rank: int, world_size: int, max_num_docs: int, bos_id: int,
-                 state: dict | None = None, log=print):
-        self.rank, self.world_size, self.max_num_docs = rank, world_size, max_num_docs
+    def __init__(self, files: list[str], rank: int, world_size: int, bos_id: int, state: dict | None = None,
+                 log=print):
+        self.rank, self.world_size = rank, world_size
         self.stream = TokenStream(files, bos_id, wrap=True, log=log, state=state)
 
     def step(self, spec: BatchSpec) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -1953,19 +1955,25 @@ class BatchProducer:
         if spec.batch_size % spec.seq_len or num_slots % self.world_size:
             raise ValueError(f"batch_size={spec.batch_size} must be seq_len={spec.seq_len} times a multiple "
                              f"of world_size={self.world_size}")
+        if spec.num_docs < 1:
+            raise ValueError(f"{spec}: num_docs not set; doc_slots sizes it from the data (or set --max_num_docs)")
         out = []
         for slot in range(num_slots):
             pieces = self.stream.take(spec.seq_len, spec.max_doc_len)
             if slot % self.world_size == self.rank:
-                out.append(assemble(pieces, spec.seq_len, self.max_num_docs))
+                out.append(assemble(pieces, spec.seq_len, spec.num_docs))
         return out
+
+
+LOADER_READ_AHEAD = 4  # steps a BatchLoader may have cut past the last one taken: its queue's 3 and one in hand
 
 
 class BatchLoader:
     """A BatchProducer run ahead by a background thread: batches are pinned and copied to the device
     without blocking. `plan(step)` gives each step's BatchSpec."""
 
-    def __init__(self, producer: BatchProducer, plan, device: torch.device, start_step: int = 0, prefetch: int = 3):
+    def __init__(self, producer: BatchProducer, plan, device: torch.device, start_step: int = 0,
+                 prefetch: int = LOADER_READ_AHEAD - 1):
         self.producer, self.plan, self.device = producer, plan, device
         self.state = producer.stream.state()  # stream position at the start of the next step handed out
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
@@ -2188,6 +2196,63 @@ def untie_step(stages: list[TrainingStage], args: Hyperparameters) -> float:
     never tied, infinity when tied throughout)."""
     n = args.tied_embed_stages
     return stages[n].start if n < len(stages) else math.inf
+
+
+DOC_SLOT_MULTIPLE = 16  # doc_slots rounds cu_seqlens' sequence count up to a multiple of this
+
+
+def warmup_shapes(stages: list[TrainingStage], args: Hyperparameters) -> list[TrainingStage]:
+    """The distinct stage shapes the warm-up compiles, each as its first stage."""
+    untie = untie_step(stages, args)
+    return list({(st.batch, st.windows, len(st.mtp), any(st.prefix), st.start < untie): st for st in stages}.values())
+
+
+def run_plans(stages: list[TrainingStage], args: Hyperparameters) -> list[list[BatchSpec]]:
+    """Every step's BatchSpec in the order the run's two loaders ask for them, each loader from the stream's
+    start: the warm-up's (warmup_steps steps of each shape), then the timed run's; each with its read-ahead."""
+    shapes, k = warmup_shapes(stages, args), args.warmup_steps
+    warm = [shapes[min(s // k, len(shapes) - 1)].batch for s in range(k * len(shapes) + LOADER_READ_AHEAD)] if k else []
+    return [warm, [stage_at(stages, s).batch for s in range(args.num_iterations + LOADER_READ_AHEAD)]]
+
+
+def most_documents(files: list[str], bos_id: int, plans: list[list[BatchSpec]]) -> dict[tuple[int, int], int]:
+    """Per (seq_len, max_doc_len): the most documents (pieces, after the cut) in any micro-batch these step
+    plans cut from the training stream, each plan read from the stream's start. Only document starts are
+    read, so a record run's whole stream takes seconds."""
+    most = {}
+    for plan in plans:
+        stream = TokenStream(files, bos_id, wrap=True, log=lambda msg: None)
+        for spec in plan:
+            key = (spec.seq_len, spec.max_doc_len)
+            for _ in range(spec.batch_size // spec.seq_len):
+                most[key] = max(most.get(key, 0), len(stream.take(*key)))
+    return most
+
+
+def doc_slots(stages: list[TrainingStage], files: list[str], args: Hyperparameters, log=lambda msg: None,
+              plans: list[list[BatchSpec]] = ()) -> dict[tuple[int, int], int]:
+    """cu_seqlens' sequence count per (seq_len, max_doc_len) of micro-batch (BatchSpec.num_docs, with_slots):
+    --max_num_docs, or with 0 the most documents any micro-batch of this run holds (most_documents over
+    run_plans and any extra plans), rounded up to DOC_SLOT_MULTIPLE. The data and the schedule fix every
+    micro-batch, so none can hold more. Fewer empty slots are faster: FlashAttention-3's backward runs thread
+    blocks for every slot, empty or not; 128 slots instead of 256 took 5.6 ms off the record's step at window 11
+    on one H100 (bench/fa3_padding.py; the public code pads to 128 at 49K tokens, 64 at 16K)."""
+    plans = run_plans(stages, args) + list(plans)
+    if args.max_num_docs:
+        return {(spec.seq_len, spec.max_doc_len): args.max_num_docs for plan in plans for spec in plan}
+    t = time.perf_counter()
+    most = most_documents(files, args.bos_id, plans)
+    slots = {key: -(-n // DOC_SLOT_MULTIPLE) * DOC_SLOT_MULTIPLE for key, n in most.items()}
+    log("data: cu_seqlens sized to this run's fullest micro-batches (--max_num_docs 0): "
+        + "; ".join(f"{seq_len:,} tokens cut at {cut:,}: at most {most[seq_len, cut]} documents, {n} slots"
+                    for (seq_len, cut), n in slots.items()) + f" (read in {time.perf_counter() - t:.1f}s)")
+    return slots
+
+
+def with_slots(stages: list[TrainingStage], slots: dict[tuple[int, int], int]) -> list[TrainingStage]:
+    """The stages with their micro-batches' cu_seqlens length (BatchSpec.num_docs) from doc_slots."""
+    return [dataclasses.replace(st, batch=dataclasses.replace(
+        st.batch, num_docs=slots[st.batch.seq_len, st.batch.max_doc_len])) for st in stages]
 
 
 def untie_embedding(model: "GPT", adam: "DistAdam"):
@@ -2732,9 +2797,7 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, stage
     real batches (warmup_steps optimizer steps each), and the final validation's longer window if
     any, then restore the initial weights and optimizer state exactly. The producer is a fresh one:
     the timed run starts from the same data. Logs each shape as it is done (a cold compile takes minutes)."""
-    untie = untie_step(stages, args)
-    shapes = list({(st.batch, st.windows, len(st.mtp), any(st.prefix), st.start < untie): st for st in stages}.values())
-    k = args.warmup_steps
+    untie, shapes, k = untie_step(stages, args), warmup_shapes(stages, args), args.warmup_steps
     initial_model = {name: v.detach().clone() for name, v in model.state_dict().items()}
     initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]
     loader = BatchLoader(producer, lambda s: shapes[min(s // k, len(shapes) - 1)].batch, model.lm_head_w.device)
@@ -3158,9 +3221,9 @@ def train(args: Hyperparameters) -> RunResult:
         log.start()  # start-up checks passed: from here on the run has a log
         log(f"logging to {log.path}")
         stages, N = training_stages(args), args.num_iterations
+        stages = with_slots(stages, doc_slots(stages, train_files, args, log))
         untie = untie_step(stages, args)
-        producer = lambda state=None: BatchProducer(train_files, rank, world_size, args.max_num_docs, args.bos_id,
-                                                    state, log)
+        producer = lambda state=None: BatchProducer(train_files, rank, world_size, args.bos_id, state, log)
         if args.warmup_steps > 0:
             t = time.perf_counter()
             warmup(model, compiled, optimizers, producer(), val, stages, args, world_size, log)

@@ -148,8 +148,12 @@ def main():
     if stage.start >= untie and model.tied_embed:
         tg.untie_embedding(model, optimizers[0])
     tg.tie_embedding_at(model, stage.start, untie)
-    producer = tg.BatchProducer(tg.shard_files(args.train_files, "training"), rank, world_size, args.max_num_docs,
-                                args.bos_id)
+    files = tg.shard_files(args.train_files, "training")
+    producer = tg.BatchProducer(files, rank, world_size, args.bos_id)
+    # cu_seqlens as long as the training run's for this shape (and long enough for the batches read here)
+    slots = tg.doc_slots(stages, files, args, plans=[[stage.batch] * (own.warmup + own.steps + own.profile_steps
+                                                                  + tg.LOADER_READ_AHEAD)])
+    stage = tg.with_slots([stage], slots)[0]
     loader = tg.BatchLoader(producer, lambda s: stage.batch, device)
     step = stage.start
 

@@ -40,11 +40,11 @@ def main():
             times.append(time.perf_counter() - t)
         print(f"load + BOS index of a {args.tokens / 1e6:.0f}M-token shard: median {statistics.median(times):.3f} s "
               f"({stream.bos.size:,} documents)")
-        spec = tg.BatchSpec(batch_size=8 * 49152, seq_len=49152, max_doc_len=2048)
+        spec = tg.BatchSpec(batch_size=8 * 49152, seq_len=49152, max_doc_len=2048, num_docs=256)
         print("| world size | micro-batches per rank per step | step production (ms) | tokens/s per rank |")
         print("| --- | --- | --- | --- |")
         for world_size in (1, 8):
-            producer = tg.BatchProducer([str(path)], 0, world_size, 256, tg.BOS_ID)
+            producer = tg.BatchProducer([str(path)], 0, world_size, tg.BOS_ID)
             step_times = []
             for _ in range(args.steps):
                 t = time.perf_counter()

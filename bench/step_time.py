@@ -74,7 +74,8 @@ def main():
     args = tg.parse_args(rest)
     device = torch.device("cuda")
     model, compiled, optimizers, attention, fp8 = tg.build(args, device, 0, 1)
-    producer = tg.BatchProducer(tg.shard_files(args.train_files, "training"), 0, 1, args.max_num_docs, args.bos_id)
+    files = tg.shard_files(args.train_files, "training")
+    producer = tg.BatchProducer(files, 0, 1, args.bos_id)
     spec = tg.BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)
     step, stage = 0, None
 
@@ -96,6 +97,11 @@ def main():
         runs = [(f"ws={ws}", dataclasses.replace(schedule[0], batch=spec, windows=tg.window_tokens(ws, args.window_block)))
                 for ws in own.ws]
     per_run = own.warmup + own.steps  # batches each timed run reads; the loader prefetches, so its plan is fixed here
+    reads = per_run * len(runs) + 2 * own.profile + tg.LOADER_READ_AHEAD  # --profile: two steps more
+    plan = [runs[min(i // per_run, len(runs) - 1)][1].batch for i in range(reads)]
+    # cu_seqlens as long as the training run's for the same shapes (and long enough for the batches read here)
+    slots = tg.doc_slots(schedule, files, args, print, plans=[plan])
+    runs = [(name, tg.with_slots([stage], slots)[0]) for name, stage in runs]
     loader = tg.BatchLoader(producer, lambda i: runs[min(i // per_run, len(runs) - 1)][1].batch, device)
     whole_ms, tokens = 0.0, 0  # --stages: the schedule's training time at the measured mean step times
     plan_rows = []  # --stages: (seq_len, doc cut, long window in blocks, tokens per step, mean ms) per stage
@@ -135,7 +141,7 @@ def main():
     if own.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(2):
+            for _ in range(2):  # (counted in `reads`)
                 run_step()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90))

@@ -147,6 +147,12 @@ def test_the_resume_hint_alone_continues_with_the_checkpoints_hyperparameters(ti
         tg.train(tg.parse_args(["--resume", parsed.resume, "--model_dim", "96", "--head_dim", "48"]))
 
 
+def test_a_run_sizes_cu_seqlens_from_its_data_by_default(tiny_args, capsys):
+    run = tg.train(tiny_args(num_iterations=2, val_every=0, max_num_docs=0, warmup_steps=1))
+    out = capsys.readouterr().out
+    assert "data: cu_seqlens sized to this run's fullest micro-batches" in out and run.val_losses[-1][0] == 2
+
+
 def test_cpu_runs_report_a_float32_head_and_memory_per_process(tiny_args, capsys):
     run = tg.train(tiny_args(num_iterations=1, val_every=0, fp8_head=True, save_every=1))
     out = capsys.readouterr().out

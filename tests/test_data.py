@@ -1,5 +1,7 @@
 """Training and validation batches: BOS-aligned varlen micro-batches over pre-indexed shards, cut the
 way the public 2025-09-03 record cuts them (tails of cut documents dropped; validation as one stream)."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -11,9 +13,10 @@ CPU = torch.device("cpu")
 
 
 def stream_batches(files, spec, steps, rank=0, world_size=1, max_num_docs=64):
-    """Each step's micro-batches straight from the producer (no thread)."""
-    producer = tg.BatchProducer(files, rank, world_size, max_num_docs, BOS, log=lambda m: None)
-    return [producer.step(spec(s) if callable(spec) else spec) for s in range(steps)]
+    """Each step's micro-batches straight from the producer (no thread); specs without num_docs get max_num_docs."""
+    producer = tg.BatchProducer(files, rank, world_size, BOS, log=lambda m: None)
+    slots = lambda sp: sp if sp.num_docs else dataclasses.replace(sp, num_docs=max_num_docs)
+    return [producer.step(slots(spec(s) if callable(spec) else spec)) for s in range(steps)]
 
 
 def sequences(x, cu):
@@ -146,7 +149,7 @@ def test_batch_size_and_max_doc_len_may_change_between_steps(files):
 def test_background_loader_yields_the_producer_batches(files):
     spec = tg.BatchSpec(batch_size=4 * 256, seq_len=256, max_doc_len=80)
     direct = stream_batches(files, spec, steps=5, rank=1, world_size=2)
-    loader = tg.BatchLoader(tg.BatchProducer(files, 1, 2, 64, BOS), lambda s: spec, CPU)
+    loader = tg.BatchLoader(tg.BatchProducer(files, 1, 2, BOS), lambda s: dataclasses.replace(spec, num_docs=64), CPU)
     try:
         for step in direct:
             _, micro = loader.next()
@@ -180,6 +183,38 @@ def test_missing_shards_error_names_the_pattern_and_the_download_command(tmp_pat
 def test_too_many_documents_for_max_num_docs_is_an_error(files):
     with pytest.raises(ValueError, match="max_num_docs"):
         stream_batches(files, tg.BatchSpec(1024, 1024, 8), steps=1, max_num_docs=16)
+
+
+def test_a_spec_without_its_cu_seqlens_length_is_refused(files):
+    producer = tg.BatchProducer(files, 0, 1, BOS, log=lambda m: None)
+    with pytest.raises(ValueError, match="num_docs not set; doc_slots"):
+        producer.step(tg.BatchSpec(1024, 1024, 8))
+
+
+def test_doc_slots_fit_every_micro_batch_of_the_run_and_no_more(tiny_args, files):
+    """--max_num_docs 0: cu_seqlens' length per micro-batch shape is the most documents any micro-batch of the run
+    holds (the warm-up's and the loaders' read-ahead included), rounded up to DOC_SLOT_MULTIPLE."""
+    args = tiny_args(max_num_docs=0, warmup_steps=2, num_iterations=12,
+                     stages=(tg.Stage(1, doc_len=24), tg.Stage(2), tg.Stage(3, doc_len=24)))
+    stages, lines = tg.training_stages(args), []
+    slots = tg.doc_slots(stages, files, args, lines.append)
+    assert set(slots) == {(128, 24), (128, args.max_doc_len)}
+    seen = {}
+    for plan in tg.run_plans(stages, args):  # every micro-batch the warm-up's and the run's loaders cut
+        producer = tg.BatchProducer(files, 0, 1, BOS, log=lambda m: None)
+        for spec in plan:
+            spec = dataclasses.replace(spec, num_docs=slots[spec.seq_len, spec.max_doc_len])
+            for x, _, cu in producer.step(spec):  # raises if a micro-batch held more than its slots
+                key = (spec.seq_len, spec.max_doc_len)
+                seen[key] = max(seen.get(key, 0), int((cu[1:] > cu[:-1]).sum()))
+    for key, n in slots.items():
+        assert n % tg.DOC_SLOT_MULTIPLE == 0 and n - tg.DOC_SLOT_MULTIPLE < seen[key] <= n, (key, n, seen)
+    assert seen[128, 24] > seen[128, args.max_doc_len]  # shorter cuts, more pieces: sized apart
+    assert lines[0].startswith("data: cu_seqlens sized") and f"at most {seen[128, 24]} documents" in lines[0]
+    sized = tg.with_slots(stages, slots)
+    assert [st.batch.num_docs for st in sized] == [slots[128, 24], slots[128, args.max_doc_len], slots[128, 24]]
+    # a set --max_num_docs is taken as it is, for every shape, without reading the data
+    assert set(tg.doc_slots(stages, [], dataclasses.replace(args, max_num_docs=40)).values()) == {40}
 
 
 # Validation: the public definition, one stream of val_tokens + 1 tokens in buffers of val_seq_len.

@@ -51,7 +51,8 @@ def test_the_pin_notices_a_changed_stage(monkeypatch):
 
 
 # fields whose default is 0, -1, False or () but that choose how a run is controlled, not what it learns
-RUN_CONTROL = {"seed", "plan", "peak_tflops", "save_every", "markov_corpus"}
+# (max_num_docs: 0 sizes the padding of cu_seqlens from the data; a set count only pads more or refuses a batch)
+RUN_CONTROL = {"seed", "plan", "peak_tflops", "save_every", "markov_corpus", "max_num_docs"}
 
 
 def test_no_technique_is_off_in_every_preset():

@@ -29,7 +29,7 @@ def test_presets_set_their_configuration_and_fields_still_override():
     assert tg.parse_args(["--preset", "record", "--backout_layer", "5"]).backout_layer == 5
     single = tg.parse_args(["--preset", "single"])
     assert single.batch_size == tg.Hyperparameters().batch_size and single.batch_size // single.seq_len == 24
-    assert single == dataclasses.replace(record, preset="single", seq_len=16384, max_num_docs=128, cpp_wrapper=True)
+    assert single == dataclasses.replace(record, preset="single", seq_len=16384, cpp_wrapper=True)
     medium = tg.parse_args(["--preset", "medium", "--num_iterations", "7"])
     assert (medium.num_layers, medium.model_dim, medium.num_heads, medium.num_iterations) == (24, 1024, 16, 7)
     smoke = tg.parse_args(["--preset", "smoke"])

@@ -95,13 +95,16 @@ def test_warmup_leaves_weights_and_optimizer_state_bit_identical(tiny_args):
     model, compiled, optimizers, _, _ = tg.build(args, device, 0, 1)
     before_model = {k: v.clone() for k, v in model.state_dict().items()}
     before_opts = [tg.copy_state_dict(o.state_dict()) for o in optimizers]
-    producer = tg.BatchProducer(tg.shard_files(args.train_files, "training"), 0, 1, args.max_num_docs, args.bos_id)
+    files = tg.shard_files(args.train_files, "training")
+    producer = tg.BatchProducer(files, 0, 1, args.bos_id)
     val = list(tg.validation_batches(args.val_files, args.val_tokens, args.val_seq_len, args.bos_id, 0, 1))
+    stages = tg.training_stages(args)
+    stages = tg.with_slots(stages, tg.doc_slots(stages, files, args))
     changed = []
     original_finish = optimizers[1].finish  # Muon's last phase (train_step runs the optimizers in phases)
     optimizers[1].finish = lambda g: (original_finish(g), changed.append(model.blocks[0].mlp.fc_w.clone()))
     lines = []
-    tg.warmup(model, compiled, optimizers, producer, val, tg.training_stages(args), args, 1, lines.append)
+    tg.warmup(model, compiled, optimizers, producer, val, stages, args, 1, lines.append)
     assert len(changed) == 2 * len(args.stages)
     n = len(args.stages)  # the tiny stages differ in windows: one shape each, each shape's progress logged
     assert lines[0].startswith(f"warm-up: compiling {n} stage shape(s)")
@@ -328,8 +331,10 @@ def test_a_training_step_on_the_gpu_never_waits_for_the_gpu(tiny_args):
     args = tiny_args(**dict(LATER_RECORDS, vocab_size=80), device="cuda", attention="varlen")  # FP8 matmuls: 16 | V
     device = torch.device("cuda")
     model, compiled, optimizers, _, _ = tg.build(args, device, 0, 1, log=lambda line: None)
+    files = tg.shard_files(args.train_files, "training")
     stage = tg.training_stages(args)[0]
-    producer = tg.BatchProducer(tg.shard_files(args.train_files, "training"), 0, 1, args.max_num_docs, args.bos_id)
+    stage = tg.with_slots([stage], tg.doc_slots([stage], files, args))[0]
+    producer = tg.BatchProducer(files, 0, 1, args.bos_id)
     loader = tg.BatchLoader(producer, lambda i: stage.batch, device)
     micro = [loader.next()[1] for _ in range(2)]
     loader.close()
