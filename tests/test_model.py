@@ -60,6 +60,24 @@ def test_loss_at_a_position_depends_only_on_earlier_tokens_of_its_document(featu
         assert delta[j] > 0, "a token does influence its own prediction"
 
 
+@pytest.mark.parametrize("features", [{}, LATER_RECORDS, CPLM], ids=["0903", "later_records", "cplm"])
+def test_the_number_of_empty_sequences_in_cu_seqlens_changes_no_loss_and_no_gradient(features):
+    """cu_seqlens' length (max_num_docs, sized from the data by doc_slots) is a shape only: the smear, bigram,
+    key offset, paired heads, DC attention and CPLM's pointer read the same documents from any padding."""
+    model = tiny_model(randomize=True, **features)
+    x, y, cu = batch(doc_starts=(0, 37, 60, 101))
+    results = []
+    for empty in (0, 1, 12):  # exactly the documents, one empty sequence, twelve
+        model.zero_grad(set_to_none=True)
+        loss = model(x, y, torch.cat([cu[:5], torch.full((empty,), 128, dtype=torch.int32)]), 128, W3)
+        loss.backward()
+        model.flush_table_grads()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    for loss, grads in results[1:]:
+        assert torch.equal(loss, results[0][0])
+        assert grads.keys() == results[0][1].keys() and all(torch.equal(grads[n], results[0][1][n]) for n in grads)
+
+
 def test_window_limits_how_far_back_attention_reaches():
     # one document, all blocks long-window; window (ws=1) * 16 = 16 tokens back. Blocks stack, so
     # with 3 attention layers a token can influence positions up to 3 * 16 ahead, no further.
