@@ -124,13 +124,16 @@ if triton is not None:
     # pipeline. On one H100 at 49,152 x 768 -> 3,072: FP8 forward 375-379 -> 307-313 us, backward 536-542 -> 480-481
     # us per call; the record's step at window 11 12-13 ms shorter (bench/results/mlp_tma_tables_h100_20261127.md).
     @triton.jit
-    def _matmul_relu2_tma_kernel(a_desc, b_desc, out_desc, side_desc, scale_ptr, M, N, K, BACKWARD: tl.constexpr,
-                                 FP8: tl.constexpr, B_NK: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                                 NUM_SMS: tl.constexpr):
+    def _matmul_relu2_tma_kernel(a_desc, b_desc, out_desc, side_desc, side_t_desc, scale_ptr, amax_ptr, M, N, K,
+                                 BACKWARD: tl.constexpr, FP8: tl.constexpr, B_NK: tl.constexpr, SIDE_T: tl.constexpr,
+                                 Q_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
         """_matmul_relu2_kernel's arithmetic: a (M, K); b (K, N), or (N, K) if B_NK; out (M, N); side: the
         backward's aux (post) or the FP8 forward's e4m3 post (M, N); descriptors of (BLOCK_M, BLOCK_N / 2) blocks
-        for out and side."""
+        for out and side. SIDE_T (FP8 only): the FP8 result also stored transposed, side_t (N, M) in
+        (BLOCK_N / 2, BLOCK_M) blocks: what the weight gradients' FP8 matmuls read. The FP8 backward (BACKWARD and
+        FP8): a and b in FP8, acc *= scale[0, 0], post = side * scale[1, 0], and out = the gradient / scale[2, 0] in
+        FP8 (at most Q_MAX), with the largest |gradient| taken into amax_ptr (the next step's scale)."""
         grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         group = GROUP_M * grid_n  # tiles in groups of GROUP_M rows, as in _matmul_relu2_kernel
         for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True):
@@ -147,20 +150,34 @@ if triton is not None:
                     acc = tl.dot(a, b_desc.load([ki * BLOCK_K, n0]), acc)
             if FP8:
                 acc = acc * tl.load(scale_ptr)  # row 0 of the (3, FP8_SCALE_ROW) scales
-                inv_post_s = 1.0 / tl.load(scale_ptr + 8)  # row 2: a multiply per entry, not a division (-3% a call)
+                inv_q_s = 1.0 / tl.load(scale_ptr + 8)  # row 2: a multiply per entry, not a division (-3% a call)
             halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             for h in tl.static_range(2):
                 c = halves[0] if h == 0 else halves[1]
                 n = n0 + h * (BLOCK_N // 2)
                 if BACKWARD:
-                    c = c * 2 * tl.sqrt(side_desc.load([m0, n]).to(tl.float32))
+                    post = side_desc.load([m0, n]).to(tl.float32)
+                    if FP8:
+                        post = post * tl.load(scale_ptr + 4)  # row 1: the e4m3 post's scale
+                    c = c * 2 * tl.sqrt(post)
+                    if FP8:
+                        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(c), 1), 0))
+                        q = tl.minimum(tl.maximum(c * inv_q_s, -Q_MAX), Q_MAX).to(out_desc.dtype)
+                        out_desc.store([m0, n], q)
+                        if SIDE_T:
+                            side_t_desc.store([n, m0], tl.trans(q))
+                    else:
+                        out_desc.store([m0, n], c.to(out_desc.dtype))
                 else:
                     c = tl.maximum(c, 0.0)
                     c = c * c
                     if FP8:
                         c = c.to(out_desc.dtype).to(tl.float32)  # post as stored: what bf16 matmuls see
-                        side_desc.store([m0, n], tl.minimum(c * inv_post_s, 448.0).to(side_desc.dtype))
-                out_desc.store([m0, n], c.to(out_desc.dtype))
+                        q = tl.minimum(c * inv_q_s, Q_MAX).to(side_desc.dtype)
+                        side_desc.store([m0, n], q)
+                        if SIDE_T:
+                            side_t_desc.store([n, m0], tl.trans(q))
+                    out_desc.store([m0, n], c.to(out_desc.dtype))
 
 # Tile sizes of the fused matmul: the fastest of five on an H100 (bench/mlp_kernel.py, bench/README.md);
 # the interpreter tests shrink them. FP8 tiles take twice the K per byte of shared memory.
@@ -215,38 +232,53 @@ def tma_ready(*tensors: Tensor) -> bool:
 
 
 def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dtype,
-                  scales: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                  scales: Tensor | None = None, transposed: bool = False,
+                  amax: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Forward (aux None): relu(a @ b)²; with scales (a and b in e4m3) also its e4m3 copy.
-    Backward: (a @ b) * 2 sqrt(aux). Returns (out, post_f8 or None)."""
+    Backward: (a @ b) * 2 sqrt(aux); with scales (a, b and aux, the e4m3 post, in FP8: the FP8 backward, Hopper's
+    kernel only) the gradient in out_dtype (FP8) and its largest |value| into amax.
+    Returns (out, the forward's post_f8 or None, with transposed the FP8 result transposed (N, M) or None)."""
     M, K = a.shape
     N = b.size(1)
-    out = torch.empty(M, N, device=a.device, dtype=out_dtype)
     fp8 = scales is not None
+    fp8_backward = fp8 and aux is not None
+    # Triton's interpreter (3.9) rounds float32 -> e4m3 wrongly at binade edges: there the kernel writes
+    # float32 and PyTorch casts, the same values as the compiled kernel's store
+    stored = lambda dtype: torch.float32 if INTERPRET else dtype
+    out = torch.empty(M, N, device=a.device, dtype=stored(out_dtype) if fp8_backward else out_dtype)
     post_f8 = None
-    if fp8:
-        # Triton's interpreter (3.9) rounds float32 -> e4m3 wrongly at binade edges: there the kernel writes
-        # float32 and PyTorch casts, the same values as the compiled kernel's store
-        post_f8 = torch.empty(M, N, device=a.device, dtype=torch.float32 if INTERPRET else torch.float8_e4m3fn)
+    if fp8 and not fp8_backward:
+        post_f8 = torch.empty(M, N, device=a.device, dtype=stored(torch.float8_e4m3fn))
+    q_dtype = out_dtype if fp8_backward else torch.float8_e4m3fn  # what the FP8 result is stored as
+    side_t = torch.empty(N, M, device=a.device, dtype=stored(q_dtype)) if transposed else None
     t = RELU2_FP8_TILES if fp8 else RELU2_TILES
     tiles = triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"])
-    side = post_f8 if fp8 else aux  # the epilogue's second tensor: the e4m3 post it writes, or the post it reads
+    side = post_f8 if post_f8 is not None else aux  # the epilogue's second tensor: the e4m3 post it writes, or reads
     b_nk = b.stride(0) == 1 and b.stride(1) != 1  # b as the transpose of a contiguous (N, K): the FP8 W_fc
     programs = relu2_tma_programs(a.device)
-    if programs and tma_ready(a, b.T if b_nk else b, out, *([side] if side is not None else [])):
+    if programs and tma_ready(a, b.T if b_nk else b, out, *([side] if side is not None else []),
+                              *([side_t] if side_t is not None else [])):
         BM, BN, BK = t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"]
         half = lambda x: TensorDescriptor.from_tensor(x, [BM, BN // 2])
         _matmul_relu2_tma_kernel[(min(programs, tiles),)](
             TensorDescriptor.from_tensor(a, [BM, BK]),
             TensorDescriptor.from_tensor(b.T, [BN, BK]) if b_nk else TensorDescriptor.from_tensor(b, [BK, BN]),
-            half(out), half(side if side is not None else out), scales if fp8 else out, M, N, K,
-            BACKWARD=aux is not None, FP8=fp8, B_NK=b_nk, NUM_SMS=programs, **t)
+            half(out), half(side if side is not None else out),
+            TensorDescriptor.from_tensor(side_t, [BN // 2, BM]) if side_t is not None else half(out),
+            scales if fp8 else out, amax if amax is not None else out, M, N, K,
+            BACKWARD=aux is not None, FP8=fp8, B_NK=b_nk, SIDE_T=transposed, Q_MAX=torch.finfo(q_dtype).max,
+            NUM_SMS=programs, **t)
+    elif transposed or fp8_backward:
+        raise RuntimeError("the FP8 backward and the transposed FP8 copy run in Hopper's TMA kernel only")
     else:
         _matmul_relu2_kernel[(tiles,)](a, b, out, side, scales if fp8 else out, M, N, K, a.stride(0), a.stride(1),
                                        b.stride(0), b.stride(1), out.stride(0), out.stride(1),
                                        BACKWARD=aux is not None, FP8=fp8, **t)
-    if fp8 and INTERPRET:
-        post_f8 = post_f8.to(torch.float8_e4m3fn)
-    return out, post_f8
+    if INTERPRET:
+        out = out.to(out_dtype)
+        post_f8 = None if post_f8 is None else post_f8.to(torch.float8_e4m3fn)
+        side_t = None if side_t is None else side_t.to(q_dtype)
+    return out, post_f8, side_t
 
 
 @torch.library.custom_op("speedrun::relu2_mlp", mutates_args=())
@@ -272,7 +304,7 @@ def relu2_mlp_fp8(x: Tensor, x_f8: Tensor, fc_w: Tensor, fc_f8_t: Tensor, proj_w
     and proj_w (bf16) are for the backward, which is relu2_mlp's."""
     if not triton_runs_on(x):
         return relu2_mlp_fp8_reference(x_f8, fc_f8_t, proj_f8, scales, x.dtype)[:2]
-    post, post_f8 = _matmul_relu2(x_f8, fc_f8_t.T, None, x.dtype, scales)
+    post, post_f8, _ = _matmul_relu2(x_f8, fc_f8_t.T, None, x.dtype, scales)
     if not post_f8.is_cuda:  # the interpreter's CPU tensors: the down projection in float32
         return ((post_f8.float() @ proj_f8.float().T) * (scales[2, 0] * scales[1, 0])).to(x.dtype), post
     return torch._scaled_mm(post_f8, proj_f8.T, scale_a=scales[2, :1], scale_b=scales[1, :1], out_dtype=x.dtype,
@@ -322,6 +354,54 @@ def _relu2_mlp_fp8_autograd(ctx, grad_out, _grad_post):
 
 
 relu2_mlp_fp8.register_autograd(_relu2_mlp_fp8_autograd, setup_context=_relu2_mlp_fp8_setup_context)
+
+
+# The MLP's backward in FP8 (Hopper), the form public pull request #344 takes (issue 33): the gradient of the
+# output in e5m2 (its own amax, both layouts); the fused kernel's FP8 backward gives grad_pre in e5m2 in both
+# layouts, read from the forward's e4m3 post (no bf16 post kept); then the three matmuls in FP8: grad_x from
+# grad_pre and W_fc, grad_W_fc from xᵀ (e4m3, transposed) and grad_preᵀ, grad_W_proj from gradᵀ and postᵀ (the
+# forward's transposed e4m3 post). grad_pre's scale is given (the caller's, from an earlier amax); its amax is
+# taken into `amax` for the next one. Scales are float32 tensors of one entry (on the device: no host copies).
+E5M2_MAX = 57344.0  # the largest float8_e5m2 value
+
+
+def _mm_f8(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """a @ b * scale_a * scale_b from FP8 operands (a row-major, b column-major): _scaled_mm on a GPU, float32
+    arithmetic in the interpreter's CPU tests."""
+    if not a.is_cuda:
+        return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=False)
+
+
+def relu2_mlp_fp8_backward(grad: Tensor, x_f8_t: Tensor, x_s: Tensor, fc_f8: Tensor, fc_s: Tensor, proj_f8: Tensor,
+                           proj_s: Tensor, post_f8: Tensor, post_f8_t: Tensor, post_s: Tensor, pre_grad_s: Tensor,
+                           amax: Tensor, weight_grad_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_x, grad_W_fc, grad_W_proj) of out = relu(x W_fc)² W_projᵀ from FP8 operands: grad (T, dim) bf16;
+    x_f8_t (dim, T), fc_f8 and proj_f8 (dim, hidden) in e4m3; post_f8 (T, hidden) and post_f8_t (hidden, T)
+    in e4m3; each with its scale (x_s, fc_s, proj_s, post_s); pre_grad_s: grad_pre's e5m2 scale."""
+    g_s = (grad.abs().amax().float() / E5M2_MAX).clamp_min(1e-30).reshape(1)
+    g_f8, g_f8_t = quantize(grad, g_s, torch.float8_e5m2)
+    scales = torch.zeros(3, FP8_SCALE_ROW, device=grad.device)
+    scales[0, 0], scales[1, 0], scales[2, 0] = (g_s * proj_s)[0], post_s[0], pre_grad_s[0]
+    pre_f8, _, pre_f8_t = _matmul_relu2(g_f8, proj_f8, post_f8, torch.float8_e5m2, scales, transposed=True,
+                                        amax=amax)
+    grad_x = _mm_f8(pre_f8, fc_f8.T, pre_grad_s, fc_s, grad.dtype)
+    grad_fc = _mm_f8(x_f8_t, pre_f8_t.T, x_s, pre_grad_s, weight_grad_dtype)
+    grad_proj = _mm_f8(g_f8_t, post_f8_t.T, g_s, post_s, weight_grad_dtype)
+    return grad_x, grad_fc, grad_proj
+
+
+def relu2_mlp_fp8_backward_reference(grad: Tensor, x_f8_t: Tensor, x_s: Tensor, fc_f8: Tensor, fc_s: Tensor,
+                                     proj_f8: Tensor, proj_s: Tensor, post_f8: Tensor, post_s: Tensor,
+                                     pre_grad_s: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """relu2_mlp_fp8_backward in float32 arithmetic from the same FP8 operands: (grad_x, grad_W_fc, grad_W_proj,
+    grad_pre before its quantization)."""
+    g_s = (grad.abs().amax().float() / E5M2_MAX).clamp_min(1e-30)
+    g = (grad.float() / g_s).to(torch.float8_e5m2).float() * g_s
+    post = post_f8.float() * post_s
+    pre = (g @ (proj_f8.float() * proj_s)) * 2 * post.sqrt()
+    pre_q = (pre / pre_grad_s).clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2).float() * pre_grad_s
+    return (pre_q @ (fc_f8.float() * fc_s).T, (x_f8_t.float() * x_s) @ pre_q, g.T @ post, pre)
 
 
 # -----------------------------------------------------------------------------------------------

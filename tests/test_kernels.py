@@ -474,24 +474,78 @@ def test_hopper_tma_kernel_compiles_for_an_h100_without_one():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     fn = kernels._matmul_relu2_tma_kernel
-    for backward, fp8 in ((False, False), (True, False), (False, True)):
+    # (backward, fp8, transposed copy): the bf16 forward and backward, the FP8 forward with and without its
+    # transposed e4m3 post, the FP8 backward (e5m2 gradient x e4m3 W_proj, e4m3 post read) writing both layouts
+    for backward, fp8, side_t in ((False, False, False), (True, False, False), (False, True, False),
+                                  (False, True, True), (True, True, True)):
         all_tiles = kernels.RELU2_FP8_TILES if fp8 else kernels.RELU2_TILES
         tiles = {k: v for k, v in all_tiles.items() if k.isupper()}
         BM, BN, BK = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
-        operand = "fp8e4nv" if fp8 else "bf16"
-        signature = dict(a_desc=f"tensordesc<{operand}[{BM},{BK}]>",
-                         b_desc=f"tensordesc<fp8e4nv[{BN},{BK}]>" if fp8 else f"tensordesc<bf16[{BK},{BN}]>",
-                         out_desc=f"tensordesc<bf16[{BM},{BN // 2}]>",
+        b_nk = fp8 and not backward  # the forward's W_fc as (N, K); the backward's W_proj as (K, N)
+        a = "fp8e5" if fp8 and backward else "fp8e4nv" if fp8 else "bf16"
+        out = "fp8e5" if fp8 and backward else "bf16"
+        signature = dict(a_desc=f"tensordesc<{a}[{BM},{BK}]>",
+                         b_desc=(f"tensordesc<fp8e4nv[{BN},{BK}]>" if b_nk else
+                                 f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[{BK},{BN}]>"),
+                         out_desc=f"tensordesc<{out}[{BM},{BN // 2}]>",
                          side_desc=f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[{BM},{BN // 2}]>",
-                         scale_ptr="*fp32" if fp8 else "*bf16", M="i32", N="i32", K="i32")
-        constexprs = {"BACKWARD": backward, "FP8": fp8, "B_NK": fp8, "NUM_SMS": 132, **tiles}
+                         side_t_desc=(f"tensordesc<{out if backward else 'fp8e4nv'}[{BN // 2},{BM}]>" if side_t
+                                      else f"tensordesc<{out}[{BM},{BN // 2}]>"),
+                         scale_ptr="*fp32" if fp8 else "*bf16", amax_ptr="*fp32" if fp8 else "*bf16",
+                         M="i32", N="i32", K="i32")
+        q_max = 57344.0 if fp8 and backward else 448.0
+        constexprs = {"BACKWARD": backward, "FP8": fp8, "B_NK": b_nk, "SIDE_T": side_t, "Q_MAX": q_max,
+                      "NUM_SMS": 132, **tiles}
         signature.update({n: "constexpr" for n in constexprs})
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32),
                                   options={k: v for k, v in all_tiles.items() if not k.isupper()})
-        assert "cp.async.bulk.tensor" in compiled.asm["ptx"] and "wgmma" in compiled.asm["ptx"], (backward, fp8)
-        assert len(compiled.asm["cubin"]) > 1000, (backward, fp8)
-        assert compiled.metadata.shared <= kernels.RELU2_TMA_SHARED_MEMORY, (backward, fp8, compiled.metadata.shared)
+        case = (backward, fp8, side_t)
+        assert "cp.async.bulk.tensor" in compiled.asm["ptx"] and "wgmma" in compiled.asm["ptx"], case
+        assert len(compiled.asm["cubin"]) > 1000, case
+        assert compiled.metadata.shared <= kernels.RELU2_TMA_SHARED_MEMORY, (case, compiled.metadata.shared)
+
+
+FP8_BACKWARD_SCRIPT = """
+import json, sys, torch
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import kernels
+assert kernels.triton_runs_on(torch.zeros(1)), "the Triton interpreter is not in use"
+kernels.RELU2_TMA_INTERPRET = True
+kernels.RELU2_FP8_TILES = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
+T, dim, hidden = 80, 48, 96  # FP8 rows of 16-byte multiples (TMA), both ways; edge tiles in T
+g = torch.Generator().manual_seed(0)
+x = torch.nn.functional.rms_norm(torch.randn(T, dim, generator=g), (dim,))
+fc_w, proj_w = torch.randn(dim, hidden, generator=g) * dim ** -0.5, torch.randn(dim, hidden, generator=g) * hidden ** -0.5
+grad = torch.randn(T, dim, generator=g) * 1e-3
+s = lambda t, top: (t.abs().max() / top).reshape(1)
+x_s, fc_s, proj_s = s(x, 448.0), s(fc_w, 448.0), s(proj_w, 448.0)
+x_f8, fc_f8, proj_f8 = ((t / sc).to(torch.float8_e4m3fn) for t, sc in ((x, x_s), (fc_w, fc_s), (proj_w, proj_s)))
+post_ref = torch.relu((x_f8.float() @ fc_f8.float()) * x_s * fc_s).square()
+post_s = s(post_ref, 448.0 / 1.25)
+scales = torch.zeros(3, kernels.FP8_SCALE_ROW)
+scales[0, 0], scales[1, 0], scales[2, 0] = x_s * fc_s, proj_s, post_s
+# the forward with its e4m3 post transposed too
+post, post_f8, post_f8_t = kernels._matmul_relu2(x_f8, fc_f8.T.contiguous().T, None, torch.float32, scales,
+                                                 transposed=True)
+same_t = bool(torch.equal(post_f8_t.view(torch.uint8), post_f8.view(torch.uint8).T))
+ref = kernels.relu2_mlp_fp8_backward_reference(grad, x_f8.T.contiguous(), x_s, fc_f8, fc_s, proj_f8, proj_s, post_f8,
+                                               post_s, pre_grad_s := s(grad @ proj_w, 57344.0 / 64))
+amax = torch.zeros(1)
+got = kernels.relu2_mlp_fp8_backward(grad, x_f8.T.contiguous(), x_s, fc_f8, fc_s, proj_f8, proj_s, post_f8, post_f8_t,
+                                     post_s, pre_grad_s, amax)
+errors = [((a.float() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref[:3])]
+print(json.dumps([same_t, (amax / ref[3].abs().max()).item(), *errors]))
+"""
+
+
+def test_fp8_mlp_backward_in_the_interpreter_matches_float32_arithmetic_on_its_fp8_operands(tmp_path):
+    """kernels.relu2_mlp_fp8_backward through Hopper's kernel in Triton's interpreter: the forward's transposed e4m3
+    post is its post, transposed, byte for byte; grad_pre's amax is taken; the three gradients match float32
+    arithmetic on the same FP8 operands (relu2_mlp_fp8_backward_reference)."""
+    same_t, amax_ratio, *errors = run_in_triton_interpreter(FP8_BACKWARD_SCRIPT, tmp_path)
+    assert same_t and abs(amax_ratio - 1) < 1e-5, (same_t, amax_ratio)
+    assert len(errors) == 3 and max(errors) < 2e-2, errors
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
