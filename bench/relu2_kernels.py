@@ -36,6 +36,10 @@ def main():
                         help="also the up projection's input gradient (grad_pre W_fcᵀ) as the bf16 matmul it is and "
                              "as an FP8 one (_scaled_mm, grad_pre in e4m3 or e5m2): what an FP8 input gradient "
                              "could save, the quantization not counted (public pull request #363 does this)")
+    parser.add_argument("--fp8_backward", action="store_true",
+                        help="also the whole MLP backward: as train_gpt.py runs it (the fused kernel in bf16, then "
+                             "three bf16 matmuls) against kernels.relu2_mlp_fp8_backward (every matmul in FP8, "
+                             "grad_pre in e5m2 from the e4m3 post), and what its FP8 forward adds")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("relu2_kernels.py: needs a CUDA GPU")
@@ -98,6 +102,8 @@ def main():
             row(f"input gradient, FP8 matmul ({str(dtype).split('_')[1]} x e4m3)",
                 lambda: torch._scaled_mm(g_f8, w_col, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
                                          use_fast_accum=True), dx_ref)
+    if args.fp8_backward:
+        fp8_backward_rows(x, fc_w, proj_w, grad, post, x_f8, x_s, w_s, fc_f8_t, scales, grad_pre_ref, do_bench)
     if args.public_kernels:
         spec = importlib.util.spec_from_file_location("public_triton_kernels", args.public_kernels)
         public = importlib.util.module_from_spec(spec)
@@ -111,6 +117,42 @@ def main():
             post_ref)
         row("public linear_relu_square: backward", lambda: public.linear_relu_square(grad, proj_nk, aux=post),
             grad_pre_ref)
+
+
+def fp8_backward_rows(x, fc_w, proj_w, grad, post, x_f8, x_s, w_s, fc_f8_t, scales, grad_pre_ref, do_bench):
+    """The MLP's whole backward, bf16 (as train_gpt.py) and FP8 (kernels.relu2_mlp_fp8_backward): µs per call and
+    each gradient's largest error against float32 arithmetic on the bf16 operands, relative to its largest value;
+    then the FP8 forward with and without its transposed e4m3 post, and x's transposed e4m3 copy."""
+    one = lambda v: v.reshape(1).float()
+    x_s1, fc_s1 = one(x_s), one(w_s)
+    proj_s = one(proj_w.float().abs().max() / kernels.E4M3_MAX)
+    fc_f8 = (fc_w.float() / fc_s1).to(torch.float8_e4m3fn)  # (dim, hidden): grad_x's second operand, transposed
+    proj_f8 = (proj_w.float() / proj_s).to(torch.float8_e4m3fn)
+    post_f8, post_f8_t = kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales, transposed=True)[1:]
+    x_f8_t = x_f8.T.contiguous()
+    pre_grad_s = one(grad_pre_ref.abs().max() * 2 / kernels.E5M2_MAX)  # headroom 2, as an earlier step's amax would give
+    amax = torch.zeros(1, device="cuda")
+    truth = (grad_pre_ref @ fc_w.float().T, x.float().T @ grad_pre_ref, grad.float().T @ post.float())
+
+    def bf16_backward():
+        grad_pre = kernels._matmul_relu2(grad, proj_w, post, torch.bfloat16)[0]
+        return grad_pre @ fc_w.T, x.T @ grad_pre, grad.T @ post
+
+    def fp8_backward():
+        return kernels.relu2_mlp_fp8_backward(grad, x_f8_t, x_s1, fc_f8, fc_s1, proj_f8, proj_s, post_f8, post_f8_t,
+                                              one(scales[2, 0]), pre_grad_s, amax)
+    for name, fn in (("MLP backward, bf16 (fused kernel + 3 cuBLAS matmuls)", bf16_backward),
+                     ("MLP backward, FP8 (relu2_mlp_fp8_backward)", fp8_backward)):
+        errors = [((a.float() - b).abs().max() / b.abs().max()).item() for a, b in zip(fn(), truth)]
+        us = do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+        print(f"{name:<56} {us:8.1f} us  errors dx {errors[0]:.1e} dW_fc {errors[1]:.1e} dW_proj {errors[2]:.1e}",
+              flush=True)
+    for name, transposed in (("FP8 forward kernel", False), ("FP8 forward kernel + transposed e4m3 post", True)):
+        us = do_bench(lambda: kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales, transposed),
+                      warmup=25, rep=200, return_mode="median") * 1e3
+        print(f"{name:<56} {us:8.1f} us", flush=True)
+    us = do_bench(lambda: kernels.quantize(x, x_s1, torch.float8_e4m3fn), warmup=25, rep=200, return_mode="median")
+    print(f"{'x in e4m3, both layouts (kernels.quantize)':<56} {us * 1e3:8.1f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -548,6 +548,35 @@ def test_fp8_mlp_backward_in_the_interpreter_matches_float32_arithmetic_on_its_f
     assert len(errors) == 3 and max(errors) < 2e-2, errors
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="the FP8 backward runs in Hopper's TMA kernel")
+def test_fp8_mlp_backward_on_the_gpu_matches_float32_arithmetic_on_its_fp8_operands():
+    T, dim, hidden = 1024, 768, 3072
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.nn.functional.rms_norm(torch.randn(T, dim, device="cuda", generator=g), (dim,))
+    fc_w = torch.randn(dim, hidden, device="cuda", generator=g) * dim ** -0.5
+    proj_w = torch.randn(dim, hidden, device="cuda", generator=g) * hidden ** -0.5
+    grad = (torch.randn(T, dim, device="cuda", generator=g) * 1e-3).bfloat16()
+    s = lambda t, top: (t.abs().max() / top).reshape(1)
+    x_s, fc_s, proj_s = s(x, 448.0), s(fc_w, 448.0), s(proj_w, 448.0)
+    x_f8, fc_f8, proj_f8 = ((t / sc).to(torch.float8_e4m3fn) for t, sc in ((x, x_s), (fc_w, fc_s), (proj_w, proj_s)))
+    post_s = s(torch.relu((x_f8.float() @ fc_f8.float()) * x_s * fc_s).square(), 448.0 / 1.25)
+    scales = torch.zeros(3, kernels.FP8_SCALE_ROW, device="cuda")
+    scales[0, 0], scales[1, 0], scales[2, 0] = (x_s * fc_s)[0], proj_s[0], post_s[0]
+    _, post_f8, post_f8_t = kernels._matmul_relu2(x_f8, fc_f8.T.contiguous().T, None, torch.bfloat16, scales,
+                                                  transposed=True)
+    assert torch.equal(post_f8_t.view(torch.uint8), post_f8.view(torch.uint8).T)
+    pre_grad_s = s(grad.float() @ proj_w, kernels.E5M2_MAX / 64)
+    ref = kernels.relu2_mlp_fp8_backward_reference(grad, x_f8.T.contiguous(), x_s, fc_f8, fc_s, proj_f8, proj_s,
+                                                   post_f8, post_s, pre_grad_s)
+    amax = torch.zeros(1, device="cuda")
+    got = kernels.relu2_mlp_fp8_backward(grad, x_f8.T.contiguous(), x_s, fc_f8, fc_s, proj_f8, proj_s, post_f8,
+                                         post_f8_t, post_s, pre_grad_s, amax)
+    assert abs(amax.item() / ref[3].abs().max().item() - 1) < 1e-3
+    for a, b in zip(got, ref[:3]):  # FP8 matmuls accumulate in float32 too: rounding of the sums only
+        assert ((a.float() - b).abs().max() / b.abs().max()).item() < 2e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_relu2_mlp_reference_path_matches_float64_autograd(dtype):
     assert max(check_relu2_mlp_op(*relu2_mlp_case(dtype))) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
