@@ -224,6 +224,7 @@ class Hyperparameters:
     # final loss -0.0014 +- 0.0021), the FP8 head's soft-capped cross-entropy in Triton (-22 ms)
     fused_mlp: bool = True  # ReLU² inside the MLP's matmul epilogues (kernels.py), where the GPU has the shared memory
     fp8_mlp: bool = True  # the fused MLP's forward matmuls in FP8 (kernels.py), where the GPU has FP8 and the kernel
+    fp8_mlp_backward: bool = False  # with fp8_mlp on Hopper: the MLP's backward matmuls in FP8 too (PR 344's form)
     fused_ce: bool = True  # the FP8 head's soft-capped cross-entropy in Triton kernels, its gradient written in FP8
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
@@ -987,10 +988,13 @@ class MLP(nn.Module):
         self.proj_w = nn.Parameter(torch.zeros(cfg.model_dim, hidden))  # zero init (@Grad62304977)
         self.fused = False  # kernels.py's relu2_mlp (GPT sets it from --fused_mlp)
         self.fp8 = False  # kernels.py's relu2_mlp_fp8 in training (GPT sets it from --fp8_mlp)
+        self.fp8_backward = False  # kernels.py's relu2_mlp_all_fp8 instead (GPT sets it from --fp8_mlp_backward)
 
     def forward(self, x: Tensor) -> Tensor:
         # ReLU^2 (arXiv 2109.08668; @SKYLINEZ007, @Grad62304977): ~1-2% better than GELU in the speedrun.
         fc_w, proj_w = self.fc_w.type_as(x), self.proj_w.type_as(x)
+        if self.fp8 and self.fp8_backward and self.training:
+            return torch.ops.speedrun.relu2_mlp_all_fp8(x, *fp8_mlp_all_operands(x, fc_w, proj_w))[0]
         if self.fp8 and self.training:
             return torch.ops.speedrun.relu2_mlp_fp8(x, *fp8_mlp_operands(x, fc_w, proj_w))[0]
         if self.fused:
@@ -1012,6 +1016,20 @@ def fp8_mlp_operands(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, .
     scales = torch.stack([x_s * fc_s, proj_s, post_s.clamp_min(1e-30)])  # a 16-byte row each (kernels.FP8_SCALE_ROW)
     return (e4m3(x / x_s), fc_w, e4m3(fc_w.T / fc_s).contiguous(), proj_w, e4m3(proj_w / proj_s),
             scales[:, None].repeat(1, kernels.FP8_SCALE_ROW))
+
+
+@torch.no_grad()
+def fp8_mlp_all_operands(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, ...]:
+    """relu2_mlp_all_fp8's operands after x: fp8_mlp_operands' with x's e4m3 copy also transposed, W_fc's also in
+    its own (dim, hidden) layout, and parts: x's scale, W_fc's, and W_proj's largest column norm (for grad_pre's
+    scale, kernels.pre_grad_scale), a 16-byte row each."""
+    x_f8, fc_w, fc_f8_t, proj_w, proj_f8, scales = fp8_mlp_operands(x, fc_w, proj_w)
+    fc_s = fc_w.detach().abs().amax().float().clamp_min(1e-30) / E4M3_MAX
+    fc_f8 = (fc_w / fc_s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    x_s = torch.full_like(fc_s, math.sqrt(x.size(-1)) / E4M3_MAX)
+    parts = torch.stack([x_s, fc_s, proj_w.float().norm(dim=0).amax()])
+    return (x_f8, x_f8.T.contiguous(), fc_w, fc_f8, fc_f8_t, proj_w, proj_f8, scales,
+            parts[:, None].repeat(1, kernels.FP8_SCALE_ROW))
 
 
 class Block(nn.Module):
@@ -1056,7 +1074,7 @@ def mudd_mlp(x: Tensor, w1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn=attention_reference, fp8_head: bool = False, fused_mlp: bool = False,
-                 fused_ce: bool = False, fp8_mlp: bool = False):
+                 fused_ce: bool = False, fp8_mlp: bool = False, fp8_mlp_backward: bool = False):
         super().__init__()
         self.cfg, self.attn_fn, self.fp8_head = cfg, attn_fn, fp8_head
         self.fused_ce = fused_ce and fp8_head  # the fused loss is the FP8 head's (fp8_head_ce)
@@ -1071,7 +1089,7 @@ class GPT(nn.Module):
                                           i in cfg.paired_head_blocks)
                                     for i, ve in enumerate(self.value_embed_layers()))
         for block in self.blocks:
-            block.mlp.fused, block.mlp.fp8 = fused_mlp, fp8_mlp
+            block.mlp.fused, block.mlp.fp8, block.mlp.fp8_backward = fused_mlp, fp8_mlp, fp8_mlp_backward
         if cfg.mudd and self.blocks[-1].attn is not None:
             self.blocks[-1].attn.ve_gate_w = None  # MUDD gives the last block's value-embedding gate (MUDD_INIT)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
@@ -2708,7 +2726,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     if args.fp8_mlp and not fp8_mlp:
         log("FP8 MLP off: it needs FP8 matmuls (a CUDA GPU of sm89+) and the fused MLP's kernel; the MLP runs in bf16")
     model = to_device(GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, fused_mlp, args.fused_ce,
-                          fp8_mlp), device)
+                          fp8_mlp, fp8_mlp and args.fp8_mlp_backward), device)
     model.keep_table_grads()  # the token tables' gradients summed sparsely (TableLookup), flushed on Adam's steps
     if any(any(st.prefix) for st in training_stages(args)):  # the prefix-token loss' table (untimed; the record
         vocab = gpt2_token_bytes()                              # builds it in its timed region, ~0.1 s)

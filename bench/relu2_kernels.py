@@ -130,7 +130,7 @@ def fp8_backward_rows(x, fc_w, proj_w, grad, post, x_f8, x_s, w_s, fc_f8_t, scal
     proj_f8 = (proj_w.float() / proj_s).to(torch.float8_e4m3fn)
     post_f8, post_f8_t = kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales, transposed=True)[1:]
     x_f8_t = x_f8.T.contiguous()
-    pre_grad_s = one(grad_pre_ref.abs().max() * 2 / kernels.E5M2_MAX)  # headroom 2, as an earlier step's amax would give
+    col = one(proj_w.float().norm(dim=0).max())  # grad_pre's scale from a bound (kernels.pre_grad_scale)
     amax = torch.zeros(1, device="cuda")
     truth = (grad_pre_ref @ fc_w.float().T, x.float().T @ grad_pre_ref, grad.float().T @ post.float())
 
@@ -139,8 +139,8 @@ def fp8_backward_rows(x, fc_w, proj_w, grad, post, x_f8, x_s, w_s, fc_f8_t, scal
         return grad_pre @ fc_w.T, x.T @ grad_pre, grad.T @ post
 
     def fp8_backward():
-        return kernels.relu2_mlp_fp8_backward(grad, x_f8_t, x_s1, fc_f8, fc_s1, proj_f8, proj_s, post_f8, post_f8_t,
-                                              one(scales[2, 0]), pre_grad_s, amax)
+        return kernels.relu2_mlp_fp8_backward(grad, x_f8_t, x_s1, fc_f8, fc_s1, proj_f8, proj_s, col, post_f8,
+                                              post_f8_t, one(scales[2, 0]), amax)
     for name, fn in (("MLP backward, bf16 (fused kernel + 3 cuBLAS matmuls)", bf16_backward),
                      ("MLP backward, FP8 (relu2_mlp_fp8_backward)", fp8_backward)):
         errors = [((a.float() - b).abs().max() / b.abs().max()).item() for a, b in zip(fn(), truth)]
