@@ -368,12 +368,14 @@ relu2_mlp_fp8.register_autograd(_relu2_mlp_fp8_autograd, setup_context=_relu2_ml
 E5M2_MAX = 57344.0  # the largest float8_e5m2 value
 
 
-def _mm_f8(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> Tensor:
+def _mm_f8(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
+           fast_accum: bool = False) -> Tensor:
     """a @ b * scale_a * scale_b from FP8 operands (a row-major, b column-major): _scaled_mm on a GPU, float32
-    arithmetic in the interpreter's CPU tests."""
+    arithmetic in the interpreter's CPU tests. The backward's sums over 49K tokens keep cuBLAS's exact
+    accumulation (fast_accum off, as PR 344); the forward's down projection takes the fast one, as relu2_mlp_fp8."""
     if not a.is_cuda:
         return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=False)
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
 # The output's gradient g in e4m3: its scale comes from its own amax (exact), so e4m3's extra mantissa bit is free
@@ -435,7 +437,7 @@ def relu2_mlp_all_fp8(x: Tensor, x_f8: Tensor, x_f8_t: Tensor, fc_w: Tensor, fc_
         out, _, post_f8 = relu2_mlp_fp8_reference(x_f8, fc_f8_t, proj_f8, scales, x.dtype)
         return out, post_f8, post_f8.T.contiguous()
     _, post_f8, post_f8_t = _matmul_relu2(x_f8, fc_f8_t.T, None, x.dtype, scales, transposed=True)
-    return _mm_f8(post_f8, proj_f8.T, scales[2, :1], scales[1, :1], x.dtype), post_f8, post_f8_t
+    return _mm_f8(post_f8, proj_f8.T, scales[2, :1], scales[1, :1], x.dtype, fast_accum=True), post_f8, post_f8_t
 
 
 @relu2_mlp_all_fp8.register_fake
