@@ -2725,8 +2725,11 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     fp8_mlp = args.fp8_mlp and fp8 and fused_mlp  # the FP8 MLP is the fused kernel's, on an FP8 GPU
     if args.fp8_mlp and not fp8_mlp:
         log("FP8 MLP off: it needs FP8 matmuls (a CUDA GPU of sm89+) and the fused MLP's kernel; the MLP runs in bf16")
+    fp8_mlp_backward = args.fp8_mlp_backward and fp8_mlp and kernels.relu2_tma_programs(device) > 0
+    if args.fp8_mlp_backward and not fp8_mlp_backward:
+        log("FP8 MLP backward off: it needs the FP8 MLP and Hopper's TMA kernel (sm90+); the backward runs in bf16")
     model = to_device(GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, fused_mlp, args.fused_ce,
-                          fp8_mlp, fp8_mlp and args.fp8_mlp_backward), device)
+                          fp8_mlp, fp8_mlp_backward), device)
     model.keep_table_grads()  # the token tables' gradients summed sparsely (TableLookup), flushed on Adam's steps
     if any(any(st.prefix) for st in training_stages(args)):  # the prefix-token loss' table (untimed; the record
         vocab = gpt2_token_bytes()                              # builds it in its timed region, ~0.1 s)
