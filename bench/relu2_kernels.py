@@ -39,7 +39,7 @@ def main():
     parser.add_argument("--fp8_backward", action="store_true",
                         help="also the whole MLP backward: as train_gpt.py runs it (the fused kernel in bf16, then "
                              "three bf16 matmuls) against kernels.relu2_mlp_fp8_backward (every matmul in FP8, "
-                             "grad_pre in e5m2 from the e4m3 post), and what its FP8 forward adds")
+                             "grad_pre in e4m3 from the e4m3 post), and what its FP8 forward adds")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("relu2_kernels.py: needs a CUDA GPU")
@@ -128,9 +128,11 @@ def fp8_backward_rows(x, fc_w, proj_w, grad, post, x_f8, x_s, w_s, fc_f8_t, scal
     proj_s = one(proj_w.float().abs().max() / kernels.E4M3_MAX)
     fc_f8 = (fc_w.float() / fc_s1).to(torch.float8_e4m3fn)  # (dim, hidden): grad_x's second operand, transposed
     proj_f8 = (proj_w.float() / proj_s).to(torch.float8_e4m3fn)
-    post_f8, post_f8_t = kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales, transposed=True)[1:]
+    post_amax = torch.zeros(1, device="cuda")
+    post_f8, post_f8_t = kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales, transposed=True,
+                                               amax=post_amax)[1:]
     x_f8_t = x_f8.T.contiguous()
-    col = one(proj_w.float().norm(dim=0).max())  # grad_pre's scale from a bound (kernels.pre_grad_scale)
+    col = one(proj_w.float().norm(dim=0).max())  # for grad_pre's scale, a bound (kernels.pre_grad_scale)
     amax = torch.zeros(1, device="cuda")
     truth = (grad_pre_ref @ fc_w.float().T, x.float().T @ grad_pre_ref, grad.float().T @ post.float())
 
@@ -140,7 +142,7 @@ def fp8_backward_rows(x, fc_w, proj_w, grad, post, x_f8, x_s, w_s, fc_f8_t, scal
 
     def fp8_backward():
         return kernels.relu2_mlp_fp8_backward(grad, x_f8_t, x_s1, fc_f8, fc_s1, proj_f8, proj_s, col, post_f8,
-                                              post_f8_t, one(scales[2, 0]), amax)
+                                              post_f8_t, one(scales[2, 0]), post_amax, amax)
     for name, fn in (("MLP backward, bf16 (fused kernel + 3 cuBLAS matmuls)", bf16_backward),
                      ("MLP backward, FP8 (relu2_mlp_fp8_backward)", fp8_backward)):
         errors = [((a.float() - b).abs().max() / b.abs().max()).item() for a, b in zip(fn(), truth)]
