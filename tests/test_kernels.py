@@ -439,6 +439,33 @@ def test_model_with_fp8_mlp_is_close_to_the_unfused_one_in_training_only():
     assert evals[1].item() == evals[0].item()  # evaluation stays in bf16/float
 
 
+def test_model_with_the_mlp_backward_in_fp8_too_is_close_to_the_unfused_one():
+    """--fp8_mlp_backward in a tiny model (the CPU runs the op's float32 references): the loss is the FP8 forward's
+    (the backward changes no forward value), and every gradient stays within FP8's few percent."""
+    fp8_models, fp8_losses = unfused_and(fp8=True)
+    models, losses = unfused_and(fp8=True, fp8_backward=True)
+    assert losses[1].item() == fp8_losses[1].item()
+    for name, error in grad_errors(models):  # e4m3 operands and grad_pre at dim 64: a little more than fp8=True's
+        assert error < 0.3, name
+    worse = dict(grad_errors(models))
+    assert any(worse[n] > e for n, e in grad_errors(fp8_models)), "the backward did quantize"
+
+
+def test_all_fp8_mlp_traces_fullgraph_and_matches_eager():
+    x, fc_w, proj_w = relu2_mlp_case(torch.float32, dim=48, hidden=96)
+
+    def f(x, fc_w, proj_w):
+        x = torch.nn.functional.rms_norm(x, (x.size(-1),))
+        return torch.ops.speedrun.relu2_mlp_all_fp8(x, *tg.fp8_mlp_all_operands(x, fc_w, proj_w))[0].square().sum()
+
+    results = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        inputs = [t.clone().requires_grad_(True) for t in (x, fc_w, proj_w)]
+        fn(*inputs).backward()
+        results.append([t.grad for t in inputs])
+    torch.testing.assert_close(results[1], results[0])
+
+
 def test_fp8_mlp_traces_fullgraph_and_matches_eager():
     x, fc_w, proj_w = relu2_mlp_case(torch.float32)
 
