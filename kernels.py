@@ -413,8 +413,10 @@ def relu2_mlp_fp8_backward(grad: Tensor, x_f8_t: Tensor, x_s: Tensor, fc_f8: Ten
     pre_grad_s = pre_grad_scale(g_row_norm, proj_col_norm, post_amax)
     scales = torch.zeros(3, FP8_SCALE_ROW, device=grad.device)
     scales[0, 0], scales[1, 0], scales[2, 0] = (g_s * proj_s)[0], post_s[0], pre_grad_s[0]
-    pre_f8, _, pre_f8_t = _matmul_relu2(g_f8, proj_f8, post_f8, torch.float8_e4m3fn, scales, transposed=True,
-                                        amax=amax)
+    # W_proj as (hidden, dim) rows, passed transposed: the kernel's FP8 wgmma then reads B K-major, as the forward's
+    # W_fc (B_NK); a 2.4 MB copy per call
+    pre_f8, _, pre_f8_t = _matmul_relu2(g_f8, proj_f8.T.contiguous().T, post_f8, torch.float8_e4m3fn, scales,
+                                        transposed=True, amax=amax)
     grad_x = _mm_f8(pre_f8, fc_f8.T, pre_grad_s, fc_s, grad.dtype)
     grad_fc = _mm_f8(x_f8_t, pre_f8_t.T, x_s, pre_grad_s, weight_grad_dtype)
     grad_proj = _mm_f8(g_f8_t, post_f8_t.T, g_s, post_s, weight_grad_dtype)

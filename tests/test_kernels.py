@@ -541,7 +541,7 @@ def test_hopper_tma_kernel_compiles_for_an_h100_without_one():
         all_tiles = kernels.RELU2_FP8_TILES if fp8 else kernels.RELU2_TILES
         tiles = {k: v for k, v in all_tiles.items() if k.isupper()}
         BM, BN, BK = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
-        b_nk = fp8 and not backward  # the forward's W_fc as (N, K); the backward's W_proj as (K, N)
+        b_nk = fp8  # FP8 reads B K-major: the forward's W_fc and the FP8 backward's W_proj as (N, K)
         a = "fp8e4nv" if fp8 else "bf16"  # the FP8 backward: g in e4m3
         out = "fp8e4nv" if fp8 and backward else "bf16"
         signature = dict(a_desc=f"tensordesc<{a}[{BM},{BK}]>",
