@@ -246,6 +246,9 @@ def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dty
     N = b.size(1)
     fp8 = scales is not None
     fp8_backward = fp8 and aux is not None
+    if (transposed or fp8_backward) and (amax is None or amax.dtype != torch.float32):
+        raise ValueError("_matmul_relu2: the FP8 backward and the transposed FP8 forward take a float32 amax (the "
+                         "kernel's atomic maximum)")
     # Triton's interpreter (3.9) rounds float32 -> e4m3 wrongly at binade edges: there the kernel writes
     # float32 and PyTorch casts, the same values as the compiled kernel's store
     stored = lambda dtype: torch.float32 if INTERPRET else dtype
