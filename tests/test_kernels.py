@@ -605,6 +605,8 @@ print(json.dumps([same_t, (amax / ref[3].abs().max()).item(), *errors, *op_error
 """
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU machines' check (Triton 3.6's interpreter fails in the "
+                    "persistent loop on the H100, as above); the GPU test below covers the compiled kernel")
 def test_fp8_mlp_backward_in_the_interpreter_matches_float32_arithmetic_on_its_fp8_operands(tmp_path):
     """kernels.relu2_mlp_fp8_backward through Hopper's kernel in Triton's interpreter: the forward's transposed e4m3
     post is its post, transposed, byte for byte, and post's largest value is taken; so is grad_pre's; the three gradients match float32
