@@ -132,11 +132,13 @@ if triton is not None:
         backward's aux (post) or the FP8 forward's e4m3 post (M, N); descriptors of (BLOCK_M, BLOCK_N / 2) blocks
         for out and side. SIDE_T (FP8 only): the FP8 result also stored transposed, side_t (N, M) in
         (BLOCK_N / 2, BLOCK_M) blocks: what the weight gradients' FP8 matmuls read (the forward then stores no
-        bf16 post in out, and takes post's largest value into amax_ptr). The FP8 backward (BACKWARD and
-        FP8): a and b in FP8, acc *= scale[0, 0], post = side * scale[1, 0], and out = the gradient / scale[2, 0] in
-        FP8 (at most Q_MAX), with the largest |gradient| taken into amax_ptr (the next step's scale)."""
+        bf16 post in out, and stores the largest post of its tiles at amax_ptr[program]). The FP8 backward
+        (BACKWARD and FP8): a and b in FP8, acc *= scale[0, 0], post = side * scale[1, 0], and out = the gradient /
+        scale[2, 0] in FP8 (at most Q_MAX), with the largest |gradient| of its tiles at amax_ptr[program]. A slot a
+        program (plain stores, no atomics), so the slots need no zeroing before the launch."""
         grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         group = GROUP_M * grid_n  # tiles in groups of GROUP_M rows, as in _matmul_relu2_kernel
+        run_max = tl.full((1,), 0.0, tl.float32)  # the amax slot's value (FP8 backward, SIDE_T)
         for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True):
             first_m = (tile // group) * GROUP_M
             rows_in_group = tl.minimum(grid_m - first_m, GROUP_M)
@@ -162,7 +164,7 @@ if triton is not None:
                         post = post * tl.load(scale_ptr + 4)  # row 1: the e4m3 post's scale
                     c = c * 2 * tl.sqrt(post)
                     if FP8:
-                        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(c), 1), 0))
+                        run_max = tl.maximum(run_max, tl.max(tl.max(tl.abs(c), 1), 0))
                         q = tl.minimum(tl.maximum(c * inv_q_s, -Q_MAX), Q_MAX).to(out_desc.dtype)
                         out_desc.store([m0, n], q)
                         if SIDE_T:
@@ -177,10 +179,12 @@ if triton is not None:
                         q = tl.minimum(c * inv_q_s, Q_MAX).to(side_desc.dtype)
                         side_desc.store([m0, n], q)
                         if SIDE_T:  # for the FP8 backward, which reads only the e4m3 post: no bf16 post stored,
-                            side_t_desc.store([n, m0], tl.trans(q))  # and post's largest value taken into amax_ptr
-                            tl.atomic_max(amax_ptr, tl.max(tl.max(c, 1), 0))
+                            side_t_desc.store([n, m0], tl.trans(q))  # and post's largest value kept
+                            run_max = tl.maximum(run_max, tl.max(tl.max(c, 1), 0))
                     if not (FP8 and SIDE_T):
                         out_desc.store([m0, n], c.to(out_desc.dtype))
+        if FP8 and (BACKWARD or SIDE_T):
+            tl.store(amax_ptr + tl.program_id(0) + tl.arange(0, 1), run_max)
 
 # Tile sizes of the fused matmul: the fastest of five on an H100 (bench/mlp_kernel.py, bench/README.md);
 # the interpreter tests shrink them. FP8 tiles take twice the K per byte of shared memory.
@@ -234,21 +238,19 @@ def tma_ready(*tensors: Tensor) -> bool:
                for t in tensors)
 
 
-def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dtype,
-                  scales: Tensor | None = None, transposed: bool = False,
-                  amax: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dtype, scales: Tensor | None = None,
+                  transposed: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Forward (aux None): relu(a @ b)²; with scales (a and b in e4m3) also its e4m3 copy.
     Backward: (a @ b) * 2 sqrt(aux); with scales (a, b and aux, the e4m3 post, in FP8: the FP8 backward, Hopper's
-    kernel only) the gradient in out_dtype (FP8) and its largest |value| into amax.
-    Returns (out, the forward's post_f8 or None, with transposed the FP8 result transposed (N, M) or None); the FP8
-    forward with transposed leaves out unwritten (its backward reads the e4m3 post)."""
+    kernel only) the gradient in out_dtype (FP8).
+    Returns (out, the forward's post_f8 or None, with transposed the FP8 result transposed (N, M) or None, amax);
+    the FP8 forward with transposed leaves out unwritten (its backward reads the e4m3 post). amax, for the FP8
+    backward and the transposed FP8 forward (else None): float32 slots, one a program
+    (relu2_tma_programs), whose maximum is the largest |gradient| or post."""
     M, K = a.shape
     N = b.size(1)
     fp8 = scales is not None
     fp8_backward = fp8 and aux is not None
-    if (transposed or fp8_backward) and (amax is None or amax.dtype != torch.float32):
-        raise ValueError("_matmul_relu2: the FP8 backward and the transposed FP8 forward take a float32 amax (the "
-                         "kernel's atomic maximum)")
     # Triton's interpreter (3.9) rounds float32 -> e4m3 wrongly at binade edges: there the kernel writes
     # float32 and PyTorch casts, the same values as the compiled kernel's store
     stored = lambda dtype: torch.float32 if INTERPRET else dtype
@@ -267,7 +269,9 @@ def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dty
                               *([side_t] if side_t is not None else [])):
         BM, BN, BK = t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"]
         half = lambda x: TensorDescriptor.from_tensor(x, [BM, BN // 2])
-        _matmul_relu2_tma_kernel[(min(programs, tiles),)](
+        # with amax slots every program runs (one with no tile writes 0), so that every slot is written
+        amax = torch.empty(programs, device=a.device) if transposed or fp8_backward else None
+        _matmul_relu2_tma_kernel[(programs if amax is not None else min(programs, tiles),)](
             TensorDescriptor.from_tensor(a, [BM, BK]),
             TensorDescriptor.from_tensor(b.T, [BN, BK]) if b_nk else TensorDescriptor.from_tensor(b, [BK, BN]),
             half(out), half(side if side is not None else out),
@@ -281,11 +285,12 @@ def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dty
         _matmul_relu2_kernel[(tiles,)](a, b, out, side, scales if fp8 else out, M, N, K, a.stride(0), a.stride(1),
                                        b.stride(0), b.stride(1), out.stride(0), out.stride(1),
                                        BACKWARD=aux is not None, FP8=fp8, **t)
+        amax = None
     if INTERPRET:
         out = out.to(out_dtype)
         post_f8 = None if post_f8 is None else post_f8.to(torch.float8_e4m3fn)
         side_t = None if side_t is None else side_t.to(q_dtype)
-    return out, post_f8, side_t
+    return out, post_f8, side_t, amax
 
 
 @torch.library.custom_op("speedrun::relu2_mlp", mutates_args=())
@@ -311,7 +316,7 @@ def relu2_mlp_fp8(x: Tensor, x_f8: Tensor, fc_w: Tensor, fc_f8_t: Tensor, proj_w
     and proj_w (bf16) are for the backward, which is relu2_mlp's."""
     if not triton_runs_on(x):
         return relu2_mlp_fp8_reference(x_f8, fc_f8_t, proj_f8, scales, x.dtype)[:2]
-    post, post_f8, _ = _matmul_relu2(x_f8, fc_f8_t.T, None, x.dtype, scales)
+    post, post_f8 = _matmul_relu2(x_f8, fc_f8_t.T, None, x.dtype, scales)[:2]
     if not post_f8.is_cuda:  # the interpreter's CPU tensors: the down projection in float32
         return ((post_f8.float() @ proj_f8.float().T) * (scales[2, 0] * scales[1, 0])).to(x.dtype), post
     return torch._scaled_mm(post_f8, proj_f8.T, scale_a=scales[2, :1], scale_b=scales[1, :1], out_dtype=x.dtype,
@@ -368,7 +373,10 @@ relu2_mlp_fp8.register_autograd(_relu2_mlp_fp8_autograd, setup_context=_relu2_ml
 # layouts, read from the forward's e4m3 post (no bf16 post kept); then the three matmuls in FP8: grad_x from
 # grad_pre and W_fc, grad_W_fc from xᵀ (e4m3, transposed) and grad_preᵀ, grad_W_proj from gradᵀ and postᵀ (the
 # forward's transposed e4m3 post). grad_pre's scale is a bound (pre_grad_scale), so nothing waits for its amax.
-# Scales are float32 tensors of one entry (on the device: no host copies).
+# Scales are float32 tensors of one entry (on the device: no host copies). Only the fused kernel is an opaque op
+# (relu2_fp8_grad_pre): the rest is PyTorch that torch.compile traces into the backward graph, so the scales,
+# casts and transposes fuse into its kernels and cost no Python a call (as one op, the backward's host time
+# left the GPU idle ~20 ms a step at window 11, bench/results/fp8_mlp_backward_h100_20261127.md).
 
 
 def _mm_f8(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
@@ -394,40 +402,55 @@ def pre_grad_scale(g_row_norm: Tensor, proj_col_norm: Tensor, post_amax: Tensor)
 
 def _grad_operands(grad: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(scale, largest row norm, e4m3 copy, its transpose) of the output's gradient: reductions and casts that the
-    compiled form fuses into two passes over grad."""
+    compiled backward fuses into two passes over grad."""
     g = grad.float()
     g_s = (g.abs().amax() / E4M3_MAX).clamp_min(1e-30).reshape(1)
     g_f8 = (g / g_s).to(torch.float8_e4m3fn)
     return g_s, g.square().sum(1).amax().sqrt().reshape(1), g_f8, g_f8.T.contiguous()
 
 
-_grad_operands_fused = torch.compile(_grad_operands, dynamic=False, fullgraph=True)
+def fp8_scale_rows(*scales: Tensor) -> Tensor:
+    """One-entry float32 scales as the kernels read them: (len(scales), FP8_SCALE_ROW), a 16-byte row each."""
+    return torch.cat(scales).float()[:, None].repeat(1, FP8_SCALE_ROW)
 
 
-def relu2_mlp_fp8_backward(grad: Tensor, x_f8_t: Tensor, x_s: Tensor, fc_f8: Tensor, fc_s: Tensor, proj_f8: Tensor,
+@torch.library.custom_op("speedrun::relu2_fp8_grad_pre", mutates_args=())
+def relu2_fp8_grad_pre(g_f8: Tensor, proj_f8_t: Tensor, post_f8: Tensor,
+                       scales: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_pre, grad_preᵀ, amax slots) in e4m3 from Hopper's kernel: grad_pre = (g W_proj) * 2 sqrt(post) / scale,
+    g_f8 (T, dim), proj_f8_t (hidden, dim) and post_f8 (T, hidden) in e4m3; scales rows: g's times W_proj's, post's,
+    grad_pre's (fp8_scale_rows). The slots' maximum is grad_pre's largest |value| (tests read it)."""
+    pre_f8, _, pre_f8_t, amax = _matmul_relu2(g_f8, proj_f8_t.T, post_f8, torch.float8_e4m3fn, scales, True)
+    return pre_f8, pre_f8_t, amax
+
+
+@relu2_fp8_grad_pre.register_fake
+def _(g_f8, proj_f8_t, post_f8, scales):
+    T, hidden = post_f8.shape
+    return (torch.empty_like(post_f8), post_f8.new_empty(hidden, T), g_f8.new_empty(
+        relu2_tma_programs(g_f8.device), dtype=torch.float32))
+
+
+def relu2_mlp_fp8_backward(grad: Tensor, x_f8_t: Tensor, x_s: Tensor, fc_f8: Tensor, fc_s: Tensor, proj_f8_t: Tensor,
                            proj_s: Tensor, proj_col_norm: Tensor, post_f8: Tensor, post_f8_t: Tensor, post_s: Tensor,
-                           post_amax: Tensor, amax: Tensor,
-                           weight_grad_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad_x, grad_W_fc, grad_W_proj) of out = relu(x W_fc)² W_projᵀ from FP8 operands: grad (T, dim) bf16;
-    x_f8_t (dim, T), fc_f8 and proj_f8 (dim, hidden) in e4m3; post_f8 (T, hidden) and post_f8_t (hidden, T)
-    in e4m3; each with its scale (x_s, fc_s, proj_s, post_s); proj_col_norm and post_amax (the forward's largest
-    post) for pre_grad_scale; amax takes grad_pre's largest |value| (for tests). Scales: float32, one entry."""
-    g_s, g_row_norm, g_f8, g_f8_t = (_grad_operands_fused if grad.is_cuda else _grad_operands)(grad)
+                           post_amax: Tensor,
+                           weight_grad_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad_x, grad_W_fc, grad_W_proj, grad_pre's amax slots) of out = relu(x W_fc)² W_projᵀ from FP8 operands:
+    grad (T, dim) bf16; x_f8_t (dim, T), fc_f8 (dim, hidden) and proj_f8_t (hidden, dim) in e4m3; post_f8
+    (T, hidden) and post_f8_t (hidden, T) in e4m3; each with its scale (x_s, fc_s, proj_s, post_s);
+    proj_col_norm and post_amax (the forward's largest post) for pre_grad_scale. Scales: float32, one entry."""
+    g_s, g_row_norm, g_f8, g_f8_t = _grad_operands(grad)
     pre_grad_s = pre_grad_scale(g_row_norm, proj_col_norm, post_amax)
-    scales = torch.zeros(3, FP8_SCALE_ROW, device=grad.device)
-    scales[0, 0], scales[1, 0], scales[2, 0] = (g_s * proj_s)[0], post_s[0], pre_grad_s[0]
-    # W_proj as (hidden, dim) rows, passed transposed: the kernel's FP8 wgmma then reads B K-major, as the forward's
-    # W_fc (B_NK); a 2.4 MB copy per call
-    pre_f8, _, pre_f8_t = _matmul_relu2(g_f8, proj_f8.T.contiguous().T, post_f8, torch.float8_e4m3fn, scales,
-                                        transposed=True, amax=amax)
+    pre_f8, pre_f8_t, amax = torch.ops.speedrun.relu2_fp8_grad_pre(
+        g_f8, proj_f8_t, post_f8, fp8_scale_rows(g_s * proj_s, post_s, pre_grad_s))
     grad_x = _mm_f8(pre_f8, fc_f8.T, pre_grad_s, fc_s, grad.dtype)
     grad_fc = _mm_f8(x_f8_t, pre_f8_t.T, x_s, pre_grad_s, weight_grad_dtype)
     grad_proj = _mm_f8(g_f8_t, post_f8_t.T, g_s, post_s, weight_grad_dtype)
-    return grad_x, grad_fc, grad_proj
+    return grad_x, grad_fc, grad_proj, amax
 
 
 def relu2_mlp_fp8_backward_reference(grad: Tensor, x_f8_t: Tensor, x_s: Tensor, fc_f8: Tensor, fc_s: Tensor,
-                                     proj_f8: Tensor, proj_s: Tensor, proj_col_norm: Tensor, post_f8: Tensor,
+                                     proj_f8_t: Tensor, proj_s: Tensor, proj_col_norm: Tensor, post_f8: Tensor,
                                      post_s: Tensor, post_amax: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """relu2_mlp_fp8_backward in float32 arithmetic from the same FP8 operands: (grad_x, grad_W_fc, grad_W_proj,
     grad_pre before its quantization)."""
@@ -435,68 +458,62 @@ def relu2_mlp_fp8_backward_reference(grad: Tensor, x_f8_t: Tensor, x_s: Tensor, 
     pre_grad_s = pre_grad_scale(g_row_norm, proj_col_norm, post_amax)
     g = g_f8.float() * g_s
     post = post_f8.float() * post_s
-    pre = (g @ (proj_f8.float() * proj_s)) * 2 * post.sqrt()
+    pre = (g @ (proj_f8_t.float().T * proj_s)) * 2 * post.sqrt()
     pre_q = (pre / pre_grad_s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * pre_grad_s
     return (pre_q @ (fc_f8.float() * fc_s).T, (x_f8_t.float() * x_s) @ pre_q, g.T @ post, pre)
 
 
+def _fp8_backward_runs_on(t: Tensor) -> bool:
+    """Whether relu2_mlp_all_fp8 takes Hopper's kernel for t (else its float32 references)."""
+    return triton_runs_on(t) and relu2_tma_programs(t.device) > 0
+
+
 @torch.library.custom_op("speedrun::relu2_mlp_all_fp8", mutates_args=())
 def relu2_mlp_all_fp8(x: Tensor, x_f8: Tensor, x_f8_t: Tensor, fc_w: Tensor, fc_f8: Tensor, fc_f8_t: Tensor,
-                      proj_w: Tensor, proj_f8: Tensor, scales: Tensor,
+                      proj_w: Tensor, proj_f8: Tensor, proj_f8_t: Tensor, scales: Tensor,
                       parts: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, post_f8, post_f8_t, post_amax): relu2_mlp_fp8's forward keeping its e4m3 post in both layouts (no bf16
-    post) and post's largest value, for relu2_mlp_fp8_backward. Beyond relu2_mlp_fp8's operands: x_f8_t (dim, T) and fc_f8 (dim, hidden), the e4m3 x
-    transposed and W_fc in its own layout; parts (3, FP8_SCALE_ROW): x's scale, W_fc's, W_proj's largest column
-    norm. x, fc_w and proj_w are there for their gradients' shapes and dtypes. Where Hopper's kernel does not run,
-    the float32 references."""
-    if not (triton_runs_on(x) and relu2_tma_programs(x.device)):
+    post) and post's largest value (as amax slots, whose maximum it is), for relu2_mlp_fp8_backward. Beyond
+    relu2_mlp_fp8's operands: x_f8_t (dim, T), fc_f8 (dim, hidden) and proj_f8_t (hidden, dim), the e4m3 x
+    transposed, W_fc in its own layout and W_proj transposed; parts (3, FP8_SCALE_ROW): x's scale, W_fc's, W_proj's
+    largest column norm. x, fc_w and proj_w are there for their gradients' shapes and dtypes. Where Hopper's kernel
+    does not run, the float32 references."""
+    if not _fp8_backward_runs_on(x):
         out, post, post_f8 = relu2_mlp_fp8_reference(x_f8, fc_f8_t, proj_f8, scales, x.dtype)
         return out, post_f8, post_f8.T.contiguous(), post.float().amax().reshape(1)
-    post_amax = torch.zeros(1, device=x.device)
-    _, post_f8, post_f8_t = _matmul_relu2(x_f8, fc_f8_t.T, None, x.dtype, scales, transposed=True, amax=post_amax)
+    _, post_f8, post_f8_t, post_amax = _matmul_relu2(x_f8, fc_f8_t.T, None, x.dtype, scales, transposed=True)
     out = _mm_f8(post_f8, proj_f8.T, scales[2, :1], scales[1, :1], x.dtype, fast_accum=True)
     return out, post_f8, post_f8_t, post_amax
 
 
 @relu2_mlp_all_fp8.register_fake
-def _(x, x_f8, x_f8_t, fc_w, fc_f8, fc_f8_t, proj_w, proj_f8, scales, parts):
+def _(x, x_f8, x_f8_t, fc_w, fc_f8, fc_f8_t, proj_w, proj_f8, proj_f8_t, scales, parts):
     T, hidden = x.size(0), fc_w.size(1)
     post = x.new_empty(T, hidden, dtype=torch.float8_e4m3fn)
+    slots = relu2_tma_programs(x.device) if _fp8_backward_runs_on(x) else 1
     return (x.new_empty(T, proj_w.size(0)), post, x.new_empty(hidden, T, dtype=torch.float8_e4m3fn),
-            x.new_empty(1, dtype=torch.float32))
-
-
-@torch.library.custom_op("speedrun::relu2_mlp_all_fp8_backward", mutates_args=())
-def relu2_mlp_all_fp8_backward(grad: Tensor, x_f8_t: Tensor, fc_f8: Tensor, proj_f8: Tensor, post_f8: Tensor,
-                               post_f8_t: Tensor, post_amax: Tensor, scales: Tensor, parts: Tensor,
-                               weight_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of x, fc_w and proj_w for relu2_mlp_all_fp8 (relu2_mlp_fp8_backward, or its float32 reference
-    where Hopper's kernel does not run)."""
-    args = (x_f8_t, parts[0, :1], fc_f8, parts[1, :1], proj_f8, scales[1, :1], parts[2, :1])
-    if not (triton_runs_on(grad) and relu2_tma_programs(grad.device)):
-        gx, gfc, gproj, _ = relu2_mlp_fp8_backward_reference(grad, *args, post_f8, scales[2, :1], post_amax)
-        return gx.to(grad.dtype), gfc.to(weight_dtype), gproj.to(weight_dtype)
-    amax = torch.zeros(1, device=grad.device)  # grad_pre's largest |value| (tests read it; the scale is a bound)
-    return relu2_mlp_fp8_backward(grad, *args, post_f8, post_f8_t, scales[2, :1], post_amax, amax, weight_dtype)
-
-
-@relu2_mlp_all_fp8_backward.register_fake
-def _(grad, x_f8_t, fc_f8, proj_f8, post_f8, post_f8_t, post_amax, scales, parts, weight_dtype):
-    dim, hidden = fc_f8.shape
-    return torch.empty_like(grad), grad.new_empty(dim, hidden, dtype=weight_dtype), grad.new_empty(
-        dim, hidden, dtype=weight_dtype)
+            x.new_empty(slots, dtype=torch.float32))
 
 
 def _relu2_mlp_all_fp8_setup_context(ctx, inputs, output):
-    x, _, x_f8_t, fc_w, fc_f8, _, _, proj_f8, scales, parts = inputs
-    ctx.save_for_backward(x_f8_t, fc_f8, proj_f8, output[1], output[2], output[3], scales, parts)
+    x, _, x_f8_t, fc_w, fc_f8, _, _, _, proj_f8_t, scales, parts = inputs
+    ctx.save_for_backward(x_f8_t, fc_f8, proj_f8_t, output[1], output[2], output[3], scales, parts)
     ctx.weight_dtype = fc_w.dtype
 
 
 def _relu2_mlp_all_fp8_autograd(ctx, grad_out, _grad_post, _grad_post_t, _grad_post_amax):
-    grad_x, grad_fc, grad_proj = relu2_mlp_all_fp8_backward(grad_out.contiguous(), *ctx.saved_tensors,
-                                                            ctx.weight_dtype)
-    return grad_x, None, None, grad_fc, None, None, grad_proj, None, None, None
+    """relu2_mlp_fp8_backward, traced by torch.compile into the backward graph (or its float32 reference where
+    Hopper's kernel does not run)."""
+    x_f8_t, fc_f8, proj_f8_t, post_f8, post_f8_t, post_amax, scales, parts = ctx.saved_tensors
+    grad = grad_out.contiguous()
+    args = (x_f8_t, parts[0, :1], fc_f8, parts[1, :1], proj_f8_t, scales[1, :1], parts[2, :1], post_f8)
+    if _fp8_backward_runs_on(grad):
+        grad_x, grad_fc, grad_proj, _ = relu2_mlp_fp8_backward(grad, *args, post_f8_t, scales[2, :1],
+                                                               post_amax.amax().reshape(1), ctx.weight_dtype)
+    else:
+        grad_x, grad_fc, grad_proj, _ = relu2_mlp_fp8_backward_reference(grad, *args, scales[2, :1], post_amax)
+    return (grad_x.to(grad.dtype), None, None, grad_fc.to(ctx.weight_dtype), None, None,
+            grad_proj.to(ctx.weight_dtype), None, None, None, None)
 
 
 relu2_mlp_all_fp8.register_autograd(_relu2_mlp_all_fp8_autograd, setup_context=_relu2_mlp_all_fp8_setup_context)

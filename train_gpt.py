@@ -1021,15 +1021,15 @@ def fp8_mlp_operands(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, .
 @torch.no_grad()
 def fp8_mlp_all_operands(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, ...]:
     """relu2_mlp_all_fp8's operands after x: fp8_mlp_operands' with x's e4m3 copy also transposed, W_fc's also in
-    its own (dim, hidden) layout, and parts: x's scale, W_fc's, and W_proj's largest column norm (for grad_pre's
-    scale, kernels.pre_grad_scale), a 16-byte row each."""
+    its own (dim, hidden) layout, W_proj's also transposed (hidden, dim: the FP8 backward kernel reads it K-major),
+    and parts: x's scale, W_fc's, and W_proj's largest column norm (for grad_pre's scale, kernels.pre_grad_scale),
+    a 16-byte row each."""
     x_f8, fc_w, fc_f8_t, proj_w, proj_f8, scales = fp8_mlp_operands(x, fc_w, proj_w)
     fc_s = fc_w.detach().abs().amax().float().clamp_min(1e-30) / E4M3_MAX
     fc_f8 = (fc_w / fc_s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     x_s = torch.full_like(fc_s, math.sqrt(x.size(-1)) / E4M3_MAX)
-    parts = torch.stack([x_s, fc_s, proj_w.float().norm(dim=0).amax()])
-    return (x_f8, x_f8.T.contiguous(), fc_w, fc_f8, fc_f8_t, proj_w, proj_f8, scales,
-            parts[:, None].repeat(1, kernels.FP8_SCALE_ROW))
+    parts = kernels.fp8_scale_rows(x_s[None], fc_s[None], proj_w.float().norm(dim=0).amax()[None])
+    return (x_f8, x_f8.T.contiguous(), fc_w, fc_f8, fc_f8_t, proj_w, proj_f8, proj_f8.T.contiguous(), scales, parts)
 
 
 class Block(nn.Module):

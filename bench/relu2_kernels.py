@@ -127,22 +127,22 @@ def fp8_backward_rows(x, fc_w, proj_w, grad, post, x_f8, x_s, w_s, fc_f8_t, scal
     x_s1, fc_s1 = one(x_s), one(w_s)
     proj_s = one(proj_w.float().abs().max() / kernels.E4M3_MAX)
     fc_f8 = (fc_w.float() / fc_s1).to(torch.float8_e4m3fn)  # (dim, hidden): grad_x's second operand, transposed
-    proj_f8 = (proj_w.float() / proj_s).to(torch.float8_e4m3fn)
-    post_amax = torch.zeros(1, device="cuda")
-    post_f8, post_f8_t = kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales, transposed=True,
-                                               amax=post_amax)[1:]
+    proj_f8_t = (proj_w.float().T / proj_s).to(torch.float8_e4m3fn).contiguous()
+    post_f8, post_f8_t, slots = kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales, True)[1:]
+    post_amax = slots.amax().reshape(1)
     x_f8_t = x_f8.T.contiguous()
     col = one(proj_w.float().norm(dim=0).max())  # for grad_pre's scale, a bound (kernels.pre_grad_scale)
-    amax = torch.zeros(1, device="cuda")
     truth = (grad_pre_ref @ fc_w.float().T, x.float().T @ grad_pre_ref, grad.float().T @ post.float())
 
     def bf16_backward():
         grad_pre = kernels._matmul_relu2(grad, proj_w, post, torch.bfloat16)[0]
         return grad_pre @ fc_w.T, x.T @ grad_pre, grad.T @ post
 
-    def fp8_backward():
-        return kernels.relu2_mlp_fp8_backward(grad, x_f8_t, x_s1, fc_f8, fc_s1, proj_f8, proj_s, col, post_f8,
-                                              post_f8_t, one(scales[2, 0]), post_amax, amax)
+    fp8_backward_compiled = torch.compile(kernels.relu2_mlp_fp8_backward, dynamic=False, fullgraph=True)
+
+    def fp8_backward():  # compiled, as in the model's backward graph: the scales and casts fused
+        return fp8_backward_compiled(grad, x_f8_t, x_s1, fc_f8, fc_s1, proj_f8_t, proj_s, col, post_f8, post_f8_t,
+                                     one(scales[2, 0]), post_amax)[:3]
     for name, fn in (("MLP backward, bf16 (fused kernel + 3 cuBLAS matmuls)", bf16_backward),
                      ("MLP backward, FP8 (relu2_mlp_fp8_backward)", fp8_backward)):
         errors = [((a.float() - b).abs().max() / b.abs().max()).item() for a, b in zip(fn(), truth)]
@@ -150,8 +150,7 @@ def fp8_backward_rows(x, fc_w, proj_w, grad, post, x_f8, x_s, w_s, fc_f8_t, scal
         print(f"{name:<56} {us:8.1f} us  errors dx {errors[0]:.1e} dW_fc {errors[1]:.1e} dW_proj {errors[2]:.1e}",
               flush=True)
     for name, transposed in (("FP8 forward kernel", False), ("FP8 forward kernel + transposed e4m3 post", True)):
-        us = do_bench(lambda: kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales, transposed,
-                                                    post_amax if transposed else None),
+        us = do_bench(lambda: kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales, transposed),
                       warmup=25, rep=200, return_mode="median") * 1e3
         print(f"{name:<56} {us:8.1f} us", flush=True)
     us = do_bench(lambda: kernels.quantize(x, x_s1, torch.float8_e4m3fn), warmup=25, rep=200, return_mode="median")
