@@ -440,9 +440,11 @@ def relu2_mlp_fp8_backward(grad: Tensor, x_f8_t: Tensor, x_s: Tensor, fc_f8: Ten
     (T, hidden) and post_f8_t (hidden, T) in e4m3; each with its scale (x_s, fc_s, proj_s, post_s);
     proj_col_norm and post_amax (the forward's largest post) for pre_grad_scale. Scales: float32, one entry."""
     g_s, g_row_norm, g_f8, g_f8_t = _grad_operands(grad)
-    pre_grad_s = pre_grad_scale(g_row_norm, proj_col_norm, post_amax)
-    pre_f8, pre_f8_t, amax = torch.ops.speedrun.relu2_fp8_grad_pre(
-        g_f8, proj_f8_t, post_f8, fp8_scale_rows(g_s * proj_s, post_s, pre_grad_s))
+    rows = fp8_scale_rows(g_s * proj_s, post_s, pre_grad_scale(g_row_norm, proj_col_norm, post_amax), g_s)
+    pre_f8, pre_f8_t, amax = torch.ops.speedrun.relu2_fp8_grad_pre(g_f8, proj_f8_t, post_f8, rows)
+    # the matmuls' scales read from the 16-byte rows: cuBLAS refuses a scale that is not 16-byte aligned, and
+    # Inductor may place one computed alone inside another buffer (CUBLAS_STATUS_NOT_SUPPORTED on an H100)
+    pre_grad_s, g_s = rows[2, :1], rows[3, :1]
     grad_x = _mm_f8(pre_f8, fc_f8.T, pre_grad_s, fc_s, grad.dtype)
     grad_fc = _mm_f8(x_f8_t, pre_f8_t.T, x_s, pre_grad_s, weight_grad_dtype)
     grad_proj = _mm_f8(g_f8_t, post_f8_t.T, g_s, post_s, weight_grad_dtype)
