@@ -77,13 +77,11 @@ def relu2_mlp_fp8_reference(x_f8: Tensor, fc_f8_t: Tensor, proj_f8: Tensor, scal
 
 if triton is not None:
     @triton.jit
-    def _matmul_relu2_kernel(a_ptr, b_ptr, out_ptr, aux_ptr, scale_ptr, M, N, K, stride_am, stride_ak,
-                             stride_bk, stride_bn, stride_om, stride_on, BACKWARD: tl.constexpr, FP8: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GROUP_M: tl.constexpr):
+    def _matmul_relu2_kernel(a_ptr, b_ptr, out_ptr, aux_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                             stride_om, stride_on, BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """acc = A @ B (M x N, float32). Forward: out = relu(acc)² (post). Backward: out = acc * 2 sqrt(aux)
-        (aux: the saved post). FP8 (forward): A and B in e4m3, acc *= scale[0, 0], and aux = min(post /
-        scale[2, 0], 448) in e4m3."""
+        (aux: the saved post). The bf16 MLP's kernel where Hopper's TMA kernel does not run (A100)."""
         pid = tl.program_id(0)
         grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         group = GROUP_M * grid_n  # tiles in groups of GROUP_M rows: neighbouring programs share B in L2
@@ -107,14 +105,8 @@ if triton is not None:
             post = tl.load(aux_ptr + at, mask=inside, other=0.0).to(tl.float32)
             acc = acc * 2 * tl.sqrt(post)
         else:
-            if FP8:
-                acc = acc * tl.load(scale_ptr)  # row 0 of the (3, FP8_SCALE_ROW) scales
             acc = tl.maximum(acc, 0.0)
             acc = acc * acc
-            if FP8:
-                acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # post as stored: what bf16 matmuls see
-                q = tl.minimum(acc * (1.0 / tl.load(scale_ptr + 8)), 448.0)  # row 2; 448: E4M3_MAX
-                tl.store(aux_ptr + at, q.to(aux_ptr.dtype.element_ty), mask=inside)
         tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
     # Hopper's form of the same kernel (sm_90+; the public line's linear_relu_square is built this way): one
@@ -125,20 +117,21 @@ if triton is not None:
     # us per call; the record's step at window 11 12-13 ms shorter (bench/results/mlp_tma_tables_h100_20261127.md).
     @triton.jit
     def _matmul_relu2_tma_kernel(a_desc, b_desc, out_desc, side_desc, side_t_desc, scale_ptr, amax_ptr, M, N, K,
-                                 BACKWARD: tl.constexpr, FP8: tl.constexpr, B_NK: tl.constexpr, SIDE_T: tl.constexpr,
+                                 BACKWARD: tl.constexpr, FP8: tl.constexpr, B_NK: tl.constexpr,
                                  Q_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
         """_matmul_relu2_kernel's arithmetic: a (M, K); b (K, N), or (N, K) if B_NK; out (M, N); side: the
         backward's aux (post) or the FP8 forward's e4m3 post (M, N); descriptors of (BLOCK_M, BLOCK_N / 2) blocks
-        for out and side. SIDE_T (FP8 only): the FP8 result also stored transposed, side_t (N, M) in
-        (BLOCK_N / 2, BLOCK_M) blocks: what the weight gradients' FP8 matmuls read (the forward then stores no
-        bf16 post in out, and stores the largest post of its tiles at amax_ptr[program]). The FP8 backward
-        (BACKWARD and FP8): a and b in FP8, acc *= scale[0, 0], post = side * scale[1, 0], and out = the gradient /
-        scale[2, 0] in FP8 (at most Q_MAX), with the largest |gradient| of its tiles at amax_ptr[program]. A slot a
-        program (plain stores, no atomics), so the slots need no zeroing before the launch."""
+        for out and side. FP8: the FP8 result is also stored transposed, side_t (N, M) in (BLOCK_N / 2, BLOCK_M)
+        blocks, what the weight gradients' FP8 matmuls read. The FP8 forward: a and b in e4m3, acc *= scale[0, 0],
+        post / scale[2, 0] in e4m3 into side (no bf16 post stored: the FP8 backward reads the e4m3 one), and the
+        largest post of its tiles at amax_ptr[program]. The FP8 backward (BACKWARD and FP8): a and b in FP8, acc *=
+        scale[0, 0], post = side * scale[1, 0], and out = the gradient / scale[2, 0] in FP8 (at most Q_MAX), with
+        the largest |gradient| of its tiles at amax_ptr[program]. A slot a program (plain stores, no atomics), so
+        the slots need no zeroing before the launch."""
         grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         group = GROUP_M * grid_n  # tiles in groups of GROUP_M rows, as in _matmul_relu2_kernel
-        run_max = tl.full((1,), 0.0, tl.float32)  # the amax slot's value (FP8 backward, SIDE_T)
+        run_max = tl.full((1,), 0.0, tl.float32)  # the amax slot's value (FP8)
         for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True):
             first_m = (tile // group) * GROUP_M
             rows_in_group = tl.minimum(grid_m - first_m, GROUP_M)
@@ -167,8 +160,7 @@ if triton is not None:
                         run_max = tl.maximum(run_max, tl.max(tl.max(tl.abs(c), 1), 0))
                         q = tl.minimum(tl.maximum(c * inv_q_s, -Q_MAX), Q_MAX).to(out_desc.dtype)
                         out_desc.store([m0, n], q)
-                        if SIDE_T:
-                            side_t_desc.store([n, m0], tl.trans(q))
+                        side_t_desc.store([n, m0], tl.trans(q))
                     else:
                         out_desc.store([m0, n], c.to(out_desc.dtype))
                 else:
@@ -178,12 +170,11 @@ if triton is not None:
                         c = c.to(out_desc.dtype).to(tl.float32)  # post as stored: what bf16 matmuls see
                         q = tl.minimum(c * inv_q_s, Q_MAX).to(side_desc.dtype)
                         side_desc.store([m0, n], q)
-                        if SIDE_T:  # for the FP8 backward, which reads only the e4m3 post: no bf16 post stored,
-                            side_t_desc.store([n, m0], tl.trans(q))  # and post's largest value kept
-                            run_max = tl.maximum(run_max, tl.max(tl.max(c, 1), 0))
-                    if not (FP8 and SIDE_T):
+                        side_t_desc.store([n, m0], tl.trans(q))
+                        run_max = tl.maximum(run_max, tl.max(tl.max(c, 1), 0))
+                    else:
                         out_desc.store([m0, n], c.to(out_desc.dtype))
-        if FP8 and (BACKWARD or SIDE_T):
+        if FP8:
             tl.store(amax_ptr + tl.program_id(0) + tl.arange(0, 1), run_max)
 
 # Tile sizes of the fused matmul: the fastest of five on an H100 (bench/mlp_kernel.py, bench/README.md);
@@ -192,9 +183,9 @@ RELU2_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8,
 RELU2_FP8_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-def relu2_tiles_shared_memory(tiles: dict = RELU2_TILES, itemsize: int = 2) -> int:
-    """Bytes of shared memory one program of the fused matmul needs: an A and a B tile per pipeline stage."""
-    return tiles["num_stages"] * (tiles["BLOCK_M"] + tiles["BLOCK_N"]) * tiles["BLOCK_K"] * itemsize
+def relu2_tiles_shared_memory(tiles: dict = RELU2_TILES) -> int:
+    """Bytes of shared memory one program of the bf16 fused matmul needs: an A and a B tile per pipeline stage."""
+    return tiles["num_stages"] * (tiles["BLOCK_M"] + tiles["BLOCK_N"]) * tiles["BLOCK_K"] * 2
 
 
 def max_shared_memory(device: torch.device) -> int:
@@ -204,12 +195,11 @@ def max_shared_memory(device: torch.device) -> int:
 
 def relu2_mlp_fits(device: torch.device) -> bool:
     """Whether --fused_mlp can run its kernel here: on a CUDA GPU with the shared memory for RELU2_TILES
-    (144 KiB: H100, H200 and A100 have it, most desktop GPUs do not; the FP8 tiles need as much); elsewhere
+    (144 KiB: H100, H200 and A100 have it, most desktop GPUs do not); elsewhere
     the op's PyTorch reference runs, which always fits."""
     if device.type != "cuda" or triton is None:
         return True
-    return max_shared_memory(device) >= max(relu2_tiles_shared_memory(),
-                                            relu2_tiles_shared_memory(RELU2_FP8_TILES, itemsize=1))
+    return max_shared_memory(device) >= relu2_tiles_shared_memory()
 
 
 RELU2_TMA_SHARED_MEMORY = 216 * 1024  # the TMA kernel's operand pipeline and epilogue buffers at RELU2_TILES
@@ -238,15 +228,13 @@ def tma_ready(*tensors: Tensor) -> bool:
                for t in tensors)
 
 
-def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dtype, scales: Tensor | None = None,
-                  transposed: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
-    """Forward (aux None): relu(a @ b)²; with scales (a and b in e4m3) also its e4m3 copy.
-    Backward: (a @ b) * 2 sqrt(aux); with scales (a, b and aux, the e4m3 post, in FP8: the FP8 backward, Hopper's
-    kernel only) the gradient in out_dtype (FP8).
-    Returns (out, the forward's post_f8 or None, with transposed the FP8 result transposed (N, M) or None, amax);
-    the FP8 forward with transposed leaves out unwritten (its backward reads the e4m3 post). amax, for the FP8
-    backward and the transposed FP8 forward (else None): float32 slots, one a program
-    (relu2_tma_programs), whose maximum is the largest |gradient| or post."""
+def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dtype,
+                  scales: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """Forward (aux None): relu(a @ b)². Backward: (a @ b) * 2 sqrt(aux). With scales (Hopper's kernel only), FP8:
+    the forward from e4m3 a and b writes post in e4m3 (and no bf16 post: out is left unwritten); the backward from
+    FP8 a and b and the e4m3 post (aux) writes the gradient in out_dtype (FP8).
+    Returns (out, the forward's e4m3 post or None, the FP8 result transposed (N, M) or None, amax or None); amax,
+    FP8 only: float32 slots, one a program (relu2_tma_programs), whose maximum is the largest post or |gradient|."""
     M, K = a.shape
     N = b.size(1)
     fp8 = scales is not None
@@ -259,33 +247,31 @@ def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dty
     if fp8 and not fp8_backward:
         post_f8 = torch.empty(M, N, device=a.device, dtype=stored(torch.float8_e4m3fn))
     q_dtype = out_dtype if fp8_backward else torch.float8_e4m3fn  # what the FP8 result is stored as
-    side_t = torch.empty(N, M, device=a.device, dtype=stored(q_dtype)) if transposed else None
+    side_t = torch.empty(N, M, device=a.device, dtype=stored(q_dtype)) if fp8 else None
     t = RELU2_FP8_TILES if fp8 else RELU2_TILES
     tiles = triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"])
     side = post_f8 if post_f8 is not None else aux  # the epilogue's second tensor: the e4m3 post it writes, or reads
     b_nk = b.stride(0) == 1 and b.stride(1) != 1  # b as the transpose of a contiguous (N, K): the FP8 W_fc
     programs = relu2_tma_programs(a.device)
+    amax = None
     if programs and tma_ready(a, b.T if b_nk else b, out, *([side] if side is not None else []),
                               *([side_t] if side_t is not None else [])):
         BM, BN, BK = t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"]
         half = lambda x: TensorDescriptor.from_tensor(x, [BM, BN // 2])
         # with amax slots every program runs (one with no tile writes 0), so that every slot is written
-        amax = torch.empty(programs, device=a.device) if transposed or fp8_backward else None
-        _matmul_relu2_tma_kernel[(programs if amax is not None else min(programs, tiles),)](
+        amax = torch.empty(programs, device=a.device) if fp8 else None
+        _matmul_relu2_tma_kernel[(programs if fp8 else min(programs, tiles),)](
             TensorDescriptor.from_tensor(a, [BM, BK]),
             TensorDescriptor.from_tensor(b.T, [BN, BK]) if b_nk else TensorDescriptor.from_tensor(b, [BK, BN]),
             half(out), half(side if side is not None else out),
             TensorDescriptor.from_tensor(side_t, [BN // 2, BM]) if side_t is not None else half(out),
-            scales if fp8 else out, amax if amax is not None else out, M, N, K,
-            BACKWARD=aux is not None, FP8=fp8, B_NK=b_nk, SIDE_T=transposed, Q_MAX=torch.finfo(q_dtype).max,
-            NUM_SMS=programs, **t)
-    elif transposed or fp8_backward:
-        raise RuntimeError("the FP8 backward and the transposed FP8 copy run in Hopper's TMA kernel only")
+            scales if fp8 else out, amax if fp8 else out, M, N, K,
+            BACKWARD=aux is not None, FP8=fp8, B_NK=b_nk, Q_MAX=torch.finfo(q_dtype).max, NUM_SMS=programs, **t)
+    elif fp8:
+        raise RuntimeError("the FP8 MLP's matmuls run in Hopper's TMA kernel only")
     else:
-        _matmul_relu2_kernel[(tiles,)](a, b, out, side, scales if fp8 else out, M, N, K, a.stride(0), a.stride(1),
-                                       b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-                                       BACKWARD=aux is not None, FP8=fp8, **t)
-        amax = None
+        _matmul_relu2_kernel[(tiles,)](a, b, out, side, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                                       out.stride(0), out.stride(1), BACKWARD=aux is not None, **t)
     if INTERPRET:
         out = out.to(out_dtype)
         post_f8 = None if post_f8 is None else post_f8.to(torch.float8_e4m3fn)
@@ -306,25 +292,6 @@ def relu2_mlp(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, Tensor]:
 
 @relu2_mlp.register_fake
 def _(x, fc_w, proj_w):
-    return x.new_empty(x.size(0), proj_w.size(0)), x.new_empty(x.size(0), fc_w.size(1))
-
-
-@torch.library.custom_op("speedrun::relu2_mlp_fp8", mutates_args=())
-def relu2_mlp_fp8(x: Tensor, x_f8: Tensor, fc_w: Tensor, fc_f8_t: Tensor, proj_w: Tensor, proj_f8: Tensor,
-                  scales: Tensor) -> tuple[Tensor, Tensor]:
-    """(out, post): the forward with FP8 matmuls (see relu2_mlp_fp8_reference for the operands); x, fc_w
-    and proj_w (bf16) are for the backward, which is relu2_mlp's."""
-    if not triton_runs_on(x):
-        return relu2_mlp_fp8_reference(x_f8, fc_f8_t, proj_f8, scales, x.dtype)[:2]
-    post, post_f8 = _matmul_relu2(x_f8, fc_f8_t.T, None, x.dtype, scales)[:2]
-    if not post_f8.is_cuda:  # the interpreter's CPU tensors: the down projection in float32
-        return ((post_f8.float() @ proj_f8.float().T) * (scales[2, 0] * scales[1, 0])).to(x.dtype), post
-    return torch._scaled_mm(post_f8, proj_f8.T, scale_a=scales[2, :1], scale_b=scales[1, :1], out_dtype=x.dtype,
-                            use_fast_accum=True), post
-
-
-@relu2_mlp_fp8.register_fake
-def _(x, x_f8, fc_w, fc_f8_t, proj_w, proj_f8, scales):
     return x.new_empty(x.size(0), proj_w.size(0)), x.new_empty(x.size(0), fc_w.size(1))
 
 
@@ -355,19 +322,6 @@ def _relu2_mlp_autograd(ctx, grad_out, _grad_post):
 relu2_mlp.register_autograd(_relu2_mlp_autograd, setup_context=_relu2_mlp_setup_context)
 
 
-def _relu2_mlp_fp8_setup_context(ctx, inputs, output):
-    x, _, fc_w, _, proj_w, _, _ = inputs
-    ctx.save_for_backward(x, fc_w, proj_w, output[1])
-
-
-def _relu2_mlp_fp8_autograd(ctx, grad_out, _grad_post):
-    grad_x, grad_fc, grad_proj = relu2_mlp_backward(grad_out.contiguous(), *ctx.saved_tensors)
-    return grad_x, None, grad_fc, None, grad_proj, None, None
-
-
-relu2_mlp_fp8.register_autograd(_relu2_mlp_fp8_autograd, setup_context=_relu2_mlp_fp8_setup_context)
-
-
 # The MLP's backward in FP8 (Hopper), the form public pull request #344 takes (issue 33): the gradient of the
 # output in e4m3 (its own amax, both layouts); the fused kernel's FP8 backward gives grad_pre in e4m3 in both
 # layouts, read from the forward's e4m3 post (no bf16 post kept); then the three matmuls in FP8: grad_x from
@@ -383,7 +337,7 @@ def _mm_f8(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: to
            fast_accum: bool = False) -> Tensor:
     """a @ b * scale_a * scale_b from FP8 operands (a row-major, b column-major): _scaled_mm on a GPU, float32
     arithmetic in the interpreter's CPU tests. The backward's sums over 49K tokens keep cuBLAS's exact
-    accumulation (fast_accum off, as PR 344); the forward's down projection takes the fast one, as relu2_mlp_fp8."""
+    accumulation (fast_accum off, as PR 344); the forward's down projection takes the fast one."""
     if not a.is_cuda:
         return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
@@ -397,7 +351,8 @@ def pre_grad_scale(g_row_norm: Tensor, proj_col_norm: Tensor, post_amax: Tensor)
     max_t |g_t| max_j |w_j| 2 sqrt(max post) (Cauchy-Schwarz) over W_proj's columns w_j, times PRE_GRAD_MARGIN.
     On random operands it is 12-16 times the true maximum: e4m3's 18 binades absorb that (grad_x 2.65% from
     float64 against 2.64% at the exact scale; e5m2 at an exact scale 5.3%)."""
-    return PRE_GRAD_MARGIN * g_row_norm * proj_col_norm * 2 * post_amax.sqrt() / E4M3_MAX
+    # at least 1e-30: W_proj starts at zero, and 0 / 0 would make grad_pre's zeros NaN
+    return (PRE_GRAD_MARGIN * g_row_norm * proj_col_norm * 2 * post_amax.sqrt() / E4M3_MAX).clamp_min(1e-30)
 
 
 def _grad_operands(grad: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -420,7 +375,7 @@ def relu2_fp8_grad_pre(g_f8: Tensor, proj_f8_t: Tensor, post_f8: Tensor,
     """(grad_pre, grad_preᵀ, amax slots) in e4m3 from Hopper's kernel: grad_pre = (g W_proj) * 2 sqrt(post) / scale,
     g_f8 (T, dim), proj_f8_t (hidden, dim) and post_f8 (T, hidden) in e4m3; scales rows: g's times W_proj's, post's,
     grad_pre's (fp8_scale_rows). The slots' maximum is grad_pre's largest |value| (tests read it)."""
-    pre_f8, _, pre_f8_t, amax = _matmul_relu2(g_f8, proj_f8_t.T, post_f8, torch.float8_e4m3fn, scales, True)
+    pre_f8, _, pre_f8_t, amax = _matmul_relu2(g_f8, proj_f8_t.T, post_f8, torch.float8_e4m3fn, scales)
     return pre_f8, pre_f8_t, amax
 
 
@@ -465,7 +420,7 @@ def relu2_mlp_fp8_backward_reference(grad: Tensor, x_f8_t: Tensor, x_s: Tensor, 
     return (pre_q @ (fc_f8.float() * fc_s).T, (x_f8_t.float() * x_s) @ pre_q, g.T @ post, pre)
 
 
-def _fp8_backward_runs_on(t: Tensor) -> bool:
+def _fp8_mlp_runs_on(t: Tensor) -> bool:
     """Whether relu2_mlp_all_fp8 takes Hopper's kernel for t (else its float32 references)."""
     return triton_runs_on(t) and relu2_tma_programs(t.device) > 0
 
@@ -474,16 +429,17 @@ def _fp8_backward_runs_on(t: Tensor) -> bool:
 def relu2_mlp_all_fp8(x: Tensor, x_f8: Tensor, x_f8_t: Tensor, fc_w: Tensor, fc_f8: Tensor, fc_f8_t: Tensor,
                       proj_w: Tensor, proj_f8: Tensor, proj_f8_t: Tensor, scales: Tensor,
                       parts: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, post_f8, post_f8_t, post_amax): relu2_mlp_fp8's forward keeping its e4m3 post in both layouts (no bf16
-    post) and post's largest value (as amax slots, whose maximum it is), for relu2_mlp_fp8_backward. Beyond
-    relu2_mlp_fp8's operands: x_f8_t (dim, T), fc_f8 (dim, hidden) and proj_f8_t (hidden, dim), the e4m3 x
-    transposed, W_fc in its own layout and W_proj transposed; parts (3, FP8_SCALE_ROW): x's scale, W_fc's, W_proj's
-    largest column norm. x, fc_w and proj_w are there for their gradients' shapes and dtypes. Where Hopper's kernel
-    does not run, the float32 references."""
-    if not _fp8_backward_runs_on(x):
+    """(out, post_f8, post_f8_t, post_amax): the MLP's forward with FP8 matmuls, keeping its e4m3 post in both
+    layouts (no bf16 post) and post's largest value (as amax slots, whose maximum it is), for
+    relu2_mlp_fp8_backward. Operands (train_gpt.fp8_mlp_operands): x_f8 (T, dim) and x_f8_t (dim, T), fc_f8 (dim,
+    hidden) and fc_f8_t (hidden, dim), proj_f8 (dim, hidden) and proj_f8_t (hidden, dim), in e4m3; scales (3,
+    FP8_SCALE_ROW): x's times W_fc's, W_proj's, post's (relu2_mlp_fp8_reference); parts (3, FP8_SCALE_ROW): x's
+    scale, W_fc's, W_proj's largest column norm. x, fc_w and proj_w are there for their gradients' shapes and
+    dtypes. Where Hopper's kernel does not run (the CPU tests), the float32 references."""
+    if not _fp8_mlp_runs_on(x):
         out, post, post_f8 = relu2_mlp_fp8_reference(x_f8, fc_f8_t, proj_f8, scales, x.dtype)
         return out, post_f8, post_f8.T.contiguous(), post.float().amax().reshape(1)
-    _, post_f8, post_f8_t, post_amax = _matmul_relu2(x_f8, fc_f8_t.T, None, x.dtype, scales, transposed=True)
+    _, post_f8, post_f8_t, post_amax = _matmul_relu2(x_f8, fc_f8_t.T, None, x.dtype, scales)
     out = _mm_f8(post_f8, proj_f8.T, scales[2, :1], scales[1, :1], x.dtype, fast_accum=True)
     return out, post_f8, post_f8_t, post_amax
 
@@ -492,7 +448,7 @@ def relu2_mlp_all_fp8(x: Tensor, x_f8: Tensor, x_f8_t: Tensor, fc_w: Tensor, fc_
 def _(x, x_f8, x_f8_t, fc_w, fc_f8, fc_f8_t, proj_w, proj_f8, proj_f8_t, scales, parts):
     T, hidden = x.size(0), fc_w.size(1)
     post = x.new_empty(T, hidden, dtype=torch.float8_e4m3fn)
-    slots = relu2_tma_programs(x.device) if _fp8_backward_runs_on(x) else 1
+    slots = relu2_tma_programs(x.device) if _fp8_mlp_runs_on(x) else 1
     return (x.new_empty(T, proj_w.size(0)), post, x.new_empty(hidden, T, dtype=torch.float8_e4m3fn),
             x.new_empty(slots, dtype=torch.float32))
 
@@ -509,7 +465,7 @@ def _relu2_mlp_all_fp8_autograd(ctx, grad_out, _grad_post, _grad_post_t, _grad_p
     x_f8_t, fc_f8, proj_f8_t, post_f8, post_f8_t, post_amax, scales, parts = ctx.saved_tensors
     grad = grad_out.contiguous()
     args = (x_f8_t, parts[0, :1], fc_f8, parts[1, :1], proj_f8_t, scales[1, :1], parts[2, :1], post_f8)
-    if _fp8_backward_runs_on(grad):
+    if _fp8_mlp_runs_on(grad):
         grad_x, grad_fc, grad_proj, _ = relu2_mlp_fp8_backward(grad, *args, post_f8_t, scales[2, :1],
                                                                post_amax.amax().reshape(1), ctx.weight_dtype)
     else:

@@ -221,10 +221,10 @@ class Hyperparameters:
     cpp_wrapper: bool = False  # compiled graphs launch their kernels from C++ (quicker steps at small micro-batches)
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     # our kernels: ReLU² in the matmul epilogues (-12 ms a step at stage 3 on an H100), its forward in FP8 (-16 ms,
-    # final loss -0.0014 +- 0.0021), the FP8 head's soft-capped cross-entropy in Triton (-22 ms)
+    # final loss -0.0014 +- 0.0021) and then its backward too (-26 ms; bench/results/fp8_mlp_backward_h100_20261127.md),
+    # the FP8 head's soft-capped cross-entropy in Triton (-22 ms)
     fused_mlp: bool = True  # ReLU² inside the MLP's matmul epilogues (kernels.py), where the GPU has the shared memory
-    fp8_mlp: bool = True  # the fused MLP's forward matmuls in FP8 (kernels.py), where the GPU has FP8 and the kernel
-    fp8_mlp_backward: bool = False  # with fp8_mlp on Hopper: the MLP's backward matmuls in FP8 too (PR 344's form)
+    fp8_mlp: bool = True  # the fused MLP's matmuls in FP8, forward and backward (kernels.py), on Hopper's TMA kernel
     fused_ce: bool = True  # the FP8 head's soft-capped cross-entropy in Triton kernels, its gradient written in FP8
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
@@ -987,16 +987,13 @@ class MLP(nn.Module):
         self.fc_w = nn.Parameter(uniform_init_(torch.empty(cfg.model_dim, hidden), cfg.model_dim))
         self.proj_w = nn.Parameter(torch.zeros(cfg.model_dim, hidden))  # zero init (@Grad62304977)
         self.fused = False  # kernels.py's relu2_mlp (GPT sets it from --fused_mlp)
-        self.fp8 = False  # kernels.py's relu2_mlp_fp8 in training (GPT sets it from --fp8_mlp)
-        self.fp8_backward = False  # kernels.py's relu2_mlp_all_fp8 instead (GPT sets it from --fp8_mlp_backward)
+        self.fp8 = False  # kernels.py's relu2_mlp_all_fp8 in training (GPT sets it from --fp8_mlp)
 
     def forward(self, x: Tensor) -> Tensor:
         # ReLU^2 (arXiv 2109.08668; @SKYLINEZ007, @Grad62304977): ~1-2% better than GELU in the speedrun.
         fc_w, proj_w = self.fc_w.type_as(x), self.proj_w.type_as(x)
-        if self.fp8 and self.fp8_backward and self.training:
-            return torch.ops.speedrun.relu2_mlp_all_fp8(x, *fp8_mlp_all_operands(x, fc_w, proj_w))[0]
         if self.fp8 and self.training:
-            return torch.ops.speedrun.relu2_mlp_fp8(x, *fp8_mlp_operands(x, fc_w, proj_w))[0]
+            return torch.ops.speedrun.relu2_mlp_all_fp8(x, *fp8_mlp_operands(x, fc_w, proj_w))[0]
         if self.fused:
             return torch.ops.speedrun.relu2_mlp(x, fc_w, proj_w)[0]
         return F.linear(F.relu(x @ fc_w).square(), proj_w)
@@ -1004,32 +1001,23 @@ class MLP(nn.Module):
 
 @torch.no_grad()
 def fp8_mlp_operands(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, ...]:
-    """relu2_mlp_fp8's operands after x: (x_f8, fc_w, fc_f8_t, proj_w, proj_f8, scales), e4m3 copies with
-    scales from bounds (traced, so the compiler fuses them with the norm before). x is RMS-normed, so
-    |x| <= sqrt(dim), as for the FP8 head; each weight matrix by its absolute maximum; post = relu(x w_j)²
-    <= dim * max_j |w_j|² over W_fc's columns w_j (Cauchy-Schwarz), times 1.3 for the operands' rounding (up
-    to 1/16 each), so post never saturates."""
+    """relu2_mlp_all_fp8's operands after x: (x_f8, x_f8_t, fc_w, fc_f8, fc_f8_t, proj_w, proj_f8, proj_f8_t,
+    scales, parts), e4m3 copies in the layouts the matmuls read, with scales from bounds (traced, so the compiler
+    fuses them with the norm before). x is RMS-normed, so |x| <= sqrt(dim), as for the FP8 head; each weight matrix
+    by its absolute maximum; post = relu(x w_j)² <= dim * max_j |w_j|² over W_fc's columns w_j (Cauchy-Schwarz),
+    times 1.3 for the operands' rounding (up to 1/16 each), so post never saturates. scales: x's times W_fc's,
+    W_proj's, post's; parts: x's, W_fc's, and W_proj's largest column norm (for grad_pre's scale,
+    kernels.pre_grad_scale); a 16-byte row each (kernels.fp8_scale_rows)."""
     x_s = math.sqrt(x.size(-1)) / E4M3_MAX
     fc_s, proj_s = (w.detach().abs().amax().float().clamp_min(1e-30) / E4M3_MAX for w in (fc_w, proj_w))
-    post_s = 1.3 * x.size(-1) * fc_w.float().square().sum(0).amax() / E4M3_MAX
+    post_s = (1.3 * x.size(-1) * fc_w.float().square().sum(0).amax() / E4M3_MAX).clamp_min(1e-30)
     e4m3 = lambda t: t.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    scales = torch.stack([x_s * fc_s, proj_s, post_s.clamp_min(1e-30)])  # a 16-byte row each (kernels.FP8_SCALE_ROW)
-    return (e4m3(x / x_s), fc_w, e4m3(fc_w.T / fc_s).contiguous(), proj_w, e4m3(proj_w / proj_s),
-            scales[:, None].repeat(1, kernels.FP8_SCALE_ROW))
-
-
-@torch.no_grad()
-def fp8_mlp_all_operands(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, ...]:
-    """relu2_mlp_all_fp8's operands after x: fp8_mlp_operands' with x's e4m3 copy also transposed, W_fc's also in
-    its own (dim, hidden) layout, W_proj's also transposed (hidden, dim: the FP8 backward kernel reads it K-major),
-    and parts: x's scale, W_fc's, and W_proj's largest column norm (for grad_pre's scale, kernels.pre_grad_scale),
-    a 16-byte row each."""
-    x_f8, fc_w, fc_f8_t, proj_w, proj_f8, scales = fp8_mlp_operands(x, fc_w, proj_w)
-    fc_s = fc_w.detach().abs().amax().float().clamp_min(1e-30) / E4M3_MAX
-    fc_f8 = (fc_w / fc_s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    x_s = torch.full_like(fc_s, math.sqrt(x.size(-1)) / E4M3_MAX)
-    parts = kernels.fp8_scale_rows(x_s[None], fc_s[None], proj_w.float().norm(dim=0).amax()[None])
-    return (x_f8, x_f8.T.contiguous(), fc_w, fc_f8, fc_f8_t, proj_w, proj_f8, proj_f8.T.contiguous(), scales, parts)
+    x_f8, fc_f8, proj_f8 = e4m3(x / x_s), e4m3(fc_w / fc_s), e4m3(proj_w / proj_s)  # divided in x's dtype
+    one = lambda t: t.reshape(1)
+    scales = kernels.fp8_scale_rows(one(x_s * fc_s), one(proj_s), one(post_s))
+    parts = kernels.fp8_scale_rows(one(torch.full_like(fc_s, x_s)), one(fc_s), one(proj_w.float().norm(dim=0).amax()))
+    return (x_f8, x_f8.T.contiguous(), fc_w, fc_f8, fc_f8.T.contiguous(), proj_w, proj_f8, proj_f8.T.contiguous(),
+            scales, parts)
 
 
 class Block(nn.Module):
@@ -1074,7 +1062,7 @@ def mudd_mlp(x: Tensor, w1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn=attention_reference, fp8_head: bool = False, fused_mlp: bool = False,
-                 fused_ce: bool = False, fp8_mlp: bool = False, fp8_mlp_backward: bool = False):
+                 fused_ce: bool = False, fp8_mlp: bool = False):
         super().__init__()
         self.cfg, self.attn_fn, self.fp8_head = cfg, attn_fn, fp8_head
         self.fused_ce = fused_ce and fp8_head  # the fused loss is the FP8 head's (fp8_head_ce)
@@ -1089,7 +1077,7 @@ class GPT(nn.Module):
                                           i in cfg.paired_head_blocks)
                                     for i, ve in enumerate(self.value_embed_layers()))
         for block in self.blocks:
-            block.mlp.fused, block.mlp.fp8, block.mlp.fp8_backward = fused_mlp, fp8_mlp, fp8_mlp_backward
+            block.mlp.fused, block.mlp.fp8 = fused_mlp, fp8_mlp
         if cfg.mudd and self.blocks[-1].attn is not None:
             self.blocks[-1].attn.ve_gate_w = None  # MUDD gives the last block's value-embedding gate (MUDD_INIT)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
@@ -2722,14 +2710,13 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     torch.manual_seed(args.seed)
     if args.fused_ce and not fp8:
         log("fused cross-entropy off: it is the FP8 head's, and the LM head runs in bf16 here (same results)")
-    fp8_mlp = args.fp8_mlp and fp8 and fused_mlp  # the FP8 MLP is the fused kernel's, on an FP8 GPU
+    # the FP8 MLP is the fused kernel's in Hopper's TMA form (sm90+), on a GPU with FP8 matmuls
+    fp8_mlp = args.fp8_mlp and fp8 and fused_mlp and kernels.relu2_tma_programs(device) > 0
     if args.fp8_mlp and not fp8_mlp:
-        log("FP8 MLP off: it needs FP8 matmuls (a CUDA GPU of sm89+) and the fused MLP's kernel; the MLP runs in bf16")
-    fp8_mlp_backward = args.fp8_mlp_backward and fp8_mlp and kernels.relu2_tma_programs(device) > 0
-    if args.fp8_mlp_backward and not fp8_mlp_backward:
-        log("FP8 MLP backward off: it needs the FP8 MLP and Hopper's TMA kernel (sm90+); the backward runs in bf16")
+        log("FP8 MLP off: it needs FP8 matmuls and the fused MLP's kernel in Hopper's TMA form (an sm90+ GPU with its "
+            "shared memory); the MLP runs in bf16")
     model = to_device(GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, fused_mlp, args.fused_ce,
-                          fp8_mlp, fp8_mlp_backward), device)
+                          fp8_mlp), device)
     model.keep_table_grads()  # the token tables' gradients summed sparsely (TableLookup), flushed on Adam's steps
     if any(any(st.prefix) for st in training_stages(args)):  # the prefix-token loss' table (untimed; the record
         vocab = gpt2_token_bytes()                              # builds it in its timed region, ~0.1 s)

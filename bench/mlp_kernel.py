@@ -1,9 +1,9 @@
 """Time one ReLU² MLP, forward and backward, at the record's micro-batch shape on one GPU: the
 unfused MLP as torch.compile builds it (cuBLAS matmuls, ReLU² as separate fused elementwise kernels)
 against kernels.py's relu2_mlp (ReLU² in Triton matmul epilogues) with each tile configuration
-given, and the FP8 forward (relu2_mlp_fp8 with its operands quantized as train_gpt.py's MLP does, in
-one compiled function) with each FP8 tile configuration; each with its relative error against the
-unfused MLP. Seconds per run, not minutes of model compile: the way to choose kernels.RELU2_TILES and
+given, and the FP8 MLP (relu2_mlp_all_fp8, forward and backward, with its operands quantized as train_gpt.py's
+MLP does, in one compiled function; Hopper only) with each FP8 tile configuration; each with its relative error
+against the unfused MLP. Seconds per run, not minutes of model compile: the way to choose kernels.RELU2_TILES and
 RELU2_FP8_TILES before timing whole steps (bench/step_time.py --fused_mlp true [--fp8_mlp true]).
 
     python bench/mlp_kernel.py [--tokens 49152] [--tiles 128,128,64,8,3 ...] [--fp8_tiles 128,256,128,8,3 ...]
@@ -32,7 +32,7 @@ def fused(x, fc_w, proj_w):
 
 @torch.compile(fullgraph=True)
 def fp8(x, fc_w, proj_w):
-    return torch.ops.speedrun.relu2_mlp_fp8(x, *tg.fp8_mlp_operands(x, fc_w, proj_w))[0]
+    return torch.ops.speedrun.relu2_mlp_all_fp8(x, *tg.fp8_mlp_operands(x, fc_w, proj_w))[0]
 
 
 def parse_tiles(text: str) -> dict:
@@ -65,7 +65,7 @@ def main():
     parser.add_argument("--tiles", nargs="+", default=["128,128,64,8,3", "128,256,64,8,3", "128,128,32,4,4"],
                         help="BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages per configuration")
     parser.add_argument("--fp8_tiles", nargs="*", default=["128,256,128,8,3", "128,128,128,8,4", "128,256,64,8,4"],
-                        help="the same for the FP8 forward's kernel (none: no FP8 timing)")
+                        help="the same for the FP8 kernel, forward and backward (none: no FP8 timing)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--pointer_kernel", action="store_true",
                         help="on Hopper too, the pointer-based _matmul_relu2_kernel, not _matmul_relu2_tma_kernel")
@@ -98,7 +98,10 @@ def main():
             chosen = parse_tiles(tiles)
             if name == "fused":
                 kernels.RELU2_TILES = chosen
-            else:  # the FP8 forward's backward is the bf16 kernel's: the default tiles there
+            elif not kernels.relu2_tma_programs(torch.device("cuda")):
+                print("fp8: runs in Hopper's TMA kernel only (sm90+)")
+                break
+            else:
                 kernels.RELU2_TILES, kernels.RELU2_FP8_TILES = bf16_tiles, chosen
             try:
                 ms = time_fwd_bwd(fn, inputs, grad, args.iters)

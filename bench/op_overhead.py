@@ -49,7 +49,7 @@ def main():
     post = torch.relu(x @ fc_w).square()
     grad = make(T, dim)
     ops = {
-        "relu2_mlp_fp8 (forward)": lambda: torch.ops.speedrun.relu2_mlp_fp8(x, *operands),
+        "relu2_mlp_all_fp8 (forward)": lambda: torch.ops.speedrun.relu2_mlp_all_fp8(x, *operands),
         "relu2_mlp_backward": lambda: torch.ops.speedrun.relu2_mlp_backward(grad, x, fc_w, proj_w, post),
         "a bare matmul (aten::mm)": lambda: x @ fc_w,
     }

@@ -262,8 +262,7 @@ import kernels, test_kernels as t
 assert kernels.triton_runs_on(torch.zeros(1)), "the Triton interpreter is not in use"
 kernels.RELU2_TMA_INTERPRET = sys.argv[3:] == ["tma"]
 kernels.RELU2_TILES = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2)  # 50 x 40 x 72: edge tiles masked
-kernels.RELU2_FP8_TILES = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
-size = dict(dim=48, hidden=80) if kernels.RELU2_TMA_INTERPRET else {}  # TMA: rows of 16-byte multiples in e4m3 too
+size = dict(dim=48, hidden=80) if kernels.RELU2_TMA_INTERPRET else {}  # TMA: rows of 16-byte multiples
 # the kernel that ran each call: both kinds must have run where the test says so
 calls = []
 for name in ("_matmul_relu2_kernel", "_matmul_relu2_tma_kernel"):
@@ -273,8 +272,7 @@ for name in ("_matmul_relu2_kernel", "_matmul_relu2_tma_kernel"):
             calls.append(name)
             return launcher[grid]
     setattr(kernels, name, Spy())
-errors = (t.check_relu2_mlp_op(*t.relu2_mlp_case(torch.float32, **size))
-          + t.check_relu2_mlp_fp8_op(*t.relu2_mlp_case(torch.float32, **size)))
+errors = t.check_relu2_mlp_op(*t.relu2_mlp_case(torch.float32, **size))
 print(json.dumps(errors + [sorted(set(calls))]))
 """
 
@@ -305,10 +303,8 @@ def test_triton_kernels_match_float64_autograd_in_the_triton_interpreter(tmp_pat
     *errors, ran = run_in_triton_interpreter(INTERPRETER_SCRIPT, tmp_path, kernel)
     assert ran == ["_matmul_relu2_tma_kernel" if kernel == "tma" else "_matmul_relu2_kernel"], ran
     # float32 only: the interpreter of Triton 3.9 multiplies bf16 tiles wrongly (a plain tl.dot too); the
-    # GPU test below covers bf16
-    assert max(errors[:4]) < 1e-5, errors  # the bf16 op's kernels
-    assert max(errors[4:6]) < 1e-4, errors  # the FP8 kernel against its float32 emulation
-    assert max(errors[6:]) < 0.08, errors  # and against the unquantized MLP
+    # GPU test below covers bf16. (The FP8 op's interpreter check is FP8_BACKWARD_SCRIPT's.)
+    assert len(errors) == 4 and max(errors) < 1e-5, errors
 
 
 def relu2_mlp_case(dtype, T=50, dim=40, hidden=72, seed=0):
@@ -333,39 +329,19 @@ def check_relu2_mlp_op(x, fc_w, proj_w):
 
 
 def relu2_mlp_fp8_inputs(x, fc_w, proj_w):
-    """The FP8 op's inputs as the model makes them (train_gpt.fp8_mlp_operands), x RMS-normed first."""
+    """The FP8 op's inputs as the model makes them (train_gpt.fp8_mlp_operands), x RMS-normed first: (x, x_f8,
+    x_f8_t, fc_w, fc_f8, fc_f8_t, proj_w, proj_f8, proj_f8_t, scales, parts)."""
     x = torch.nn.functional.rms_norm(x, (x.size(-1),))
     return (x, *tg.fp8_mlp_operands(x, fc_w, proj_w))
 
 
 def check_relu2_mlp_fp8_op(x, fc_w, proj_w):
-    """The FP8 op (kernel path where Triton runs) against float32 arithmetic on the same FP8 operands
-    (kernels.relu2_mlp_fp8_reference), then its output and gradients against the unquantized MLP in float64:
-    relative errors [out vs emulation, post vs emulation, out vs float64, grad x, grad fc_w, grad proj_w]."""
-    import kernels
-    x, x_f8, fc_w, fc_f8_t, proj_w, proj_f8, scales = relu2_mlp_fp8_inputs(x, fc_w, proj_w)
-    emulated, emulated_post, _ = kernels.relu2_mlp_fp8_reference(x_f8, fc_f8_t, proj_f8, scales, x.dtype)
-    ref_in = [t.detach().double().requires_grad_(True) for t in (x, fc_w, proj_w)]
-    expected = kernels.relu2_mlp_reference(*ref_in)
-    grad_out = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(x.device)
-    (expected * grad_out).sum().backward()
-    got_in = [t.detach().clone().requires_grad_(True) for t in (x, fc_w, proj_w)]
-    out, post = torch.ops.speedrun.relu2_mlp_fp8(got_in[0], x_f8, got_in[1], fc_f8_t, got_in[2], proj_f8, scales)
-    (out * grad_out.to(out.dtype)).sum().backward()
-    rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
-    assert out.dtype == x.dtype and post.dtype == x.dtype
-    return ([rel(out, emulated), rel(post, emulated_post), rel(out, expected.detach())]
-            + [rel(g.grad, r.grad) for g, r in zip(got_in, ref_in)])
-
-
-def check_relu2_mlp_all_fp8_op(x, fc_w, proj_w):
-    """The all-FP8 op (forward and backward in FP8; the kernels where Hopper's kernel runs) against the float32
+    """The FP8 op (forward and backward in FP8; the kernels where Hopper's kernel runs) against the float32
     references on the same FP8 operands, then against the unquantized MLP in float64: relative errors [out vs
-    relu2_mlp_fp8's emulation, grad x / fc_w / proj_w vs relu2_mlp_fp8_backward_reference, out vs float64,
+    relu2_mlp_fp8_reference, grad x / fc_w / proj_w vs relu2_mlp_fp8_backward_reference, out vs float64,
     grad x / fc_w / proj_w vs float64]."""
     import kernels
-    x = torch.nn.functional.rms_norm(x, (x.size(-1),))
-    x_f8, x_f8_t, _, fc_f8, fc_f8_t, _, proj_f8, proj_f8_t, scales, parts = tg.fp8_mlp_all_operands(x, fc_w, proj_w)
+    x, x_f8, x_f8_t, _, fc_f8, fc_f8_t, _, proj_f8, proj_f8_t, scales, parts = relu2_mlp_fp8_inputs(x, fc_w, proj_w)
     emulated, post, post_f8 = kernels.relu2_mlp_fp8_reference(x_f8, fc_f8_t, proj_f8, scales, x.dtype)
     ref_in = [t.detach().double().requires_grad_(True) for t in (x, fc_w, proj_w)]
     expected = kernels.relu2_mlp_reference(*ref_in)
@@ -384,21 +360,11 @@ def check_relu2_mlp_all_fp8_op(x, fc_w, proj_w):
             + [rel(out, expected.detach())] + [rel(g.grad, r.grad) for g, r in zip(got_in, ref_in)])
 
 
-def test_all_fp8_mlp_reference_path_is_its_emulation_and_close_to_the_unquantized_mlp():
-    errors = check_relu2_mlp_all_fp8_op(*relu2_mlp_case(torch.float32, dim=48, hidden=96))
+def test_fp8_mlp_reference_path_is_its_emulation_and_close_to_the_unquantized_mlp():
+    errors = check_relu2_mlp_fp8_op(*relu2_mlp_case(torch.float32, dim=48, hidden=96))
     assert max(errors[:4]) < 1e-6, errors  # on the CPU the op is the float32 references
-    # the backward's e4m3 operands and grad_pre (at a bound's scale): a few percent, no more
-    assert max(errors[4:]) < 0.15 and min(errors[5:]) > 1e-3, errors
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fp8_mlp_reference_path_is_close_to_the_unquantized_mlp(dtype):
-    errors = check_relu2_mlp_fp8_op(*relu2_mlp_case(dtype))
-    assert errors[:2] == [0.0, 0.0]  # on the CPU the op is its emulation
-    # e4m3 keeps 3 mantissa bits: each operand within 1/16, so a few percent on the output; the backward is
-    # bf16's from FP8's post: its own error plus bf16's
-    assert max(errors[2:]) < 0.08, errors
-    assert max(errors[2:]) > 1e-4, errors  # it did quantize
+    # e4m3 operands, post and grad_pre (at a bound's scale): a few percent, no more (and not zero: it quantized)
+    assert max(errors[4:]) < 0.15 and min(errors[4:]) > 1e-3, errors
 
 
 def test_fp8_mlp_scales_keep_post_below_saturation_where_x_points_along_a_column():
@@ -408,7 +374,7 @@ def test_fp8_mlp_scales_keep_post_below_saturation_where_x_points_along_a_column
     x, fc_w, proj_w = relu2_mlp_case(torch.float32)
     j = fc_w.square().sum(0).argmax()
     x[0] = fc_w[:, j] / fc_w[:, j].norm() * math.sqrt(x.size(1))  # RMS norm leaves it as it is
-    x, x_f8, _, fc_f8_t, _, proj_f8, scales = relu2_mlp_fp8_inputs(x, fc_w, proj_w)
+    x, x_f8, _, _, _, fc_f8_t, _, proj_f8, _, scales, _ = relu2_mlp_fp8_inputs(x, fc_w, proj_w)
     _, post, post_f8 = kernels.relu2_mlp_fp8_reference(x_f8, fc_f8_t, proj_f8, scales, x.dtype)
     peak = x.size(1) * fc_w[:, j].square().sum()
     assert post[0, j] / peak == pytest.approx(1.0, rel=0.15)
@@ -420,58 +386,33 @@ def test_fp8_mlp_scales_given_to_scaled_mm_are_16_byte_aligned():
     """cuBLASLt under CUDA 13 refuses FP8 scales that are not 16-byte aligned (an H100 said
     CUBLAS_STATUS_NOT_SUPPORTED for views 4 and 8 bytes into one tensor): the op passes rows of the scales."""
     import kernels
-    scales = relu2_mlp_fp8_inputs(*relu2_mlp_case(torch.float32))[-1]
-    assert scales.shape == (3, kernels.FP8_SCALE_ROW) and scales.is_contiguous()
-    assert all((scales[i, :1].data_ptr() - scales.data_ptr()) % 16 == 0 for i in range(3))
-    assert torch.equal(scales, scales[:, :1].expand(3, kernels.FP8_SCALE_ROW))  # each row holds one scale
+    for rows in relu2_mlp_fp8_inputs(*relu2_mlp_case(torch.float32))[-2:]:  # scales, parts
+        assert rows.shape == (3, kernels.FP8_SCALE_ROW) and rows.is_contiguous()
+        assert all((rows[i, :1].data_ptr() - rows.data_ptr()) % 16 == 0 for i in range(3))
+        assert torch.equal(rows, rows[:, :1].expand(3, kernels.FP8_SCALE_ROW))  # each row holds one scale
 
 
 def test_model_with_fp8_mlp_is_close_to_the_unfused_one_in_training_only():
+    """--fp8_mlp in a tiny model (the CPU runs the op's float32 references): the loss within 2%, every gradient
+    within FP8's percent, and evaluation untouched."""
     from test_mtp import two_documents, W3
     models, losses = unfused_and(fp8=True)
     assert losses[1].item() != losses[0].item()
     torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=0)
-    for name, error in grad_errors(models):  # 4-10% (e4m3's 3 mantissa bits at dim 64), 16% for a gate
-        assert error < 0.25, name
+    for name, error in grad_errors(models):  # e4m3 operands and grad_pre at dim 64 (3 mantissa bits); more for a gate
+        assert error < 0.3, name
     x, y, cu = two_documents()
     with torch.no_grad():
         evals = [m.eval()(x, y, cu, 24, W3) for m in models]
     assert evals[1].item() == evals[0].item()  # evaluation stays in bf16/float
 
 
-def test_model_with_the_mlp_backward_in_fp8_too_is_close_to_the_unfused_one():
-    """--fp8_mlp_backward in a tiny model (the CPU runs the op's float32 references): the loss is the FP8 forward's
-    (the backward changes no forward value), and every gradient stays within FP8's few percent."""
-    fp8_models, fp8_losses = unfused_and(fp8=True)
-    models, losses = unfused_and(fp8=True, fp8_backward=True)
-    assert losses[1].item() == fp8_losses[1].item()
-    for name, error in grad_errors(models):  # e4m3 operands and grad_pre at dim 64: a little more than fp8=True's
-        assert error < 0.3, name
-    worse = dict(grad_errors(models))
-    assert any(worse[n] > e for n, e in grad_errors(fp8_models)), "the backward did quantize"
-
-
-def test_all_fp8_mlp_traces_fullgraph_and_matches_eager():
+def test_fp8_mlp_traces_fullgraph_and_matches_eager():
     x, fc_w, proj_w = relu2_mlp_case(torch.float32, dim=48, hidden=96)
 
     def f(x, fc_w, proj_w):
         x = torch.nn.functional.rms_norm(x, (x.size(-1),))
-        return torch.ops.speedrun.relu2_mlp_all_fp8(x, *tg.fp8_mlp_all_operands(x, fc_w, proj_w))[0].square().sum()
-
-    results = []
-    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
-        inputs = [t.clone().requires_grad_(True) for t in (x, fc_w, proj_w)]
-        fn(*inputs).backward()
-        results.append([t.grad for t in inputs])
-    torch.testing.assert_close(results[1], results[0])
-
-
-def test_fp8_mlp_traces_fullgraph_and_matches_eager():
-    x, fc_w, proj_w = relu2_mlp_case(torch.float32)
-
-    def f(x, fc_w, proj_w):
-        x = torch.nn.functional.rms_norm(x, (x.size(-1),))
-        return torch.ops.speedrun.relu2_mlp_fp8(x, *tg.fp8_mlp_operands(x, fc_w, proj_w))[0].square().sum()
+        return torch.ops.speedrun.relu2_mlp_all_fp8(x, *tg.fp8_mlp_operands(x, fc_w, proj_w))[0].square().sum()
 
     results = []
     for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
@@ -504,25 +445,22 @@ def grad_errors(models):
 
 
 def test_triton_kernels_compile_for_an_h100_without_one():
-    """The interpreter runs Python, not Triton's compiler: compile the kernel, forward, backward and FP8
-    forward, for sm_90 down to a cubin (no GPU needed) with the record's tiles, to catch what only the
-    compiler rejects."""
+    """The interpreter runs Python, not Triton's compiler: compile the kernel, forward and backward, for sm_90
+    down to a cubin (no GPU needed) with the record's tiles, to catch what only the compiler rejects."""
     import kernels
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     fn = kernels._matmul_relu2_kernel
-    for backward, fp8 in ((False, False), (True, False), (False, True)):
-        all_tiles = kernels.RELU2_FP8_TILES if fp8 else kernels.RELU2_TILES
-        tiles = {k: v for k, v in all_tiles.items() if k.isupper()}
-        options = {k: v for k, v in all_tiles.items() if not k.isupper()}  # num_warps, num_stages
-        constexprs = {"BACKWARD": backward, "FP8": fp8, **tiles}
-        pointers = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", aux_ptr="*fp8e4nv", scale_ptr="*fp32") if fp8 else {}
-        signature = {n: "constexpr" if n in constexprs else pointers.get(n, "*bf16") if n.endswith("_ptr") else "i32"
+    for backward in (False, True):
+        tiles = {k: v for k, v in kernels.RELU2_TILES.items() if k.isupper()}
+        options = {k: v for k, v in kernels.RELU2_TILES.items() if not k.isupper()}  # num_warps, num_stages
+        constexprs = {"BACKWARD": backward, **tiles}
+        signature = {n: "constexpr" if n in constexprs else "*bf16" if n.endswith("_ptr") else "i32"
                      for n in fn.arg_names}
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32), options=options)
-        assert len(compiled.asm["cubin"]) > 1000, f"backward={backward}, fp8={fp8}"
+        assert len(compiled.asm["cubin"]) > 1000, f"backward={backward}"
 
 
 def test_hopper_tma_kernel_compiles_for_an_h100_without_one():
@@ -534,10 +472,9 @@ def test_hopper_tma_kernel_compiles_for_an_h100_without_one():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     fn = kernels._matmul_relu2_tma_kernel
-    # (backward, fp8, transposed copy): the bf16 forward and backward, the FP8 forward with and without its
-    # transposed e4m3 post, the FP8 backward (e4m3 gradient x e4m3 W_proj, e4m3 post read) writing e4m3 both ways
-    for backward, fp8, side_t in ((False, False, False), (True, False, False), (False, True, False),
-                                  (False, True, True), (True, True, True)):
+    # (backward, fp8): the bf16 forward and backward, the FP8 forward writing its e4m3 post both ways, the FP8
+    # backward (e4m3 gradient x e4m3 W_proj, e4m3 post read) writing e4m3 both ways
+    for backward, fp8 in ((False, False), (True, False), (False, True), (True, True)):
         all_tiles = kernels.RELU2_FP8_TILES if fp8 else kernels.RELU2_TILES
         tiles = {k: v for k, v in all_tiles.items() if k.isupper()}
         BM, BN, BK = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
@@ -549,18 +486,17 @@ def test_hopper_tma_kernel_compiles_for_an_h100_without_one():
                                  f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[{BK},{BN}]>"),
                          out_desc=f"tensordesc<{out}[{BM},{BN // 2}]>",
                          side_desc=f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[{BM},{BN // 2}]>",
-                         side_t_desc=(f"tensordesc<{out if backward else 'fp8e4nv'}[{BN // 2},{BM}]>" if side_t
+                         side_t_desc=(f"tensordesc<{out if backward else 'fp8e4nv'}[{BN // 2},{BM}]>" if fp8
                                       else f"tensordesc<{out}[{BM},{BN // 2}]>"),
                          scale_ptr="*fp32" if fp8 else "*bf16", amax_ptr="*fp32" if fp8 else "*bf16",
                          M="i32", N="i32", K="i32")
         q_max = 448.0
-        constexprs = {"BACKWARD": backward, "FP8": fp8, "B_NK": b_nk, "SIDE_T": side_t, "Q_MAX": q_max,
-                      "NUM_SMS": 132, **tiles}
+        constexprs = {"BACKWARD": backward, "FP8": fp8, "B_NK": b_nk, "Q_MAX": q_max, "NUM_SMS": 132, **tiles}
         signature.update({n: "constexpr" for n in constexprs})
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32),
                                   options={k: v for k, v in all_tiles.items() if not k.isupper()})
-        case = (backward, fp8, side_t)
+        case = (backward, fp8)
         assert "cp.async.bulk.tensor" in compiled.asm["ptx"] and "wgmma" in compiled.asm["ptx"], case
         assert len(compiled.asm["cubin"]) > 1000, case
         assert compiled.metadata.shared <= kernels.RELU2_TMA_SHARED_MEMORY, (case, compiled.metadata.shared)
@@ -586,8 +522,7 @@ post_s = s(post_ref, 448.0 / 1.25)
 scales = torch.zeros(3, kernels.FP8_SCALE_ROW)
 scales[0, 0], scales[1, 0], scales[2, 0] = x_s * fc_s, proj_s, post_s
 # the forward with its e4m3 post transposed too, and post's largest value (a slot a program: 4 here)
-post, post_f8, post_f8_t, slots = kernels._matmul_relu2(x_f8, fc_f8.T.contiguous().T, None, torch.float32, scales,
-                                                        transposed=True)
+post, post_f8, post_f8_t, slots = kernels._matmul_relu2(x_f8, fc_f8.T.contiguous().T, None, torch.float32, scales)
 post_amax = slots.amax().reshape(1)
 same_t = bool(torch.equal(post_f8_t.view(torch.uint8), post_f8.view(torch.uint8).T)) and slots.numel() == 4
 same_t &= abs(post_amax.item() / post_ref.max().item() - 1) < 1e-5
@@ -601,7 +536,7 @@ amax = slots.amax()
 errors = [((a.float() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref[:3])]
 # the model's op (relu2_mlp_all_fp8, autograd included) through the kernels
 import test_kernels as t
-op_errors = t.check_relu2_mlp_all_fp8_op(*t.relu2_mlp_case(torch.float32, T=T, dim=dim, hidden=hidden))
+op_errors = t.check_relu2_mlp_fp8_op(*t.relu2_mlp_case(torch.float32, T=T, dim=dim, hidden=hidden))
 print(json.dumps([same_t, (amax / ref[3].abs().max()).item(), *errors, *op_errors]))
 """
 
@@ -633,8 +568,7 @@ def test_fp8_mlp_backward_on_the_gpu_matches_float32_arithmetic_on_its_fp8_opera
     post_s = s(torch.relu((x_f8.float() @ fc_f8.float()) * x_s * fc_s).square(), 448.0 / 1.25)
     scales = torch.zeros(3, kernels.FP8_SCALE_ROW, device="cuda")
     scales[0, 0], scales[1, 0], scales[2, 0] = (x_s * fc_s)[0], proj_s[0], post_s[0]
-    _, post_f8, post_f8_t, slots = kernels._matmul_relu2(x_f8, fc_f8.T.contiguous().T, None, torch.bfloat16, scales,
-                                                         transposed=True)
+    _, post_f8, post_f8_t, slots = kernels._matmul_relu2(x_f8, fc_f8.T.contiguous().T, None, torch.bfloat16, scales)
     assert torch.equal(post_f8_t.view(torch.uint8), post_f8.view(torch.uint8).T)
     post_amax = slots.amax().reshape(1)
     col = proj_w.norm(dim=0).max().reshape(1)
@@ -697,17 +631,16 @@ def test_relu2_mlp_kernels_on_the_gpu_at_the_record_shapes(kernel, monkeypatch):
     assert max(errors) < 1e-2, errors
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                    reason="the FP8 kernel needs a CUDA GPU with FP8 (sm89+)")
-@pytest.mark.parametrize("T", [4096, 4096 + 17])
-@pytest.mark.parametrize("kernel", ["pointers", "tma"])
-def test_fp8_mlp_kernels_on_the_gpu_at_the_record_shapes(T, kernel, monkeypatch):
-    use_kernel(kernel, monkeypatch)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="the FP8 MLP runs in Hopper's TMA kernel (sm90+)")
+@pytest.mark.parametrize("T", [4096, 4096 + 16])
+def test_fp8_mlp_kernels_on_the_gpu_at_the_record_shapes(T, monkeypatch):
+    use_kernel("tma", monkeypatch)
     errors = check_relu2_mlp_fp8_op(*(t.cuda() for t in relu2_mlp_case(torch.bfloat16, T=T, dim=768, hidden=3072)))
-    # an H100 (2026-11-26): 8.0e-3 / 1.9e-3 against the float32 emulation (the tensor cores' FP8 accumulation and
-    # _scaled_mm's fast accumulation; a post a rounding away from an e4m3 boundary lands on the other side), 0.058
-    # / 0.038 / 0.038 / 0.044 against the unquantized MLP: a wrong scale or layout would be off by order 1
-    assert max(errors[:2]) < 2e-2 and max(errors[2:]) < 0.08, errors
+    # against the float32 references on the same FP8 operands: the tensor cores' accumulation and _scaled_mm's
+    # fast accumulation in the forward, a post a rounding away from an e4m3 boundary landing on the other side;
+    # against the unquantized MLP, e4m3's few percent: a wrong scale or layout would be off by order 1
+    assert max(errors[:4]) < 2e-2 and max(errors[4:]) < 0.15, errors
 
 
 def test_fused_mlp_fits_by_the_gpus_shared_memory(monkeypatch):

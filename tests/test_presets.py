@@ -53,8 +53,6 @@ def test_the_pin_notices_a_changed_stage(monkeypatch):
 # fields whose default is 0, -1, False or () but that choose how a run is controlled, not what it learns
 # (max_num_docs: 0 sizes the padding of cu_seqlens from the data; a set count only pads more or refuses a batch)
 RUN_CONTROL = {"seed", "plan", "peak_tflops", "save_every", "markov_corpus", "max_num_docs"}
-# BRANCH ONLY (exp/fp8-mlp-bwd): a flag under its A/B; merged only as a default, without this line
-RUN_CONTROL |= {"fp8_mlp_backward"}
 
 
 def test_no_technique_is_off_in_every_preset():
