@@ -2299,8 +2299,9 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
 
 # The schedule's cost before a run (--plan). Measured one-GPU time per token of a preset's model at a stage's shape,
 # by (GPU kind, preset, micro-batch tokens per GPU, document cut, long window in blocks): each stage's mean step
-# time as train_gpt.py logs it, whose clock counts training steps only (as the public logs' train_time does).
-# A table row is a real run; a shape without one is reported unmeasured, never interpolated.
+# time, training steps only (as the public logs' train_time counts), from bench/step_time.py --stages (CUDA events
+# around whole steps) or from train_gpt.py's own log. A table row is a real run; a shape without one is reported
+# unmeasured, never interpolated.
 STEP_US_PER_TOKEN = {
     # one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, FlashAttention-3 (xformers 0.0.34), main at 764e605:
     # `python bench/step_time.py --stages --steps 12 --preset record --attention fa3 --num_iterations 776`, each
