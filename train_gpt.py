@@ -2305,17 +2305,18 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
 
 # The schedule's cost before a run (--plan). Measured one-GPU time per token of a preset's model at a stage's shape,
 # by (GPU kind, preset, micro-batch tokens per GPU, document cut, long window in blocks): each stage's mean step
-# time as train_gpt.py logs it, whose clock counts training steps only (as the public logs' train_time does).
-# A table row is a real run; a shape without one is reported unmeasured, never interpolated.
+# time, training steps only (as the public logs' train_time counts), from bench/step_time.py --stages (CUDA events
+# around whole steps) or from train_gpt.py's own log. A table row is a real run; a shape without one is reported
+# unmeasured, never interpolated.
 STEP_US_PER_TOKEN = {
-    # one H100 80GB HBM3 (of a two-GPU machine, the other idle), 2026-11-27, PyTorch 2.11.0+cu130, FlashAttention-3
-    # (xformers 0.0.34): the record preset's 776-step schedule cut to 80 steps on one GPU, each stage's mean over its
-    # 19-21 steps: 659.6 / 685.2 / 695.0 / 698.8 ms per 393,216-token step
-    # (bench/results/record776_h100x2_20261127.md)
-    ("H100", "record", 49152, 896, 3): 1.677,
-    ("H100", "record", 49152, 2048, 7): 1.743,
-    ("H100", "record", 49152, 2048, 11): 1.767,
-    ("H100", "record", 49152, 2048, 13): 1.777,
+    # one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, FlashAttention-3 (xformers 0.0.34), main at 764e605:
+    # `python bench/step_time.py --stages --steps 12 --preset record --attention fa3 --num_iterations 776`, each
+    # stage's mean step: 633.6 / 656.8 / 660.5 / 666.9 ms per 393,216-token step
+    # (bench/results/fp8_mlp_backward_h100_20261127.md)
+    ("H100", "record", 49152, 896, 3): 1.611,
+    ("H100", "record", 49152, 2048, 7): 1.670,
+    ("H100", "record", 49152, 2048, 11): 1.680,
+    ("H100", "record", 49152, 2048, 13): 1.696,
 }
 STEP_US_ATTENTION = "FlashAttention-3"  # the attention kernel the table's runs used (--plan says so)
 # 8-GPU step time over one-GPU step time at the same global batch, by micro-batch tokens per GPU, with one

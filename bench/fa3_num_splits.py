@@ -17,6 +17,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402  (the FA3 loader)
 
 
+def timed(fn, reps: int) -> float:
+    """Median ms of fn over reps calls (CUDA events), after three untimed ones."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=49152)
@@ -52,19 +67,6 @@ def main():
                                    max_seqlen_q=a.max_doc_len, max_seqlen_k=a.max_doc_len, softmax_scale=0.12,
                                    is_causal=True, window_size_left=window, window_size_right=0)
 
-    def timed(fn):
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(a.reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        return statistics.median(times)
-
     print(f"{len(lengths)} documents in {a.tokens:,} tokens, {a.heads} heads of 128")
     print("| window | num_splits | forward (ms) | forward + backward (ms) | max |out - out(num_splits=1)| |")
     print("| --- | --- | --- | --- | --- |")
@@ -73,7 +75,8 @@ def main():
         for splits in (None, 0, 1):
             diff = (fwd(w, splits)[0].float() - ref).abs().max().item()
             name = "left out" if splits is None else str(splits)
-            print(f"| {w} | {name} | {timed(lambda: fwd(w, splits)):.3f} | {timed(lambda: both(w, splits)):.3f} | "
+            f, fb = timed(lambda: fwd(w, splits), a.reps), timed(lambda: both(w, splits), a.reps)
+            print(f"| {w} | {name} | {f:.3f} | {fb:.3f} | "
                   f"{diff:.2e} |", flush=True)
 
 

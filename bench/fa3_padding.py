@@ -10,7 +10,6 @@ distribution, and prints how many documents the shards' micro-batches hold (the 
 Needs a Hopper GPU and torch.ops.flash_attn_3 (README: Hopper attention); --count_only runs on the CPU."""
 import argparse
 import glob
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402  (the FA3 loader)
 import train_gpt as tg  # noqa: E402
+from fa3_num_splits import timed  # noqa: E402
 
 
 def doc_counts(files: list[str], seq_len: int, max_doc_len: int, slots: int,
@@ -95,19 +95,6 @@ def main():
                                        is_causal=True, window_size_left=window, window_size_right=0)
         return out
 
-    def timed(fn):
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(a.reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        return statistics.median(times)
-
     header = " | ".join(f"{name} fwd / fwd+bwd (ms)" for name, *_ in layers)
     print(f"| sequence slots | {header} | all layers, ms per micro-batch | vs exact |")
     print("|" + " --- |" * (len(layers) + 3))
@@ -122,8 +109,8 @@ def main():
             T, heads, scale = (2 * a.seq_len, H // 2, 2) if paired else (a.seq_len, H, 1)
             q, k, v, dout = (torch.randn(T, heads, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
             cu = cu_seqlens([scale * n for n in lengths], slots, dev)
-            f = timed(lambda: run(cu, scale * a.max_doc_len, window, dout, q, k, v, backward=False))
-            fb = timed(lambda: run(cu, scale * a.max_doc_len, window, dout, q, k, v))
+            f = timed(lambda: run(cu, scale * a.max_doc_len, window, dout, q, k, v, backward=False), a.reps)
+            fb = timed(lambda: run(cu, scale * a.max_doc_len, window, dout, q, k, v), a.reps)
             cells.append(f"{f:.3f} / {fb:.3f}")
             total += count * fb
         exact = exact or total
