@@ -221,7 +221,8 @@ class Hyperparameters:
     cpp_wrapper: bool = False  # compiled graphs launch their kernels from C++ (quicker steps at small micro-batches)
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     # our kernels: ReLU² in the matmul epilogues (-12 ms a step at stage 3 on an H100), its forward in FP8 (-16 ms,
-    # final loss -0.0014 +- 0.0021) and then its backward too (-26 ms; bench/results/fp8_mlp_backward_h100_20261127.md),
+    # final loss -0.0014 +- 0.0021) and then its backward too (-26 ms, final loss -0.0008 +- 0.0023;
+    # bench/results/fp8_mlp_backward_h100_20261127.md, fp8_mlp_default_h100_20261127.md),
     # the FP8 head's soft-capped cross-entropy in Triton (-22 ms)
     fused_mlp: bool = True  # ReLU² inside the MLP's matmul epilogues (kernels.py), where the GPU has the shared memory
     fp8_mlp: bool = True  # the fused MLP's matmuls in FP8, forward and backward (kernels.py), on Hopper's TMA kernel
