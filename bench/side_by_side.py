@@ -40,7 +40,9 @@ once beforehand, all at the same time and untimed, so that the timed runs compil
 writes markdown: val loss at each validation, tokens and training time there, the tokens and time to --target, the
 final losses per group with a 95% interval and the paired (same seed) difference, and ms/step and
 us/token per stage; in a timing run (--step_div > 1, runs one after the other) also each run's time over the
-public schedule's own step counts, from its stage medians, and each later run's us/token over the first's."""
+public schedule's own step counts, from its stage medians, and each later run's us/token over the first's; and
+the conditions each run met while its GPU was busy (nvidia-smi twice a second: SM clock, power, temperature,
+clock limits, the other GPUs' use, the host's load), the samples in WORK/gpu_monitor_STAMP.csv."""
 from __future__ import annotations
 
 import argparse
@@ -52,6 +54,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -593,6 +596,122 @@ def launch(cmd: list[str], cwd: Path, log: Path, env: dict) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **env}, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
+# The conditions each run met, so that a run slowed by its host shows as such (one public stage 3 once ran at
+# 853 ms against 643.5 ms that morning while other GPUs of the host worked): nvidia-smi samples every GPU of the
+# host twice a second, with the host's 1-minute load, while the runs go.
+MONITOR_FIELDS = "index,clocks.sm,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active"
+# NVML's clock event reasons (nvmlClocksEventReasons), the bits of clocks_throttle_reasons.active; GPU idle (0x1)
+# is left out: it is the state between runs, not a limit on one
+CLOCK_REASONS = {0x2: "applications clocks", 0x4: "SW power cap", 0x8: "HW slowdown", 0x10: "sync boost",
+                 0x20: "SW thermal", 0x40: "HW thermal", 0x80: "HW power brake", 0x100: "display clocks"}
+BUSY_PERCENT = 50  # a sample counts towards a run's clocks and power where its GPU is at least this busy
+
+
+def parse_monitor_line(line: str) -> tuple | None:
+    """(index, SM MHz, W, C, utilization %, reasons bits) from one line of nvidia-smi's CSV (MONITOR_FIELDS,
+    noheader, nounits); a field nvidia-smi cannot read ("[N/A]") is None; a line of another form is None."""
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) != 6 or not parts[0].isdigit():
+        return None
+    number = lambda x: float(x) if re.fullmatch(r"[0-9.]+", x) else None
+    reasons = int(parts[5], 16) if re.fullmatch(r"0x[0-9a-fA-F]+", parts[5]) else None
+    return (int(parts[0]), *map(number, parts[1:5]), reasons)
+
+
+class GpuMonitor:
+    """nvidia-smi's MONITOR_FIELDS for every GPU every `period_ms`, each row stamped with its arrival time and the
+    host's 1-minute load: samples (time, load, index, SM MHz, W, C, utilization %, reasons). Where nvidia-smi is
+    missing or fails, `error` says so and the runs go on unmonitored."""
+
+    def __init__(self, period_ms: int = 500):
+        self.samples: list[tuple] = []
+        self.error = ""
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={MONITOR_FIELDS}", "--format=csv,noheader,nounits",
+                                          "-lms", str(period_ms)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True)
+        except OSError as e:
+            self.proc, self.error = None, f"nvidia-smi did not start ({e})"
+            return
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            row = parse_monitor_line(line)
+            if row is not None:
+                self.samples.append((time.time(), os.getloadavg()[0], *row))
+
+    def stop(self):
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        self.proc.wait()
+        self.thread.join(timeout=5)
+        if not self.samples:
+            said = (self.proc.stderr.read() or "").strip().splitlines()
+            self.error = f"nvidia-smi gave no samples (exit {self.proc.returncode}{': ' + said[0] if said else ''})"
+
+    def write_csv(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows = ["time,load_1min,index,sm_mhz,power_w,temperature_c,utilization_percent,clock_reasons"]
+        rows += [",".join("" if v is None else (f"{v:#x}" if i == 7 else str(v)) for i, v in enumerate(s))
+                 for s in self.samples]
+        path.write_text("\n".join(rows) + "\n")
+
+
+def run_conditions(samples: list[tuple], start: float, end: float, gpu: int) -> dict | None:
+    """What a run between `start` and `end` (seconds since the epoch) on GPU `gpu` met, over the samples where
+    that GPU was busy (BUSY_PERCENT): SM clock median and minimum, largest power and temperature, the clock limits
+    seen, the busiest other GPU's median utilization in that span, and the host's largest 1-minute load per core.
+    None without a busy sample."""
+    busy = [s for s in samples if start <= s[0] <= end and s[2] == gpu and (s[6] or 0) >= BUSY_PERCENT]
+    if not busy:
+        return None
+    first, last = busy[0][0], busy[-1][0]
+    others: dict[int, list[float]] = {}
+    for s in samples:
+        if first <= s[0] <= last and s[2] != gpu and s[6] is not None:
+            others.setdefault(s[2], []).append(s[6])
+    bits = 0
+    for s in busy:
+        bits |= s[7] or 0
+    values = lambda k: [s[k] for s in busy if s[k] is not None]
+    return {"gpu": gpu, "samples": len(busy),
+            "sm_median": statistics.median(values(3)) if values(3) else None, "sm_min": min(values(3), default=None),
+            "power_max": max(values(4), default=None), "temperature_max": max(values(5), default=None),
+            "reasons": [name for bit, name in CLOCK_REASONS.items() if bits & bit],
+            "others_busiest": max((statistics.median(u) for u in others.values()), default=None),
+            "load_per_core": max(s[1] for s in busy) / (os.cpu_count() or 1)}
+
+
+def conditions_table(rows: list[tuple[str, dict | None]], error: str = "") -> list[str]:
+    """The markdown table of run_conditions per run."""
+    if error:
+        return [f"Conditions: not monitored ({error})"]
+    fmt = lambda v, f: "-" if v is None else format(v, f)
+    lines = ["Conditions while each run's GPU was busy (nvidia-smi twice a second): a run beside other work on the "
+             "host, or under a clock limit, is not a clean timing", "", "| run | GPU | samples | SM clock MHz, median (min) | power W, max | temperature C, max | "
+             "clock limits seen | busiest other GPU, median use % | host load per core, max |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, c in rows:
+        if c is None:
+            lines.append(f"| {name} | - | 0 | - | - | - | - | - | - |")
+            continue
+        lines.append(f"| {name} | {c['gpu']} | {c['samples']} | {fmt(c['sm_median'], '.0f')} ({fmt(c['sm_min'], '.0f')}) "
+                     f"| {fmt(c['power_max'], '.0f')} | {fmt(c['temperature_max'], '.0f')} | "
+                     f"{', '.join(c['reasons']) or 'none'} | {fmt(c['others_busiest'], '.0f')} | "
+                     f"{c['load_per_core']:.2f} |")
+    return lines
+
+
+def visible_gpu() -> int:
+    """The host index of the GPU a one-GPU run sees first: CUDA_VISIBLE_DEVICES' first entry, or 0."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    return int(first) if first.isdigit() else 0
+
+
 def group_of(name: str) -> str:
     """The code a run belongs to: 'public ...' or a variant label (the column name without ' seed N')."""
     return "public" if name.startswith("public") else name.rsplit(" seed ", 1)[0]
@@ -615,6 +734,7 @@ def launch_all(runs, at_once: int, stagger: bool, poll: float = 2.0) -> list:
                     continue
             print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
             procs[i] = launch(cmd, cwd, log.with_suffix(".out"), env)
+            procs[i].started_at = time.time()  # the run's span for run_conditions: to its logs' last write
             leader.setdefault(g, i)
         if len(procs) < len(runs):
             time.sleep(poll)
@@ -923,10 +1043,18 @@ def main():
         if failed:
             fail("the cache-warming run of " + "; ".join(failed))
     at_once = (a.max_parallel or runs_that_fit()) if a.parallel else 1
+    monitor = GpuMonitor()
     procs = launch_all(runs, at_once, a.parallel and a.stagger)
     for (name, log, *_), proc in zip(runs, procs):
         if proc.wait() != 0:
             print(f"{name} exited with {proc.returncode}; its output: {log.with_suffix('.out')}", flush=True)
+    monitor.stop()
+    if monitor.samples:
+        monitor.write_csv(a.work / f"gpu_monitor_{stamp}.csv")
+    last_write = lambda log: max((f.stat().st_mtime for f in (log, log.with_suffix(".out")) if f.exists()),
+                                 default=time.time())
+    conditions = [(name, run_conditions(monitor.samples, proc.started_at, last_write(log), visible_gpu()))
+                  for (name, log, *_), proc in zip(runs, procs)]
 
     results, seeds, per_stage = {}, {}, {}
     for name, log, _, _, _, seed, stages in runs:
@@ -963,6 +1091,7 @@ def main():
                   "steps left out" + (", and the public schedule's time at these step times" if full else "")
                   + "; then each later run over the first", "",
                   *stage_table(per_stage, full)]
+    lines += ["", *conditions_table(conditions, monitor.error)]
     table = "\n".join(lines)
     print(table)
     if a.out:

@@ -438,6 +438,67 @@ def test_step_times_give_each_stage_its_median_step(tmp_path):
     assert fh.stage_table({"public": got, "b": [got[0], dict(got[1], median=None)]})[-1] == "| b / public | 1.000x | - |"
 
 
+def test_monitor_lines_parse_and_a_run_s_conditions_come_from_its_busy_samples(monkeypatch):
+    for visible, gpu in (("2,3", 2), ("GPU-9d30f7db", 0), ("", 0)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert fh.visible_gpu() == gpu
+    assert fh.parse_monitor_line("0, 1980, 689.51, 52, 100, 0x0000000000000004\n") == (0, 1980.0, 689.51, 52.0,
+                                                                                         100.0, 4)
+    assert fh.parse_monitor_line("3, [N/A], 71.2, 35, 0, [N/A]") == (3, None, 71.2, 35.0, 0.0, None)
+    assert fh.parse_monitor_line("index, clocks.current.sm [MHz], ...") is None
+    assert fh.parse_monitor_line("") is None
+    # (time, load, index, SM MHz, W, C, use %, reasons): GPU 0 compiles idle from 10 s, trains 20-30 s, one sample
+    # under the SW power cap; GPU 1 works beside it from 24 s; samples outside the run's span do not count
+    samples = [(t, 8.0, 0, 345.0, 70.0, 30.0, 0.0, 0x1) for t in (10, 11)]
+    samples += [(t, 16.0 if t < 25 else 48.0, 0, 1980.0 if t != 27 else 1600.0, 650.0 + t, 50.0 + t % 3, 100.0,
+                 0x4 if t == 27 else 0) for t in range(20, 31)]
+    samples += [(t, 8.0, 1, 1980.0, 690.0, 45.0, 0.0 if t < 24 else 100.0, 0) for t in range(20, 31)]
+    samples += [(40, 90.0, 0, 1000.0, 700.0, 90.0, 100.0, 0x40)]
+    c = fh.run_conditions(samples, 9.5, 30.5, gpu=0)
+    assert c["samples"] == 11 and c["sm_median"] == 1980 and c["sm_min"] == 1600  # the idle compile is left out
+    assert c["power_max"] == 680 and c["temperature_max"] == 52 and c["reasons"] == ["SW power cap"]
+    assert c["others_busiest"] == 100  # GPU 1 busy in 7 of its 11 samples: median 100
+    assert c["load_per_core"] == pytest.approx(48.0 / (os.cpu_count() or 1))
+    assert fh.run_conditions(samples, 9.5, 30.5, gpu=1)["others_busiest"] == 100  # GPU 0 while GPU 1 was busy
+    assert fh.run_conditions(samples, 0, 15, gpu=0) is None  # no busy sample: nothing to say
+    table = fh.conditions_table([("public master seed 0", c), ("ours seed 0", None)])
+    assert "| public master seed 0 | 0 | 11 | 1980 (1600) | 680 | 52 | SW power cap | 100 |" in table[4]
+    assert table[5] == "| ours seed 0 | - | 0 | - | - | - | - | - | - |"
+    assert fh.conditions_table([], "nvidia-smi did not start (x)") == ["Conditions: not monitored (nvidia-smi did "
+                                                                       "not start (x))"]
+
+
+@pytest.mark.parametrize("script, error", [
+    ("for i in 1 2 3; do echo '0, 1980, 650.5, 50, 100, 0x0000000000000000'; echo '1, 1755, 300, 40, 7, 0x4'; "
+     "sleep 0.1; done; sleep 30", ""),
+    ("echo 'Field \"clocks_throttle_reasons.active\" is not a valid field to query.' >&2; exit 2",
+     "nvidia-smi gave no samples (exit 2: Field \"clocks_throttle_reasons.active\" is not a valid field to query.)"),
+    (None, "nvidia-smi did not start"),
+])
+def test_the_gpu_monitor_reads_nvidia_smi_while_runs_go_and_says_why_it_cannot(monkeypatch, tmp_path, script, error):
+    """GpuMonitor against a stand-in nvidia-smi on PATH: rows stamped and parsed while it runs, stopped on request;
+    one that fails or is missing leaves the runs unmonitored with the reason."""
+    if script is not None:
+        (tmp_path / "nvidia-smi").write_text("#!/bin/sh\n" + script + "\n")
+        (tmp_path / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monitor = fh.GpuMonitor(period_ms=100)
+    deadline = fh.time.time() + 10
+    while script and not error and len(monitor.samples) < 6 and fh.time.time() < deadline:
+        fh.time.sleep(0.05)
+    fh.time.sleep(0.2)
+    monitor.stop()
+    assert monitor.error.startswith(error)
+    if not error:
+        assert len(monitor.samples) == 6 and {s[2] for s in monitor.samples} == {0, 1}
+        assert monitor.samples[1][3:] == (1755.0, 300.0, 40.0, 7.0, 4)
+        monitor.write_csv(tmp_path / "m.csv")
+        lines = (tmp_path / "m.csv").read_text().splitlines()
+        assert lines[0].startswith("time,load_1min,index") and lines[2].endswith(",1,1755.0,300.0,40.0,7.0,0x4")
+    else:
+        assert monitor.samples == []
+
+
 def test_finals_pair_runs_of_the_same_seed():
     res = {"public seed 0": {9: (3.00, 1, 1)}, "public seed 1": {9: (3.10, 1, 1)}, "public seed 2": {9: (3.05, 1, 1)},
            "ours seed 0": {9: (2.98, 1, 1)}, "ours seed 1": {9: (3.07, 1, 1)}, "ours seed 2": {5: (3.5, 1, 1)}}
