@@ -51,6 +51,7 @@ import hashlib
 import math
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -599,8 +600,11 @@ def launch(cmd: list[str], cwd: Path, log: Path, env: dict) -> subprocess.Popen:
 # The conditions each run met, so that a run slowed by its host shows as such (one public stage 3 once ran at
 # 853 ms against 643.5 ms that morning while other GPUs of the host worked): nvidia-smi samples every GPU of the
 # host twice a second, with the host's 1-minute load, while the runs go.
-MONITOR_FIELDS = "index,clocks.sm,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active"
-# NVML's clock event reasons (nvmlClocksEventReasons), the bits of clocks_throttle_reasons.active; GPU idle (0x1)
+MONITOR_FIELDS = "index,clocks.sm,power.draw,temperature.gpu,utilization.gpu,{reasons}"
+# the clock limits' field: drivers since R535 call it clocks_event_reasons.active, older ones only
+# clocks_throttle_reasons.active (the name nvidia-smi --help-query-gpu lists is taken)
+REASONS_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+# NVML's clock event reasons (nvmlClocksEventReasons), the bits of that field; GPU idle (0x1)
 # is left out: it is the state between runs, not a limit on one
 CLOCK_REASONS = {0x2: "applications clocks", 0x4: "SW power cap", 0x8: "HW slowdown", 0x10: "sync boost",
                  0x20: "SW thermal", 0x40: "HW thermal", 0x80: "HW power brake", 0x100: "display clocks"}
@@ -627,10 +631,14 @@ class GpuMonitor:
         self.samples: list[tuple] = []
         self.error = ""
         try:
-            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={MONITOR_FIELDS}", "--format=csv,noheader,nounits",
+            listed = subprocess.run(["nvidia-smi", "--help-query-gpu"], capture_output=True, text=True,
+                                    timeout=30).stdout
+            self.fields = MONITOR_FIELDS.format(reasons=next((f for f in REASONS_FIELDS if f in listed),
+                                                             REASONS_FIELDS[-1]))
+            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.fields}", "--format=csv,noheader,nounits",
                                           "-lms", str(period_ms)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         text=True)
-        except OSError as e:
+                                         text=True, start_new_session=True)  # stop() ends its whole group
+        except (OSError, subprocess.TimeoutExpired) as e:
             self.proc, self.error = None, f"nvidia-smi did not start ({e})"
             return
         self.thread = threading.Thread(target=self._read, daemon=True)
@@ -645,8 +653,10 @@ class GpuMonitor:
     def stop(self):
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:  # it had ended (an nvidia-smi that failed)
+            pass
         self.proc.wait()
         self.thread.join(timeout=5)
         if not self.samples:

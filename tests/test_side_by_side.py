@@ -469,8 +469,9 @@ def test_monitor_lines_parse_and_a_run_s_conditions_come_from_its_busy_samples(m
 
 
 @pytest.mark.parametrize("script, error", [
-    ("for i in 1 2 3; do echo '0, 1980, 650.5, 50, 100, 0x0000000000000000'; echo '1, 1755, 300, 40, 7, 0x4'; "
-     "sleep 0.1; done; sleep 30", ""),
+    ("[ \"$1\" = --help-query-gpu ] && { echo '\"clocks_event_reasons.active\"'; exit 0; }; "
+     "echo \"$1\" > \"${0%/*}/query\"; for i in 1 2 3; do echo '0, 1980, 650.5, 50, 100, 0x0000000000000000'; echo '1, 1755, 300, 40, 7, 0x4'; "
+     "/bin/sleep 0.1; done; /bin/sleep 30", ""),
     ("echo 'Field \"clocks_throttle_reasons.active\" is not a valid field to query.' >&2; exit 2",
      "nvidia-smi gave no samples (exit 2: Field \"clocks_throttle_reasons.active\" is not a valid field to query.)"),
     (None, "nvidia-smi did not start"),
@@ -495,6 +496,8 @@ def test_the_gpu_monitor_reads_nvidia_smi_while_runs_go_and_says_why_it_cannot(m
         monitor.write_csv(tmp_path / "m.csv")
         lines = (tmp_path / "m.csv").read_text().splitlines()
         assert lines[0].startswith("time,load_1min,index") and lines[2].endswith(",1,1755.0,300.0,40.0,7.0,0x4")
+        # the clock limits under the name this driver lists (an older one: clocks_throttle_reasons.active)
+        assert (tmp_path / "query").read_text().strip().endswith(",utilization.gpu,clocks_event_reasons.active")
     else:
         assert monitor.samples == []
 
