@@ -688,8 +688,9 @@ def run_conditions(samples: list[tuple], start: float, end: float, gpu: int) -> 
     for s in busy:
         bits |= s[7] or 0
     values = lambda k: [s[k] for s in busy if s[k] is not None]
+    sm = values(3)
     return {"gpu": gpu, "samples": len(busy),
-            "sm_median": statistics.median(values(3)) if values(3) else None, "sm_min": min(values(3), default=None),
+            "sm_median": statistics.median(sm) if sm else None, "sm_min": min(sm, default=None),
             "power_max": max(values(4), default=None), "temperature_max": max(values(5), default=None),
             "reasons": [name for bit, name in CLOCK_REASONS.items() if bits & bit],
             "others_busiest": max((statistics.median(u) for u in others.values()), default=None),
@@ -702,15 +703,16 @@ def conditions_table(rows: list[tuple[str, dict | None]], error: str = "") -> li
         return [f"Conditions: not monitored ({error})"]
     fmt = lambda v, f: "-" if v is None else format(v, f)
     lines = ["Conditions while each run's GPU was busy (nvidia-smi twice a second): a run beside other work on the "
-             "host, or under a clock limit, is not a clean timing", "", "| run | GPU | samples | SM clock MHz, median (min) | power W, max | temperature C, max | "
+             "host, or under a clock limit, is not a clean timing", "",
+             "| run | GPU | samples | SM clock MHz, median (min) | power W, max | temperature C, max | "
              "clock limits seen | busiest other GPU, median use % | host load per core, max |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, c in rows:
         if c is None:
             lines.append(f"| {name} | - | 0 | - | - | - | - | - | - |")
             continue
-        lines.append(f"| {name} | {c['gpu']} | {c['samples']} | {fmt(c['sm_median'], '.0f')} ({fmt(c['sm_min'], '.0f')}) "
-                     f"| {fmt(c['power_max'], '.0f')} | {fmt(c['temperature_max'], '.0f')} | "
+        lines.append(f"| {name} | {c['gpu']} | {c['samples']} | {fmt(c['sm_median'], '.0f')} "
+                     f"({fmt(c['sm_min'], '.0f')}) | {fmt(c['power_max'], '.0f')} | {fmt(c['temperature_max'], '.0f')} | "
                      f"{', '.join(c['reasons']) or 'none'} | {fmt(c['others_busiest'], '.0f')} | "
                      f"{c['load_per_core']:.2f} |")
     return lines
