@@ -712,7 +712,8 @@ def conditions_table(rows: list[tuple[str, dict | None]], error: str = "") -> li
             lines.append(f"| {name} | - | 0 | - | - | - | - | - | - |")
             continue
         lines.append(f"| {name} | {c['gpu']} | {c['samples']} | {fmt(c['sm_median'], '.0f')} "
-                     f"({fmt(c['sm_min'], '.0f')}) | {fmt(c['power_max'], '.0f')} | {fmt(c['temperature_max'], '.0f')} | "
+                     f"({fmt(c['sm_min'], '.0f')}) | {fmt(c['power_max'], '.0f')} | "
+                     f"{fmt(c['temperature_max'], '.0f')} | "
                      f"{', '.join(c['reasons']) or 'none'} | {fmt(c['others_busiest'], '.0f')} | "
                      f"{c['load_per_core']:.2f} |")
     return lines
