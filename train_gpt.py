@@ -2310,14 +2310,14 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
 # around whole steps) or from train_gpt.py's own log. A table row is a real run; a shape without one is reported
 # unmeasured, never interpolated.
 STEP_US_PER_TOKEN = {
-    # one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, FlashAttention-3 (xformers 0.0.34), main at 764e605:
-    # `python bench/step_time.py --stages --steps 12 --preset record --attention fa3 --num_iterations 776`, each
-    # stage's mean step: 633.6 / 656.8 / 660.5 / 666.9 ms per 393,216-token step
-    # (bench/results/fp8_mlp_backward_h100_20261127.md)
-    ("H100", "record", 49152, 896, 3): 1.611,
-    ("H100", "record", 49152, 2048, 7): 1.670,
-    ("H100", "record", 49152, 2048, 11): 1.680,
-    ("H100", "record", 49152, 2048, 13): 1.696,
+    # one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, FlashAttention-3 (xformers 0.0.34), main at 46b1702 (FP8
+    # MLP backward): `python bench/step_time.py --stages --steps 12 --preset record --attention fa3 --num_iterations
+    # 776`, each stage's mean step: 603.3 / 615.3 / 624.8 / 619.7 ms per 393,216-token step
+    # (bench/results/one_session_h100_20261127c.md)
+    ("H100", "record", 49152, 896, 3): 1.534,
+    ("H100", "record", 49152, 2048, 7): 1.565,
+    ("H100", "record", 49152, 2048, 11): 1.589,
+    ("H100", "record", 49152, 2048, 13): 1.576,
 }
 STEP_US_ATTENTION = "FlashAttention-3"  # the attention kernel the table's runs used (--plan says so)
 # 8-GPU step time over one-GPU step time at the same global batch, by micro-batch tokens per GPU, with one
