@@ -100,6 +100,12 @@ def by_kind(kernels: dict[str, tuple[float, int]], steps: int) -> dict[str, floa
     return dict(out)
 
 
+def largest(kernels: dict[str, tuple[float, int]], steps: int, kind: str, top: int) -> list[tuple[float, float, str]]:
+    """The `top` largest kernels of one kind of work: (ms per step, calls per step, name), largest first."""
+    mine = sorted(((ms, calls, name) for name, (ms, calls) in kernels.items() if kind_of(name) == kind), reverse=True)
+    return [(ms / steps, calls / steps, name) for ms, calls, name in mine[:top]]
+
+
 def compare(a: dict, b: dict, names: tuple[str, str], steps: tuple[int, int], top: int = 3) -> str:
     """The markdown report: one row per kind (ms per step in a and b, b - a), largest difference first, then the
     total; then each kind's `top` largest kernels in each profile."""
@@ -116,10 +122,8 @@ def compare(a: dict, b: dict, names: tuple[str, str], steps: tuple[int, int], to
         for k in kinds:
             lines.append(f"- {k}")
             for label, kernels, n in ((names[0], a, steps[0]), (names[1], b, steps[1])):
-                mine = sorted(((ms, calls, name) for name, (ms, calls) in kernels.items() if kind_of(name) == k),
-                              reverse=True)[:top]
-                for ms, calls, name in mine:
-                    lines.append(f"  - {label}: {ms / n:.2f} ms, {calls / n:g} calls: `{name[:100]}`")
+                for ms, calls, name in largest(kernels, n, k, top):
+                    lines.append(f"  - {label}: {ms:.2f} ms, {calls:g} calls: `{name[:100]}`")
     return "\n".join(lines)
 
 

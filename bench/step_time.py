@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
 from comm_time import kernel_gaps  # noqa: E402
-from profile_compare import by_kind, kernel_events, kernels_from_trace  # noqa: E402
+from profile_compare import by_kind, kernel_events, kernels_from_trace, largest  # noqa: E402
 
 
 def idle_report(trace: dict, steps: int, top: int = 12) -> str:
@@ -150,9 +150,13 @@ def main():
             with gzip.open(own.trace) if own.trace.endswith(".gz") else open(own.trace) as f:
                 trace = json.load(f)
             print(idle_report(trace, 2))
-            print("kernel time by kind of work, ms a step (bench/profile_compare.py compares two profiles):")
-            for kind, ms in sorted(by_kind(kernels_from_trace(trace), 2).items(), key=lambda kv: -kv[1]):
+            print("kernel time by kind of work, ms a step (bench/profile_compare.py compares two profiles), each "
+                  "kind's largest kernels under it (ms a step, calls a step):")
+            kernels = kernels_from_trace(trace)
+            for kind, ms in sorted(by_kind(kernels, 2).items(), key=lambda kv: -kv[1]):
                 print(f"  {ms:8.2f}  {kind}")
+                for k_ms, calls, name in largest(kernels, 2, kind, 6):
+                    print(f"      {k_ms:8.2f}  {calls:4g}x  {name[:110]}")
     loader.close()
 
 

@@ -113,3 +113,13 @@ def test_compare_per_step_by_kind_and_the_cli_on_a_trace_and_a_table(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_compare.py"), str(tmp_path / "empty.json"),
                           str(tmp_path / "public.txt")], capture_output=True, text=True)
     assert bad.returncode != 0 and "no GPU kernels in" in bad.stderr
+
+
+def test_largest_kernels_of_a_kind_per_step_largest_first():
+    kernels = {"triton_red_fused_a": (30.0, 4), "triton_poi_fused_b": (50.0, 8), "triton_per_fused_c": (10.0, 2),
+               "nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN": (90.0, 6)}
+    inductor = pc.kind_of("triton_red_fused_a")
+    assert pc.largest(kernels, 2, inductor, 2) == [(25.0, 4.0, "triton_poi_fused_b"), (15.0, 2.0, "triton_red_fused_a")]
+    assert [name for _, _, name in pc.largest(kernels, 1, inductor, 10)] == [
+        "triton_poi_fused_b", "triton_red_fused_a", "triton_per_fused_c"]  # the matmul is another kind
+    assert pc.largest(kernels, 1, "communication (NCCL)", 3) == []
