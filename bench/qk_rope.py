@@ -1,0 +1,103 @@
+"""Time the attention's QK-norm and rotary, forward and backward, at the record's micro-batch shape on one GPU, as
+Inductor compiles them in train_gpt.py, and set that beside the bytes such a pass must move: the headroom a
+hand-written kernel could take (public pull request #344 fuses QK-norm, rotary and padding in one Triton kernel).
+
+The pass is CausalSelfAttention.forward's between its QKV matmul and the attention: q and k of the (T, 3H, D)
+projection through train_gpt.norm and train_gpt.rotate, and v scaled by its lambda, so that the backward writes the
+projection's whole gradient as the model's does. The copy row times a compiled copy of the projection's bytes: the
+bandwidth one pass over memory reaches on this GPU. "at copy speed" is the pass's least bytes at that bandwidth;
+the last line scales the difference to a record step (the attention blocks x the micro-batches of one step).
+
+    python bench/qk_rope.py [--tokens 49152] [--heads 6] [--head_dim 128] [--iters 50] [--blocks 10 --micro 8]
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_gpt as tg  # noqa: E402
+
+
+def qk_rope(qkv, lam, cos, sin):
+    """q and k normed and rotated, v scaled: CausalSelfAttention.forward's work between the QKV matmul and the
+    attention (without the value embedding and the gates, which depend on the block)."""
+    q, k, v = qkv.chunk(3, dim=1)
+    rope = (cos, sin, 1.0)
+    return tg.rotate(tg.norm(q), rope), tg.rotate(tg.norm(k), rope), lam * v
+
+
+def least_bytes(tokens: int, heads: int, head_dim: int, qkv_bytes: int = 2, table_bytes: int = 4) -> tuple[int, int]:
+    """(forward, backward) bytes that any implementation of qk_rope must read and write once: the forward reads the
+    projection and the rotary tables and writes q, k and v; the backward reads their three gradients, q and k as
+    projected (to redo the norm) and the tables, and writes the projection's gradient."""
+    one = tokens * heads * head_dim * qkv_bytes  # one (T, H, D) tensor
+    tables = 2 * tokens * (head_dim // 2) * table_bytes  # cos and sin, (T, D / 2) each
+    return 3 * one + tables + 3 * one, 3 * one + 2 * one + tables + 3 * one
+
+
+def time_ms(fn, iters: int) -> float:
+    """Median ms of fn() over iters runs, after three untimed ones."""
+    times = []
+    for i in range(iters + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=49152, help="tokens of one micro-batch")
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--head_dim", type=int, default=128)
+    p.add_argument("--min_freq", type=float, default=1 / 1024, help="Rotary's lowest frequency (the tables' values)")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--blocks", type=int, default=10, help="blocks with attention (the record: 11 blocks, one without)")
+    p.add_argument("--micro", type=int, default=8, help="micro-batches a step (the record on one GPU: 8)")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("qk_rope.py: error: needs a CUDA GPU (it times kernels)")
+    T, H, D = a.tokens, a.heads, a.head_dim
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(T, 3 * H, D, device="cuda", generator=g).bfloat16().requires_grad_()
+    lam = torch.tensor(0.5, device="cuda", requires_grad=True)
+    cos, sin, _ = tg.Rotary(D, T, a.min_freq).cuda().at(0)
+    grads = [torch.randn(T, H, D, device="cuda", generator=g).bfloat16() for _ in range(3)]
+    compiled = torch.compile(qk_rope, fullgraph=True, dynamic=False)
+
+    def fwd():
+        return compiled(qkv, lam, cos, sin)
+
+    def fwd_bwd():
+        qkv.grad = lam.grad = None
+        torch.autograd.backward(compiled(qkv, lam, cos, sin), grads)
+
+    copy = torch.compile(lambda t: t.clone())
+    src = qkv.detach().clone()
+    ms_copy = time_ms(lambda: copy(src), a.iters)
+    copy_gbs = 2 * src.numel() * src.element_size() / ms_copy / 1e6
+    ms_fwd = time_ms(fwd, a.iters)  # the training forward (saving what the backward needs)
+    ms_all = time_ms(fwd_bwd, a.iters)
+    b_fwd, b_bwd = least_bytes(T, H, D)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; q, k, v of {T} tokens x {H} heads x "
+          f"{D}, bf16, median of {a.iters}")
+    print(f"copy of the projection ({2 * src.numel() * src.element_size() / 1e6:.0f} MB read + written): "
+          f"{ms_copy * 1e3:.1f} us, {copy_gbs:.0f} GB/s")
+    rows = (("forward", ms_fwd, b_fwd), ("backward", ms_all - ms_fwd, b_bwd), ("both", ms_all, b_fwd + b_bwd))
+    for name, ms, nbytes in rows:
+        floor = nbytes / copy_gbs / 1e3  # ms at the copy's bandwidth
+        print(f"{name:<9} {ms * 1e3:7.1f} us; least bytes {nbytes / 1e6:5.0f} MB -> {nbytes / ms / 1e6:5.0f} GB/s "
+              f"({nbytes / ms / 1e6 / copy_gbs:.0%} of the copy's); at copy speed {floor * 1e3:6.1f} us")
+    spare = (ms_all - (b_fwd + b_bwd) / copy_gbs / 1e3) * a.blocks * a.micro
+    print(f"a step of {a.micro} micro-batches x {a.blocks} attention blocks: {ms_all * a.blocks * a.micro:.1f} ms in "
+          f"this pass, {spare:.1f} ms above copy speed")
+
+
+if __name__ == "__main__":
+    main()

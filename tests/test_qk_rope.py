@@ -1,0 +1,41 @@
+"""bench/qk_rope.py's CPU side: the pass it times is the attention's own work between its QKV matmul and the
+attention, and its count of the bytes that pass must move."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import qk_rope  # noqa: E402
+import train_gpt as tg  # noqa: E402  (qk_rope put the repository on the path)
+from test_model import TINY  # noqa: E402
+
+
+def test_the_timed_pass_is_the_attentions_q_k_and_v():
+    cfg = tg.ModelConfig.from_args(tg.Hyperparameters(**TINY))
+    g = torch.Generator().manual_seed(0)
+    attn = tg.CausalSelfAttention(cfg, head_gate=False)
+    T, H, D = 20, cfg.num_heads, cfg.head_dim
+    x = torch.randn(T, cfg.model_dim, generator=g)
+    lambdas = torch.tensor([0.7, 0.0])
+    cos, sin, scale = tg.Rotary(D, T, cfg.rotary_min_freq).at(0)
+    seen = []
+    attn(x, None, lambdas, None, T, 16, (cos, sin, scale), lambda q, k, v, *a: seen.append((q, k, v)) or v)
+    qkv = torch.nn.functional.linear(x, attn.qkvo_w[:3].flatten(0, 1)).view(T, 3 * H, D)
+    for mine, model in zip(qk_rope.qk_rope(qkv, lambdas[0], cos, sin), seen[0]):
+        torch.testing.assert_close(mine, model, rtol=0, atol=0)
+
+
+def test_least_bytes_count_each_tensor_once():
+    one, tables = 2 * 1 * 4 * 2, 2 * 2 * 2 * 4  # 2 tokens x 1 head x 4 dims in bf16; cos and sin (2, 2) in float32
+    assert qk_rope.least_bytes(2, 1, 4) == (6 * one + tables, 8 * one + tables)
+    fwd, bwd = qk_rope.least_bytes(49152, 6, 128)
+    assert round(fwd / 1e6) == 478 and round(bwd / 1e6) == 629  # the record's micro-batch
+
+
+def test_it_says_it_needs_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["qk_rope.py"])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        qk_rope.main()
