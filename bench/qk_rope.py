@@ -37,18 +37,19 @@ def least_bytes(tokens: int, heads: int, head_dim: int, qkv_bytes: int = 2, tabl
     return 3 * one + tables + 3 * one, 3 * one + 2 * one + tables + 3 * one
 
 
-def time_ms(fn, iters: int) -> float:
-    """Median ms of fn() over iters runs, after three untimed ones."""
-    times = []
-    for i in range(iters + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+def kernel_ms(fn, iters: int) -> float:
+    """GPU kernel time of one fn() in ms, from torch.profiler's kernel records over iters runs after three untimed
+    ones: at a few hundred µs a call the wall time between events varies with the host's launches, the kernels'
+    own time does not."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
         fn()
-        end.record()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
         torch.cuda.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return sum(e.self_device_time_total for e in prof.key_averages()) / iters / 1e3  # µs in total -> ms per call
 
 
 def main():
@@ -80,24 +81,30 @@ def main():
 
     copy = torch.compile(lambda t: t.clone())
     src = qkv.detach().clone()
-    ms_copy = time_ms(lambda: copy(src), a.iters)
-    copy_gbs = 2 * src.numel() * src.element_size() / ms_copy / 1e6
-    ms_fwd = time_ms(fwd, a.iters)  # the training forward (saving what the backward needs)
-    ms_all = time_ms(fwd_bwd, a.iters)
-    b_fwd, b_bwd = least_bytes(T, H, D)
+    ms_copy = kernel_ms(lambda: copy(src), a.iters)
+    ms_fwd = kernel_ms(fwd, a.iters)  # the training forward (saving what the backward needs)
+    ms_all = kernel_ms(fwd_bwd, a.iters)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; q, k, v of {T} tokens x {H} heads x "
-          f"{D}, bf16, median of {a.iters}")
-    print(f"copy of the projection ({2 * src.numel() * src.element_size() / 1e6:.0f} MB read + written): "
-          f"{ms_copy * 1e3:.1f} us, {copy_gbs:.0f} GB/s")
-    rows = (("forward", ms_fwd, b_fwd), ("backward", ms_all - ms_fwd, b_bwd), ("both", ms_all, b_fwd + b_bwd))
-    for name, ms, nbytes in rows:
-        floor = nbytes / copy_gbs / 1e3  # ms at the copy's bandwidth
-        print(f"{name:<9} {ms * 1e3:7.1f} us; least bytes {nbytes / 1e6:5.0f} MB -> {nbytes / ms / 1e6:5.0f} GB/s "
-              f"({nbytes / ms / 1e6 / copy_gbs:.0%} of the copy's); at copy speed {floor * 1e3:6.1f} us")
-    spare = (ms_all - (b_fwd + b_bwd) / copy_gbs / 1e3) * a.blocks * a.micro
-    print(f"a step of {a.micro} micro-batches x {a.blocks} attention blocks: {ms_all * a.blocks * a.micro:.1f} ms in "
-          f"this pass, {spare:.1f} ms above copy speed")
+          f"{D}, bf16, GPU kernel time per call over {a.iters} calls (torch.profiler)")
+    print(*report(ms_fwd, ms_all, ms_copy, 2 * src.numel() * src.element_size(), least_bytes(T, H, D),
+                  a.blocks * a.micro), sep="\n")
 
+
+def report(ms_fwd: float, ms_all: float, ms_copy: float, copy_bytes: int, least: tuple[int, int],
+           calls: int) -> list[str]:
+    """The lines main prints: the copy's bandwidth; forward, backward and both against their least bytes at that
+    bandwidth; and the difference over `calls` passes (one step's)."""
+    gbs = copy_bytes / ms_copy / 1e6  # bytes per ms / 1e6 = GB/s
+    lines = [f"copy of the projection ({copy_bytes / 1e6:.0f} MB read + written): {ms_copy * 1e3:.1f} us, "
+             f"{gbs:.0f} GB/s"]
+    for name, ms, nbytes in (("forward", ms_fwd, least[0]), ("backward", ms_all - ms_fwd, least[1]),
+                             ("both", ms_all, sum(least))):
+        floor = nbytes / gbs / 1e6  # ms at the copy's bandwidth
+        lines.append(f"{name:<9} {ms * 1e3:7.1f} us; least bytes {nbytes / 1e6:5.0f} MB -> {nbytes / ms / 1e6:5.0f} "
+                     f"GB/s ({nbytes / ms / 1e6 / gbs:.0%} of the copy's); at copy speed {floor * 1e3:6.1f} us")
+    spare = (ms_all - sum(least) / gbs / 1e6) * calls
+    lines.append(f"a step of {calls} passes: {ms_all * calls:.1f} ms in this pass, {spare:.1f} ms above copy speed")
+    return lines
 
 if __name__ == "__main__":
     main()
