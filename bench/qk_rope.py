@@ -52,12 +52,31 @@ def kernel_ms(fn, iters: int) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / iters / 1e3  # µs in total -> ms per call
 
 
+def report(ms_fwd: float, ms_all: float, ms_copy: float, copy_bytes: int, least: tuple[int, int],
+           calls: int) -> list[str]:
+    """The lines main prints: the copy's bandwidth; forward, backward and both against their least bytes at that
+    bandwidth; and the difference over `calls` passes (one step's)."""
+    gbs = copy_bytes / ms_copy / 1e6  # bytes per ms / 1e6 = GB/s
+    lines = [f"copy of the projection ({copy_bytes / 1e6:.0f} MB read + written): {ms_copy * 1e3:.1f} us, "
+             f"{gbs:.0f} GB/s"]
+    for name, ms, nbytes in (("forward", ms_fwd, least[0]), ("backward", ms_all - ms_fwd, least[1]),
+                             ("both", ms_all, sum(least))):
+        floor = nbytes / gbs / 1e6  # ms at the copy's bandwidth
+        lines.append(f"{name:<9} {ms * 1e3:7.1f} us; least bytes {nbytes / 1e6:5.0f} MB -> {nbytes / ms / 1e6:5.0f} "
+                     f"GB/s ({nbytes / ms / 1e6 / gbs:.0%} of the copy's); at copy speed {floor * 1e3:6.1f} us")
+    spare = (ms_all - sum(least) / gbs / 1e6) * calls
+    lines.append(f"a step of {calls} passes: {ms_all * calls:.1f} ms in this pass, {spare:.1f} ms above copy speed")
+    return lines
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=49152, help="tokens of one micro-batch")
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--head_dim", type=int, default=128)
-    p.add_argument("--min_freq", type=float, default=1 / 1024, help="Rotary's lowest frequency (the tables' values)")
+    h = tg.Hyperparameters()  # the record's model by default
+    p.add_argument("--heads", type=int, default=h.num_heads)
+    p.add_argument("--head_dim", type=int, default=h.head_dim)
+    p.add_argument("--min_freq", type=float, default=h.rotary_min_freq,
+                   help="Rotary's lowest frequency (the tables' values)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--blocks", type=int, default=10, help="blocks with attention (the record: 11 blocks, one without)")
     p.add_argument("--micro", type=int, default=8, help="micro-batches a step (the record on one GPU: 8)")
@@ -89,22 +108,6 @@ def main():
     print(*report(ms_fwd, ms_all, ms_copy, 2 * src.numel() * src.element_size(), least_bytes(T, H, D),
                   a.blocks * a.micro), sep="\n")
 
-
-def report(ms_fwd: float, ms_all: float, ms_copy: float, copy_bytes: int, least: tuple[int, int],
-           calls: int) -> list[str]:
-    """The lines main prints: the copy's bandwidth; forward, backward and both against their least bytes at that
-    bandwidth; and the difference over `calls` passes (one step's)."""
-    gbs = copy_bytes / ms_copy / 1e6  # bytes per ms / 1e6 = GB/s
-    lines = [f"copy of the projection ({copy_bytes / 1e6:.0f} MB read + written): {ms_copy * 1e3:.1f} us, "
-             f"{gbs:.0f} GB/s"]
-    for name, ms, nbytes in (("forward", ms_fwd, least[0]), ("backward", ms_all - ms_fwd, least[1]),
-                             ("both", ms_all, sum(least))):
-        floor = nbytes / gbs / 1e6  # ms at the copy's bandwidth
-        lines.append(f"{name:<9} {ms * 1e3:7.1f} us; least bytes {nbytes / 1e6:5.0f} MB -> {nbytes / ms / 1e6:5.0f} "
-                     f"GB/s ({nbytes / ms / 1e6 / gbs:.0%} of the copy's); at copy speed {floor * 1e3:6.1f} us")
-    spare = (ms_all - sum(least) / gbs / 1e6) * calls
-    lines.append(f"a step of {calls} passes: {ms_all * calls:.1f} ms in this pass, {spare:.1f} ms above copy speed")
-    return lines
 
 if __name__ == "__main__":
     main()
