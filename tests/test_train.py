@@ -272,11 +272,13 @@ def test_the_model_is_compiled_with_inductors_fusions_capped(tiny_args, monkeypa
     torch's Inductor knows the option (torch.compile refuses an option it does not know)."""
     seen = []
     monkeypatch.setattr(tg.torch, "compile", lambda fn, **kw: seen.append((fn, kw)) or fn)
-    monkeypatch.setattr(torch._inductor.config, "cpp_wrapper", True)  # as a former build on a GPU leaves it
-    model, *_ = tg.build(tiny_args(compile=True, cpp_wrapper=True), torch.device("cpu"), 0, 1, log=lambda *a, **k: None)
+    # torch's config.patch, not monkeypatch: pytest 9.2's undo deletes an attribute of torch's config module
+    with torch._inductor.config.patch(cpp_wrapper=True):  # as a former build on a GPU leaves it
+        model, *_ = tg.build(tiny_args(compile=True, cpp_wrapper=True), torch.device("cpu"), 0, 1,
+                             log=lambda *a, **k: None)
+        assert torch._inductor.config.cpp_wrapper is False  # the C++ wrapper (--cpp_wrapper) only on a CUDA device
     options = [kw.get("options") for fn, kw in seen if fn is model]
     assert options == [{"max_fusion_unique_io_buffers": 32}]
-    assert torch._inductor.config.cpp_wrapper is False  # the C++ wrapper (--cpp_wrapper) only on a CUDA device
     monkeypatch.undo()
     torch.compile(torch.nn.Linear(2, 2), options=options[0])
     with pytest.raises(RuntimeError, match="max_fusion_unique_io_bufers"):  # a misspelt option is refused
@@ -291,12 +293,12 @@ def test_a_compiled_run_with_an_extension_and_a_final_window_compiles_every_grap
     torch._dynamo.reset()  # forget the graphs other tests compiled of the same functions (they count)
     compile = torch.compile
     monkeypatch.setattr(tg.torch, "compile", lambda fn, **kw: compile(fn, **{**kw, "backend": "aot_eager"}))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     args = tiny_args(num_iterations=12, val_every=3, extension_steps=2, extension_window=4, final_val_window=5,
                      compile=True, warmup_steps=1)
     assert len(tg.training_stages(args)) == 4
     try:
-        run = tg.train(args)
+        with torch._dynamo.config.patch(recompile_limit=8):
+            run = tg.train(args)
     finally:
         torch._dynamo.reset()  # and leave none of these nine for the tests after
     assert [s for s, _ in run.val_losses] == [0, 3, 6, 9, 12] and run.val_losses[-1][1] < run.val_losses[0][1]
