@@ -17,6 +17,7 @@ import glob
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -1085,6 +1086,41 @@ def select_attention(name: str, device: torch.device, compiled: bool = False, lo
         skipped.append(f"{candidate}: {reason}")
         log(f"attention: skipping {skipped[-1]}")
     return "reference"
+
+
+@dataclass(frozen=True)
+class ModelKernels:
+    """The kernels a model runs, chosen once for its device (choose_kernels); the defaults are PyTorch's own, which
+    run anywhere (the CPU, tests, sampling)."""
+    attention: str = "reference"  # an ATTENTION_BACKENDS name
+    fp8_head: bool = False  # the LM head's matmul in FP8 in training (mm_fp8)
+    fused_ce: bool = False  # with fp8_head: the soft-capped cross-entropy in Triton (fp8_head_ce)
+    fused_mlp: bool = False  # ReLU² in the MLP's matmul epilogues (relu2_mlp)
+    fp8_mlp: bool = False  # with fused_mlp: its matmuls in FP8, forward and backward (relu2_mlp_all_fp8)
+    pointer: bool = False  # CPLM's pointer as Triton kernels (copy_pointer), else written out in PyTorch
+
+    @property
+    def attn_fn(self):
+        return ATTENTION_BACKENDS[self.attention]
+
+
+def choose_kernels(device: torch.device, attention: str = "auto", compiled: bool = False, fp8_head: bool = True,
+                   fused_ce: bool = True, fused_mlp: bool = True, fp8_mlp: bool = True, log=print) -> ModelKernels:
+    """The whole model's kernels on `device`: each one asked for where it runs here (the log says why one is off)."""
+    fp8 = fp8_head and device.type == "cuda" and fp8_supported(device)  # elsewhere the head is a plain matmul
+    if fused_ce and not fp8:
+        log("fused cross-entropy off: it is the FP8 head's, and the LM head runs in bf16 here (same results)")
+    fits = fused_mlp and relu2_mlp_fits(device)
+    if fused_mlp and not fits:
+        log(f"fused MLP off: its kernel needs {relu2_tiles_shared_memory() // 1024} KiB of shared memory, this "
+            f"GPU has {max_shared_memory(device) // 1024} KiB; the MLP runs unfused (same results)")
+    # the FP8 MLP is the fused kernel's in Hopper's TMA form (sm90+), on a GPU with FP8 matmuls
+    mlp8 = fp8_mlp and fp8 and fits and relu2_tma_programs(device) > 0
+    if fp8_mlp and not mlp8:
+        log("FP8 MLP off: it needs FP8 matmuls and the fused MLP's kernel in Hopper's TMA form (an sm90+ GPU with its "
+            "shared memory); the MLP runs in bf16")
+    return ModelKernels(select_attention(attention, device, compiled, log), fp8, fused_ce and fp8, fits, mlp8,
+                        triton is not None and (device.type == "cuda" or INTERPRET))
 
 
 # -----------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 
 def _interrupted_at_start(*_):
@@ -49,14 +50,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import kernels  # kernels and custom ops (kernels.py, next to this file; logged with it)
-from kernels import (ATTENTION_BACKENDS, E4M3_MAX, HEAD_GRAD_SCALE, HEAD_W_SCALE, attention_reference, document_ids,
-                     fp8_supported, head_x_scale, select_attention)
+from kernels import (ATTENTION_BACKENDS, E4M3_MAX, HEAD_GRAD_SCALE, HEAD_W_SCALE, ModelKernels, attention_reference,
+                     choose_kernels, document_ids, head_x_scale)
 
 
 # -----------------------------------------------------------------------------------------------
 # Hyperparameters: every field is a command-line override, `--field value`.
-# The defaults are the record (--preset record, what a command without --preset runs); the public record of
-# 2025-09-03 (#29: 1670 steps, 8xH100) is --preset record-0903, its differences in RECORD_0903 below.
+# The defaults are the record (--preset record, what a command without --preset runs); the other presets (PRESETS,
+# below) train the same model at other sizes or batch layouts.
 
 DATA_PATH = os.environ.get("DATA_PATH", os.path.dirname(os.path.abspath(__file__)))
 BOS_ID = 50256  # GPT-2's <|endoftext|>, put before every document: the speedrun's beginning of sequence
@@ -120,41 +121,29 @@ class Hyperparameters:
     head_dim: int = 128  # width of each attention head
     mlp_ratio: int = 4  # MLP hidden width = mlp_ratio x model_dim
     no_attn_layers: tuple[int, ...] = (6,)  # blocks without attention (09/03/25: block 7 of 12, @YouJiacheng)
-    num_value_embeds: int = 0  # value-embedding tables for the first and, mirrored, last blocks; 0 with value_embed_blocks
-    # untied value embeddings (01/26/26, init 02/03/26): these blocks have a table each, drawn N(0, 0.01). Needs
-    # num_value_embeds=0
+    # untied value embeddings (01/26/26, init 02/03/26): these blocks have a table each, drawn N(0, 0.01)
     value_embed_blocks: tuple[int, ...] = (1, 2, 8, 9, 10)  # blocks with a value-embedding table each, N(0, 0.01); () = off
     window_pattern: str = "SSSLSSSSSSL"  # per block: L = long window, S = short window (half)
     window_block: int = 128  # tokens per window block
     attn_scale: float = 0.1  # attention logit scale, QK being normed (@leloykun; 09/03/25: 0.12; YaRN raises it)
     gate_channels: int = 12  # input channels of the sparse head gate
     rotary_min_freq: float = 1 / 1024  # lowest rotary frequency (the highest is 1)
-    yarn: bool = True  # YaRN: at each long-window growth, slow the slow rotary frequencies, raise attn_scale (09/10/25)
     logit_softcap: float = 23.0  # logits = logit_softcap * sigmoid((z + softcap_shift) / softcap_temp) (09/03/25: 30)
     softcap_temp: float = 7.5  # the softcap's temperature
     softcap_shift: float = 5.0  # asymmetric softcap: 5 with logit_softcap 23 is the 2025-12-26 record's cap (09/03/25: 0)
     bigram_rows: int = 377_280  # rows of the bigram hash embedding, 0 = off (01/19/26; 377,280 since 05/27/26)
     bigram_sign_rows: int = 8_192  # rows of fixed random +-1 signs that multiply bigram rows, 0 = none (05/20/26)
-    backout_layer: int = 7  # backout: subtract a learned multiple of this block's output before the head; -1 = off (10/04/25)
-    smear: bool = True  # smear gate: each token's embedding adds a gated share of the previous token's (09/18/25)
-    ve_gate: bool = True  # value-embedding gate: 2 sigmoid(W x[:12]) per head scales the value embedding (12/29/25)
-    key_offset: bool = True  # long-window blocks' keys take their position-free dims from the previous token (12/14/25)
+    # backout (10/04/25): a learned multiple of this block's output is subtracted before the head; MUDD mixes it in
+    # and the later blocks attend over it (parallel attention inputs, 03/06/26)
+    backout_layer: int = 7  # the backout block: below the last, after the attention-less one
     paired_head_blocks: tuple[int, ...] = (0, 2, 5, 9)  # paired-head attention in these short-window blocks (01/07/26)
-    mudd: bool = True  # MUDD: per-token learned mixes of earlier block outputs into the last block and the head (04/22/26)
-    # MUDD gates (05/27/26): on the proxy with DC attention -0.0157 +- 0.0058 at equal tokens, +3.4% step (an H200)
-    mudd_gates: bool = True  # per-token x0, bigram, XSA, attention-output and skip weights from two small MLPs (05/27/26)
     # learnable XSA (04/29/26): each head removes tanh(a) of its output along its own value, a set per token by the gates
-    xsa_blocks: tuple[int, ...] = (1, 3, 4, 7)  # with mudd_gates: XSA in these blocks (05/27/26)
-    dc: bool = True  # with mudd_gates: DC attention, heads' local maps mixed per token, in the last block (05/27/26)
+    xsa_blocks: tuple[int, ...] = (1, 3, 4, 7)  # XSA in these blocks (05/27/26)
     # the copy-pointer mixture of public pull request 379 (not in the master): on the proxy -0.0398 +- 0.0040 at
     # equal tokens, +5.0% step (an H200)
     cplm_bands: tuple[int, ...] = (2048, 8192)  # copy mixture (CPLM, PR 379): pointer bands in training, evaluation; () = off
-    parallel_attn: bool = True  # blocks after backout_layer attend over its normed output, not their own input (03/06/26)
-    uniform_out_init: bool = True  # attention output projections start uniform as V, not zero (the public master)
-    # 2026-02-12/16 records (PRs 230, 233); the attention's r is the residual mix's own x weight
-    sublayer_lambdas: bool = True  # per-sublayer residual weights: x <- r x + p out, r = sqrt(1.1), p = 1 at init
     # one skip instead of the U-net, weighted sigmoid(l), l = -1.5 at init (2025-11-18 and 12-14 records, PRs 159, 169)
-    skip_from: int = 3  # one skip from this block's output into the first attention-less block; -1 = the U-net
+    skip_from: int = 3  # one skip from this block's output into the first attention-less block
     # schedule: the stages in order (rows of Stage, above), sharing the scheduled steps, then extension_steps more.
     # Three equal stages at batch_size with 3 / 7 / 11-block windows, short documents in the first (02/10/26),
     # multi-token prediction (12/22/25) and the prefix-token loss (07/13/26)
@@ -184,8 +173,6 @@ class Hyperparameters:
     muon_momentum_start: float = 0.85  # Muon's momentum at step 0, warmed up linearly to muon_momentum
     muon_momentum_warmup: int = 300  # steps of that momentum warm-up
     muon_momentum_cooldown: int = 50  # last steps: momentum back down to muon_momentum_start, linearly; 0 = none
-    ns_steps: int = 5  # iterations of Muon's orthogonalization
-    orthogonalizer: str = "polar_express"  # Muon's: newton_schulz (the 09/03 record) | polar_express (later records)
     muon_beta2: float = 0.9  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off
     muon_weight_decay: float = 1.2  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25)
     # the public master's NorMuon rates: 0.023 x 2 on the MLP's input (its shape factor), x 4 on its output (10/27/25)
@@ -240,7 +227,7 @@ class Hyperparameters:
     resume: str = ""  # a checkpoint folder, or "latest" (newest under checkpoint_dir)
     plan: bool = False  # print the resolved schedule and its projected 1- and 8-GPU time, then exit (no GPU used)
     # presets and the smoke preset's built-in data
-    preset: str = "record"  # record | record-0903 | smoke | single | medium (then any field overrides)
+    preset: str = "record"  # record | smoke | single | medium (then any field overrides)
     markov_corpus: bool = False  # write a synthetic Markov-chain corpus to train/val_files first
 
     def __post_init__(self):
@@ -285,48 +272,35 @@ class Hyperparameters:
         if bad or h.num_heads % 2 or len(set(h.paired_head_blocks)) != len(h.paired_head_blocks):
             raise ValueError(f"paired_head_blocks={h.paired_head_blocks}: distinct blocks with attention and a short "
                              f"window (S in window_pattern={h.window_pattern!r}), and an even num_heads={h.num_heads}")
-        if h.value_embed_blocks and (h.num_value_embeds or len(set(h.value_embed_blocks)) < len(h.value_embed_blocks)
-                                     or any(not 0 <= i < h.num_layers or i in h.no_attn_layers
-                                            for i in h.value_embed_blocks)):
-            raise ValueError(f"value_embed_blocks={h.value_embed_blocks}: distinct blocks with attention, and "
-                             f"num_value_embeds=0 (now {h.num_value_embeds}): one layout or the other")
-        if h.skip_from >= 0 and not (h.no_attn_layers and 0 <= h.skip_from < min(h.no_attn_layers)):
+        if not h.value_embed_blocks or len(set(h.value_embed_blocks)) < len(h.value_embed_blocks) or any(
+                not 0 <= i < h.num_layers or i in h.no_attn_layers for i in h.value_embed_blocks):
+            raise ValueError(f"value_embed_blocks={h.value_embed_blocks}: one or more distinct blocks with attention "
+                             "(MUDD mixes the first one's table into the head's input)")
+        if not (h.no_attn_layers and 0 <= h.skip_from < min(h.no_attn_layers)):
             raise ValueError(f"skip_from={h.skip_from}: a block before the first attention-less one "
-                             f"(no_attn_layers={h.no_attn_layers}), or -1 for the U-net")
-        if h.num_value_embeds * 2 > h.num_layers:
-            raise ValueError(f"num_value_embeds={h.num_value_embeds} needs at least {2 * h.num_value_embeds} layers")
+                             f"(no_attn_layers={h.no_attn_layers}, which needs one)")
         if h.logit_softcap + math.log(h.vocab_size) >= 88:  # exp(cap) * vocab must fit in fp32 (any shift)
             raise ValueError(f"logit_softcap={h.logit_softcap} is too large for the overflow-free cross-entropy")
         if not math.isfinite(h.softcap_shift):
             raise ValueError(f"softcap_shift={h.softcap_shift} must be a finite number")
-        if h.bigram_rows == 1 or h.bigram_rows < 0:
-            raise ValueError(f"bigram_rows={h.bigram_rows}: 0 (off) or at least 2 (hashed rows + a document-start row)")
-        if h.bigram_sign_rows < 0 or (h.bigram_sign_rows and not h.bigram_rows):
-            raise ValueError(f"bigram_sign_rows={h.bigram_sign_rows}: 0, or a positive count with bigram_rows")
-        if h.mudd and not 0 <= h.backout_layer < h.num_layers - 1:
-            raise ValueError(f"mudd=true mixes in block backout_layer's output: set backout_layer (now "
-                             f"{h.backout_layer}) to a block below the last ({h.num_layers - 1})")
-        if h.mudd and (h.skip_from < 0 or not h.value_embed_blocks):
-            raise ValueError("mudd=true mixes in the skip's source block and the first value embedding before the head: "
-                             f"set skip_from (now {h.skip_from}) and value_embed_blocks (now {h.value_embed_blocks})")
-        if h.mudd_gates and (not h.mudd or not h.bigram_rows or "L" not in h.window_pattern[:-2]):
-            raise ValueError("mudd_gates=true needs mudd=true, bigram_rows > 0 and a long-window block before the last "
-                             f"two (window_pattern={h.window_pattern!r})")
-        if h.dc and (not h.mudd_gates or h.num_layers - 1 in h.paired_head_blocks + h.no_attn_layers):
-            raise ValueError("dc=true takes its weights from the MUDD gates and runs in the last block: set "
-                             "mudd_gates=true, with attention and without paired heads in the last block")
-        if (h.xsa_blocks and not h.mudd_gates) or any(not 0 <= i < h.num_layers or i in h.no_attn_layers
-                                                      for i in h.xsa_blocks):
-            raise ValueError(f"xsa_blocks={h.xsa_blocks}: blocks with attention, with mudd_gates=true")
+        if h.bigram_rows < 2:  # the MUDD gates weigh it per block
+            raise ValueError(f"bigram_rows={h.bigram_rows}: at least 2 (hashed rows + a document-start row)")
+        if h.bigram_sign_rows < 0:
+            raise ValueError(f"bigram_sign_rows={h.bigram_sign_rows}: 0 (no signs) or a positive count")
+        if not 0 <= h.backout_layer < h.num_layers - 1:
+            raise ValueError(f"backout_layer={h.backout_layer}: a block below the last ({h.num_layers - 1}), whose "
+                             "output MUDD mixes in, the later blocks attend over and the head has subtracted")
+        if "L" not in h.window_pattern[:-2]:
+            raise ValueError(f"window_pattern={h.window_pattern!r}: the MUDD gates need a long-window block (L) "
+                             "before the last two")
+        if h.num_layers - 1 in h.paired_head_blocks + h.no_attn_layers:
+            raise ValueError("DC attention runs in the last block: it needs attention, without paired heads "
+                             f"(paired_head_blocks={h.paired_head_blocks}, no_attn_layers={h.no_attn_layers})")
+        if any(not 0 <= i < h.num_layers or i in h.no_attn_layers for i in h.xsa_blocks):
+            raise ValueError(f"xsa_blocks={h.xsa_blocks}: blocks with attention")
         if h.cplm_bands and (len(h.cplm_bands) != 2 or min(h.cplm_bands) < 1 or h.bos_id + 1 >= h.vocab_size):
             raise ValueError(f"cplm_bands={h.cplm_bands}: two band lengths in tokens (training, evaluation; the PR's "
                              f"2048,8192), and the copy column bos_id + 1 = {h.bos_id + 1} below vocab_size={h.vocab_size}")
-        if h.parallel_attn and h.backout_layer < 0:
-            raise ValueError("parallel_attn=true: the later blocks attend over block backout_layer's output; "
-                             "set backout_layer (now -1)")
-        if not -1 <= h.backout_layer < h.num_layers - 1:
-            raise ValueError(f"backout_layer={h.backout_layer}: -1 (off) or a block index below the last "
-                             f"({h.num_layers - 1}), whose output the final norm would only rescale")
         if not 0 <= h.muon_beta2 < 1:
             raise ValueError(f"muon_beta2={h.muon_beta2}: 0 (plain Muon) or an EMA factor in (0, 1) for NorMuon")
         for name in ("embed_weight_decay", "head_weight_decay", "muon_weight_decay"):
@@ -345,10 +319,6 @@ class Hyperparameters:
             raise ValueError(f"bos_id={h.bos_id} must be < vocab_size={h.vocab_size}")
         if h.preset not in PRESETS:
             raise ValueError(f"preset={h.preset!r}: choose one of {', '.join(PRESETS)}")
-        if h.orthogonalizer not in ORTHOGONALIZERS:
-            raise ValueError(f"orthogonalizer={h.orthogonalizer!r}: choose one of {', '.join(ORTHOGONALIZERS)}")
-        if h.orthogonalizer == "polar_express" and h.ns_steps != len(POLAR_EXPRESS):
-            raise ValueError(f"ns_steps={h.ns_steps}: polar_express's coefficients are for {len(POLAR_EXPRESS)} steps")
         if h.device not in ("cuda", "cpu", "auto"):
             raise ValueError(f"device={h.device!r}: choose cuda, cpu or auto")
         if h.attention not in ("auto", *ATTENTION_BACKENDS):
@@ -359,25 +329,22 @@ class Hyperparameters:
 # (modded-nanogpt master, 2026-08), on its 11 blocks, with our kernels and CPLM. On the proxy under the harness's
 # batches/16 rule, 3 seeds paired on H100s: -0.129 final loss against the previous record preset (12 blocks, our
 # 2025 A/B's subset) at 1.06x its step time on 12 blocks; on 11 blocks 0.99x the time and +0.005 +- 0.021 against 12
-# (an H200; bench/results/public_line_ab_20261126.md, step_time_stages_h100_20261126.md).
-#
-# The public record of 2025-09-03 (#29: 1670 steps, 8xH100) as it ran: every field where it differs from the record.
-# A new technique's field joins this dict with its "off" value, so that record-0903 and old checkpoints keep it off.
-RECORD_0903 = dict(
-    num_layers=12, no_attn_layers=(7,), window_pattern="LSSSLSSLSSSL", attn_scale=0.12,
-    num_value_embeds=3, value_embed_blocks=(), uniform_out_init=False,  # three tied value tables, U-net
-    sublayer_lambdas=False, skip_from=-1, parallel_attn=False, backout_layer=-1,
-    logit_softcap=30.0, softcap_shift=0.0, bigram_rows=0, bigram_sign_rows=0,
-    yarn=False, smear=False, ve_gate=False, key_offset=False, paired_head_blocks=(),
-    mudd=False, mudd_gates=False, xsa_blocks=(), dc=False, cplm_bands=(),
-    stages=(Stage(3), Stage(7), Stage(11)), extension_steps=0, extension_window=0, tied_embed_stages=0,
-    num_iterations=1670, final_val_window=0, cooldown_frac=0.45, final_lr_frac=0.1,
-    orthogonalizer="newton_schulz", muon_lr=0.05, muon_beta2=0.0, muon_weight_decay=0.0, mlp_muon_lr_mults=(),
-    muon_momentum_cooldown=0, adam_every=1, embed_weight_decay=0.0, embed_adam_betas=(), head_weight_decay=0.0,
-    head_adam_betas=(), scalar_adam_betas=(),
-    fused_mlp=False, fp8_mlp=False, fused_ce=False,  # PyTorch's MLP and loss, as it ran
-)
+# (an H200; bench/results/public_line_ab_20261126.md, step_time_stages_h100_20261126.md). Every preset trains this
+# model; the smaller ones place its block-indexed parts (the attention-less block, the skip, backout, XSA, value
+# tables, paired heads, long windows) as the record does, in proportion.
 DEFAULT_PRESET = "record"  # what a command without --preset runs: the dataclass defaults
+SMOKE = dict(  # the record model at 4 blocks of 128 on a synthetic corpus, sized for a 2-core CPU
+    markov_corpus=True, train_files=os.path.join(DATA_PATH, "data/smoke/markov_train_*.bin"),
+    val_files=os.path.join(DATA_PATH, "data/smoke/markov_val_*.bin"),
+    vocab_size=136, bos_id=127,  # 128 corpus tokens, BOS the last (as GPT-2's 50,256); CPLM's copy column 128
+    num_layers=4, model_dim=128, num_heads=2, head_dim=64, gate_channels=8, no_attn_layers=(2,), window_pattern="LSSL",
+    value_embed_blocks=(1, 3), paired_head_blocks=(1,), xsa_blocks=(1,), backout_layer=2, skip_from=1,
+    bigram_rows=4096, bigram_sign_rows=64, cplm_bands=(128, 512), window_block=64,
+    # the record's stages without the prefix-token loss (it is over GPT-2's token bytes)
+    stages=(Stage(1, doc_len=256, mtp=(0.5, 0.25)), Stage(2, mtp=(0.5, 0.0)), Stage(3, mtp=(0.0, 0.0))),
+    extension_steps=6, extension_window=4, final_val_window=6, batch_size=8 * 512, seq_len=512, val_seq_len=1024,
+    val_tokens=32768, max_doc_len=512, num_iterations=150, val_every=50, log_every=10, compile=False,
+    warmup_steps=0, device="auto", save_every=50)
 PRESETS = {  # name: (what it is, the fields it sets)
     "record": ("the 8-GPU record configuration: the public line's current model and optimizer (modded-nanogpt "
                "master, 2026-08) as far as this file implements them, on its 11 blocks: bigram hash embedding, "
@@ -385,25 +352,20 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "partial key offset, five untied value tables, parallel attention inputs, backout, per-sublayer "
                "residual weights and one gated skip, NorMuon with cautious decay, Adam every second step, "
                "multi-token and prefix-token losses, the embedding tied for two stages, a 20-step extension; plus "
-               "the copy-pointer mixture of public pull request 379 (CPLM); with our fused ReLU² MLP (FP8 forward) "
-               "and soft-capped cross-entropy kernels: the dataclass defaults", {}),
-    "record-0903": ("the public record of 2025-09-03 as it ran (1670 steps, 8 GPUs)", RECORD_0903),
-    "smoke": ("a tiny model on a built-in synthetic corpus (a random Markov chain whose entropy per token, "
-              "the lowest loss possible, is known): about 1.5 minutes on a 2-core CPU; a checkpoint every 50 steps, "
-              "for `python sample.py latest`; the 09/03 record's model and optimizer at that size (none of the later "
-              "techniques: RECORD_0903)", dict(
-        RECORD_0903, markov_corpus=True, train_files=os.path.join(DATA_PATH, "data/smoke/markov_train_*.bin"),
-        val_files=os.path.join(DATA_PATH, "data/smoke/markov_val_*.bin"), vocab_size=128, bos_id=127,
-        num_layers=4, model_dim=128, num_heads=2, head_dim=64, no_attn_layers=(2,), num_value_embeds=1,
-        window_pattern="LSSL", stages=(Stage(1), Stage(2), Stage(3)), window_block=64, batch_size=8 * 512, seq_len=512,
-        val_seq_len=1024, val_tokens=32768, max_doc_len=512, num_iterations=150, val_every=50,
-        log_every=10, compile=False, warmup_steps=0, device="auto", save_every=50)),
+               "the copy-pointer mixture of public pull request 379 (CPLM); with our fused ReLU² MLP (FP8 forward "
+               "and backward) and soft-capped cross-entropy kernels: the dataclass defaults", {}),
+    "smoke": ("the record model at a tiny size (4 blocks of 128, a vocabulary of 128 tokens) on a built-in synthetic "
+              "corpus (a random Markov chain whose entropy per token, the lowest loss possible, is known): about 1.5 "
+              "minutes on a 2-core CPU; every technique of the record but the prefix-token loss (over GPT-2's "
+              "tokens); a checkpoint every 50 steps, for `python sample.py latest`", SMOKE),
     "single": ("the record on one GPU with 24-40 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
                "global batch; Inductor's C++ wrapper, as Python's launches would leave the GPU waiting", dict(seq_len=16384, cpp_wrapper=True)),
-    "medium": ("GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the 09/03 record's model, "
-               "learning rates and window pattern (repeated), attention in every block, 4000 steps",
-               dict(RECORD_0903, num_layers=24, model_dim=1024, num_heads=16, head_dim=64, no_attn_layers=(),
-                    window_pattern="LSSSLSSLSSSL" * 2, seq_len=24576, num_iterations=4000)),
+    "medium": ("the record model at GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the "
+               "record's learning rates, its block layout stretched to 24 blocks, 4000 steps",
+               dict(num_layers=24, model_dim=1024, num_heads=16, head_dim=64, no_attn_layers=(13,),
+                    window_pattern="SSSSSSSLSSSSSSSSSSSSSSSL", skip_from=7, backout_layer=14,
+                    value_embed_blocks=(1, 2, 21, 22, 23), paired_head_blocks=(0, 2, 5, 9, 11, 16, 20),
+                    xsa_blocks=(1, 7, 8, 14), seq_len=24576, num_iterations=4000)),
 }
 
 
@@ -485,31 +447,11 @@ def set_stage_columns(rows: tuple[Stage, ...], columns: dict[str, tuple]) -> tup
     return rows
 
 
-# Fields deleted since checkpoints were first written, each with its value that meant "off" (git and
-# bench/README.md keep the technique): a checkpoint holding that value resumes without it.
-REMOVED_FIELDS = {"no_mlp_layers": (), "xsa": False}  # deleted techniques, as they read when off
-
-
 def stored_args(saved: dict) -> dict:
-    """A checkpoint's hyperparameters as fields: its stages rows made Stage again (checkpoints of the
-    column era, before the table, converted), list values made tuples, deleted fields dropped where off,
-    fields it predates off."""
-    saved = dict(saved)
-    for name, off in REMOVED_FIELDS.items():
-        value = saved.pop(name, off)
-        if (tuple(value) if isinstance(value, list) else value) != off:
-            value = tuple(value) if isinstance(value, list) else value
-            raise ValueError(f"the checkpoint trained with {name}={cli_text(value)}, a technique this "
-                             "train_gpt.py no longer has (bench/README.md gives its results): resume it with the "
-                             "commit that wrote it")
-    columns = {flag: tuple(saved.pop(flag)) for flag in STAGE_COLUMNS if flag in saved}
-    # a field newer than the checkpoint was off when it trained: its RECORD_0903 value, not the record's default
-    saved = {**{k: v for k, v in RECORD_0903.items() if k != "stages" and k not in saved}, **saved}
-    if "stages" in saved:
-        saved["stages"] = tuple(Stage(**{**row, "mtp": tuple(row["mtp"])}) for row in saved["stages"])
-    else:  # before the table: the 09/03 rows with the checkpoint's columns
-        saved["stages"] = set_stage_columns(RECORD_0903["stages"], columns)
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
+    """A checkpoint's hyperparameters as fields: its stages rows made Stage again, list values made tuples."""
+    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
+    saved["stages"] = tuple(Stage(**{**row, "mtp": tuple(row["mtp"])}) for row in saved["stages"])
+    return saved
 
 
 def field_help() -> dict[str, str]:
@@ -609,7 +551,6 @@ class ModelConfig:
     head_dim: int
     mlp_ratio: int
     no_attn_layers: tuple[int, ...]
-    num_value_embeds: int
     value_embed_blocks: tuple[int, ...]
     window_pattern: str
     attn_scale: float
@@ -621,30 +562,21 @@ class ModelConfig:
     bigram_rows: int
     bigram_sign_rows: int
     backout_layer: int
-    smear: bool
-    ve_gate: bool
-    key_offset: bool
     paired_head_blocks: tuple[int, ...]
-    mudd: bool
-    mudd_gates: bool
     xsa_blocks: tuple[int, ...]
-    dc: bool
     cplm_bands: tuple[int, ...]
     bos_id: int  # CPLM's copy column is bos_id + 1
-    parallel_attn: bool
-    uniform_out_init: bool
-    sublayer_lambdas: bool
     skip_from: int
     tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
-    yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order; () = off
+    yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order
 
     @classmethod
     def from_args(cls, args: Hyperparameters) -> "ModelConfig":
         names = {f.name for f in dataclasses.fields(cls)} - {"max_seq_len", "yarn_windows"}
         blocks = (*(row.window for row in args.stages), *([args.extension_window] if args.extension_steps else []),
                   *([args.final_val_window] if args.final_val_window else []))
-        yarn = tuple(dict.fromkeys(b * args.window_block for b in blocks)) if args.yarn else ()  # long windows
+        yarn = tuple(dict.fromkeys(b * args.window_block for b in blocks))  # long windows
         longest = max(args.seq_len, args.val_seq_len) * (2 if args.paired_head_blocks else 1)  # paired: 2 per token
         return cls(**{n: getattr(args, n) for n in names}, max_seq_len=longest, yarn_windows=yarn)
 
@@ -921,43 +853,52 @@ def rotate(x: Tensor, rope: tuple[Tensor, Tensor, float]) -> Tensor:  # x: (T, H
     return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
 
 
+class BlockWeights(NamedTuple):
+    """One block's mixing weights, each a scalar tensor or per token ((T, 1); per head (T, H)), set by GPT.hidden from
+    the learned scalars, the MUDD gates and, in the last block, MUDD: x <- resid x + x0_w x0 + bigram; then
+    x <- x + attn_out attention(x); then x <- mlp_resid x + mlp_out MLP(x)."""
+    resid: Tensor  # the residual stream's own weight before the block
+    x0: Tensor  # the normed embedding's weight
+    attn_out: Tensor  # the attention output's weight
+    mlp_resid: Tensor  # the residual's weight around the MLP
+    mlp_out: Tensor  # the MLP output's weight
+    value_mix: Tensor  # (2,): weights of the block's own values and of its value embedding
+    bigram: Tensor | None = None  # the bigram embedding, already weighted for this block
+    xsa: Tensor | None = None  # XSA's strength per token and head (xsa_blocks)
+    head_out: Tensor | None = None  # per token and head: the heads' output weights (the long-window blocks')
+    ve_gate: Tensor | None = None  # per token and head: the value embedding's gate, in place of the block's own
+    value_extra: Tensor | None = None  # MUDD's value channel, added to the values (the last block)
+    dc: tuple[Tensor, Tensor] | None = None  # DC attention's per-token (w1, w2), (T, H) each (the last block)
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ve_gate: bool = False, key_offset: bool = False, paired: bool = False,
-                 head_gate: bool = True):
+    def __init__(self, cfg: ModelConfig, attn_fn, ve_gate: bool, key_offset: bool, paired: bool):
         super().__init__()
-        self.key_offset, self.paired = key_offset, paired
+        self.attn_fn, self.key_offset, self.paired = attn_fn, key_offset, paired  # attn_fn: chosen by build()
         self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.attn_scale
         hdim = cfg.num_heads * cfg.head_dim
-        # One fused weight for Q, K, V and the output projection (stored transposed, hdim x dim):
-        # one matmul for QKV and one Muon group of same-shape matrices.
+        # One fused weight for Q, K, V and the output projection (stored transposed, hdim x dim): one matmul for QKV
+        # and one Muon group of same-shape matrices; the output projection drawn as V (the public master's, after the
+        # 2026-01-30 record's V/O init)
         self.qkvo_w = nn.Parameter(uniform_init_(torch.empty(4, hdim, cfg.model_dim), cfg.model_dim))
-        if not cfg.uniform_out_init:  # the public master draws it as V (after the 2026-01-30 record's V/O init)
-            with torch.no_grad():
-                self.qkvo_w[3].zero_()  # output projection starts at zero: each block starts as identity
-        # Sparse head gate (@classiclarryd): sigmoid(W x[:12]) scales each head's output, so a head can
-        # do nothing where the context says so; zero init = 0.5. (Under mudd_gates the gates' per-token weights
-        # replace it in the long-window blocks, and the other blocks have none, as in the 2026-05-27 record.)
-        self.gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels)) if head_gate else None
-        # Value-embedding gate (2025-12-29 record, @classiclarryd, PR 186), in blocks with a value
-        # embedding: 2 sigmoid(W x[:12]) scales each head's value embedding by context; zero init = 1.
+        # Value-embedding gate (2025-12-29 record, @classiclarryd, PR 186), in blocks with a value embedding (but the
+        # last, whose gate MUDD gives): 2 sigmoid(W x[:12]) scales each head's value embedding by context; zero = 1
         self.ve_gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels)) if ve_gate else None
 
-    def forward(self, x, ve, lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, xsa=None, v_extra=None,
-                out_gate=None, ve_gate=None, dc=None):
-        """xsa: XSA's strength, (H,) or per token (T, H); out_gate, ve_gate: per-token (T, H) weights of the
-        head outputs and value embeddings given by MUDD (GPT.hidden), in place of this block's own gates; dc: DC
-        attention's per-token (w1, w2), (T, H) each (dc_correction)."""
+    def forward(self, x: Tensor, ve: Tensor | None, w: BlockWeights, cu_seqlens: Tensor, max_seqlen: int, window: int,
+                rope: tuple[Tensor, Tensor, float]) -> Tensor:
         T, H, D = x.size(0), self.num_heads, self.head_dim
         q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x)).view(T, 3 * H, D).chunk(3, dim=1)
         # Value embeddings (@KoszarskyB, @Grad62304977; value residual, arXiv 2410.17897): v mixes in a
         # per-token table lookup.
+        ve_gate = w.ve_gate
         if ve is not None and ve_gate is None and self.ve_gate_w is not None:
             ve_gate = 2 * torch.sigmoid(F.linear(x[:, : self.ve_gate_w.size(1)], self.ve_gate_w.type_as(x)))
         if ve is not None and ve_gate is not None:
             ve = ve.view_as(v) * ve_gate.unsqueeze(-1)
-        v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
-        if v_extra is not None:  # MUDD's value channel (GPT.hidden)
-            v = v + v_extra.view_as(v)
+        v = w.value_mix[0] * v + w.value_mix[1] * ve.view_as(v) if ve is not None else w.value_mix[0] * v
+        if w.value_extra is not None:  # MUDD's value channel (GPT.hidden)
+            v = v + w.value_extra.view_as(v)
         own_v = v  # (T, H, D) before any pairing: each head's value at each token, for XSA
         if self.paired:
             q, k, v = pair_heads(q), pair_heads(k), pair_heads(v)
@@ -965,21 +906,19 @@ class CausalSelfAttention(nn.Module):
         q, k = rotate(norm(q), rope), rotate(norm(k), rope)  # QK-norm (@Grad62304977), then rotary
         if self.key_offset:
             k = offset_keys(k, cu_seqlens)
-        y = attn_fn(q, k, v, cu_seqlens, max_seqlen, window, self.scale * rope[2])  # rope[2]: YaRN's, else 1
+        y = self.attn_fn(q, k, v, cu_seqlens, max_seqlen, window, self.scale * rope[2])  # rope[2]: YaRN's
         y = y.reshape(T, H, D)  # paired heads back in place (otherwise already this shape)
-        if dc is not None:  # before XSA and the output weights, as in the 2026-05-27 record
-            y = y + dc_correction(q, k, v, cu_seqlens, dc[0], dc[1], self.scale * rope[2])
-        if xsa is not None:
-            y = exclude_own_value(y, own_v, xsa)
-        if out_gate is not None:
-            y = y * out_gate.unsqueeze(-1)
-        elif self.gate_w is not None:
-            y = y * torch.sigmoid(F.linear(x[:, : self.gate_w.size(1)], self.gate_w.type_as(x))).unsqueeze(-1)
+        if w.dc is not None:  # before XSA and the output weights, as in the 2026-05-27 record
+            y = y + dc_correction(q, k, v, cu_seqlens, w.dc[0], w.dc[1], self.scale * rope[2])
+        if w.xsa is not None:
+            y = exclude_own_value(y, own_v, w.xsa)
+        if w.head_out is not None:
+            y = y * w.head_out.unsqueeze(-1)
         return y.reshape(T, H * D) @ self.qkvo_w[3].type_as(y)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fused: bool = False, fp8: bool = False):
         super().__init__()
         hidden = cfg.mlp_ratio * cfg.model_dim
         # Both matrices are stored (dim, hidden), as in the 2025-09-03 record: one Muon group of
@@ -987,8 +926,8 @@ class MLP(nn.Module):
         # (hidden, dim), the input matrix got scale 2, i.e. twice the record's learning rate.
         self.fc_w = nn.Parameter(uniform_init_(torch.empty(cfg.model_dim, hidden), cfg.model_dim))
         self.proj_w = nn.Parameter(torch.zeros(cfg.model_dim, hidden))  # zero init (@Grad62304977)
-        self.fused = False  # kernels.py's relu2_mlp (GPT sets it from --fused_mlp)
-        self.fp8 = False  # kernels.py's relu2_mlp_all_fp8 in training (GPT sets it from --fp8_mlp)
+        self.fused = fused  # kernels.py's relu2_mlp (ModelKernels.fused_mlp)
+        self.fp8 = fp8  # kernels.py's relu2_mlp_all_fp8 in training (ModelKernels.fp8_mlp)
 
     def forward(self, x: Tensor) -> Tensor:
         # ReLU^2 (arXiv 2109.08668; @SKYLINEZ007, @Grad62304977): ~1-2% better than GELU in the speedrun.
@@ -1022,37 +961,37 @@ def fp8_mlp_operands(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, .
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, has_attn: bool, has_value_embed: bool = False, long_window: bool = False,
-                 paired: bool = False):
+    def __init__(self, cfg: ModelConfig, attn_fn, has_attn: bool, ve_gate: bool, long_window: bool, paired: bool,
+                 fused_mlp: bool = False, fp8_mlp: bool = False):
         super().__init__()
-        self.attn = CausalSelfAttention(cfg, ve_gate=cfg.ve_gate and has_value_embed,
-                                        key_offset=cfg.key_offset and long_window, paired=paired,
-                                        head_gate=not cfg.mudd_gates) if has_attn else None
-        self.mlp = MLP(cfg)
+        self.attn = CausalSelfAttention(cfg, attn_fn, ve_gate=ve_gate, key_offset=long_window,
+                                        paired=paired) if has_attn else None
+        self.mlp = MLP(cfg, fused=fused_mlp, fp8=fp8_mlp)
 
-    def forward(self, x, x0, lambdas, ve, ve_lambdas, cu_seqlens, max_seqlen, window, rope, attn_fn, bigram=None,
-                xsa=None, v_extra=None, attn_in=None, sub=None, out_gate=None, ve_gate=None, dc=None):
-        """attn_in: the normed input of the attention when not this block's own (parallel_attn). sub: the
-        sublayer weights (attention output, MLP residual, MLP output) where sublayer_lambdas is on. Every weight
-        may be a scalar or per token, (T, 1)."""
-        x = lambdas[0] * x + lambdas[1] * x0  # learned mix with the embedding stream x0
-        if bigram is not None:  # this block's weighted bigram hash embedding (see bigram_indices)
-            x = x + bigram
+    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, w: BlockWeights, attn_in: Tensor | None,
+                cu_seqlens: Tensor, max_seqlen: int, window: int, rope: tuple[Tensor, Tensor, float]) -> Tensor:
+        """attn_in: the attention's normed input when it is not this block's own (parallel attention inputs)."""
+        x = w.resid * x + w.x0 * x0  # learned mix with the embedding stream x0
+        if w.bigram is not None:  # this block's weighted bigram hash embedding (see bigram_indices)
+            x = x + w.bigram
         if self.attn is not None:
-            y = self.attn(norm(x) if attn_in is None else attn_in, ve, ve_lambdas, cu_seqlens, max_seqlen, window,
-                          rope, attn_fn, xsa, v_extra, out_gate, ve_gate, dc)
-            x = x + (y if sub is None else sub[0] * y)
-        return x + self.mlp(norm(x)) if sub is None else sub[1] * x + sub[2] * self.mlp(norm(x))
+            y = self.attn(norm(x) if attn_in is None else attn_in, ve, w, cu_seqlens, max_seqlen, window, rope)
+            x = x + w.attn_out * y
+        return w.mlp_resid * x + w.mlp_out * self.mlp(norm(x))
 
 
 COPY_DIM = 128  # CPLM's pointer: the width of its query and key
 MUDD_DIM, MUDD_COEFS = 64, 16  # MUDD: each MLP's hidden width, and its outputs (14 and 5 used, 16 for even shards)
-# What MUDD's per-token weights multiply, with their values at the start (the public master's): MLP 0 before the last
-# block: the value channel's x0, backout and x, the residual's x0, backout and own weight - 1, the value embedding's
-# weight for the first and second half of the heads, then the last block's own weights: the residual before the
-# attention, the attention output, x0, the bigram, the residual before the MLP and the MLP output; MLP 1 before the
-# head: x0, backout, the last block's input, the first value embedding and the skip's source block's output.
-MUDD_INIT = ((0, 0, 0, 0, 0, 0, 2, 2, math.sqrt(1.1), 1, 0, 0.05, math.sqrt(1.1), 1), (0, 0, 0, 0, 0))
+# What MUDD's per-token weights multiply, in order, with their values at the start (the public master's). MLP 0,
+# before the last block: the value channel's x0, backout and x; the residual's x0, backout and own weight - 1; the
+# value embedding's gate for the first and the second half of the heads; then the last block's own weights
+# (BlockWeights): the residual, the attention output, x0, the bigram, the residual around the MLP, the MLP output.
+MUDD_BEFORE_LAST = dict(value_x0=0, value_backout=0, value_x=0, x0=0, backout=0, own=0, ve_gate_first=2,
+                        ve_gate_second=2, resid=math.sqrt(1.1), attn_out=1, block_x0=0, bigram=0.05,
+                        mlp_resid=math.sqrt(1.1), mlp_out=1)
+# MLP 1, before the head: x0, backout, the last block's input, the first value embedding, the skip's source block
+MUDD_BEFORE_HEAD = dict(x0=0, backout=0, last_input=0, value_embed=0, skip=0)
+MUDD_INIT = (tuple(MUDD_BEFORE_LAST.values()), tuple(MUDD_BEFORE_HEAD.values()))
 MUDD_SCALE = 0.1  # the MLPs' outputs are 0.1 (W2 GELU(W1 x) + b2), the public master's
 
 
@@ -1062,39 +1001,32 @@ def mudd_mlp(x: Tensor, w1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_fn=attention_reference, fp8_head: bool = False, fused_mlp: bool = False,
-                 fused_ce: bool = False, fp8_mlp: bool = False):
+    def __init__(self, cfg: ModelConfig, kernels: ModelKernels = ModelKernels()):
         super().__init__()
-        self.cfg, self.attn_fn, self.fp8_head = cfg, attn_fn, fp8_head
-        self.fused_ce = fused_ce and fp8_head  # the fused loss is the FP8 head's (fp8_head_ce)
+        self.cfg, self.kernels = cfg, kernels  # kernels: chosen for the device once (build(): choose_kernels)
         L, dim = cfg.num_layers, cfg.model_dim
         self.embed = nn.Embedding(cfg.vocab_size, dim)
-        tables = len(cfg.value_embed_blocks) or cfg.num_value_embeds
-        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in range(tables))
-        if cfg.value_embed_blocks:  # the untied tables start small (the 2026-02-03 record's N(0, 0.01))
-            for m in self.value_embeds:
-                m.weight.data.mul_(0.01)
-        self.blocks = nn.ModuleList(Block(cfg, i not in cfg.no_attn_layers, ve is not None, cfg.window_pattern[i] == "L",
-                                          i in cfg.paired_head_blocks)
-                                    for i, ve in enumerate(self.value_embed_layers()))
-        for block in self.blocks:
-            block.mlp.fused, block.mlp.fp8 = fused_mlp, fp8_mlp
-        if cfg.mudd and self.blocks[-1].attn is not None:
-            self.blocks[-1].attn.ve_gate_w = None  # MUDD gives the last block's value-embedding gate (MUDD_INIT)
+        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in cfg.value_embed_blocks)
+        for m in self.value_embeds:  # the untied tables start small (the 2026-02-03 record's N(0, 0.01))
+            m.weight.data.mul_(0.01)
+        # each block with a value embedding has its own gate, but the last: MUDD gives its gate (MUDD_BEFORE_LAST)
+        self.blocks = nn.ModuleList(
+            Block(cfg, kernels.attn_fn, has_attn=i not in cfg.no_attn_layers, ve_gate=ve is not None and i < L - 1,
+                  long_window=cfg.window_pattern[i] == "L", paired=i in cfg.paired_head_blocks,
+                  fused_mlp=kernels.fused_mlp, fp8_mlp=kernels.fp8_mlp)
+            for i, ve in enumerate(self.value_embed_layers()))
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
-        # All scalars in one tensor (one Adam group, one collective), laid out by scalar_layout(): per
-        # block the residual mix (a, b) = (1, 0) and the value mix (c, d) = (0.5, 0.5), then one U-net
-        # skip weight per skipped block (1.0), then, where on, each block's bigram weight (0.1, the
-        # 2026-01-19 record's), the backout weight (0.5, the 2025-10-04 record's), the smear weight
-        # (0, the 2025-09-18 record's); with skip_from, one skip logit (-1.5) in place of the U-net's weights; with sublayer_lambdas, per
-        # block the attention output's and the MLP's residual and output weights (1, sqrt(1.1), 1), the residual
-        # mix's a starting at sqrt(1.1); padded to a multiple of 64 so it shards over any world size <= 64.
-        r = math.sqrt(1.1) if cfg.sublayer_lambdas else 1.0  # the 2026-02-12 record's per-sublayer residual init
-        inits = dict(blocks=torch.tensor([r, 0.0, 0.5, 0.5]).repeat(L),
-                     skips=torch.ones(L // 2) if cfg.skip_from < 0 else torch.tensor([-1.5]),
-                     bigram=torch.full((L,), 0.1), backout=torch.tensor([0.5]), smear=torch.zeros(1),
-                     sublayer=torch.tensor([1.0, r, 1.0]).repeat(L), copy_gain=torch.ones(1))
+        # All scalars in one tensor (one Adam group, one collective), laid out by scalar_layout(): per block the
+        # residual mix (a, b) = (sqrt(1.1), 0) and the value mix (c, d) = (0.5, 0.5); the skip's logit (-1.5); the
+        # backout weight (0.5, the 2025-10-04 record's); the smear weight (0, the 2025-09-18 record's); per block the
+        # attention output's and the MLP's residual and output weights (1, sqrt(1.1), 1: the 2026-02-12 record's
+        # per-sublayer init); with CPLM the pointer's query gain (1); padded to a multiple of 64 so it shards over any
+        # world size <= 64. (b is unused: the MUDD gates and MUDD give x0's weight per token.)
+        r = math.sqrt(1.1)
+        inits = dict(blocks=torch.tensor([r, 0.0, 0.5, 0.5]).repeat(L), skips=torch.tensor([-1.5]),
+                     backout=torch.tensor([0.5]), smear=torch.zeros(1), sublayer=torch.tensor([1.0, r, 1.0]).repeat(L),
+                     copy_gain=torch.ones(1))
         scalars = torch.cat([inits[name] for name, part in self.scalar_layout().items() if part.stop > part.start])
         self.scalars = nn.Parameter(F.pad(scalars, (0, -scalars.numel() % 64)))
         for m in (self.embed, *self.value_embeds):
@@ -1104,10 +1036,8 @@ class GPT(nn.Module):
         # signs picked by another hash (2026-05-20 record, @TrianX, PR 299: the sign trick of feature
         # hashing), so two bigrams that collide on a row mostly see it with different signs.
         # Made last, so that the weights above do not depend on these fields.
-        self.bigram_embed = None
-        if cfg.bigram_rows:
-            self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim, _weight=torch.zeros(cfg.bigram_rows, dim,
-                                                                                       dtype=torch.bfloat16))
+        self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim, _weight=torch.zeros(cfg.bigram_rows, dim,
+                                                                                   dtype=torch.bfloat16))
         signs = None
         if cfg.bigram_sign_rows:  # drawn from the seeded RNG: the same on every rank, and saved in checkpoints
             signs = (torch.randint(0, 2, (cfg.bigram_sign_rows, dim)) * 2 - 1).bfloat16()
@@ -1120,7 +1050,7 @@ class GPT(nn.Module):
         for m in self.tables():
             m.register_buffer("grad_sum", None, persistent=False)
         # the smear gate's weights on the embedding's first gate_channels channels: zero, as the record
-        self.smear_w = nn.Parameter(torch.zeros(1, cfg.gate_channels)) if cfg.smear else None
+        self.smear_w = nn.Parameter(torch.zeros(1, cfg.gate_channels))
         # Tied embedding (2025-12-22 record, @varunneal, PR 178): while tied_embed is set, token embeddings
         # are the LM head's rows, so every position's output gradient trains them too; the training loop
         # unties it at a stage start (untie_embedding). The head then starts at N(0, 0.005) as in the
@@ -1133,32 +1063,30 @@ class GPT(nn.Module):
         # the public master has it): two small MLPs (dim -> 64, GELU -> MUDD_COEFS per token) whose outputs weigh
         # earlier block outputs and set the last block's own weights per token (MUDD_INIT, hidden). The second
         # layers start at zero and the biases at MUDD_INIT. Drawn last: the rest is unchanged.
-        if cfg.mudd:
-            self.mudd_w1 = nn.Parameter(torch.empty(2 * MUDD_DIM, dim))
-            nn.init.kaiming_uniform_(self.mudd_w1, a=math.sqrt(5))  # as the public master (nn.Linear's init)
-            self.mudd_w2 = nn.Parameter(torch.zeros(2 * MUDD_COEFS, MUDD_DIM))
-            self.mudd_b2 = nn.Parameter(torch.cat([F.pad(torch.tensor(b, dtype=torch.float) / MUDD_SCALE,
-                                                         (0, MUDD_COEFS - len(b))) for b in MUDD_INIT]))
+        self.mudd_w1 = nn.Parameter(torch.empty(2 * MUDD_DIM, dim))
+        nn.init.kaiming_uniform_(self.mudd_w1, a=math.sqrt(5))  # as the public master (nn.Linear's init)
+        self.mudd_w2 = nn.Parameter(torch.zeros(2 * MUDD_COEFS, MUDD_DIM))
+        self.mudd_b2 = nn.Parameter(torch.cat([F.pad(torch.tensor(b, dtype=torch.float) / MUDD_SCALE,
+                                                     (0, MUDD_COEFS - len(b))) for b in MUDD_INIT]))
         # MUDD gates (the 2026-05-27 record, PR 315): two more small MLPs of the same form, one from x0
         # and one from the input of the block after the first long-window block (gate_layout), give per token the
         # x0 and bigram weights of the blocks before the last, XSA's strengths in xsa_blocks, a linear weight per
-        # head of the long-window blocks' outputs (instead of the sigmoid head gates), the skip's weight and, with dc,
-        # DC attention's weights. The last entry of the biases is the outputs' common scale (learned, 0.1 at start).
-        if cfg.mudd_gates:
-            self.gate_split = cfg.window_pattern.index("L") + 1  # the master's: gate 0 for blocks 0-3, gate 1 from 4 on
-            self.gate_parts = self.gate_layout()  # built once: the forward reads it, the compiler sees constants
-            width = max(sum(n for _, _, n, _ in part) for part in self.gate_parts)
-            self.gate_width = width + -width % 8  # padded: every gate tensor's rows shard over 8 ranks
-            self.mudd_gate_w1 = nn.Parameter(torch.empty(2 * MUDD_DIM, dim))
-            nn.init.kaiming_uniform_(self.mudd_gate_w1, a=math.sqrt(5))
-            self.mudd_gate_w2 = nn.Parameter(torch.zeros(2 * self.gate_width, MUDD_DIM))
-            b2 = torch.zeros(2 * self.gate_width + 8)
-            for j, part in enumerate(self.gate_parts):
-                start = j * self.gate_width
-                for _, _, n, init in part:
-                    b2[start: start + n], start = init / MUDD_SCALE, start + n
-            b2[-8] = MUDD_SCALE
-            self.mudd_gate_b2 = nn.Parameter(b2)
+        # head of the long-window blocks' outputs (instead of the 09/03 record's sigmoid head gates), the skip's weight
+        # and DC attention's weights. The last entry of the biases is the outputs' common scale (learned, 0.1 at start).
+        self.gate_split = cfg.window_pattern.index("L") + 1  # the master's: gate 0 for blocks 0-3, gate 1 from 4 on
+        self.gate_parts = self.gate_layout()  # built once: the forward reads it, the compiler sees constants
+        width = max(sum(n for _, _, n, _ in part) for part in self.gate_parts)
+        self.gate_width = width + -width % 8  # padded: every gate tensor's rows shard over 8 ranks
+        self.mudd_gate_w1 = nn.Parameter(torch.empty(2 * MUDD_DIM, dim))
+        nn.init.kaiming_uniform_(self.mudd_gate_w1, a=math.sqrt(5))
+        self.mudd_gate_w2 = nn.Parameter(torch.zeros(2 * self.gate_width, MUDD_DIM))
+        b2 = torch.zeros(2 * self.gate_width + 8)
+        for j, part in enumerate(self.gate_parts):
+            start = j * self.gate_width
+            for _, _, n, init in part:
+                b2[start: start + n], start = init / MUDD_SCALE, start + n
+        b2[-8] = MUDD_SCALE
+        self.mudd_gate_b2 = nn.Parameter(b2)
         # CPLM's pointer (copy_pointer): query and key projections of the final state, N(0, 1/dim) (uniform), and the
         # sink's key, N(0, 1/COPY_DIM), as in PR 379; its query gain (1 at the start) is a scalar. Drawn last.
         if cfg.cplm_bands:
@@ -1169,10 +1097,7 @@ class GPT(nn.Module):
     def scalar_layout(self) -> dict[str, slice]:
         """Where each kind of scalar lies in self.scalars (the features that are off take no room)."""
         cfg, L = self.cfg, self.cfg.num_layers
-        sizes = dict(blocks=4 * L, skips=L // 2 if cfg.skip_from < 0 else 1,
-                     bigram=L if cfg.bigram_rows and not cfg.mudd_gates else 0,  # the gates' are per token
-                     backout=1 if cfg.backout_layer >= 0 else 0, smear=1 if cfg.smear else 0,
-                     sublayer=3 * L if cfg.sublayer_lambdas else 0, copy_gain=1 if cfg.cplm_bands else 0)
+        sizes = dict(blocks=4 * L, skips=1, backout=1, smear=1, sublayer=3 * L, copy_gain=1 if cfg.cplm_bands else 0)
         layout, start = {}, 0
         for name, n in sizes.items():
             layout[name], start = slice(start, start + n), start + n
@@ -1193,8 +1118,8 @@ class GPT(nn.Module):
             if i < cfg.num_layers - 1:
                 part += [("x0", i, 1, 0.0), ("bigram", i, 1, 0.05)]
         parts[1].append(("skip", min(cfg.no_attn_layers), 1, 0.5))
-        if cfg.dc:  # DC attention's w1 (1 at the start) and w2 (0: no correction at the start)
-            parts[1].extend([("dc1", cfg.num_layers - 1, H, 1.0), ("dc2", cfg.num_layers - 1, H, 0.0)])
+        # DC attention's w1 (1 at the start) and w2 (0: no correction at the start)
+        parts[1].extend([("dc1", cfg.num_layers - 1, H, 1.0), ("dc2", cfg.num_layers - 1, H, 0.0)])
         return parts
 
     def gates(self, x: Tensor, j: int, into: dict[str, list]) -> None:
@@ -1208,7 +1133,7 @@ class GPT(nn.Module):
 
     def tables(self) -> list[nn.Embedding]:
         """The token tables looked up by index: the token embedding, the value embeddings, the bigram table."""
-        return [self.embed, *self.value_embeds, *([self.bigram_embed] if self.bigram_embed is not None else [])]
+        return [self.embed, *self.value_embeds, self.bigram_embed]
 
     def keep_table_grads(self):
         """Training from here on sums the token tables' gradients in float32 buffers (TableLookup), the LM
@@ -1243,101 +1168,94 @@ class GPT(nn.Module):
             grad_sum.zero_()
 
     def value_embed_layers(self) -> list[int | None]:
-        """Which value-embedding table each block uses: tables 0..k-1 on the first k blocks and
-        again on the last k blocks (0,1,2 ... 0,1,2 and none in the middle: @YouJiacheng), or with
-        value_embed_blocks one table each on those blocks."""
-        k, L = self.cfg.num_value_embeds, self.cfg.num_layers
-        if self.cfg.value_embed_blocks:
-            return [self.cfg.value_embed_blocks.index(i) if i in self.cfg.value_embed_blocks else None for i in range(L)]
-        return [i if i < k else i - (L - k) if i >= L - k else None for i in range(L)]
+        """Which value-embedding table each block uses: one table each on value_embed_blocks, none elsewhere."""
+        blocks = self.cfg.value_embed_blocks
+        return [blocks.index(i) if i in blocks else None for i in range(self.cfg.num_layers)]
 
     def block_windows(self, windows: tuple[int, int]) -> list[int]:
         """Each block's left attention window in tokens, from the stage's (long, short) windows and
-        window_pattern (record #29: L,S,S,S,L,S,S,L,S,S,S,L)."""
+        window_pattern (the record's: S,S,S,L,S,S,S,S,S,S,L)."""
         return [windows[0] if p == "L" else windows[1] for p in self.cfg.window_pattern]
+
+    def embeddings(self, inputs: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, list[Tensor | None], Tensor]:
+        """The normed token embedding x0 (smeared), each block's value embedding (or None), the bigram embedding."""
+        s, at = self.scalars, self.scalar_layout()
+        x = (lookup(inputs, self.lm_head_w, self.lm_head_grad_sum).type_as(self.embed.weight) if self.tied_embed
+             else lookup(inputs, self.embed.weight, self.embed.grad_sum))
+        x0 = norm(smear(x, cu_seqlens, s[at["smear"]], self.smear_w))  # normed embedding (@Grad62304977)
+        tables = {i: lookup(inputs, self.value_embeds[i].weight, self.value_embeds[i].grad_sum)  # each table once
+                  for i in dict.fromkeys(self.value_embed_layers()) if i is not None}
+        # one bigram lookup, added before every block with that block's weight
+        rows, signs = bigram_indices(inputs, cu_seqlens, self.cfg.bigram_rows, self.cfg.bigram_sign_rows)
+        bigram = lookup(rows, self.bigram_embed.weight, self.bigram_embed.grad_sum)
+        bigram = bigram if signs is None else bigram * self.bigram_signs[signs]
+        return x0, [tables.get(i) for i in self.value_embed_layers()], bigram
 
     def hidden(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int]) -> Tensor:
         """The final normed hidden state of every position (before the LM head)."""
         cfg, L = self.cfg, self.cfg.num_layers
         s, at = self.scalars, self.scalar_layout()
-        block_scalars, skip_w = s[at["blocks"]].view(L, 4), s[at["skips"]]
-        lambdas, ve_lambdas = block_scalars[:, :2], block_scalars[:, 2:]
-        bigram_w, backout_w = s[at["bigram"]], s[at["backout"]]
-        sub = s[at["sublayer"]].view(L, 3) if cfg.sublayer_lambdas else [None] * L
-        skip_into = min(cfg.no_attn_layers) if cfg.skip_from >= 0 else -1  # validated: after skip_from
-        x = (lookup(inputs, self.lm_head_w, self.lm_head_grad_sum).type_as(self.embed.weight) if self.tied_embed
-             else lookup(inputs, self.embed.weight, self.embed.grad_sum))
-        if self.smear_w is not None:
-            x = smear(x, cu_seqlens, s[at["smear"]], self.smear_w)
-        x = x0 = norm(x)  # normed embedding (@Grad62304977)
-        tables = {i: lookup(inputs, self.value_embeds[i].weight, self.value_embeds[i].grad_sum)  # each table once
-                  for i in dict.fromkeys(self.value_embed_layers()) if i is not None}
-        ves = [tables.get(i) for i in self.value_embed_layers()]
-        bigram = None
-        if self.bigram_embed is not None:  # one lookup, added before every block with that block's weight
-            rows, signs = bigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.bigram_sign_rows)
-            bigram = lookup(rows, self.bigram_embed.weight, self.bigram_embed.grad_sum)
-            bigram = bigram if signs is None else bigram * self.bigram_signs[signs]
+        own = s[at["blocks"]].view(L, 4)  # per block: the residual's weight, (unused), the value mix's two
+        sub = s[at["sublayer"]].view(L, 3)  # per block: attention output, residual around the MLP, MLP output
+        x0, ves, bigram = self.embeddings(inputs, cu_seqlens)
+        x = x0
         rope = self.rotary.at(windows[0])  # the stage's rotary tables (YaRN: by its long window)
         windows = self.block_windows(windows)
-        skips = []  # U-net (@brendanh0gan): first-half outputs feed, in reverse order, the second half
-        backout = attn_in = None
+        skip_into = min(cfg.no_attn_layers)  # validated: after skip_from and the first long-window block
         g = {what: [None] * L for what in ("xsa", "out", "x0", "bigram", "skip", "dc1", "dc2")}  # from the MUDD gates
-        if cfg.mudd_gates:
-            self.gates(x0, 0, g)
+        self.gates(x0, 0, g)
+        skip = backout = attn_in = before_last = None
         for i, block in enumerate(self.blocks):
-            if cfg.mudd_gates and i == self.gate_split:
+            if i == self.gate_split:
                 self.gates(x, 1, g)
-            if i == skip_into:  # the one skip (skip_from) instead of the U-net
-                w = torch.sigmoid(skip_w[0])
-                x = x + (w if g["skip"][i] is None else w * g["skip"][i]) * skips[0]
-            elif skip_into < 0 and i >= L - L // 2:
-                x = x + skip_w[i - (L - L // 2)] * skips.pop()
-            mix, sub_i, xsa_i = lambdas[i], sub[i], g["xsa"][i]
-            bigram_i = None if bigram is None or cfg.mudd_gates else bigram_w[i] * bigram
-            if g["x0"][i] is not None:
-                mix, bigram_i = (lambdas[i][0], g["x0"][i]), g["bigram"][i] * bigram
-            v_extra = ve_gate = None
-            if cfg.mudd and i == L - 1:
-                # MUDD before the last block, over x0, block backout_layer's output and x itself: one mix joins
-                # the last block's attention values, another recombines the residual, and the block's own weights
-                # and value-embedding gate come per token (MUDD_INIT)
-                before_last, c = x, self.mudd_coefs(x, 0, 14)
-                v_extra = c[0] * x0 + c[1] * backout + c[2] * x
-                x = (1 + c[5]) * x + c[3] * x0 + c[4] * backout
-                half = cfg.num_heads // 2
-                ve_gate = torch.cat([c[6].expand(-1, half), c[7].expand(-1, cfg.num_heads - half)], dim=-1)
-                mix, sub_i = (c[8], c[10]), (c[9], c[12], c[13])
-                bigram_i = None if bigram is None else c[11] * bigram
-            x = block(x, x0, mix, ves[i], ve_lambdas[i], cu_seqlens, max_seqlen, windows[i], rope, self.attn_fn,
-                      bigram_i, xsa_i, v_extra, attn_in, sub_i, g["out"][i], ve_gate,
-                      None if g["dc1"][i] is None else (g["dc1"][i], g["dc2"][i]))
-            if i == cfg.skip_from or (skip_into < 0 and i < L // 2):
-                skips.append(x)
+            if i == skip_into:  # one skip, weighted sigmoid(l) times the gate's per-token weight
+                x = x + (torch.sigmoid(s[at["skips"]][0]) * g["skip"][i]) * skip
+            if i < L - 1:
+                w = BlockWeights(own[i, 0], g["x0"][i], *sub[i], own[i, 2:], g["bigram"][i] * bigram, g["xsa"][i],
+                                 g["out"][i])
+            else:
+                before_last = x
+                x, w = self.mudd_before_last(x, x0, backout, bigram, own[i, 2:], g, i)
+            x = block(x, x0, ves[i], w, attn_in, cu_seqlens, max_seqlen, windows[i], rope)
+            if i == cfg.skip_from:
+                skip = x
             if i == cfg.backout_layer:
                 backout = x
                 # Parallel attention inputs (2026-02-12 record's parallel residuals, PR 230, as the 2026-03-06
                 # record simplified them): every later block's attention reads this output, normed once, while
                 # its MLP reads the current residual; the public master's layers 8-10 read layer 7's
-                attn_in = norm(x) if cfg.parallel_attn else None
-        if cfg.mudd:  # MUDD before the head: x0, block backout_layer's output, the last block's input, the first
-            # value embedding and the skip's source block's output
-            c = self.mudd_coefs(x, 1, 5)
-            x = (x + c[0] * x0 + c[1] * backout + c[2] * before_last
-                 + c[3] * ves[cfg.value_embed_blocks[0]].type_as(x) + c[4] * skips[0])
-        if backout is not None:
-            # Backout (2025-10-04 record, @snimu, @classiclarryd; PRs 138, 140): the early blocks write much
-            # that later blocks need as context but the prediction does not; a learned multiple of the
-            # residual after block backout_layer is taken out before the final norm and the head: the
-            # output of the block after the attention-less one (block 8 of 12 on 10/04/25, block 7 of 11 now).
-            x = x - backout_w[0] * backout
-        return norm(x)
+                attn_in = norm(x)
+        # MUDD before the head: x0, block backout_layer's output, the last block's input, the first value embedding
+        # and the skip's source block's output
+        c = self.mudd_coefs(x, 1, MUDD_BEFORE_HEAD)
+        x = (x + c["x0"] * x0 + c["backout"] * backout + c["last_input"] * before_last
+             + c["value_embed"] * ves[cfg.value_embed_blocks[0]].type_as(x) + c["skip"] * skip)
+        # Backout (2025-10-04 record, @snimu, @classiclarryd; PRs 138, 140): the early blocks write much that later
+        # blocks need as context but the prediction does not; a learned multiple of the residual after block
+        # backout_layer is taken out before the final norm and the head: the output of the block after the
+        # attention-less one (block 8 of 12 on 10/04/25, block 7 of 11 now).
+        return norm(x - s[at["backout"]][0] * backout)
 
-    def mudd_coefs(self, x: Tensor, j: int, n: int) -> tuple[Tensor, ...]:
-        """MUDD MLP j's first n per-token weights, (T, 1) each: MUDD_SCALE (W2 GELU(W1 x) + b2), as the public master."""
-        rows = slice(j * MUDD_COEFS, j * MUDD_COEFS + n)
+    def mudd_before_last(self, x: Tensor, x0: Tensor, backout: Tensor, bigram: Tensor, value_mix: Tensor,
+                         g: dict[str, list], i: int) -> tuple[Tensor, BlockWeights]:
+        """MUDD before the last block, over x0, block backout_layer's output and x itself: one mix joins the last
+        block's attention values, another recombines the residual, and the block's own weights and value-embedding
+        gate come per token (MUDD_BEFORE_LAST). Returns the new residual and the last block's weights."""
+        c = self.mudd_coefs(x, 0, MUDD_BEFORE_LAST)
+        value = c["value_x0"] * x0 + c["value_backout"] * backout + c["value_x"] * x
+        x = (1 + c["own"]) * x + c["x0"] * x0 + c["backout"] * backout
+        half = self.cfg.num_heads // 2
+        ve_gate = torch.cat([c["ve_gate_first"].expand(-1, half),
+                             c["ve_gate_second"].expand(-1, self.cfg.num_heads - half)], dim=-1)
+        return x, BlockWeights(c["resid"], c["block_x0"], c["attn_out"], c["mlp_resid"], c["mlp_out"], value_mix,
+                               c["bigram"] * bigram, g["xsa"][i], g["out"][i], ve_gate, value, (g["dc1"][i], g["dc2"][i]))
+
+    def mudd_coefs(self, x: Tensor, j: int, names: dict) -> dict[str, Tensor]:
+        """MUDD MLP j's per-token weights by name, (T, 1) each: MUDD_SCALE (W2 GELU(W1 x) + b2), as the public
+        master."""
+        rows = slice(j * MUDD_COEFS, j * MUDD_COEFS + len(names))
         out = mudd_mlp(x, self.mudd_w1[j * MUDD_DIM: (j + 1) * MUDD_DIM], self.mudd_w2[rows], self.mudd_b2[rows])
-        return (MUDD_SCALE * out).split(1, dim=-1)
+        return dict(zip(names, (MUDD_SCALE * out).split(1, dim=-1)))
 
     def softcap(self, logits: Tensor) -> Tensor:
         """Logit soft-cap: bounded logits, smoother early training (tanh cap of Gemma 2 brought in by
@@ -1373,7 +1291,7 @@ class GPT(nn.Module):
         q = (norm(F.linear(x, self.copy_qk[:d].type_as(x))) * gain).float() / math.sqrt(d)
         k = norm(F.linear(x, self.copy_qk[d:].type_as(x))).float()
         sink, doc = q @ self.copy_sink.float(), document_ids(cu_seqlens, x.size(0))
-        if kernels.triton_runs_on(q):  # the flash-style kernels of kernels.py: no (T, 2 band) scores in memory
+        if self.kernels.pointer:  # the flash-style kernels of kernels.py: no (T, 2 band) scores in memory
             start = cu_seqlens[doc - 1].int()  # each position's document start
             p_copy, a_sink, _ = torch.ops.speedrun.copy_pointer(q, k, sink, start, inputs.int(), targets.int(), band)
             return p_copy, a_sink
@@ -1395,7 +1313,7 @@ class GPT(nn.Module):
         if prefix_weight is not None:
             prefix = self.prefix_ids[targets]
             extra.append((prefix.clamp(min=0), torch.where(prefix >= 0, prefix_weight[0], 0)))
-        if self.fused_ce and self.training:
+        if self.kernels.fused_ce and self.training:
             # every target of a token in one pass over its logits: (T, K) targets, (T, K) weights; with CPLM, the
             # next token's term and the copy column's (the last target) go into the mixture instead, at weight 0
             ys = torch.stack([targets, *(y for y, _ in extra)], 1)
@@ -1407,7 +1325,7 @@ class GPT(nn.Module):
                                                  HEAD_GRAD_SCALE, cfg.logit_softcap, cfg.softcap_shift,
                                                  cfg.softcap_temp)
             return out[0] if copy is None else out[0] + cplm_nll(out[5][:, 0], out[5][:, -1], *copy)
-        if self.fp8_head and self.training:
+        if self.kernels.fp8_head and self.training:
             logits = torch.ops.speedrun.mm_fp8(x, self.lm_head_w, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
                                                HEAD_GRAD_SCALE)[0]
         else:
@@ -1478,16 +1396,11 @@ def quintic_orthogonalize(G: Tensor, coefficients, safety: float = 0.0) -> Tenso
     return X.mT if transposed else X
 
 
-def newton_schulz(G: Tensor, steps: int) -> Tensor:
-    """Muon's quintic Newton-Schulz (Keller Jordan): the same coefficients (3.4445, -4.7750, 2.0315) at
-    every step, which push all singular values into roughly [0.7, 1.2] in 5 steps."""
-    return quintic_orthogonalize(G, [(3.4445, -4.7750, 2.0315)] * steps)
-
-
 # Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932; the 2025-09-29 record, @varunneal,
 # PR 134): a different (a, b, c) at each step, chosen for the fastest worst-case convergence,
 # and the input scaled 2% below norm 1. These are the public record's coefficients for 5 steps
-# (safety factor 2e-2, cushion 2).
+# (safety factor 2e-2, cushion 2). Muon's first form, the 09/03 record's quintic Newton-Schulz (Keller Jordan), used
+# (3.4445, -4.7750, 2.0315) at every step.
 POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (4.042929935166739, -2.808917465908714, 0.5000178451051316),
                  (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
@@ -1495,21 +1408,18 @@ POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
 
 
-def polar_express(G: Tensor, steps: int) -> Tensor:
+def polar_express(G: Tensor) -> Tensor:
     """Polar Express orthogonalization (POLAR_EXPRESS): closer to orthogonal than Newton-Schulz in as many steps."""
-    return quintic_orthogonalize(G, POLAR_EXPRESS[:steps], safety=2e-2)
-
-
-ORTHOGONALIZERS = {"newton_schulz": newton_schulz, "polar_express": polar_express}
+    return quintic_orthogonalize(G, POLAR_EXPRESS, safety=2e-2)
 
 
 class Muon(torch.optim.Optimizer):
     """MomentUm Orthogonalized by Newton-Schulz (Keller Jordan): SGD-Nesterov whose update is
-    replaced by its nearest semi-orthogonal matrix, scaled by max(1, rows/cols)^0.5.
+    replaced by its nearest semi-orthogonal matrix, scaled by max(1, rows/cols)^0.5; here by Polar Express.
 
     Parameters are grouped by shape. Per group, the stacked gradients are reduce-scattered, so rank r
     owns a contiguous share of the matrices: it keeps their momentum, orthogonalizes them in one
-    batched Newton-Schulz, and updates them; then all ranks all-gather the group. Collectives run
+    batched orthogonalization, and updates them; then all ranks all-gather the group. Collectives run
     asynchronously, so one group's communication overlaps another's math.
 
     With beta2 > 0 it is NorMuon (arXiv 2510.05491, public record of 2025-10-24): see
@@ -1519,14 +1429,13 @@ class Muon(torch.optim.Optimizer):
     per step falls as lr^2. lr_mults: a learning-rate multiplier by parameter (default 1), applied as the
     shape scale is (matrices of one shape and multiplier share a group)."""
 
-    def __init__(self, params, lr: float, momentum: float, ns_steps: int, rank: int = 0, world_size: int = 1,
-                 orthogonalize=newton_schulz, beta2: float = 0.0, weight_decay: float = 0.0,
+    def __init__(self, params, lr: float, momentum: float, rank: int = 0, world_size: int = 1,
+                 orthogonalize=polar_express, beta2: float = 0.0, weight_decay: float = 0.0,
                  lr_mults: dict[nn.Parameter, float] | None = None):
         params, mult = list(params), (lr_mults or {}).get
         keys = sorted({(tuple(p.shape), mult(p, 1.0)) for p in params}, key=lambda k: (-math.prod(k[0]), k))
         groups = [{"params": [p for p in params if (tuple(p.shape), mult(p, 1.0)) == k], "lr_mult": k[1]} for k in keys]
-        super().__init__(groups, dict(lr=lr, momentum=momentum, ns_steps=ns_steps, beta2=beta2,
-                                      weight_decay=weight_decay))
+        super().__init__(groups, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay))
         self.rank, self.world_size, self.orthogonalize = rank, world_size, orthogonalize
 
     def normalize_neurons(self, update: Tensor, owned: list[Tensor], beta2: float) -> Tensor:
@@ -1614,7 +1523,7 @@ class Muon(torch.optim.Optimizer):
                 grads = list(grad.unbind(0))
                 torch._foreach_lerp_(bufs, grads, 1 - momentum)  # momentum
                 torch._foreach_lerp_(grads, bufs, momentum)  # Nesterov, in place in the stacked grad
-                update = self.orthogonalize(grad, group["ns_steps"])
+                update = self.orthogonalize(grad)
                 if group["beta2"]:
                     update = self.normalize_neurons(update, owned, group["beta2"])
                 shape = owned[0].shape
@@ -2372,19 +2281,17 @@ def schedule_plan(args: Hyperparameters, kind: str = "H100") -> list[str]:
 def param_groups_by_role(model: GPT) -> dict[str, list[nn.Parameter]]:
     """Parameters by what they are (the optimizers and the size report split them so)."""
     groups = {"token embedding": [model.embed.weight], "value embeddings": [m.weight for m in model.value_embeds]}
-    if model.bigram_embed is not None:
-        groups["bigram embedding"] = [model.bigram_embed.weight]
-    smear = [model.smear_w] if model.smear_w is not None else []  # Muon's, as in the 2025-09-18 record
-    mudd = {"MUDD": [model.mudd_w1, model.mudd_w2, model.mudd_b2]} if model.cfg.mudd else {}
-    if model.cfg.mudd_gates:
-        mudd["MUDD gates"] = [model.mudd_gate_w1, model.mudd_gate_w2, model.mudd_gate_b2]
+    groups["bigram embedding"] = [model.bigram_embed.weight]
+    mudd = {"MUDD": [model.mudd_w1, model.mudd_w2, model.mudd_b2],
+            "MUDD gates": [model.mudd_gate_w1, model.mudd_gate_w2, model.mudd_gate_b2]}
     if model.cfg.cplm_bands:
         mudd["copy pointer"] = [model.copy_qk, model.copy_sink]
-    return {**groups, "block matrices": [p for p in model.blocks.parameters() if p.ndim >= 2] + smear,
+    # the smear gate's matrix is Muon's, as in the 2025-09-18 record
+    return {**groups, "block matrices": [p for p in model.blocks.parameters() if p.ndim >= 2] + [model.smear_w],
             "LM head": [model.lm_head_w], "scalars": [model.scalars], **mudd}
 
 
-def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, orthogonalize=newton_schulz,
+def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, orthogonalize=polar_express,
                      update=adam_update):
     """Muon for every matrix inside the blocks and the smear gate's (as the 2025-09-18 record); Adam for
     embeddings, LM head and scalars. The bigram table learns as the other embeddings do (the
@@ -2394,7 +2301,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     decay and betas (embed_weight_decay, embed_adam_betas), as the LM head may have (head_weight_decay,
     head_adam_betas); at the defaults nothing differs."""
     groups = param_groups_by_role(model)
-    tables = groups["value embeddings"] + groups.get("bigram embedding", [])  # decayed as in the 2026 records
+    tables = groups["value embeddings"] + groups["bigram embedding"]  # decayed as in the 2026 records
     betas = (args.adam_beta1, args.adam_beta2)
     # a token embedding that starts tied learns, once untied, as the head does: its rate (the 2025-12-22 record),
     # betas and decay (the public master's embed and lm_head entries)
@@ -2408,17 +2315,17 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
                    dict(params=groups["scalars"], lr=args.adam_lr * args.scalar_lr_mult,
                         betas=tuple(args.scalar_adam_betas) or betas),
                    # MUDD's MLPs: a quarter of the base rate, betas 0.9 / 0.99 (the public master's)
-                   dict(params=groups.get("MUDD", []), lr=args.adam_lr * 0.25, betas=(0.9, 0.99)),
+                   dict(params=groups["MUDD"], lr=args.adam_lr * 0.25, betas=(0.9, 0.99)),
                    # the MUDD gates' MLPs and scale: a tenth of it (the 2026-05-27 record's)
-                   dict(params=groups.get("MUDD gates", []), lr=args.adam_lr * 0.1, betas=(0.9, 0.99)),
+                   dict(params=groups["MUDD gates"], lr=args.adam_lr * 0.1, betas=(0.9, 0.99)),
                    # CPLM's pointer: the base rate, betas 0.9 / 0.99 (PR 379's)
                    dict(params=groups.get("copy pointer", []), lr=args.adam_lr, betas=(0.9, 0.99))]
     adam = DistAdam([g for g in adam_groups if g["params"]], lr=args.adam_lr, betas=betas, eps=args.adam_eps,
                     rank=rank, world_size=world_size, update=update)
     fc, proj = args.mlp_muon_lr_mults or (1.0, 1.0)
     mults = {p: m for block in model.blocks for p, m in ((block.mlp.fc_w, fc), (block.mlp.proj_w, proj))}
-    muon = Muon(groups["block matrices"], lr=args.muon_lr, momentum=args.muon_momentum, ns_steps=args.ns_steps,
-                rank=rank, world_size=world_size, orthogonalize=orthogonalize, beta2=args.muon_beta2,
+    muon = Muon(groups["block matrices"], lr=args.muon_lr, momentum=args.muon_momentum, rank=rank,
+                world_size=world_size, orthogonalize=orthogonalize, beta2=args.muon_beta2,
                 weight_decay=args.muon_weight_decay, lr_mults=mults)
     for opt in (adam, muon):
         for group in opt.param_groups:
@@ -2469,7 +2376,7 @@ def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[
         "weights + grads": 2 * sum(p.numel() * p.element_size() for p in model.parameters()),
         "optimizer shards": (8 * adam + 4 * muon) // world_size,  # fp32 Adam moments, fp32 Muon momentum
         # bf16 logits, then a fp32 soft-capped copy and a bf16 gradient, or (fused) two FP8 gradients
-        "logits": (4 if model.fused_ce else 8) * args.seq_len * args.vocab_size,
+        "logits": (4 if model.kernels.fused_ce else 8) * args.seq_len * args.vocab_size,
         # Tensors kept for the backward: ~16 bf16 values of model_dim per token per block (norms, q, k,
         # v, attention output, the 4x-wide MLP hidden before and after ReLU^2). The peaks measured on
         # H100 for the record, single and medium presets lie within 15% of the total (bench/README.md).
@@ -2488,14 +2395,14 @@ def size_report(model: GPT, args: Hyperparameters, world_size: int, device: torc
     return lines
 
 
-def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_size: int, attention: str,
-               fp8: bool) -> list[str]:
-    """The start-of-run lines: where and how it runs, then the size report."""
+def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_size: int) -> list[str]:
+    """The start-of-run lines: where and how it runs (the kernels build() chose), then the size report."""
+    k = model.kernels
     return [f"device: {device} x {world_size}, grad accumulation {args.batch_size // args.seq_len // world_size}, "
-            f"attention backend: {attention}, "
-            f"LM head: {'fp8' if fp8 else 'bf16' if device.type == 'cuda' else 'float32'}, "
-            f"MLP: {'fused' if model.blocks[0].mlp.fused else 'unfused'}{' fp8' if model.blocks[0].mlp.fp8 else ''}, "
-            f"cross-entropy: {'fused' if model.fused_ce else 'unfused'}, "
+            f"attention backend: {k.attention}, "
+            f"LM head: {'fp8' if k.fp8_head else 'bf16' if device.type == 'cuda' else 'float32'}, "
+            f"MLP: {'fused' if k.fused_mlp else 'unfused'}{' fp8' if k.fp8_mlp else ''}, "
+            f"cross-entropy: {'fused' if k.fused_ce else 'unfused'}, "
             f"compile: {args.compile}, "
             f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device)]
 
@@ -2503,11 +2410,20 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
 # -----------------------------------------------------------------------------------------------
 # Checkpoints: whole or absent, sharded optimizer states, exact resume.
 
+# model.pt's format: 2 since the trainer has one model (2026-11-28: the 2025-09-03 record's model, its U-net and tied
+# value tables, and the switches that turned the later techniques off were deleted). An older checkpoint is refused.
+CHECKPOINT_FORMAT = 2
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint written by a train_gpt.py of another format (CHECKPOINT_FORMAT)."""
+
+
 def code_hash() -> str:
     return hashlib.sha256(Path(__file__).read_bytes() + Path(kernels.__file__).read_bytes()).hexdigest()[:16]
 
 
-MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("max_seq_len", "yarn_windows")] + ["yarn"]
+MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("max_seq_len", "yarn_windows")]
 
 
 def barrier(world_size: int):
@@ -2542,7 +2458,8 @@ def save_checkpoint(step: int, model: GPT, optimizers, loader_state: dict, train
                     step=step), tmp / f"rank{rank}.pt")  # run and step: the files of one checkpoint are a set
     if rank == 0:
         torch.save(dict(model=model.state_dict(), step=step, args=dataclasses.asdict(args), world_size=world_size,
-                        code_hash=code_hash(), training_time_ms=training_time_ms), tmp / "model.pt")
+                        code_hash=code_hash(), training_time_ms=training_time_ms, format=CHECKPOINT_FORMAT),
+                   tmp / "model.pt")
     barrier(world_size)
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -2567,13 +2484,20 @@ def find_checkpoint(resume: str, checkpoint_dir: str) -> Path:
 
 
 def read_checkpoint_file(path: Path) -> dict:
+    """One file of a checkpoint; model.pt (the one with the hyperparameters) only in this file's format."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        content = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: missing: the checkpoint is incomplete; resume from another one") from None
     except Exception as e:
         raise ValueError(f"{path}: cannot read the checkpoint ({type(e).__name__}: {e}); it is corrupt or "
                          "truncated: resume from another one") from e
+    if "args" in content and content.get("format", 1) != CHECKPOINT_FORMAT:
+        raise CheckpointFormatError(
+            f"{path}: written by a train_gpt.py of checkpoint format {content.get('format', 1)}, this one reads "
+            f"{CHECKPOINT_FORMAT} (format 2: one model, the 2025 model's switches deleted); use it with the commit "
+            f"that wrote it (its code hash: {content.get('code_hash', 'unknown')})")
+    return content
 
 
 def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, rank: int, world_size: int, log):
@@ -2582,8 +2506,7 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
     size is re-sharded: every rank reads every rank's file and keeps its new share (the data position
     is the same on every rank: each reads the whole stream)."""
     meta = read_checkpoint_file(path / "model.pt")
-    # a field newer than the checkpoint: the checkpoint's model had the field's default
-    saved = {**{f.name: f.default for f in dataclasses.fields(Hyperparameters)}, **stored_args(meta["args"])}
+    saved = stored_args(meta["args"])
     diff = [f"{k}: checkpoint {saved[k]!r}, now {getattr(args, k)!r}" for k in MODEL_FIELDS
             if saved[k] != getattr(args, k)]
     if diff:
@@ -2697,28 +2620,16 @@ def check_fp8_head_shapes(vocab_size: int, model_dim: int):
 def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int, log=print):
     """The model (seeded, identical on every rank), its compiled twin, the optimizers, and the
     attention backend and LM-head kind chosen for this device."""
-    attention = select_attention(args.attention, device, args.compile, log)
-    fp8 = args.fp8_head and device.type == "cuda" and fp8_supported(device)  # elsewhere the head is a plain matmul
-    if fp8:
+    chosen = choose_kernels(device, args.attention, args.compile, args.fp8_head, args.fused_ce, args.fused_mlp,
+                            args.fp8_mlp, log)
+    if chosen.fp8_head:
         check_fp8_head_shapes(args.vocab_size, args.model_dim)
-    fused_mlp = args.fused_mlp and kernels.relu2_mlp_fits(device)
-    if args.fused_mlp and not fused_mlp:
-        log(f"fused MLP off: its kernel needs {kernels.relu2_tiles_shared_memory() // 1024} KiB of shared memory, this "
-            f"GPU has {kernels.max_shared_memory(device) // 1024} KiB; the MLP runs unfused (same results)")
     # TF32 tensor cores for the float32 matmuls: DC attention's and CPLM's scores (their bf16 inputs are exact in
     # TF32's 10-bit mantissa; the pointer's query and the DC mix round at 2^-11), no longer on CUDA cores
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # as Inductor advises
     torch.manual_seed(args.seed)
-    if args.fused_ce and not fp8:
-        log("fused cross-entropy off: it is the FP8 head's, and the LM head runs in bf16 here (same results)")
-    # the FP8 MLP is the fused kernel's in Hopper's TMA form (sm90+), on a GPU with FP8 matmuls
-    fp8_mlp = args.fp8_mlp and fp8 and fused_mlp and kernels.relu2_tma_programs(device) > 0
-    if args.fp8_mlp and not fp8_mlp:
-        log("FP8 MLP off: it needs FP8 matmuls and the fused MLP's kernel in Hopper's TMA form (an sm90+ GPU with its "
-            "shared memory); the MLP runs in bf16")
-    model = to_device(GPT(ModelConfig.from_args(args), ATTENTION_BACKENDS[attention], fp8, fused_mlp, args.fused_ce,
-                          fp8_mlp), device)
+    model = to_device(GPT(ModelConfig.from_args(args), chosen), device)
     model.keep_table_grads()  # the token tables' gradients summed sparsely (TableLookup), flushed on Adam's steps
     if any(any(st.prefix) for st in training_stages(args)):  # the prefix-token loss' table (untimed; the record
         vocab = gpt2_token_bytes()                              # builds it in its timed region, ~0.1 s)
@@ -2726,7 +2637,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
             raise ValueError(f"the prefix-token loss (a stage's prefix > 0) is for GPT-2 tokens: vocab_size="
                              f"{args.vocab_size} is below GPT-2's {len(vocab)}; set the stages' prefix to 0")
         model.prefix_ids = prefix_table(vocab, args.vocab_size).to(device)
-    orthogonalize, update, compiled = ORTHOGONALIZERS[args.orthogonalizer], adam_update, model
+    orthogonalize, update, compiled = polar_express, adam_update, model
     if args.compile:
         # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final
         # validation, on purpose: dynamo's default limit of 8 per function must not fail a longer schedule.
@@ -2743,7 +2654,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         # dynamic=True: shapes, step sizes, decay rates and betas are arguments of one graph per dtype and
         # rank of parameter, not constants that recompile it for every tensor and every step
         update = torch.compile(adam_update, dynamic=True, fullgraph=True)
-    return model, compiled, build_optimizers(model, args, rank, world_size, orthogonalize, update), attention, fp8
+    return model, compiled, build_optimizers(model, args, rank, world_size, orthogonalize, update), chosen
 
 
 def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: TrainingStage,
@@ -3045,7 +2956,7 @@ def prepare_data(args: Hyperparameters, rank: int, world_size: int, device: torc
                 raise ValueError(f"--{flag} {pattern}: no folder {folder}; the synthetic corpus goes into an existing "
                                  f"folder or the smoke preset's own {smoke_folder}")
         if rank == 0:
-            write_markov_corpus(args.train_files, args.val_files, args.vocab_size, args.bos_id, args.val_tokens)
+            write_markov_corpus(args.train_files, args.val_files, args.bos_id + 1, args.bos_id, args.val_tokens)
         barrier(world_size)
         floor = markov_chain(args.vocab_size, args.bos_id)[1]
         log(f"data: synthetic Markov-chain corpus, entropy floor {floor:.4f} nats/token (uniform: "
@@ -3221,8 +3132,8 @@ def train(args: Hyperparameters) -> RunResult:
     try:
         log_header(log, args, device, resume, branch)
         train_files, val = prepare_data(args, rank, world_size, device, log)
-        model, compiled, optimizers, attention, fp8 = build(args, device, rank, world_size, log)
-        for line in run_report(model, args, device, world_size, attention, fp8):
+        model, compiled, optimizers, _ = build(args, device, rank, world_size, log)
+        for line in run_report(model, args, device, world_size):
             log(line)
         first_step, data_state, clock = 0, None, Clock(device)
         if resume is not None:
