@@ -286,6 +286,22 @@ def check_status_numbers(status: str, page: str) -> None:
     assert not retyped, f"figures of the README's status that the page it summarizes does not have: {retyped}"
 
 
+BENCH_BUDGET = 1536 * 1024  # bytes on disk of the tracked bench/: 1.5 MiB, as `du` counts it
+
+
+def disk_bytes(sizes: list[int], block: int = 4096) -> int:
+    """What `du` reports for files of these sizes on a file system of `block`-byte blocks."""
+    return sum(-(-size // block) * block for size in sizes)
+
+
+def check_bench_budget(sizes: dict[str, int]) -> None:
+    used = disk_bytes(list(sizes.values()))
+    largest = ", ".join(f"{p} ({n // 1024} KiB)" for p, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:5])
+    assert used <= BENCH_BUDGET, (
+        f"tracked bench/ takes {used // 1024} KiB on disk, over {BENCH_BUDGET // 1024}: drop raw logs a summary already "
+        f"holds (the page then names the commit that has them). Largest: {largest}")
+
+
 def linked_pages(md_file: Path) -> list[Path]:
     """The Markdown files of this repository that md_file links to."""
     out = []
@@ -374,6 +390,17 @@ def test_readme_is_short_in_a_newcomers_order_with_a_status_from_the_history():
     status = "\n".join(dict(sections(readme))["Status"])
     assert "public_line_history.md" in status, "the README's status does not link the page it summarizes"
     check_status_numbers(status, HISTORY.read_text(encoding="utf-8"))
+
+
+def test_tracked_bench_stays_within_its_budget():
+    import subprocess
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "bench"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: the tracked files are unknown")
+    paths = [p for p in out.decode().split("\0") if p and (ROOT / p).is_file()]
+    assert paths, "git lists no file under bench/"
+    check_bench_budget({p: (ROOT / p).stat().st_size for p in paths})
 
 
 def test_sections_named_by_code_and_docs_exist_in_the_readme():
@@ -469,6 +496,13 @@ def test_the_checks_catch_mistakes(tmp_path):
     check_status_numbers("73.8 s on 8xH100, -0.004 ± 0.007", "stood at 73.8 s ... (-0.004 ± 0.007, three seeds)")
     with pytest.raises(AssertionError, match="73.9"):
         check_status_numbers("73.9 s on 8xH100", "stood at 73.8 s")
+    # bench/'s budget counts whole blocks, as du does
+    assert disk_bytes([1, 4096, 4097]) == 4096 * 4
+    check_bench_budget({"bench/a.md": 1000, "bench/results/b.txt": 900 * 1024})
+    with pytest.raises(AssertionError, match="b.txt"):
+        check_bench_budget({"bench/a.md": 1000, "bench/results/b.txt": 1600 * 1024})
+    with pytest.raises(AssertionError, match="over 1536"):  # 400 small files at one block each
+        check_bench_budget({f"bench/results/{i}.txt": 100 for i in range(400)})
     # links: a missing file, a missing heading, a good file and heading
     (tmp_path / "a.md").write_text("# Title\n\n## The public line\n")
     md = tmp_path / "README.md"
