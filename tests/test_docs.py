@@ -246,6 +246,69 @@ def docs_linked(index: str) -> list[str]:
 
 
 BENCH_INDEX = ROOT / "bench" / "README.md"
+HISTORY = ROOT / "bench" / "results" / "public_line_history.md"  # the public line's chronology, out of the README
+README_MAX_LINES = 250
+STATUS_MAX_LINES = 15
+# what a newcomer reads first, in this order; the details and measurements come after
+NEWCOMER_ORDER = ["Set-up", "Main job", "Tests", "Layout", "Submitting a record", "Status"]
+
+
+def sections(markdown: str) -> list[tuple[str, list[str]]]:
+    """The level-2 sections: (title, the lines under it, blank lines at either end dropped)."""
+    out, fenced = [], False
+    for line in markdown.splitlines():
+        if line.strip().startswith("```"):
+            fenced = not fenced
+        if not fenced and (m := re.match(r"##\s+(.*?)\s*$", line)):
+            out.append((m[1], []))
+        elif out:
+            out[-1][1].append(line)
+    return [(title, "\n".join(body).strip("\n").splitlines()) for title, body in out]
+
+
+def check_readme_shape(readme: str) -> None:
+    """At most README_MAX_LINES lines; the newcomer's sections first and in order; a short status that
+    never puts H100 and H200 figures side by side."""
+    n = len(readme.splitlines())
+    assert n <= README_MAX_LINES, f"the README has {n} lines, over {README_MAX_LINES}: move detail to a page and link it"
+    titles = [title for title, _ in sections(readme)]
+    assert titles[:len(NEWCOMER_ORDER)] == NEWCOMER_ORDER, \
+        f"the README should open with the sections {NEWCOMER_ORDER}, in that order; it has {titles}"
+    status = dict(sections(readme))["Status"]
+    assert len(status) <= STATUS_MAX_LINES, f"the README's status has {len(status)} lines, over {STATUS_MAX_LINES}"
+    text = "\n".join(status)
+    assert not ("H100" in text and "H200" in text), "the README's status puts H100 and H200 figures together"
+
+
+def check_status_numbers(status: str, page: str) -> None:
+    """Every measured figure of the status (decimals such as 73.8 or -0.004) is one the page it summarizes has."""
+    retyped = sorted({x for x in re.findall(r"\d+\.\d+", status) if x not in page})
+    assert not retyped, f"figures of the README's status that the page it summarizes does not have: {retyped}"
+
+
+BENCH_BUDGET = 1536 * 1024  # bytes on disk of the tracked bench/: 1.5 MiB, as `du` counts it
+
+
+def disk_bytes(sizes: list[int], block: int = 4096) -> int:
+    """What `du` reports for files of these sizes on a file system of `block`-byte blocks."""
+    return sum(-(-size // block) * block for size in sizes)
+
+
+def check_bench_budget(sizes: dict[str, int]) -> None:
+    used = disk_bytes(list(sizes.values()))
+    largest = ", ".join(f"{p} ({n // 1024} KiB)" for p, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:5])
+    assert used <= BENCH_BUDGET, (
+        f"tracked bench/ takes {used // 1024} KiB on disk, over {BENCH_BUDGET // 1024}: drop raw logs a summary already "
+        f"holds (the page then names the commit that has them). Largest: {largest}")
+
+
+def linked_pages(md_file: Path) -> list[Path]:
+    """The Markdown files of this repository that md_file links to."""
+    out = []
+    for target in re.findall(r"\]\(([^)\s#]+\.md)(?:#[^)\s]*)?\)", md_file.read_text(encoding="utf-8")):
+        if not re.match(r"[a-z][a-z0-9+.-]*:", target) and (dest := (md_file.parent / target).resolve()).exists():
+            out.append(dest)
+    return sorted(set(out))
 
 
 def topic_summaries() -> list[Path]:
@@ -311,6 +374,33 @@ def test_readme_bench_index_and_topic_summaries_links_resolve():
     assert topics, "bench/README.md links no topic summary in bench/results/"
     bad = [f"{f.relative_to(ROOT)}: {b}" for f in [README, BENCH_INDEX, *topics] for b in broken_links(f)]
     assert not bad, "broken links:\n" + "\n".join(bad)
+
+
+def test_readme_and_every_page_it_links_resolve():
+    """Each Markdown page the README links (the pages its detail moved to among them): its relative links resolve."""
+    pages = linked_pages(README)
+    assert HISTORY.resolve() in pages, "the README does not link bench/results/public_line_history.md"
+    bad = [f"{f.relative_to(ROOT)}: {b}" for f in pages for b in broken_links(f)]
+    assert not bad, "broken links:\n" + "\n".join(bad)
+
+
+def test_readme_is_short_in_a_newcomers_order_with_a_status_from_the_history():
+    readme = README.read_text(encoding="utf-8")
+    check_readme_shape(readme)
+    status = "\n".join(dict(sections(readme))["Status"])
+    assert "public_line_history.md" in status, "the README's status does not link the page it summarizes"
+    check_status_numbers(status, HISTORY.read_text(encoding="utf-8"))
+
+
+def test_tracked_bench_stays_within_its_budget():
+    import subprocess
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "bench"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: the tracked files are unknown")
+    paths = [p for p in out.decode().split("\0") if p and (ROOT / p).is_file()]
+    assert paths, "git lists no file under bench/"
+    check_bench_budget({p: (ROOT / p).stat().st_size for p in paths})
 
 
 def test_sections_named_by_code_and_docs_exist_in_the_readme():
@@ -390,12 +480,37 @@ def test_the_checks_catch_mistakes(tmp_path):
         check_first_screen(GOOD_README, f"#!/bin/sh\n{TEST_COMMAND}\n")
     with pytest.raises(AssertionError, match="end-to-end"):
         check_first_screen(GOOD_README.replace(f"    {SLOW_COMMAND}", ""), GOOD_CI)
+    # the README's shape: length, order, status
+    good = "\n".join(f"## {t}\n\ntext\n" for t in NEWCOMER_ORDER) + "\n## Docker\n\nmore\n"
+    check_readme_shape(good)
+    with pytest.raises(AssertionError, match="over 250"):
+        check_readme_shape(good + "x\n" * README_MAX_LINES)
+    with pytest.raises(AssertionError, match="in that order"):  # the status before the set-up
+        check_readme_shape("## Status\n\nx\n" + good.replace("## Status\n\ntext\n", ""))
+    with pytest.raises(AssertionError, match="in that order"):  # a long section moved up front
+        check_readme_shape("## The public line\n\nx\n" + good)
+    with pytest.raises(AssertionError, match="status has 16 lines"):
+        check_readme_shape(good.replace("## Status\n\ntext\n", "## Status\n\n" + "x\n" * 16))
+    with pytest.raises(AssertionError, match="H100 and H200"):
+        check_readme_shape(good.replace("## Status\n\ntext\n", "## Status\n\n700.1 ms on one H100, 650.2 on one H200\n"))
+    check_status_numbers("73.8 s on 8xH100, -0.004 ± 0.007", "stood at 73.8 s ... (-0.004 ± 0.007, three seeds)")
+    with pytest.raises(AssertionError, match="73.9"):
+        check_status_numbers("73.9 s on 8xH100", "stood at 73.8 s")
+    # bench/'s budget counts whole blocks, as du does
+    assert disk_bytes([1, 4096, 4097]) == 4096 * 4
+    check_bench_budget({"bench/a.md": 1000, "bench/results/b.txt": 900 * 1024})
+    with pytest.raises(AssertionError, match="b.txt"):
+        check_bench_budget({"bench/a.md": 1000, "bench/results/b.txt": 1600 * 1024})
+    with pytest.raises(AssertionError, match="over 1536"):  # 400 small files at one block each
+        check_bench_budget({f"bench/results/{i}.txt": 100 for i in range(400)})
     # links: a missing file, a missing heading, a good file and heading
     (tmp_path / "a.md").write_text("# Title\n\n## The public line\n")
     md = tmp_path / "README.md"
     assert broken_links(md, "[x](a.md) [y](a.md#the-public-line) [z](#here)\n\n## Here\n") == []
     assert broken_links(md, "[x](b.md)") == ["b.md: no such file"]
     assert len(broken_links(md, "[y](a.md#the-public-record)")) == 1
+    md.write_text("[x](a.md) [y](a.md#the-public-line) [w](http://e.org/b.md) [v](gone.md)")
+    assert linked_pages(md) == [(tmp_path / "a.md").resolve()]
     assert broken_links(md, "[z](#there)\n\n## Here\n") == ["#there: no such heading"]
     assert anchors("## Side by side with the public line's current code (issue 31)\n## `x.py`: A, B\n## A\n## A\n") == {
         "side-by-side-with-the-public-lines-current-code-issue-31", "xpy-a-b", "a", "a-1"}
