@@ -35,6 +35,8 @@ class UsageError(Exception):
 def load_model(checkpoint: Path, device: torch.device, max_len: int) -> tuple[tg.GPT, tg.Hyperparameters]:
     try:
         meta = tg.read_checkpoint_file(checkpoint / "model.pt")
+    except tg.CheckpointFormatError:  # another train_gpt.py's checkpoint: its message names the commit to use
+        raise
     except ValueError as e:  # train_gpt's message tells how to resume; here a short one does
         why = type(e.__cause__).__name__ if e.__cause__ is not None else "unreadable"
         raise ValueError(f"{checkpoint / 'model.pt'}: cannot read the checkpoint ({why}): it is corrupt or "
@@ -44,7 +46,7 @@ def load_model(checkpoint: Path, device: torch.device, max_len: int) -> tuple[tg
     args = tg.Hyperparameters(**saved)
     cfg = tg.ModelConfig.from_args(args)
     cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, max_len))
-    model = tg.GPT(cfg, tg.attention_reference, fp8_head=False)
+    model = tg.GPT(cfg)  # PyTorch's kernels (ModelKernels' defaults): sampling runs anywhere
     try:
         model.load_state_dict(meta["model"])
     except RuntimeError as e:  # written by a train_gpt.py with another model layout

@@ -141,7 +141,8 @@ def main():
     own, rest = parser.parse_known_args()
     args = tg.parse_args(rest)
     rank, world_size, device = tg.start_processes(args)
-    model, compiled, optimizers, attention, _ = tg.build(args, device, rank, world_size)
+    model, compiled, optimizers, chosen = tg.build(args, device, rank, world_size)
+    attention = chosen.attention
     stages = tg.training_stages(args)
     stage = stages[own.stage] if own.stage >= 0 else stages[len(args.stages) - 1]
     untie = tg.untie_step(stages, args)

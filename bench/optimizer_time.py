@@ -46,8 +46,8 @@ def share_orthogonalizations(muon: tg.Muon):
         per_rank, first = muon._owned(group)
         owned = group["params"][first: first + per_rank]
         if owned:
-            stacks.append((torch.stack([p.grad for p in owned]), group["ns_steps"]))
-    return lambda: [muon.orthogonalize(g, steps) for g, steps in stacks]
+            stacks.append(torch.stack([p.grad for p in owned]))
+    return lambda: [muon.orthogonalize(g) for g in stacks]
 
 
 def main():
@@ -66,7 +66,7 @@ def main():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
     model = tg.GPT(tg.ModelConfig.from_args(args)).to(device)
-    orthogonalize = torch.compile(tg.ORTHOGONALIZERS[args.orthogonalizer], dynamic=False, fullgraph=True)
+    orthogonalize = torch.compile(tg.polar_express, dynamic=False, fullgraph=True)
     adam, muon = tg.build_optimizers(model, args, rank, world_size, orthogonalize)
     torch.manual_seed(rank)  # each rank its own gradients, as after a real backward
     for p in model.parameters():
@@ -81,15 +81,14 @@ def main():
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         print(f"{name} x {world_size}, torch {torch.__version__}, "
-              f"orthogonalizer {args.orthogonalizer}, median of {ours.reps} steps after 2 untimed")
+              f"orthogonalizer Polar Express, median of {ours.reps} steps after 2 untimed")
         print("| rank | adam step ms | muon step ms | own share's orthogonalizations ms |")
         print("| --- | --- | --- | --- |")
         for r, (a, m, o) in enumerate(rows):
             print(f"| {r} | {a:.2f} | {m:.2f} | {o:.2f} |")
         params = tg.param_groups_by_role(model)["block matrices"]
         for split in [int(w) for w in ours.splits.split(",") if w]:
-            shares = [timed(share_orthogonalizations(tg.Muon(params, lr=0.0, momentum=0.0, ns_steps=args.ns_steps,
-                                                             rank=r, world_size=split, orthogonalize=orthogonalize)),
+            shares = [timed(share_orthogonalizations(tg.Muon(params, lr=0.0, momentum=0.0, rank=r, world_size=split, orthogonalize=orthogonalize)),
                             ours.reps, 1) for r in range(split)]
             print(f"split over {split} ranks: orthogonalization ms per rank "
                   f"{' '.join(f'{t:.2f}' for t in shares)}; busiest {max(shares):.2f}, mean {statistics.mean(shares):.2f}")

@@ -73,7 +73,8 @@ def main():
     own, rest = parser.parse_known_args()
     args = tg.parse_args(rest)
     device = torch.device("cuda")
-    model, compiled, optimizers, attention, fp8 = tg.build(args, device, 0, 1)
+    model, compiled, optimizers, chosen = tg.build(args, device, 0, 1)
+    attention, fp8 = chosen.attention, chosen.fp8_head
     files = tg.shard_files(args.train_files, "training")
     producer = tg.BatchProducer(files, 0, 1, args.bos_id)
     spec = tg.BatchSpec(args.batch_size, args.seq_len, args.max_doc_len)

@@ -661,14 +661,14 @@ def test_build_runs_the_mlp_unfused_where_the_kernel_does_not_fit(tiny_args, mon
     args = tiny_args(fused_mlp=True, compile=False)
     model = tg.build(args, torch.device("cpu"), 0, 1)[0]
     assert all(b.mlp.fused for b in model.blocks)
-    assert "MLP: fused" in tg.run_report(model, args, torch.device("cpu"), 1, "reference", False)[0]
+    assert "MLP: fused" in tg.run_report(model, args, torch.device("cpu"), 1)[0]
     monkeypatch.setattr(kernels, "relu2_mlp_fits", lambda device: False)
     monkeypatch.setattr(kernels, "max_shared_memory", lambda device: 99 * 1024)
     lines = []
     model = tg.build(args, torch.device("cpu"), 0, 1, log=lines.append)[0]
     assert not any(b.mlp.fused for b in model.blocks)
     assert any("fused MLP off" in line and "99 KiB" in line for line in lines), lines
-    assert "MLP: unfused" in tg.run_report(model, args, torch.device("cpu"), 1, "reference", False)[0]
+    assert "MLP: unfused" in tg.run_report(model, args, torch.device("cpu"), 1)[0]
 
 
 def test_build_runs_the_mlp_in_bf16_where_fp8_is_missing(tiny_args):
@@ -677,10 +677,10 @@ def test_build_runs_the_mlp_in_bf16_where_fp8_is_missing(tiny_args):
     model = tg.build(args, torch.device("cpu"), 0, 1, log=lines.append)[0]  # the CPU: no FP8 matmuls in training
     assert not any(b.mlp.fp8 for b in model.blocks)
     assert any(line.startswith("FP8 MLP off") for line in lines), lines
-    assert "MLP: fused," in tg.run_report(model, args, torch.device("cpu"), 1, "reference", False)[0]
-    model = tg.GPT(tg.ModelConfig.from_args(args), fused_mlp=True, fp8_mlp=True)  # as build() makes it on an H100
+    assert "MLP: fused," in tg.run_report(model, args, torch.device("cpu"), 1)[0]
+    model = tg.GPT(tg.ModelConfig.from_args(args), tg.ModelKernels(fused_mlp=True, fp8_mlp=True))  # as on an H100
     assert all(b.mlp.fp8 for b in model.blocks)
-    assert "MLP: fused fp8," in tg.run_report(model, args, torch.device("cpu"), 1, "reference", False)[0]
+    assert "MLP: fused fp8," in tg.run_report(model, args, torch.device("cpu"), 1)[0]
 
 
 def test_fp8_head_refuses_dimensions_its_matmuls_cannot_take_with_the_fix():
@@ -964,7 +964,7 @@ def test_model_with_fused_ce_trains_on_the_fp8_heads_losses_and_gradients(cplm):
     results = []
     for fp8, fused in ((False, False), (True, False), (True, True)):
         torch.manual_seed(0)
-        model = tg.GPT(tg.ModelConfig.from_args(args), fp8_head=fp8, fused_ce=fused).to(DEVICE)
+        model = tg.GPT(tg.ModelConfig.from_args(args), tg.ModelKernels(fp8_head=fp8, fused_ce=fused)).to(DEVICE)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.1 * torch.randn_like(p.float()).to(p.dtype))
@@ -975,8 +975,9 @@ def test_model_with_fused_ce_trains_on_the_fp8_heads_losses_and_gradients(cplm):
         loss = model(x, y, cu, 128, tg.window_tokens(3, TINY["window_block"]))
         loss.backward()
         results.append((loss.detach(), torch.cat([p.grad.float().flatten() for p in model.parameters()])))
-        assert model.fused_ce == fused
-    assert not tg.GPT(tg.ModelConfig.from_args(args), fused_ce=True).fused_ce  # only ever the FP8 head's loss
+        assert model.kernels.fused_ce == fused
+    # only ever the FP8 head's loss: choose_kernels turns it off with the FP8 head
+    assert not tg.choose_kernels(torch.device("cpu"), fp8_head=False, fused_ce=True, log=lambda line: None).fused_ce
     (_, g_bf16), (l_fp8, g_fp8), (l_fused, g_fused) = results
     torch.testing.assert_close(l_fused, l_fp8, rtol=1e-3, atol=1e-3)  # e4m3 logits (fused) against bf16 (unfused)
     rel = lambda a: ((a - g_bf16).norm() / g_bf16.norm()).item()
@@ -987,8 +988,8 @@ def test_build_keeps_the_unfused_loss_where_the_head_is_not_fp8(tiny_args):
     lines = []
     args = tiny_args(fused_ce=True, compile=False)
     model = tg.build(args, torch.device("cpu"), 0, 1, log=lines.append)[0]  # training on the CPU: a bf16 head
-    assert not model.fused_ce and any("fused cross-entropy off" in line for line in lines), lines
-    assert "cross-entropy: unfused" in tg.run_report(model, args, torch.device("cpu"), 1, "reference", False)[0]
+    assert not model.kernels.fused_ce and any("fused cross-entropy off" in line for line in lines), lines
+    assert "cross-entropy: unfused" in tg.run_report(model, args, torch.device("cpu"), 1)[0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels need a CUDA GPU")
@@ -1055,16 +1056,18 @@ errors = t.check_copy_pointer_op(*t.copy_pointer_case()) + t.check_copy_pointer_
 errors += t.check_copy_pointer_op(*t.copy_pointer_case(T=256, band=128, cu=(0, 20, 90, 95, 200)))
 # the model's pointer through the kernel against its written-out path (the one CPUs run)
 from conftest import TINY
-model = tg.GPT(tg.ModelConfig.from_args(tg.Hyperparameters(**dict(TINY, vocab_size=80, cplm_bands=(32, 64)))))
+cfg = tg.ModelConfig.from_args(tg.Hyperparameters(**dict(TINY, vocab_size=80, cplm_bands=(32, 64))))
+model = tg.GPT(cfg, tg.ModelKernels(pointer=True))  # as choose_kernels picks it in the interpreter
+written_out = tg.GPT(cfg)  # PyTorch's pointer, with the same weights
+written_out.load_state_dict(model.state_dict())
 x = torch.randn(150, TINY["model_dim"])
 inputs, targets = torch.randint(0, 6, (150,)), torch.randint(0, 6, (150,))
 cu = torch.tensor([0, 50, 51, 150])
 for training in (True, False):
     model.train(training)
+    written_out.train(training)
     kernel = model.copy_pointer(x, inputs, targets, cu)
-    kernels.INTERPRET = False  # triton_runs_on: no, so the written-out path
-    plain = model.copy_pointer(x, inputs, targets, cu)
-    kernels.INTERPRET = True
+    plain = written_out.copy_pointer(x, inputs, targets, cu)
     errors += [(a - b).abs().max().item() for a, b in zip(kernel, plain)]
 print(json.dumps(errors))
 """

@@ -60,7 +60,7 @@ def test_plan_says_which_stages_are_unmeasured_rather_than_guessing(no_gpu, monk
     assert rows["1"][-2:] == ["-", "-"] and rows["3"][-2] != "-"
     assert lines[-2].startswith("projected time: incomplete, stage(s) 1, 2, ext not in")
     # another preset's model at the same shapes has no measured time
-    other = stage_rows("\n".join(tg.schedule_plan(tg.parse_args(["--preset", "record-0903"]))))
+    other = stage_rows("\n".join(tg.schedule_plan(tg.parse_args(["--preset", "medium", "--seq_len", "49152"]))))
     assert all(row[-2:] == ["-", "-"] for row in other.values())
     # 24 micro-batches a step (the single preset) is not the measured one-micro-batch-per-GPU case on 8 GPUs
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H100", "single", 16384, *shape[1:]): 2.0 for shape in RECORD_SHAPES})

@@ -44,10 +44,10 @@ def test_every_preset_resolves_to_its_pinned_run(name):
 
 
 def test_the_pin_notices_a_changed_stage(monkeypatch):
-    rows = tg.RECORD_0903["stages"]
-    monkeypatch.setitem(tg.RECORD_0903, "stages", (dataclasses.replace(rows[0], doc_len=1024), *rows[1:]))
+    rows = tg.SMOKE["stages"]
+    monkeypatch.setitem(tg.SMOKE, "stages", (dataclasses.replace(rows[0], doc_len=128), *rows[1:]))
     with pytest.raises(AssertionError):
-        test_every_preset_resolves_to_its_pinned_run("record-0903")
+        test_every_preset_resolves_to_its_pinned_run("smoke")
 
 
 # fields whose default is 0, -1, False or () but that choose how a run is controlled, not what it learns
@@ -74,15 +74,15 @@ def test_no_technique_is_off_in_every_preset():
     assert [i for i, b in enumerate(model.blocks) if b.attn is not None and b.attn.ve_gate_w is not None] == [1, 2, 8, 9]
 
 
-def test_a_checkpoint_with_a_deleted_field_resumes_where_it_was_off_and_is_refused_where_on():
-    saved = {k: list(v) if isinstance(v, tuple) else v
-             for k, v in dataclasses.asdict(tg.parse_args(["--preset", "record"])).items() if k != "stages"}
-    for name, off in tg.REMOVED_FIELDS.items():
-        assert not hasattr(tg.Hyperparameters(), name)  # deleted from the dataclass
-        written = list(off) if isinstance(off, tuple) else off  # as written by json/torch: tuples as lists
-        assert tg.Hyperparameters(**tg.stored_args({**saved, name: written}))
-        with pytest.raises(ValueError, match=f"trained with {name}=0, a technique this train_gpt.py no longer has"):
-            tg.stored_args({**saved, name: [0]})
+def test_a_checkpoint_of_the_two_model_era_is_refused_with_the_commit_to_use(tmp_path):
+    """model.pt written before checkpoint format 2 (one model): refused in one line naming its code hash, whatever
+    else it holds; this format's file reads."""
+    saved = dict(model={}, step=4, args={}, world_size=1, code_hash="0123abcd", training_time_ms=1.0)
+    torch.save(saved, tmp_path / "model.pt")
+    with pytest.raises(tg.CheckpointFormatError, match="checkpoint format 1, this one reads 2.*0123abcd"):
+        tg.read_checkpoint_file(tmp_path / "model.pt")
+    torch.save({**saved, "format": tg.CHECKPOINT_FORMAT}, tmp_path / "model.pt")
+    assert tg.read_checkpoint_file(tmp_path / "model.pt")["step"] == 4
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
