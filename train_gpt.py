@@ -265,6 +265,34 @@ class Hyperparameters:
                              f"({len(h.stages)} + the extension if any)")
         if h.final_val_window < 0:
             raise ValueError(f"final_val_window={h.final_val_window}: 0 (the last stage's window) or a window in blocks")
+        h.check_layout()
+        if not 0 <= h.muon_beta2 < 1:
+            raise ValueError(f"muon_beta2={h.muon_beta2}: 0 (plain Muon) or an EMA factor in (0, 1) for NorMuon")
+        for name in ("embed_weight_decay", "head_weight_decay", "muon_weight_decay"):
+            if not 0 <= getattr(h, name) < math.inf:
+                raise ValueError(f"{name}={getattr(h, name)} must be a finite number >= 0")
+        for name in ("embed_adam_betas", "head_adam_betas"):
+            betas = getattr(h, name)
+            if betas and (len(betas) != 2 or not all(0 <= b < 1 for b in betas)):
+                raise ValueError(f"{name}={betas}: empty (Adam's betas) or two numbers in [0, 1)")
+        if len({len(row.mtp) for row in h.stages}) > 1 or not all(0 <= w < math.inf for row in h.stages for w in row.mtp):
+            raise ValueError(f"stages={format_stages(h.stages)}: every stage needs the same number of finite "
+                             "mtp weights >= 0 (the record's: 0.5/0.25, 0.5/0, 0/0), or none")
+        if not h.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s={h.collective_timeout_s} must be a positive number of seconds")
+        if h.bos_id >= h.vocab_size:
+            raise ValueError(f"bos_id={h.bos_id} must be < vocab_size={h.vocab_size}")
+        if h.preset not in PRESETS:
+            raise ValueError(f"preset={h.preset!r}: choose one of {', '.join(PRESETS)}")
+        if h.device not in ("cuda", "cpu", "auto"):
+            raise ValueError(f"device={h.device!r}: choose cuda, cpu or auto")
+        if h.attention not in ("auto", *ATTENTION_BACKENDS):
+            raise ValueError(f"attention={h.attention!r}: choose one of auto, {', '.join(ATTENTION_BACKENDS)}")
+
+
+    def check_layout(self):
+        """The model's block-indexed parts fit its blocks and one another (each error names the field)."""
+        h = self
         if len(h.window_pattern) != h.num_layers or set(h.window_pattern) - {"L", "S"}:
             raise ValueError(f"window_pattern={h.window_pattern!r} needs one L or S per layer ({h.num_layers})")
         bad = [i for i in h.paired_head_blocks if not 0 <= i < h.num_layers or i in h.no_attn_layers
@@ -290,9 +318,10 @@ class Hyperparameters:
         if not 0 <= h.backout_layer < h.num_layers - 1:
             raise ValueError(f"backout_layer={h.backout_layer}: a block below the last ({h.num_layers - 1}), whose "
                              "output MUDD mixes in, the later blocks attend over and the head has subtracted")
-        if "L" not in h.window_pattern[:-2]:
+        if "L" not in h.window_pattern[:-2] or min(h.no_attn_layers) <= h.window_pattern.index("L"):
             raise ValueError(f"window_pattern={h.window_pattern!r}: the MUDD gates need a long-window block (L) "
-                             "before the last two")
+                             f"before the last two and before the first attention-less one ({min(h.no_attn_layers)}), "
+                             "where the skip's weight is read from the gate after it")
         if h.num_layers - 1 in h.paired_head_blocks + h.no_attn_layers:
             raise ValueError("DC attention runs in the last block: it needs attention, without paired heads "
                              f"(paired_head_blocks={h.paired_head_blocks}, no_attn_layers={h.no_attn_layers})")
@@ -301,28 +330,6 @@ class Hyperparameters:
         if h.cplm_bands and (len(h.cplm_bands) != 2 or min(h.cplm_bands) < 1 or h.bos_id + 1 >= h.vocab_size):
             raise ValueError(f"cplm_bands={h.cplm_bands}: two band lengths in tokens (training, evaluation; the PR's "
                              f"2048,8192), and the copy column bos_id + 1 = {h.bos_id + 1} below vocab_size={h.vocab_size}")
-        if not 0 <= h.muon_beta2 < 1:
-            raise ValueError(f"muon_beta2={h.muon_beta2}: 0 (plain Muon) or an EMA factor in (0, 1) for NorMuon")
-        for name in ("embed_weight_decay", "head_weight_decay", "muon_weight_decay"):
-            if not 0 <= getattr(h, name) < math.inf:
-                raise ValueError(f"{name}={getattr(h, name)} must be a finite number >= 0")
-        for name in ("embed_adam_betas", "head_adam_betas"):
-            betas = getattr(h, name)
-            if betas and (len(betas) != 2 or not all(0 <= b < 1 for b in betas)):
-                raise ValueError(f"{name}={betas}: empty (Adam's betas) or two numbers in [0, 1)")
-        if len({len(row.mtp) for row in h.stages}) > 1 or not all(0 <= w < math.inf for row in h.stages for w in row.mtp):
-            raise ValueError(f"stages={format_stages(h.stages)}: every stage needs the same number of finite "
-                             "mtp weights >= 0 (the record's: 0.5/0.25, 0.5/0, 0/0), or none")
-        if not h.collective_timeout_s > 0:
-            raise ValueError(f"collective_timeout_s={h.collective_timeout_s} must be a positive number of seconds")
-        if h.bos_id >= h.vocab_size:
-            raise ValueError(f"bos_id={h.bos_id} must be < vocab_size={h.vocab_size}")
-        if h.preset not in PRESETS:
-            raise ValueError(f"preset={h.preset!r}: choose one of {', '.join(PRESETS)}")
-        if h.device not in ("cuda", "cpu", "auto"):
-            raise ValueError(f"device={h.device!r}: choose cuda, cpu or auto")
-        if h.attention not in ("auto", *ATTENTION_BACKENDS):
-            raise ValueError(f"attention={h.attention!r}: choose one of auto, {', '.join(ATTENTION_BACKENDS)}")
 
 
 # The defaults above are the record: the public record line's techniques after 09/03 at the public master's values
@@ -1068,11 +1075,21 @@ class GPT(nn.Module):
         self.mudd_w2 = nn.Parameter(torch.zeros(2 * MUDD_COEFS, MUDD_DIM))
         self.mudd_b2 = nn.Parameter(torch.cat([F.pad(torch.tensor(b, dtype=torch.float) / MUDD_SCALE,
                                                      (0, MUDD_COEFS - len(b))) for b in MUDD_INIT]))
-        # MUDD gates (the 2026-05-27 record, PR 315): two more small MLPs of the same form, one from x0
-        # and one from the input of the block after the first long-window block (gate_layout), give per token the
-        # x0 and bigram weights of the blocks before the last, XSA's strengths in xsa_blocks, a linear weight per
-        # head of the long-window blocks' outputs (instead of the 09/03 record's sigmoid head gates), the skip's weight
-        # and DC attention's weights. The last entry of the biases is the outputs' common scale (learned, 0.1 at start).
+        self.make_mudd_gates()  # drawn after MUDD's first layer, as they were
+        # CPLM's pointer (copy_pointer): query and key projections of the final state, N(0, 1/dim) (uniform), and the
+        # sink's key, N(0, 1/COPY_DIM), as in PR 379; its query gain (1 at the start) is a scalar. Drawn last.
+        if cfg.cplm_bands:
+            bound = math.sqrt(3 / dim)
+            self.copy_qk = nn.Parameter(torch.empty(2 * COPY_DIM, dim).uniform_(-bound, bound))
+            self.copy_sink = nn.Parameter(torch.randn(COPY_DIM) / math.sqrt(COPY_DIM))
+
+    def make_mudd_gates(self):
+        """MUDD gates (the 2026-05-27 record, PR 315): two more small MLPs of MUDD's form, one from x0 and one from the
+        input of the block after the first long-window block (gate_layout), give per token the x0 and bigram weights
+        of the blocks before the last, XSA's strengths in xsa_blocks, a linear weight per head of the long-window
+        blocks' outputs (instead of the 09/03 record's sigmoid head gates), the skip's weight and DC attention's
+        weights. The last entry of the biases is the outputs' common scale (learned, 0.1 at start)."""
+        cfg, dim = self.cfg, self.cfg.model_dim
         self.gate_split = cfg.window_pattern.index("L") + 1  # the master's: gate 0 for blocks 0-3, gate 1 from 4 on
         self.gate_parts = self.gate_layout()  # built once: the forward reads it, the compiler sees constants
         width = max(sum(n for _, _, n, _ in part) for part in self.gate_parts)
@@ -1087,12 +1104,6 @@ class GPT(nn.Module):
                 b2[start: start + n], start = init / MUDD_SCALE, start + n
         b2[-8] = MUDD_SCALE
         self.mudd_gate_b2 = nn.Parameter(b2)
-        # CPLM's pointer (copy_pointer): query and key projections of the final state, N(0, 1/dim) (uniform), and the
-        # sink's key, N(0, 1/COPY_DIM), as in PR 379; its query gain (1 at the start) is a scalar. Drawn last.
-        if cfg.cplm_bands:
-            bound = math.sqrt(3 / dim)
-            self.copy_qk = nn.Parameter(torch.empty(2 * COPY_DIM, dim).uniform_(-bound, bound))
-            self.copy_sink = nn.Parameter(torch.randn(COPY_DIM) / math.sqrt(COPY_DIM))
 
     def scalar_layout(self) -> dict[str, slice]:
         """Where each kind of scalar lies in self.scalars (the features that are off take no room)."""
