@@ -248,6 +248,13 @@ class Hyperparameters:
         for name in ("num_iterations", "batch_size", "seq_len", "val_tokens", "val_seq_len", "max_doc_len"):
             if getattr(h, name) < 1:
                 raise ValueError(f"--{name} {getattr(h, name)}: must be positive")
+        # cadences: 0 means "never" (save, validate, log) or "keep all"; a negative count used to act as 0
+        for name, what, zero in (("save_every", "steps between checkpoints", "saves only at a SIGTERM or Ctrl-C"),
+                                 ("val_every", "steps between validations", "validates only at the end"),
+                                 ("log_every", "steps between progress lines", "logs none"),
+                                 ("keep_checkpoints", "the newest checkpoints kept per run", "keeps them all")):
+            if getattr(h, name) < 0:
+                raise ValueError(f"--{name} {getattr(h, name)}: {what}, or 0 ({zero}); not negative")
         if h.max_num_docs < 0:
             raise ValueError(f"--max_num_docs {h.max_num_docs}: a positive count, or 0 to size it from the data")
         if h.batch_size % h.seq_len:
@@ -263,9 +270,13 @@ class Hyperparameters:
             if row.batch and (row.batch % micro or row.batch // micro > h.seq_len):
                 raise ValueError(f"stage {i}: batch={row.batch} must split into batch_size/seq_len={micro} "
                                  f"micro-batches of at most seq_len={h.seq_len} tokens")
-        if not 0 <= h.extension_steps < h.num_iterations or (h.extension_steps > 0) != (h.extension_window > 0):
-            raise ValueError(f"extension_steps={h.extension_steps} and extension_window={h.extension_window}: "
-                             f"both zero, or a window and fewer steps than num_iterations={h.num_iterations}")
+        if h.extension_steps < 0 or (h.extension_steps > 0) != (h.extension_window > 0):
+            raise ValueError(f"extension_steps={h.extension_steps} and extension_window={h.extension_window}: both "
+                             "zero (no extension), or a number of steps and a long window in blocks")
+        if h.extension_steps >= h.num_iterations:  # the extension is the run's last steps: some must come before
+            raise ValueError(f"num_iterations={h.num_iterations} leaves no step before the {h.extension_steps}-step "
+                             f"extension: give --num_iterations {h.extension_steps + 1} or more, or leave the "
+                             "extension out with --extension_steps 0 --extension_window 0")
         if len(h.mlp_muon_lr_mults) not in (0, 2) or not all(0 < m < math.inf for m in h.mlp_muon_lr_mults):
             raise ValueError(f"mlp_muon_lr_mults={h.mlp_muon_lr_mults}: empty, or two positive numbers (input, output)")
         if len(h.scalar_adam_betas) not in (0, 2):
