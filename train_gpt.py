@@ -2090,7 +2090,8 @@ def write_markov_corpus(train_pattern: str, val_pattern: str, vocab_size: int, b
     """Write the smoke preset's corpus (one val and one train shard) unless already there; return
     its entropy floor. Deterministic: every machine writes the same bytes. A `.markov` file beside
     each shard holds its sha256, so a later run skips the work; an existing file that does not hold
-    exactly the generator's tokens is never overwritten (it may be the user's data)."""
+    exactly the generator's tokens is never overwritten (it may be the user's data): every target is checked
+    before any file is written, so a refusal leaves nothing behind."""
     Q, entropy = markov_chain(vocab_size, bos_id, seed)
     paths = [Path(val_pattern.replace("*", "000000")), Path(train_pattern.replace("*", "000001"))]
     sizes = [2 * val_tokens, train_tokens]
@@ -2101,7 +2102,8 @@ def write_markov_corpus(train_pattern: str, val_pattern: str, vocab_size: int, b
     rng = np.random.default_rng(seed + 1)
     cdf = Q.cumsum(axis=1)
     cdf[:, -1] = 1.0
-    for path, marker, n in zip(paths, markers, sizes):  # both sampled, in order: the bytes never vary
+    shards = []
+    for n in sizes:  # both sampled, in order: the bytes never vary
         # Sample chains side by side, each starting at a BOS and cut just before its last BOS, so laid
         # end to end they are one valid realisation of the chain (no impossible transitions).
         streams = max(1, min(1024, n // 4000))
@@ -2113,6 +2115,8 @@ def write_markov_corpus(train_pattern: str, val_pattern: str, vocab_size: int, b
         tokens = np.concatenate([row[: np.flatnonzero(row == bos_id)[-1]] for row in out])[:n]
         if tokens.size < n:
             raise RuntimeError(f"Markov corpus: sampled {tokens.size} tokens, fewer than {n}")
+        shards.append(tokens)
+    for path, tokens in zip(paths, shards):  # every target checked before any file is written
         if path.exists():  # ours only if it holds exactly what the generator writes
             try:
                 ours = np.array_equal(load_shard(path), tokens)
@@ -2122,7 +2126,8 @@ def write_markov_corpus(train_pattern: str, val_pattern: str, vocab_size: int, b
                 raise ValueError(f"{path} exists and was not written by the synthetic-corpus generator: refusing "
                                  "to overwrite it. Point --train_files/--val_files at a folder of their own, or "
                                  "train on the file with --markov_corpus false")
-        else:
+    for path, marker, tokens in zip(paths, markers, shards):
+        if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             write_shard(path, tokens)
         marker.write_text(digest(path) + "\n")

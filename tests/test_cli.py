@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,6 +99,20 @@ def test_the_smoke_generator_never_overwrites_a_file_it_did_not_write(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-2] + b"\x00\x00")
     with pytest.raises(ValueError, match="refusing"):
         tg.write_markov_corpus(train, val, 64, 63, 1024, train_tokens=20_000)
+
+
+def test_a_refused_smoke_corpus_writes_no_file_at_all(tmp_path):
+    """A foreign markov_train_000001.bin beside the smoke corpus' val shard (issue 61 item 5): the val shard and
+    its .markov sidecar were written before the train shard was found foreign; now the folder is left as it was."""
+    folder = tmp_path / "smoke"
+    folder.mkdir()
+    tg.write_shard(folder / "markov_train_000001.bin", np.arange(1000) % 60)
+    before = hashlib.md5((folder / "markov_train_000001.bin").read_bytes()).hexdigest()
+    with pytest.raises(ValueError, match="markov_train_000001.bin exists and was not written by the synthetic-corpus"):
+        tg.write_markov_corpus(str(folder / "markov_train_*.bin"), str(folder / "markov_val_*.bin"), 64, 63, 1024,
+                               train_tokens=20_000)
+    assert [p.name for p in folder.iterdir()] == ["markov_train_000001.bin"]
+    assert hashlib.md5((folder / "markov_train_000001.bin").read_bytes()).hexdigest() == before
 
 
 def test_a_damaged_later_training_shard_is_found_at_start_up(tiny_args, tmp_path):
