@@ -582,8 +582,14 @@ def parse_args(argv: list[str] | None = None) -> Hyperparameters:
         parser.error(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
     base: dict = {}
     if given.get("resume"):
-        checkpoint = find_checkpoint(given["resume"], given.get("checkpoint_dir", defaults.checkpoint_dir))
-        saved = stored_args(read_checkpoint_file(checkpoint / "model.pt")["args"])
+        where = given.get("checkpoint_dir", defaults.checkpoint_dir)
+        checkpoint = find_checkpoint(given["resume"], where)
+        meta = read_checkpoint_file(checkpoint / "model.pt")
+        saved = stored_args(meta["args"])
+        if given["resume"] == "latest" and int(os.environ.get("RANK", 0)) == 0:  # the newest of any run: say which
+            preset = f", preset {saved['preset']}" if "preset" in saved else ""
+            print(f"--resume latest: {checkpoint} (run {checkpoint.parent.name}{preset}, step {meta['step']} of "
+                  f"{saved['num_iterations']}), the newest checkpoint under {where}/", flush=True)
         base = {k: v for k, v in saved.items() if k in fields and k != "run_id"}  # run id: name_run decides
         given["resume"] = str(checkpoint)
     if "preset" in given or not base:
@@ -2988,10 +2994,10 @@ def start_processes(args: Hyperparameters) -> tuple[int, int, torch.device]:
     return rank, world_size, device
 
 
-def changed_fields(checkpoint: Path, args: Hyperparameters) -> list[str]:
+def changed_fields(saved: dict, args: Hyperparameters) -> list[str]:
     """'field: checkpoint value -> this run's' for each hyperparameter that differs from the one the
-    checkpoint was written with (the checkpoint and run id aside)."""
-    saved = stored_args(read_checkpoint_file(checkpoint / "model.pt")["args"])
+    checkpoint was written with (saved: its model.pt's args; the checkpoint and run id aside)."""
+    saved = stored_args(saved)
     return [f"{k}: {cli_text(v)} -> {cli_text(getattr(args, k))}" for k, v in saved.items()
             if k not in ("resume", "run_id") and hasattr(args, k) and v != getattr(args, k)]
 
@@ -3001,11 +3007,19 @@ def name_run(args: Hyperparameters, world_size: int) -> tuple[Hyperparameters, P
     A resume never changes the run it starts from: with the same hyperparameters, from that run's newest
     checkpoint and into its own folder, it continues the run (same id, folder and log); otherwise
     (changed flags, or an earlier checkpoint, whose run already went on) it is a new run with a new id
-    whose log names its parent. A new run never writes into a folder that holds checkpoints."""
+    whose log names its parent. A new run never writes into a folder that holds checkpoints, nor into
+    an existing log. A checkpoint with no step left to train is refused before anything is written."""
     resume = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
     branch = None
     if resume is not None:
-        branch = changed_fields(resume, args)
+        meta = read_checkpoint_file(resume / "model.pt")
+        step, N = meta["step"], args.num_iterations
+        if step >= N:  # a finished run: resuming it would only append an empty "resumed ... finished" block
+            done = f" (run {resume.parent.name} finished there)" if step == meta["args"]["num_iterations"] else ""
+            raise ValueError(f"--resume {resume}: nothing to train: the checkpoint is at step {step} and "
+                             f"num_iterations is {N}{done}; to train further, resume with --num_iterations above "
+                             f"{step} (a new run)")
+        branch = changed_fields(meta["args"], args)
         newest = sorted(resume.parent.glob("step_??????"))[-1]
         if newest != resume:
             branch.append(f"{resume.parent} went on to {newest.name}")
@@ -3022,6 +3036,11 @@ def name_run(args: Hyperparameters, world_size: int) -> tuple[Hyperparameters, P
     if (resume is None or branch is not None) and any(folder.glob("step_??????")):
         raise ValueError(f"--run_id {args.run_id}: {folder} already holds checkpoints of another run (or of this "
                          "one before the changes); leave --run_id out for a new id, or name another")
+    log_file = Path(args.log_dir) / f"{args.run_id}.txt"  # Logger's path
+    if (resume is None or branch is not None) and log_file.exists():  # a new run: its log would follow another's
+        raise ValueError(f"--run_id {args.run_id}: {log_file} already holds another run's log; leave --run_id out "
+                         "for a new id, or name another (a log goes on only when --resume continues its run from "
+                         "the run's newest checkpoint)")
     return args, resume, branch
 
 

@@ -27,7 +27,8 @@ Only record runs count: a log whose hyperparameter lines say another preset than
 `record-0903`, a vocab_size other than 50304, or a validation set other than the record's
 (val_tokens 10485760 of data/fineweb10B/fineweb_val_*.bin) is listed under "not counted" with
 the reason, so a smoke run never passes against 3.28. Logs without hyperparameter lines (the
-public speedrun's) count.
+public speedrun's) count. A log holding more than one run (train_gpt.py's header more than once)
+is listed there too.
 
 Exit status: 0 when p < 0.01 (and, with --time-claim, the time claim holds at p < 0.01 too);
 1 when not, or when fewer than 2 runs count; 2 on a usage error (e.g. a path that does not exist,
@@ -184,7 +185,20 @@ def parse_text(text: str, path: Path | str = "<text>") -> RunLog:
         run.code_sha256 = hashlib.sha256(run.code.encode("utf-8", "surrogateescape")).hexdigest()
         run.params, env = _header(body)
         _environment(run, env)
+    _read_steps(run, body)
+    # train_gpt.py starts each run's log with its source and settings, between two lines of 100 '=' (a resumed
+    # run adds no header): more means runs appended to one log (a --run_id used again, before the trainer
+    # refused that). Public speedrun logs (no hyperparameter lines) print a varying number of such lines.
+    starts = sum(line.rstrip("\r") == SEPARATOR for line in text.splitlines()) // 2
+    if run.params and starts > 1:
+        run.error = (f"holds {starts} runs, not one (the source and settings appear {starts} times: runs "
+                     "appended to one log under one run id); check each run from a log of its own")
+    return run
 
+
+def _read_steps(run: RunLog, body: str) -> None:
+    """The step and validation lines of the log's body into run: steps, validations, the final loss and
+    time, or the reason there are none (run.error)."""
     totals: collections.Counter[int] = collections.Counter()
     last_step = None
     final: tuple[float, float] | None = None
@@ -214,11 +228,11 @@ def parse_text(text: str, path: Path | str = "<text>") -> RunLog:
 
     if not totals:
         run.error = "no step lines (step:N/T ...) found"
-        return run
+        return
     if len(totals) > 1:
         run.error = "step lines disagree on the total step count: " + ", ".join(
             f"T={t} ({c} lines)" for t, c in totals.most_common())
-        return run
+        return
     run.total_steps = next(iter(totals))
     run.last_step = last_step
     if final is None:
@@ -228,16 +242,15 @@ def parse_text(text: str, path: Path | str = "<text>") -> RunLog:
             run.error = f"no readable final validation line ({bad_val})"
         else:
             run.error = f"no final validation line (step:{run.total_steps}/{run.total_steps} val_loss:...)"
-        return run
+        return
     loss, time_ms = final
     if not math.isfinite(loss):
         run.error = f"final val_loss is {loss}"
-        return run
+        return
     if not math.isfinite(time_ms):
         run.error = "final validation line has no train_time:...ms"
-        return run
+        return
     run.final_loss, run.final_time_s = loss, time_ms / 1000.0
-    return run
 
 
 def parse_log(path: Path | str) -> RunLog:

@@ -126,6 +126,23 @@ def test_check_names_truncated_and_unfinished_logs_and_leaves_them_out(runs, tmp
     assert "not counted:" in report and str(cut) in report and str(unfinished) in report
 
 
+def test_check_names_and_skips_a_log_holding_two_runs_and_counts_a_resumed_one(runs, tmp_path):
+    """Two runs appended to one log under one --run_id (issue 61 item 2) were read as one clean run with the second
+    run's loss. A run resumed into its own log (no second header) is one run."""
+    merged = tmp_path / "merged.txt"
+    merged.write_text(write_log(tmp_path / "a.txt", 3.3500, 160000).read_text() +
+                      write_log(tmp_path / "b.txt", 3.2700, 161000).read_text())
+    full = write_log(tmp_path / "full.txt", 3.2766, 163000).read_text()
+    resumed = tmp_path / "resumed.txt"
+    resumed.write_text(write_log(tmp_path / "cut.txt", 3.2766, 163000, stop_at=60).read_text() +
+                       "resuming from checkpoints/r/step_000050\n" + full[full.index("step:51/100 "):])
+    result = check.check([*runs, merged, resumed])
+    assert [r.path for r in result.runs] == [*runs, resumed] and result.runs[-1].final_loss == 3.2766
+    assert result.skipped == [(merged, "holds 2 runs, not one (the source and settings appear 2 times: runs appended "
+                                       "to one log under one run id); check each run from a log of its own")]
+    assert f"  {merged}: holds 2 runs, not one" in check.format_report(result)
+
+
 def test_check_counts_a_file_given_twice_and_an_identical_copy_once(runs, tmp_path):
     copy = tmp_path / "elsewhere" / "copy.txt"
     copy.parent.mkdir()
