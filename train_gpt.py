@@ -540,6 +540,14 @@ def cli_text(value) -> str:
     return str(value)
 
 
+# --help opens with these flags and examples, before the presets and the other fields
+FIRST_FLAGS = ("preset", "resume", "save_every", "device", "plan")
+HELP_EXAMPLES = """examples:
+  python train_gpt.py --preset smoke             # a tiny model on a built-in synthetic corpus, CPU or GPU
+  ./run.sh --save_every 200                      # the record on 8 GPUs (NPROC=4 ./run.sh: on 4), checkpoints
+  ./run.sh --resume latest                       # continue the newest checkpoint under checkpoints/"""
+
+
 def parse_args(argv: list[str] | None = None) -> Hyperparameters:
     """Hyperparameters from `--field value` pairs over a base: the checkpoint's hyperparameters when
     resuming (so `--resume CKPT` alone continues a run exactly), else the preset's (default: record).
@@ -552,15 +560,22 @@ def parse_args(argv: list[str] | None = None) -> Hyperparameters:
     shown = shown if shown in PRESETS else DEFAULT_PRESET
     defaults = Hyperparameters(**PRESETS[shown][1], preset=shown)
     helps = field_help()
-    presets = "\n".join(textwrap.fill(text, 100, initial_indent=f"  {name:12s}", subsequent_indent=" " * 14)
+    presets = "\n".join(textwrap.fill(text, 98, initial_indent=f"{name:12s}", subsequent_indent=" " * 12)
                         for name, (text, _) in PRESETS.items())
+    title, about = __doc__.split("\n", 1)
     parser = _Parser(prog="train_gpt.py", formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(
                          prog, width=110, max_help_position=34),
                      usage="train_gpt.py [--preset NAME] [--plan] [--FIELD VALUE ...]  (or torchrun ... train_gpt.py ...)",
-                     argument_default=argparse.SUPPRESS, allow_abbrev=False,
-                     description=f"{__doc__}\npresets (--preset NAME, then any field overrides; defaults below are "
-                                 f"--preset {shown}'s):\n{presets}")
-    for name in fields:
+                     argument_default=argparse.SUPPRESS, allow_abbrev=False, add_help=False,
+                     description=f"{title}\n\n{HELP_EXAMPLES}", epilog=about.strip())
+    # what a newcomer needs first (issue 61), then the presets, then every other field in the dataclass' order
+    first = parser.add_argument_group("the flags most runs need")
+    first.add_argument("-h", "--help", action="help", help="show this help and exit")
+    groups = {name: first for name in FIRST_FLAGS}
+    parser.add_argument_group(f"presets (--preset NAME, then any field overrides; defaults below are --preset "
+                              f"{shown}'s)", presets)
+    rest = parser.add_argument_group("every other field (--FIELD VALUE)")
+    for name in [*FIRST_FLAGS, *(n for n in fields if n not in FIRST_FLAGS)]:
         default = getattr(defaults, name)
         if name == "stages":
             kind = _stages
@@ -570,8 +585,8 @@ def parse_args(argv: list[str] | None = None) -> Hyperparameters:
             kind = _bool if isinstance(default, bool) else type(default)
         flag = dict(nargs="?", const=True) if kind is _bool else {}  # a true/false field alone means true
         metavar = "ROWS" if name == "stages" else "LIST" if isinstance(default, tuple) else type(default).__name__.upper()
-        parser.add_argument(f"--{name}", type=kind, metavar=metavar, **flag,
-                            help=f"{helps.get(name, '')} (default: {cli_text(default) or chr(34) * 2})".lstrip())
+        groups.get(name, rest).add_argument(f"--{name}", type=kind, metavar=metavar, **flag,
+                                            help=f"{helps.get(name, '')} (default: {cli_text(default) or chr(34) * 2})".lstrip())
     columns = parser.add_argument_group("single columns of --stages (applied after it)")
     for flag, (_, kind, text) in STAGE_COLUMNS.items():
         columns.add_argument(f"--{flag}", type=kind, metavar="LIST", help=text)
