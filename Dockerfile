@@ -46,10 +46,16 @@ COPY . .
 # What a run writes goes to volumes, so that it outlives `docker run --rm` when they are mounted:
 # the shards (data/), checkpoints/ (a Ctrl-C or SIGTERM writes one), logs/, and the compile cache,
 # so that a second run does not compile from cold: Inductor's graphs in TORCHINDUCTOR_CACHE_DIR, every
-# compiled Triton kernel (Inductor's and kernels.py's) in TRITON_CACHE_DIR.
+# compiled Triton kernel (Inductor's and kernels.py's) in TRITON_CACHE_DIR. The GPT-2 tokenizer files
+# the record preset loads at start (tiktoken's) are fetched at build time into TIKTOKEN_CACHE_DIR on the
+# cache volume, before VOLUME (what a build step writes there after it is discarded): Docker copies them
+# into a new, empty named volume, so a node without network starts and no run downloads them again (a
+# cache volume made by an older image gets them from its first run with network).
 ENV TORCHINDUCTOR_CACHE_DIR=/workspace/cache/inductor \
-    TRITON_CACHE_DIR=/workspace/cache/triton
-RUN mkdir -p data checkpoints logs cache/inductor cache/triton
+    TRITON_CACHE_DIR=/workspace/cache/triton \
+    TIKTOKEN_CACHE_DIR=/workspace/cache/tiktoken
+RUN mkdir -p data checkpoints logs cache/inductor cache/triton cache/tiktoken \
+ && python -c "import tiktoken; tiktoken.get_encoding('gpt2')"
 VOLUME ["/workspace/data", "/workspace/checkpoints", "/workspace/logs", "/workspace/cache"]
 
 ENTRYPOINT ["./run.sh"]

@@ -235,6 +235,13 @@ class Hyperparameters:
         for name in ("num_iterations", "batch_size", "seq_len", "val_tokens", "val_seq_len", "max_doc_len"):
             if getattr(h, name) < 1:
                 raise ValueError(f"--{name} {getattr(h, name)}: must be positive")
+        # cadences: 0 means "never" (save, validate, log) or "keep all"; a negative count used to act as 0
+        for name, what, zero in (("save_every", "steps between checkpoints", "saves only at a SIGTERM or Ctrl-C"),
+                                 ("val_every", "steps between validations", "validates only at the end"),
+                                 ("log_every", "steps between progress lines", "logs none"),
+                                 ("keep_checkpoints", "the newest checkpoints kept per run", "keeps them all")):
+            if getattr(h, name) < 0:
+                raise ValueError(f"--{name} {getattr(h, name)}: {what}, or 0 ({zero}); not negative")
         if h.max_num_docs < 0:
             raise ValueError(f"--max_num_docs {h.max_num_docs}: a positive count, or 0 to size it from the data")
         if h.batch_size % h.seq_len:
@@ -250,9 +257,13 @@ class Hyperparameters:
             if row.batch and (row.batch % micro or row.batch // micro > h.seq_len):
                 raise ValueError(f"stage {i}: batch={row.batch} must split into batch_size/seq_len={micro} "
                                  f"micro-batches of at most seq_len={h.seq_len} tokens")
-        if not 0 <= h.extension_steps < h.num_iterations or (h.extension_steps > 0) != (h.extension_window > 0):
-            raise ValueError(f"extension_steps={h.extension_steps} and extension_window={h.extension_window}: "
-                             f"both zero, or a window and fewer steps than num_iterations={h.num_iterations}")
+        if h.extension_steps < 0 or (h.extension_steps > 0) != (h.extension_window > 0):
+            raise ValueError(f"extension_steps={h.extension_steps} and extension_window={h.extension_window}: both "
+                             "zero (no extension), or a number of steps and a long window in blocks")
+        if h.extension_steps >= h.num_iterations:  # the extension is the run's last steps: some must come before
+            raise ValueError(f"num_iterations={h.num_iterations} leaves no step before the {h.extension_steps}-step "
+                             f"extension: give --num_iterations {h.extension_steps + 1} or more, or leave the "
+                             "extension out with --extension_steps 0 --extension_window 0")
         if len(h.mlp_muon_lr_mults) not in (0, 2) or not all(0 < m < math.inf for m in h.mlp_muon_lr_mults):
             raise ValueError(f"mlp_muon_lr_mults={h.mlp_muon_lr_mults}: empty, or two positive numbers (input, output)")
         if len(h.scalar_adam_betas) not in (0, 2):
@@ -478,6 +489,14 @@ def cli_text(value) -> str:
     return str(value)
 
 
+# --help opens with these flags and examples, before the presets and the other fields
+FIRST_FLAGS = ("preset", "resume", "save_every", "device", "plan")
+HELP_EXAMPLES = """examples:
+  python train_gpt.py --preset smoke             # a tiny model on a built-in synthetic corpus, CPU or GPU
+  ./run.sh --save_every 200                      # the record on 8 GPUs (NPROC=4 ./run.sh: on 4), checkpoints
+  ./run.sh --resume latest                       # continue the newest checkpoint under checkpoints/"""
+
+
 def parse_args(argv: list[str] | None = None) -> Hyperparameters:
     """Hyperparameters from `--field value` pairs over a base: the checkpoint's hyperparameters when
     resuming (so `--resume CKPT` alone continues a run exactly), else the preset's (default: record).
@@ -490,15 +509,22 @@ def parse_args(argv: list[str] | None = None) -> Hyperparameters:
     shown = shown if shown in PRESETS else DEFAULT_PRESET
     defaults = Hyperparameters(**PRESETS[shown][1], preset=shown)
     helps = field_help()
-    presets = "\n".join(textwrap.fill(text, 100, initial_indent=f"  {name:12s}", subsequent_indent=" " * 14)
+    presets = "\n".join(textwrap.fill(text, 98, initial_indent=f"{name:12s}", subsequent_indent=" " * 12)
                         for name, (text, _) in PRESETS.items())
+    title, about = __doc__.split("\n", 1)
     parser = _Parser(prog="train_gpt.py", formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(
                          prog, width=110, max_help_position=34),
                      usage="train_gpt.py [--preset NAME] [--plan] [--FIELD VALUE ...]  (or torchrun ... train_gpt.py ...)",
-                     argument_default=argparse.SUPPRESS, allow_abbrev=False,
-                     description=f"{__doc__}\npresets (--preset NAME, then any field overrides; defaults below are "
-                                 f"--preset {shown}'s):\n{presets}")
-    for name in fields:
+                     argument_default=argparse.SUPPRESS, allow_abbrev=False, add_help=False,
+                     description=f"{title}\n\n{HELP_EXAMPLES}", epilog=about.strip())
+    # what a newcomer needs first (issue 61), then the presets, then every other field in the dataclass' order
+    first = parser.add_argument_group("the flags most runs need")
+    first.add_argument("-h", "--help", action="help", help="show this help and exit")
+    groups = {name: first for name in FIRST_FLAGS}
+    parser.add_argument_group(f"presets (--preset NAME, then any field overrides; defaults below are --preset "
+                              f"{shown}'s)", presets)
+    rest = parser.add_argument_group("every other field (--FIELD VALUE)")
+    for name in [*FIRST_FLAGS, *(n for n in fields if n not in FIRST_FLAGS)]:
         default = getattr(defaults, name)
         if name == "stages":
             kind = _stages
@@ -508,8 +534,8 @@ def parse_args(argv: list[str] | None = None) -> Hyperparameters:
             kind = _bool if isinstance(default, bool) else type(default)
         flag = dict(nargs="?", const=True) if kind is _bool else {}  # a true/false field alone means true
         metavar = "ROWS" if name == "stages" else "LIST" if isinstance(default, tuple) else type(default).__name__.upper()
-        parser.add_argument(f"--{name}", type=kind, metavar=metavar, **flag,
-                            help=f"{helps.get(name, '')} (default: {cli_text(default) or chr(34) * 2})".lstrip())
+        groups.get(name, rest).add_argument(f"--{name}", type=kind, metavar=metavar, **flag,
+                                            help=f"{helps.get(name, '')} (default: {cli_text(default) or chr(34) * 2})".lstrip())
     columns = parser.add_argument_group("single columns of --stages (applied after it)")
     for flag, (_, kind, text) in STAGE_COLUMNS.items():
         columns.add_argument(f"--{flag}", type=kind, metavar="LIST", help=text)
@@ -520,8 +546,14 @@ def parse_args(argv: list[str] | None = None) -> Hyperparameters:
         parser.error(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
     base: dict = {}
     if given.get("resume"):
-        checkpoint = find_checkpoint(given["resume"], given.get("checkpoint_dir", defaults.checkpoint_dir))
-        saved = stored_args(read_checkpoint_file(checkpoint / "model.pt")["args"])
+        where = given.get("checkpoint_dir", defaults.checkpoint_dir)
+        checkpoint = find_checkpoint(given["resume"], where)
+        meta = read_checkpoint_file(checkpoint / "model.pt")
+        saved = stored_args(meta["args"])
+        if given["resume"] == "latest" and int(os.environ.get("RANK", 0)) == 0:  # the newest of any run: say which
+            preset = f", preset {saved['preset']}" if "preset" in saved else ""
+            print(f"--resume latest: {checkpoint} (run {checkpoint.parent.name}{preset}, step {meta['step']} of "
+                  f"{saved['num_iterations']}), the newest checkpoint under {where}/", flush=True)
         base = {k: v for k, v in saved.items() if k in fields and k != "run_id"}  # run id: name_run decides
         given["resume"] = str(checkpoint)
     if "preset" in given or not base:
@@ -1999,7 +2031,8 @@ def write_markov_corpus(train_pattern: str, val_pattern: str, vocab_size: int, b
     """Write the smoke preset's corpus (one val and one train shard) unless already there; return
     its entropy floor. Deterministic: every machine writes the same bytes. A `.markov` file beside
     each shard holds its sha256, so a later run skips the work; an existing file that does not hold
-    exactly the generator's tokens is never overwritten (it may be the user's data)."""
+    exactly the generator's tokens is never overwritten (it may be the user's data): every target is checked
+    before any file is written, so a refusal leaves nothing behind."""
     Q, entropy = markov_chain(vocab_size, bos_id, seed)
     paths = [Path(val_pattern.replace("*", "000000")), Path(train_pattern.replace("*", "000001"))]
     sizes = [2 * val_tokens, train_tokens]
@@ -2010,7 +2043,8 @@ def write_markov_corpus(train_pattern: str, val_pattern: str, vocab_size: int, b
     rng = np.random.default_rng(seed + 1)
     cdf = Q.cumsum(axis=1)
     cdf[:, -1] = 1.0
-    for path, marker, n in zip(paths, markers, sizes):  # both sampled, in order: the bytes never vary
+    shards = []
+    for n in sizes:  # both sampled, in order: the bytes never vary
         # Sample chains side by side, each starting at a BOS and cut just before its last BOS, so laid
         # end to end they are one valid realisation of the chain (no impossible transitions).
         streams = max(1, min(1024, n // 4000))
@@ -2022,6 +2056,8 @@ def write_markov_corpus(train_pattern: str, val_pattern: str, vocab_size: int, b
         tokens = np.concatenate([row[: np.flatnonzero(row == bos_id)[-1]] for row in out])[:n]
         if tokens.size < n:
             raise RuntimeError(f"Markov corpus: sampled {tokens.size} tokens, fewer than {n}")
+        shards.append(tokens)
+    for path, tokens in zip(paths, shards):  # every target checked before any file is written
         if path.exists():  # ours only if it holds exactly what the generator writes
             try:
                 ours = np.array_equal(load_shard(path), tokens)
@@ -2031,7 +2067,8 @@ def write_markov_corpus(train_pattern: str, val_pattern: str, vocab_size: int, b
                 raise ValueError(f"{path} exists and was not written by the synthetic-corpus generator: refusing "
                                  "to overwrite it. Point --train_files/--val_files at a folder of their own, or "
                                  "train on the file with --markov_corpus false")
-        else:
+    for path, marker, tokens in zip(paths, markers, shards):
+        if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             write_shard(path, tokens)
         marker.write_text(digest(path) + "\n")
@@ -2894,10 +2931,10 @@ def start_processes(args: Hyperparameters) -> tuple[int, int, torch.device]:
     return rank, world_size, device
 
 
-def changed_fields(checkpoint: Path, args: Hyperparameters) -> list[str]:
+def changed_fields(saved: dict, args: Hyperparameters) -> list[str]:
     """'field: checkpoint value -> this run's' for each hyperparameter that differs from the one the
-    checkpoint was written with (the checkpoint and run id aside)."""
-    saved = stored_args(read_checkpoint_file(checkpoint / "model.pt")["args"])
+    checkpoint was written with (saved: its model.pt's args; the checkpoint and run id aside)."""
+    saved = stored_args(saved)
     return [f"{k}: {cli_text(v)} -> {cli_text(getattr(args, k))}" for k, v in saved.items()
             if k not in ("resume", "run_id") and hasattr(args, k) and v != getattr(args, k)]
 
@@ -2907,11 +2944,19 @@ def name_run(args: Hyperparameters, world_size: int) -> tuple[Hyperparameters, P
     A resume never changes the run it starts from: with the same hyperparameters, from that run's newest
     checkpoint and into its own folder, it continues the run (same id, folder and log); otherwise
     (changed flags, or an earlier checkpoint, whose run already went on) it is a new run with a new id
-    whose log names its parent. A new run never writes into a folder that holds checkpoints."""
+    whose log names its parent. A new run never writes into a folder that holds checkpoints, nor into
+    an existing log. A checkpoint with no step left to train is refused before anything is written."""
     resume = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
     branch = None
     if resume is not None:
-        branch = changed_fields(resume, args)
+        meta = read_checkpoint_file(resume / "model.pt")
+        step, N = meta["step"], args.num_iterations
+        if step >= N:  # a finished run: resuming it would only append an empty "resumed ... finished" block
+            done = f" (run {resume.parent.name} finished there)" if step == meta["args"]["num_iterations"] else ""
+            raise ValueError(f"--resume {resume}: nothing to train: the checkpoint is at step {step} and "
+                             f"num_iterations is {N}{done}; to train further, resume with --num_iterations above "
+                             f"{step} (a new run)")
+        branch = changed_fields(meta["args"], args)
         newest = sorted(resume.parent.glob("step_??????"))[-1]
         if newest != resume:
             branch.append(f"{resume.parent} went on to {newest.name}")
@@ -2928,6 +2973,11 @@ def name_run(args: Hyperparameters, world_size: int) -> tuple[Hyperparameters, P
     if (resume is None or branch is not None) and any(folder.glob("step_??????")):
         raise ValueError(f"--run_id {args.run_id}: {folder} already holds checkpoints of another run (or of this "
                          "one before the changes); leave --run_id out for a new id, or name another")
+    log_file = Path(args.log_dir) / f"{args.run_id}.txt"  # Logger's path
+    if (resume is None or branch is not None) and log_file.exists():  # a new run: its log would follow another's
+        raise ValueError(f"--run_id {args.run_id}: {log_file} already holds another run's log; leave --run_id out "
+                         "for a new id, or name another (a log goes on only when --resume continues its run from "
+                         "the run's newest checkpoint)")
     return args, resume, branch
 
 

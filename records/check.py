@@ -23,11 +23,12 @@ zero. Runs of different code or GPU count are never pooled: each such set is jud
 whole refused (exit 2); a folder of several other subfolders is judged per subfolder and refused
 with a line naming them. --markdown prints the public speedrun's statistics.md instead.
 
-Only record runs count: a log whose hyperparameter lines say another preset than `record` or
-`record-0903`, a vocab_size other than 50304, or a validation set other than the record's
-(val_tokens 10485760 of data/fineweb10B/fineweb_val_*.bin) is listed under "not counted" with
-the reason, so a smoke run never passes against 3.28. Logs without hyperparameter lines (the
-public speedrun's) count.
+Only record runs count: a log whose hyperparameter lines say another preset than `record`, a
+vocab_size other than 50304, or a validation set other than the record's (val_tokens 10485760 of
+data/fineweb10B/fineweb_val_*.bin) is listed under "not counted" with the reason, so a smoke run
+never passes against 3.28. Logs without hyperparameter lines (the public speedrun's) count. A log
+holding more than one run (train_gpt.py's header more than once) is listed there too. Runs whose
+log shows a CPU device are reported as on the CPU.
 
 Exit status: 0 when p < 0.01 (and, with --time-claim, the time claim holds at p < 0.01 too);
 1 when not, or when fewer than 2 runs count; 2 on a usage error (e.g. a path that does not exist,
@@ -69,7 +70,7 @@ _SMI_DATE_RE = re.compile(r"^(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) ([A-Z][a-z]{2}) +(\
 # "|    0   N/A  N/A         1039695      C   .../bin/python       1512MiB |" (the GPU a rank ran on)
 _SMI_GPU_RE = re.compile(r"^\|\s+\d+\s+(\S.*?)\s+(?:On|Off)\s+\|")
 _SMI_PROC_RE = re.compile(r"^\|\s+(\d+)\s+(?:N/A|\d+)\s+(?:N/A|\d+)\s+\d+\s+[A-Z+]+\s+\S")
-_DEVICE_RE = re.compile(r"^device: \S+ x (\d+)\b")  # train_gpt.py's run report: "device: cuda:0 x 8, ..."
+_DEVICE_RE = re.compile(r"^device: (\S+) x (\d+)\b")  # train_gpt.py's run report: "device: cuda:0 x 8, ..."
 # the versions at the top of the environment report: ours ("PyTorch 2.11.0+cu130", "CUDA 13.0", "Triton 3.6.0")
 # and the public speedrun's ("Running PyTorch 2.10.0+cu128 compiled for CUDA 12.8", "Running Triton version 3.6.0")
 _VERSION_RES = {
@@ -79,10 +80,9 @@ _VERSION_RES = {
     "Triton": re.compile(r"^(?:Running )?Triton(?: version)? (\S+)$"),
 }
 
-# What makes a run a record run (records/README.md, rule 1): a record preset (today's, or the 09/03
-# algorithm it grew from), GPT-2's padded vocabulary, and the first 10,485,760 tokens of the FineWeb
-# 10B validation shard.
-RECORD_PRESETS = ("record", "record-0903")
+# What makes a run a record run (records/README.md, rule 1): the record preset, GPT-2's padded vocabulary,
+# and the first 10,485,760 tokens of the FineWeb 10B validation shard.
+RECORD_PRESETS = ("record",)
 RECORD_VOCAB_SIZE = 50304
 RECORD_VAL_TOKENS = 10_485_760
 RECORD_VAL_SEQ_LEN = 262144  # the public validation buffer: context resets at its edges
@@ -102,6 +102,7 @@ class RunLog:
     date: str | None = None          # YYYY-MM-DD of the run, from nvidia-smi's report if the log has one
     code_sha256: str | None = None   # of the code section: runs with different ones are never pooled
     gpus: int | None = None          # ranks of the run: train_gpt.py's device line, else nvidia-smi's processes
+    cpu: bool = False                # train_gpt.py's device line says cpu: the ranks are CPU processes
     gpu_name: str | None = None      # e.g. "NVIDIA H100 80GB HBM3", from nvidia-smi
     versions: dict[str, str] = dataclasses.field(default_factory=dict)  # Python, PyTorch, CUDA, Triton
     total_steps: int | None = None   # T of the step:N/T lines
@@ -184,7 +185,20 @@ def parse_text(text: str, path: Path | str = "<text>") -> RunLog:
         run.code_sha256 = hashlib.sha256(run.code.encode("utf-8", "surrogateescape")).hexdigest()
         run.params, env = _header(body)
         _environment(run, env)
+    _read_steps(run, body)
+    # train_gpt.py starts each run's log with its source and settings, between two lines of 100 '=' (a resumed
+    # run adds no header): more means runs appended to one log (a --run_id used again, before the trainer
+    # refused that). Public speedrun logs (no hyperparameter lines) print a varying number of such lines.
+    starts = sum(line.rstrip("\r") == SEPARATOR for line in text.splitlines()) // 2
+    if run.params and starts > 1:
+        run.error = (f"holds {starts} runs, not one (the source and settings appear {starts} times: runs "
+                     "appended to one log under one run id); check each run from a log of its own")
+    return run
 
+
+def _read_steps(run: RunLog, body: str) -> None:
+    """The step and validation lines of the log's body into run: steps, validations, the final loss and
+    time, or the reason there are none (run.error)."""
     totals: collections.Counter[int] = collections.Counter()
     last_step = None
     final: tuple[float, float] | None = None
@@ -193,7 +207,8 @@ def parse_text(text: str, path: Path | str = "<text>") -> RunLog:
         m = _STEP_RE.match(line.strip())
         if not m:
             if (d := _DEVICE_RE.match(line)) is not None:
-                run.gpus = int(d.group(1))  # our own report wins over nvidia-smi's process count
+                run.gpus = int(d.group(2))  # our own report wins over nvidia-smi's process count
+                run.cpu = d.group(1) == "cpu"
             continue
         step, total, rest = int(m.group(1)), int(m.group(2)), m.group(3)
         totals[total] += 1
@@ -214,11 +229,11 @@ def parse_text(text: str, path: Path | str = "<text>") -> RunLog:
 
     if not totals:
         run.error = "no step lines (step:N/T ...) found"
-        return run
+        return
     if len(totals) > 1:
         run.error = "step lines disagree on the total step count: " + ", ".join(
             f"T={t} ({c} lines)" for t, c in totals.most_common())
-        return run
+        return
     run.total_steps = next(iter(totals))
     run.last_step = last_step
     if final is None:
@@ -228,16 +243,15 @@ def parse_text(text: str, path: Path | str = "<text>") -> RunLog:
             run.error = f"no readable final validation line ({bad_val})"
         else:
             run.error = f"no final validation line (step:{run.total_steps}/{run.total_steps} val_loss:...)"
-        return run
+        return
     loss, time_ms = final
     if not math.isfinite(loss):
         run.error = f"final val_loss is {loss}"
-        return run
+        return
     if not math.isfinite(time_ms):
         run.error = "final validation line has no train_time:...ms"
-        return run
+        return
     run.final_loss, run.final_time_s = loss, time_ms / 1000.0
-    return run
 
 
 def parse_log(path: Path | str) -> RunLog:
@@ -341,6 +355,13 @@ class CheckResult:
         """The runs' GPU count when the logs say it (one count: sets of several are never pooled)."""
         known = {r.gpus for r in self.runs if r.gpus is not None}
         return known.pop() if len(known) == 1 else None
+
+    @property
+    def where(self) -> str:
+        """' on 8 GPU(s)', ' on the CPU' (CPU runs: their logs' device line), or '' when the logs do not say."""
+        if self.runs and all(r.cpu for r in self.runs):
+            return " on the CPU" + (f" ({self.gpus} processes)" if self.gpus and self.gpus > 1 else "")
+        return f" on {self.gpus} GPU(s)" if self.gpus else ""
 
 
 def _one_sided_p(values: Sequence[float], bound: float) -> tuple[float, str | None]:
@@ -519,7 +540,7 @@ def format_report(result: CheckResult, label: Callable[[Path], str] = str, verdi
     if not result.unpooled:
         out.append("")
         out.append(f"runs: {result.n}" + (f" of {result.total_steps} steps" if result.total_steps else "")
-                   + (f" on {result.gpus} GPU(s)" if result.gpus else ""))
+                   + result.where)
     if result.n >= 2:
         out.append(f"val_loss: mean {result.mean_loss:.4f}  std {result.std_loss:.4f}  "
                    f"(target {result.target:g})")

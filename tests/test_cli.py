@@ -2,10 +2,12 @@
 every field and preset, data never overwritten, failures found at start-up, a resume hint that is
 a whole command, and non-zero exits when a run did not finish."""
 import hashlib
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,6 +101,20 @@ def test_the_smoke_generator_never_overwrites_a_file_it_did_not_write(tmp_path):
         tg.write_markov_corpus(train, val, 64, 63, 1024, train_tokens=20_000)
 
 
+def test_a_refused_smoke_corpus_writes_no_file_at_all(tmp_path):
+    """A foreign markov_train_000001.bin beside the smoke corpus' val shard (issue 61 item 5): the val shard and
+    its .markov sidecar were written before the train shard was found foreign; now the folder is left as it was."""
+    folder = tmp_path / "smoke"
+    folder.mkdir()
+    tg.write_shard(folder / "markov_train_000001.bin", np.arange(1000) % 60)
+    before = hashlib.md5((folder / "markov_train_000001.bin").read_bytes()).hexdigest()
+    with pytest.raises(ValueError, match="markov_train_000001.bin exists and was not written by the synthetic-corpus"):
+        tg.write_markov_corpus(str(folder / "markov_train_*.bin"), str(folder / "markov_val_*.bin"), 64, 63, 1024,
+                               train_tokens=20_000)
+    assert [p.name for p in folder.iterdir()] == ["markov_train_000001.bin"]
+    assert hashlib.md5((folder / "markov_train_000001.bin").read_bytes()).hexdigest() == before
+
+
 def test_a_damaged_later_training_shard_is_found_at_start_up(tiny_args, tmp_path):
     args = tiny_args(num_iterations=2, run_id="bad")
     second = sorted(Path(args.train_files).parent.glob("syn_train_*.bin"))[1]
@@ -168,6 +184,31 @@ def test_cpu_runs_report_a_float32_head_and_memory_per_process(tiny_args, capsys
 def test_sizes_and_step_counts_must_be_positive(argv):
     with pytest.raises(ValueError, match=f"^{argv[0]} {argv[1]}: must be positive$"):
         tg.parse_args(argv)
+
+
+@pytest.mark.parametrize("name, zero", [("save_every", "saves only at a SIGTERM or Ctrl-C"),
+                                        ("val_every", "validates only at the end"), ("log_every", "logs none"),
+                                        ("keep_checkpoints", "keeps them all")])
+def test_negative_cadences_are_refused_naming_what_0_means(name, zero):
+    """--save_every -1 was taken and acted as 0 (issue 61 item 4); refused before save_every's check against
+    adam_every (the record's 2), which would name the wrong fix."""
+    for preset in ("smoke", "record"):
+        with pytest.raises(ValueError, match=rf"^--{name} -1: .*, or 0 \({re.escape(zero)}\); not negative$"):
+            tg.parse_args(["--preset", preset, f"--{name}", "-1"])
+    assert getattr(tg.parse_args([f"--{name}", "0"]), name) == 0
+
+
+def test_too_few_steps_for_the_extension_name_both_fixes(capsys):
+    """`--num_iterations 10 --plan` with the record's 20-step extension (issue 61 item 6): one line naming the
+    step count that fits and the flags that turn the extension off; either fix then plans."""
+    assert tg.main(["--num_iterations", "10", "--plan"]) == 1
+    assert capsys.readouterr().err == (
+        "train_gpt.py: error: num_iterations=10 leaves no step before the 20-step extension: give "
+        "--num_iterations 21 or more, or leave the extension out with --extension_steps 0 --extension_window 0\n")
+    for fix in (["--num_iterations", "21"], ["--num_iterations", "10", "--extension_steps", "0", "--extension_window", "0"]):
+        assert tg.main([*fix, "--plan"]) == 0, fix
+    with pytest.raises(ValueError, match="extension_steps=5 and extension_window=0: both zero"):
+        tg.parse_args(["--extension_steps", "5", "--extension_window", "0"])
 
 
 def test_no_gpu_reason_quotes_the_warning_torch_gives(monkeypatch):

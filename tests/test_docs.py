@@ -56,8 +56,17 @@ def pip_installs(dockerfile: str) -> list[list[str]]:
     for word, args in instructions(dockerfile):
         if word != "RUN":
             continue
-        for part in re.split(r"&&|;|\|\||\bthen\b", args):
-            tokens = shlex.split(part.replace("$", "_"))  # no shell expansion, only the words
+        # the words (no shell expansion), split into commands at && ; || | and `then` outside quotes (a quoted
+        # `python -c "import tiktoken; ..."` is one word)
+        lexer = shlex.shlex(args.replace("$", "_"), posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        parts = [[]]
+        for token in lexer:
+            if token in ("&&", ";", "||", "|", "then"):
+                parts.append([])
+            else:
+                parts[-1].append(token)
+        for tokens in parts:
             for i in range(len(tokens) - 1):
                 if tokens[i].endswith("pip") and tokens[i + 1] == "install":
                     cmds.append(tokens[i + 2:])
@@ -149,6 +158,19 @@ def check_volumes(dockerfile: str, checkpoint_dir: str, log_dir: str) -> None:
         needed["Triton cache"] = env["TRITON_CACHE_DIR"]
     for what, path in needed.items():
         assert any(under(path, v) for v in vols), f"{what} ({path}) is on none of the volumes {sorted(vols)}"
+
+
+def check_tokenizer_cache(dockerfile: str) -> None:
+    """tiktoken's GPT-2 files (the record preset loads them at start) lie on a volume, fetched at build time
+    before VOLUME (after it a build step's writes there are discarded): an offline node starts, no run downloads."""
+    env, vols = env_vars(dockerfile), volumes(dockerfile)
+    assert "TIKTOKEN_CACHE_DIR" in env, "TIKTOKEN_CACHE_DIR is not set: every --rm run downloads the GPT-2 tokenizer"
+    assert any(under(env["TIKTOKEN_CACHE_DIR"], v) for v in vols), \
+        f"the tokenizer cache ({env['TIKTOKEN_CACHE_DIR']}) is on none of the volumes {sorted(vols)}"
+    steps = instructions(dockerfile)
+    fill = [i for i, (word, args) in enumerate(steps) if word == "RUN" and "get_encoding('gpt2')" in args]
+    volume = [i for i, (word, _) in enumerate(steps) if word == "VOLUME"]
+    assert fill and volume and fill[0] < volume[0], "the GPT-2 tokenizer files are not fetched at build time before VOLUME"
 
 
 # ---- README
@@ -351,6 +373,12 @@ def test_dockerfile_volumes_hold_data_checkpoints_logs_and_compile_cache():
     check_volumes(DOCKERFILE.read_text(), args.checkpoint_dir.rstrip("/"), args.log_dir.rstrip("/"))
 
 
+def test_dockerfile_keeps_the_gpt2_tokenizer_files_on_the_cache_volume_fetched_at_build():
+    """Issue 61 item 7: the image had no TIKTOKEN_CACHE_DIR: each --rm run downloaded the GPT-2 files again and an
+    offline node failed at start."""
+    check_tokenizer_cache(DOCKERFILE.read_text())
+
+
 def test_readme_docker_run_mounts_every_volume():
     """The README's `docker run --rm` example mounts each volume, so nothing a run writes goes with the container."""
     readme_cmds = commands(README.read_text())
@@ -426,7 +454,8 @@ RUN pip install torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130
  && echo "torch==2.11.0" > /opt/c.txt
 RUN pip install -c /opt/c.txt -r requirements.txt
 RUN if [ "$HOPPER" = 1 ]; then pip install --no-deps xformers==0.0.34; fi
-ENV TORCHINDUCTOR_CACHE_DIR=/workspace/cache/inductor
+ENV TORCHINDUCTOR_CACHE_DIR=/workspace/cache/inductor TIKTOKEN_CACHE_DIR=/workspace/cache/tiktoken
+RUN python -c "import tiktoken; tiktoken.get_encoding('gpt2')"
 VOLUME ["/workspace/data", "/workspace/checkpoints", "/workspace/logs", "/workspace/cache"]
 """
 GOOD_README = "\n".join([
@@ -441,6 +470,7 @@ def test_the_checks_catch_mistakes(tmp_path):
     check_torch_matches_base(GOOD_DOCKERFILE)
     check_torch_kept(GOOD_DOCKERFILE)
     check_volumes(GOOD_DOCKERFILE, "checkpoints", "logs")
+    check_tokenizer_cache(GOOD_DOCKERFILE)
     check_first_screen(GOOD_README, GOOD_CI)
     # the issue's Dockerfile: a CUDA 12.6 base with a CUDA 13 torch
     with pytest.raises(AssertionError, match="CUDA 12.6"):
@@ -461,6 +491,13 @@ def test_the_checks_catch_mistakes(tmp_path):
         check_volumes(GOOD_DOCKERFILE.replace("/workspace/cache/inductor", "/tmp/inductor"), "checkpoints", "logs")
     with pytest.raises(AssertionError, match="TORCHINDUCTOR_CACHE_DIR is not set"):
         check_volumes(GOOD_DOCKERFILE.replace("ENV TORCHINDUCTOR_CACHE_DIR", "ENV OTHER"), "checkpoints", "logs")
+    with pytest.raises(AssertionError, match="TIKTOKEN_CACHE_DIR is not set"):
+        check_tokenizer_cache(GOOD_DOCKERFILE.replace(" TIKTOKEN_CACHE_DIR=", " OTHER="))
+    with pytest.raises(AssertionError, match="on none of the volumes"):
+        check_tokenizer_cache(GOOD_DOCKERFILE.replace("/workspace/cache/tiktoken", "/root/.cache/tiktoken"))
+    with pytest.raises(AssertionError, match="not fetched at build time before VOLUME"):  # after VOLUME: discarded
+        check_tokenizer_cache(GOOD_DOCKERFILE.replace('RUN python -c "import tiktoken; tiktoken.get_encoding(\'gpt2\')"\n', "")
+                              + 'RUN python -c "import tiktoken; tiktoken.get_encoding(\'gpt2\')"\n')
     # the issue's README: requirements.txt alone, no CPU build, no Hopper attention
     with pytest.raises(AssertionError, match="CPU set-up"):
         check_first_screen(GOOD_README.replace(f"pip install torch --index-url {CPU_INDEX} && ", ""), GOOD_CI)

@@ -25,7 +25,7 @@ def help_text(capsys, *argv) -> str:
 
 def defaults_shown(out: str) -> dict[str, str]:
     """--field -> the text after '(default: ' in its help, the lines of one entry joined."""
-    entries = re.split(r"\n  (?=--\w)", out.split("\noptions:\n", 1)[1])
+    entries = re.split(r"\n  (?=--\w)", out.split("\nthe flags most runs need:\n", 1)[1])
     shown = {}
     for entry in entries:
         entry = entry.split("\n\n")[0]  # the last field's entry ends where the next group begins
@@ -47,6 +47,21 @@ def test_help_lists_the_presets_before_any_field_and_describes_every_field(capsy
     for name in fields:
         entry = out.split(f"\n  --{name} ", 1)[1].split("\n  --", 1)[0]
         assert len(entry.split("(default:")[0].split()) >= 3, name  # a description, not just the metavar
+
+
+def test_help_opens_with_examples_and_the_flags_a_newcomer_needs_then_the_rest(capsys):
+    """--help listed --preset, --resume, --save_every, --device and --plan among ~100 fields, the last ones at the
+    bottom, with no example (issue 61 item 7): now they and the examples come first, on the first screen."""
+    out = help_text(capsys)
+    head = out[:out.index("\npresets (")]
+    assert len(head.splitlines()) <= 30 and "--train_files" not in head
+    for name in tg.FIRST_FLAGS:
+        assert f"\n  --{name} " in head and out.count(f"\n  --{name} ") == 1, name  # listed once, up here
+    examples = [line.split("#")[0].split() for line in head.splitlines() if line.startswith(("  python ", "  ./run.sh"))]
+    assert ["python", "train_gpt.py", "--preset", "smoke"] in examples and ["./run.sh", "--resume", "latest"] in examples
+    for example in examples:  # each parses (a resume needs a checkpoint: its flag is read, not followed)
+        flags = example[2:] if example[0] == "python" else example[1:]
+        assert tg.parse_args([f for f in flags if f not in ("--resume", "latest")]).preset in tg.PRESETS, example
 
 
 @pytest.mark.parametrize("preset", list(tg.PRESETS))

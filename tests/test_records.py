@@ -44,14 +44,14 @@ NVIDIA_SMI = ["Wed Sep  3 19:58:00 2025       ", "+" + "-" * 89 + "+",
 
 def write_log(path: Path, final_loss: float, final_ms: int, *, steps: int = 100, code: str = CODE,
               stop_at: int | None = None, final_val: bool = True, params: dict | None = RECORD_PARAMS,
-              env: list[str] = (), gpus: int = 8) -> Path:
+              env: list[str] = (), gpus: int = 8, device: str = "cuda:0") -> Path:
     """A log of `steps` steps; stop_at cuts it after that step (a crashed or copied-short run).
     params=None writes no hyperparameter lines (the public speedrun's logs have none); env: lines
-    of the environment report (e.g. NVIDIA_SMI)."""
+    of the environment report (e.g. NVIDIA_SMI); device and gpus: the run report's device line."""
     lines = [code.rstrip("\n"), SEP, "Running Python 3.12.3", "Running PyTorch 2.13.0", *env, SEP]
     if params is not None:
         lines += [f"{k}: {v}" for k, v in {**params, "num_iterations": steps}.items()]
-        lines += [f"device: cuda:0 x {gpus}, grad accumulation {8 // gpus}, parameters: 123,456"]
+        lines += [f"device: {device} x {gpus}, grad accumulation {8 // gpus}, parameters: 123,456"]
     lines += [f"step:0/{steps} val_loss:10.8258 train_time:0ms step_avg:0.02ms"]
     last = steps if stop_at is None else stop_at
     for s in range(1, last + 1):
@@ -124,6 +124,23 @@ def test_check_names_truncated_and_unfinished_logs_and_leaves_them_out(runs, tmp
     assert "no step lines" in reasons[empty]
     report = check.format_report(result)
     assert "not counted:" in report and str(cut) in report and str(unfinished) in report
+
+
+def test_check_names_and_skips_a_log_holding_two_runs_and_counts_a_resumed_one(runs, tmp_path):
+    """Two runs appended to one log under one --run_id (issue 61 item 2) were read as one clean run with the second
+    run's loss. A run resumed into its own log (no second header) is one run."""
+    merged = tmp_path / "merged.txt"
+    merged.write_text(write_log(tmp_path / "a.txt", 3.3500, 160000).read_text() +
+                      write_log(tmp_path / "b.txt", 3.2700, 161000).read_text())
+    full = write_log(tmp_path / "full.txt", 3.2766, 163000).read_text()
+    resumed = tmp_path / "resumed.txt"
+    resumed.write_text(write_log(tmp_path / "cut.txt", 3.2766, 163000, stop_at=60).read_text() +
+                       "resuming from checkpoints/r/step_000050\n" + full[full.index("step:51/100 "):])
+    result = check.check([*runs, merged, resumed])
+    assert [r.path for r in result.runs] == [*runs, resumed] and result.runs[-1].final_loss == 3.2766
+    assert result.skipped == [(merged, "holds 2 runs, not one (the source and settings appear 2 times: runs appended "
+                                       "to one log under one run id); check each run from a log of its own")]
+    assert f"  {merged}: holds 2 runs, not one" in check.format_report(result)
 
 
 def test_check_counts_a_file_given_twice_and_an_identical_copy_once(runs, tmp_path):
@@ -222,6 +239,7 @@ def test_check_never_passes_smoke_runs_and_says_why(tmp_path):
 
 @pytest.mark.parametrize("change,needle", [
     ({"preset": "single"}, "preset single, not record"),
+    ({"preset": "record-0903"}, "preset record-0903, not record"),  # the 09/03 record's preset, since deleted
     ({"vocab_size": "50257"}, "vocab_size 50257, not 50304"),
     ({"val_tokens": "1048576"}, "val_tokens 1048576, not 10485760"),
     ({"val_seq_len": "65536"}, "val_seq_len 65536, not 262144"),  # validation cut unlike the public one
@@ -238,10 +256,15 @@ def test_check_leaves_out_a_run_off_the_record_configuration_and_names_why(runs,
     assert f"odd.txt: not a record run: {needle}" in check.format_report(result)
 
 
-def test_check_counts_runs_of_the_0903_preset_as_record_runs(runs, tmp_path):
-    old = write_log(tmp_path / "old.txt", 3.2790, 160000, params={**RECORD_PARAMS, "preset": "record-0903"})
-    result = check.check([*runs, old])
-    assert result.n == len(runs) + 1 and old in [r.path for r in result.runs] and not result.skipped
+def test_check_says_the_cpu_for_runs_whose_log_shows_a_cpu_device(runs, tmp_path):
+    """CPU runs were reported as "on 1 GPU(s)" (issue 61 item 7)."""
+    cpu = [write_log(tmp_path / "cpu" / f"c{i}.txt", loss, ms, device="cpu", gpus=1)
+           for i, (loss, ms) in enumerate(zip(LOSSES, TIMES_MS))]
+    report = check.format_report(check.check(cpu))
+    assert "\nruns: 5 of 100 steps on the CPU\n" in report and "GPU" not in report
+    two = [write_log(tmp_path / "cpu2" / f"c{i}.txt", 3.27 + i / 1000, 160000, device="cpu", gpus=2) for i in range(2)]
+    assert "\nruns: 2 of 100 steps on the CPU (2 processes)\n" in check.format_report(check.check(two))
+    assert "\nruns: 5 of 100 steps on 8 GPU(s)\n" in check.format_report(check.check(runs))
 
 
 def test_check_counts_logs_without_hyperparameter_lines_as_record_runs(tmp_path):
