@@ -44,7 +44,6 @@ clock limits, the other GPUs' use, the host's load), the samples in WORK/gpu_mon
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
 import math
 import os
@@ -62,7 +61,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "records"))
 
+import logparse  # noqa: E402  (records/logparse.py: both codes' log lines)
 import train_gpt as tg  # noqa: E402  (shard headers and loading, our schedule and document cutting)
 
 PUBLIC_MASTER = "f411b3d346aa52d3504324ca93c230fd84c6c07f"  # master of 2026-08-01: record #89 and its follow-ups
@@ -75,11 +76,8 @@ RECORD_LOGS = {"89": "records/track_1_short/2026-07-17_FP8DownProjection/this_pr
 # 11 v1 logs; the other 3 differ from it only in run_id's label.)
 RECORD_MD5 = {"mudd-base": "e500827cba49e877846e86c0e5804e6b", "mudd-v1": "f18b04287ac0d6dd04a1a4b6b5c0154d"}
 KERNEL_FILES = ("triton_kernels.py", "dc_triton_kernels.py")  # imported by the public script when present
-SEPARATOR = "=" * 100
+SEPARATOR = logparse.SEPARATOR
 FILE_MARK = re.compile(r"\n\n-{40}\n# (\S+\.py)\n-{40}\n\n")  # between the files a public log embeds
-VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([0-9.]+|nan) train_time:(\d+)ms(?:.* tokens:([\d,]+))?")
-STEP_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms")
-BOUNDARY_LINE = re.compile(r"^harness: stage boundaries (\[.*\])$")
 BOS = tg.BOS_ID
 
 
@@ -711,7 +709,7 @@ def launch_all(runs, at_once: int, stagger: bool, poll: float = 2.0) -> list:
             g = group_of(name)
             if stagger and g in leader:
                 first = leader[g]
-                if procs[first].poll() is None and not any(STEP_LINE.match(x) for x in _after_source(runs[first][1])):
+                if procs[first].poll() is None and not logparse.step_times(log_text(runs[first][1])):
                     continue
             print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
             procs[i] = launch(cmd, cwd, log.with_suffix(".out"), env)
@@ -722,29 +720,9 @@ def launch_all(runs, at_once: int, stagger: bool, poll: float = 2.0) -> list:
     return [procs[i] for i in range(len(runs))]
 
 
-def _after_source(path: Path) -> list[str]:
-    text = path.read_text() if path.exists() else ""
-    return (text[text.index(SEPARATOR):] if SEPARATOR in text else text).splitlines()
-
-
-def val_losses(path: Path) -> dict[int, tuple[float, int, int | None]]:
-    """{step: (val loss, training ms, training tokens so far)} from a log (lines after the source code's
-    separator); the tokens are None where the line does not say them (the public code's lines)."""
-    return {int(m[1]): (float(m[3]), int(m[4]), m[5] and int(m[5].replace(",", "")))
-            for m in map(VAL_LINE.match, _after_source(path)) if m}
-
-
-def step_times(path: Path) -> dict[int, int]:
-    """{n: training ms after n steps} from the per-step lines of either code's log."""
-    return {int(m[1]): int(m[3]) for m in map(STEP_LINE.match, _after_source(path)) if m}
-
-
-def logged_boundaries(path: Path) -> list[tuple[int, int]] | None:
-    for line in _after_source(path):
-        m = BOUNDARY_LINE.match(line)
-        if m:
-            return [tuple(b) for b in ast.literal_eval(m[1])]
-    return None
+def log_text(path: Path) -> str:
+    """A run's log so far ("" before it has one)."""
+    return path.read_text() if path.exists() else ""
 
 
 def stage_step_ms(times: dict[int, int], stages, skip: int = 2) -> list[dict]:
@@ -1017,15 +995,16 @@ def main():
 
     results, seeds, per_stage = {}, {}, {}
     for name, log, _, _, _, seed, stages in runs:
-        by_step = val_losses(log)
+        text = log_text(log)
+        by_step = logparse.val_losses(text)
         if name.startswith("public"):  # the public lines lack tokens: from its schedule
             by_step = {s: (v, ms, tokens_at(stages, s)) for s, (v, ms, _) in by_step.items()}
-            logged = logged_boundaries(log)
+            logged = logparse.stage_boundaries(text)
             if logged is not None and logged != [(st.start, st.end) for st in stages]:
                 print(f"warning: {name} logged stage boundaries {logged}, the harness computed "
                       f"{[(st.start, st.end) for st in stages]}", flush=True)
         results[name], seeds[name] = by_step, seed
-        per_stage[name] = stage_step_ms(step_times(log), stages)
+        per_stage[name] = stage_step_ms(logparse.step_times(text), stages)
     groups = {label: [n for n, *_ in runs if n.startswith(f"{label} seed ")] for label, _ in variants}
     pub_names = [n for n, *_ in runs if n.startswith("public")]
     if pub_names:

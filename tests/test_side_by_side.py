@@ -64,19 +64,10 @@ def test_missing_checkout_names_the_expected_files(tmp_path):
         fh.public_source(tmp_path, "89")
 
 
-def test_val_lines_after_the_source_are_read_and_example_lines_in_the_code_are_not(tmp_path):
-    log = tmp_path / "run.txt"
-    log.write_text(PUBLIC_LIKE + "=" * 100 + "\nstep:0/400 val_loss:10.8258 train_time:0ms step_avg:0.02ms\n"
-                   "step:1/400 train_time:300ms step_avg:300.00ms\n"
-                   "step:50/400 val_loss:4.4530 train_time:14000ms step_avg:280.00ms\n")
-    assert fh.val_losses(log) == {0: (10.8258, 0, None), 50: (4.453, 14000, None)}
-
-
-def test_tokens_to_a_target_loss_come_from_the_log_or_the_schedule(tmp_path):
-    ours = tmp_path / "ours.txt"
-    ours.write_text("=" * 100 + "\nstep:50/200 val_loss:3.1000 train_time:9000ms step_avg:180.00ms tokens:4,000,000\n"
-                    "step:100/200 val_loss:2.9000 train_time:20000ms step_avg:200.00ms tokens:10000000\n")
-    results = {"ours seed 0": fh.val_losses(ours), "public seed 0": {50: (3.0, 15000, 6553600), 100: (2.95, 30000, 13107200)},
+def test_tokens_to_a_target_loss_come_from_the_log_or_the_schedule():
+    ours = ("=" * 100 + "\nstep:50/200 val_loss:3.1000 train_time:9000ms step_avg:180.00ms tokens:4,000,000\n"
+            "step:100/200 val_loss:2.9000 train_time:20000ms step_avg:200.00ms tokens:10000000\n")
+    results = {"ours seed 0": fh.logparse.val_losses(ours), "public seed 0": {50: (3.0, 15000, 6553600), 100: (2.95, 30000, 13107200)},
                "slow seed 0": {100: (3.2, 30000, None)}, "untold seed 0": {100: (2.9, 30000, None)}}
     assert results["ours seed 0"] == {50: (3.1, 9000, 4000000), 100: (2.9, 20000, 10000000)}
     lines = fh.target_table(results, 2.98)
@@ -400,14 +391,13 @@ def test_a_run_that_would_repeat_data_is_refused_before_anything_starts(monkeypa
     assert staged[0].resolve() == Path(train.replace("*", "000001")).resolve() and tg.read_shard_header(staged[1]) == 16
 
 
-def test_step_times_give_each_stage_its_median_step(tmp_path):
-    log = tmp_path / "run.txt"
+def test_step_times_give_each_stage_its_median_step():
     steps = [0, 100, 200, 300, 400, 500, 700, 900, 1100, 1300, 1500, 1800]  # ms after n steps
     lines = [f"step:{n}/11 train_time:{t}ms step_avg:1ms" for n, t in enumerate(steps) if n]
-    log.write_text("print0('step:1/2 train_time:5ms')\n" + "=" * 100 + "\nharness: stage boundaries [(0, 5), (5, 11)]\n"
-                   + "\n".join(lines[:5] + ["step:5/11 val_loss:4.0000 train_time:500ms step_avg:100.00ms"] + lines[5:]))
-    assert fh.logged_boundaries(log) == [(0, 5), (5, 11)]
-    times = fh.step_times(log)
+    log = ("print0('step:1/2 train_time:5ms')\n" + "=" * 100 + "\nharness: stage boundaries [(0, 5), (5, 11)]\n"
+           + "\n".join(lines[:5] + ["step:5/11 val_loss:4.0000 train_time:500ms step_avg:100.00ms"] + lines[5:]))
+    assert fh.logparse.stage_boundaries(log) == [(0, 5), (5, 11)]
+    times = fh.logparse.step_times(log)
     assert times[1] == 100 and times[11] == 1800 and len(times) == 11
     stages = [fh.Stage(0, 5, 1000, 896, (1, 3)), fh.Stage(5, 11, 2000, 2048, (3, 7))]
     got = fh.stage_step_ms(times, stages, skip=2)
