@@ -4,8 +4,8 @@ One file, read top to bottom: hyperparameters -> model -> optimizers -> data -> 
 loop; every kernel and custom op (Triton kernels, the FP8 LM head and its loss, the attention backends)
 lives next to it in kernels.py. Launch with `torchrun --standalone
 --nproc_per_node=8 train_gpt.py` (see run.sh); every hyperparameter is a `--field value` override.
-The log written to logs/<run_id>.txt starts with the full source of this file and of kernels.py, so
-every result names the exact code that made it.
+The log written to logs/<run_id>.txt starts with the full source of this file, kernels.py and data/shards.py,
+so every result names the exact code that made it.
 """
 from __future__ import annotations
 
@@ -1721,69 +1721,11 @@ class DistAdam(torch.optim.Optimizer):
 # -----------------------------------------------------------------------------------------------
 # Data
 
-# Shard format (the data tools read and write it with data/shards.py, which needs no torch; a test checks they agree)
-# A shard is a 256 x int32 header -- magic, version, token count, zeros -- followed by the tokens
-# as uint16. This is the format of llm.c and the public speedrun's FineWeb shards.
-
-SHARD_MAGIC = 20240520
-SHARD_VERSION = 1
-HEADER_INTS = 256
-HEADER_BYTES = HEADER_INTS * 4
-
-
-class ShardError(ValueError):
-    """A token shard that is missing, truncated or not in the expected format."""
-
-
-def read_shard_header(path: str | os.PathLike) -> int:
-    """Validate a shard's header and size; return its token count. Raises ShardError naming the file."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(HEADER_BYTES)
-    except OSError as e:
-        raise ShardError(f"{path}: cannot read shard ({e.strerror or e})") from e
-    if len(raw) < HEADER_BYTES:
-        raise ShardError(f"{path}: file is {size} bytes, shorter than the {HEADER_BYTES}-byte shard header")
-    header = np.frombuffer(raw, dtype="<i4")
-    if header[0] != SHARD_MAGIC:
-        raise ShardError(f"{path}: bad magic number {int(header[0])} (expected {SHARD_MAGIC}): "
-                         "not a token shard, or written by another tool")
-    if header[1] != SHARD_VERSION:
-        raise ShardError(f"{path}: unsupported shard version {int(header[1])} (expected {SHARD_VERSION})")
-    num_tokens = int(header[2])
-    expected = HEADER_BYTES + 2 * num_tokens
-    if num_tokens < 0 or size != expected:
-        raise ShardError(f"{path}: file is {size} bytes but its header promises {num_tokens} tokens "
-                         f"({expected} bytes): truncated or corrupt, download or tokenize it again")
-    return num_tokens
-
-
-def load_shard(path: str | os.PathLike) -> np.ndarray:
-    """Read a whole validated shard into memory as a uint16 array."""
-    num_tokens = read_shard_header(path)
-    with open(path, "rb") as f:
-        f.seek(HEADER_BYTES)
-        tokens = np.fromfile(f, dtype="<u2", count=num_tokens)
-    if tokens.size != num_tokens:
-        raise ShardError(f"{path}: read {tokens.size} tokens, header promises {num_tokens}")
-    return tokens
-
-
-def write_shard(path: str | os.PathLike, tokens) -> None:
-    """Write tokens (values < 2**16) as a shard, atomically: a temporary file, then a rename."""
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
-        raise ValueError(f"{path}: token ids must lie in [0, 65535] to fit uint16")
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = (SHARD_MAGIC, SHARD_VERSION, tokens.size)
-    path = Path(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype("<u2", copy=False).tobytes())
-    os.replace(tmp, path)
+# Shard format: data/shards.py, one module for this file and the data tools (numpy only: they need no torch);
+# logged with this file, like kernels.py. A shard is a 256 x int32 header -- magic, version, token count,
+# zeros -- followed by the tokens as uint16: the format of llm.c and the public speedrun's FineWeb shards.
+from data import shards as shard_format  # noqa: E402
+from data.shards import ShardError, load_shard, read_shard_header, write_shard  # noqa: E402
 
 
 def shard_files(pattern: str, what: str) -> list[str]:
@@ -2467,8 +2409,9 @@ class CheckpointFormatError(ValueError):
     """A checkpoint written by a train_gpt.py of another format (CHECKPOINT_FORMAT)."""
 
 
-def code_hash() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes() + Path(kernels.__file__).read_bytes()).hexdigest()[:16]
+def code_hash() -> str:  # this file and the two it imports from the repository, the sources its log holds
+    files = (__file__, kernels.__file__, shard_format.__file__)
+    return hashlib.sha256(b"".join(Path(f).read_bytes() for f in files)).hexdigest()[:16]
 
 
 MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("max_seq_len", "yarn_windows")]
@@ -2981,7 +2924,9 @@ def name_run(args: Hyperparameters, world_size: int) -> tuple[Hyperparameters, P
     return args, resume, branch
 
 
-KERNELS_MARKER = "# ---------- kernels.py, imported by the code above ----------"  # between the two sources in a log
+# In a log, the line before the source of each file this one imports (this file's own source comes first)
+KERNELS_MARKER = "# ---------- kernels.py, imported by the code above ----------"
+SHARDS_MARKER = "# ---------- data/shards.py, imported by the code above ----------"
 
 
 def log_header(log: Logger, args: Hyperparameters, device: torch.device, resume: Path | None,
@@ -2996,6 +2941,7 @@ def log_header(log: Logger, args: Hyperparameters, device: torch.device, resume:
         log(f"a new run from {resume} (run {resume.parent.name}); changed: {'; '.join(branch or ['nothing'])}")
     log(Path(__file__).read_text().rstrip("\n"), console=False)
     log(f"{KERNELS_MARKER}\n{Path(kernels.__file__).read_text().rstrip()}", console=False)
+    log(f"{SHARDS_MARKER}\n{Path(shard_format.__file__).read_text().rstrip()}", console=False)
     log("=" * 100, console=False)
     log(environment_report(device), console=False)
     log("=" * 100, console=False)

@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
+import timing  # noqa: E402  (bench/timing.py)
 import train_gpt as tg  # noqa: E402
 
 CAP, SHIFT, TEMP = 23.0, 5.0, 7.5  # the record preset's asymmetric softcap
@@ -43,19 +44,11 @@ def fused(x, w, targets, weights):
 def time_fwd_bwd(fn, x, w, targets, weights, iters: int) -> tuple[float, float, float]:
     """Median ms of forward + backward, of the forward and of the backward, over iters runs after three
     untimed ones (one event between the two halves)."""
-    times = []
-    for i in range(iters + 3):
+    def no_grads():
         x.grad = w.grad = None
-        start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        start.record()
-        loss = fn(x, w, targets, weights)
-        mid.record()
-        loss.backward()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append((start.elapsed_time(end), start.elapsed_time(mid), mid.elapsed_time(end)))
-    return tuple(sorted(t[k] for t in times)[len(times) // 2] for k in range(3))
+    times = timing.phase_times([lambda: fn(x, w, targets, weights), lambda loss: loss.backward()], iters,
+                               before=no_grads)
+    return tuple(timing.median(ms) for ms in ([f + b for f, b in times], *zip(*times)))
 
 
 def loss_and_grads(fn, x, w, targets, weights):

@@ -10,13 +10,11 @@ GPU, so the step waits on the network, split into the time a rank waits for anot
 (uneven work) and the time data moves, and the bytes a rank sends a step (as a ring moves them). Under
 --adam_every 2 half the profiled steps are with Adam, half without."""
 import argparse
-import gc
 import json
 import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -24,6 +22,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import timing  # noqa: E402  (bench/timing.py)
 import train_gpt as tg  # noqa: E402
 from profile_compare import kernel_events  # noqa: E402
 
@@ -164,23 +163,10 @@ def main():
         step += 1
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # the CPU: a plumbing check only
-
-    def together():
-        sync()
-        if world_size > 1:
-            dist.barrier()
-
-    for _ in range(own.warmup):
-        run_step()
-    gc.collect()  # the compile's garbage collected now, not in a timed step (as train_gpt.py before its clock)
-    times = []
-    for _ in range(own.steps):
-        together()
-        start = time.perf_counter()
-        run_step()
-        sync()
-        times.append(1000 * (time.perf_counter() - start))
-    together()
+    times = timing.wall_times(run_step, own.steps, own.warmup, world_size)  # the compile's garbage collected first
+    sync()
+    if world_size > 1:
+        dist.barrier()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof, CollectiveBytes(world_size) as sent:
         for _ in range(own.profile_steps):

@@ -5,19 +5,21 @@ log's difference from the first.
     python bench/curves.py logs/one.txt logs/two.txt [--every 5]
 """
 import argparse
-import re
+import math
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "records"))
+import logparse  # noqa: E402  (records/logparse.py: the log's lines)
 
 
 def read(path: str) -> tuple[dict[int, float], dict[int, float]]:
     text = open(path).read()
-    match = re.search(r"^train_loss per step (\d+)-(\d+): (.*)$", text, re.M)
-    if match is None:
+    train = logparse.train_curve(text)
+    if train is None:
         sys.exit(f"curves.py: error: {path} has no 'train_loss per step' line (an unfinished run, or a log "
                  "written before train_gpt.py logged it)")
-    first = int(match[1])
-    train = {first + i: float(x) for i, x in enumerate(match[3].split())}
-    val = {int(s): float(v) for s, v in re.findall(r"^step:(\d+)/\d+ val_loss:([\d.]+)", text, re.M)}
+    val = {s: v for s, (v, _, _) in logparse.val_losses(text).items() if not math.isnan(v)}  # a nan is no point
     return train, val
 
 

@@ -7,7 +7,6 @@ difference.
 
 Needs a Hopper GPU and torch.ops.flash_attn_3 (README: Hopper attention)."""
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -15,21 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402  (the FA3 loader)
-
-
-def timed(fn, reps: int) -> float:
-    """Median ms of fn over reps calls (CUDA events), after three untimed ones."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+import timing  # noqa: E402  (bench/timing.py)
 
 
 def main():
@@ -75,7 +60,7 @@ def main():
         for splits in (None, 0, 1):
             diff = (fwd(w, splits)[0].float() - ref).abs().max().item()
             name = "left out" if splits is None else str(splits)
-            f, fb = timed(lambda: fwd(w, splits), a.reps), timed(lambda: both(w, splits), a.reps)
+            f, fb = timing.median_ms(lambda: fwd(w, splits), a.reps), timing.median_ms(lambda: both(w, splits), a.reps)
             print(f"| {w} | {name} | {f:.3f} | {fb:.3f} | "
                   f"{diff:.2e} |", flush=True)
 

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402  (the FA3 loader)
 import train_gpt as tg  # noqa: E402
-from fa3_num_splits import timed  # noqa: E402
+import timing  # noqa: E402  (bench/timing.py)
 
 
 def doc_counts(files: list[str], seq_len: int, max_doc_len: int, slots: int,
@@ -109,8 +109,8 @@ def main():
             T, heads, scale = (2 * a.seq_len, H // 2, 2) if paired else (a.seq_len, H, 1)
             q, k, v, dout = (torch.randn(T, heads, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
             cu = cu_seqlens([scale * n for n in lengths], slots, dev)
-            f = timed(lambda: run(cu, scale * a.max_doc_len, window, dout, q, k, v, backward=False), a.reps)
-            fb = timed(lambda: run(cu, scale * a.max_doc_len, window, dout, q, k, v), a.reps)
+            f = timing.median_ms(lambda: run(cu, scale * a.max_doc_len, window, dout, q, k, v, backward=False), a.reps)
+            fb = timing.median_ms(lambda: run(cu, scale * a.max_doc_len, window, dout, q, k, v), a.reps)
             cells.append(f"{f:.3f} / {fb:.3f}")
             total += count * fb
         exact = exact or total

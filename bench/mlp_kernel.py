@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
+import timing  # noqa: E402  (bench/timing.py)
 import train_gpt as tg  # noqa: E402  (fp8_mlp_operands)
 
 
@@ -43,18 +44,10 @@ def parse_tiles(text: str) -> dict:
 
 def time_fwd_bwd(fn, inputs, grad, iters: int) -> float:
     """Median ms of forward + backward over iters runs, after three untimed ones."""
-    times = []
-    for i in range(iters + 3):
+    def no_grads():
         for t in inputs:
             t.grad = None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*inputs).backward(grad)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return timing.median_ms(lambda: fn(*inputs).backward(grad), iters, before=no_grads)
 
 
 def main():

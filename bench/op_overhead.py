@@ -10,7 +10,6 @@ compiled forward and backward launch ~865 kernels (bench/results/record776_h100x
 host a few hundred microseconds per call is what leaves the GPU idle there."""
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -18,19 +17,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
+import timing  # noqa: E402  (bench/timing.py)
 import train_gpt as tg  # noqa: E402
 
 
 def per_call_us(fn, calls: int) -> float:
     """Wall time per call of fn() over `calls` calls issued back to back, after 20 untimed ones."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    return timing.back_to_back_ms(fn, calls, warmup=20, wall=True) * 1e3
 
 
 def main():

@@ -13,29 +13,19 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import timing  # noqa: E402  (bench/timing.py)
 import train_gpt as tg  # noqa: E402
 
 
 def timed(fn, reps: int, world_size: int) -> float:
     """Median ms of fn() after two untimed calls (compile, allocation), every rank starting together."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    times = []
-    for i in range(reps + 2):
-        sync()
-        if world_size > 1:
-            dist.barrier()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times[2:])
+    return timing.median(timing.wall_times(fn, reps, warmup=2, world_size=world_size))
 
 
 def share_orthogonalizations(muon: tg.Muon):

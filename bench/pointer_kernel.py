@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
+import timing  # noqa: E402  (bench/timing.py)
 import train_gpt as tg  # noqa: E402
 
 
@@ -30,19 +31,6 @@ def case(T: int, band: int, seed: int = 0):
     tokens = torch.randint(0, 512, (T,), device="cuda", generator=g, dtype=torch.int32)
     targets = torch.roll(tokens, -1)
     return q, k, sink, cu.int(), tokens, targets
-
-
-def timed(fn, steps: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
 
 
 def main():
@@ -69,14 +57,15 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {a.tokens:,} tokens, band {a.band}, "
           f"{len(cu) - 1} documents")
     ref = run(False)
-    print(f"written out, compiled: {timed(lambda: run(False)):.2f} ms forward + backward")
+    print(f"written out, compiled: {timing.back_to_back_ms(lambda: run(False), 10):.2f} ms forward + backward")
     for text in a.tiles:
         bm, bn, warps, stages = (int(v) for v in text.split(","))
         kernels.POINTER_TILES = dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages)
         got = run(True)
         errors = ", ".join(f"{name} {(x - y).abs().max().item():.1e}" for name, x, y in
                            zip(("p_copy", "a_sink", "dq", "dk", "dsink"), got, ref))
-        print(f"kernel BM={bm} BN={bn} warps={warps} stages={stages}: {timed(lambda: run(True)):.2f} ms forward + backward; "
+        ms = timing.back_to_back_ms(lambda: run(True), 10)
+        print(f"kernel BM={bm} BN={bn} warps={warps} stages={stages}: {ms:.2f} ms forward + backward; "
               f"max errors: {errors}")
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import timing  # noqa: E402  (bench/timing.py)
 import train_gpt as tg  # noqa: E402
 
 
@@ -42,9 +43,7 @@ def kernel_ms(fn, iters: int) -> float:
     ones: at a few hundred µs a call the wall time between events varies with the host's launches, the kernels'
     own time does not."""
     from torch.profiler import ProfilerActivity, profile
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
+    timing.warm_up(fn, 3)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             fn()

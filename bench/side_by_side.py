@@ -3,7 +3,7 @@
 
     python bench/side_by_side.py --public PATH/TO/modded-nanogpt \\
         --train_files "DIR/fineweb_train_*.bin" --val_files "DIR/fineweb_val_*.bin" \\
-        [--public_code master|89|0903|mudd-base|mudd-v1] [--public_commit HASH] [--public_attention fa3|varlen] \\
+        [--public_code master|89|mudd-base|mudd-v1] [--public_commit HASH] [--public_attention fa3|varlen] \\
         [--batch_div 16] [--step_div 1] [--accum N] [--val_every 125] [--seeds 0 1 2] [--public_seeds 0 1 2] \\
         [--ours_args "FLAGS"] [--variant NAME "FLAGS" ...] [--parallel [--stagger] | --warm_first] [--target LOSS] \
         [--out table.md]
@@ -12,8 +12,6 @@ Public codes (--public_code), all read from a checkout of KellerJordan/modded-na
   master  the public line's current code: train_gpt.py and the kernel files it imports, at the commit
           --public_commit (default PUBLIC_MASTER below; no fallback to another commit or record)
   89      record #89 (2026-07-17, FP8 MLP down projection): the script embedded in its log
-  0903    the 2025-09-03 record: the script embedded in its logs (the 09/03 protocol, unchanged: --steps,
-          --batch_size; it links the shards three times over, as the results of that protocol did)
   mudd-base  the 2026-05-27 MUDD record folder's baseline (the 2026-05-07 XSA-gated record's code, 1375 + 10
           steps): the script embedded in one xsa-baseline-s1385 log
   mudd-v1 the same folder's v1: that baseline plus the MUDD gate and lightweight layer-10 DC attention (and
@@ -23,7 +21,7 @@ The public files are staged in a work folder outside this project and run from t
 cannot meet our kernels.py), after the run-time patches listed in PATCHES, each of which must find its
 anchor or the harness stops naming it. Nothing of the public code is kept in this repository.
 
-The scaling rule (every code but 0903): the public schedule trains 338.8M tokens (mudd-base 364.4M,
+The scaling rule: the public schedule trains 338.8M tokens (mudd-base 364.4M,
 mudd-v1 352.6M); the proxy corpus has about 22M after the public loader's document cutting. Either every
 stage's batch is divided by --batch_div (16; steps and step constants kept: 8K / 16K / 24K-token steps,
 one micro-batch each) or the step counts and step constants by --step_div at the real batches (the
@@ -46,7 +44,6 @@ clock limits, the other GPUs' use, the host's load), the samples in WORK/gpu_mon
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
 import math
 import os
@@ -64,13 +61,14 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "records"))
 
+import logparse  # noqa: E402  (records/logparse.py: both codes' log lines)
 import train_gpt as tg  # noqa: E402  (shard headers and loading, our schedule and document cutting)
 
 PUBLIC_MASTER = "f411b3d346aa52d3504324ca93c230fd84c6c07f"  # master of 2026-08-01: record #89 and its follow-ups
 MUDD_FOLDER = "records/track_1_short/2026-05-27-MuddGatedAndDC"
-RECORD_LOGS = {"0903": "records/track_1_short/2025-09-03_FA3/*.txt",
-               "89": "records/track_1_short/2026-07-17_FP8DownProjection/this_pr/11cb620c-*.txt",
+RECORD_LOGS = {"89": "records/track_1_short/2026-07-17_FP8DownProjection/this_pr/11cb620c-*.txt",
                "mudd-base": f"{MUDD_FOLDER}/xsa-baseline-s1385/0904ecd7-4d32-4773-9955-fa363c1f0dbe.txt",
                "mudd-v1": f"{MUDD_FOLDER}/this_pr_v1/xsaexp8_10_dc_muddgate_ag3710_s1315e20_mglr015_06e4090a.txt"}
 # The md5 of the embedded source (the log text before its 100-'=' line) of the logs pinned by exact path: the
@@ -78,11 +76,8 @@ RECORD_LOGS = {"0903": "records/track_1_short/2025-09-03_FA3/*.txt",
 # 11 v1 logs; the other 3 differ from it only in run_id's label.)
 RECORD_MD5 = {"mudd-base": "e500827cba49e877846e86c0e5804e6b", "mudd-v1": "f18b04287ac0d6dd04a1a4b6b5c0154d"}
 KERNEL_FILES = ("triton_kernels.py", "dc_triton_kernels.py")  # imported by the public script when present
-SEPARATOR = "=" * 100
+SEPARATOR = logparse.SEPARATOR
 FILE_MARK = re.compile(r"\n\n-{40}\n# (\S+\.py)\n-{40}\n\n")  # between the files a public log embeds
-VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:([0-9.]+|nan) train_time:(\d+)ms(?:.* tokens:([\d,]+))?")
-STEP_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms")
-BOUNDARY_LINE = re.compile(r"^harness: stage boundaries (\[.*\])$")
 BOS = tg.BOS_ID
 
 
@@ -96,7 +91,7 @@ def fail(msg: str):
 
 @dataclass
 class PublicCode:
-    name: str  # "master", "89", "0903", "mudd-base", "mudd-v1"
+    name: str  # "master", "89", "mudd-base", "mudd-v1"
     files: dict[str, str]  # file name -> source, train_gpt.py first
     origin: str  # the commit, or the log and its md5
 
@@ -113,8 +108,8 @@ def split_logged_source(text: str) -> dict[str, str]:
     return {"train_gpt.py": parts[0], **dict(zip(parts[1::2], parts[2::2]))}
 
 
-def public_source(checkout: Path, code: str = "0903", commit: str = PUBLIC_MASTER) -> PublicCode:
-    """The public code: from a record's log (0903, 89, mudd-*) or from a commit of the checkout (master)."""
+def public_source(checkout: Path, code: str, commit: str = PUBLIC_MASTER) -> PublicCode:
+    """The public code: from a record's log (89, mudd-*) or from a commit of the checkout (master)."""
     if code == "master":
         def show(path):
             return subprocess.run(["git", "-C", str(checkout), "show", f"{commit}:{path}"], capture_output=True,
@@ -179,7 +174,7 @@ def seed_public(source: str, seed: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# The public schedule (every code but 0903): its stage table, scaled by the rule
+# The public schedule: its stage table, scaled by the rule
 
 
 @dataclass(frozen=True)
@@ -387,20 +382,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                        window_size=(left, 0))
 '''
 
-# The 09/03 record imports flash_attn_interface itself; where it is missing, this stand-in (PyTorch's
-# varlen kernels) is written next to it, so both codes run the same attention kernels.
-STAND_IN_0903 = '''"""Stand-in for FlashAttention-3's flash_attn_varlen_func on PyTorch's varlen attention (FA2 kernels)."""
-from torch.nn.attention.varlen import varlen_attn
-
-
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                           softmax_scale=None, window_size=(-1, -1)):
-    left = window_size[0] if window_size[0] is not None else -1
-    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
-                       window_size=(left, 0 if causal else -1))
-'''
-
-# What the staged scripts (master, 89, mudd-base, mudd-v1) need to run here, applied to the staged copy.
+# What the public scripts (master, 89, mudd-base, mudd-v1) need to run here, applied to the staged copy.
 # (name, what and why)
 PATCHES = [
     ("hub_fa3_loader", "the Hugging Face hub FlashAttention-3 loader (`from kernels import get_kernel`, "
@@ -472,7 +454,7 @@ def patches_for(name: str) -> list[str]:
 def patch_public(code: PublicCode, *, train_glob: str, val_file: str, val_tokens: int, val_seq_len: int,
                  val_every: int, accum: int, batch_div: int, step_div: int, attention: str,
                  profile_step: int | None = None, start_after: str | None = None) -> dict[str, str]:
-    """The staged files of a staged code (master, 89, mudd-*) after PATCHES (seed and run_id are per run, later)."""
+    """The staged files of a public code after PATCHES (seed and run_id are per run, later)."""
     s = code.script
     if code.name in MUDD_HUB_LOADERS:
         s = patch(s, "hub_fa3_loader", "from kernels import get_kernel\n",
@@ -533,17 +515,16 @@ def patch_public(code: PublicCode, *, train_glob: str, val_file: str, val_tokens
     return files
 
 
-def link_shards(folder: Path, files: list[str], copies: int = 1, sentinel: bool = False):
-    """Numbered links to the training shards, `copies` times over; with `sentinel`, a last shard of a
-    few BOS tokens follows them once: the public loader opens the next shard ahead of time (it fails at
-    its start with a single shard), and one that reaches the sentinel fails there, loudly."""
+def link_shards(folder: Path, files: list[str]):
+    """Numbered links to the training shards, then a last shard of a few BOS tokens (a sentinel): the public
+    loader opens the next shard ahead of time (it fails at its start with a single shard), and one that reaches
+    the sentinel fails there, loudly."""
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("*.bin"):
         old.unlink()
-    for i in range(copies * len(files)):
-        os.symlink(os.path.abspath(files[i % len(files)]), folder / f"fineweb_train_{i + 1:06d}.bin")
-    if sentinel:
-        tg.write_shard(folder / f"fineweb_train_{copies * len(files) + 1:06d}.bin", np.full(16, BOS))
+    for i, f in enumerate(files):
+        os.symlink(os.path.abspath(f), folder / f"fineweb_train_{i + 1:06d}.bin")
+    tg.write_shard(folder / f"fineweb_train_{len(files) + 1:06d}.bin", np.full(16, BOS))
 
 
 def stage_public(a, work: Path, code: PublicCode) -> Path:
@@ -551,26 +532,11 @@ def stage_public(a, work: Path, code: PublicCode) -> Path:
     stage.mkdir(parents=True, exist_ok=True)
     train = tg.shard_files(a.train_files, "training")
     val = os.path.abspath(tg.shard_files(a.val_files, "validation")[0])
-    if code.name == "0903":  # the 09/03 protocol as it ran: links enough for its loader, which drops cut tails
-        total = sum(tg.read_shard_header(f) for f in train)
-        link_shards(stage / "train", train, math.ceil(3 * (a.steps + 30) * a.batch_size / total))
-        source = code.script
-        for field, value in [("train_files", repr(str(stage / "train" / "fineweb_train_*.bin"))),
-                             ("val_files", repr(val)), ("val_tokens", str(a.val_tokens)),
-                             ("train_batch_size", str(a.batch_size)), ("val_batch_size", str(8 * a.val_seq_len)),
-                             ("num_iterations", str(a.steps)), ("val_loss_every", str(a.val_every))]:
-            source = override(source, field, value)
-        files = dict(code.files, **{"train_gpt.py": source})
-        try:
-            import flash_attn_interface  # noqa: F401
-        except ImportError:
-            files["flash_attn_interface.py"] = STAND_IN_0903
-    else:
-        link_shards(stage / "train", train, sentinel=True)  # once: the harness refuses a run that needs more
-        files = patch_public(code, train_glob=str(stage / "train" / "fineweb_train_*.bin"), val_file=val,
-                             val_tokens=a.val_tokens, val_seq_len=a.val_seq_len, val_every=a.val_every,
-                             accum=a.accum, batch_div=a.batch_div, step_div=a.step_div, attention=a.public_attention,
-                             profile_step=a.profile_step, start_after=a.start_after)
+    link_shards(stage / "train", train)  # once: the harness refuses a run that needs more
+    files = patch_public(code, train_glob=str(stage / "train" / "fineweb_train_*.bin"), val_file=val,
+                         val_tokens=a.val_tokens, val_seq_len=a.val_seq_len, val_every=a.val_every,
+                         accum=a.accum, batch_div=a.batch_div, step_div=a.step_div, attention=a.public_attention,
+                         profile_step=a.profile_step, start_after=a.start_after)
     for name, text in files.items():
         (stage / name).write_text(text)
     return stage
@@ -743,7 +709,7 @@ def launch_all(runs, at_once: int, stagger: bool, poll: float = 2.0) -> list:
             g = group_of(name)
             if stagger and g in leader:
                 first = leader[g]
-                if procs[first].poll() is None and not any(STEP_LINE.match(x) for x in _after_source(runs[first][1])):
+                if procs[first].poll() is None and not logparse.step_times(log_text(runs[first][1])):
                     continue
             print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
             procs[i] = launch(cmd, cwd, log.with_suffix(".out"), env)
@@ -754,29 +720,9 @@ def launch_all(runs, at_once: int, stagger: bool, poll: float = 2.0) -> list:
     return [procs[i] for i in range(len(runs))]
 
 
-def _after_source(path: Path) -> list[str]:
-    text = path.read_text() if path.exists() else ""
-    return (text[text.index(SEPARATOR):] if SEPARATOR in text else text).splitlines()
-
-
-def val_losses(path: Path) -> dict[int, tuple[float, int, int | None]]:
-    """{step: (val loss, training ms, training tokens so far)} from a log (lines after the source code's
-    separator); the tokens are None where the line does not say them (the public code's lines)."""
-    return {int(m[1]): (float(m[3]), int(m[4]), m[5] and int(m[5].replace(",", "")))
-            for m in map(VAL_LINE.match, _after_source(path)) if m}
-
-
-def step_times(path: Path) -> dict[int, int]:
-    """{n: training ms after n steps} from the per-step lines of either code's log."""
-    return {int(m[1]): int(m[3]) for m in map(STEP_LINE.match, _after_source(path)) if m}
-
-
-def logged_boundaries(path: Path) -> list[tuple[int, int]] | None:
-    for line in _after_source(path):
-        m = BOUNDARY_LINE.match(line)
-        if m:
-            return [tuple(b) for b in ast.literal_eval(m[1])]
-    return None
+def log_text(path: Path) -> str:
+    """A run's log so far ("" before it has one)."""
+    return path.read_text() if path.exists() else ""
 
 
 def stage_step_ms(times: dict[int, int], stages, skip: int = 2) -> list[dict]:
@@ -809,9 +755,9 @@ def interval95(xs: list[float]) -> tuple[float, float]:
     return m, (t.ppf(0.975, len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0)
 
 
-def target_table(results: dict[str, dict[int, tuple]], target: float, batch_size: int) -> list[str]:
+def target_table(results: dict[str, dict[int, tuple]], target: float) -> list[str]:
     """Markdown table: for each run, the first validation at or below the target loss, with the training
-    tokens and time spent to get there (a run whose log does not count tokens: steps x batch_size)."""
+    tokens and time spent to get there (tokens '-' where the log and the schedule do not say them)."""
     lines = [f"To val loss <= {target}: the first validation that reached it", "",
              "| run | step | training tokens | training time (s) |", "| --- | --- | --- | --- |"]
     for name, by_step in results.items():
@@ -820,7 +766,7 @@ def target_table(results: dict[str, dict[int, tuple]], target: float, batch_size
             lines.append(f"| {name} | not reached | - | - |")
             continue
         loss, ms, tokens = (*by_step[hit], None)[:3]
-        lines.append(f"| {name} | {hit} | {tokens if tokens is not None else hit * batch_size:,} | {ms / 1000:.1f} |")
+        lines.append(f"| {name} | {hit} | {'-' if tokens is None else f'{tokens:,}'} | {ms / 1000:.1f} |")
     return lines
 
 
@@ -914,26 +860,24 @@ def stage_table(per_run: dict[str, list[dict]], full_steps: list[int] | None = N
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--public", required=True, type=Path, help="a checkout of KellerJordan/modded-nanogpt")
-    p.add_argument("--public_code", choices=["master", "89", "0903", *RECORD_MD5], default="master")
+    p.add_argument("--public_code", choices=["master", "89", *RECORD_MD5], default="master")
     p.add_argument("--public_commit", default=PUBLIC_MASTER, help="the commit --public_code master runs")
     p.add_argument("--public_attention", choices=["fa3", "varlen"], default="fa3",
-                   help="all but 0903: the public code's attention (FA3 of xformers==0.0.34, or PyTorch's varlen); "
+                   help="the public code's attention (FA3 of xformers==0.0.34, or PyTorch's varlen); "
                         "ours gets --attention of the same kernels")
     p.add_argument("--train_files", required=True)
     p.add_argument("--val_files", required=True)
-    p.add_argument("--batch_div", type=int, default=16, help="all but 0903: divide every stage's batch by this")
+    p.add_argument("--batch_div", type=int, default=16, help="divide every stage's batch by this")
     p.add_argument("--step_div", type=int, default=1,
-                   help="all but 0903: divide step counts and step constants by this")
-    p.add_argument("--accum", type=int, help="all but 0903: micro-batches per step (default: 1 with --batch_div > 1, "
+                   help="divide step counts and step constants by this")
+    p.add_argument("--accum", type=int, help="micro-batches per step (default: 1 with --batch_div > 1, "
                    "else 8, the public code on one GPU)")
-    p.add_argument("--steps", type=int, default=400, help="0903: training steps")
-    p.add_argument("--batch_size", type=int, default=8 * 16384, help="0903: tokens per step")
-    p.add_argument("--val_every", type=int, help="validate every N steps (default: 50 for 0903, else 125)")
+    p.add_argument("--val_every", type=int, default=125, help="validate every N steps")
     p.add_argument("--val_tokens", type=int, default=983040)
     p.add_argument("--val_seq_len", type=int, default=40960)
-    p.add_argument("--seeds", type=int, nargs="*", help="one run of ours per seed (default: 0 1 2; 0903: 0 1)")
-    p.add_argument("--public_seeds", type=int, nargs="*", help="one public run per seed, seeded before its model "
-                   "is built (default: 0 1 2; 0903: one run as published, unseeded; no values: no public run)")
+    p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="one run of ours per seed")
+    p.add_argument("--public_seeds", type=int, nargs="*", default=[0, 1, 2], help="one public run per seed, seeded "
+                   "before its model is built (no values: no public run)")
     p.add_argument("--ours", type=Path, default=ROOT / "train_gpt.py", help="our trainer file")
     p.add_argument("--ours_args", default="", help="extra `--field value` flags for every run of ours")
     p.add_argument("--label", default="ours", help="column name for our runs")
@@ -947,33 +891,22 @@ def main():
                    f"(0: as many as fit, one per {RUN_GIB} GiB of GPU memory)")
     p.add_argument("--work", type=Path, default=Path("/tmp/side_by_side"), help="staging and log folder")
     p.add_argument("--target", type=float, help="also tabulate the tokens and time each run took to reach this val loss")
-    p.add_argument("--profile_step", type=int, help="all but 0903: profile public training steps N and N+1 and print "
+    p.add_argument("--profile_step", type=int, help="profile public training steps N and N+1 and print "
                    "the top kernels into its log")
     p.add_argument("--warm_first", action="store_true", help="before the runs, which then go one at a time: each "
                    "code's first run once, all at the same time, untimed, so that every timed run compiles from a warm "
                    "cache (one cold compile's wait instead of one per code; the warming runs train their whole "
                    "schedule: meant for the short timing runs, --step_div 16)")
-    p.add_argument("--start_after", help="all but 0903: public runs wait after their warm-up until this file exists, "
+    p.add_argument("--start_after", help="public runs wait after their warm-up until this file exists, "
                    "then start the clock (compile a timing run while learning runs still share the GPU)")
     p.add_argument("--check_only", action="store_true", help="stage and check the data plan, run nothing")
     p.add_argument("--out", type=Path, help="also write the table here")
     a = p.parse_args()
-    staged_code = a.public_code != "0903"
-    if a.val_every is None:
-        a.val_every = 125 if staged_code else 50
-    if a.seeds is None:
-        a.seeds = [0, 1, 2] if staged_code else [0, 1]
-    if a.public_seeds is None and staged_code:
-        a.public_seeds = [0, 1, 2]
     if a.warm_first and a.parallel:
         fail("--warm_first is for runs timed one after the other; --parallel runs share the GPU anyway")
     if a.accum is None:
         a.accum = 1 if a.batch_div > 1 else 8
-    if a.public_code == "0903":
-        if a.batch_size % 128:
-            fail("--batch_size must be a multiple of 8 x 16")
-        a.seq_len = a.batch_size // 8
-    if a.val_tokens % ((8 if not staged_code else a.accum) * a.val_seq_len):
+    if a.val_tokens % (a.accum * a.val_seq_len):
         fail("the public code needs --val_tokens to be a multiple of its micro-batches x --val_seq_len")
 
     variants = [(a.label, ""), *a.variant]  # each variant: ours with --ours_args and its own flags
@@ -985,30 +918,21 @@ def main():
     code = public_source(a.public, a.public_code, a.public_commit)
     stage = stage_public(a, a.work, code)
     train_files = tg.shard_files(a.train_files, "training")
-    if staged_code:
-        ours_common = ["--preset", "record", "--attention", a.public_attention]
-        pub_stages = public_stages((stage / "train_gpt.py").read_text(), a.batch_div)
-    else:
-        attention = "varlen" if (stage / "flash_attn_interface.py").exists() else "fa3"
-        max_num_docs = -(-(a.seq_len // 300) // 128) * 128  # the public formula for its cu_seqlens length
-        ours_common = ["--preset", "record-0903", "--attention", attention, "--batch_size", str(a.batch_size),
-                       "--seq_len", str(a.seq_len), "--max_num_docs", str(max_num_docs),
-                       "--num_iterations", str(a.steps)]
-        pub_stages = [Stage(0, a.steps, a.batch_size, 0, (0, 0))]
-    ours_common += ["--train_files", a.train_files, "--val_files", a.val_files, "--val_tokens", str(a.val_tokens),
-                    "--val_seq_len", str(a.val_seq_len), "--val_every", str(a.val_every),
-                    "--log_dir", str(a.work / "logs"), *a.ours_args.split()]
+    pub_stages = public_stages((stage / "train_gpt.py").read_text(), a.batch_div)
+    ours_common = ["--preset", "record", "--attention", a.public_attention, "--train_files", a.train_files,
+                   "--val_files", a.val_files, "--val_tokens", str(a.val_tokens), "--val_seq_len", str(a.val_seq_len),
+                   "--val_every", str(a.val_every), "--log_dir", str(a.work / "logs"), *a.ours_args.split()]
     env_public = {"PYTHONPATH": os.pathsep.join([str(stage), *filter(None, [os.environ.get("PYTHONPATH")])]),
                   "TORCHINDUCTOR_CACHE_DIR": str(a.work / f"cache_public_{code.name}"), "PYTHONUNBUFFERED": "1"}
 
     def make_runs(stamp: str) -> list:
         """(column, log path, command, cwd, env, seed, stages) of every run, its files named by stamp."""
         runs = []
-        for seed in [None] if a.public_seeds is None else a.public_seeds:
-            rid = f"public_{code.name}_{stamp}_" + ("unseeded" if seed is None else f"seed{seed}")
+        for seed in a.public_seeds:
+            rid = f"public_{code.name}_{stamp}_seed{seed}"
             source_i = override((stage / "train_gpt.py").read_text(), "run_id", repr(rid))
-            (stage / f"{rid}.py").write_text(source_i if seed is None else seed_public(source_i, seed))
-            runs.append((f"public {code.name}" + ("" if seed is None else f" seed {seed}"),
+            (stage / f"{rid}.py").write_text(seed_public(source_i, seed))
+            runs.append((f"public {code.name} seed {seed}",
                          stage / "logs" / f"{rid}.txt", ["torchrun", "--standalone", "--nproc_per_node=1", f"{rid}.py"],
                          stage, env_public, seed, pub_stages))
         for label, extra in variants:
@@ -1026,21 +950,21 @@ def main():
 
     print(f"public code: {code.name}, {code.origin}; staged in {stage}", flush=True)
     plans = []
-    if staged_code:  # the data check, before any GPU time: no run may read a token twice
-        try:
-            if a.public_seeds != []:  # None: one unseeded public run
-                pub = simulate_public_loader(train_files, pub_stages, a.accum)
-                plans.append(f"public {code.name}: {len(step_plan(pub_stages))} steps, {pub['trained']:,} tokens "
-                             f"trained, reads {pub['read']:,} of the shards' {pub['total']:,}")
-            for label, extra in variants if a.seeds else []:
-                args = tg.parse_args([*ours_common, *extra.split()])
-                ours = simulate_our_loader(train_files, args)
-                plans.append(f"{label}: {args.num_iterations} steps, {ours['trained']:,} tokens trained, reads "
-                             f"{ours['read']:,} of {ours['total']:,}")
-        except DataExhausted as e:
-            fail(f"{e}: the shards hold too few tokens for this schedule once; use a larger --batch_div or "
-                 "--step_div, or more data")
-        print("data plan: " + "; ".join(plans), flush=True)
+    # the data check, before any GPU time: no run may read a token twice
+    try:
+        if a.public_seeds:
+            pub = simulate_public_loader(train_files, pub_stages, a.accum)
+            plans.append(f"public {code.name}: {len(step_plan(pub_stages))} steps, {pub['trained']:,} tokens "
+                         f"trained, reads {pub['read']:,} of the shards' {pub['total']:,}")
+        for label, extra in variants if a.seeds else []:
+            args = tg.parse_args([*ours_common, *extra.split()])
+            ours = simulate_our_loader(train_files, args)
+            plans.append(f"{label}: {args.num_iterations} steps, {ours['trained']:,} tokens trained, reads "
+                         f"{ours['read']:,} of {ours['total']:,}")
+    except DataExhausted as e:
+        fail(f"{e}: the shards hold too few tokens for this schedule once; use a larger --batch_div or "
+             "--step_div, or more data")
+    print("data plan: " + "; ".join(plans), flush=True)
     if a.check_only:
         return
     if a.warm_first:  # each code's first run once, all at the same time: its compile cache fills while they share
@@ -1071,15 +995,16 @@ def main():
 
     results, seeds, per_stage = {}, {}, {}
     for name, log, _, _, _, seed, stages in runs:
-        by_step = val_losses(log)
-        if name.startswith("public") and staged_code:  # the public lines lack tokens: from its schedule
+        text = log_text(log)
+        by_step = logparse.val_losses(text)
+        if name.startswith("public"):  # the public lines lack tokens: from its schedule
             by_step = {s: (v, ms, tokens_at(stages, s)) for s, (v, ms, _) in by_step.items()}
-            logged = logged_boundaries(log)
+            logged = logparse.stage_boundaries(text)
             if logged is not None and logged != [(st.start, st.end) for st in stages]:
                 print(f"warning: {name} logged stage boundaries {logged}, the harness computed "
                       f"{[(st.start, st.end) for st in stages]}", flush=True)
         results[name], seeds[name] = by_step, seed
-        per_stage[name] = stage_step_ms(step_times(log), stages)
+        per_stage[name] = stage_step_ms(logparse.step_times(text), stages)
     groups = {label: [n for n, *_ in runs if n.startswith(f"{label} seed ")] for label, _ in variants}
     pub_names = [n for n, *_ in runs if n.startswith("public")]
     if pub_names:
@@ -1088,17 +1013,16 @@ def main():
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     shared = "; runs shared the GPU (--parallel): step times are not comparable" if a.parallel else ""
     rule = (f"batches / {a.batch_div}, steps / {a.step_div}, {a.accum} micro-batch(es) per step, public attention "
-            f"{a.public_attention}" if staged_code else f"{a.steps} steps x {a.batch_size:,} tokens")
+            f"{a.public_attention}")
     lines = [f"Device: {device}; PyTorch {torch.__version__}; public code {code.name}: {code.origin}; {rule}; "
              f"validation {a.val_tokens:,} tokens in buffers of {a.val_seq_len:,}{shared}",
              f"Command: python bench/side_by_side.py {' '.join(sys.argv[1:])}", *(["Data: " + "; ".join(plans)] if plans else []),
-             *([f"Patches: {', '.join(patches_for(code.name))} (bench/side_by_side.py PATCHES)"]
-               if staged_code else []),
+             f"Patches: {', '.join(patches_for(code.name))} (bench/side_by_side.py PATCHES)",
              "", *format_table(results, groups), "", *finals_table(results, groups, seeds)]
     if a.target is not None:
-        lines += ["", *target_table(results, a.target, a.batch_size)]
+        lines += ["", *target_table(results, a.target)]
     if not a.parallel:
-        full = [st.end - st.start for st in public_stages(code.script, a.batch_div)] if staged_code and a.step_div > 1 \
+        full = [st.end - st.start for st in public_stages(code.script, a.batch_div)] if a.step_div > 1 \
             else None  # the timing run: each code's stage times over the public schedule's own step counts
         lines += ["", "Per stage: median ms per step (us per token, tokens per step, steps), each stage's first two "
                   "steps left out" + (", and the public schedule's time at these step times" if full else "")

@@ -14,7 +14,6 @@ those mean step times (`--num_iterations 776`: that schedule's one-GPU time, bes
 public schedule time measured in the same session) and prints them as train_gpt.py's STEP_US_PER_TOKEN entries."""
 import argparse
 import dataclasses
-import gc
 import gzip
 import json
 import statistics
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import timing  # noqa: E402  (bench/timing.py)
 import train_gpt as tg  # noqa: E402
 from comm_time import kernel_gaps  # noqa: E402
 from profile_compare import by_kind, kernel_events, kernels_from_trace, largest  # noqa: E402
@@ -113,18 +113,8 @@ def main():
                 tg.untie_embedding(model, optimizers[0])
             tg.tie_embedding_at(model, stage.start, untie)
         spec = stage.batch
-        for _ in range(own.warmup):
-            run_step()
-        torch.cuda.synchronize()
-        gc.collect()  # the compile's garbage collected now, not in a timed step (as train_gpt.py before its clock)
-        times = []
-        for _ in range(own.steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run_step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        # cuda_times collects the compile's garbage after the warm-up: not in a timed step (as train_gpt.py does)
+        times = timing.cuda_times(run_step, own.steps, own.warmup)
         med, mean = statistics.median(times), statistics.fmean(times)
         whole_ms += (stage.end - stage.start) * mean
         tokens += (stage.end - stage.start) * spec.batch_size

@@ -1,8 +1,9 @@
-"""The token shard format, for the data tools: numpy only, so downloading and tokenizing need no torch.
+"""The token shard format, one module for train_gpt.py and the data tools: numpy only, so downloading and
+tokenizing need no torch.
 
 A shard is a 256 x int32 little-endian header -- magic 20240520, version 1, token count, zeros -- followed by the
-tokens as uint16: the format of llm.c and of the public speedrun's FineWeb shards. train_gpt.py reads and writes
-the same format in its Data section (it stays one file); tests/test_shards.py checks that the two agree.
+tokens as uint16: the format of llm.c and of the public speedrun's FineWeb shards. train_gpt.py imports this module
+and, as it does kernels.py, copies its source into every run's log and its hash into every checkpoint.
 """
 from __future__ import annotations
 

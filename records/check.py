@@ -38,7 +38,8 @@ Python traceback of an error instead.
 A log is "the source code, a line of 100 '=', versions and nvidia-smi, a line of 100 '=', then
 the hyperparameters as `name: value` lines, then the run": step lines are only read after the
 first such line (when there is one), so that example lines inside the code are never taken for
-results. parse_log() is the importable parser (plot.py and new.py use it).
+results. parse_log() is the importable parser of whole runs (plot.py and new.py use it); the lines
+themselves are read by logparse.py, which bench/ uses too.
 """
 from __future__ import annotations
 
@@ -55,15 +56,13 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-SEPARATOR = "=" * 100
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import logparse  # noqa: E402  (records/logparse.py: the lines of a log)
+
 LOG_SUFFIXES = (".txt", ".log")
 DEFAULT_TARGET = 3.28
 ALPHA = 0.01
 
-_STEP_RE = re.compile(r"^step:(\d+)/(\d+)(?=\s|$)(.*)$")
-_VAL_RE = re.compile(r"(?:^|\s)val_loss:(\S+)")
-_TIME_RE = re.compile(r"(?:^|\s)train_time:([0-9]+(?:\.[0-9]*)?)ms")
-_PARAM_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):(?: (.*))?$")  # a hyperparameter line, `name: value`
 # nvidia-smi's first line, e.g. "Wed Sep  3 19:58:00 2025": the date of a GPU run
 _SMI_DATE_RE = re.compile(r"^(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) ([A-Z][a-z]{2}) +(\d{1,2}) [\d:]{8} (\d{4})\s*$")
 # nvidia-smi's GPU row "|   0  NVIDIA H100 80GB HBM3          On  |" and process row
@@ -121,35 +120,6 @@ class RunLog:
         return self.params.get("preset")
 
 
-def split_code(text: str) -> tuple[str | None, str]:
-    """(code, rest): the code is everything before the first line of exactly 100 '='."""
-    lines = text.splitlines(keepends=True)
-    for i, line in enumerate(lines):
-        if line.rstrip("\r\n") == SEPARATOR:
-            return "".join(lines[:i]), "".join(lines[i + 1:])
-    return None, text
-
-
-def _header(rest: str) -> tuple[dict[str, str], list[str]]:
-    """(hyperparameters, environment report) from what follows the code: the report up to the
-    second line of 100 '=', then the block of `name: value` lines right after it (the first value
-    wins)."""
-    env, params = [], {}
-    lines = iter(rest.splitlines())
-    for line in lines:
-        if line.rstrip("\r") == SEPARATOR:
-            break
-        env.append(line.rstrip("\r"))
-    else:
-        return {}, []  # no second separator: no hyperparameter block
-    for line in lines:
-        m = _PARAM_RE.match(line.rstrip("\r"))
-        if m is None:
-            break
-        params.setdefault(m.group(1), (m.group(2) or "").strip())
-    return params, env
-
-
 def _environment(run: RunLog, env: list[str]) -> None:
     """The run's date, GPU model, GPU count (distinct GPUs in nvidia-smi's process table) and
     versions, from the environment report."""
@@ -180,10 +150,10 @@ def parse_text(text: str, path: Path | str = "<text>") -> RunLog:
     """Parse the text of one log; see parse_log."""
     run = RunLog(path=Path(path))
     run.sha256 = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
-    run.code, body = split_code(text)
+    run.code, body = logparse.split_code(text)
     if run.code is not None:
         run.code_sha256 = hashlib.sha256(run.code.encode("utf-8", "surrogateescape")).hexdigest()
-        run.params, env = _header(body)
+        run.params, env = logparse.header(body)
         _environment(run, env)
     _read_steps(run, body)
     # train_gpt.py starts each run's log with its source and settings, between two lines of 100 '=' (a resumed
@@ -204,25 +174,23 @@ def _read_steps(run: RunLog, body: str) -> None:
     final: tuple[float, float] | None = None
     bad_val = None
     for line in body.splitlines():
-        m = _STEP_RE.match(line.strip())
-        if not m:
+        s = logparse.step_line(line)
+        if s is None:
             if (d := _DEVICE_RE.match(line)) is not None:
                 run.gpus = int(d.group(2))  # our own report wins over nvidia-smi's process count
                 run.cpu = d.group(1) == "cpu"
             continue
-        step, total, rest = int(m.group(1)), int(m.group(2)), m.group(3)
+        step, total = s.step, s.total
         totals[total] += 1
         last_step = step if last_step is None else max(last_step, step)
-        v = _VAL_RE.search(rest)
-        if v is None:
+        if s.val_loss is None:
             continue
-        t = _TIME_RE.search(rest)
         try:
-            loss = float(v.group(1))
+            loss = float(s.val_loss)
         except ValueError:
-            bad_val = f"unreadable val_loss {v.group(1)!r} at step {step}"
+            bad_val = f"unreadable val_loss {s.val_loss!r} at step {step}"
             continue
-        time_ms = float(t.group(1)) if t else math.nan
+        time_ms = s.time_ms if s.time_ms is not None else math.nan
         run.val.append((step, loss, time_ms))
         if step == total:
             final = (loss, time_ms)

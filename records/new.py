@@ -37,6 +37,7 @@ from typing import Sequence
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import check  # noqa: E402
+import logparse  # noqa: E402
 import plot  # noqa: E402
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -50,7 +51,7 @@ def code_problems(files: Sequence[Path], label=str) -> list[str]:
     problems = []
     groups: dict[str, list[Path]] = {}
     for f in files:
-        code, _ = check.split_code(f.read_bytes().decode("utf-8", "surrogateescape"))
+        code, _ = logparse.split_code(f.read_bytes().decode("utf-8", "surrogateescape"))
         if code is None:
             problems.append(f"{label(f)}: no code section (no line of 100 '=')")
             continue

@@ -11,7 +11,7 @@ ID-try2 (then -try3, ...), because an interrupted run has saved a checkpoint und
 checkpoints/ID/ and train_gpt.py refuses to start a new run in a folder of checkpoints.
 
 Each run's console output goes to <folder>/console/ID.out. Nothing here parses a log itself:
-check.parse_text does.
+check.parse_text and logparse.py do.
 """
 from __future__ import annotations
 
@@ -34,12 +34,11 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent  # the checkout these tools belong to: the default one to run
 sys.path.insert(0, str(HERE))
 import check  # noqa: E402
+import logparse  # noqa: E402
 
 FAILED = 3  # exit status of a tool whose run failed (0, 1 and 2 are check.py's)
 PARTIAL_DIR = "partial"
 CONSOLE_DIR = "console"
-# the trainer's closing line, e.g. "finished at step 1670/1670: training time 163.8s (98.1 ms/step), ..."
-_CLOSING_RE = re.compile(r"^finished at step (\d+)/(\d+):", re.M)
 _TRY_RE = re.compile(r"-try(\d+)$")
 
 
@@ -92,9 +91,8 @@ def read_log(path: Path) -> check.RunLog:
     text = raw.decode("utf-8", "surrogateescape")
     run = check.parse_text(text, path)
     if run.ok:
-        _, body = check.split_code(text)
         t = run.total_steps
-        if not any(int(m.group(1)) == int(m.group(2)) == t for m in _CLOSING_RE.finditer(body)):
+        if (t, t) not in logparse.closing_steps(text):
             run.error = f"no closing line 'finished at step {t}/{t}: ...' after the final validation"
     return run
 

@@ -1,7 +1,9 @@
-"""The shard format: train_gpt.py's reader/writer and data/shards.py's (the data tools', without torch) each
-validate the same way, and each reads what the other writes."""
+"""The shard format (data/shards.py): one module for the trainer and the data tools, without torch; written and
+read back, validated with errors that name the file; the trainer uses this module's functions, and its log and
+checkpoints carry the module's source and hash."""
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -11,28 +13,36 @@ import train_gpt as tg
 from data import shards
 
 ROOT = Path(__file__).resolve().parents[1]
-BOTH = pytest.mark.parametrize("fmt", [tg, shards], ids=["train_gpt", "data.shards"])
 
 
-@BOTH
-def test_write_then_read_round_trips(tmp_path, fmt):
+def test_write_then_read_round_trips(tmp_path):
     toks = np.random.default_rng(0).integers(0, 50257, size=1000)
     p = tmp_path / "s.bin"
-    fmt.write_shard(p, toks)
-    assert fmt.read_shard_header(p) == 1000
-    np.testing.assert_array_equal(fmt.load_shard(p), toks)
+    shards.write_shard(p, toks)
+    assert shards.read_shard_header(p) == 1000
+    np.testing.assert_array_equal(shards.load_shard(p), toks)
 
 
-@pytest.mark.parametrize("writer,reader", [(tg, shards), (shards, tg)], ids=["trainer->tools", "tools->trainer"])
-def test_each_reads_what_the_other_writes_byte_for_byte(tmp_path, writer, reader):
+def test_the_layout_is_llm_c_s_header_then_uint16_tokens(tmp_path):
     toks = np.random.default_rng(1).integers(0, 2**16, size=777)
-    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
-    writer.write_shard(a, toks)
-    reader.write_shard(b, toks)
-    assert a.read_bytes() == b.read_bytes()
-    np.testing.assert_array_equal(reader.load_shard(a), toks)
-    assert (tg.SHARD_MAGIC, tg.SHARD_VERSION, tg.HEADER_BYTES, tg.BOS_ID) == \
-        (shards.SHARD_MAGIC, shards.SHARD_VERSION, shards.HEADER_BYTES, shards.BOS_ID)
+    p = tmp_path / "a.bin"
+    shards.write_shard(p, toks)
+    raw = p.read_bytes()
+    assert len(raw) == 1024 + 2 * 777
+    assert np.frombuffer(raw[:1024], "<i4").tolist() == [20240520, 1, 777] + [0] * 253
+    np.testing.assert_array_equal(np.frombuffer(raw[1024:], "<u2"), toks)
+
+
+def test_the_trainer_uses_this_module_and_its_code_hash_covers_it(tmp_path, monkeypatch):
+    for name in ("ShardError", "load_shard", "read_shard_header", "write_shard"):
+        assert getattr(tg, name) is getattr(shards, name)
+    assert tg.BOS_ID == shards.BOS_ID  # the trainer's default --bos_id is the one the tokenizer writes
+    assert Path(tg.shard_format.__file__).resolve() == ROOT / "data" / "shards.py"
+    before = tg.code_hash()
+    edited = tmp_path / "shards.py"
+    edited.write_text(Path(shards.__file__).read_text() + "# edited\n")
+    monkeypatch.setattr(tg, "shard_format", types.SimpleNamespace(__file__=str(edited)))
+    assert tg.code_hash() != before  # a checkpoint of other shard code is noted on resume
 
 
 def _corrupt(p, index, value):
@@ -41,39 +51,35 @@ def _corrupt(p, index, value):
     p.write_bytes(bytes(raw))
 
 
-@BOTH
 @pytest.mark.parametrize("index,value,needle", [(0, 1234, "magic"), (1, 7, "version")])
-def test_reader_rejects_bad_header_naming_the_file(tmp_path, fmt, index, value, needle):
+def test_reader_rejects_bad_header_naming_the_file(tmp_path, index, value, needle):
     p = tmp_path / "bad_header.bin"
-    fmt.write_shard(p, np.arange(10))
+    shards.write_shard(p, np.arange(10))
     _corrupt(p, index, value)
-    with pytest.raises(fmt.ShardError, match=needle) as e:
-        fmt.read_shard_header(p)
+    with pytest.raises(shards.ShardError, match=needle) as e:
+        shards.read_shard_header(p)
     assert "bad_header.bin" in str(e.value)
 
 
-@BOTH
-def test_reader_rejects_truncated_file_naming_the_file(tmp_path, fmt):
+def test_reader_rejects_truncated_file_naming_the_file(tmp_path):
     p = tmp_path / "short.bin"
-    fmt.write_shard(p, np.arange(100))
+    shards.write_shard(p, np.arange(100))
     p.write_bytes(p.read_bytes()[:-3])
-    with pytest.raises(fmt.ShardError, match="truncated") as e:
-        fmt.load_shard(p)
+    with pytest.raises(shards.ShardError, match="truncated") as e:
+        shards.load_shard(p)
     assert "short.bin" in str(e.value)
 
 
-@BOTH
-def test_reader_rejects_file_shorter_than_header(tmp_path, fmt):
+def test_reader_rejects_file_shorter_than_header(tmp_path):
     p = tmp_path / "tiny.bin"
     p.write_bytes(b"abc")
-    with pytest.raises(fmt.ShardError, match="tiny.bin"):
-        fmt.read_shard_header(p)
+    with pytest.raises(shards.ShardError, match="tiny.bin"):
+        shards.read_shard_header(p)
 
 
-@BOTH
-def test_writer_refuses_ids_beyond_uint16(tmp_path, fmt):
+def test_writer_refuses_ids_beyond_uint16(tmp_path):
     with pytest.raises(ValueError, match="uint16"):
-        fmt.write_shard(tmp_path / "x.bin", np.array([70000]))
+        shards.write_shard(tmp_path / "x.bin", np.array([70000]))
 
 
 @pytest.mark.parametrize("tool", ["data/tokenize_corpus.py", "data/cached_fineweb10B.py"])

@@ -32,16 +32,18 @@ print0(f"step:{step}/{train_steps} val_loss:{val_loss:.4f} train_time:{training_
 
 
 def fake_checkout(tmp_path, source=PUBLIC_LIKE):
-    folder = tmp_path / "ck" / "records" / "track_1_short" / "2025-09-03_FA3"
-    folder.mkdir(parents=True)
-    (folder / "b.txt").write_text(source + "=" * 100 + "\nstep:0/1670 val_loss:10.8258 train_time:0ms\n")
+    """A checkout holding a log of record #89 (the code read from a record's log) that embeds `source`."""
+    log = tmp_path / "ck" / fh.RECORD_LOGS["89"].replace("*", "b")
+    log.parent.mkdir(parents=True)
+    log.write_text(source + "=" * 100 + "\nstep:0/1670 val_loss:10.8258 train_time:0ms\n")
     return tmp_path / "ck"
 
 
 def test_public_source_is_the_log_text_before_the_separator(tmp_path):
-    code = fh.public_source(fake_checkout(tmp_path), "0903")
+    code = fh.public_source(fake_checkout(tmp_path), "89")
     assert code.script == PUBLIC_LIKE and code.files == {"train_gpt.py": PUBLIC_LIKE}
-    assert re.fullmatch(r"records/track_1_short/2025-09-03_FA3/b\.txt \(md5 [0-9a-f]{32}\)", code.origin)
+    assert re.fullmatch(r"records/track_1_short/2026-07-17_FP8DownProjection/this_pr/11cb620c-b\.txt "
+                        r"\(md5 [0-9a-f]{32}\)", code.origin)
 
 
 def test_overrides_replace_one_default_and_keep_the_comment():
@@ -58,28 +60,19 @@ def test_a_field_the_public_script_lacks_is_a_clear_error():
 
 
 def test_missing_checkout_names_the_expected_files(tmp_path):
-    with pytest.raises(SystemExit, match="2025-09-03_FA3"):
-        fh.public_source(tmp_path)
+    with pytest.raises(SystemExit, match="2026-07-17_FP8DownProjection"):
+        fh.public_source(tmp_path, "89")
 
 
-def test_val_lines_after_the_source_are_read_and_example_lines_in_the_code_are_not(tmp_path):
-    log = tmp_path / "run.txt"
-    log.write_text(PUBLIC_LIKE + "=" * 100 + "\nstep:0/400 val_loss:10.8258 train_time:0ms step_avg:0.02ms\n"
-                   "step:1/400 train_time:300ms step_avg:300.00ms\n"
-                   "step:50/400 val_loss:4.4530 train_time:14000ms step_avg:280.00ms\n")
-    assert fh.val_losses(log) == {0: (10.8258, 0, None), 50: (4.453, 14000, None)}
-
-
-def test_tokens_to_a_target_loss_come_from_the_log_or_from_steps_times_the_batch(tmp_path):
-    ours = tmp_path / "ours.txt"
-    ours.write_text("=" * 100 + "\nstep:50/200 val_loss:3.1000 train_time:9000ms step_avg:180.00ms tokens:4,000,000\n"
-                    "step:100/200 val_loss:2.9000 train_time:20000ms step_avg:200.00ms tokens:10000000\n")
-    results = {"ours seed 0": fh.val_losses(ours), "public seed 0": {50: (3.0, 15000), 100: (2.95, 30000)},
-               "slow seed 0": {100: (3.2, 30000, None)}}
+def test_tokens_to_a_target_loss_come_from_the_log_or_the_schedule():
+    ours = ("=" * 100 + "\nstep:50/200 val_loss:3.1000 train_time:9000ms step_avg:180.00ms tokens:4,000,000\n"
+            "step:100/200 val_loss:2.9000 train_time:20000ms step_avg:200.00ms tokens:10000000\n")
+    results = {"ours seed 0": fh.logparse.val_losses(ours), "public seed 0": {50: (3.0, 15000, 6553600), 100: (2.95, 30000, 13107200)},
+               "slow seed 0": {100: (3.2, 30000, None)}, "untold seed 0": {100: (2.9, 30000, None)}}
     assert results["ours seed 0"] == {50: (3.1, 9000, 4000000), 100: (2.9, 20000, 10000000)}
-    lines = fh.target_table(results, 2.98, 131072)
+    lines = fh.target_table(results, 2.98)
     assert lines[4:] == ["| ours seed 0 | 100 | 10,000,000 | 20.0 |", "| public seed 0 | 100 | 13,107,200 | 30.0 |",
-                         "| slow seed 0 | not reached | - | - |"]
+                         "| slow seed 0 | not reached | - | - |", "| untold seed 0 | 100 | - | 30.0 |"]
 
 
 def test_a_seeded_public_run_seeds_torch_just_before_the_model_is_built():
@@ -108,8 +101,8 @@ def test_table_compares_each_variant_mean_with_the_reference_group():
 
 @pytest.mark.parametrize("variant", [["ours", "--seed 3"], ["public-x", ""], ["has space", ""]])
 def test_variant_names_that_would_clash_or_make_bad_file_names_are_refused(monkeypatch, tmp_path, variant):
-    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--public", str(tmp_path), "--public_code", "0903",
-                                      "--train_files", "x", "--val_files", "y", "--variant", *variant])
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--public", str(tmp_path), "--train_files", "x",
+                                      "--val_files", "y", "--variant", *variant])
     with pytest.raises(SystemExit, match="--variant names must differ"):
         fh.main()
 
@@ -122,65 +115,51 @@ def test_parallel_runs_are_capped_by_the_gpu_memory(monkeypatch):
         assert fh.runs_that_fit() == runs
 
 
-def test_ours_runs_the_0903_algorithm_and_a_variant_can_pick_todays_record(monkeypatch, tmp_path):
-    """The harness compares the public 09/03 code with our 09/03 preset, whatever the record preset has
-    become; `--variant NAME "--preset record"` runs today's record on the same protocol."""
-    import train_gpt as tg
-    from conftest import write_corpus
+def fake_main(monkeypatch, tmp_path, argv: list[str], rc: int = 0, launched=None) -> list:
+    """main() against master_code() on a small corpus, nothing run: the launched (command, log name) pairs, the
+    data check passed (it has its own tests); each launched run exits with rc."""
     train, val = write_corpus(tmp_path / "data")
-    launched = []
-
-    def fake_launch(cmd, cwd, log, env):
-        launched.append(cmd)
-        return SimpleNamespace(poll=lambda: 0, wait=lambda: 0, returncode=0)
-    monkeypatch.setattr(fh, "launch", fake_launch)
-    fields = "".join(f"    {name}: int = 1 # x\n" for name in ("val_files", "val_batch_size", "val_loss_every"))
-    public = PUBLIC_LIKE.replace("class Hyperparameters:\n", "class Hyperparameters:\n" + fields)
-    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--public", str(fake_checkout(tmp_path, public)),
-                                      "--public_code", "0903", "--train_files", train,
-                                      "--val_files", val, "--steps", "40", "--seeds", "0", "--work", str(tmp_path / "w"),
-                                      "--variant", "today", "--preset record"])
-    fh.main()
-    ours = [cmd[cmd.index("--nproc_per_node=1") + 2:] for cmd in launched if str(fh.ROOT / "train_gpt.py") in cmd]
-    assert len(ours) == 2 and len(launched) == 3  # the public run, then ours and the variant
-    base, today = (tg.parse_args(argv) for argv in ours)
-    assert base.preset == "record-0903" and base.logit_softcap == 30.0 and base.orthogonalizer == "newton_schulz"
-    assert today.preset == "record" and (today.logit_softcap, today.backout_layer, today.num_layers) == (23.0, 7, 11)
-    assert base.num_iterations == today.num_iterations == 40 and base.batch_size == today.batch_size == 131072
-
-
-
-def test_warm_first_runs_each_code_once_at_the_same_time_before_the_timed_runs(monkeypatch, tmp_path):
-    """--warm_first: one untimed run per code (the public code, ours, each variant), files named apart from the
-    timed runs', all launched before any timed run; a warming run that fails stops the harness."""
-    from conftest import write_corpus
-    train, val = write_corpus(tmp_path / "data")
-    launched = []
+    launched = [] if launched is None else launched
 
     def fake_launch(cmd, cwd, log, env):
         launched.append((cmd, log.name))
         return SimpleNamespace(poll=lambda: 0, wait=lambda: rc, returncode=0)
     monkeypatch.setattr(fh, "launch", fake_launch)
-    fields = "".join(f"    {name}: int = 1 # x\n" for name in ("val_files", "val_batch_size", "val_loss_every"))
-    public = PUBLIC_LIKE.replace("class Hyperparameters:\n", "class Hyperparameters:\n" + fields)
-    argv = ["side_by_side.py", "--public", str(fake_checkout(tmp_path, public)), "--public_code", "0903",
-            "--train_files", train, "--val_files", val, "--steps", "40", "--seeds", "0", "1",
-            "--work", str(tmp_path / "w"), "--variant", "today", "--preset record", "--warm_first"]
-    rc = 0
-    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(fh, "public_source", lambda *a: master_code())
+    for loader in ("simulate_public_loader", "simulate_our_loader"):
+        monkeypatch.setattr(fh, loader, lambda *a: dict(trained=1, read=1, total=1))
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--public", str(tmp_path), "--train_files", train,
+                                      "--val_files", val, "--work", str(tmp_path / "w"), *argv])
     fh.main()
+    return launched
+
+
+def test_ours_runs_the_record_preset_on_the_public_attention_and_each_variant_adds_its_flags(monkeypatch, tmp_path):
+    launched = fake_main(monkeypatch, tmp_path, ["--public_seeds", "0", "--seeds", "0", "--public_attention", "varlen",
+                                                 "--ours_args", "--muon_lr 0.05", "--variant", "lr", "--muon_lr 0.07"])
+    ours = [cmd[cmd.index("--nproc_per_node=1") + 2:] for cmd, _ in launched if str(fh.ROOT / "train_gpt.py") in cmd]
+    assert len(ours) == 2 and len(launched) == 3  # the public run, then ours and the variant
+    base, lr = (tg.parse_args(argv) for argv in ours)
+    assert base.preset == lr.preset == "record" and base.attention == lr.attention == "varlen"
+    assert (base.muon_lr, lr.muon_lr) == (0.05, 0.07) and (base.seed, base.val_every) == (0, 125)
+    assert launched[0][0][-1].startswith("public_master_") and launched[0][0][-1].endswith("_seed0.py")
+
+
+def test_warm_first_runs_each_code_once_at_the_same_time_before_the_timed_runs(monkeypatch, tmp_path):
+    """--warm_first: one untimed run per code (the public code, ours, each variant), files named apart from the
+    timed runs', all launched before any timed run; a warming run that fails stops the harness."""
+    argv = ["--public_seeds", "0", "--seeds", "0", "1", "--variant", "today", "--preset record", "--warm_first"]
+    launched = fake_main(monkeypatch, tmp_path, argv)
     logs = [name for _, name in launched]
     warm, timed = logs[:3], logs[3:]
     assert [n.split("_")[0] for n in warm] == ["public", "ours", "today"] and all("_warm_" in n for n in warm)
-    assert len(timed) == 5 and not any("_warm" in n for n in timed)  # the 0903 code's one run, 2 seeds x 2 of ours
-    launched.clear()
-    rc = 1
-    with pytest.raises(SystemExit, match="cache-warming run of public 0903 exited"):
-        fh.main()
+    assert len(timed) == 5 and not any("_warm" in n for n in timed)  # one public run, 2 seeds x 2 of ours
+    launched = []
+    with pytest.raises(SystemExit, match="cache-warming run of public master seed 0 exited"):
+        fake_main(monkeypatch, tmp_path / "again", argv, rc=1, launched=launched)
     assert len(launched) == 3  # the warming runs only
-    monkeypatch.setattr(sys, "argv", argv + ["--parallel"])
     with pytest.raises(SystemExit, match="--warm_first is for runs timed one after the other"):
-        fh.main()
+        fake_main(monkeypatch, tmp_path / "parallel", argv + ["--parallel"])
 
 
 # ---- the public line's current code (master) and record #89: patches, the scaling rule, the data check
@@ -412,14 +391,13 @@ def test_a_run_that_would_repeat_data_is_refused_before_anything_starts(monkeypa
     assert staged[0].resolve() == Path(train.replace("*", "000001")).resolve() and tg.read_shard_header(staged[1]) == 16
 
 
-def test_step_times_give_each_stage_its_median_step(tmp_path):
-    log = tmp_path / "run.txt"
+def test_step_times_give_each_stage_its_median_step():
     steps = [0, 100, 200, 300, 400, 500, 700, 900, 1100, 1300, 1500, 1800]  # ms after n steps
     lines = [f"step:{n}/11 train_time:{t}ms step_avg:1ms" for n, t in enumerate(steps) if n]
-    log.write_text("print0('step:1/2 train_time:5ms')\n" + "=" * 100 + "\nharness: stage boundaries [(0, 5), (5, 11)]\n"
-                   + "\n".join(lines[:5] + ["step:5/11 val_loss:4.0000 train_time:500ms step_avg:100.00ms"] + lines[5:]))
-    assert fh.logged_boundaries(log) == [(0, 5), (5, 11)]
-    times = fh.step_times(log)
+    log = ("print0('step:1/2 train_time:5ms')\n" + "=" * 100 + "\nharness: stage boundaries [(0, 5), (5, 11)]\n"
+           + "\n".join(lines[:5] + ["step:5/11 val_loss:4.0000 train_time:500ms step_avg:100.00ms"] + lines[5:]))
+    assert fh.logparse.stage_boundaries(log) == [(0, 5), (5, 11)]
+    times = fh.logparse.step_times(log)
     assert times[1] == 100 and times[11] == 1800 and len(times) == 11
     stages = [fh.Stage(0, 5, 1000, 896, (1, 3)), fh.Stage(5, 11, 2000, 2048, (3, 7))]
     got = fh.stage_step_ms(times, stages, skip=2)
