@@ -159,7 +159,7 @@ def parse_text(text: str, path: Path | str = "<text>") -> RunLog:
     # train_gpt.py starts each run's log with its source and settings, between two lines of 100 '=' (a resumed
     # run adds no header): more means runs appended to one log (a --run_id used again, before the trainer
     # refused that). Public speedrun logs (no hyperparameter lines) print a varying number of such lines.
-    starts = sum(line.rstrip("\r") == SEPARATOR for line in text.splitlines()) // 2
+    starts = sum(line.rstrip("\r") == logparse.SEPARATOR for line in text.splitlines()) // 2
     if run.params and starts > 1:
         run.error = (f"holds {starts} runs, not one (the source and settings appear {starts} times: runs "
                      "appended to one log under one run id); check each run from a log of its own")

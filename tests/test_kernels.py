@@ -44,7 +44,7 @@ def test_attention_backend_matches_explicit_masked_computation(backend, window):
 
 
 def test_fp8_head_op_forward_and_backward_match_float_reference():
-    if not tg.fp8_supported(DEVICE):
+    if not tg.kernels.fp8_supported(DEVICE):
         pytest.skip(f"_scaled_mm FP8 does not run on {DEVICE}")
     g = torch.Generator().manual_seed(0)
     T, dim, V = 64, 128, 256
@@ -71,7 +71,7 @@ def test_fp8_head_op_forward_and_backward_match_float_reference():
 
 
 def test_fp8_head_op_compiles_in_a_graph_without_breaks():
-    if not tg.fp8_supported(DEVICE):
+    if not tg.kernels.fp8_supported(DEVICE):
         pytest.skip(f"_scaled_mm FP8 does not run on {DEVICE}")
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():  # the fake (meta) implementations give the real shapes and dtypes
@@ -88,7 +88,7 @@ def test_fp8_head_op_compiles_in_a_graph_without_breaks():
 def test_fp8_head_compiled_with_the_loss_matches_eager():
     """Compiled, the gradient's FP8 quantization is traced into the backward graph and fused with the
     cross-entropy backward; the result must equal the eager op's up to rounding."""
-    if not tg.fp8_supported(DEVICE):
+    if not tg.kernels.fp8_supported(DEVICE):
         pytest.skip(f"_scaled_mm FP8 does not run on {DEVICE}")
     g = torch.Generator().manual_seed(0)
     T, dim, V = 64, 128, 256
@@ -131,25 +131,25 @@ def fake_backends(monkeypatch):
 
 def test_auto_skips_installed_backends_that_fail_their_check_and_says_why(fake_backends):
     said = []
-    assert tg.select_attention("auto", torch.device("cpu"), compiled=True, log=said.append) == "sound"
+    assert tg.kernels.select_attention("auto", torch.device("cpu"), compiled=True, log=said.append) == "sound"
     assert len(said) == 2 and said[0].startswith("attention: skipping breaks: ") and "graph_break" in said[0].lower()
     assert said[1].startswith("attention: skipping wrong: differs from the reference path (relative error 1.")
     # traced without compile, the graph break is harmless: that backend then passes
-    assert tg.select_attention("auto", torch.device("cpu"), compiled=False, log=said.append) == "breaks"
+    assert tg.kernels.select_attention("auto", torch.device("cpu"), compiled=False, log=said.append) == "breaks"
 
 
 def test_a_requested_backend_that_fails_or_is_missing_is_one_error_naming_its_source(fake_backends):
     with pytest.raises(ValueError, match=r"'wrong' failed its start-up check on cpu: differs .* pip install wrong"):
-        tg.select_attention("wrong", torch.device("cpu"))
+        tg.kernels.select_attention("wrong", torch.device("cpu"))
     with pytest.raises(ValueError, match=r"'fa4' is not available on cpu .*pip install -r requirements-hopper.txt"):
-        tg.select_attention("fa4", torch.device("cpu"))
+        tg.kernels.select_attention("fa4", torch.device("cpu"))
 
 
 def test_a_gpu_run_never_falls_back_to_the_quadratic_reference_silently(fake_backends, monkeypatch):
     monkeypatch.setattr(kernels, "available_attention_backends", lambda device: ["wrong", "reference"])
     with pytest.raises(ValueError, match=r"no attention backend passed its start-up check on cuda: wrong: "):
-        tg.select_attention("auto", torch.device("cuda"), log=lambda m: None)
-    assert tg.select_attention("auto", torch.device("cpu"), log=lambda m: None) == "reference"  # the CPU path
+        tg.kernels.select_attention("auto", torch.device("cuda"), log=lambda m: None)
+    assert tg.kernels.select_attention("auto", torch.device("cpu"), log=lambda m: None) == "reference"  # the CPU path
 
 
 # FlashAttention-3/4 are wrapped as custom-op pairs (kernels.flash_attention_op). Their kernels need a
@@ -237,7 +237,7 @@ def test_auto_picks_a_wrapped_backend_whose_raw_front_end_breaks_compilation(mon
     monkeypatch.setitem(kernels.ATTENTION_INSTALL, "raw", "pip install raw")
     monkeypatch.setattr(kernels, "available_attention_backends", lambda device: ["raw", "wrapped", "reference"])
     said = []
-    assert tg.select_attention("auto", torch.device("cpu"), compiled=True, log=said.append) == "wrapped"
+    assert tg.kernels.select_attention("auto", torch.device("cpu"), compiled=True, log=said.append) == "wrapped"
     assert len(said) == 1 and said[0].startswith("attention: skipping raw: ")
 
 
@@ -886,7 +886,7 @@ def test_fp8_head_ce_op_gives_the_unfused_heads_losses_and_gradients_compiled_or
     losses are a little further from float64 autograd (at most 1.5 times here: the operands' own e4m3 rounding
     dominates); the gradients differ in how the logits' gradient rounds to e5m2 (from float32 here, from bf16
     there), by as much as e5m2's own error when a row's entries are alike: both are as far from float64 autograd."""
-    if not tg.fp8_supported(DEVICE):
+    if not tg.kernels.fp8_supported(DEVICE):
         pytest.skip(f"_scaled_mm FP8 does not run on {DEVICE}")
     x0, w0, targets = fp8_head_ce_case()
     weights = torch.rand(x0.size(0), generator=torch.Generator().manual_seed(1)).to(DEVICE)  # per-token upstream grads
@@ -922,7 +922,7 @@ def test_fp8_head_ce_op_gives_the_unfused_heads_losses_and_gradients_compiled_or
 def test_fp8_head_ce_terms_carry_any_losss_gradient_as_the_unfused_head():
     """The per-target terms lse - z of the op, used by a loss that is no weighted sum of them (here a mixture, as
     CPLM's), and its weighted losses at once: the same values and gradients as the unfused FP8 head."""
-    if not tg.fp8_supported(DEVICE):
+    if not tg.kernels.fp8_supported(DEVICE):
         pytest.skip(f"_scaled_mm FP8 does not run on {DEVICE}")
     x0, w0, targets = fp8_head_ce_case()
     targets = torch.stack([targets, (targets * 7 + 3) % w0.size(0)], 1)  # two targets per token
@@ -956,7 +956,7 @@ def test_model_with_fused_ce_trains_on_the_fp8_heads_losses_and_gradients(cplm):
     """The model's loss with the fused op is the FP8 head's (to e4m3 logits' rounding); its gradients lie as close to the bf16
     head's as the unfused FP8 head's do (FP8 rounding, not the fusion, sets the difference). With CPLM the
     fused op's terms feed the mixture (the copy column 64 of a vocabulary of 80)."""
-    if not tg.fp8_supported(DEVICE):
+    if not tg.kernels.fp8_supported(DEVICE):
         pytest.skip(f"_scaled_mm FP8 does not run on {DEVICE}")
     from conftest import TINY
     extra = dict(vocab_size=80, cplm_bands=(32, 64)) if cplm else {}  # FP8 matmuls need multiples of 16

@@ -1,19 +1,21 @@
 """The model: shapes, initial loss, causality and document isolation, configuration errors."""
+import dataclasses
 import math
 
 import pytest
 import torch
 
 import train_gpt as tg
-from conftest import BOS, LATER_RECORDS, TINY
+from conftest import BOS, TINY
 
 W3, W1 = tg.window_tokens(3, TINY["window_block"]), tg.window_tokens(1, TINY["window_block"])  # (48, 16), (16, 0)
 
 
-def tiny_model(randomize=False, **overrides):
+def tiny_model(randomize=False, kernels=tg.ModelKernels(), **overrides):
+    """TINY's record model (every technique on), PyTorch's kernels unless told."""
     args = tg.Hyperparameters(**{**TINY, **overrides})
     torch.manual_seed(0)
-    model = tg.GPT(tg.ModelConfig.from_args(args))
+    model = tg.GPT(tg.ModelConfig.from_args(args), kernels)
     if randomize:  # zero-initialised weights would hide paths: give every weight signal
         with torch.no_grad():
             for p in model.parameters():
@@ -31,7 +33,9 @@ def batch(T=128, doc_starts=(0, 60)):
 
 
 def test_fresh_model_predicts_uniformly_so_its_loss_is_log_vocab():
-    model = tiny_model()
+    """An untied model's head starts at zero: uniform over the vocabulary; with CPLM, the head's softmax gives the
+    copy column (64, no token) its 1/72, which the mixture hands back to the tokens through the pointer."""
+    model = tiny_model(tied_embed_stages=0, cplm_bands=())
     x, y, cu = batch()
     loss = model(x, y, cu, 128, W3)
     assert loss.shape == () and loss.dtype == torch.float32
@@ -39,15 +43,22 @@ def test_fresh_model_predicts_uniformly_so_its_loss_is_log_vocab():
     per_token = model(x, y, cu, 128, W3, reduction="none")
     assert per_token.shape == (128,)
     assert torch.allclose(per_token.sum(), loss)
+    # with CPLM: -log(p_lm (1 - alpha (1 - a_sink)) / (1 - alpha) + alpha p_copy), p_lm = alpha = 1/72
+    model = tiny_model(tied_embed_stages=0)
+    with torch.no_grad():
+        p_copy, a_sink = model.copy_pointer(model.hidden(x, cu, 128, W3), x, y, cu)
+        per_token = model(x, y, cu, 128, W3, reduction="none")
+    alpha, V = 1 / TINY["vocab_size"], TINY["vocab_size"]
+    torch.testing.assert_close(per_token, -torch.log(alpha * (1 - alpha * (1 - a_sink)) / (1 - alpha) + alpha * p_copy),
+                               rtol=1e-5, atol=1e-5)
+    assert abs(per_token.mean().item() - math.log(V - 1)) < 0.02 and (p_copy > 0).any()
+    tied = tiny_model()  # the record's: tied, the head drawn N(0, 0.005): near uniform
+    assert abs(tied(x, y, cu, 128, W3).item() / 128 - per_token.mean().item()) < 0.01
 
 
-MUDD_GATES = LATER_RECORDS  # the MUDD gates with XSA in block 1 and DC attention
-CPLM = dict(LATER_RECORDS, vocab_size=72, cplm_bands=(16, 32))  # the copy column: 64, which no token uses
-
-
-@pytest.mark.parametrize("features", [{}, LATER_RECORDS, CPLM], ids=["0903", "later_records", "cplm"])
-def test_loss_at_a_position_depends_only_on_earlier_tokens_of_its_document(features):
-    model = tiny_model(randomize=True, **features)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])  # CPLM's bands: 16 in training, 32 after
+def test_loss_at_a_position_depends_only_on_earlier_tokens_of_its_document(training):
+    model = tiny_model(randomize=True).train(training)
     x, y, cu = batch(doc_starts=(0, 60))
     base = model(x, y, cu, 128, W3, reduction="none")
     for j in (10, 59, 70, 127):
@@ -60,11 +71,10 @@ def test_loss_at_a_position_depends_only_on_earlier_tokens_of_its_document(featu
         assert delta[j] > 0, "a token does influence its own prediction"
 
 
-@pytest.mark.parametrize("features", [{}, LATER_RECORDS, CPLM], ids=["0903", "later_records", "cplm"])
-def test_the_number_of_empty_sequences_in_cu_seqlens_changes_no_loss_and_no_gradient(features):
+def test_the_number_of_empty_sequences_in_cu_seqlens_changes_no_loss_and_no_gradient():
     """cu_seqlens' length (max_num_docs, sized from the data by doc_slots) is a shape only: the smear, bigram,
     key offset, paired heads, DC attention and CPLM's pointer read the same documents from any padding."""
-    model = tiny_model(randomize=True, **features)
+    model = tiny_model(randomize=True)
     x, y, cu = batch(doc_starts=(0, 37, 60, 101))
     results = []
     for empty in (0, 1, 12):  # exactly the documents, one empty sequence, twelve
@@ -79,82 +89,129 @@ def test_the_number_of_empty_sequences_in_cu_seqlens_changes_no_loss_and_no_grad
 
 
 def test_window_limits_how_far_back_attention_reaches():
-    # one document, all blocks long-window; window (ws=1) * 16 = 16 tokens back. Blocks stack, so
-    # with 3 attention layers a token can influence positions up to 3 * 16 ahead, no further.
-    model = tiny_model(randomize=True, window_pattern="LLLL")
+    # one document, all blocks long-window (so no paired heads); window (ws=1) * 16 = 16 tokens back. Blocks stack:
+    # the smear and the bigram carry token 10 to position 11, and each of the 3 attention blocks reaches 16 positions
+    # further, plus one for its keys' offset (the long-window blocks' partial key offset), so up to 11 + 3 * 17 = 62,
+    # no further. DC attention (its own window of DC_WINDOW tokens, in the last block) is off: its gate's w2 at zero;
+    # CPLM's pointer (its own bands) is off.
+    model = tiny_model(randomize=True, window_pattern="LLLL", paired_head_blocks=(), cplm_bands=())
+    with torch.no_grad():
+        start = model.gate_width + sum(n for what, _, n, _ in model.gate_parts[1][:-1])
+        assert model.gate_parts[1][-1][0] == "dc2"
+        model.mudd_gate_w2[start: start + 2].zero_(), model.mudd_gate_b2[start: start + 2].zero_()
     x, y, cu = batch(doc_starts=(0,))
-    base = model(x, y, cu, 128, W1, reduction="none")
-    x2 = x.clone()
-    x2[10] = (x2[10] + 1) % BOS
-    delta = (model(x2, y, cu, 128, W1, reduction="none") - base).abs()
-    assert delta[10 + 3 * 16 + 1:].max() == 0
-    assert delta[10 + 16] > 0
+    with torch.no_grad():
+        base = model(x, y, cu, 128, W1, reduction="none")
+        x2 = x.clone()
+        x2[10] = (x2[10] + 1) % BOS
+        delta = (model(x2, y, cu, 128, W1, reduction="none") - base).abs()
+    assert delta[11 + 3 * 17 + 1:].max() == 0
+    assert delta[11 + 3 * 17] > 0 and delta[10 + 3 * 16 + 1:].max() > 0  # the key offsets do reach further
 
 
-def test_value_embeddings_and_window_pattern_follow_the_0903_record_layout():
-    args = tg.Hyperparameters(**tg.RECORD_0903)
+def test_value_embeddings_and_window_pattern_follow_the_record_layout():
+    args = tg.Hyperparameters()
     cfg = tg.ModelConfig.from_args(args)
     with torch.device("meta"):
         model = tg.GPT(cfg)
-    assert model.value_embed_layers() == [0, 1, 2, None, None, None, None, None, None, 0, 1, 2]
-    assert model.block_windows((384, 128)) == [384, 128, 128, 128, 384, 128, 128, 384, 128, 128, 128, 384]
-    assert model.blocks[7].attn is None and all(b.attn is not None for i, b in enumerate(model.blocks) if i != 7)
+    assert model.value_embed_layers() == [None, 0, 1, None, None, None, None, None, 2, 3, 4]
+    assert model.block_windows((384, 128)) == [128, 128, 128, 384, 128, 128, 128, 128, 128, 128, 384]
+    assert model.blocks[6].attn is None and all(b.attn is not None for i, b in enumerate(model.blocks) if i != 6)
     assert model.embed.weight.dtype == torch.bfloat16 and model.lm_head_w.dtype == torch.float32
+    assert model.bigram_embed.weight.shape == (377_280, 768) and model.bigram_signs.shape == (8192, 768)
     n_params = sum(p.numel() for p in model.parameters())
-    assert 270e6 < n_params < 280e6  # ~124M in blocks + head, plus 4 embedding tables of 38.6M
+    blocks = sum(p.numel() for p in model.blocks.parameters())
+    assert 75e6 < blocks < 76e6  # 11 blocks of 768 (one without attention)
+    # ~76M in blocks, 7 tables of 38.6M (token embedding, LM head, 5 value tables), the bigram table's 290M
+    assert 630e6 < n_params < 640e6
 
 
 @pytest.mark.parametrize("field,value,needle", [
     ("window_pattern", "LSL", "one L or S per layer"),
     ("batch_size", 1000, "multiple of seq_len"),
-    ("bos_id", 99, "must be < vocab_size"),
+    ("bos_id", 99, "the copy column bos_id \\+ 1 = 100 below vocab_size=72"),
     ("attention", "magic", "choose one of auto, fa3, fa4, varlen, reference"),
     ("logit_softcap", 90.0, "too large"),
     ("softcap_shift", float("inf"), "finite"),
     ("bigram_rows", 1, "at least 2"),
-    ("bigram_sign_rows", 16, "with bigram_rows"),
-    ("backout_layer", 3, "-1 \\(off\\) or a block index below the last \\(3\\)"),
-    ("backout_layer", -2, "-1 \\(off\\)"),
+    ("bigram_rows", 0, "at least 2"),  # no longer a switch: the MUDD gates weigh it per block
+    ("bigram_sign_rows", -1, "0 \\(no signs\\) or a positive count"),
+    ("backout_layer", 3, "backout_layer=3: a block below the last \\(3\\)"),
+    ("backout_layer", -1, "a block below the last"),  # no longer "off"
     ("paired_head_blocks", (0,), "paired_head_blocks=\\(0,\\): distinct blocks with attention and a short window"),
     ("paired_head_blocks", (2,), "a short window"),  # block 2 of TINY has no attention
     ("paired_head_blocks", (1, 1), "distinct blocks"),
     ("paired_head_blocks", (4,), "distinct blocks"),
     ("tied_embed_stages", 4, "tied_embed_stages=4: 0 \\(untied\\) up to the number of stages \\(3"),
-    ("mudd", True, "mudd=true mixes in block backout_layer's output: set backout_layer \\(now -1\\)"),
-    ("parallel_attn", True, "parallel_attn=true: the later blocks attend over block backout_layer's output"),
-    ("value_embed_blocks", (1, 3), "num_value_embeds=0 \\(now 1\\): one layout or the other"),
+    ("value_embed_blocks", (), "value_embed_blocks=\\(\\): one or more distinct blocks with attention"),
+    ("window_pattern", "SSLL", "the MUDD gates need a long-window block \\(L\\) before the last two"),
+    ("xsa_blocks", (2,), "xsa_blocks=\\(2,\\): blocks with attention"),  # block 2 of TINY has no attention
+    ("xsa_blocks", (4,), "xsa_blocks=\\(4,\\): blocks with attention"),
+    ("paired_head_blocks", (3,), "distinct blocks with attention and a short window"),
+    ("no_attn_layers", (3,), "value_embed_blocks=\\(1, 3\\): one or more distinct blocks with attention"),
 ])
 def test_bad_hyperparameters_are_refused_with_a_reason(field, value, needle):
     with pytest.raises(ValueError, match=needle):
         tg.Hyperparameters(**{**TINY, field: value})
 
 
+def test_refusals_that_need_more_than_one_field():
+    with pytest.raises(ValueError, match="bos_id=99 must be < vocab_size=72"):  # without CPLM's check before it
+        tg.Hyperparameters(**{**TINY, "bos_id": 99, "cplm_bands": ()})
+    # DC attention needs attention without paired heads in the last block
+    for bad in (dict(no_attn_layers=(2, 3), value_embed_blocks=(1,)),
+                dict(window_pattern="LSSS", paired_head_blocks=(3,))):
+        with pytest.raises(ValueError, match="DC attention runs in the last block"):
+            tg.Hyperparameters(**{**TINY, **bad})
+
+
+def test_the_switches_of_the_deleted_0903_model_are_no_fields():
+    """One model: the techniques these turned off are always on; an old command line that sets one is refused."""
+    fields = {f.name for cls in (tg.Hyperparameters, tg.ModelConfig) for f in dataclasses.fields(cls)}
+    for field in ("num_value_embeds", "yarn", "smear", "ve_gate", "key_offset", "mudd", "mudd_gates", "dc",
+                  "parallel_attn", "uniform_out_init", "sublayer_lambdas", "orthogonalizer", "ns_steps"):
+        assert field not in fields, field
+        with pytest.raises(SystemExit):
+            tg.parse_args([f"--{field}", "1"])
+
+
 def test_command_line_overrides_every_kind_of_field():
-    args = tg.parse_args(["--preset", "record-0903", "--num_iterations", "100", "--compile", "false",
-                          "--window_schedule", "1,2", "--muon_lr", "0.1", "--window_pattern", "LSSSLSSLSSSL", "--run_id", "abc",
-                          "--lr_schedule", "1,1.5"])
+    args = tg.parse_args(["--preset", "single", "--num_iterations", "100", "--compile", "false",
+                          "--window_schedule", "1,2", "--muon_lr", "0.1", "--window_pattern", "SLSSSSSSSSL",
+                          "--run_id", "abc", "--lr_schedule", "1,1.5", "--xsa_blocks", "1,3"])
     assert (args.num_iterations, args.compile, args.stages, args.muon_lr, args.run_id) == \
-        (100, False, (tg.Stage(1, lr=1.0), tg.Stage(2, lr=1.5)), 0.1, "abc")
+        (100, False, (tg.Stage(1, lr=1.0), tg.Stage(2, lr=1.5)), 0.1, "abc")  # a new length: new rows
+    assert (args.window_pattern, args.xsa_blocks, args.seq_len, args.preset) == ("SLSSSSSSSSL", (1, 3), 16384, "single")
     table = tg.parse_args(["--stages", "window=3,batch=131072,doc_len=896,mtp=0.5/0.25;window=7,lr=1.52,mtp=0/0,share=2"])
     assert table.stages == (tg.Stage(3, batch=131072, doc_len=896, mtp=(0.5, 0.25)), tg.Stage(7, lr=1.52, mtp=(0, 0), share=2))
     assert tg.parse_args(["--stages", tg.format_stages(table.stages)]).stages == table.stages  # the text round-trips
-    assert tg.parse_args(["--preset", "record-0903"]) == tg.Hyperparameters(preset="record-0903", **tg.RECORD_0903)
+    assert tg.parse_args(["--preset", "medium"]) == tg.Hyperparameters(preset="medium", **tg.PRESETS["medium"][1])
+    assert tg.parse_args([]) == tg.Hyperparameters()  # no preset: the record, the dataclass defaults
+    with pytest.raises(SystemExit):  # the 2025-09-03 record's preset is gone
+        tg.parse_args(["--preset", "record-0903"])
 
 
 def test_attention_backend_choice_on_cpu_is_the_reference_and_others_are_refused():
     cpu = torch.device("cpu")
-    assert tg.select_attention("auto", cpu) == "reference"
+    assert tg.kernels.select_attention("auto", cpu) == "reference"
     with pytest.raises(ValueError, match="not available"):
-        tg.select_attention("fa3", cpu)
+        tg.kernels.select_attention("fa3", cpu)
+    kernels = tg.choose_kernels(cpu, log=lambda msg: None)  # the whole model's, chosen once
+    assert (kernels.attention, kernels.fp8_head, kernels.fused_ce, kernels.fp8_mlp) == \
+        ("reference", False, False, False)
+    model = tg.GPT(tg.ModelConfig.from_args(tg.Hyperparameters(**TINY)), kernels)
+    assert model.kernels is kernels and all(b.attn.attn_fn is tg.attention_reference for b in model.blocks if b.attn)
+    assert all(b.mlp.fused == kernels.fused_mlp and not b.mlp.fp8 for b in model.blocks)
 
 
 def test_evaluation_in_head_slices_gives_the_same_losses_as_one_pass(monkeypatch):
     model = tiny_model(randomize=True)
     x, y, cu = batch()
+    model.eval()  # (CPLM's pointer has another band in training)
     with torch.no_grad():
-        whole = model.train()(x, y, cu, 128, W3, reduction="none")  # training mode: never sliced
-        monkeypatch.setattr(tg.GPT, "eval_slice", 48)  # 128 positions: slices of 48, 48 and 32
-        sliced = model.eval()(x, y, cu, 128, W3, reduction="none")
+        whole = model(x, y, cu, 128, W3, reduction="none")  # 128 positions: one slice of eval_slice
+        monkeypatch.setattr(tg.GPT, "eval_slice", 48)  # slices of 48, 48 and 32
+        sliced = model(x, y, cu, 128, W3, reduction="none")
     assert sliced.shape == (128,)
     torch.testing.assert_close(sliced, whole, rtol=0, atol=0)
 
@@ -166,7 +223,8 @@ def test_mlp_matrices_share_one_shape_so_muon_scales_them_alike():
     mlp = model.blocks[0].mlp
     assert mlp.fc_w.shape == mlp.proj_w.shape == (TINY["model_dim"], 4 * TINY["model_dim"])
     muon = tg.build_optimizers(model, tg.Hyperparameters(**TINY), 0, 1)[1]
-    assert {tuple(g["params"][0].shape) for g in muon.param_groups} == {(4, 64, 64), (64, 256), (2, 8)}
+    # (and the smear gate's (1, gate_channels), block 1's value-embedding gate's (heads, gate_channels))
+    assert {tuple(g["params"][0].shape) for g in muon.param_groups} == {(4, 64, 64), (64, 256), (1, 8), (2, 8)}
 
 
 # -- techniques of records after 2025-09-03 (issue 12): bigram hash embedding, backout, asymmetric softcap
@@ -205,53 +263,56 @@ def test_bigram_rows_of_a_document_do_not_depend_on_the_document_before_it():
     assert row[60] == 999 and sign[60] == 0
 
 
-def _copy_shared_weights(src: tg.GPT, dst: tg.GPT):
-    """dst gets every weight of src; of the scalars, the ones both have (the rest become zero)."""
-    state = {k: v for k, v in src.state_dict().items() if k != "scalars"}
-    dst.load_state_dict({**dst.state_dict(), **state})
-    n = src.scalar_layout()["skips"].stop
-    with torch.no_grad():
-        dst.scalars.zero_()
-        dst.scalars[:n] = src.scalars[:n]
-
-
-@pytest.mark.parametrize("feature", [dict(bigram_rows=256), dict(bigram_rows=256, bigram_sign_rows=16),
-                                     dict(backout_layer=1)], ids=["bigram", "bigram_signs", "backout"])
-def test_a_new_feature_at_zero_weight_computes_exactly_the_model_without_it(feature):
-    fresh_off, fresh_on = tiny_model(), tiny_model(**feature)
-    for k, v in fresh_off.state_dict().items():  # the feature's parameters are made last
-        assert k == "scalars" or torch.equal(v, fresh_on.state_dict()[k]), k
-    layout = fresh_on.scalar_layout()
-    assert torch.equal(fresh_on.scalars[: layout["skips"].stop], fresh_off.scalars[: layout["skips"].stop])
-    off, on = tiny_model(randomize=True), tiny_model(randomize=True, **feature)  # the new table is random too
-    _copy_shared_weights(off, on)
+def test_the_bigram_embedding_is_its_row_times_its_sign_row_and_block_0_adds_its_gated_share():
+    """embeddings(): the bigram table's row (bigram_indices) times its sign row; before block 0 it joins the residual
+    times the x0 gate's per-token bigram weight. The table starts at zero, so at first nothing is added."""
+    model = tiny_model(randomize=True)
     x, y, cu = batch(doc_starts=(0, 60))
-    for training in (True, False):
-        off.train(training), on.train(training)
-        with torch.no_grad():
-            torch.testing.assert_close(on(x, y, cu, 128, W3, reduction="none"),
-                                       off(x, y, cu, 128, W3, reduction="none"), rtol=0, atol=0)
-    with torch.no_grad():  # and with weight, the feature does change the output
-        on.scalars[layout["bigram" if "bigram_rows" in feature else "backout"]] = 0.5
-        assert not torch.equal(on(x, y, cu, 128, W3, reduction="none"), off(x, y, cu, 128, W3, reduction="none"))
+    seen = []
+    model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(a[3]))  # block 0's BlockWeights
+    with torch.no_grad():
+        x0, _, bigram = model.embeddings(x, cu)
+        row, sign = tg.bigram_indices(x, cu, TINY["bigram_rows"], TINY["bigram_sign_rows"])
+        assert torch.equal(bigram, model.bigram_embed.weight[row] * model.bigram_signs[sign])
+        g = {what: [None] * 4 for what in ("xsa", "out", "x0", "bigram", "skip", "dc1", "dc2")}
+        model.gates(x0, 0, g)
+        base = model(x, y, cu, 128, W3, reduction="none")
+        torch.testing.assert_close(seen[0].bigram, g["bigram"][0] * bigram, rtol=0, atol=0)
+        model.bigram_embed.weight.zero_()  # the table as it starts: the model no longer sees the bigrams
+        assert not torch.equal(model(x, y, cu, 128, W3, reduction="none"), base)
+        assert seen[-1].bigram.abs().max() == 0
+    assert tiny_model().bigram_embed.weight.abs().max() == 0
 
 
-def test_new_weights_get_gradients_and_the_default_model_has_none_of_them():
-    model = tiny_model(randomize=True, **LATER_RECORDS)
+def test_backout_subtracts_its_weight_times_the_backout_blocks_output_before_the_final_norm(monkeypatch):
+    model = tiny_model(randomize=True).float()  # float32: the residual stream's differences exact to rounding
+    x, y, cu = batch()
+    at, out = model.scalar_layout(), {}
+    model.blocks[TINY["backout_layer"]].register_forward_hook(lambda m, a, o: out.__setitem__("backout", o))
+    norm, inputs = tg.norm, []
+    monkeypatch.setattr(tg, "norm", lambda t: inputs.append(t) or norm(t))  # hidden()'s last norm: the head's input
+    finals = []
+    with torch.no_grad():
+        for weight in (0.0, 0.5):
+            model.scalars[at["backout"]] = weight
+            finals.append((model.hidden(x, cu, 128, W3), inputs[-1]))
+    (h0, pre0), (h1, pre1) = finals
+    torch.testing.assert_close(pre1, pre0 - 0.5 * out["backout"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h1, norm(pre0 - 0.5 * out["backout"]), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(h0, h1)
+    assert tiny_model().scalars[at["backout"]].item() == 0.5  # the 2025-10-04 record's start
+
+
+def test_new_weights_get_gradients():
+    model = tiny_model(randomize=True)
     x, y, cu = batch()
     model(x, y, cu, 128, W3).backward()
     at = model.scalar_layout()
-    # the bigram weights are per token here (the MUDD gates' and MUDD's): none among the scalars
-    assert model.bigram_embed.weight.grad.abs().sum() > 0 and at["bigram"].stop == at["bigram"].start
-    plain = tiny_model(randomize=True, bigram_rows=256)  # without the gates, one learned weight per block
-    plain(x, y, cu, 128, W3).backward()
-    assert plain.scalars.grad[plain.scalar_layout()["bigram"]].abs().min() > 0
+    # the bigram weights are per token (the MUDD gates' and MUDD's): none among the scalars
+    assert model.bigram_embed.weight.grad.abs().sum() > 0 and "bigram" not in at
     assert model.scalars.grad[at["backout"]].abs().min() > 0
     assert model.bigram_signs.abs().eq(1).all() and model.bigram_signs.shape == (16, TINY["model_dim"])
-    assert {"bigram_embed.weight", "bigram_signs"} <= set(model.state_dict()), "saved in checkpoints"
-    default = tiny_model()
-    assert default.bigram_embed is None and default.bigram_signs is None
-    assert plain.scalar_layout()["bigram"] == slice(18, 22) and default.scalar_layout()["bigram"] == slice(18, 18)
+    assert {"bigram_embed.weight", "bigram_signs", "smear_w"} <= set(model.state_dict()), "saved in checkpoints"
 
 
 def test_asymmetric_softcap_stays_in_0_23_and_its_gradient_is_the_formulas():
@@ -267,8 +328,8 @@ def test_asymmetric_softcap_stays_in_0_23_and_its_gradient_is_the_formulas():
     torch.testing.assert_close(z.grad.double(), 23 / 7.5 * s * (1 - s), rtol=1e-5, atol=1e-6)
     zero = model.softcap(torch.zeros(1)).item()
     assert abs(zero - 23 * torch.sigmoid(torch.tensor(5 / 7.5)).item()) < 1e-5 and 23 - zero < zero - 0
-    default = tiny_model()  # the 09/03 cap, computed as before
-    assert torch.equal(default.softcap(z.detach()), 30 * torch.sigmoid(z.detach() / 7.5))
+    symmetric = tiny_model(logit_softcap=30.0, softcap_shift=0.0)  # the 09/03 cap, computed as before
+    assert torch.equal(symmetric.softcap(z.detach()), 30 * torch.sigmoid(z.detach() / 7.5))
 
 
 @pytest.mark.parametrize("fp8,training", [(False, True), (True, True), (True, False)],
@@ -277,10 +338,9 @@ def test_head_loss_with_the_asymmetric_cap_equals_the_plain_formula_forward_and_
     """The hand-written cross-entropy (no max subtraction, target picked by a compare) on the FP8
     head (training), or on the bf16 head (the CPU's, and evaluation's), against F.cross_entropy of
     23 * sigmoid((x W^T + 5) / 7.5) in float64."""
-    if fp8 and not tg.fp8_supported(torch.device("cpu")):
+    if fp8 and not tg.kernels.fp8_supported(torch.device("cpu")):
         pytest.skip("_scaled_mm FP8 does not run on this CPU")
-    model = tiny_model(logit_softcap=23.0, softcap_shift=5.0)
-    model.fp8_head = fp8
+    model = tiny_model(logit_softcap=23.0, softcap_shift=5.0, kernels=tg.ModelKernels(fp8_head=fp8))
     model.train(training)
     g = torch.Generator().manual_seed(0)
     T, dim, V = 256, TINY["model_dim"], TINY["vocab_size"]
@@ -306,7 +366,7 @@ def test_head_loss_with_the_asymmetric_cap_equals_the_plain_formula_forward_and_
 def test_all_three_trace_as_one_graph_and_match_eager_in_value_and_gradient():
     """torch.compile(fullgraph=True) takes the model with every technique on (no graph break, no
     data-dependent Python branch); aot_eager keeps the check fast on the CPU."""
-    model = tiny_model(randomize=True, **LATER_RECORDS)
+    model = tiny_model(randomize=True)
     x, y, cu = batch()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)
     for tied in (True, False):  # the compiled model follows the tied flag (a recompile, not a stale graph)
@@ -324,22 +384,22 @@ def test_all_three_trace_as_one_graph_and_match_eager_in_value_and_gradient():
             torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6)
 
 
-def _grads_with_and_without_table_sums(tied: bool, compile_backend: str | None, features=LATER_RECORDS):
+def _grads_with_and_without_table_sums(tied: bool, compile_backend: str | None, T: int = 128):
     """Two micro-batches' gradients of the float32 model: plain autograd, and the token tables summed by their
     lookups (keep_table_grads) then flushed."""
-    x, y, cu = batch()
-    x2, y2, _ = batch()
+    x, y, cu = batch(T)
+    x2, y2, _ = batch(T)
     x2, y2 = x2.roll(7), y2.roll(3)
     out = []
     for sums in (False, True):
-        model = tiny_model(randomize=True, **features).float()
+        model = tiny_model(randomize=True).float()
         model.tied_embed = tied
         if sums:
             model.keep_table_grads()
             model.note_token_lookups()  # (the trainer's step does this)
         fn = model if compile_backend is None else torch.compile(model, backend=compile_backend, fullgraph=True)
         for inputs, targets in ((x, y), (x2, y2)):
-            fn(inputs, targets, cu, 128, W3).backward()
+            fn(inputs, targets, cu, T, W3).backward()
         if sums:
             assert all(m.weight.grad is None for m in model.tables())  # the lookups left autograd no table gradient
             model.flush_table_grads()
@@ -363,9 +423,9 @@ def test_token_tables_summed_by_their_lookups_get_autograds_gradients(tied):
 @pytest.mark.slow
 def test_token_tables_summed_by_their_lookups_inside_inductors_graph():
     """The lookups' backward adds into a buffer from inside the compiled backward (a mutation Inductor keeps).
-    The 09/03 model: for LATER_RECORDS' model Inductor's CPU code (torch 2.13) corrupts memory with or without the
-    sums, in the backward of DC attention's key blocks (blocks_with_lookback) when a padded sequence is one block."""
-    plain, summed = _grads_with_and_without_table_sums(False, "inductor", {})
+    256 tokens, two of DC attention's query blocks: where a padded sequence is one block, Inductor's CPU code (torch
+    2.13) corrupts memory with or without the sums, in the backward of DC's key blocks (blocks_with_lookback)."""
+    plain, summed = _grads_with_and_without_table_sums(False, "inductor", T=256)
     assert summed.keys() == plain.keys() and "embed.weight" in plain
     for name in plain:
         torch.testing.assert_close(summed[name], plain[name], rtol=1e-4, atol=1e-6, msg=name)
@@ -384,7 +444,7 @@ def test_yarn_slows_only_the_frequencies_that_turn_few_times_across_the_old_wind
 
 
 def test_yarn_gives_each_long_window_of_the_schedule_its_tables_and_attention_scale():
-    args = tg.Hyperparameters(**dict(TINY, yarn=True, extension_steps=2, extension_window=4))
+    args = tg.Hyperparameters(**dict(TINY, extension_steps=2, extension_window=4))
     cfg = tg.ModelConfig.from_args(args)
     assert cfg.yarn_windows == (16, 32, 48, 64)  # the stages' windows (1, 2, 3) then the extension's 4, x 16 tokens
     rotary = tg.Rotary(32, 256, 1 / 64, cfg.yarn_windows)
@@ -406,9 +466,10 @@ def test_yarn_gives_each_long_window_of_the_schedule_its_tables_and_attention_sc
 
 
 def test_yarn_leaves_the_first_stage_alone_and_changes_the_later_ones():
+    on = tiny_model(randomize=True)
     off = tiny_model(randomize=True)
-    on = tiny_model(yarn=True)
-    on.load_state_dict(off.state_dict())
+    cfg = off.cfg
+    off.rotary = tg.Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq)  # one table for every window
     x, y, cu = batch()
     with torch.no_grad():
         W2 = tg.window_tokens(2, TINY["window_block"])
@@ -429,56 +490,71 @@ def test_smear_adds_the_gated_previous_embedding_within_a_document_only():
 
 
 def test_smear_starts_as_a_no_op_and_then_learns_both_its_weights():
-    off = tiny_model(randomize=True)
-    on = tiny_model(smear=True)
-    state = on.state_dict()
-    state.update({k: v for k, v in off.state_dict().items() if k != "scalars"})
-    n = max(part.stop for part in off.scalar_layout().values())  # the rest of off's scalars is padding
-    state["scalars"][:n] = off.scalars.detach()[:n]
-    on.load_state_dict(state)
-    at = on.scalar_layout()
-    assert at["smear"].stop - at["smear"].start == 1 and off.scalar_layout()["smear"] == slice(18, 18)
-    assert on.smear_w.abs().sum() == 0 and on.scalars[at["smear"]].item() == 0 and off.smear_w is None
+    model = tiny_model(randomize=True)
+    at = model.scalar_layout()
+    assert at["smear"].stop - at["smear"].start == 1
+    fresh = tiny_model()
+    assert fresh.smear_w.abs().sum() == 0 and fresh.scalars[at["smear"]].item() == 0
     x, y, cu = batch()
-    torch.testing.assert_close(on(x, y, cu, 128, W3), off(x, y, cu, 128, W3), rtol=0, atol=0)
-    on(x, y, cu, 128, W3).backward()
-    assert on.scalars.grad[at["smear"]].abs().item() > 0  # the weight learns first (the gate's grad is 0 at weight 0)
     with torch.no_grad():
-        on.scalars[at["smear"]] = 0.5
-    on.zero_grad()
-    on(x, y, cu, 128, W3).backward()
-    assert on.smear_w.grad.abs().sum() > 0
-    assert any(p is on.smear_w for p in tg.param_groups_by_role(on)["block matrices"])  # Muon's
+        model.scalars[at["smear"]] = 0.0  # the smear's start: x0 is the normed embedding as it is
+        x0 = model.embeddings(x, cu)[0]
+        torch.testing.assert_close(x0, tg.norm(model.lm_head_w[x.long()].type_as(x0)), rtol=0, atol=0)  # tied
+        base = model(x, y, cu, 128, W3, reduction="none")
+    model(x, y, cu, 128, W3).backward()
+    assert model.scalars.grad[at["smear"]].abs().item() > 0  # the weight learns first
+    assert model.smear_w.grad.abs().sum() == 0  # the gate's gradient is 0 at weight 0
+    with torch.no_grad():
+        model.scalars[at["smear"]] = 0.5
+        assert not torch.equal(model(x, y, cu, 128, W3, reduction="none"), base)
+    model.zero_grad()
+    model(x, y, cu, 128, W3).backward()
+    assert model.smear_w.grad.abs().sum() > 0
+    assert any(p is model.smear_w for p in tg.param_groups_by_role(model)["block matrices"])  # Muon's
 
 
 def test_value_embedding_gate_scales_each_heads_value_embedding_by_context():
-    cfg = tg.ModelConfig.from_args(tg.Hyperparameters(**dict(TINY, ve_gate=True)))
+    cfg = tg.ModelConfig.from_args(tg.Hyperparameters(**TINY))
     g = torch.Generator().manual_seed(0)
-    attn = tg.CausalSelfAttention(cfg, ve_gate=True)
+    seen = []
+    attn = tg.CausalSelfAttention(cfg, lambda q, k, v, *a: seen.append(v) or v, ve_gate=True, key_offset=False,
+                                  paired=False)
     with torch.no_grad():
         attn.ve_gate_w.copy_(torch.randn(attn.ve_gate_w.shape, generator=g))
     T, H, D = 20, cfg.num_heads, cfg.head_dim
     x, ve = torch.randn(T, cfg.model_dim, generator=g), torch.randn(T, H * D, generator=g)
     lambdas = torch.tensor([0.3, 0.9])
     rope = tg.Rotary(D, T, cfg.rotary_min_freq).at(0)
-    seen = []
-    attn(x, ve, lambdas, None, T, 16, rope, lambda q, k, v, *a: seen.append(v) or v)
+    one = torch.tensor(1.0)
+    w = tg.BlockWeights(one, one, one, one, one, lambdas)
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    attn(x, ve, w, cu, T, 16, rope)
     v = torch.nn.functional.linear(x, attn.qkvo_w[2]).view(T, H, D)
     gate = 2 * torch.sigmoid(x[:, : cfg.gate_channels] @ attn.ve_gate_w.T)  # (T, H)
     torch.testing.assert_close(seen[0], 0.3 * v + 0.9 * gate[..., None] * ve.view(T, H, D), rtol=1e-5, atol=1e-5)
+    # the last block's gate comes from MUDD (BlockWeights.ve_gate), per token and head, in place of the block's own
+    given = torch.rand(T, H, generator=g)
+    attn(x, ve, w._replace(ve_gate=given), cu, T, 16, rope)
+    torch.testing.assert_close(seen[1], 0.3 * v + 0.9 * given[..., None] * ve.view(T, H, D), rtol=1e-5, atol=1e-5)
 
 
 def test_value_embedding_gates_sit_where_value_embeddings_are_start_at_one_and_learn():
-    off = tiny_model(randomize=True)
-    on = tiny_model(ve_gate=True)
-    missing, unexpected = on.load_state_dict(off.state_dict(), strict=False)
-    assert not unexpected and sorted(missing) == ["blocks.0.attn.ve_gate_w", "blocks.3.attn.ve_gate_w"]
-    assert on.value_embed_layers() == [0, None, None, 0]  # block 2 has no attention; 1 and 2 no value embedding
+    """Block 1 (a value table, not the last block) has its own gate; block 3, the last, takes MUDD's; block 0 (no
+    table) and block 2 (no attention) none. The gate's zero weights give 2 sigmoid(0) = 1: the ungated model."""
+    model = tiny_model(randomize=True)
+    assert model.value_embed_layers() == [None, 0, None, 1]
+    assert [b.attn.ve_gate_w is not None if b.attn else None for b in model.blocks] == [False, True, None, False]
+    assert "blocks.1.attn.ve_gate_w" in model.state_dict()
     x, y, cu = batch()
-    torch.testing.assert_close(on(x, y, cu, 128, W3), off(x, y, cu, 128, W3), rtol=0, atol=0)
-    on(x, y, cu, 128, W3).backward()
-    assert on.blocks[0].attn.ve_gate_w.grad.abs().sum() > 0 and on.blocks[3].attn.ve_gate_w.grad.abs().sum() > 0
-    assert sum(p is on.blocks[0].attn.ve_gate_w for p in tg.param_groups_by_role(on)["block matrices"]) == 1
+    with torch.no_grad():
+        model.blocks[1].attn.ve_gate_w.zero_()  # the start
+        gated = model(x, y, cu, 128, W3, reduction="none")
+        weight, model.blocks[1].attn.ve_gate_w = model.blocks[1].attn.ve_gate_w, None  # no gate at all
+        torch.testing.assert_close(gated, model(x, y, cu, 128, W3, reduction="none"), rtol=0, atol=0)
+        model.blocks[1].attn.ve_gate_w = weight
+    model(x, y, cu, 128, W3).backward()
+    assert model.blocks[1].attn.ve_gate_w.grad.abs().sum() > 0
+    assert sum(p is model.blocks[1].attn.ve_gate_w for p in tg.param_groups_by_role(model)["block matrices"]) == 1
 
 
 def test_key_offset_moves_the_unrotated_key_dims_one_position_forward_within_documents():
@@ -496,13 +572,15 @@ def test_key_offset_moves_the_unrotated_key_dims_one_position_forward_within_doc
 
 
 def test_key_offset_is_on_in_long_window_blocks_only_and_changes_the_model():
-    off = tiny_model(randomize=True)
-    on = tiny_model(key_offset=True)
-    on.load_state_dict(off.state_dict())
+    on = tiny_model(randomize=True)
     assert [b.attn.key_offset if b.attn else None for b in on.blocks] == [True, False, None, True]  # "LSSL", no attn in 2
     x, y, cu = batch()
     with torch.no_grad():
-        assert not torch.equal(on(x, y, cu, 128, W3, reduction="none"), off(x, y, cu, 128, W3, reduction="none"))
+        base = on(x, y, cu, 128, W3, reduction="none")
+        for i in (0, 3):  # each long-window block's offset matters
+            on.blocks[i].attn.key_offset = False
+            assert not torch.equal(on(x, y, cu, 128, W3, reduction="none"), base), i
+            on.blocks[i].attn.key_offset = True
 
 
 def test_xsa_removes_tanh_alpha_of_each_heads_output_along_its_own_value():
@@ -543,15 +621,16 @@ def test_paired_head_attention_is_one_softmax_over_both_heads_keys_at_interleave
     cfg = tg.ModelConfig.from_args(args)
     assert cfg.max_seq_len == 2 * max(args.seq_len, args.val_seq_len)  # rotary covers two positions per token
     torch.manual_seed(0)
-    attn = tg.CausalSelfAttention(cfg, paired=True)
+    attn = tg.CausalSelfAttention(cfg, tg.attention_reference, ve_gate=False, key_offset=False, paired=True)
     with torch.no_grad():
-        attn.qkvo_w.normal_(0, 0.3), attn.gate_w.normal_()
+        attn.qkvo_w.normal_(0, 0.3)
     rope = tg.Rotary(cfg.head_dim, 128, cfg.rotary_min_freq).at(0)
     T, H, D, window, half = 40, 4, 16, 12, 2
     cu = torch.tensor([0, 25, 40, 40], dtype=torch.int32)
     x, lambdas = torch.randn(T, cfg.model_dim), torch.tensor([0.7, 0.3])
     with torch.no_grad():
-        out = attn(x, None, lambdas, cu, 25, window, rope, tg.attention_reference)
+        one = torch.tensor(1.0)
+        out = attn(x, None, tg.BlockWeights(one, one, one, one, one, lambdas), cu, 25, window, rope)
         q, k, v = torch.nn.functional.linear(x, attn.qkvo_w[:3].flatten(0, 1)).view(T, 3 * H, D).chunk(3, dim=1)
         v = lambdas[0] * v
 
@@ -573,66 +652,84 @@ def test_paired_head_attention_is_one_softmax_over_both_heads_keys_at_interleave
                             vals.append(v[s, pair + m2 * half])
                 w = torch.softmax(cfg.attn_scale * torch.stack(keys) @ at(q[t, h], i), dim=0)
                 y[t, h] = w @ torch.stack(vals)
-        gate = torch.sigmoid(x[:, : cfg.gate_channels] @ attn.gate_w.T).unsqueeze(-1)
-        expected = (y * gate).reshape(T, H * D) @ attn.qkvo_w[3]
+        expected = y.reshape(T, H * D) @ attn.qkvo_w[3]
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_paired_head_blocks_are_the_ones_named_and_change_the_model():
-    off = tiny_model(randomize=True)
-    on = tiny_model(paired_head_blocks=(1,))
-    on.load_state_dict(off.state_dict())  # no new weights
+    on = tiny_model(randomize=True)
+    off = tiny_model(randomize=True, paired_head_blocks=())
+    assert off.state_dict().keys() == on.state_dict().keys()  # no new weights
     assert [b.attn.paired if b.attn else None for b in on.blocks] == [False, True, None, False]
     x, y, cu = batch()
     with torch.no_grad():
         assert not torch.equal(on(x, y, cu, 128, W3, reduction="none"), off(x, y, cu, 128, W3, reduction="none"))
+        on.blocks[1].attn.paired = False  # block 1 unpaired: the same as the model without paired heads
+        torch.testing.assert_close(on(x, y, cu, 128, W3, reduction="none"), off(x, y, cu, 128, W3, reduction="none"),
+                                   rtol=0, atol=0)
 
 
-MUDD_CFG = dict(backout_layer=1, skip_from=1, sublayer_lambdas=True, num_value_embeds=0, value_embed_blocks=(0,))
-
-
-def test_mudd_starts_as_the_model_without_it_then_its_mixes_change_the_output_and_learn():
-    """At the start MUDD's mixes are zero and the last block's per-token weights are its static ones' values, so the
-    model computes what the model without MUDD computes (with the last block's static weights set to MUDD_INIT)."""
-    off, on = tiny_model(**MUDD_CFG), tiny_model(**MUDD_CFG, mudd=True)
-    for k, v in off.state_dict().items():  # MUDD's weights are drawn last: every other weight is the same
-        assert torch.equal(v, on.state_dict()[k]), k
-    assert on.mudd_w2.abs().max() == 0 and on.mudd_w1.std() > 0
-    b2 = (on.mudd_b2 * tg.MUDD_SCALE).view(2, tg.MUDD_COEFS)
-    torch.testing.assert_close(b2[0, :14], torch.tensor(tg.MUDD_INIT[0], dtype=torch.float))
-    assert b2[0, 14:].abs().max() == 0 and b2[1].abs().max() == 0
-    x, y, cu = batch()
-    randomized = tiny_model(randomize=True, **MUDD_CFG)
-    on.load_state_dict(randomized.state_dict(), strict=False)  # all but MUDD's weights carry signal
-    at, L = randomized.scalar_layout(), TINY["num_layers"]
-    with torch.no_grad():  # the last block's static weights (residual and x0 mix, sublayer weights) into MUDD's biases
-        mix, sub = randomized.scalars[at["blocks"]].view(L, 4)[-1], randomized.scalars[at["sublayer"]].view(L, 3)[-1]
-        for i, w in zip((8, 10, 9, 12, 13), (mix[0], mix[1], sub[0], sub[1], sub[2])):
-            on.mudd_b2[i] = w / tg.MUDD_SCALE
-        torch.testing.assert_close(on(x, y, cu, 128, W3, reduction="none"),
-                                   randomized(x, y, cu, 128, W3, reduction="none"), rtol=1e-5, atol=1e-5)
-    loss = on(x, y, cu, 128, W3)
-    loss.backward()
-    assert on.mudd_w2.grad.norm() > 0 and on.mudd_b2.grad.norm() > 0  # the zero layers learn first
-    assert on.mudd_w1.grad.norm() == 0  # behind a zero second layer
+def test_mudd_starts_at_its_init_then_each_of_its_weights_changes_the_output_and_learns():
+    """MUDD's second layers start at zero and its biases at MUDD_INIT: every token gets the init values, by name; the
+    last block's own weights start where the static weights of the others do. Each of the 14 + 5 weights, moved,
+    changes the output; the zero layers learn first."""
+    fresh = tiny_model()
+    assert fresh.mudd_w2.abs().max() == 0 and fresh.mudd_w1.std() > 0
+    h = torch.randn(128, TINY["model_dim"])
+    for j, names in enumerate((tg.MUDD_BEFORE_LAST, tg.MUDD_BEFORE_HEAD)):
+        coefs = fresh.mudd_coefs(h, j, names)
+        assert list(coefs) == list(names)
+        for name, value in names.items():
+            torch.testing.assert_close(coefs[name], torch.full((128, 1), float(value)), msg=name)
+    b2 = (fresh.mudd_b2 * tg.MUDD_SCALE).view(2, tg.MUDD_COEFS)
+    assert b2[0, len(tg.MUDD_BEFORE_LAST):].abs().max() == 0 and b2[1, len(tg.MUDD_BEFORE_HEAD):].abs().max() == 0
+    at, L, init = fresh.scalar_layout(), TINY["num_layers"], tg.MUDD_BEFORE_LAST
+    own, sub = fresh.scalars[at["blocks"]].view(L, 4), fresh.scalars[at["sublayer"]].view(L, 3)
+    torch.testing.assert_close(torch.stack([own[0, 0], *sub[0]]),
+                               torch.tensor([init[n] for n in ("resid", "attn_out", "mlp_resid", "mlp_out")]))
+    assert {(what, v) for what, _, _, v in fresh.gate_layout()[0] if what in ("x0", "bigram")} == \
+        {("x0", init["block_x0"]), ("bigram", init["bigram"])}  # the gates' start for the other blocks
+    # before the last block: the residual's and the value channel's mixes, the last block's weights and its gate
+    model = tiny_model(randomize=True)
+    x, x0, backout, bigram = (torch.randn(128, TINY["model_dim"]) for _ in range(4))
+    g = {what: [None] * L for what in ("xsa", "out", "x0", "bigram", "skip", "dc1", "dc2")}
+    model.gates(x, 1, g)
     with torch.no_grad():
-        base = on(x, y, cu, 128, W3, reduction="none")
-        changed = []
-        for i in (*range(6), 8, 9, 10, 12, 13, *range(tg.MUDD_COEFS, tg.MUDD_COEFS + 5)):
-            on.mudd_b2[i] += 3  # each weight MUDD sets (no bigram here, and no value embedding in the last block)
-            changed.append(not torch.allclose(on(x, y, cu, 128, W3, reduction="none"), base))
-            on.mudd_b2[i] -= 3
-    assert all(changed), changed
-    groups = {id(p): g for g in tg.build_optimizers(on, tg.Hyperparameters(**{**TINY, **MUDD_CFG, "mudd": True}),
-                                                   0, 1)[0].param_groups for p in g["params"]}
-    g = groups[id(on.mudd_w1)]
-    assert g is groups[id(on.mudd_b2)] and g["betas"] == (0.9, 0.99) and g["lr"] == TINY.get("adam_lr", 0.008) * 0.25
+        new, w = model.mudd_before_last(x, x0, backout, bigram, own[-1, 2:], g, L - 1)
+        c = model.mudd_coefs(x, 0, tg.MUDD_BEFORE_LAST)
+    torch.testing.assert_close(new, (1 + c["own"]) * x + c["x0"] * x0 + c["backout"] * backout)
+    torch.testing.assert_close(w.value_extra, c["value_x0"] * x0 + c["value_backout"] * backout + c["value_x"] * x)
+    for got, name in zip((w.resid, w.x0, w.attn_out, w.mlp_resid, w.mlp_out),
+                         ("resid", "block_x0", "attn_out", "mlp_resid", "mlp_out")):
+        assert torch.equal(got, c[name]), name
+    torch.testing.assert_close(w.bigram, c["bigram"] * bigram)
+    torch.testing.assert_close(w.ve_gate, torch.cat([c["ve_gate_first"], c["ve_gate_second"]], -1))  # H = 2
+    assert w.head_out is g["out"][L - 1] and w.dc == (g["dc1"][L - 1], g["dc2"][L - 1])
+    x, y, cu = batch()
+    with torch.no_grad():
+        base = model(x, y, cu, 128, W3, reduction="none")
+        changed = {}
+        for j, names in enumerate((tg.MUDD_BEFORE_LAST, tg.MUDD_BEFORE_HEAD)):
+            for k, name in enumerate(names):
+                model.mudd_b2[j * tg.MUDD_COEFS + k] += 3
+                changed[j, name] = not torch.allclose(model(x, y, cu, 128, W3, reduction="none"), base)
+                model.mudd_b2[j * tg.MUDD_COEFS + k] -= 3
+    assert len(changed) == 19 and all(changed.values()), changed
+    with torch.no_grad():  # MUDD as it starts, in a model whose other weights carry signal
+        model.mudd_w2.zero_(), model.mudd_b2.copy_(fresh.mudd_b2)
+    model(x, y, cu, 128, W3).backward()
+    assert model.mudd_w2.grad.norm() > 0 and model.mudd_b2.grad.norm() > 0  # the zero layers learn first
+    assert model.mudd_w1.grad.norm() == 0  # behind a zero second layer
+    groups = {id(p): g for g in tg.build_optimizers(model, tg.Hyperparameters(**TINY), 0, 1)[0].param_groups
+              for p in g["params"]}
+    g = groups[id(model.mudd_w1)]
+    assert g is groups[id(model.mudd_b2)] and g["betas"] == (0.9, 0.99) and g["lr"] == TINY.get("adam_lr", 0.008) * 0.25
 
 
 def test_mudd_gates_give_per_token_weights_in_their_layout_and_replace_the_static_ones():
     """Tiny blocks L S S L, block 2 without attention: the gate from x0 serves block 0 (the first long-window
     block), the gate from block 1's input the rest; each weight does what gate_layout says it does."""
-    model = tiny_model(randomize=True, **MUDD_GATES)
+    model = tiny_model(randomize=True)
     pre, post = model.gate_layout()
     H = TINY["num_heads"]
     assert pre == [("out", 0, H, 0.25), ("x0", 0, 1, 0.0), ("bigram", 0, 1, 0.05)]
@@ -640,11 +737,15 @@ def test_mudd_gates_give_per_token_weights_in_their_layout_and_replace_the_stati
                     ("bigram", 2, 1, 0.05), ("out", 3, H, 0.25), ("skip", 2, 1, 0.5), ("dc1", 3, H, 1.0),
                     ("dc2", 3, H, 0.0)]
     assert model.gate_width == 16 and model.mudd_gate_w2.shape == (32, tg.MUDD_DIM)  # rows shard over 8 ranks
-    assert all(b.attn is None or b.attn.gate_w is None for b in model.blocks)  # no sigmoid head gates
-    fresh = tiny_model(**MUDD_GATES)
+    fresh = tiny_model()
     assert fresh.mudd_gate_w2.abs().max() == 0 and fresh.mudd_gate_b2[-8] == tg.MUDD_SCALE
     torch.testing.assert_close(fresh.mudd_gate_b2[:3] * tg.MUDD_SCALE, torch.tensor([0.25, 0.25, 0.0]))
     torch.testing.assert_close(fresh.mudd_gate_b2[16 + 8] * tg.MUDD_SCALE, torch.tensor(0.5))  # the skip's
+    at_start = {what: [None] * 4 for what in ("xsa", "out", "x0", "bigram", "skip", "dc1", "dc2")}
+    fresh.gates(torch.randn(128, TINY["model_dim"]), 1, at_start)
+    # DC attention's correction starts at zero (w2 = 0; dc_correction then adds nothing), its head mix w1 at one
+    assert at_start["dc2"][3].abs().max() == 0
+    torch.testing.assert_close(at_start["dc1"][3], torch.ones(128, H))
     x, y, cu = batch()
     g = {what: [None] * 4 for what in ("xsa", "out", "x0", "bigram", "skip", "dc1", "dc2")}
     model.gates(torch.randn(128, TINY["model_dim"]), 1, g)
@@ -652,7 +753,7 @@ def test_mudd_gates_give_per_token_weights_in_their_layout_and_replace_the_stati
     assert g["x0"][1].std() > 0, "per token"
 
     def loss_with(change):
-        m = tiny_model(randomize=True, **MUDD_GATES)
+        m = tiny_model(randomize=True)
         with torch.no_grad():
             m.mudd_gate_w2.zero_()  # each gate output is its bias times the scale
             change(m)
@@ -679,9 +780,9 @@ def test_mudd_gates_give_per_token_weights_in_their_layout_and_replace_the_stati
     logit = lambda m: m.scalars[m.scalar_layout()["skips"]].add_(1.0)
     assert torch.equal(loss_with(zero_gate_and("skip", 1, 2, noop)), loss_with(zero_gate_and("skip", 1, 2, logit)))
     assert not torch.equal(loss_with(noop), loss_with(logit))
-    # the x0 and bigram weights of the gated blocks replace the static ones, which no longer matter
+    # the x0 weights of the gated blocks replace the static ones (b of each block's mix), which no longer matter
     at = model.scalar_layout()
-    static = lambda m: (m.scalars[at["bigram"]].add_(1.0), m.scalars[at["blocks"]].view(4, 4)[:3, 1].add_(1.0))
+    static = lambda m: m.scalars[at["blocks"]].view(4, 4)[:, 1].add_(1.0)
     assert torch.equal(loss_with(noop), loss_with(static))
     for j, what, block in ((0, "x0", 0), (0, "bigram", 0), (1, "x0", 2), (1, "bigram", 1), (1, "xsa", 1), (1, "dc2", 3)):
         assert not torch.equal(loss_with(noop), loss_with(lambda m: bias(m, j, what, block, 0.7))), (what, block)
@@ -689,23 +790,10 @@ def test_mudd_gates_give_per_token_weights_in_their_layout_and_replace_the_stati
     loss.backward()
     assert model.mudd_gate_w2.grad.norm() > 0 and model.mudd_gate_w1.grad.norm() > 0
     assert model.mudd_gate_b2.grad[-8] != 0, "the scale learns"
-    groups = {id(p): g for g in tg.build_optimizers(model, tg.Hyperparameters(**{**TINY, **MUDD_GATES}),
-                                                   0, 1)[0].param_groups for p in g["params"]}
+    groups = {id(p): g for g in tg.build_optimizers(model, tg.Hyperparameters(**TINY), 0, 1)[0].param_groups
+              for p in g["params"]}
     g = groups[id(model.mudd_gate_w1)]
     assert g is groups[id(model.mudd_gate_b2)] and g["betas"] == (0.9, 0.99) and g["lr"] == TINY.get("adam_lr", 0.008) * 0.1
-    for bad in (dict(mudd=False), dict(bigram_rows=0, bigram_sign_rows=0), dict(xsa_blocks=(2,)),
-                dict(window_pattern="SSLL")):
-        with pytest.raises(ValueError, match="mudd_gates|xsa_blocks"):
-            tg.Hyperparameters(**{**TINY, **MUDD_GATES, **bad})
-    with pytest.raises(ValueError, match="xsa_blocks"):
-        tg.Hyperparameters(**{**TINY, "xsa_blocks": (1,)})
-    with pytest.raises(ValueError, match="dc=true"):
-        tg.Hyperparameters(**{**TINY, **MUDD_GATES, "mudd_gates": False, "xsa_blocks": ()})
-    # DC's correction is zero at the start: the same model without DC computes the same
-    with_dc, without = tiny_model(**MUDD_GATES), tiny_model(**{**MUDD_GATES, "dc": False})
-    with torch.no_grad():
-        torch.testing.assert_close(with_dc(x, y, cu, 128, W3, reduction="none"),
-                                   without(x, y, cu, 128, W3, reduction="none"), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("window", [9, 12])  # key blocks of 24 keys; of 27 keys padded to 32 with masked ones
@@ -727,10 +815,30 @@ def test_dc_correction_is_the_per_token_loop_and_does_not_depend_on_the_query_bl
     assert tg.dc_correction(q, k, v, cu, w1, torch.zeros(T, H), scale).abs().max() == 0
 
 
+@pytest.mark.parametrize("T", [64, 70, 24])  # a whole query block; a partial last one; a buffer shorter than one
+def test_dc_correction_gradients_are_finite_and_do_not_depend_on_the_query_blocks(T):
+    """The backward, where the query blocks pad the buffer (a micro-batch of any seq_len): the padded query rows have
+    no key, and must not reach the gradients of the real ones."""
+    torch.manual_seed(0)
+    H, D, scale, window = 2, 8, 0.3, 9
+    q, k, v = (torch.randn(T, H, D, requires_grad=True) for _ in range(3))
+    w1, w2 = (torch.randn(T, H, requires_grad=True) for _ in range(2))
+    cu = torch.tensor([0, T // 3, T, T])
+    grads = []
+    for chunk in (16, 2 * T):  # blocked (with padding unless 16 divides T), and one block padded to twice T
+        tg.dc_correction(q, k, v, cu, w1, w2, scale, window=window, chunk=chunk).square().sum().backward()
+        grads.append([t.grad.clone() for t in (q, k, v, w1, w2)])
+        for t in (q, k, v, w1, w2):
+            t.grad = None
+    for name, a, b in zip("q k v w1 w2".split(), *grads):
+        assert torch.isfinite(a).all() and torch.isfinite(b).all(), name
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_cplm_pointer_is_the_per_position_loop_and_the_mixture_is_a_distribution():
     """The pointer against a loop over positions (earlier positions of the document within the band, a sink);
     the mixture's probabilities over every token sum to one, and the loss is -log of the mixture."""
-    model = tiny_model(randomize=True, **CPLM)
+    model = tiny_model(randomize=True)
     x, y, cu = batch(doc_starts=(0, 40, 90))
     for training, band in ((True, 16), (False, 32)):
         model.train(training)
@@ -751,7 +859,7 @@ def test_cplm_pointer_is_the_per_position_loop_and_the_mixture_is_a_distribution
     with torch.no_grad():
         h = model.hidden(x, cu, 128, W3)
         total = torch.zeros(128)
-        for token in set(range(CPLM["vocab_size"])) - {TINY["bos_id"] + 1}:  # every column but the copy column
+        for token in set(range(TINY["vocab_size"])) - {TINY["bos_id"] + 1}:  # every column but the copy column
             target = torch.full_like(y, token)
             copy = model.copy_pointer(h, x, target, cu)
             total += (-model.head_losses(h, target, copy=copy)).exp()
@@ -762,38 +870,41 @@ def test_cplm_pointer_is_the_per_position_loop_and_the_mixture_is_a_distribution
     assert model.copy_qk.grad.norm() > 0 and model.copy_sink.grad.norm() > 0
     assert model.scalars.grad[model.scalar_layout()["copy_gain"]].abs().min() > 0
     assert model.next_token_logits(x, cu, 128, W3)[TINY["bos_id"] + 1] == float("-inf")
-    groups = {id(p): g for g in tg.build_optimizers(model, tg.Hyperparameters(**{**TINY, **CPLM}), 0, 1)[0].param_groups
+    groups = {id(p): g for g in tg.build_optimizers(model, tg.Hyperparameters(**TINY), 0, 1)[0].param_groups
               for p in g["params"]}
     assert groups[id(model.copy_qk)] is groups[id(model.copy_sink)] and groups[id(model.copy_qk)]["betas"] == (0.9, 0.99)
     assert torch.isfinite(loss)
     for bad in (dict(cplm_bands=(16,)), dict(cplm_bands=(0, 8)), dict(vocab_size=64)):
         with pytest.raises(ValueError, match="cplm_bands"):
-            tg.Hyperparameters(**{**TINY, **CPLM, **bad})
+            tg.Hyperparameters(**{**TINY, **bad})
 
 
-def test_parallel_attn_feeds_every_later_attention_the_normed_output_of_the_backout_block():
-    """Blocks 1 and 3 (2 has no attention) attend over norm(block 0's output) with the flag, over their own
-    inputs without it; no new weights, and the model's output changes."""
-    off = tiny_model(randomize=True, backout_layer=0)
-    on = tiny_model(backout_layer=0, parallel_attn=True)
-    on.load_state_dict(off.state_dict())
+@pytest.mark.parametrize("backout", [0, 2])
+def test_every_attention_after_the_backout_block_reads_its_normed_output(backout):
+    """Parallel attention inputs: the blocks after backout_layer (with attention: 1 and 3, or 3) attend over
+    norm(block backout_layer's output), the blocks up to it over their own normed inputs."""
+    model = tiny_model(randomize=True, backout_layer=backout)
     x, y, cu = batch()
     seen = {}
-    for name, model in (("off", off), ("on", on)):
-        model.blocks[0].register_forward_hook(lambda m, a, out, name=name: seen.__setitem__((name, 0), out))
-        for i in (1, 3):
-            model.blocks[i].attn.register_forward_pre_hook(lambda m, a, name=name, i=i: seen.__setitem__((name, i), a[0]))
+    for i, block in enumerate(model.blocks):
+        block.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(("out", i), out))
+        block.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(("in", i), a[:4]))
+        if block.attn is not None:
+            block.attn.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(("attn", i), a[0]))
     with torch.no_grad():
-        out_off, out_on = (m(x, y, cu, 128, W3, reduction="none") for m in (off, on))
-    h0 = tg.norm(seen["on", 0])
-    assert torch.equal(seen["on", 1], h0) and torch.equal(seen["on", 3], h0)
-    assert not torch.allclose(seen["off", 3], tg.norm(seen["off", 0]))
-    assert torch.equal(seen["off", 0], seen["on", 0]) and not torch.allclose(out_off, out_on)
+        model(x, y, cu, 128, W3)
+    for i in (0, 1, 3):
+        if i > backout:
+            assert torch.equal(seen["attn", i], tg.norm(seen["out", backout])), i
+        else:  # its own input, mixed with x0 and the bigram (Block.forward)
+            h, x0, _, w = seen["in", i]
+            assert torch.equal(seen["attn", i], tg.norm(w.resid * h + w.x0 * x0 + w.bigram)), i
+            assert not torch.allclose(seen["attn", i], tg.norm(seen["out", backout])), i
 
 
 @pytest.mark.parametrize("blocks", [(1, 3), (3, 0, 1), (2,), (1, 1), (4,)])
 def test_value_embed_blocks_give_each_named_block_a_small_table_of_its_own(blocks):
-    kw = dict(num_value_embeds=0, value_embed_blocks=blocks)
+    kw = dict(value_embed_blocks=blocks)
     if blocks in ((2,), (1, 1), (4,)):  # block 2 of TINY has no attention; a repeat; past the last block
         with pytest.raises(ValueError, match="distinct blocks with attention"):
             tg.Hyperparameters(**{**TINY, **kw})
@@ -802,35 +913,27 @@ def test_value_embed_blocks_give_each_named_block_a_small_table_of_its_own(block
     assert model.value_embed_layers() == [blocks.index(i) if i in blocks else None for i in range(4)]
     assert len(model.value_embeds) == len(blocks)
     assert all(abs(m.weight.float().std().item() - 0.01) < 0.001 for m in model.value_embeds)
-    assert [b.attn.ve_gate_w is not None for b in tiny_model(ve_gate=True, **kw).blocks if b.attn] == \
-        [i in blocks for i in (0, 1, 3)]
+    assert [b.attn.ve_gate_w is not None for b in model.blocks if b.attn] == \
+        [i in blocks and i != 3 for i in (0, 1, 3)]  # the last block's gate is MUDD's
     x, y, cu = batch()
     model = tiny_model(randomize=True, **kw)  # a zero output projection would hide the value path
     model(x, y, cu, 128, W3).backward()
     assert all(m.weight.grad.norm() > 0 for m in model.value_embeds)  # every table reaches the loss
 
 
-def test_uniform_out_init_draws_the_output_projection_as_v_and_changes_nothing_else():
-    zero, drawn = tiny_model(), tiny_model(uniform_out_init=True)
-    for k, v in zero.state_dict().items():
-        if k.endswith("qkvo_w"):
-            assert torch.equal(v[:3], drawn.state_dict()[k][:3]) and v[3].abs().max() == 0
-            out = drawn.state_dict()[k][3]
-            assert abs(out.std().item() - 0.5 / 64 ** 0.5) < 0.005 and out.abs().max() <= 3 ** 0.5 * 0.5 / 8
-        else:
-            assert torch.equal(v, drawn.state_dict()[k]), k
-
-
 def test_a_tied_embedding_reads_the_lm_heads_rows_and_the_head_starts_small_not_zero():
-    tied, untied = tiny_model(tied_embed_stages=1), tiny_model()
+    tied, untied = tiny_model(), tiny_model(tied_embed_stages=0)  # TINY's: tied for 2 stages
     assert tied.tied_embed and not untied.tied_embed
-    for k, v in untied.state_dict().items():  # the head is drawn last: every other weight is the same
-        assert k == "lm_head_w" or torch.equal(v, tied.state_dict()[k]), k
+    # the head's draw comes after every weight but MUDD's and its gates' first layers and CPLM's pointer (drawn after
+    # it, from the same generator): those differ, as draws, and every other weight is the same
+    later = {"lm_head_w", "mudd_w1", "mudd_gate_w1", "copy_qk", "copy_sink"}
+    for k, v in untied.state_dict().items():
+        assert k in later or torch.equal(v, tied.state_dict()[k]), k
     assert untied.lm_head_w.abs().max() == 0 and 0.004 < tied.lm_head_w.std() < 0.006
     with torch.no_grad():
         tied.lm_head_w.add_(torch.randn_like(tied.lm_head_w))
         tied.embed.weight.normal_()  # unused while tied
-        copy = tiny_model()
+        copy = tiny_model(tied_embed_stages=0)
         copy.load_state_dict(tied.state_dict())
         copy.embed.weight.copy_(tied.lm_head_w)  # what untying does
         x, y, cu = batch()
@@ -848,32 +951,39 @@ def test_untie_step_is_the_start_of_the_first_untied_stage():
         assert tg.untie_step(stages, tg.Hyperparameters(**{**TINY, "num_iterations": 20, "tied_embed_stages": n})) == step
 
 
-def test_sublayer_weights_at_one_give_the_model_without_them():
-    # LATER_RECORDS has them, with one skip (skip_from=1), as the record preset
-    on = tiny_model(randomize=True, **LATER_RECORDS)
-    off = tiny_model(randomize=True, **{**LATER_RECORDS, "sublayer_lambdas": False})
-    at = on.scalar_layout()
-    assert at["sublayer"].stop - at["sublayer"].start == 3 * TINY["num_layers"]
-    assert at["skips"].stop - at["skips"].start == 1
-    assert off.scalar_layout()["sublayer"].stop == off.scalar_layout()["sublayer"].start
-    fresh = tiny_model(**LATER_RECORDS)
+def test_a_block_applies_its_weights_as_block_weights_says():
+    """x <- resid x + x0_w x0 + bigram; x <- x + attn_out attention(norm(x), or attn_in when given); x <- mlp_resid x +
+    mlp_out MLP(norm(x)), against the block's own attention and MLP called on their own."""
+    model = tiny_model(randomize=True)
+    block, T, dim = model.blocks[1], 128, TINY["model_dim"]  # attention, a value table, paired heads, XSA
+    g = torch.Generator().manual_seed(3)
+    r = lambda *shape: torch.randn(*shape, generator=g)
+    h, x0, ve, bigram, attn_in = r(T, dim), r(T, dim), r(T, dim), r(T, dim), tg.norm(r(T, dim))
+    w = tg.BlockWeights(torch.tensor(0.9), r(T, 1), torch.tensor(0.7), torch.tensor(1.2), torch.tensor(0.4),
+                        torch.tensor([0.6, 0.3]), bigram, r(T, TINY["num_heads"]))
+    cu = torch.tensor([0, 60, T, T], dtype=torch.int32)
+    rope = model.rotary.at(W3[0])
+    with torch.no_grad():
+        for given in (None, attn_in):
+            out = block(h, x0, ve, w, given, cu, T, W3[1], rope)
+            mixed = 0.9 * h + w.x0 * x0 + bigram
+            mixed = mixed + 0.7 * block.attn(tg.norm(mixed) if given is None else given, ve, w, cu, T, W3[1], rope)
+            torch.testing.assert_close(out, 1.2 * mixed + 0.4 * block.mlp(tg.norm(mixed)), rtol=0, atol=0)
+    # the model's per-block weights: the residual mix and value mix (4 each), the per-sublayer weights (3), one skip
+    at, L = model.scalar_layout(), TINY["num_layers"]
+    assert at["sublayer"].stop - at["sublayer"].start == 3 * L and at["skips"].stop - at["skips"].start == 1
+    fresh = tiny_model()
     assert torch.allclose(fresh.scalars[at["sublayer"]].view(-1, 3), torch.tensor([1.0, 1.1 ** 0.5, 1.0]))
-    assert torch.allclose(fresh.scalars[at["blocks"]].view(-1, 4)[:, 0], torch.tensor(1.1 ** 0.5))
-    on.load_state_dict(off.state_dict(), strict=False)  # the same weights; scalars differ in length
-    with torch.no_grad():
-        on.scalars.zero_()
-        on.scalars[: at["sublayer"].start] = off.scalars[: at["sublayer"].start]
-        on.scalars[at["sublayer"]] = 1.0
-        on.scalars[at["copy_gain"]] = off.scalars[off.scalar_layout()["copy_gain"]]  # the layout's last entry
+    assert torch.allclose(fresh.scalars[at["blocks"]].view(-1, 4), torch.tensor([1.1 ** 0.5, 0, 0.5, 0.5]))
     x, y, cu = batch()
-    assert torch.allclose(on(x, y, cu, 128, W3), off(x, y, cu, 128, W3), rtol=1e-5)
     with torch.no_grad():
-        on.scalars[at["sublayer"].start + 2] = 0.5  # block 0's MLP output weight: the loss moves
-    assert not torch.allclose(on(x, y, cu, 128, W3), off(x, y, cu, 128, W3), rtol=1e-5)
+        base = model(x, y, cu, 128, W3)
+        model.scalars[at["sublayer"].start + 2] = 0.5  # block 0's MLP output weight: the loss moves
+        assert not torch.allclose(model(x, y, cu, 128, W3), base, rtol=1e-5)
 
 
 def test_one_skip_carries_its_block_output_into_the_attention_less_block_and_learns():
-    model = tiny_model(randomize=True, **LATER_RECORDS)
+    model = tiny_model(randomize=True)
     at = model.scalar_layout()
     x, y, cu = batch()
     model(x, y, cu, 128, W3).backward()
@@ -898,7 +1008,7 @@ def test_one_skip_carries_its_block_output_into_the_attention_less_block_and_lea
 
 
 def test_skip_from_must_come_before_the_attention_less_block():
-    for bad in (2, 3):
+    for bad in (2, 3, -1):  # -1: the U-net is gone
         with pytest.raises(ValueError, match="skip_from"):
             tg.Hyperparameters(**{**TINY, "skip_from": bad})
 
