@@ -870,7 +870,9 @@ def dc_correction(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w1: Tenso
     doc = document_ids(cu_seqlens, T)
     q_blocks = F.pad(q, (0, 0, 0, 0, 0, pad)).view(n, chunk, H, D)
     k_blocks, v_blocks = (blocks_with_lookback(t, chunk, lookback) for t in (k, v))  # (n, H, D, width)
-    doc_q = F.pad(doc, (0, pad), value=-1).view(n, chunk)
+    # padded queries in the keys' padding document (-2): each sees at least its own padded key, so no row of the
+    # softmax is all -inf (a row of -1s matched no key: NaN gradients through v where T is not a multiple of chunk)
+    doc_q = F.pad(doc, (0, pad), value=-2).view(n, chunk)
     doc_k = blocks_with_lookback(doc, chunk, lookback, value=-2)  # (n, width)
     i, j = torch.arange(chunk, device=q.device), torch.arange(width, device=q.device)
     near = (j[None, :] >= i[:, None] + extra) & (j[None, :] <= i[:, None] + lookback)  # key j of row i: window back

@@ -15,13 +15,16 @@ from test_model import TINY  # noqa: E402
 def test_the_timed_pass_is_the_attentions_q_k_and_v():
     cfg = tg.ModelConfig.from_args(tg.Hyperparameters(**TINY))
     g = torch.Generator().manual_seed(0)
-    attn = tg.CausalSelfAttention(cfg, head_gate=False)
+    seen = []
+    attn = tg.CausalSelfAttention(cfg, lambda q, k, v, *a: seen.append((q, k, v)) or v, ve_gate=False,
+                                  key_offset=False, paired=False)
     T, H, D = 20, cfg.num_heads, cfg.head_dim
     x = torch.randn(T, cfg.model_dim, generator=g)
     lambdas = torch.tensor([0.7, 0.0])
     cos, sin, scale = tg.Rotary(D, T, cfg.rotary_min_freq).at(0)
-    seen = []
-    attn(x, None, lambdas, None, T, 16, (cos, sin, scale), lambda q, k, v, *a: seen.append((q, k, v)) or v)
+    one = torch.ones(())
+    w = tg.BlockWeights(one, one, one, one, one, lambdas)
+    attn(x, None, w, None, T, 16, (cos, sin, scale))
     qkv = torch.nn.functional.linear(x, attn.qkvo_w[:3].flatten(0, 1)).view(T, 3 * H, D)
     for mine, model in zip(qk_rope.qk_rope(qkv, lambdas[0], cos, sin), seen[0]):
         torch.testing.assert_close(mine, model, rtol=0, atol=0)

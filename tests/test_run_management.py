@@ -247,7 +247,40 @@ def test_a_resume_never_changes_the_run_it_starts_from(tiny_args, tmp_path):
     with pytest.raises(ValueError, match="already holds checkpoints"):
         tg.train(tiny_args(num_iterations=6, run_id="first", **kw))
     with pytest.raises(ValueError, match="already holds checkpoints"):  # same id, changed flags
-        tg.train(tiny_args(num_iterations=6, run_id="first", resume=str(ck / "first" / "step_000006"), muon_lr=0.03, **kw))
+        tg.train(tiny_args(num_iterations=6, run_id="first", resume=str(ck / "first" / "step_000004"), muon_lr=0.03, **kw))
+
+
+def test_a_run_id_whose_log_exists_is_refused_with_or_without_checkpoints(tiny_args, tmp_path):
+    """Issue 61 item 2: with --save_every 0 (the record's default) a run leaves no checkpoint, and a second run with
+    the same --run_id appended a whole run to the first's log, which check.py then read as one. Now refused before
+    anything is written; a resume that continues a run still appends to its log (test above)."""
+    kw = dict(num_iterations=2, val_every=0, save_every=0, run_id="baz", checkpoint_dir=str(tmp_path / "ck"))
+    first = tg.train(tiny_args(seed=1, **kw))
+    log_before = Path(first.log_path).read_text()
+    with pytest.raises(ValueError, match=r"^--run_id baz: \S+baz\.txt already holds another run's log; leave "
+                                         r"--run_id out for a new id, or name another"):
+        tg.train(tiny_args(seed=2, **kw))
+    assert Path(first.log_path).read_text() == log_before and not (tmp_path / "ck").exists()
+
+
+def test_resuming_a_finished_run_says_so_in_one_line_and_writes_nothing(tiny_args, tmp_path, capsys, monkeypatch):
+    """Issue 61 item 3: `--resume latest` on a finished run exited 0 and appended a second "resumed ... finished"
+    block, without a val loss, to its log. And `latest` is the newest checkpoint of any run: it says which."""
+    monkeypatch.delenv("SPEEDRUN_DEBUG", raising=False)
+    ck = tmp_path / "ck"
+    run = tg.train(tiny_args(num_iterations=2, val_every=0, save_every=2, checkpoint_dir=str(ck)))
+    run_id, before, log_before = Path(run.checkpoint).parent.name, _checksums(tmp_path), Path(run.log_path).read_text()
+    capsys.readouterr()
+    assert tg.main(["--resume", "latest", "--checkpoint_dir", str(ck)]) == 1
+    out, err = capsys.readouterr()
+    assert out == (f"--resume latest: {run.checkpoint} (run {run_id}, preset record, step 2 of 2), the newest "
+                   f"checkpoint under {ck}/\n")
+    assert err == (f"train_gpt.py: error: --resume {run.checkpoint}: nothing to train: the checkpoint is at step 2 "
+                   f"and num_iterations is 2 (run {run_id} finished there); to train further, resume with "
+                   "--num_iterations above 2 (a new run)\n")
+    assert _checksums(tmp_path) == before and Path(run.log_path).read_text() == log_before
+    assert tg.main(["--resume", run.checkpoint, "--num_iterations", "1"]) == 1  # past a shorter run's end too
+    assert "nothing to train: the checkpoint is at step 2 and num_iterations is 1 (run " in capsys.readouterr().err
 
 
 def test_a_checkpoint_whose_files_come_from_two_runs_is_refused(tiny_args, tmp_path):

@@ -119,8 +119,9 @@ def test_log_holds_source_environment_hyperparameters_and_step_lines(tiny_args):
     run = tg.train(tiny_args(num_iterations=4, val_every=2, run_id="logtest"))
     text = open(run.log_path).read()
     assert run.log_path.endswith("logtest.txt")
-    source = open(tg.__file__).read() + tg.KERNELS_MARKER + "\n" + open(tg.kernels.__file__).read()
-    assert text.startswith(source)  # the trainer's source, then the kernels' it imports
+    source = (open(tg.__file__).read() + tg.KERNELS_MARKER + "\n" + open(tg.kernels.__file__).read()
+              + tg.SHARDS_MARKER + "\n" + open(tg.shard_format.__file__).read())
+    assert text.startswith(source)  # the trainer's source, then the kernels' and the shard format's it imports
     rest = text[len(source):]
     assert rest.startswith("=" * 100 + "\n") and "PyTorch" in rest and f"muon_lr: {tg.Hyperparameters.muon_lr}" in rest
     assert re.findall(r"^step:(\d+)/4 val_loss:[\d.]+ train_time:\d+ms step_avg:[\d.]+ms tokens:\d+$", rest, re.M) == ["0", "2", "4"]
