@@ -81,8 +81,8 @@ def test_help_shows_the_chosen_presets_defaults_in_a_form_the_parser_takes_back(
 
 def test_smoke_help_is_not_the_records(capsys):
     smoke, record = defaults_shown(help_text(capsys, "--preset", "smoke")), defaults_shown(help_text(capsys))
-    assert smoke["--vocab_size"] == "128" and record["--vocab_size"] == "50304"
-    assert smoke["--stages"] == "window=1;window=2;window=3"
+    assert smoke["--vocab_size"] == "136" and record["--vocab_size"] == "50304"
+    assert smoke["--stages"] == "window=1,doc_len=256,mtp=0.5/0.25;window=2,mtp=0.5/0;window=3,mtp=0/0"
 
 
 def test_ctrl_c_before_training_starts_is_one_line_and_status_130(tmp_path):

@@ -32,11 +32,11 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.mark.slow
 def test_sample_generates_the_requested_number_of_tokens_from_a_tiny_checkpoint(tiny_args, tmp_path):
-    run = tg.train(tiny_args(num_iterations=3, val_every=0, save_every=3, checkpoint_dir=str(tmp_path / "ck")))
+    run = tg.train(tiny_args(num_iterations=3, val_every=0, save_every=3, adam_every=1, checkpoint_dir=str(tmp_path / "ck")))
     out = _sample(run.checkpoint, "--tokens", "12", "--device", "cpu")
     assert out.returncode == 0, out.stderr
     ids = [int(t) for t in out.stdout.split()]
-    assert len(ids) == 12 and all(0 <= t < 64 for t in ids)
+    assert len(ids) == 12 and all(0 <= t < 72 for t in ids)
     again = _sample("latest", "--checkpoint_dir", str(tmp_path / "ck"), "--tokens", "12", "--device", "cpu")
     assert again.stdout == out.stdout  # same seed, same tokens
     greedy = _sample(run.checkpoint, "--tokens", "5", "--temperature", "0", "--device", "cpu")
@@ -75,9 +75,9 @@ def test_sample_readme_command_on_a_non_gpt2_vocabulary_samples_from_bos_with_a_
                        "--top_k", "50", "--device", "cpu"]) == 0
     out = capsys.readouterr()
     ids = [int(t) for t in out.out.split()]
-    assert len(ids) == 10 and all(0 <= t < 64 for t in ids)
+    assert len(ids) == 10 and all(0 <= t < 72 for t in ids)
     note = [line for line in out.err.splitlines() if line.startswith("sample.py: note:")]
-    assert len(note) == 1 and "not GPT-2's (64 tokens, BOS 63)" in note[0] and "--prompt \"1 2 3\"" in note[0]
+    assert len(note) == 1 and "not GPT-2's (72 tokens, BOS 63)" in note[0] and "--prompt \"1 2 3\"" in note[0]
 
 
 def test_sample_takes_token_ids_as_the_prompt_of_a_non_gpt2_vocabulary(tiny_checkpoint, capsys):
@@ -86,9 +86,9 @@ def test_sample_takes_token_ids_as_the_prompt_of_a_non_gpt2_vocabulary(tiny_chec
     out = capsys.readouterr()
     ids = [int(t) for t in out.out.split()]
     assert ids[:3] == [5, 17, 42] and len(ids) == 7 and "note:" not in out.err
-    assert sample.cli([tiny_checkpoint, "--prompt", "5 64", "--tokens", "4", "--device", "cpu"]) == 2
+    assert sample.cli([tiny_checkpoint, "--prompt", "5 72", "--tokens", "4", "--device", "cpu"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "sample.py: error: --prompt: token id 64 is out of this checkpoint's vocabulary (ids 0 to 63)"]
+        "sample.py: error: --prompt: token id 72 is out of this checkpoint's vocabulary (ids 0 to 71)"]
 
 
 @pytest.mark.slow
@@ -98,7 +98,7 @@ def test_sample_decodes_text_with_the_gpt2_vocabulary(tiny_args, tmp_path):
         pytest.skip("GPT-2 BPE files not available offline (set TIKTOKEN_CACHE_DIR)")
     # a tiny model with GPT-2's vocabulary: documents open with GPT-2's BOS, other token ids lie below 64
     train, val = write_corpus(tmp_path / "gpt2ids", bos=50256)
-    run = tg.train(tiny_args(vocab_size=50304, bos_id=50256, num_iterations=1, val_every=0, save_every=1,
+    run = tg.train(tiny_args(vocab_size=50304, bos_id=50256, num_iterations=1, val_every=0, save_every=1, adam_every=1,
                              checkpoint_dir=str(tmp_path / "ck"), max_num_docs=64, train_files=train, val_files=val))
     out = _sample(run.checkpoint, "--prompt", "Hello world", "--tokens", "4", "--device", "cpu",
                   env={**os.environ, "TIKTOKEN_CACHE_DIR": cache})
@@ -108,7 +108,7 @@ def test_sample_decodes_text_with_the_gpt2_vocabulary(tiny_args, tmp_path):
 
 def test_a_model_loaded_for_sampling_reads_its_embedding_where_training_would_have(tiny_args, tmp_path):
     """Tied for the first stage of 6 steps (stages start at 0, 3, 5): tied at step 2, untied from step 3."""
-    tg.train(tiny_args(num_iterations=6, val_every=0, save_every=1, keep_checkpoints=10, tied_embed_stages=1,
+    tg.train(tiny_args(num_iterations=6, val_every=0, save_every=1, adam_every=1, keep_checkpoints=10, tied_embed_stages=1,
                        run_id="t", checkpoint_dir=str(tmp_path / "ck")))
     for step, tied in ((2, True), (3, False), (6, False)):
         model, _ = sample.load_model(tmp_path / "ck" / "t" / f"step_{step:06d}", torch.device("cpu"), 64)

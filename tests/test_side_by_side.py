@@ -363,7 +363,8 @@ def test_our_loader_walk_refuses_a_second_pass(tmp_path):
     from conftest import BOS
     train, val = write_corpus(tmp_path / "d", train_sizes=(6000, 6000))
     argv = lambda n: ["--preset", "smoke", "--bos_id", str(BOS), "--train_files", train, "--val_files", val, "--batch_size", "1024",
-                      "--seq_len", "512", "--num_iterations", str(n), "--max_doc_len", "96", "--window_schedule", "1,2,3"]
+                      "--seq_len", "512", "--num_iterations", str(n), "--max_doc_len", "96", "--window_schedule", "1,2,3",
+                      "--extension_steps", "0", "--extension_window", "0"]
     got = fh.simulate_our_loader(tg.shard_files(train, "training"), tg.parse_args(argv(5)))
     assert got["trained"] == 5 * 1024 and 5 * 1024 < got["read"] <= got["total"] == 12000
     with pytest.raises(fh.DataExhausted, match="second pass over the shards at step"):
