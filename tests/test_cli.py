@@ -147,7 +147,7 @@ def test_a_data_error_mid_run_saves_a_checkpoint_and_says_how_to_continue(tiny_a
 
 @pytest.mark.slow
 def test_the_resume_hint_alone_continues_with_the_checkpoints_hyperparameters(tiny_args, tmp_path):
-    args = tiny_args(num_iterations=6, val_every=3, save_every=3, run_id="hint", checkpoint_dir=str(tmp_path / "ck"),
+    args = tiny_args(num_iterations=6, val_every=3, save_every=3, adam_every=1, run_id="hint", checkpoint_dir=str(tmp_path / "ck"),
                      max_doc_len=64, muon_lr=0.03)
     full = tg.train(args)
     parsed = tg.parse_args(["--resume", str(tmp_path / "ck" / "hint" / "step_000003")])
