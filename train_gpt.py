@@ -2967,7 +2967,7 @@ def prepare_data(args: Hyperparameters, rank: int, world_size: int, device: torc
         if rank == 0:
             write_markov_corpus(args.train_files, args.val_files, args.bos_id + 1, args.bos_id, args.val_tokens)
         barrier(world_size)
-        floor = markov_chain(args.vocab_size, args.bos_id)[1]
+        floor = markov_chain(args.bos_id + 1, args.bos_id)[1]  # the chain written: tokens 0..bos_id, BOS the last
         log(f"data: synthetic Markov-chain corpus, entropy floor {floor:.4f} nats/token (uniform: "
             f"{math.log(args.vocab_size - 1):.4f}): no model can go below the floor")
     train_files = shard_files(args.train_files, "training")

@@ -504,7 +504,7 @@ def test_a_rank_that_dies_or_hangs_fails_the_others_within_the_collective_timeou
 
 
 @pytest.mark.slow
-def test_smoke_preset_gets_within_a_tenth_of_a_nat_of_its_entropy_floor(tmp_path):
+def test_smoke_preset_gets_within_a_fifth_of_a_nat_of_its_entropy_floor(tmp_path):
     """The newcomer's main job: --preset smoke (about 3 minutes on a 2-core CPU) must visibly learn, and leave
     the checkpoint that the README's `python sample.py latest` reads."""
     (tmp_path / "d").mkdir()
