@@ -373,7 +373,7 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "the copy-pointer mixture of public pull request 379 (CPLM); with our fused ReLU² MLP (FP8 forward "
                "and backward) and soft-capped cross-entropy kernels: the dataclass defaults", {}),
     "smoke": ("the record model at a tiny size (4 blocks of 128, a vocabulary of 128 tokens) on a built-in synthetic "
-              "corpus (a random Markov chain whose entropy per token, the lowest loss possible, is known): about 1.5 "
+              "corpus (a random Markov chain whose entropy per token, the lowest loss possible, is known): about 3 "
               "minutes on a 2-core CPU; every technique of the record but the prefix-token loss (over GPT-2's "
               "tokens); a checkpoint every 50 steps, for `python sample.py latest`", SMOKE),
     "single": ("the record on one GPU with 24-40 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
@@ -2964,12 +2964,11 @@ def prepare_data(args: Hyperparameters, rank: int, world_size: int, device: torc
             if not folder.is_dir() and folder.resolve() != smoke_folder:  # user paths are read, never created
                 raise ValueError(f"--{flag} {pattern}: no folder {folder}; the synthetic corpus goes into an existing "
                                  f"folder or the smoke preset's own {smoke_folder}")
-        if rank == 0:
-            write_markov_corpus(args.train_files, args.val_files, args.bos_id + 1, args.bos_id, args.val_tokens)
+        if rank == 0:  # its tokens are 0..bos_id, BOS the last (as GPT-2's); the floor is that chain's
+            floor = write_markov_corpus(args.train_files, args.val_files, args.bos_id + 1, args.bos_id, args.val_tokens)
+            log(f"data: synthetic Markov-chain corpus, entropy floor {floor:.4f} nats/token (uniform: "
+                f"{math.log(args.vocab_size - 1):.4f}): no model can go below the floor")
         barrier(world_size)
-        floor = markov_chain(args.bos_id + 1, args.bos_id)[1]  # the chain written: tokens 0..bos_id, BOS the last
-        log(f"data: synthetic Markov-chain corpus, entropy floor {floor:.4f} nats/token (uniform: "
-            f"{math.log(args.vocab_size - 1):.4f}): no model can go below the floor")
     train_files = shard_files(args.train_files, "training")
     for f in train_files:
         read_shard_header(f)
