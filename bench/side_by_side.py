@@ -5,6 +5,7 @@
         --train_files "DIR/fineweb_train_*.bin" --val_files "DIR/fineweb_val_*.bin" \\
         [--public_code master|89|mudd-base|mudd-v1] [--public_commit HASH] [--public_attention fa3|varlen] \\
         [--batch_div 16] [--step_div 1] [--accum N] [--val_every 125] [--seeds 0 1 2] [--public_seeds 0 1 2] \\
+        [--nproc 1|2|4|8 (GPUs per run, one run at a time; at --batch_div 1 --accum defaults to 8 // nproc)] \\
         [--ours_args "FLAGS"] [--variant NAME "FLAGS" ...] [--parallel [--stagger] | --warm_first] [--target LOSS] \
         [--out table.md]
 
@@ -30,7 +31,7 @@ reads, simulated with each code's own document cutting, must fit in the shards o
 repeat data is refused with an error.
 
 Validation is the same for both codes: the first --val_tokens tokens of the val shard in buffers of
---val_seq_len (the public val_batch_size becomes accum x val_seq_len).
+--val_seq_len (the public val_batch_size becomes nproc x accum x val_seq_len: val_seq_len per rank).
 
 Runs go one after the other (step times then compare; the per-stage table is printed), or with
 --parallel all at once sharing the GPU (losses only; the tables say so). --warm_first runs each code's first run
@@ -232,11 +233,15 @@ class DataExhausted(Exception):
     pass
 
 
-def simulate_public_loader(files: list[str], stages: list[Stage], accum: int) -> dict:
+def simulate_public_loader(files: list[str], stages: list[Stage], accum: int, world_size: int = 1) -> dict:
     """Walk the public loader's document cutting over the shards for the whole schedule, without a GPU:
     each micro-batch of batch/accum tokens takes documents from a BOS on, each cut at max_seq_len
     tokens and the last one at the micro-batch's end, the rest of a cut document dropped; a shard whose
     documents cannot complete a micro-batch is left for the next, and the loader never wraps around.
+    On world_size ranks, rank by rank as the public Shard.next_batch does it: every rank walks the same
+    index, and one call cuts world_size pieces of batch/(accum x world_size) tokens in a row (rank 0's
+    first); a shard that cannot complete every rank's piece is left for the next one whole (no rank keeps
+    a piece of it for that call), so the walk is per-rank exact.
     Returns the trained tokens and how far into the shards the run reads; raises DataExhausted with
     the step where the public run would run out (it would crash there; we refuse to start it)."""
     def load(i):
@@ -245,16 +250,22 @@ def simulate_public_loader(files: list[str], stages: list[Stage], accum: int) ->
     shard, idx, pos, trained = 0, 0, 0, 0  # idx: the next document; pos: the end of the last piece read
     tokens, bos = load(0)
     for step, st in enumerate(step_plan(stages)):
-        n = st.batch // accum
+        n = st.batch // (accum * world_size)  # one rank's micro-batch
         for _ in range(accum):
-            while True:
-                cur_len, j = 0, idx
-                while cur_len <= n and j < bos.size:
-                    cur = int(bos[j])
-                    j += 1
-                    end = min(int(bos[j]) if j < bos.size else tokens.size, cur + st.max_seq_len, cur + n - cur_len + 1)
-                    cur_len += end - cur
-                if cur_len == n + 1:
+            while True:  # one next_batch call: a piece per rank from this shard, or none
+                j, ranks = idx, 0
+                while ranks < world_size:
+                    cur_len = 0
+                    while cur_len <= n and j < bos.size:
+                        cur = int(bos[j])
+                        j += 1
+                        end = min(int(bos[j]) if j < bos.size else tokens.size, cur + st.max_seq_len,
+                                  cur + n - cur_len + 1)
+                        cur_len += end - cur
+                    if cur_len != n + 1:
+                        break
+                    ranks += 1
+                if ranks == world_size:
                     idx, pos = j, end
                     break
                 shard += 1
@@ -262,13 +273,15 @@ def simulate_public_loader(files: list[str], stages: list[Stage], accum: int) ->
                     raise DataExhausted(f"the public loader runs out of documents at step {step} of "
                                         f"{len(step_plan(stages))} ({trained:,} tokens trained)")
                 (tokens, bos), idx, pos = load(shard), 0, 0
-            trained += n
+            trained += n * world_size
     read = sum(tg.read_shard_header(f) for f in files[:shard]) + pos
     return dict(trained=trained, read=read, total=sum(tg.read_shard_header(f) for f in files))
 
 
 def simulate_our_loader(files: list[str], args) -> dict:
-    """The same check for ours, with our own loader code (TokenStream, no wrap-around)."""
+    """The same check for ours, with our own loader code (TokenStream, no wrap-around). Exact on any number
+    of GPUs: batch_size is a step's tokens over all ranks, and every rank reads the whole stream and keeps its
+    own slots (train_gpt.py's BatchProducer), so the tokens a step reads do not depend on the GPU count."""
     stream = tg.TokenStream(files, args.bos_id, wrap=False, log=lambda *a: None)
     stages = tg.training_stages(args)
     trained = 0
@@ -396,9 +409,10 @@ PATCHES = [
      "refuses a scale whose address is not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED), which the slices "
      "of a 12-float buffer are unless i % 4 == 0 (a .clone() would not do: Inductor removes it as a no-op); "
      "master and 89 only (FP8_MLP_CODES): the MUDD scripts' FP8 matmuls take fresh scalar scales"),
-    ("data_and_validation", "train_files, val_files, val_tokens, val_batch_size = accum x val_seq_len, "
-     "val_loss_every, run_id"),
-    ("micro_batches", "grad_accum_steps = --accum on one GPU (the public code hard-codes 8 // world_size)"),
+    ("data_and_validation", "train_files, val_files, val_tokens, val_batch_size = nproc x accum x val_seq_len "
+     "(each rank's validation micro-batch is val_seq_len), val_loss_every, run_id"),
+    ("micro_batches", "grad_accum_steps = --accum on each of the --nproc GPUs (the public code hard-codes "
+     "8 // world_size), and a check that the run has world_size = --nproc"),
     ("batch_div", "every stage's batch_size divided by --batch_div (a loop after TRAINING_STAGES)"),
     ("step_div", "num_scheduled_iterations, num_extension_iterations (at least 1), Muon momentum warm-up "
      "(300) and cool-down (50) steps and the FP8 down-projection bootstrap (step < 16; master and 89, the "
@@ -452,7 +466,7 @@ def patches_for(name: str) -> list[str]:
 
 
 def patch_public(code: PublicCode, *, train_glob: str, val_file: str, val_tokens: int, val_seq_len: int,
-                 val_every: int, accum: int, batch_div: int, step_div: int, attention: str,
+                 val_every: int, accum: int, batch_div: int, step_div: int, attention: str, nproc: int = 1,
                  profile_step: int | None = None, start_after: str | None = None) -> dict[str, str]:
     """The staged files of a public code after PATCHES (seed and run_id are per run, later)."""
     s = code.script
@@ -481,11 +495,12 @@ def patch_public(code: PublicCode, *, train_glob: str, val_file: str, val_tokens
         s = patch(s, "log_dir", f'"{LOG_DIRS[code.name]}', '"logs', count=2)
     s = patch(s, "log_dir", 'logfile = f"logs/{run_id}.txt"', 'logfile = f"logs/{run_id}.txt"')  # where we read it
     for field, value in [("train_files", repr(train_glob)), ("val_files", repr(val_file)),
-                         ("val_tokens", str(val_tokens)), ("val_batch_size", str(accum * val_seq_len)),
+                         ("val_tokens", str(val_tokens)), ("val_batch_size", str(nproc * accum * val_seq_len)),
                          ("val_loss_every", str(val_every))]:
         s = override(s, field, value)
     s = patch(s, "micro_batches", "grad_accum_steps = 8 // world_size\n",
-              f"grad_accum_steps = {accum}  # harness: micro-batches per step on one GPU\n")
+              f"grad_accum_steps = {accum}  # harness: micro-batches per step on each GPU\n"
+              f"assert world_size == {nproc}, 'harness: staged for --nproc {nproc}'\n")
     if batch_div != 1:
         s = patch(s, "batch_div", "\ntraining_schedule = TrainingSchedule(",
                   f"\nfor _stage in TRAINING_STAGES:  # harness: the scaling rule's smaller batches\n"
@@ -536,7 +551,7 @@ def stage_public(a, work: Path, code: PublicCode) -> Path:
     files = patch_public(code, train_glob=str(stage / "train" / "fineweb_train_*.bin"), val_file=val,
                          val_tokens=a.val_tokens, val_seq_len=a.val_seq_len, val_every=a.val_every,
                          accum=a.accum, batch_div=a.batch_div, step_div=a.step_div, attention=a.public_attention,
-                         profile_step=a.profile_step, start_after=a.start_after)
+                         nproc=a.nproc, profile_step=a.profile_step, start_after=a.start_after)
     for name, text in files.items():
         (stage / name).write_text(text)
     return stage
@@ -637,18 +652,18 @@ class GpuMonitor:
         path.write_text("\n".join(rows) + "\n")
 
 
-def run_conditions(samples: list[tuple], start: float, end: float, gpu: int) -> dict | None:
+def run_conditions(samples: list[tuple], start: float, end: float, gpu: int, also: tuple = ()) -> dict | None:
     """What a run between `start` and `end` (seconds since the epoch) on GPU `gpu` met, over the samples where
     that GPU was busy (BUSY_PERCENT): SM clock median and minimum, largest power and temperature, the clock limits
-    seen, the busiest other GPU's median utilization in that span, and the host's largest 1-minute load per core.
-    None without a busy sample."""
+    seen, the busiest other GPU's median utilization in that span (`also`: the run's own other GPUs, not
+    counted), and the host's largest 1-minute load per core. None without a busy sample."""
     busy = [s for s in samples if start <= s[0] <= end and s[2] == gpu and (s[6] or 0) >= BUSY_PERCENT]
     if not busy:
         return None
     first, last = busy[0][0], busy[-1][0]
     others: dict[int, list[float]] = {}
     for s in samples:
-        if first <= s[0] <= last and s[2] != gpu and s[6] is not None:
+        if first <= s[0] <= last and s[2] != gpu and s[2] not in also and s[6] is not None:
             others.setdefault(s[2], []).append(s[6])
     bits = 0
     for s in busy:
@@ -689,6 +704,13 @@ def visible_gpu() -> int:
     """The host index of the GPU a one-GPU run sees first: CUDA_VISIBLE_DEVICES' first entry, or 0."""
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
     return int(first) if first.isdigit() else 0
+
+
+def visible_gpus(n: int) -> list[int]:
+    """The host indexes of the n GPUs a run on n GPUs sees: CUDA_VISIBLE_DEVICES' first n entries (an entry
+    that is not an index, and a missing one: its position), or 0 .. n-1."""
+    got = [e.strip() for e in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if e.strip()]
+    return [int(got[i]) if i < len(got) and got[i].isdigit() else i for i in range(n)]
 
 
 def group_of(name: str) -> str:
@@ -870,8 +892,10 @@ def main():
     p.add_argument("--batch_div", type=int, default=16, help="divide every stage's batch by this")
     p.add_argument("--step_div", type=int, default=1,
                    help="divide step counts and step constants by this")
-    p.add_argument("--accum", type=int, help="micro-batches per step (default: 1 with --batch_div > 1, "
-                   "else 8, the public code on one GPU)")
+    p.add_argument("--accum", type=int, help="public micro-batches per step on each GPU (default: 1 with "
+                   "--batch_div > 1, else 8 // --nproc, the public code's)")
+    p.add_argument("--nproc", type=int, default=1, help="GPUs per run (torchrun --nproc_per_node), for every run; "
+                   "the runs go one at a time")
     p.add_argument("--val_every", type=int, default=125, help="validate every N steps")
     p.add_argument("--val_tokens", type=int, default=983040)
     p.add_argument("--val_seq_len", type=int, default=40960)
@@ -904,10 +928,19 @@ def main():
     a = p.parse_args()
     if a.warm_first and a.parallel:
         fail("--warm_first is for runs timed one after the other; --parallel runs share the GPU anyway")
+    if a.nproc < 1 or 8 % a.nproc:
+        fail(f"--nproc {a.nproc}: the public code runs on a divisor of 8 GPUs (8 // world_size micro-batches): "
+             "use --nproc 1, 2, 4 or 8")
+    if a.parallel and a.nproc > 1:
+        fail(f"--parallel shares one GPU between runs; with --nproc {a.nproc} each run takes all {a.nproc} GPUs: "
+             "leave out --parallel (the runs go one after the other)")
     if a.accum is None:
-        a.accum = 1 if a.batch_div > 1 else 8
-    if a.val_tokens % (a.accum * a.val_seq_len):
-        fail("the public code needs --val_tokens to be a multiple of its micro-batches x --val_seq_len")
+        a.accum = 1 if a.batch_div > 1 else 8 // a.nproc
+    per_step = a.nproc * a.accum * a.val_seq_len  # the public val_batch_size: val_seq_len per rank and micro-batch
+    if a.val_tokens % per_step:
+        fail(f"the public code needs --val_tokens to be a multiple of --nproc x its micro-batches x --val_seq_len "
+             f"({a.nproc} x {a.accum} x {a.val_seq_len} = {per_step:,}): use --val_tokens "
+             f"{max(1, round(a.val_tokens / per_step)) * per_step}")
 
     variants = [(a.label, ""), *a.variant]  # each variant: ours with --ours_args and its own flags
     if (len({name for name, _ in variants}) < len(variants) or any(n.startswith("public") for n, _ in variants)
@@ -916,6 +949,12 @@ def main():
              "start with 'public'")
 
     code = public_source(a.public, a.public_code, a.public_commit)
+    pub_batches = sorted({st.batch for st in public_stages(code.script, a.batch_div)})
+    if a.public_seeds and any(b % (a.accum * a.nproc) for b in pub_batches):  # its loader asserts this
+        fits = [k for k in range(a.accum, 0, -1) if all(b % (k * a.nproc) == 0 for b in pub_batches)]
+        fail(f"the public stage batches ({', '.join(f'{b:,}' for b in pub_batches)} tokens) do not split into --accum "
+             f"{a.accum} x --nproc {a.nproc} micro-batches: "
+             + (f"use --accum {fits[0]}" if fits else f"use a --batch_div that leaves them multiples of {a.nproc}"))
     stage = stage_public(a, a.work, code)
     train_files = tg.shard_files(a.train_files, "training")
     pub_stages = public_stages((stage / "train_gpt.py").read_text(), a.batch_div)
@@ -924,6 +963,11 @@ def main():
                    "--val_every", str(a.val_every), "--log_dir", str(a.work / "logs"), *a.ours_args.split()]
     env_public = {"PYTHONPATH": os.pathsep.join([str(stage), *filter(None, [os.environ.get("PYTHONPATH")])]),
                   "TORCHINDUCTOR_CACHE_DIR": str(a.work / f"cache_public_{code.name}"), "PYTHONUNBUFFERED": "1"}
+    for label, extra in variants if a.seeds else []:  # our BatchProducer deals a step's micro-batches to the ranks
+        h = tg.parse_args([*ours_common, *extra.split()])
+        if h.batch_size // h.seq_len % a.nproc:
+            fail(f"{label}: its {h.batch_size // h.seq_len} micro-batches per step (batch_size / seq_len) do not "
+                 f"split over --nproc {a.nproc}: give it a batch_size of seq_len x a multiple of {a.nproc}")
 
     def make_runs(stamp: str) -> list:
         """(column, log path, command, cwd, env, seed, stages) of every run, its files named by stamp."""
@@ -933,14 +977,16 @@ def main():
             source_i = override((stage / "train_gpt.py").read_text(), "run_id", repr(rid))
             (stage / f"{rid}.py").write_text(seed_public(source_i, seed))
             runs.append((f"public {code.name} seed {seed}",
-                         stage / "logs" / f"{rid}.txt", ["torchrun", "--standalone", "--nproc_per_node=1", f"{rid}.py"],
+                         stage / "logs" / f"{rid}.txt",
+                         ["torchrun", "--standalone", f"--nproc_per_node={a.nproc}", f"{rid}.py"],
                          stage, env_public, seed, pub_stages))
         for label, extra in variants:
             for seed in a.seeds:
                 rid = f"{label}_{stamp}_seed{seed}"
                 argv = [*ours_common, *extra.split(), "--seed", str(seed), "--run_id", rid]
                 runs.append((f"{label} seed {seed}", a.work / "logs" / f"{rid}.txt",
-                             ["torchrun", "--standalone", "--nproc_per_node=1", str(a.ours.resolve()), *argv], ROOT,
+                             ["torchrun", "--standalone", f"--nproc_per_node={a.nproc}", str(a.ours.resolve()), *argv],
+                             ROOT,
                              {"TORCHINDUCTOR_CACHE_DIR": str(a.work / f"cache_{label}")}, seed,
                              tg.training_stages(tg.parse_args(argv))))
         return runs
@@ -953,7 +999,7 @@ def main():
     # the data check, before any GPU time: no run may read a token twice
     try:
         if a.public_seeds:
-            pub = simulate_public_loader(train_files, pub_stages, a.accum)
+            pub = simulate_public_loader(train_files, pub_stages, a.accum, a.nproc)
             plans.append(f"public {code.name}: {len(step_plan(pub_stages))} steps, {pub['trained']:,} tokens "
                          f"trained, reads {pub['read']:,} of the shards' {pub['total']:,}")
         for label, extra in variants if a.seeds else []:
@@ -990,7 +1036,8 @@ def main():
         monitor.write_csv(a.work / f"gpu_monitor_{stamp}.csv")
     last_write = lambda log: max((f.stat().st_mtime for f in (log, log.with_suffix(".out")) if f.exists()),
                                  default=time.time())
-    conditions = [(name, run_conditions(monitor.samples, proc.started_at, last_write(log), visible_gpu()))
+    gpus = visible_gpus(a.nproc)  # a run's first GPU, and its others (not counted as other work)
+    conditions = [(name, run_conditions(monitor.samples, proc.started_at, last_write(log), gpus[0], tuple(gpus[1:])))
                   for (name, log, *_), proc in zip(runs, procs)]
 
     results, seeds, per_stage = {}, {}, {}
@@ -1012,8 +1059,8 @@ def main():
     import torch
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     shared = "; runs shared the GPU (--parallel): step times are not comparable" if a.parallel else ""
-    rule = (f"batches / {a.batch_div}, steps / {a.step_div}, {a.accum} micro-batch(es) per step, public attention "
-            f"{a.public_attention}")
+    rule = (f"{a.nproc} GPU(s) per run, batches / {a.batch_div}, steps / {a.step_div}, {a.accum} public "
+            f"micro-batch(es) per step per GPU, public attention {a.public_attention}")
     lines = [f"Device: {device}; PyTorch {torch.__version__}; public code {code.name}: {code.origin}; {rule}; "
              f"validation {a.val_tokens:,} tokens in buffers of {a.val_seq_len:,}{shared}",
              f"Command: python bench/side_by_side.py {' '.join(sys.argv[1:])}", *(["Data: " + "; ".join(plans)] if plans else []),

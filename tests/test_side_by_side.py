@@ -520,6 +520,79 @@ def test_staggered_runs_wait_for_their_code_s_first_run_to_train(monkeypatch, tm
     assert order == ["p0", "p1", "o0", "o1"]
 
 
+
+# ---- --nproc: every run on N GPUs, one run at a time, the public micro-batch shapes kept
+
+
+def test_the_public_code_on_four_gpus_keeps_its_micro_batch_and_validation_shapes():
+    s = fh.patch_public(master_code(), accum=2, batch_div=1, step_div=16, nproc=4, **STAGING)["train_gpt.py"]
+    assert "grad_accum_steps = 2  # harness: micro-batches per step on each GPU\nassert world_size == 4," in s
+    assert "    val_batch_size: int = 327680\n" in s  # 4 GPUs x 2 micro-batches x 40,960
+    # the public code's per-rank validation length, args.val_batch_size // (grad_accum_steps * world_size)
+    assert 327680 // (2 * 4) == STAGING["val_seq_len"]
+    line = s[s.index("grad_accum_steps = 2"):s.index("\n", s.index("assert world_size")) + 1]
+    exec(line, {"world_size": 4})
+    with pytest.raises(AssertionError, match="staged for --nproc 4"):  # launched on another GPU count
+        exec(line, {"world_size": 1})
+
+
+def test_the_public_loader_walk_on_n_ranks_cuts_a_piece_per_rank_from_one_shard(tmp_path):
+    # documents of 9 tokens: one per 8-token rank micro-batch (+1 target); a: 3 documents, b: 2
+    write_docs(tmp_path / "a.bin", [9] * 3)
+    write_docs(tmp_path / "b.bin", [9] * 2)
+    files = [str(tmp_path / "a.bin"), str(tmp_path / "b.bin")]
+    stages = [fh.Stage(0, 2, 16, 16, (1, 3))]
+    # 2 ranks: step 1's rank 0 would fit a's last document, rank 1 would not: both take b's two documents
+    assert fh.simulate_public_loader(files, stages, accum=1, world_size=2) == dict(trained=32, read=27 + 18, total=45)
+    # one rank, 2 micro-batches of the same length: the second of step 1 alone moves to b
+    assert fh.simulate_public_loader(files, stages, accum=2) == dict(trained=32, read=27 + 9, total=45)
+    with pytest.raises(fh.DataExhausted, match="runs out of documents at step 2 of 3"):
+        fh.simulate_public_loader(files, [fh.Stage(0, 3, 16, 16, (1, 3))], accum=1, world_size=2)
+
+
+def test_every_run_goes_on_nproc_gpus_and_the_table_says_so(monkeypatch, tmp_path, capsys):
+    out = tmp_path / "table.md"
+    launched = fake_main(monkeypatch, tmp_path, ["--public_seeds", "0", "--seeds", "0", "--batch_div", "1",
+                                                 "--step_div", "16", "--nproc", "4", "--out", str(out)])
+    assert len(launched) == 2 and all(cmd[:3] == ["torchrun", "--standalone", "--nproc_per_node=4"]
+                                      for cmd, _ in launched)
+    staged = (tmp_path / "w" / "public_master" / "train_gpt.py").read_text()
+    assert "grad_accum_steps = 2  #" in staged and "    val_batch_size: int = 327680\n" in staged  # 8 // 4
+    assert "; 4 GPU(s) per run, batches / 1, steps / 16, 2 public micro-batch(es) per step per GPU," in \
+        out.read_text().splitlines()[0]
+    assert "4 GPU(s) per run" in capsys.readouterr().out
+    # one GPU is the default: the commands and the micro-batches as before
+    launched = fake_main(monkeypatch, tmp_path / "one", ["--public_seeds", "0", "--seeds", "0", "--batch_div", "1"])
+    assert all("--nproc_per_node=1" in cmd for cmd, _ in launched)
+    assert "grad_accum_steps = 8  #" in (tmp_path / "one" / "w" / "public_master" / "train_gpt.py").read_text()
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--nproc", "3"], r"--nproc 3: the public code runs on a divisor of 8 GPUs .*: use --nproc 1, 2, 4 or 8$"),
+    (["--nproc", "0"], r"use --nproc 1, 2, 4 or 8$"),
+    (["--nproc", "2", "--parallel"], r"each run takes all 2 GPUs: leave out --parallel"),
+    (["--nproc", "4", "--batch_div", "1", "--accum", "3"],
+     r"do not split into --accum 3 x --nproc 4 micro-batches: use --accum 2$"),
+    (["--nproc", "8", "--batch_div", "1", "--val_tokens", "917504", "--val_seq_len", "65536"],
+     r"\(8 x 1 x 65536 = 524,288\): use --val_tokens 1048576$"),
+    (["--nproc", "8", "--ours_args", "--batch_size 147456"],
+     r"ours: its 3 micro-batches per step \(batch_size / seq_len\) do not split over --nproc 8: give it a batch_size"),
+])
+def test_gpu_counts_and_splits_that_do_not_divide_are_refused_naming_the_fix(monkeypatch, tmp_path, argv, error):
+    launched = []
+    with pytest.raises(SystemExit, match=error) as e:
+        fake_main(monkeypatch, tmp_path, ["--public_seeds", "0", "--seeds", "0", *argv], launched=launched)
+    assert "\n" not in str(e.value) and not launched
+
+
+def test_a_run_s_own_other_gpus_are_not_counted_as_other_work(monkeypatch):
+    for visible, gpus in (("4,5,6,7", [4, 5, 6, 7]), ("", [0, 1, 2, 3]), ("GPU-a,GPU-b", [0, 1, 2, 3]), ("6", [6, 1])):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert fh.visible_gpus(len(gpus)) == gpus
+    samples = [(t, 1.0, g, 1980.0, 600.0, 50.0, 100.0, 0) for t in range(10) for g in (0, 1, 2)]
+    assert fh.run_conditions(samples, 0, 10, gpu=0)["others_busiest"] == 100
+    assert fh.run_conditions(samples, 0, 10, gpu=0, also=(1, 2))["others_busiest"] is None
+
 # ---- the 2026-05-27 MUDD record folder: its baseline (mudd-base) and v1 (mudd-v1), for the proxy validity check
 
 FP8_LINES = '''        if use_mlp_fp8:
