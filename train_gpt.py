@@ -166,6 +166,11 @@ class Hyperparameters:
     # (bench/results/cooldown_timing_h100_20261127b.md)
     cooldown_frac: float = 0.7  # linear decay of both learning rates over this final fraction (before the extension)
     final_lr_frac: float = 0.15  # learning rates end the cooldown at this fraction of their peak (02/10/26)
+    # Endgame weight averaging (WeightAverage), after the public record ANVIL2 (modded-nanogpt #92), whose ablation
+    # prices its "EMA+tavg+blend+decon" ships at 20.2 millinats of final loss for 0.52 s. One setting near its four
+    # ships: 0.25,0.55,0.085,1 (its windows are 298 of 1194 steps; its tail average has a span of ~102 steps). Off in
+    # every preset until GPU runs decide
+    weight_average: tuple[float, ...] = ()  # endgame weight average: window,blend[,tail[,renorm]], window and tail as fractions of num_iterations (WeightAverage); () = off
     # NorMuon (beta2 0.9) with cautious decay 1.2 and Polar Express, momentum 0.85 -> 0.95 over 300 steps and back over
     # the last 50 (the public master's)
     muon_lr: float = 0.023  # Muon's learning rate (block matrices; 09/03/25: 0.05)
@@ -2761,6 +2766,137 @@ class Clock:
         return self.ms + (1000 * (time.perf_counter() - self.t0) if self.t0 is not None else 0.0)
 
 
+# Endgame weight averaging (public record ANVIL2, modded-nanogpt #92): last steps' weight averages blended into the model
+class WeightAverage:
+    """--weight_average window,blend[,tail[,renorm]]. Over the last W = round(window x num_iterations) steps, after
+    each step: an EMA of the weights at rate 2 / (W + 1), and with tail > 0 a shorter EMA of span
+    T = round(tail x num_iterations), at rate 2 / (T + 1). Both are seeded by a copy at the window's first step.
+    ANVIL2: W = 298 of its 1194 steps; its tail average moves 4/53 every 4th step, a span of about 102 steps.
+    At the end, inside the timed region as in ANVIL2, each averaged weight becomes lerp(base, EMA, blend). The base
+    is the tail EMA, or the live weight without one (ANVIL2: 0.65 over live for the embedding and head, 0.55 over
+    live for Q/K, 0.35 over the tail for V/O and the MLP). With renorm 1 (the default) each weight is then scaled
+    back to its Frobenius norm before the ship: ANVIL2's decontraction, which ANVIL2 applies per bank.
+    Averaged, as ANVIL2's ships are: the token embedding (it tracks the LM head's rows while tied, as ANVIL2's
+    copy of the head does), the value tables, the LM head, and the blocks' attention and MLP matrices. Not averaged:
+    the bigram table, the scalars, the gates, MUDD and the copy pointer. Each rank averages its 1/world_size share of
+    every weight's elements (as ANVIL2's ranks do their shards); the ship all-gathers the shares.
+    Checkpoints keep the averages through the optimizers' protocol (state_dict, load_state_dict, reshard,
+    param_groups). The trainer lists this object after the two optimizers in what it saves and loads, so a resume
+    inside the window goes on exactly as before, on any number of processes."""
+
+    param_groups = ()  # no settings for load_checkpoint to carry over from this run
+
+    def __init__(self, model: nn.Module, args: Hyperparameters, rank: int = 0, world_size: int = 1, log=print,
+                 params: list[nn.Parameter] | None = None):
+        values = tuple(args.weight_average)
+        if not 2 <= len(values) <= 4:
+            raise ValueError(f"--weight_average {cli_text(values)}: window,blend[,tail[,renorm]] (near ANVIL2's: "
+                             "0.25,0.55,0.085,1)")
+        window, blend, tail, renorm = values + (0.0, 1.0)[len(values) - 2:]
+        if not (0 < window <= 1 and 0 <= blend <= 1 and 0 <= tail <= 1 and renorm in (0, 1)):
+            raise ValueError(f"--weight_average {cli_text(values)}: window in (0, 1] and tail in [0, 1] (fractions of "
+                             "num_iterations; tail 0: no tail average), blend in [0, 1], renorm 0 or 1")
+        self.model, self.rank, self.world_size, self.log = model, rank, world_size, log
+        self.N, self.blend, self.renorm = args.num_iterations, blend, bool(renorm)
+        W, T = max(1, round(window * self.N)), (max(1, round(tail * self.N)) if tail else 0)
+        self.first = self.N - W + 1  # steps done at the first tick: the weights after the last W steps
+        self.rates = {"ema": 2 / (W + 1), **({"tail": 2 / (T + 1)} if T else {})}
+        self.avgs: dict[str, list[Tensor]] = {key: [] for key in self.rates}  # this rank's shares, float32
+        self.params = list(params) if params is not None else self.averaged(model)
+        self.tied = (model.embed.weight, model.lm_head_w) if isinstance(model, GPT) else None
+        share = sum(hi - lo for lo, hi, _ in (self._span(p.numel()) for p in self.params))
+        log(f"weight_average: EMA of the last {W} steps (steps {self.first}-{self.N}, rate {self.rates['ema']:.5f})"
+            + (f", tail EMA of span {T} (rate {self.rates['tail']:.5f})" if T else "")
+            + f"; shipped as lerp({'tail' if T else 'live'}, EMA, {blend:g}){', renormed' if renorm else ''}: "
+            f"{sum(p.numel() for p in self.params) / 1e6:.1f}M weights, {share / 1e6:.1f}M on this rank")
+
+    @staticmethod
+    def averaged(model: GPT) -> list[nn.Parameter]:
+        groups = param_groups_by_role(model)
+        matrices = [p for name, p in model.blocks.named_parameters() if name.endswith(("qkvo_w", "fc_w", "proj_w"))]
+        return [*groups["token embedding"], *groups["value embeddings"], *groups["LM head"], *matrices]
+
+    def _span(self, n: int) -> tuple[int, int, int]:
+        """This rank's elements [lo, hi) of a flattened weight of n, and the chunk (a multiple of 16) ranks own."""
+        chunk = -(-n // (16 * self.world_size)) * 16
+        lo = min(self.rank * chunk, n)
+        return lo, min(lo + chunk, n), chunk
+
+    def _unused(self, p: nn.Parameter) -> bool:  # the token embedding while tied: the model reads the head's rows
+        return self.tied is not None and self.model.tied_embed and p is self.tied[0]
+
+    @torch.no_grad()
+    def tick(self, step: int):
+        """After `step` steps: inside the window, every average seeded with (first tick) or moved toward this rank's
+        share of each weight."""
+        if not self.first <= step <= self.N:
+            return
+        for i, p in enumerate(self.params):
+            lo, hi, _ = self._span(p.numel())
+            x = (self.tied[1] if self._unused(p) else p).detach().view(-1)[lo:hi].float()
+            for key, rate in self.rates.items():
+                if len(self.avgs[key]) <= i:
+                    self.avgs[key].append(x.clone())
+                else:
+                    self.avgs[key][i].lerp_(x, rate)
+
+    @torch.no_grad()
+    def ship(self):
+        """Each averaged weight <- lerp(base, EMA, blend), on this rank's share, all-gathered; then with renorm back to
+        its norm before the ship. The averages are dropped: the next checkpoint holds the shipped weights alone."""
+        ema, tail = self.avgs["ema"], self.avgs.get("tail")
+        if not ema:
+            return
+        shipped = [(i, p) for i, p in enumerate(self.params) if not self._unused(p)]
+        before = [p.detach().float().norm() for _, p in shipped] if self.renorm else []
+        for i, p in shipped:
+            flat, (lo, hi, chunk) = p.detach().view(-1), self._span(p.numel())
+            base = tail[i] if tail else flat[lo:hi].float()
+            flat[lo:hi].copy_(torch.lerp(base, ema[i], self.blend))
+            if self.world_size > 1:
+                out = flat.new_empty(chunk * self.world_size)
+                dist.all_gather_into_tensor(out, F.pad(flat[lo:hi], (0, chunk - (hi - lo))))
+                flat.copy_(out[:flat.numel()])
+        if self.renorm:  # the ratios as Python floats: each weight rounds once, as ANVIL2's decontraction does
+            after = torch.stack([p.detach().float().norm() for _, p in shipped])
+            for (_, p), ratio in zip(shipped, torch.where(after > 0, torch.stack(before) / after, 1.0).tolist()):
+                p.detach().mul_(ratio)
+        self.avgs = {key: [] for key in self.rates}
+
+    def at(self, step: int, clock: Clock, evaluate_live):
+        """The training loop's call, `step` steps done, before that step's validation: the tick; after the last step,
+        the live weights' validation (untimed, logged as val_loss_live: the paired difference) and the ship (timed)."""
+        self.tick(step)
+        if step == self.N and self.avgs["ema"]:
+            clock.stop()
+            self.log(f"step:{step}/{self.N} val_loss_live:{evaluate_live():.4f} (untimed diagnostic: the weights "
+                     "before the weight_average ship; the val_loss line that follows is the shipped weights')")
+            clock.start()
+            self.ship()
+
+    def state_dict(self) -> dict:
+        return {key: list(shares) for key, shares in self.avgs.items()}
+
+    def load_state_dict(self, state: dict):
+        for key in self.rates:  # an average the checkpoint lacks starts again at the next tick
+            shares = state.get(key, [])
+            if shares and len(shares) != len(self.params):
+                raise ValueError(f"the checkpoint's weight average holds {len(shares)} weights; this model averages "
+                                 f"{len(self.params)}")
+            self.avgs[key] = [t.to(self.params[0].device, torch.float32) for t in shares]
+
+    def reshard(self, shards: list[dict]) -> dict:
+        """This rank's averages from every rank's of a run on len(shards) processes: each weight's shares joined
+        in rank order, then cut for this world size."""
+        state = {}
+        for key in self.rates:
+            ranks = [shard.get(key, []) for shard in shards]
+            whole = all(len(r) == len(self.params) for r in ranks)  # else load_state_dict refuses or starts again
+            state[key] = [torch.cat([r[i] for r in ranks])[slice(*self._span(p.numel())[:2])]
+                          for i, p in enumerate(self.params)] if whole else ranks[0]
+        return state
+
+
 @dataclass
 class RunResult:
     train_losses: list[float]  # mean loss per token of each step this run made, all ranks
@@ -3141,11 +3277,11 @@ def train(args: Hyperparameters) -> RunResult:
         log_header(log, args, device, resume, branch)
         train_files, val = prepare_data(args, rank, world_size, device, log)
         model, compiled, optimizers, _ = build(args, device, rank, world_size, log)
-        for line in run_report(model, args, device, world_size):
-            log(line)
+        kept = (*optimizers, WeightAverage(model, args, rank, world_size, log)) if args.weight_average else optimizers
+        log("\n".join(run_report(model, args, device, world_size)))
         first_step, data_state, clock = 0, None, Clock(device)
         if resume is not None:
-            first_step, data_state, clock.ms = load_checkpoint(resume, model, optimizers, args, rank, world_size, log)
+            first_step, data_state, clock.ms = load_checkpoint(resume, model, kept, args, rank, world_size, log)
             log(f"resumed at step {first_step} from {resume}")
         log.start()  # start-up checks passed: from here on the run has a log
         log(f"logging to {log.path}")
@@ -3160,7 +3296,7 @@ def train(args: Hyperparameters) -> RunResult:
         loader = BatchLoader(producer(data_state), lambda s: stage_at(stages, s).batch, device, start_step=first_step)
         figures = Figures(model, device, peak_tflops(device, args.peak_tflops), world_size, first_step)
         watch, losses, tokens, val_losses = LossWatch(device), [], [], []
-        run = RunControl(args, model, optimizers, loader, clock, watch, figures, rank, world_size, first_step, log)
+        run = RunControl(args, model, kept, loader, clock, watch, figures, rank, world_size, first_step, log)
         if args.log_every > 0:
             log(f"every {args.log_every} steps: {Figures.LEGEND}")
         stage_marks = []  # (step, training ms) where each stage's steps of this run begin
@@ -3173,6 +3309,8 @@ def train(args: Hyperparameters) -> RunResult:
             if run.interrupted:
                 break
             tie_embedding_at(model, step, untie)
+            for average in kept[2:]:  # what checkpoints hold beside the optimizers: the weight average (WeightAverage.at)
+                average.at(step, clock, lambda: evaluate(model, compiled, val, val_windows(stages, N, args), args, world_size))
             if (step == N or (args.val_every > 0 and step % args.val_every == 0)) and not (resume and step == first_step):
                 clock.stop()  # validation is not timed
                 val_losses.append((step, evaluate(model, compiled, val, val_windows(stages, step, args), args,
