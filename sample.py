@@ -54,7 +54,7 @@ def load_model(checkpoint: Path, device: torch.device, max_len: int) -> tuple[tg
         first = (lines[1] if len(lines) > 1 else lines[0]).strip()
         first = first if len(first) <= 200 else first[:197] + "..."
         raise ValueError(f"{checkpoint}: its weights do not fit this train_gpt.py's model ({first})") from e
-    model.tied_embed = meta["step"] < tg.untie_step(tg.training_stages(args), args)  # as training would go on
+    model.tied_embed = meta["step"] < tg.Schedule(args).untie  # as training would go on
     return tg.to_device(model, device).eval(), args
 
 
@@ -93,7 +93,7 @@ def generate(model: tg.GPT, args: tg.Hyperparameters, prompt: list[int], n: int,
     never sees a document past max_doc_len tokens, so the context is the last max_doc_len tokens,
     opened by a BOS when cut."""
     tokens = [args.bos_id, *prompt]
-    windows = tg.training_stages(args)[-1].windows
+    windows = tg.Schedule(args).stages[-1].windows
     for _ in range(n):
         context = tokens[-args.max_doc_len:]
         context[0] = args.bos_id

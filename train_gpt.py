@@ -14,6 +14,7 @@ import dataclasses
 import gc
 import glob
 import hashlib
+import itertools
 import math
 import os
 import queue
@@ -65,11 +66,13 @@ BOS_ID = 50256  # GPT-2's <|endoftext|>, put before every document: the speedrun
 
 @dataclass(frozen=True)
 class Stage:
-    """One row of the schedule table, Hyperparameters.stages: a stretch of training with its own batch,
-    document cut, attention window, learning-rate multiplier and multi-token prediction weights. The rows
-    share the scheduled steps in proportion to `share`, in order; the extension (extension_steps) follows.
+    """A stage of the schedule: a row of its table (Hyperparameters.stages), then, once Schedule has resolved it,
+    also its steps and what it trains with in tokens. A row is a stretch of training with its own batch, document
+    cut, attention window, learning-rate multiplier and multi-token prediction weights. The rows share the scheduled
+    steps in proportion to `share`, in order; the extension (extension_steps) follows as one more stage.
     On the command line: --stages "window=3,doc_len=896;window=7;window=11" (fields left out keep their
     defaults; mtp's weights joined by '/')."""
+    # The row: the table's columns (STAGE_TEXT, below: the --stages text).
     window: int  # long attention window in window_block blocks (the short blocks' is half of it)
     batch: int = 0  # global batch in tokens; 0: batch_size (the micro-batch count stays, their length grows)
     doc_len: int = 0  # training documents are cut at this length and the rest dropped; 0: max_doc_len
@@ -84,6 +87,31 @@ class Stage:
     # to the next row's by its start. The record's 0.25 -> 0.25, 0.25 -> 0, 0: prefix=0.25, 0.25, 0.
     prefix: float = 0.0
     share: int = 1  # this row's share of the scheduled steps, relative to the other rows'
+    # Resolved by Schedule (a row of the table leaves them at these defaults): token counts, and where it falls.
+    start: int = 0  # the first step of the stage
+    end: int = 0  # the stage covers steps [start, end); the last stage's end is past the final validation's step
+    spec: BatchSpec | None = None  # batch and doc_len in tokens: global batch, micro-batch length, document cut
+    windows: tuple[int, int] = (0, 0)  # window in tokens: the long and the short blocks' left attention windows
+    mtp_ramp: tuple[tuple[float, float], ...] = ()  # mtp as (start, end) weights of targets t+2, t+3, ... (mtp_pairs)
+    prefix_ramp: tuple[float, float] = (0.0, 0.0)  # prefix as its (start, end) weight
+
+    def loss_weights(self, step: int) -> tuple[float, ...]:
+        """The multi-token prediction weights of targets t+2, t+3, ... at a step, then the prefix-token
+        loss' weight if the stage has that term: linear over the stage from its start to its end values
+        (as the record anneals them, reaching the end value at the next stage's first step)."""
+        f = min(max((step - self.start) / (self.end - self.start), 0.0), 1.0)
+        prefix = (self.prefix_ramp,) if any(self.prefix_ramp) else ()
+        return tuple(a + (b - a) * f for a, b in self.mtp_ramp + prefix)
+
+    def with_slots(self, slots: dict[tuple[int, int], int]) -> Stage:
+        """The stage with its micro-batches' cu_seqlens length (BatchSpec.num_docs) from doc_slots."""
+        return dataclasses.replace(self, spec=dataclasses.replace(
+            self.spec, num_docs=slots[self.spec.seq_len, self.spec.max_doc_len]))
+
+
+# The columns of the stages table, in the --stages text: field -> how its text reads (mtp's weights joined by '/')
+STAGE_TEXT = {"window": int, "batch": int, "doc_len": int, "lr": float,
+              "mtp": lambda v: tuple(float(w) for w in v.split("/") if w.strip()), "prefix": float, "share": int}
 
 
 def number_text(v: float | int) -> str:
@@ -94,9 +122,9 @@ def number_text(v: float | int) -> str:
 def format_stages(stages) -> str:
     """The --stages text of a table: rows joined by ';', each field that differs from its default."""
     defaults = Stage(0)
-    return ";".join(",".join(f"{f.name}={'/'.join(map(number_text, v)) if f.name == 'mtp' else number_text(v)}"
-                             for f in dataclasses.fields(Stage)
-                             if (v := getattr(row, f.name)) != getattr(defaults, f.name) or f.name == "window")
+    return ";".join(",".join(f"{name}={'/'.join(map(number_text, v)) if name == 'mtp' else number_text(v)}"
+                             for name in STAGE_TEXT
+                             if (v := getattr(row, name)) != getattr(defaults, name) or name == "window")
                     for row in stages)
 
 
@@ -422,16 +450,14 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def _stages(text: str) -> tuple[Stage, ...]:
     """--stages: rows joined by ';', each `field=value` pairs joined by ',' (mtp's weights by '/')."""
-    kinds = {"window": int, "batch": int, "doc_len": int, "lr": float, "share": int, "prefix": float,
-             "mtp": lambda v: tuple(float(w) for w in v.split("/") if w.strip())}
     rows = []
     for part in filter(str.strip, text.split(";")):
         try:
             pairs = dict(item.split("=", 1) for item in part.replace(" ", "").split(",") if item)
-            rows.append(Stage(**{k: kinds[k](v) for k, v in pairs.items()}))
+            rows.append(Stage(**{k: STAGE_TEXT[k](v) for k, v in pairs.items()}))
         except (ValueError, KeyError, TypeError):
             raise argparse.ArgumentTypeError(
-                f"expected rows such as 'window=3,doc_len=896;window=7' (fields {', '.join(kinds)}; window "
+                f"expected rows such as 'window=3,doc_len=896;window=7' (fields {', '.join(STAGE_TEXT)}; window "
                 f"required), not {part.strip()!r}") from None
     return tuple(rows)
 
@@ -471,9 +497,11 @@ def set_stage_columns(rows: tuple[Stage, ...], columns: dict[str, tuple]) -> tup
 
 
 def stored_args(saved: dict) -> dict:
-    """A checkpoint's hyperparameters as fields: its stages rows made Stage again, list values made tuples."""
+    """A checkpoint's hyperparameters as fields: its stages rows made Stage again (their table columns), list values
+    made tuples."""
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
-    saved["stages"] = tuple(Stage(**{**row, "mtp": tuple(row["mtp"])}) for row in saved["stages"])
+    saved["stages"] = tuple(Stage(**{**{k: row[k] for k in STAGE_TEXT if k in row}, "mtp": tuple(row["mtp"])})
+                            for row in saved["stages"])
     return saved
 
 
@@ -1839,6 +1867,7 @@ def assemble(pieces, num_tokens: int, max_num_docs: int) -> tuple[np.ndarray, np
 
 @dataclass(frozen=True)
 class BatchSpec:
+    """The shape of one step's batch: its tokens, their micro-batches, the document cut and cu_seqlens' length."""
     batch_size: int  # tokens per step, all ranks
     seq_len: int  # tokens per micro-batch
     max_doc_len: int
@@ -2025,54 +2054,13 @@ def write_markov_corpus(train_pattern: str, val_pattern: str, vocab_size: int, b
 
 
 # -----------------------------------------------------------------------------------------------
-# Schedule: the run as a table of stages; every per-step quantity (batch, windows, learning rate,
-# momentum, multi-token prediction weights) is read from here.
-
-@dataclass(frozen=True)
-class TrainingStage:
-    """One stretch of the run; every per-step quantity of the training loop is read from its stage.
-    Token counts throughout: batch sizes, sequence lengths and attention windows."""
-    end: int  # the stage covers steps [previous stage's end, end)
-    batch: BatchSpec  # global batch, micro-batch length and document cut (training)
-    windows: tuple[int, int]  # left attention window of the long and the short blocks (window_pattern)
-    lr_mult: float = 1.0  # multiplies both optimizers' learning rates (on top of the cooldown)
-    start: int = 0  # the first step of the stage
-    mtp: tuple[tuple[float, float], ...] = ()  # multi-token prediction: (start, end) weight of targets t+2, t+3, ...
-    prefix: tuple[float, float] = (0.0, 0.0)  # the prefix-token loss' (start, end) weight
-
+# Schedule: the run as a table of stages, resolved once (Schedule); every per-step quantity (batch, windows,
+# learning rate, momentum, multi-token prediction weights) is read from it.
 
 def window_tokens(blocks: int, block: int) -> tuple[int, int]:
     """(long, short) windows in tokens from a long window in blocks: the short one is half of it,
     rounded down to a block (the 09/03 record's sliding windows)."""
     return blocks * block, blocks // 2 * block
-
-
-def training_stages(args: Hyperparameters) -> list[TrainingStage]:
-    """The schedule table made concrete: one TrainingStage per row of args.stages (its long window in
-    blocks of window_block tokens, batch, document cut, learning-rate multiplier and multi-token
-    prediction weights), the S = num_iterations - extension_steps scheduled steps shared in proportion
-    to the rows' shares: with equal shares, step s trains in stage floor(n * s / (S + 1)) (the 2025-09-03
-    record's split of steps 0..S). An extension stage, if any, follows at the last stage's batch and a
-    longer window (the public record line's extension, from 11/2025)."""
-    rows, E = args.stages, args.extension_steps
-    S = args.num_iterations - E
-    micro = args.batch_size // args.seq_len
-    total, shares = sum(row.share for row in rows), 0
-    stages = []
-    for i, row in enumerate(rows):
-        shares += row.share
-        batch = row.batch or args.batch_size
-        spec = BatchSpec(batch, batch // micro, row.doc_len or args.max_doc_len)
-        end = -(-shares * (S + 1) // total) if not E or i < len(rows) - 1 else S
-        following = rows[i + 1] if i + 1 < len(rows) else row  # the last row holds its weights
-        stages.append(TrainingStage(end=end, batch=spec, windows=window_tokens(row.window, args.window_block),
-                                    lr_mult=row.lr, start=stages[-1].end if stages else 0,
-                                    mtp=mtp_pairs(row.mtp, following.mtp), prefix=(row.prefix, following.prefix)))
-    if E:
-        stages.append(TrainingStage(end=S + E + 1, batch=stages[-1].batch, lr_mult=1.0, start=S,
-                                    windows=window_tokens(args.extension_window, args.window_block),
-                                    mtp=mtp_pairs(rows[-1].mtp, rows[-1].mtp), prefix=(rows[-1].prefix,) * 2))
-    return stages
 
 
 def mtp_pairs(start: tuple[float, ...], end: tuple[float, ...]) -> tuple[tuple[float, float], ...]:
@@ -2084,48 +2072,116 @@ def mtp_pairs(start: tuple[float, ...], end: tuple[float, ...]) -> tuple[tuple[f
     return pairs
 
 
-def mtp_weights_at(stage: TrainingStage, step: int) -> tuple[float, ...]:
-    """The multi-token prediction weights of targets t+2, t+3, ... at a step, then the prefix-token
-    loss' weight if the stage has that term: linear over the stage from its start to its end values
-    (as the record anneals them, reaching the end value at the next stage's first step)."""
-    f = min(max((step - stage.start) / (stage.end - stage.start), 0.0), 1.0)
-    prefix = (stage.prefix,) if any(stage.prefix) else ()
-    return tuple(a + (b - a) * f for a, b in stage.mtp + prefix)
+class Schedule:
+    """The run's schedule, built once from the hyperparameters: its stages (the table's rows, then the extension),
+    each resolved to its steps, batch and windows in tokens, and every per-step quantity that the training loop,
+    the data loader, the compile warm-up and --plan read: the stage of a step, its batch, the learning-rate factor,
+    Muon's momentum, Adam's steps, the validation windows and the tokens trained."""
 
+    def __init__(self, args: Hyperparameters, stages: list[Stage] | None = None):
+        self.args = args
+        self.stages = tuple(self.resolve(args) if stages is None else stages)
+        n = args.tied_embed_stages  # the first step with the token embedding untied: the start of stage n
+        self.untie = self.stages[n].start if n < len(self.stages) else math.inf  # (0: never tied; inf: always)
 
-def tokens_before(stages: list[TrainingStage], step: int) -> int:
-    """Training tokens of steps 0 .. step - 1 (staged batches differ in size: this is what compares runs
-    at equal tokens)."""
-    return sum(st.batch.batch_size * max(0, min(step, st.end) - st.start) for st in stages)
+    @staticmethod
+    def resolve(args: Hyperparameters) -> list[Stage]:
+        """The table made concrete: each row of args.stages with its resolved fields. The rows share the
+        S = num_iterations - extension_steps scheduled steps in proportion to their shares (with equal shares,
+        step s trains in stage floor(n * s / (S + 1)): the 2025-09-03 record's split of steps 0..S); batches and
+        windows are counted in tokens; the loss weights ramp to the next row's. An extension stage, if any,
+        follows at the last row's batch and loss weights, lr 1 and the longer extension_window (the public
+        record line's extension, from 11/2025)."""
+        rows, E = list(args.stages), args.extension_steps
+        S = args.num_iterations - E
+        total = sum(row.share for row in rows)
+        ends = [-(-shares * (S + 1) // total) for shares in itertools.accumulate(row.share for row in rows)]
+        if E:  # the extension takes over at step S and holds the last row's batch and loss weights
+            last = rows[-1]
+            rows.append(Stage(args.extension_window, batch=last.batch, doc_len=last.doc_len, mtp=last.mtp,
+                              prefix=last.prefix))
+            ends[-1:] = [S, S + E + 1]
+        micro = args.batch_size // args.seq_len  # micro-batches per step, the same in every stage
+        stages = []
+        for i, (row, start, end) in enumerate(zip(rows, [0] + ends, ends)):
+            following = rows[min(i + 1, len(rows) - 1)]  # the weights move to the next row's; the last holds its own
+            batch = row.batch or args.batch_size
+            stages.append(dataclasses.replace(
+                row, start=start, end=end, spec=BatchSpec(batch, batch // micro, row.doc_len or args.max_doc_len),
+                windows=window_tokens(row.window, args.window_block), mtp_ramp=mtp_pairs(row.mtp, following.mtp),
+                prefix_ramp=(row.prefix, following.prefix)))
+        return stages
 
+    def stage_at(self, step: int) -> Stage:
+        """The stage a step trains in (validation after the last step: the last stage)."""
+        return next((st for st in self.stages if step < st.end), self.stages[-1])
 
-def stage_at(stages: list[TrainingStage], step: int) -> TrainingStage:
-    """The stage a step trains in (validation after the last step: the last stage)."""
-    return next((st for st in stages if step < st.end), stages[-1])
+    def spec_at(self, step: int) -> BatchSpec:
+        """The batch a step trains on: the training loader's plan."""
+        return self.stage_at(step).spec
 
+    def tokens_before(self, step: int) -> int:
+        """Training tokens of steps 0 .. step - 1 (staged batches differ in size: this is what compares runs
+        at equal tokens)."""
+        return sum(st.spec.batch_size * max(0, min(step, st.end) - st.start) for st in self.stages)
 
-def untie_step(stages: list[TrainingStage], args: Hyperparameters) -> float:
-    """The first step with the token embedding untied: the start of stage tied_embed_stages (0 when
-    never tied, infinity when tied throughout)."""
-    n = args.tied_embed_stages
-    return stages[n].start if n < len(stages) else math.inf
+    def lr_factor(self, step: int, stage: Stage) -> float:
+        """Both optimizers' learning rates over their base at a step of a stage: the stage's multiplier (lr),
+        then a linear decay to final_lr_frac over the last cooldown_frac of the scheduled steps; final_lr_frac
+        through the extension."""
+        args = self.args
+        x = step / (args.num_iterations - args.extension_steps)
+        if x < 1 - args.cooldown_frac:
+            return stage.lr
+        w = max(1 - x, 0) / args.cooldown_frac
+        return stage.lr * w + (1 - w) * args.final_lr_frac
+
+    def momentum(self, step: int) -> float:
+        """Muon's momentum: warmed up linearly from muon_momentum_start over muon_momentum_warmup steps, and
+        cooled back down to it over the last muon_momentum_cooldown steps."""
+        args = self.args
+        frac = min(step / args.muon_momentum_warmup, 1) if args.muon_momentum_warmup else 1
+        cooldown_start = args.num_iterations - args.muon_momentum_cooldown
+        if args.muon_momentum_cooldown and step > cooldown_start:
+            frac = max(1 - (step - cooldown_start) / args.muon_momentum_cooldown, 0)
+        return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
+
+    def adam_steps_at(self, step: int) -> bool:
+        """Whether Adam steps at the end of this step (every adam_every-th, on the gradients summed since its
+        last); Muon steps every step."""
+        return (step + 1) % self.args.adam_every == 0
+
+    def val_windows(self, step: int) -> tuple[int, int]:
+        """The windows of the validation before a step: its stage's, except the final validation, which
+        can look further back than training did (final_val_window: the 2025-09-10 record's 13 blocks)."""
+        args = self.args
+        if step >= args.num_iterations and args.final_val_window:
+            return window_tokens(args.final_val_window, args.window_block)
+        return self.stage_at(min(step, args.num_iterations - 1)).windows
+
+    def warmup_shapes(self) -> list[Stage]:
+        """The distinct stage shapes the warm-up compiles, each as its first stage."""
+        return list({(st.spec, st.windows, len(st.mtp_ramp), any(st.prefix_ramp), st.start < self.untie): st
+                     for st in self.stages}.values())
+
+    def warmup_spec_at(self, step: int) -> BatchSpec:
+        """The batch of a warm-up step: warmup_steps steps of each shape in turn (the warm-up loader's plan)."""
+        shapes = self.warmup_shapes()
+        return shapes[min(step // self.args.warmup_steps, len(shapes) - 1)].spec
+
+    def loader_plans(self) -> list[list[BatchSpec]]:
+        """Every step's BatchSpec in the order the run's two loaders ask for them, each loader from the stream's
+        start: the warm-up's (warmup_steps steps of each shape), then the timed run's; each with its read-ahead."""
+        k = self.args.warmup_steps
+        warm = [self.warmup_spec_at(s) for s in range(k * len(self.warmup_shapes()) + LOADER_READ_AHEAD)] if k else []
+        return [warm, [self.spec_at(s) for s in range(self.args.num_iterations + LOADER_READ_AHEAD)]]
+
+    def with_slots(self, slots: dict[tuple[int, int], int]) -> Schedule:
+        """The schedule with its micro-batches' cu_seqlens length (BatchSpec.num_docs) from doc_slots."""
+        return Schedule(self.args, [st.with_slots(slots) for st in self.stages])
 
 
 DOC_SLOT_MULTIPLE = 16  # doc_slots rounds cu_seqlens' sequence count up to a multiple of this
-
-
-def warmup_shapes(stages: list[TrainingStage], args: Hyperparameters) -> list[TrainingStage]:
-    """The distinct stage shapes the warm-up compiles, each as its first stage."""
-    untie = untie_step(stages, args)
-    return list({(st.batch, st.windows, len(st.mtp), any(st.prefix), st.start < untie): st for st in stages}.values())
-
-
-def run_plans(stages: list[TrainingStage], args: Hyperparameters) -> list[list[BatchSpec]]:
-    """Every step's BatchSpec in the order the run's two loaders ask for them, each loader from the stream's
-    start: the warm-up's (warmup_steps steps of each shape), then the timed run's; each with its read-ahead."""
-    shapes, k = warmup_shapes(stages, args), args.warmup_steps
-    warm = [shapes[min(s // k, len(shapes) - 1)].batch for s in range(k * len(shapes) + LOADER_READ_AHEAD)] if k else []
-    return [warm, [stage_at(stages, s).batch for s in range(args.num_iterations + LOADER_READ_AHEAD)]]
 
 
 def most_documents(files: list[str], bos_id: int, plans: list[list[BatchSpec]]) -> dict[tuple[int, int], int]:
@@ -2142,15 +2198,16 @@ def most_documents(files: list[str], bos_id: int, plans: list[list[BatchSpec]]) 
     return most
 
 
-def doc_slots(stages: list[TrainingStage], files: list[str], args: Hyperparameters, log=lambda msg: None,
+def doc_slots(schedule: Schedule, files: list[str], log=lambda msg: None,
               plans: list[list[BatchSpec]] = ()) -> dict[tuple[int, int], int]:
     """cu_seqlens' sequence count per (seq_len, max_doc_len) of micro-batch (BatchSpec.num_docs, with_slots):
     --max_num_docs, or with 0 the most documents any micro-batch of this run holds (most_documents over
-    run_plans and any extra plans), rounded up to DOC_SLOT_MULTIPLE. The data and the schedule fix every
-    micro-batch, so none can hold more. Fewer empty slots are faster: FlashAttention-3's backward runs thread
-    blocks for every slot, empty or not; 128 slots instead of 256 took 5.6 ms off the record's step at window 11
-    on one H100 (bench/fa3_padding.py; the public code pads to 128 at 49K tokens, 64 at 16K)."""
-    plans = run_plans(stages, args) + list(plans)
+    the schedule's loader_plans and any extra plans), rounded up to DOC_SLOT_MULTIPLE. The data and the
+    schedule fix every micro-batch, so none can hold more. Fewer empty slots are faster: FlashAttention-3's
+    backward runs thread blocks for every slot, empty or not; 128 slots instead of 256 took 5.6 ms off the
+    record's step at window 11 on one H100 (bench/fa3_padding.py; the public code pads to 128 at 49K tokens,
+    64 at 16K)."""
+    args, plans = schedule.args, schedule.loader_plans() + list(plans)
     if args.max_num_docs:
         return {(spec.seq_len, spec.max_doc_len): args.max_num_docs for plan in plans for spec in plan}
     t = time.perf_counter()
@@ -2162,12 +2219,6 @@ def doc_slots(stages: list[TrainingStage], files: list[str], args: Hyperparamete
     return slots
 
 
-def with_slots(stages: list[TrainingStage], slots: dict[tuple[int, int], int]) -> list[TrainingStage]:
-    """The stages with their micro-batches' cu_seqlens length (BatchSpec.num_docs) from doc_slots."""
-    return [dataclasses.replace(st, batch=dataclasses.replace(
-        st.batch, num_docs=slots[st.batch.seq_len, st.batch.max_doc_len])) for st in stages]
-
-
 def untie_embedding(model: "GPT", adam: "DistAdam"):
     """The token embedding table becomes a copy of the LM head, and continues from its Adam moments (the
     model reads it from the next step on: tie_embedding_at)."""
@@ -2177,37 +2228,9 @@ def untie_embedding(model: "GPT", adam: "DistAdam"):
 
 
 def tie_embedding_at(model: "GPT", step: int, untie: float):
-    """The one writer of model.tied_embed: tied for the steps before `untie` (untie_step), as the graphs of
+    """The one writer of model.tied_embed: tied for the steps before `untie` (Schedule.untie), as the graphs of
     those steps are compiled."""
     model.tied_embed = step < untie
-
-
-def val_windows(stages: list[TrainingStage], step: int, args: Hyperparameters) -> tuple[int, int]:
-    """The windows of the validation before a step: its stage's, except the final validation, which
-    can look further back than training did (final_val_window: the 2025-09-10 record's 13 blocks)."""
-    if step >= args.num_iterations and args.final_val_window:
-        return window_tokens(args.final_val_window, args.window_block)
-    return stage_at(stages, min(step, args.num_iterations - 1)).windows
-
-
-def lr_factor(step: int, args: Hyperparameters, stage_mult: float = 1.0) -> float:
-    """The stage's multiplier, then a linear decay to final_lr_frac over the last cooldown_frac of
-    the scheduled steps; final_lr_frac through the extension."""
-    x = step / (args.num_iterations - args.extension_steps)
-    if x < 1 - args.cooldown_frac:
-        return stage_mult
-    w = max(1 - x, 0) / args.cooldown_frac
-    return stage_mult * w + (1 - w) * args.final_lr_frac
-
-
-def muon_momentum(step: int, args: Hyperparameters) -> float:
-    """Momentum warmed up linearly from muon_momentum_start over muon_momentum_warmup steps, and
-    cooled back down to it over the last muon_momentum_cooldown steps."""
-    frac = min(step / args.muon_momentum_warmup, 1) if args.muon_momentum_warmup else 1
-    cooldown_start = args.num_iterations - args.muon_momentum_cooldown
-    if args.muon_momentum_cooldown and step > cooldown_start:
-        frac = max(1 - (step - cooldown_start) / args.muon_momentum_cooldown, 0)
-    return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
 
 
 # The schedule's cost before a run (--plan). Measured one-GPU time per token of a preset's model at a stage's shape,
@@ -2232,12 +2255,12 @@ STEP_US_ATTENTION = "FlashAttention-3"  # the attention kernel the table's runs 
 EIGHT_GPU_RATIO = {"H100": {16384: 0.130, 32768: 0.132, 49152: 0.129}}
 
 
-def schedule_plan(args: Hyperparameters, kind: str = "H100") -> list[str]:
-    """The resolved schedule, one line per stage, the trained tokens, and the projected training time
+def schedule_plan(schedule: Schedule, kind: str = "H100") -> list[str]:
+    """--plan: the resolved schedule, one line per stage, the trained tokens, and the projected training time
     (steps x global batch x the table's time per token; x the 8-GPU ratio on 8 GPUs), per stage where the
     table has its shape on this GPU kind and in total where it has every stage's; validation, compile and
     warm-up are not counted."""
-    stages, N = training_stages(args), args.num_iterations
+    args, stages, N = schedule.args, schedule.stages, schedule.args.num_iterations
     micro = args.batch_size // args.seq_len
     lines = [f"--preset {args.preset}: {N} steps of {micro} micro-batches; projected seconds on {kind}, "
              f"steps only ('-': shape not measured)",
@@ -2245,7 +2268,7 @@ def schedule_plan(args: Hyperparameters, kind: str = "H100") -> list[str]:
              f"{'doc cut':>7}  {'windows':>9}  {'lr x':>4}  {'tokens':>13}  {'1 GPU':>7}  {'8 GPUs':>7}"]
     one, eight, missing = 0.0, 0.0, []
     for i, st in enumerate(stages):
-        steps, b = min(st.end, N) - st.start, st.batch  # the last stage's end is the final validation's step
+        steps, b = min(st.end, N) - st.start, st.spec  # the last stage's end is the final validation's step
         name = "ext" if args.extension_steps and i == len(stages) - 1 else str(i + 1)
         us = STEP_US_PER_TOKEN.get((kind, args.preset, b.seq_len, b.max_doc_len, st.windows[0] // args.window_block))
         ratio = EIGHT_GPU_RATIO.get(kind, {}).get(b.seq_len) if micro == 8 else None  # one micro-batch per GPU
@@ -2257,9 +2280,9 @@ def schedule_plan(args: Hyperparameters, kind: str = "H100") -> list[str]:
         per_rank = f"{micro} / {micro / 8:g}"
         lines.append(f"{name:>5}  {f'{st.start}-{st.start + steps - 1}':>11}  {b.batch_size:>9,}  {per_rank:>22}  "
                      f"{b.seq_len:>12,}  {b.max_doc_len:>7,}  {f'{st.windows[0]}/{st.windows[1]}':>9}  "
-                     f"{st.lr_mult:>4g}  {steps * b.batch_size:>13,}  {'-' if s1 is None else f'{s1:.1f}':>7}  "
+                     f"{st.lr:>4g}  {steps * b.batch_size:>13,}  {'-' if s1 is None else f'{s1:.1f}':>7}  "
                      f"{'-' if s8 is None else f'{s8:.1f}':>7}")
-    lines.append(f"trained tokens: {tokens_before(stages, N):,}")
+    lines.append(f"trained tokens: {schedule.tokens_before(N):,}")
     if missing:
         lines.append(f"projected time: incomplete, stage(s) {', '.join(missing)} not in train_gpt.py's "
                      f"STEP_US_PER_TOKEN for {kind} and --preset {args.preset} (bench/side_by_side.py times each "
@@ -2615,9 +2638,11 @@ def check_fp8_head_shapes(vocab_size: int, model_dim: int):
                          "rounded up to 128) or pass --fp8_head false")
 
 
-def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int, log=print):
+def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int, log=print,
+          schedule: Schedule | None = None):
     """The model (seeded, identical on every rank), its compiled twin, the optimizers, and the
-    attention backend and LM-head kind chosen for this device."""
+    attention backend and LM-head kind chosen for this device; for the run's schedule (default: args')."""
+    schedule = Schedule(args) if schedule is None else schedule
     chosen = choose_kernels(device, args.attention, args.compile, args.fp8_head, args.fused_ce, args.fused_mlp,
                             args.fp8_mlp, log)
     if chosen.fp8_head:
@@ -2629,8 +2654,8 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     torch.manual_seed(args.seed)
     model = to_device(GPT(ModelConfig.from_args(args), chosen), device)
     model.keep_table_grads()  # the token tables' gradients summed sparsely (TableLookup), flushed on Adam's steps
-    if any(any(st.prefix) for st in training_stages(args)):  # the prefix-token loss' table (untimed; the record
-        vocab = gpt2_token_bytes()                              # builds it in its timed region, ~0.1 s)
+    if any(any(st.prefix_ramp) for st in schedule.stages):  # the prefix-token loss' table (untimed; the record
+        vocab = gpt2_token_bytes()                            # builds it in its timed region, ~0.1 s)
         if args.vocab_size < len(vocab):
             raise ValueError(f"the prefix-token loss (a stage's prefix > 0) is for GPT-2 tokens: vocab_size="
                              f"{args.vocab_size} is below GPT-2's {len(vocab)}; set the stages' prefix to 0")
@@ -2639,7 +2664,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     if args.compile:
         # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final
         # validation, on purpose: dynamo's default limit of 8 per function must not fail a longer schedule.
-        graphs = 2 * len(training_stages(args)) + 1
+        graphs = 2 * len(schedule.stages) + 1
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
         # Inductor's fusions capped at 32 input/output buffers: uncapped, the backward fuses every block's
         # scalar-gradient reductions with the bigram and embedding backward into one kernel of 80+ buffers,
@@ -2655,31 +2680,31 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     return model, compiled, build_optimizers(model, args, rank, world_size, orthogonalize, update), chosen
 
 
-def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: TrainingStage,
-               args: Hyperparameters) -> Tensor:
-    """One optimizer step over this rank's micro-batches; returns the summed loss (on the device), with
-    multi-token prediction's extra terms when the stage has them. Muon steps every step; Adam on every
-    adam_every-th (step + 1 a multiple of it), its parameters' gradients summed until then."""
+def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage, schedule: Schedule) -> Tensor:
+    """One optimizer step over this rank's micro-batches, in a stage of the schedule (the step's own, or in the
+    warm-up a shape to compile); returns the summed loss (on the device), with multi-token prediction's extra
+    terms when the stage has them. Muon steps every step; Adam on every adam_every-th (step + 1 a multiple of
+    it), its parameters' gradients summed until then."""
     device = model.lm_head_w.device
     loss = torch.zeros((), device=device)
     # multi-token prediction's and the prefix-token loss' weights as one tensor (one graph per stage whatever
     # the values), pinned: no sync
-    w, n = mtp_weights_at(stage, step), len(stage.mtp)
+    w, n = stage.loss_weights(step), len(stage.mtp_ramp)
     weights = torch.tensor(w, pin_memory=device.type == "cuda").to(device, non_blocking=True) if w else None
     mtp, prefix = (weights[:n] if n else None), (weights[n:] if len(w) > n else None)
     model.note_token_lookups()
     for inputs, targets, cu_seqlens in micro:
-        micro_loss = compiled(inputs, targets, cu_seqlens, stage.batch.max_doc_len, stage.windows, mtp_weights=mtp,
+        micro_loss = compiled(inputs, targets, cu_seqlens, stage.spec.max_doc_len, stage.windows, mtp_weights=mtp,
                               prefix_weight=prefix)
         micro_loss.backward()
         loss += micro_loss.detach()
     adam, muon = optimizers
     for opt in optimizers:
         for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * lr_factor(step, args, stage.lr_mult)
+            group["lr"] = group["initial_lr"] * schedule.lr_factor(step, stage)
     for group in muon.param_groups:
-        group["momentum"] = muon_momentum(step, args)
-    stepping = (muon, adam) if (step + 1) % args.adam_every == 0 else (muon,)
+        group["momentum"] = schedule.momentum(step)
+    stepping = (muon, adam) if schedule.adam_steps_at(step) else (muon,)
     if adam in stepping:
         model.flush_table_grads()  # the token tables' gradients summed since Adam's last step
     # Communication overlapped with the optimizers' math: every reduce-scatter is launched before any update
@@ -2710,30 +2735,30 @@ def evaluate(model: GPT, compiled, val, windows: tuple[int, int], args: Hyperpar
     return total.item() / args.val_tokens
 
 
-def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, stages: list[TrainingStage],
-           args: Hyperparameters, world_size: int, log=lambda msg: None):
+def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, schedule: Schedule, world_size: int,
+           log=lambda msg: None):
     """Untimed warm-up: compile the training and validation graphs of every distinct stage shape on
     real batches (warmup_steps optimizer steps each), and the final validation's longer window if
     any, then restore the initial weights and optimizer state exactly. The producer is a fresh one:
     the timed run starts from the same data. Logs each shape as it is done (a cold compile takes minutes)."""
-    untie, shapes, k = untie_step(stages, args), warmup_shapes(stages, args), args.warmup_steps
+    args, untie, shapes = schedule.args, schedule.untie, schedule.warmup_shapes()
     initial_model = {name: v.detach().clone() for name, v in model.state_dict().items()}
     initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]
-    loader = BatchLoader(producer, lambda s: shapes[min(s // k, len(shapes) - 1)].batch, model.lm_head_w.device)
+    loader = BatchLoader(producer, schedule.warmup_spec_at, model.lm_head_w.device)
     t0 = time.perf_counter()
     log(f"warm-up: compiling {len(shapes)} stage shape(s){' and the final validation' if args.final_val_window else ''}"
         f"{' with the C++ wrapper' if args.cpp_wrapper else ''}; minutes each on a cold compile cache")
     try:
         for n, stage in enumerate(shapes, 1):
             tie_embedding_at(model, stage.start, untie)  # its graphs are compiled with the embedding it trains with
-            for i in range(k):
-                train_step(model, compiled, optimizers, loader.next()[1], i, stage, args)
+            for i in range(args.warmup_steps):
+                train_step(model, compiled, optimizers, loader.next()[1], i, stage, schedule)
             evaluate(model, compiled, val, stage.windows, args, world_size)
-            log(f"warm-up: shape {n}/{len(shapes)} (stage from step {stage.start}: {stage.batch.batch_size:,} tokens, "
+            log(f"warm-up: shape {n}/{len(shapes)} (stage from step {stage.start}: {stage.spec.batch_size:,} tokens, "
                 f"windows {stage.windows[0]}/{stage.windows[1]} tokens) done at {time.perf_counter() - t0:.0f}s")
         if args.final_val_window:
             tie_embedding_at(model, args.num_iterations, untie)  # the final validation: tied only if never untied
-            evaluate(model, compiled, val, val_windows(stages, args.num_iterations, args), args, world_size)
+            evaluate(model, compiled, val, schedule.val_windows(args.num_iterations), args, world_size)
     finally:
         loader.close()
         tie_embedding_at(model, 0, untie)
@@ -2957,10 +2982,10 @@ class Figures:
         self.t, self.tokens = time.perf_counter(), 0
         self.step = step
 
-    def line(self, step: int, stage: TrainingStage, latest) -> str:
+    def line(self, step: int, stage: Stage, latest) -> str:
         now = time.perf_counter()
         tokens_per_s = self.tokens / max(now - self.t, 1e-9)
-        flops = flops_per_token(self.model, stage.windows, stage.batch.max_doc_len)
+        flops = flops_per_token(self.model, stage.windows, stage.spec.max_doc_len)
         mfu = f"{100 * flops * tokens_per_s / (self.peak * 1e12 * self.world_size):.1f}%" if self.peak else "n/a"
         mem = (f"{torch.cuda.memory_allocated() / 2**30:.1f}/{torch.cuda.memory_reserved() / 2**30:.1f}GiB"
                if self.device.type == "cuda" else "n/a")
@@ -3233,17 +3258,17 @@ class RunControl:
             signal.signal(sig, handler)
 
 
-def stage_times(stages: list[TrainingStage], marks: list[tuple[int, float]], step: int,
+def stage_times(schedule: Schedule, marks: list[tuple[int, float]], step: int,
                 train_ms: float) -> list[tuple[int, int, int, float]]:
     """(stage number from 1, first step, steps, training ms) of each stage this run trained in, from the
     training time at each stage's first step (`marks`) and at the last step done (`step`, `train_ms`)."""
     ends = marks[1:] + [(step, train_ms)]
-    return [(stages.index(stage_at(stages, a)) + 1, a, b - a, ms_b - ms_a)
+    return [(schedule.stages.index(schedule.stage_at(a)) + 1, a, b - a, ms_b - ms_a)
             for (a, ms_a), (b, ms_b) in zip(marks, ends) if b > a]
 
 
 def finish(log, args: Hyperparameters, device: torch.device, world_size: int, step: int, losses, tokens, val_losses,
-           train_ms: float, first_step: int, checkpoint, interrupted: int, stages: list[TrainingStage] = (),
+           train_ms: float, first_step: int, checkpoint, interrupted: int, stages: tuple[Stage, ...] = (),
            stages_ms: list[tuple[int, int, int, float]] = ()) -> RunResult:
     """Every rank's per-step losses gathered, peak memory, each stage's step time, and the closing summary
     line (`step` steps done)."""
@@ -3254,7 +3279,7 @@ def finish(log, args: Hyperparameters, device: torch.device, world_size: int, st
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
     for number, first, steps, ms in stages_ms:  # the first step of a stage is one of its steps (no recompile: warm-up)
-        batch = stages[number - 1].batch.batch_size
+        batch = stages[number - 1].spec.batch_size
         log(f"stage {number}, steps {first}-{first + steps - 1}: {ms / steps:.1f} ms a step over {steps} steps, "
             f"{batch * steps / ms * 1000:,.0f} tokens/s")
     log(f"{'stopped' if interrupted else 'finished'} at step {step}/{args.num_iterations}: training time "
@@ -3276,7 +3301,8 @@ def train(args: Hyperparameters) -> RunResult:
     try:
         log_header(log, args, device, resume, branch)
         train_files, val = prepare_data(args, rank, world_size, device, log)
-        model, compiled, optimizers, _ = build(args, device, rank, world_size, log)
+        schedule, N = Schedule(args), args.num_iterations  # the run's stages and per-step quantities
+        model, compiled, optimizers, _ = build(args, device, rank, world_size, log, schedule)
         kept = (*optimizers, WeightAverage(model, args, rank, world_size, log)) if args.weight_average else optimizers
         log("\n".join(run_report(model, args, device, world_size)))
         first_step, data_state, clock = 0, None, Clock(device)
@@ -3285,15 +3311,13 @@ def train(args: Hyperparameters) -> RunResult:
             log(f"resumed at step {first_step} from {resume}")
         log.start()  # start-up checks passed: from here on the run has a log
         log(f"logging to {log.path}")
-        stages, N = training_stages(args), args.num_iterations
-        stages = with_slots(stages, doc_slots(stages, train_files, args, log))
-        untie = untie_step(stages, args)
+        schedule = schedule.with_slots(doc_slots(schedule, train_files, log))
         producer = lambda state=None: BatchProducer(train_files, rank, world_size, args.bos_id, state, log)
         if args.warmup_steps > 0:
             t = time.perf_counter()
-            warmup(model, compiled, optimizers, producer(), val, stages, args, world_size, log)
+            warmup(model, compiled, optimizers, producer(), val, schedule, world_size, log)
             log(f"warm-up (compile) done in {time.perf_counter() - t:.1f}s")
-        loader = BatchLoader(producer(data_state), lambda s: stage_at(stages, s).batch, device, start_step=first_step)
+        loader = BatchLoader(producer(data_state), schedule.spec_at, device, start_step=first_step)
         figures = Figures(model, device, peak_tflops(device, args.peak_tflops), world_size, first_step)
         watch, losses, tokens, val_losses = LossWatch(device), [], [], []
         run = RunControl(args, model, kept, loader, clock, watch, figures, rank, world_size, first_step, log)
@@ -3308,30 +3332,30 @@ def train(args: Hyperparameters) -> RunResult:
             micro = run.go(step)
             if run.interrupted:
                 break
-            tie_embedding_at(model, step, untie)
+            tie_embedding_at(model, step, schedule.untie)
             for average in kept[2:]:  # what checkpoints hold beside the optimizers: the weight average (WeightAverage.at)
-                average.at(step, clock, lambda: evaluate(model, compiled, val, val_windows(stages, N, args), args, world_size))
+                average.at(step, clock, lambda: evaluate(model, compiled, val, schedule.val_windows(N), args, world_size))
             if (step == N or (args.val_every > 0 and step % args.val_every == 0)) and not (resume and step == first_step):
                 clock.stop()  # validation is not timed
-                val_losses.append((step, evaluate(model, compiled, val, val_windows(stages, step, args), args,
+                val_losses.append((step, evaluate(model, compiled, val, schedule.val_windows(step), args,
                                                   world_size)))
                 log(f"step:{step}/{N} val_loss:{val_losses[-1][1]:.4f} train_time:{clock.ms:.0f}ms "
-                    f"step_avg:{clock.ms / max(step, 1):.2f}ms tokens:{tokens_before(stages, step)}")
+                    f"step_avg:{clock.ms / max(step, 1):.2f}ms tokens:{schedule.tokens_before(step)}")
                 clock.start()
                 figures.restart(step)
             if step == N:
                 break
-            stage = stage_at(stages, step)
+            stage = schedule.stage_at(step)
             if step == first_step or step == stage.start:  # each stage's time, exact at its edges (a GPU sync)
                 clock.stop()
                 stage_marks.append((step, clock.ms))
                 clock.start()
-            loss = train_step(model, compiled, optimizers, micro, step, stage, args)
-            if step + 1 == untie:  # the last tied step is done: the next step, and its checkpoint, are untied
+            loss = train_step(model, compiled, optimizers, micro, step, stage, schedule)
+            if step + 1 == schedule.untie:  # the last tied step is done: the next step, and its checkpoint, are untied
                 untie_embedding(model, optimizers[0])
             losses.append(loss)
-            tokens.append(stage.batch.batch_size)
-            figures.tokens += stage.batch.batch_size
+            tokens.append(stage.spec.batch_size)
+            figures.tokens += stage.spec.batch_size
             watch.push(step + 1, loss, sum(m[0].numel() for m in micro))
             ms = clock.read_ms()
             log(f"step:{step + 1}/{N} train_time:{ms:.0f}ms step_avg:{ms / (step + 1):.2f}ms")
@@ -3341,7 +3365,8 @@ def train(args: Hyperparameters) -> RunResult:
         # ============================================================================================
         run.finish()
         return finish(log, args, device, world_size, step, losses, tokens, val_losses, clock.ms, first_step,
-                      run.checkpoint, run.interrupted, stages, stage_times(stages, stage_marks, step, clock.ms))
+                      run.checkpoint, run.interrupted, schedule.stages,
+                      stage_times(schedule, stage_marks, step, clock.ms))
     finally:
         if run is not None:
             run.close()
@@ -3363,7 +3388,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         if args.plan:
-            print("\n".join(schedule_plan(args)))
+            print("\n".join(schedule_plan(Schedule(args))))
             return 0
         result = train(args)
     except USER_ERRORS as e:

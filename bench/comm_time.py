@@ -140,26 +140,25 @@ def main():
     own, rest = parser.parse_known_args()
     args = tg.parse_args(rest)
     rank, world_size, device = tg.start_processes(args)
-    model, compiled, optimizers, chosen = tg.build(args, device, rank, world_size)
+    schedule = tg.Schedule(args)
+    model, compiled, optimizers, chosen = tg.build(args, device, rank, world_size, schedule=schedule)
     attention = chosen.attention
-    stages = tg.training_stages(args)
-    stage = stages[own.stage] if own.stage >= 0 else stages[len(args.stages) - 1]
-    untie = tg.untie_step(stages, args)
-    if stage.start >= untie and model.tied_embed:
+    stage = schedule.stages[own.stage if own.stage >= 0 else len(args.stages) - 1]
+    if stage.start >= schedule.untie and model.tied_embed:
         tg.untie_embedding(model, optimizers[0])
-    tg.tie_embedding_at(model, stage.start, untie)
+    tg.tie_embedding_at(model, stage.start, schedule.untie)
     files = tg.shard_files(args.train_files, "training")
     producer = tg.BatchProducer(files, rank, world_size, args.bos_id)
     # cu_seqlens as long as the training run's for this shape (and long enough for the batches read here)
-    slots = tg.doc_slots(stages, files, args, plans=[[stage.batch] * (own.warmup + own.steps + own.profile_steps
-                                                                  + tg.LOADER_READ_AHEAD)])
-    stage = tg.with_slots([stage], slots)[0]
-    loader = tg.BatchLoader(producer, lambda s: stage.batch, device)
+    slots = tg.doc_slots(schedule, files, plans=[[stage.spec] * (own.warmup + own.steps + own.profile_steps
+                                                               + tg.LOADER_READ_AHEAD)])
+    stage = stage.with_slots(slots)
+    loader = tg.BatchLoader(producer, lambda s: stage.spec, device)
     step = stage.start
 
     def run_step():
         nonlocal step
-        tg.train_step(model, compiled, optimizers, loader.next()[1], step, stage, args)
+        tg.train_step(model, compiled, optimizers, loader.next()[1], step, stage, schedule)
         step += 1
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # the CPU: a plumbing check only
@@ -186,8 +185,8 @@ def main():
     split = peer_wait_split(nccl, rank, [(base + a, base + b) for a, b, c in intervals if not c])
     n = own.profile_steps
     med = statistics.median(times)
-    line = (f"rank {rank}/{world_size}: stage windows {stage.windows}, {stage.batch.batch_size:,} tokens a step, "
-            f"{stage.batch.batch_size // stage.batch.seq_len // world_size} micro-batch(es) a GPU, attention {attention}: "
+    line = (f"rank {rank}/{world_size}: stage windows {stage.windows}, {stage.spec.batch_size:,} tokens a step, "
+            f"{stage.spec.batch_size // stage.spec.seq_len // world_size} micro-batch(es) a GPU, attention {attention}: "
             f"step median {med:.1f} ms (min {min(times):.1f}, max {max(times):.1f}, {own.steps} steps); "
             f"profiled {n} steps: NCCL {comm / n / 1e3:.2f} ms a step, exposed {exposed / n / 1e3:.2f} ms a step "
             f"({exposed / n / 1e3 / med:.1%} of the median step)" +

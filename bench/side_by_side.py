@@ -283,10 +283,10 @@ def simulate_our_loader(files: list[str], args) -> dict:
     of GPUs: batch_size is a step's tokens over all ranks, and every rank reads the whole stream and keeps its
     own slots (train_gpt.py's BatchProducer), so the tokens a step reads do not depend on the GPU count."""
     stream = tg.TokenStream(files, args.bos_id, wrap=False, log=lambda *a: None)
-    stages = tg.training_stages(args)
+    schedule = tg.Schedule(args)
     trained = 0
     for step in range(args.num_iterations):
-        spec = tg.stage_at(stages, step).batch
+        spec = schedule.spec_at(step)
         try:
             for _ in range(spec.batch_size // spec.seq_len):
                 stream.take(spec.seq_len, spec.max_doc_len)
@@ -761,8 +761,8 @@ def stage_step_ms(times: dict[int, int], stages, skip: int = 2) -> list[dict]:
 
 
 def step_tokens(st) -> int:
-    """Tokens per step of a stage: ours (TrainingStage) holds a BatchSpec, the public plan (Stage) a count."""
-    return st.batch if isinstance(st.batch, int) else st.batch.batch_size
+    """Tokens per step of a stage: ours (train_gpt.Stage) holds a BatchSpec, the public plan (Stage) a count."""
+    return st.spec.batch_size if isinstance(st, tg.Stage) else st.batch
 
 
 def tokens_at(stages, step: int) -> int:
@@ -988,7 +988,7 @@ def main():
                              ["torchrun", "--standalone", f"--nproc_per_node={a.nproc}", str(a.ours.resolve()), *argv],
                              ROOT,
                              {"TORCHINDUCTOR_CACHE_DIR": str(a.work / f"cache_{label}")}, seed,
-                             tg.training_stages(tg.parse_args(argv))))
+                             tg.Schedule(tg.parse_args(argv)).stages))
         return runs
 
     stamp = time.strftime("%Y%m%d_%H%M%S")

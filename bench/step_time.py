@@ -73,7 +73,8 @@ def main():
     own, rest = parser.parse_known_args()
     args = tg.parse_args(rest)
     device = torch.device("cuda")
-    model, compiled, optimizers, chosen = tg.build(args, device, 0, 1)
+    schedule = tg.Schedule(args)
+    model, compiled, optimizers, chosen = tg.build(args, device, 0, 1, schedule=schedule)
     attention, fp8 = chosen.attention, chosen.fp8_head
     files = tg.shard_files(args.train_files, "training")
     producer = tg.BatchProducer(files, 0, 1, args.bos_id)
@@ -85,34 +86,32 @@ def main():
     def run_step():
         nonlocal step
         _, micro = loader.next()
-        losses.append(tg.train_step(model, compiled, optimizers, micro, step, stage, args))
+        losses.append(tg.train_step(model, compiled, optimizers, micro, step, stage, schedule))
         step += 1
 
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, attention: {attention}, "
           f"LM head: {'fp8' if fp8 else 'bf16'}")
-    schedule = tg.training_stages(args)
     if own.stages:
-        untie = tg.untie_step(schedule, args)
-        runs = [(f"stage {i + 1} (steps {st.start}-{st.end - 1})", st) for i, st in enumerate(schedule)]
+        runs = [(f"stage {i + 1} (steps {st.start}-{st.end - 1})", st) for i, st in enumerate(schedule.stages)]
     else:  # --ws: the first stage's extra targets at each long window
-        runs = [(f"ws={ws}", dataclasses.replace(schedule[0], batch=spec, windows=tg.window_tokens(ws, args.window_block)))
-                for ws in own.ws]
+        runs = [(f"ws={ws}", dataclasses.replace(schedule.stages[0], spec=spec,
+                                                 windows=tg.window_tokens(ws, args.window_block))) for ws in own.ws]
     per_run = own.warmup + own.steps  # batches each timed run reads; the loader prefetches, so its plan is fixed here
     reads = per_run * len(runs) + 2 * own.profile + tg.LOADER_READ_AHEAD  # --profile: two steps more
-    plan = [runs[min(i // per_run, len(runs) - 1)][1].batch for i in range(reads)]
+    plan = [runs[min(i // per_run, len(runs) - 1)][1].spec for i in range(reads)]
     # cu_seqlens as long as the training run's for the same shapes (and long enough for the batches read here)
-    slots = tg.doc_slots(schedule, files, args, print, plans=[plan])
-    runs = [(name, tg.with_slots([stage], slots)[0]) for name, stage in runs]
-    loader = tg.BatchLoader(producer, lambda i: runs[min(i // per_run, len(runs) - 1)][1].batch, device)
+    slots = tg.doc_slots(schedule, files, print, plans=[plan])
+    runs = [(name, stage.with_slots(slots)) for name, stage in runs]
+    loader = tg.BatchLoader(producer, lambda i: runs[min(i // per_run, len(runs) - 1)][1].spec, device)
     whole_ms, tokens = 0.0, 0  # --stages: the schedule's training time at the measured mean step times
     plan_rows = []  # --stages: (seq_len, doc cut, long window in blocks, tokens per step, mean ms) per stage
     for name, stage in runs:
         if own.stages:
             step = stage.start  # the stage's own weights of its extra targets (and learning rate)
-            if model.tied_embed and stage.start >= untie:
+            if model.tied_embed and stage.start >= schedule.untie:
                 tg.untie_embedding(model, optimizers[0])
-            tg.tie_embedding_at(model, stage.start, untie)
-        spec = stage.batch
+            tg.tie_embedding_at(model, stage.start, schedule.untie)
+        spec = stage.spec
         # cuda_times collects the compile's garbage after the warm-up: not in a timed step (as train_gpt.py does)
         times = timing.cuda_times(run_step, own.steps, own.warmup)
         med, mean = statistics.median(times), statistics.fmean(times)
@@ -125,8 +124,8 @@ def main():
               f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; loss per micro-batch over them "
               f"{torch.stack(losses[-own.steps:]).mean().item() / (spec.batch_size // spec.seq_len):.4f}", flush=True)
     if own.stages:
-        print(f"schedule: {schedule[-1].end} steps, {tokens:,} tokens: {whole_ms / 1000:.1f} s of training steps on "
-              f"this GPU at these mean step times", flush=True)
+        print(f"schedule: {schedule.stages[-1].end} steps, {tokens:,} tokens: {whole_ms / 1000:.1f} s of training "
+              f"steps on this GPU at these mean step times", flush=True)
         print("as train_gpt.py's STEP_US_PER_TOKEN entries (--plan's projection):", *plan_entries(
             torch.cuda.get_device_name(), args.preset, plan_rows), sep="\n", flush=True)
     if own.profile:

@@ -196,11 +196,11 @@ def test_doc_slots_fit_every_micro_batch_of_the_run_and_no_more(tiny_args, files
     holds (the warm-up's and the loaders' read-ahead included), rounded up to DOC_SLOT_MULTIPLE."""
     args = tiny_args(max_num_docs=0, warmup_steps=2, num_iterations=12,
                      stages=(tg.Stage(1, doc_len=24), tg.Stage(2), tg.Stage(3, doc_len=24)))
-    stages, lines = tg.training_stages(args), []
-    slots = tg.doc_slots(stages, files, args, lines.append)
+    schedule, lines = tg.Schedule(args), []
+    slots = tg.doc_slots(schedule, files, lines.append)
     assert set(slots) == {(128, 24), (128, args.max_doc_len)}
     seen = {}
-    for plan in tg.run_plans(stages, args):  # every micro-batch the warm-up's and the run's loaders cut
+    for plan in schedule.loader_plans():  # every micro-batch the warm-up's and the run's loaders cut
         producer = tg.BatchProducer(files, 0, 1, BOS, log=lambda m: None)
         for spec in plan:
             spec = dataclasses.replace(spec, num_docs=slots[spec.seq_len, spec.max_doc_len])
@@ -211,10 +211,10 @@ def test_doc_slots_fit_every_micro_batch_of_the_run_and_no_more(tiny_args, files
         assert n % tg.DOC_SLOT_MULTIPLE == 0 and n - tg.DOC_SLOT_MULTIPLE < seen[key] <= n, (key, n, seen)
     assert seen[128, 24] > seen[128, args.max_doc_len]  # shorter cuts, more pieces: sized apart
     assert lines[0].startswith("data: cu_seqlens sized") and f"at most {seen[128, 24]} documents" in lines[0]
-    sized = tg.with_slots(stages, slots)
-    assert [st.batch.num_docs for st in sized] == [slots[128, 24], slots[128, args.max_doc_len], slots[128, 24]]
+    sized = schedule.with_slots(slots)
+    assert [st.spec.num_docs for st in sized.stages] == [slots[128, 24], slots[128, args.max_doc_len], slots[128, 24]]
     # a set --max_num_docs is taken as it is, for every shape, without reading the data
-    assert set(tg.doc_slots(stages, [], dataclasses.replace(args, max_num_docs=40)).values()) == {40}
+    assert set(tg.doc_slots(tg.Schedule(dataclasses.replace(args, max_num_docs=40)), []).values()) == {40}
 
 
 # Validation: the public definition, one stream of val_tokens + 1 tokens in buffers of val_seq_len.

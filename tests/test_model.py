@@ -945,10 +945,9 @@ def test_a_tied_embedding_reads_the_lm_heads_rows_and_the_head_starts_small_not_
 
 def test_untie_step_is_the_start_of_the_first_untied_stage():
     args = tg.Hyperparameters(**{**TINY, "num_iterations": 20})
-    stages = tg.training_stages(args)
-    assert [st.start for st in stages] == [0, 7, 14]
+    assert [st.start for st in tg.Schedule(args).stages] == [0, 7, 14]
     for n, step in ((0, 0), (1, 7), (2, 14), (3, math.inf)):
-        assert tg.untie_step(stages, tg.Hyperparameters(**{**TINY, "num_iterations": 20, "tied_embed_stages": n})) == step
+        assert tg.Schedule(tg.Hyperparameters(**{**TINY, "num_iterations": 20, "tied_embed_stages": n})).untie == step
 
 
 def test_a_block_applies_its_weights_as_block_weights_says():

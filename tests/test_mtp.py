@@ -149,10 +149,11 @@ def test_extra_terms_reach_the_embeddings_as_autograd_of_the_direct_formula_does
 
 def test_schedule_is_the_records_at_stage_starts_and_ends_and_linear_inside():
     args = tg.Hyperparameters(**dict(TINY, stages=table(mtp_weights=RECORD), num_iterations=30))
-    stages = tg.training_stages(args)
+    schedule = tg.Schedule(args)
+    stages = schedule.stages
     assert [(st.start, st.end) for st in stages] == [(0, 11), (11, 21), (21, 31)]
-    assert [st.mtp for st in stages] == [((0.5, 0.5), (0.25, 0.0)), ((0.5, 0.0),), ()]  # 2, 1, 0 extra targets
-    at = lambda s: tg.mtp_weights_at(tg.stage_at(stages, s), s)
+    assert [st.mtp_ramp for st in stages] == [((0.5, 0.5), (0.25, 0.0)), ((0.5, 0.0),), ()]  # 2, 1, 0 extra targets
+    at = lambda s: schedule.stage_at(s).loss_weights(s)
     assert at(0) == (0.5, 0.25) and at(11) == (0.5,) and at(21) == () and at(30) == ()
     assert at(10) == pytest.approx((0.5, 0.25 / 11)) and at(20) == pytest.approx((0.5 / 10,))  # 1 step short of 0
     for st in stages[:2]:  # linear: equal steps between consecutive steps of a stage
@@ -162,11 +163,11 @@ def test_schedule_is_the_records_at_stage_starts_and_ends_and_linear_inside():
     # the last stage and the extension hold the last stage's weights; off: no stage has any
     args = tg.Hyperparameters(stages=table(mtp_weights=(0.4, 0.2, 0.1)), num_iterations=33, extension_steps=3,
                               extension_window=13)
-    stages = tg.training_stages(args)
-    assert [st.mtp for st in stages] == [((0.4, 0.2),), ((0.2, 0.1),), ((0.1, 0.1),), ((0.1, 0.1),)]
-    assert tg.mtp_weights_at(stages[1], 16) == pytest.approx((0.15,)) and tg.mtp_weights_at(stages[3], 31) == (0.1,)
+    stages = tg.Schedule(args).stages
+    assert [st.mtp_ramp for st in stages] == [((0.4, 0.2),), ((0.2, 0.1),), ((0.1, 0.1),), ((0.1, 0.1),)]
+    assert stages[1].loss_weights(16) == pytest.approx((0.15,)) and stages[3].loss_weights(31) == (0.1,)
     off = tg.Hyperparameters(**dict(TINY, extension_steps=10, extension_window=13))
-    assert all(st.mtp == () for st in tg.training_stages(off))
+    assert all(st.mtp_ramp == () for st in tg.Schedule(off).stages)
     assert tg.parse_args(["--stages", "window=1;window=2;window=3", "--mtp_weights", "0.5,0.25,0.5,0,0,0"]).stages == \
         table(mtp_weights=RECORD)  # the column over the rows --stages gave
     fused = tg.parse_args(["--mtp_weights", "0.5,0.25,0.5,0,0,0"])  # the record preset's fused loss takes them
@@ -201,21 +202,21 @@ def test_a_run_with_multi_token_prediction_trains_on_the_scheduled_weights_and_l
     assert losses[-1] < losses[0] - 0.5 and losses[-1] < losses[1]
     # step 0: every term is ~log V, weighted 1 + 0.5 + 0.25 where the targets are in the document
     assert 1.6 * math.log(V) < run.train_losses[0] < 1.75 * math.log(V)
-    stages = tg.training_stages(tiny_args(stages=table(TINY["stages"], mtp_weights=RECORD), num_iterations=20))
-    assert [(st.end, len(st.mtp)) for st in stages] == [(7, 2), (14, 1), (21, 0)]
+    schedule = tg.Schedule(tiny_args(stages=table(TINY["stages"], mtp_weights=RECORD), num_iterations=20))
+    assert [(st.end, len(st.mtp_ramp)) for st in schedule.stages] == [(7, 2), (14, 1), (21, 0)]
     assert len(seen) == 20 * 8  # 8 micro-batches a step
     for step in range(20):
         w = seen[8 * step]
-        expected = tg.mtp_weights_at(tg.stage_at(stages, step), step)
+        expected = schedule.stage_at(step).loss_weights(step)
         assert (w is None and expected == ()) or (w.dtype == torch.float32 and w.tolist() == pytest.approx(expected))
 
 
 def test_warmup_compiles_each_stage_whose_number_of_extra_targets_differs(tiny_args, monkeypatch):
     seen, train_step = [], tg.train_step
 
-    def recording(model, compiled, optimizers, micro, step, stage, args):
-        seen.append(len(stage.mtp))
-        return train_step(model, compiled, optimizers, micro, step, stage, args)
+    def recording(model, compiled, optimizers, micro, step, stage, schedule):
+        seen.append(len(stage.mtp_ramp))
+        return train_step(model, compiled, optimizers, micro, step, stage, schedule)
     monkeypatch.setattr(tg, "train_step", recording)
     tg.train(tiny_args(num_iterations=6, val_every=0, warmup_steps=1,
                        stages=table(window_schedule=(2, 2, 2), mtp_weights=RECORD)))
@@ -258,13 +259,13 @@ def test_the_prefix_term_adds_its_weight_times_the_cross_entropy_of_each_targets
 def test_prefix_weights_follow_the_stage_rows_linearly_and_join_the_mtp_weights():
     args = tg.Hyperparameters(**{**TINY, "num_iterations": 30, "stages": tg._stages(
         "window=1,prefix=0.25,mtp=0.5;window=2,prefix=0.25,mtp=0;window=3,mtp=0")})
-    stages = tg.training_stages(args)
-    assert [st.prefix for st in stages] == [(0.25, 0.25), (0.25, 0.0), (0.0, 0.0)]
+    stages = tg.Schedule(args).stages
+    assert [st.prefix_ramp for st in stages] == [(0.25, 0.25), (0.25, 0.0), (0.0, 0.0)]
     s1 = stages[1]
     mid = (s1.start + s1.end) // 2
-    w = tg.mtp_weights_at(s1, mid)
+    w = s1.loss_weights(mid)
     assert len(w) == 1 and w[0] == pytest.approx(0.25 * (1 - (mid - s1.start) / (s1.end - s1.start)))  # mtp 0 dropped
-    assert tg.mtp_weights_at(stages[0], 0) == (0.5, 0.25) and tg.mtp_weights_at(stages[2], stages[2].start) == ()
+    assert stages[0].loss_weights(0) == (0.5, 0.25) and stages[2].loss_weights(stages[2].start) == ()
     with pytest.raises(ValueError, match="prefix >= 0"):
         tg.Hyperparameters(**{**TINY, "stages": (tg.Stage(1, prefix=-0.1),)})
 

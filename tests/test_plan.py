@@ -42,7 +42,7 @@ def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, 
     table = {("H100", "record", *shape): us for shape, us in zip(RECORD_SHAPES, (2.0, 2.5, 3.0, 3.5))}
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", table)
     monkeypatch.setattr(tg, "EIGHT_GPU_RATIO", {"H100": {49152: 0.125}})
-    lines = tg.schedule_plan(tg.parse_args([]))
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))
     steps = [253, 252, 251, 20]
     one = [n * 393216 * us * 1e-6 for n, us in zip(steps, (2.0, 2.5, 3.0, 3.5))]
     rows = stage_rows("\n".join(lines))
@@ -55,16 +55,17 @@ def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, 
 
 def test_plan_says_which_stages_are_unmeasured_rather_than_guessing(no_gpu, monkeypatch):
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H100", "record", 49152, 2048, 11): 1.8})
-    lines = tg.schedule_plan(tg.parse_args([]))
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))
     rows = stage_rows("\n".join(lines))
     assert rows["1"][-2:] == ["-", "-"] and rows["3"][-2] != "-"
     assert lines[-2].startswith("projected time: incomplete, stage(s) 1, 2, ext not in")
     # another preset's model at the same shapes has no measured time
-    other = stage_rows("\n".join(tg.schedule_plan(tg.parse_args(["--preset", "medium", "--seq_len", "49152"]))))
+    medium = tg.Schedule(tg.parse_args(["--preset", "medium", "--seq_len", "49152"]))
+    other = stage_rows("\n".join(tg.schedule_plan(medium)))
     assert all(row[-2:] == ["-", "-"] for row in other.values())
     # 24 micro-batches a step (the single preset) is not the measured one-micro-batch-per-GPU case on 8 GPUs
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H100", "single", 16384, *shape[1:]): 2.0 for shape in RECORD_SHAPES})
-    single = stage_rows("\n".join(tg.schedule_plan(tg.parse_args(["--preset", "single"]))))
+    single = stage_rows("\n".join(tg.schedule_plan(tg.Schedule(tg.parse_args(["--preset", "single"])))))
     assert all(row[-2] != "-" and row[-1] == "-" for row in single.values())
 
 
@@ -72,7 +73,7 @@ def test_plan_follows_the_schedule_flags_with_staged_batches_and_an_extension(no
     args = tg.parse_args(["--plan", "--batch_schedule", "131072,262144,393216", "--num_iterations", "1285",
                           "--extension_steps", "15", "--extension_window", "13"])
     assert args.plan is True and tg.parse_args(["--plan", "false"]).plan is False
-    lines = tg.schedule_plan(args)
+    lines = tg.schedule_plan(tg.Schedule(args))
     rows = stage_rows("\n".join(lines))
     assert list(rows) == ["1", "2", "3", "ext"]
     assert [r[2] for r in rows.values()] == ["131,072", "262,144", "393,216", "393,216"]

@@ -1,5 +1,5 @@
 """Every preset resolves to the run it resolved to when tests/data/presets_pinned.json was written: each
-hyperparameter, and the schedule as training_stages makes it (steps, batch, micro-batch, document cut,
+hyperparameter, and the schedule as Schedule resolves it (steps, batch, micro-batch, document cut,
 windows, lr, multi-token prediction, prefix-token loss). A change that means to alter a preset rewrites the file with
 `python tests/test_presets.py --write` and shows the difference in its diff."""
 import dataclasses
@@ -26,8 +26,8 @@ def resolved(name: str) -> dict:
         if isinstance(value, str) and value.startswith(tg.DATA_PATH):
             value = "<DATA_PATH>" + value[len(tg.DATA_PATH):]
         fields[key] = list(value) if isinstance(value, tuple) else value
-    stages = [[st.start, st.end, st.batch.batch_size, st.batch.seq_len, st.batch.max_doc_len, list(st.windows),
-               list(st.prefix), st.lr_mult, [list(m) for m in st.mtp]] for st in tg.training_stages(args)]
+    stages = [[st.start, st.end, st.spec.batch_size, st.spec.seq_len, st.spec.max_doc_len, list(st.windows),
+               list(st.prefix_ramp), st.lr, [list(m) for m in st.mtp_ramp]] for st in tg.Schedule(args).stages]
     return dict(fields=fields, stages=stages)
 
 

@@ -198,8 +198,8 @@ def test_with_adam_every_two_a_stop_mid_sum_waits_for_adams_step_and_the_run_res
     full = tg.train(tiny_args(run_id="full", **kw))
     signals, train_step = [], tg.train_step
 
-    def signalled(model, compiled, optimizers, micro, step, stage, args):
-        loss = train_step(model, compiled, optimizers, micro, step, stage, args)
+    def signalled(model, compiled, optimizers, micro, step, stage, schedule):
+        loss = train_step(model, compiled, optimizers, micro, step, stage, schedule)
         if step == 2:
             signals.append(signal.SIGTERM)
         return loss
@@ -422,12 +422,12 @@ def _rank_1_fails(rank, world_size, args, failure, out):
     elif rank == 1:
         train_step = tg.train_step
 
-        def failing(model, compiled, optimizers, micro, step, stage, args):
+        def failing(model, compiled, optimizers, micro, step, stage, schedule):
             if step == 3 and failure == "exits":
                 os._exit(3)
             if step == 3 and failure == "hangs":  # rank 0 waits in the optimizer's reduce-scatter
                 time.sleep(3600)
-            loss = train_step(model, compiled, optimizers, micro, step, stage, args)
+            loss = train_step(model, compiled, optimizers, micro, step, stage, schedule)
             return loss * float("nan") if step == 3 else loss  # "nan": the loss only, rank 0's stays finite
         tg.train_step = failing
     tg.parse_args = lambda argv: args  # main() on these fields

@@ -91,13 +91,13 @@ def test_warmup_leaves_weights_and_optimizer_state_bit_identical(tiny_args):
     files = tg.shard_files(args.train_files, "training")
     producer = tg.BatchProducer(files, 0, 1, args.bos_id)
     val = list(tg.validation_batches(args.val_files, args.val_tokens, args.val_seq_len, args.bos_id, 0, 1))
-    stages = tg.training_stages(args)
-    stages = tg.with_slots(stages, tg.doc_slots(stages, files, args))
+    schedule = tg.Schedule(args)
+    schedule = schedule.with_slots(tg.doc_slots(schedule, files))
     changed = []
     original_finish = optimizers[1].finish  # Muon's last phase (train_step runs the optimizers in phases)
     optimizers[1].finish = lambda g: (original_finish(g), changed.append(model.blocks[0].mlp.fc_w.clone()))
     lines = []
-    tg.warmup(model, compiled, optimizers, producer, val, stages, args, 1, lines.append)
+    tg.warmup(model, compiled, optimizers, producer, val, schedule, 1, lines.append)
     assert len(changed) == 2 * len(args.stages)
     n = len(args.stages)  # the tiny stages differ in windows: one shape each, each shape's progress logged
     assert lines[0].startswith(f"warm-up: compiling {n} stage shape(s)")
@@ -155,12 +155,12 @@ def test_window_stages_split_the_steps_as_the_record_does(N):
     11-block windows, its 20 extension steps and the final validation (step N) at 13 blocks."""
     args = tg.parse_args(["--preset", "record", "--num_iterations", str(N)])
     assert [row.window for row in args.stages] == [3, 7, 11] and (args.extension_steps, args.extension_window) == (20, 13)
-    S, stages = N - 20, tg.training_stages(args)
+    S, schedule = N - 20, tg.Schedule(args)
     expected = [tg.window_tokens((3, 7, 11)[3 * s // (S + 1)], args.window_block) for s in range(S)]
     expected += [tg.window_tokens(13, args.window_block)] * (N + 1 - S)
-    assert [tg.stage_at(stages, s).windows for s in range(N + 1)] == expected
+    assert [schedule.stage_at(s).windows for s in range(N + 1)] == expected
     # one batch size throughout; documents cut at 896 tokens in the first stage, 2048 after
-    assert [(st.batch.batch_size, st.batch.max_doc_len) for st in stages] == [
+    assert [(st.spec.batch_size, st.spec.max_doc_len) for st in schedule.stages] == [
         (args.batch_size, 896), (args.batch_size, 2048), (args.batch_size, 2048), (args.batch_size, 2048)]
 
 
@@ -174,22 +174,23 @@ LINE = dict(stages=table(tg.Hyperparameters.stages, batch_schedule=(131072, 2621
 
 def test_staged_schedule_gives_each_step_its_batch_document_cut_window_and_learning_rate():
     args = tg.Hyperparameters(**LINE)
-    stages = tg.training_stages(args)
+    schedule = tg.Schedule(args)
+    stages = schedule.stages
     assert [st.end for st in stages] == [461, 921, 1380, 1391]  # the extension covers steps 1380..1389 (+ final val)
-    assert [(st.batch.batch_size, st.batch.seq_len, st.batch.max_doc_len) for st in stages] == [
+    assert [(st.spec.batch_size, st.spec.seq_len, st.spec.max_doc_len) for st in stages] == [
         (131072, 16384, 896), (262144, 32768, 2048), (393216, 49152, 2048), (393216, 49152, 2048)]
     assert [st.windows for st in stages] == [(384, 128), (896, 384), (1408, 640), (1664, 768)]
     S, frac = 1380, 0.6
     for step in range(1390):  # the public formula: stage multiplier, then linear to 0.15 over the last 60%
-        st = tg.stage_at(stages, step)
+        st = schedule.stage_at(step)
         t = min(max((step - S * (1 - frac)) / (S * frac), 0), 1)
-        assert tg.lr_factor(step, args, st.lr_mult) == pytest.approx(st.lr_mult * (1 - t) + 0.15 * t)
-    assert tg.lr_factor(1385, args, stages[-1].lr_mult) == pytest.approx(0.15)
+        assert schedule.lr_factor(step, st) == pytest.approx(st.lr * (1 - t) + 0.15 * t)
+    assert schedule.lr_factor(1385, stages[-1]) == pytest.approx(0.15)
 
 
 def test_muon_momentum_warms_up_then_cools_down_over_the_last_steps():
-    args = tg.Hyperparameters(**LINE)
-    got = [tg.muon_momentum(s, args) for s in (0, 150, 300, 1340, 1365, 1390)]
+    schedule = tg.Schedule(tg.Hyperparameters(**LINE))
+    got = [schedule.momentum(s) for s in (0, 150, 300, 1340, 1365, 1390)]
     assert got == pytest.approx([0.85, 0.90, 0.95, 0.95, 0.90, 0.85])
 
 
@@ -198,7 +199,8 @@ def test_record_preset_momentum_is_the_public_masters_schedule():
     get_muon_momentum, whose cool-down counts from its total steps, the extension's included)."""
     args = tg.parse_args([])
     N = args.num_iterations
-    m = [tg.muon_momentum(s, args) for s in range(N + 1)]
+    schedule = tg.Schedule(args)
+    m = [schedule.momentum(s) for s in range(N + 1)]
     assert m[0] == pytest.approx(0.85) and m[150] == pytest.approx(0.90) and m[300] == pytest.approx(0.95)
     assert m[N - 50] == pytest.approx(0.95) and m[N - 25] == pytest.approx(0.90) and m[N] == pytest.approx(0.85)
     assert all(x == pytest.approx(0.95) for x in m[300: N - 49])
@@ -222,9 +224,9 @@ def test_a_staged_run_trains_each_stage_at_its_batch_and_learns(tiny_args, monke
                      muon_momentum_cooldown=4)
     seen, train_step = [], tg.train_step
 
-    def recording(model, compiled, optimizers, micro, step, stage, args):
-        seen.append((len(micro), {len(m[0]) for m in micro}, stage.batch.max_doc_len, stage.windows))
-        return train_step(model, compiled, optimizers, micro, step, stage, args)
+    def recording(model, compiled, optimizers, micro, step, stage, schedule):
+        seen.append((len(micro), {len(m[0]) for m in micro}, stage.spec.max_doc_len, stage.windows))
+        return train_step(model, compiled, optimizers, micro, step, stage, schedule)
     monkeypatch.setattr(tg, "train_step", recording)
     run = tg.train(args)
     assert len(run.train_losses) == 24 and run.train_losses[-1] < run.train_losses[0] - 0.5
@@ -232,8 +234,8 @@ def test_a_staged_run_trains_each_stage_at_its_batch_and_learns(tiny_args, monke
     assert seen[0] == seen[7] == (8, {32}, 32, (16, 0)) and seen[8] == seen[14] == (8, {64}, 96, (32, 16))
     assert seen[15] == seen[20] == (8, {128}, 96, (48, 16)) and seen[21] == seen[23] == (8, {128}, 96, (64, 32))
     # tokens so far, in the final validation line too: 8 x 256 + 7 x 512 + 6 x 1024 + 3 x 1024
-    stages = tg.training_stages(args)
-    assert tg.tokens_before(stages, 10) == 8 * 256 + 2 * 512 and tg.tokens_before(stages, 24) == 14848
+    schedule = tg.Schedule(args)
+    assert schedule.tokens_before(10) == 8 * 256 + 2 * 512 and schedule.tokens_before(24) == 14848
     assert "step:24/24 val_loss:" in Path(run.log_path).read_text().split("tokens:14848")[0].splitlines()[-1]
 
 
@@ -241,11 +243,12 @@ def test_the_final_validation_can_look_further_back_than_training_did(tiny_args,
     """final_val_window (the 2025-09-10 record's 13 blocks) changes the windows of the last
     validation only, and YaRN gives that window its own rotary tables; 0 keeps the last stage's."""
     args = tiny_args(num_iterations=6, val_every=3, final_val_window=5, warmup_steps=1)
-    stages = tg.training_stages(args)
+    schedule = tg.Schedule(args)
+    stages = schedule.stages
     last, wide = stages[-1].windows, tg.window_tokens(5, args.window_block)
-    assert [tg.val_windows(stages, s, args) for s in (0, 3, 5, 6)] == [stages[0].windows, stages[1].windows, last, wide]
+    assert [schedule.val_windows(s) for s in (0, 3, 5, 6)] == [stages[0].windows, stages[1].windows, last, wide]
     plain = tiny_args(num_iterations=6, val_every=3)
-    assert tg.val_windows(tg.training_stages(plain), 6, plain) == last
+    assert tg.Schedule(plain).val_windows(6) == last
     assert tg.ModelConfig.from_args(plain).yarn_windows == (16, 32, 48)
     assert tg.ModelConfig.from_args(args).yarn_windows == (16, 32, 48, 80)
     seen = []
@@ -287,7 +290,7 @@ def test_a_compiled_run_with_an_extension_and_a_final_window_compiles_every_grap
     monkeypatch.setattr(tg.torch, "compile", lambda fn, **kw: compile(fn, **{**kw, "backend": "aot_eager"}))
     args = tiny_args(num_iterations=12, val_every=3, extension_steps=2, extension_window=4, final_val_window=5,
                      compile=True, warmup_steps=1)
-    assert len(tg.training_stages(args)) == 4
+    assert len(tg.Schedule(args).stages) == 4
     try:
         with torch._dynamo.config.patch(recompile_limit=8):
             run = tg.train(args)
@@ -302,7 +305,7 @@ def test_each_stage_step_time_is_logged_and_the_stages_add_up_to_the_training_ti
     resumed mid-stage times that stage from its step."""
     args = tiny_args(num_iterations=20, val_every=5, save_every=10)
     run = tg.train(args)
-    stages = tg.training_stages(args)
+    stages = tg.Schedule(args).stages
     assert [(n, first, steps) for n, first, steps, _ in run.stage_ms] == [
         (i + 1, st.start, min(st.end, args.num_iterations) - st.start) for i, st in enumerate(stages)]
     total = sum(ms for *_, ms in run.stage_ms)  # all but the timed moments before step 0's step (bookkeeping)
@@ -326,17 +329,17 @@ def test_a_training_step_on_the_gpu_never_waits_for_the_gpu(tiny_args):
     device = torch.device("cuda")
     model, compiled, optimizers, _ = tg.build(args, device, 0, 1, log=lambda line: None)
     files = tg.shard_files(args.train_files, "training")
-    stage = tg.training_stages(args)[0]
-    stage = tg.with_slots([stage], tg.doc_slots([stage], files, args))[0]
+    schedule = tg.Schedule(args)
+    stage = schedule.stages[0].with_slots(tg.doc_slots(schedule, files))
     producer = tg.BatchProducer(files, 0, 1, args.bos_id)
-    loader = tg.BatchLoader(producer, lambda i: stage.batch, device)
+    loader = tg.BatchLoader(producer, lambda i: stage.spec, device)
     micro = [loader.next()[1] for _ in range(2)]
     loader.close()
-    tg.train_step(model, compiled, optimizers, micro[0], 0, stage, args)
+    tg.train_step(model, compiled, optimizers, micro[0], 0, stage, schedule)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss = tg.train_step(model, compiled, optimizers, micro[1], 1, stage, args)
+        loss = tg.train_step(model, compiled, optimizers, micro[1], 1, stage, schedule)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss)
