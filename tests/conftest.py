@@ -132,9 +132,10 @@ TINY_RECORD = dict(vocab_size=72, bos_id=BOS, num_layers=4, model_dim=64, num_he
                    num_iterations=20, extension_steps=4, extension_window=4, final_val_window=5, val_every=10,
                    compile=False, warmup_steps=0, device="auto")
 # Most tests: the same model and optimizer on a plain schedule: three stages of windows 1, 2, 3 blocks, no multi-token
-# prediction, no extension, the last stage's window for the final validation.
+# prediction, no extension, the last stage's window for the final validation, no endgame weight average (its second,
+# live validation cost a run about a step; tests/test_weight_average.py turns it on).
 TINY = dict(TINY_RECORD, stages=(tg.Stage(1), tg.Stage(2), tg.Stage(3)), extension_steps=0, extension_window=0,
-            final_val_window=0)
+            final_val_window=0, weight_average=())
 
 
 # For runs whose test compares them with each other or reads their logs and checkpoints, not how far they learn: two

@@ -260,9 +260,8 @@ def test_the_final_validation_can_look_further_back_than_training_did(tiny_args,
     monkeypatch.setattr(tg, "evaluate", lambda model, compiled, val, windows, *a: seen.append(windows) or
                         evaluate(model, compiled, val, windows, *a))
     tg.train(args)
-    # warm-up: each stage's windows, then the final one; the run: steps 0 and 3, then the final (step 6) twice: the
-    # live weights' validation, then the weight average's shipped weights'
-    assert seen == [*(st.windows for st in stages), wide, stages[0].windows, stages[1].windows, wide, wide]
+    # warm-up: each stage's windows, then the final one; the run: steps 0 and 3, then the final (step 6)
+    assert seen == [*(st.windows for st in stages), wide, stages[0].windows, stages[1].windows, wide]
     with pytest.raises(ValueError, match="final_val_window=-1"):
         tiny_args(final_val_window=-1)
 
