@@ -2287,6 +2287,19 @@ PUBLIC_MASTER_STEP_MS = {
                  paired="ours the same day on another machine's H200, same PyTorch and attention"),
 }
 RECORD_89_SECONDS = 73.8  # public record #89 on 8xH100, its whole schedule
+# Measured on several GPUs of one host: time per token of the whole global batch, by (GPU kind, GPUs, preset,
+# micro-batch tokens per GPU, document cut, long window in blocks), as STEP_US_PER_TOKEN's one-GPU rows.
+MULTI_GPU_US_PER_TOKEN = {
+    # four H200s of one host (NVLink), 2026-11-28, PyTorch 2.11.0+cu130, PyTorch's varlen attention, main at 28d32b5:
+    # `NPROC=4 ./run.sh --preset record --num_iterations 80 --attention varlen ...`, each stage's mean step:
+    # 147.0 / 157.6 / 162.4 / 165.0 ms per 393,216-token step, two micro-batches a GPU, alone on the host
+    # (bench/results/x4_h200_20261128b.md)
+    ("H200", 4, "record", 49152, 896, 3): 0.374,
+    ("H200", 4, "record", 49152, 2048, 7): 0.401,
+    ("H200", 4, "record", 49152, 2048, 11): 0.413,
+    ("H200", 4, "record", 49152, 2048, 13): 0.420,
+}
+MULTI_GPU_SOURCE = {("H200", 4): "four H200s of one host, 2026-11-28 (bench/results/x4_h200_20261128b.md)"}
 # 8-GPU step time over one-GPU step time at the same global batch, by micro-batch tokens per GPU, with one
 # micro-batch per GPU on 8 (bench/README: record #89's 8xH100 logs over its and the public master's
 # one-H100 times in the harness: 30.9/238.0, 57.7/435.5, 83.0/644.0 ms). No other kind has a measured ratio.
@@ -2370,7 +2383,24 @@ def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
         lines.append(f"public master on {kind} ({attention}; f411b3d3, record #89's code): {steps} steps of {batches} "
                      f"tokens at {' / '.join(f'{t:g}' for t in ms)} ms ({us} us/token), {master[0]:.1f} s over "
                      f"{master[1]:,} tokens; {source}")
+    lines += multi_gpu_lines(schedule, kind, None if missing else one)
     lines.append(vs_public_master(kind, None if missing else one, tokens, missing, args.preset))
+    return lines
+
+
+def multi_gpu_lines(schedule: Schedule, kind: str, one: float | None) -> list[str]:
+    """--plan: the schedule's time from step times measured on several GPUs of this kind (MULTI_GPU_US_PER_TOKEN),
+    where every stage's shape has a row, beside the one-GPU projection `one`."""
+    args, N, lines = schedule.args, schedule.args.num_iterations, []
+    for k, gpus in sorted(key for key in MULTI_GPU_SOURCE if key[0] == kind):
+        us = [MULTI_GPU_US_PER_TOKEN.get((k, gpus, args.preset, st.spec.seq_len, st.spec.max_doc_len,
+                                          st.windows[0] // args.window_block)) for st in schedule.stages]
+        if None in us:
+            continue
+        seconds = sum((min(st.end, N) - st.start) * st.spec.batch_size * u * 1e-6 for st, u in zip(schedule.stages, us))
+        share = f", {seconds / one:.3f} of one GPU's" if one else ""
+        lines.append(f"measured on {gpus} x {kind}: {seconds:.1f} s (each stage's {gpus}-GPU step time{share}); "
+                     f"{MULTI_GPU_SOURCE[k, gpus]}")
     return lines
 
 

@@ -163,3 +163,21 @@ def test_a_kind_without_the_masters_times_says_so_instead_of_a_ratio(no_gpu, mon
     assert line_of(lines, "vs public master") == (
         "vs public master (A100): not computed, the public master: no stage times on A100 (PUBLIC_MASTER_STEP_MS has "
         "H100, H200)")
+
+
+FOUR_H200_MS = (147.0, 157.6, 162.4, 165.0)  # the record preset on four H200s of one host, 393,216-token steps
+
+
+def test_plan_gives_the_schedules_time_from_the_steps_measured_on_four_h200s(no_gpu):
+    """The line from MULTI_GPU_US_PER_TOKEN: the schedule's seconds from each stage's four-GPU step; only for the
+    kind and preset measured, and not for a schedule with a stage shape the four-GPU runs did not time."""
+    four = [tg.MULTI_GPU_US_PER_TOKEN[("H200", 4, "record", *shape)] for shape in RECORD_SHAPES]
+    assert four == pytest.approx([ms * 1000 / 393216 for ms in FOUR_H200_MS], abs=5e-4)
+    seconds = sum(n * ms for n, ms in zip([253, 252, 251, 20], FOUR_H200_MS)) / 1000
+    one = sum(n * ms for n, ms in zip([253, 252, 251, 20], OURS_H200_MS)) / 1000
+    m = re.fullmatch(r"measured on 4 x H200: (\d+\.\d) s \(each stage's 4-GPU step time, (0\.\d+) of one GPU's\); "
+                     r"four H200s of one host, 2026-11-28 \(bench/results/x4_h200_20261128b\.md\)",
+                     line_of(tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200"]))), "measured on"))
+    assert m and float(m[1]) == pytest.approx(seconds, abs=0.1) and float(m[2]) == pytest.approx(seconds / one, abs=1e-3)
+    for flags in (["--plan_gpu", "H100"], ["--plan_gpu", "H200", "--doc_len_schedule", "896,2048,3072"]):
+        assert not [line for line in tg.schedule_plan(tg.Schedule(tg.parse_args(flags))) if "measured on" in line]
