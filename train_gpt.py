@@ -2321,6 +2321,12 @@ def public_master_time(kind: str) -> tuple[float, int] | None:
             sum(n * tokens for n, tokens in PUBLIC_MASTER_STAGES))
 
 
+def stage_shape(args: Hyperparameters, stage: Stage) -> tuple[str, int, int, int]:
+    """A stage's key in the measured tables (STEP_US_PER_TOKEN, MULTI_GPU_US_PER_TOKEN) after the GPU kind (and
+    count): preset, micro-batch tokens per GPU, document cut, long window in blocks."""
+    return args.preset, stage.spec.seq_len, stage.spec.max_doc_len, stage.windows[0] // args.window_block
+
+
 def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
     """--plan: the resolved schedule, one line per stage, the trained tokens, and the projected training time on
     --plan_gpu's kind (steps x global batch x the table's time per token; x the 8-GPU ratio on 8 GPUs, where that
@@ -2339,7 +2345,7 @@ def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
     for i, st in enumerate(stages):
         steps, b = min(st.end, N) - st.start, st.spec  # the last stage's end is the final validation's step
         name = "ext" if args.extension_steps and i == len(stages) - 1 else str(i + 1)
-        us = STEP_US_PER_TOKEN.get((kind, args.preset, b.seq_len, b.max_doc_len, st.windows[0] // args.window_block))
+        us = STEP_US_PER_TOKEN.get((kind, *stage_shape(args, st)))
         ratio = EIGHT_GPU_RATIO.get(kind, {}).get(b.seq_len) if micro == 8 else None  # one micro-batch per GPU
         s1 = None if us is None else steps * b.batch_size * us * 1e-6
         s8 = None if s1 is None or ratio is None else s1 * ratio
@@ -2393,8 +2399,7 @@ def multi_gpu_lines(schedule: Schedule, kind: str, one: float | None) -> list[st
     where every stage's shape has a row, beside the one-GPU projection `one`."""
     args, N, lines = schedule.args, schedule.args.num_iterations, []
     for k, gpus in sorted(key for key in MULTI_GPU_SOURCE if key[0] == kind):
-        us = [MULTI_GPU_US_PER_TOKEN.get((k, gpus, args.preset, st.spec.seq_len, st.spec.max_doc_len,
-                                          st.windows[0] // args.window_block)) for st in schedule.stages]
+        us = [MULTI_GPU_US_PER_TOKEN.get((k, gpus, *stage_shape(args, st))) for st in schedule.stages]
         if None in us:
             continue
         seconds = sum((min(st.end, N) - st.start) * st.spec.batch_size * u * 1e-6 for st, u in zip(schedule.stages, us))
