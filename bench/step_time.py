@@ -3,6 +3,7 @@ optionally show where the time goes (torch.profiler, top kernels by GPU time).
 
     python bench/step_time.py --ws 3 7 11 --steps 20 [--profile] [any train_gpt.py --field value ...]
     python bench/step_time.py --stages --steps 20 [--preset record ...]   # each stage of the schedule
+    python bench/step_time.py --stages "window=3,share=1;window=11,share=1" ... # each stage of that stage table
     python bench/step_time.py --ws 3 --profile --trace ws3.json.gz ...        # + the GPU's idle gaps
 
 A step is the whole optimizer step of the configured global batch (8 micro-batches of 49,152
@@ -58,7 +59,10 @@ def plan_entries(device_name: str, preset: str, rows: list[tuple[int, int, int, 
     return [f"    {key!r}: {us:.3f}," for key, us in seen.items()]
 
 
-def main():
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tg.Hyperparameters]:
+    """This script's own flags and train_gpt.py's (every other flag). `--stages TABLE` is both: per-stage timing of
+    that stage table (train_gpt.py's --stages, which the flag would otherwise shadow); own.stages is None without
+    --stages, "" for the preset's table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ws", type=int, nargs="+", default=[3], help="long windows in blocks of 128 tokens, "
                         "each timed in turn")
@@ -68,10 +72,15 @@ def main():
                         "the top kernels")
     parser.add_argument("--trace", default="", help="with --profile: also write the profile's Chrome trace here "
                         "(.json.gz) and print where the GPU sat idle between kernels and its kernel time by kind of work")
-    parser.add_argument("--stages", action="store_true", help="time each stage of the resolved schedule (its batch, "
-                        "windows, extra targets, embedding tied or not) instead of --ws")
-    own, rest = parser.parse_known_args()
-    args = tg.parse_args(rest)
+    parser.add_argument("--stages", nargs="?", const="", default=None, metavar="TABLE",
+                        help="time each stage of the resolved schedule (its batch, windows, extra targets, embedding "
+                        "tied or not) instead of --ws; with TABLE, of that stage table (train_gpt.py's --stages)")
+    own, rest = parser.parse_known_args(argv)
+    return own, tg.parse_args(rest + (["--stages", own.stages] if own.stages else []))
+
+
+def main():
+    own, args = parse()
     device = torch.device("cuda")
     schedule = tg.Schedule(args)
     model, compiled, optimizers, chosen = tg.build(args, device, 0, 1, schedule=schedule)
@@ -91,7 +100,7 @@ def main():
 
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, attention: {attention}, "
           f"LM head: {'fp8' if fp8 else 'bf16'}")
-    if own.stages:
+    if own.stages is not None:
         runs = [(f"stage {i + 1} (steps {st.start}-{st.end - 1})", st) for i, st in enumerate(schedule.stages)]
     else:  # --ws: the first stage's extra targets at each long window
         runs = [(f"ws={ws}", dataclasses.replace(schedule.stages[0], spec=spec,
@@ -106,7 +115,7 @@ def main():
     whole_ms, tokens = 0.0, 0  # --stages: the schedule's training time at the measured mean step times
     plan_rows = []  # --stages: (seq_len, doc cut, long window in blocks, tokens per step, mean ms) per stage
     for name, stage in runs:
-        if own.stages:
+        if own.stages is not None:
             step = stage.start  # the stage's own weights of its extra targets (and learning rate)
             if model.tied_embed and stage.start >= schedule.untie:
                 tg.untie_embedding(model, optimizers[0])
@@ -123,7 +132,7 @@ def main():
               f"{spec.batch_size / mean * 1e3:,.0f} tokens/s; "
               f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; loss per micro-batch over them "
               f"{torch.stack(losses[-own.steps:]).mean().item() / (spec.batch_size // spec.seq_len):.4f}", flush=True)
-    if own.stages:
+    if own.stages is not None:
         print(f"schedule: {schedule.stages[-1].end} steps, {tokens:,} tokens: {whole_ms / 1000:.1f} s of training "
               f"steps on this GPU at these mean step times", flush=True)
         print("as train_gpt.py's STEP_US_PER_TOKEN entries (--plan's projection):", *plan_entries(

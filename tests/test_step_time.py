@@ -37,3 +37,14 @@ def test_plan_entries_are_train_gpts_table_keys_in_us_per_token():
     assert lines == ["    ('H100', 'record', 49152, 896, 3): 1.677,", "    ('H100', 'record', 49152, 2048, 11): 1.767,"]
     table = ast.literal_eval("{" + "".join(lines) + "}")  # pastes into train_gpt.STEP_US_PER_TOKEN as it is
     assert set(table) <= set(tg.STEP_US_PER_TOKEN) and table[("H100", "record", 49152, 896, 3)] == 1.677
+
+
+def test_stages_alone_times_the_presets_table_and_with_a_table_times_that_one():
+    """`--stages` is this script's per-stage mode and also train_gpt.py's stage table: alone, the preset's stages;
+    with a table, that table reaches the trainer (a store_true flag would swallow it and leave the table stray)."""
+    own, args = step_time.parse(["--stages", "--steps", "4", "--preset", "record"])
+    assert own.stages == "" and own.steps == 4 and args.stages == tg.Hyperparameters().stages
+    own, args = step_time.parse(["--stages", "window=3,share=1;window=11,batch=327680,share=1", "--preset", "record"])
+    assert own.stages is not None and [(st.window, st.batch) for st in args.stages] == [(3, 0), (11, 327680)]
+    own, args = step_time.parse(["--ws", "3", "11"])
+    assert own.stages is None and own.ws == [3, 11]
