@@ -81,6 +81,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tg.Hyperpa
 
 def main():
     own, args = parse()
+    per_stage = own.stages is not None  # --stages, with or without a table
     device = torch.device("cuda")
     schedule = tg.Schedule(args)
     model, compiled, optimizers, chosen = tg.build(args, device, 0, 1, schedule=schedule)
@@ -100,7 +101,7 @@ def main():
 
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, attention: {attention}, "
           f"LM head: {'fp8' if fp8 else 'bf16'}")
-    if own.stages is not None:
+    if per_stage:
         runs = [(f"stage {i + 1} (steps {st.start}-{st.end - 1})", st) for i, st in enumerate(schedule.stages)]
     else:  # --ws: the first stage's extra targets at each long window
         runs = [(f"ws={ws}", dataclasses.replace(schedule.stages[0], spec=spec,
@@ -115,7 +116,7 @@ def main():
     whole_ms, tokens = 0.0, 0  # --stages: the schedule's training time at the measured mean step times
     plan_rows = []  # --stages: (seq_len, doc cut, long window in blocks, tokens per step, mean ms) per stage
     for name, stage in runs:
-        if own.stages is not None:
+        if per_stage:
             step = stage.start  # the stage's own weights of its extra targets (and learning rate)
             if model.tied_embed and stage.start >= schedule.untie:
                 tg.untie_embedding(model, optimizers[0])
@@ -132,7 +133,7 @@ def main():
               f"{spec.batch_size / mean * 1e3:,.0f} tokens/s; "
               f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; loss per micro-batch over them "
               f"{torch.stack(losses[-own.steps:]).mean().item() / (spec.batch_size // spec.seq_len):.4f}", flush=True)
-    if own.stages is not None:
+    if per_stage:
         print(f"schedule: {schedule.stages[-1].end} steps, {tokens:,} tokens: {whole_ms / 1000:.1f} s of training "
               f"steps on this GPU at these mean step times", flush=True)
         print("as train_gpt.py's STEP_US_PER_TOKEN entries (--plan's projection):", *plan_entries(
