@@ -183,7 +183,9 @@ class Hyperparameters:
     extension_steps: int = 20  # last steps, after the cooldown: final learning rate, long window extension_window (09/21/25)
     extension_window: int = 13  # long window of the extension, in blocks
     tied_embed_stages: int = 2  # embeddings read from the LM head for this many stages, then a copy learns (12/22/25)
-    final_val_window: int = 20  # long window of the final validation, in blocks; 0 = the last stage's (09/10/25: 13)
+    # long window of the final validation, in blocks (09/10/25: 13), raised without a YaRN step (the last stage's rotary
+    # tables) and the short window kept, as records #89 and ANVIL2 validate; 0 = the last stage's windows
+    final_val_window: int = 20
     # optimization
     # 776 x 393,216 = 305.1M tokens (the public record #89: 338.8M). On the proxy at batches / 16 (the harness's rule:
     # the 8-GPU step count is the proxy's) it reached the public code's mean final loss at steps 763-771 of 776 in
@@ -650,8 +652,7 @@ class ModelConfig:
     @classmethod
     def from_args(cls, args: Hyperparameters) -> "ModelConfig":
         names = {f.name for f in dataclasses.fields(cls)} - {"max_seq_len", "yarn_windows"}
-        blocks = (*(row.window for row in args.stages), *([args.extension_window] if args.extension_steps else []),
-                  *([args.final_val_window] if args.final_val_window else []))
+        blocks = (*(row.window for row in args.stages), *([args.extension_window] if args.extension_steps else []))
         yarn = tuple(dict.fromkeys(b * args.window_block for b in blocks))  # long windows
         longest = max(args.seq_len, args.val_seq_len) * (2 if args.paired_head_blocks else 1)  # paired: 2 per token
         return cls(**{n: getattr(args, n) for n in names}, max_seq_len=longest, yarn_windows=yarn)
@@ -1254,7 +1255,7 @@ class GPT(nn.Module):
         blocks = self.cfg.value_embed_blocks
         return [blocks.index(i) if i in blocks else None for i in range(self.cfg.num_layers)]
 
-    def block_windows(self, windows: tuple[int, int]) -> list[int]:
+    def block_windows(self, windows: tuple[int, ...]) -> list[int]:
         """Each block's left attention window in tokens, from the stage's (long, short) windows and
         window_pattern (the record's: S,S,S,L,S,S,S,S,S,S,L)."""
         return [windows[0] if p == "L" else windows[1] for p in self.cfg.window_pattern]
@@ -1281,7 +1282,9 @@ class GPT(nn.Module):
         sub = s[at["sublayer"]].view(L, 3)  # per block: attention output, residual around the MLP, MLP output
         x0, ves, bigram = self.embeddings(inputs, cu_seqlens)
         x = x0
-        rope = self.rotary.at(windows[0])  # the stage's rotary tables (YaRN: by its long window)
+        # the stage's rotary tables (YaRN: by its long window; the final validation's third entry names the last
+        # training stage's long window, whose tables it keeps)
+        rope = self.rotary.at(windows[2] if len(windows) > 2 else windows[0])
         windows = self.block_windows(windows)
         skip_into = min(cfg.no_attn_layers)  # validated: after skip_from and the first long-window block
         g = {what: [None] * L for what in ("xsa", "out", "x0", "bigram", "skip", "dc1", "dc2")}  # from the MUDD gates
@@ -2155,13 +2158,16 @@ class Schedule:
         last); Muon steps every step."""
         return (step + 1) % self.args.adam_every == 0
 
-    def val_windows(self, step: int) -> tuple[int, int]:
-        """The windows of the validation before a step: its stage's, except the final validation, which
-        can look further back than training did (final_val_window: the 2025-09-10 record's 13 blocks)."""
+    def val_windows(self, step: int) -> tuple[int, ...]:
+        """The windows of the validation before a step: its stage's, except the final validation, whose long
+        window can look further back than training did (final_val_window: the 2025-09-10 record's 13 blocks).
+        Records #89 and ANVIL2 raise only the long window and keep the last stage's rotary tables (no YaRN step):
+        (long, short, the long window whose rotary tables to use)."""
         args = self.args
+        last = self.stage_at(min(step, args.num_iterations - 1)).windows
         if step >= args.num_iterations and args.final_val_window:
-            return window_tokens(args.final_val_window, args.window_block)
-        return self.stage_at(min(step, args.num_iterations - 1)).windows
+            return window_tokens(args.final_val_window, args.window_block)[0], last[1], last[0]
+        return last
 
     def warmup_shapes(self) -> list[Stage]:
         """The distinct stage shapes the warm-up compiles, each as its first stage."""

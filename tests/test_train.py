@@ -244,17 +244,23 @@ def test_a_staged_run_trains_each_stage_at_its_batch_and_learns(tiny_args, monke
 
 
 def test_the_final_validation_can_look_further_back_than_training_did(tiny_args, monkeypatch):
-    """final_val_window (the 2025-09-10 record's 13 blocks) changes the windows of the last
-    validation only, and YaRN gives that window its own rotary tables; 0 keeps the last stage's."""
+    """final_val_window (the 2025-09-10 record's 13 blocks) raises the long window of the last validation
+    only, as records #89 and ANVIL2 do: the short window and the last stage's rotary tables are kept (no YaRN
+    step, so no tables of its own); 0 keeps the last stage's windows."""
     args = tiny_args(**FAST, num_iterations=6, val_every=3, final_val_window=5, warmup_steps=1)
     schedule = tg.Schedule(args)
     stages = schedule.stages
-    last, wide = stages[-1].windows, tg.window_tokens(5, args.window_block)
+    last = stages[-1].windows
+    wide = (tg.window_tokens(5, args.window_block)[0], last[1], last[0])
+    assert wide == (80, 16, 48)  # ours before: (80, 32) with tables of its own
     assert [schedule.val_windows(s) for s in (0, 3, 5, 6)] == [stages[0].windows, stages[1].windows, last, wide]
     plain = tiny_args(num_iterations=6, val_every=3)
     assert tg.Schedule(plain).val_windows(6) == last
     assert tg.ModelConfig.from_args(plain).yarn_windows == (16, 32, 48)
-    assert tg.ModelConfig.from_args(args).yarn_windows == (16, 32, 48, 80)
+    assert tg.ModelConfig.from_args(args).yarn_windows == (16, 32, 48)  # the final window has no tables
+    model = tg.GPT(tg.ModelConfig.from_args(args))
+    with pytest.raises(ValueError, match="not 80"):  # without the third entry the wide window would need them
+        model.rotary.at(wide[0])
     seen = []
     evaluate = tg.evaluate
     monkeypatch.setattr(tg, "evaluate", lambda model, compiled, val, windows, *a: seen.append(windows) or
