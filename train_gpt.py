@@ -1493,11 +1493,14 @@ def sweep_inverse(vocab: int) -> int:
 
 
 def sweep_offsets(step: int, micro: int, count: int, vocab: int) -> list[int]:
-    """Where each of this rank's micro-batches of a step starts in the sweep: each micro-batch `count` places after
-    the one before (step after step), each rank 1/world of the vocabulary after the one before (ANVIL2 staggers its
-    ranks so). A function of the step alone: a resumed run samples as an unbroken one."""
+    """Where each of this rank's micro-batches of a step starts in the sweep: each micro-batch a stride of about
+    `count` places after the one before (step after step; the first count up coprime to vocab, so that over the
+    laps every row starts a window, whatever the targets skipped in each), each rank 1/world of the vocabulary after
+    the one before (ANVIL2 staggers its ranks so). A function of the step alone: a resumed run samples as an
+    unbroken one."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    return [((step * micro + m) * count + vocab * rank // world) % vocab for m in range(micro)]
+    advance = next(a for a in itertools.count(max(count, 1)) if math.gcd(a, vocab) == 1)
+    return [((step * micro + m) * advance + vocab * rank // world) % vocab for m in range(micro)]
 
 
 def candidate_rows(ids: Tensor, count: int, vocab: int, offset: Tensor, inverse: int) -> tuple[Tensor, Tensor]:
@@ -1519,7 +1522,7 @@ def sampled_head(head: Tensor, targets: Tensor, extra: list[tuple[Tensor, Tensor
     (count, dim), the targets (T,) and extra's (target, weight) pairs with each target as its row's position among
     them, and CPLM's copy column (None: no CPLM) likewise, one per token (T,)."""
     ids = [targets, *(y for y, _ in extra)] + ([] if column is None else [targets.new_full((1,), column)])
-    rows, positions = candidate_rows(torch.cat(ids), count, head.size(0), offset, inverse)
+    rows, positions = candidate_rows(torch.cat(ids).long(), count, head.size(0), offset, inverse)
     column = None if column is None else positions[column].expand_as(targets)
     return head[rows], positions[targets], [(positions[y], w) for y, w in extra], column
 
@@ -2171,8 +2174,8 @@ class Schedule:
         S = num_iterations - extension_steps scheduled steps in proportion to their shares (with equal shares,
         step s trains in stage floor(n * s / (S + 1)): the 2025-09-03 record's split of steps 0..S); batches and
         windows are counted in tokens; the loss weights ramp to the next row's. An extension stage, if any,
-        follows at the last row's batch and loss weights, lr 1 and the longer extension_window (the public
-        record line's extension, from 11/2025)."""
+        follows at the last row's batch, loss weights and candidates, lr 1 and the longer extension_window (the
+        public record line's extension, from 11/2025)."""
         rows, E = list(args.stages), args.extension_steps
         S = args.num_iterations - E
         total = sum(row.share for row in rows)
@@ -2180,7 +2183,7 @@ class Schedule:
         if E:  # the extension takes over at step S and holds the last row's batch and loss weights
             last = rows[-1]
             rows.append(Stage(args.extension_window, batch=last.batch, doc_len=last.doc_len, mtp=last.mtp,
-                              prefix=last.prefix))
+                              prefix=last.prefix, candidates=last.candidates))
             ends[-1:] = [S, S + E + 1]
         micro = args.batch_size // args.seq_len  # micro-batches per step, the same in every stage
         stages = []
