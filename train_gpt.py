@@ -2529,7 +2529,20 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
             f"MLP: {'fused' if k.fused_mlp else 'unfused'}{' fp8' if k.fp8_mlp else ''}, "
             f"cross-entropy: {'fused' if k.fused_ce else 'unfused'}, "
             f"compile: {args.compile}, "
-            f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device)]
+            f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device),
+            *sampled_softmax_report(Schedule(args))]
+
+
+def sampled_softmax_report(schedule: Schedule) -> list[str]:
+    """A start-of-run line where training samples the softmax (Stage.candidates): where, and that the training
+    losses logged there are over the candidates only, lower than the full softmax's (validation's are full)."""
+    sampled = [st for st in schedule.stages if st.candidates and st.start < schedule.full_softmax]
+    if not sampled:
+        return []
+    return ["sampled softmax in training: " + ", ".join(f"{st.candidates:,} rows from step {st.start}"
+                                                        for st in sampled)
+            + f", the full softmax from step {schedule.full_softmax}; training losses logged before it are over the "
+              "candidates (lower than the full softmax's), validation's over the full vocabulary"]
 
 
 # -----------------------------------------------------------------------------------------------
