@@ -86,6 +86,10 @@ class Stage:
     # of its target that is itself a token (prefix_table), at this weight at the stage's start, moving linearly
     # to the next row's by its start. The record's 0.25 -> 0.25, 0.25 -> 0, 0: prefix=0.25, 0.25, 0.
     prefix: float = 0.0
+    # Sampled softmax in training (the public record ANVIL2's, 2026-08-30): the head's softmax over this many of its
+    # rows per micro-batch, every target of the loss among them (sampled_head), until the step full_softmax_from
+    # of the run; 0 = the full softmax. Validation always takes the full softmax. ANVIL2's 10,240 / 14,336 / 24,576.
+    candidates: int = 0
     share: int = 1  # this row's share of the scheduled steps, relative to the other rows'
     # Resolved by Schedule (a row of the table leaves them at these defaults): token counts, and where it falls.
     start: int = 0  # the first step of the stage
@@ -111,7 +115,8 @@ class Stage:
 
 # The columns of the stages table, in the --stages text: field -> how its text reads (mtp's weights joined by '/')
 STAGE_TEXT = {"window": int, "batch": int, "doc_len": int, "lr": float,
-              "mtp": lambda v: tuple(float(w) for w in v.split("/") if w.strip()), "prefix": float, "share": int}
+              "mtp": lambda v: tuple(float(w) for w in v.split("/") if w.strip()), "prefix": float,
+              "candidates": int, "share": int}
 
 
 def number_text(v: float | int) -> str:
@@ -174,18 +179,23 @@ class Hyperparameters:
     skip_from: int = 3  # one skip from this block's output into the first attention-less block
     # schedule: the stages in order (rows of Stage, above), sharing the scheduled steps, then extension_steps more.
     # Three equal stages at batch_size with 3 / 7 / 11-block windows, short documents in the first (02/10/26),
-    # multi-token prediction (12/22/25) and the prefix-token loss (07/13/26)
+    # multi-token prediction (12/22/25), the prefix-token loss (07/13/26) and ANVIL2's sampled softmax (08/30/26: the
+    # head's rows a micro-batch of 49,152 tokens; full from full_softmax_from); on the proxy +0.0090 +- 0.0073 at equal
+    # tokens, 0.886x the step on one H200 (bench/results/learning_decisions.md)
     stages: tuple[Stage, ...] = (  # the schedule table: batch, document cut, window, lr, MTP per stage
-        #     window  documents cut at  targets t+2, t+3  prefix-token weight
-        Stage(3,      doc_len=896,      mtp=(0.5, 0.25),  prefix=0.25),
-        Stage(7,      doc_len=2048,     mtp=(0.5, 0.0),   prefix=0.25),
-        Stage(11,     doc_len=2048,     mtp=(0.0, 0.0),   prefix=0.0))
+        #     window  documents cut at  targets t+2, t+3  prefix-token weight  sampled softmax's rows
+        Stage(3,      doc_len=896,      mtp=(0.5, 0.25),  prefix=0.25,         candidates=16384),
+        Stage(7,      doc_len=2048,     mtp=(0.5, 0.0),   prefix=0.25,         candidates=14336),
+        Stage(11,     doc_len=2048,     mtp=(0.0, 0.0),   prefix=0.0,          candidates=12288))
     extension_steps: int = 20  # last steps, after the cooldown: final learning rate, long window extension_window (09/21/25)
     extension_window: int = 13  # long window of the extension, in blocks
     tied_embed_stages: int = 2  # embeddings read from the LM head for this many stages, then a copy learns (12/22/25)
     # long window of the final validation, in blocks (09/10/25: 13), raised without a YaRN step (the last stage's rotary
     # tables) and the short window kept, as records #89 and ANVIL2 validate; 0 = the last stage's windows
     final_val_window: int = 20
+    # ANVIL2 (2026-08-30) samples until step 1,101 of its 1,194 (its README), 0.922 of the run, a fraction here so that
+    # the switch moves with num_iterations
+    full_softmax_from: float = 0.922  # training's softmax is full from this fraction of num_iterations on; before it, each stage's candidates (0: full)
     # optimization
     # 776 x 393,216 = 305.1M tokens (the public record #89: 338.8M). On the proxy at batches / 16 (the harness's rule:
     # the 8-GPU step count is the proxy's) it reached the public code's mean final loss at steps 763-771 of 776 in
@@ -316,6 +326,7 @@ class Hyperparameters:
         if h.final_val_window < 0:
             raise ValueError(f"final_val_window={h.final_val_window}: 0 (the last stage's window) or a window in blocks")
         h.check_layout()
+        h.check_softmax()
         if not 0 <= h.muon_beta2 < 1:
             raise ValueError(f"muon_beta2={h.muon_beta2}: 0 (plain Muon) or an EMA factor in (0, 1) for NorMuon")
         for name in ("embed_weight_decay", "head_weight_decay", "muon_weight_decay"):
@@ -339,6 +350,15 @@ class Hyperparameters:
         if h.attention not in ("auto", *ATTENTION_BACKENDS):
             raise ValueError(f"attention={h.attention!r}: choose one of auto, {', '.join(ATTENTION_BACKENDS)}")
 
+
+    def check_softmax(self):
+        """The sampled softmax's columns and switch: counts of the head's rows, and a fraction of the run."""
+        for i, row in enumerate(self.stages, start=1):
+            if not 0 <= row.candidates <= self.vocab_size:
+                raise ValueError(f"stage {i}: candidates={row.candidates}: 0 (the full softmax) or a number of the "
+                                 f"head's rows up to vocab_size={self.vocab_size}")
+        if not 0 <= self.full_softmax_from <= 1:
+            raise ValueError(f"full_softmax_from={self.full_softmax_from}: a fraction of num_iterations in [0, 1]")
 
     def check_layout(self):
         """The model's block-indexed parts fit its blocks and one another (each error names the field)."""
@@ -478,6 +498,8 @@ STAGE_COLUMNS = {
     "lr_schedule": ("lr", _floats, "learning-rate multiplier per stage, e.g. 1,1.52,1.73 (empty: 1)"),
     "mtp_weights": ("mtp", _floats, "multi-token prediction weights, K per stage in stage order, e.g. the "
                                    "record line's 0.5,0.25,0.5,0,0,0 (empty: off)"),
+    "candidates_schedule": ("candidates", _ints, "sampled softmax: the head's rows per micro-batch in training, per "
+                                                 "stage, e.g. 10240,14336,24576 (0 or empty: the full softmax)"),
 }
 
 
@@ -1083,6 +1105,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: ModelKernels = ModelKernels()):
         super().__init__()
         self.cfg, self.kernels = cfg, kernels  # kernels: chosen for the device once (build(): choose_kernels)
+        self.sweep_inverse = sweep_inverse(cfg.vocab_size)  # the sampled softmax's sweep (candidate_rows), a constant
         L, dim = cfg.num_layers, cfg.model_dim
         self.embed = nn.Embedding(cfg.vocab_size, dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in cfg.value_embed_blocks)
@@ -1384,37 +1407,43 @@ class GPT(nn.Module):
 
     def head_losses(self, x: Tensor, targets: Tensor, mtp_weights: Tensor | None = None,
                     cu_seqlens: Tensor | None = None, prefix_weight: Tensor | None = None,
-                    copy: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                    copy: tuple[Tensor, Tensor] | None = None, sampled: tuple[int, Tensor] | None = None) -> Tensor:
         """Cross-entropy of every position of the final hidden state x against its target; with
         mtp_weights (w_2, w_3, ...), plus multi-token prediction's sum_k w_k * CE(logits_t, token t+k)
         over the targets of t's document (mtp_targets); with prefix_weight (one value), plus that times
         CE(logits_t, the prefix token of t's target) where it has one (prefix_ids); all from the same logits.
         With copy = (p_copy, a_sink) (copy_pointer), the next-token term is CPLM's: -log of the mixture
         p_lm(y) (1 - alpha (1 - a_sink)) / (1 - alpha) + alpha p_copy(y), alpha the softmax's share of the copy
-        column bos_id + 1 (a padding row no token uses), as PR 379."""
+        column bos_id + 1 (a padding row no token uses), as PR 379. With sampled = (count, offset), in training, the
+        softmax runs over `count` rows of the head (sampled_head): every target above and the copy column, and rows
+        of a sweep over the vocabulary from offset (ANVIL2's sampled softmax)."""
         cfg = self.cfg
         extra = [] if mtp_weights is None else [(y, torch.where(keep, mtp_weights[j], 0)) for j, (y, keep) in
                                                  enumerate(mtp_targets(targets, cu_seqlens, mtp_weights.size(0)))]
         if prefix_weight is not None:
             prefix = self.prefix_ids[targets]
             extra.append((prefix.clamp(min=0), torch.where(prefix >= 0, prefix_weight[0], 0)))
+        head, column = self.lm_head_w, cfg.bos_id + 1  # the head's rows, and the copy column's among them
+        if sampled is not None:  # the candidates' rows only, every target and the copy column as its place among them
+            head, targets, extra, column = sampled_head(head, targets, extra, column if copy is not None else None,
+                                                        *sampled, self.sweep_inverse)
         if self.kernels.fused_ce and self.training:
             # every target of a token in one pass over its logits: (T, K) targets, (T, K) weights; with CPLM, the
             # next token's term and the copy column's (the last target) go into the mixture instead, at weight 0
             ys = torch.stack([targets, *(y for y, _ in extra)], 1)
             ws = torch.stack([torch.ones_like(targets, dtype=torch.float32), *(w for _, w in extra)], 1)
             if copy is not None:
-                ys = torch.cat([ys, torch.full_like(targets, cfg.bos_id + 1)[:, None]], 1)
+                columns = torch.full_like(targets, column) if isinstance(column, int) else column
+                ys = torch.cat([ys, columns[:, None]], 1)
                 ws = torch.cat([torch.zeros_like(ws[:, :1]), ws[:, 1:], torch.zeros_like(ws[:, :1])], 1)
-            out = torch.ops.speedrun.fp8_head_ce(x, self.lm_head_w, ys, ws, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
+            out = torch.ops.speedrun.fp8_head_ce(x, head, ys, ws, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
                                                  HEAD_GRAD_SCALE, cfg.logit_softcap, cfg.softcap_shift,
                                                  cfg.softcap_temp)
             return out[0] if copy is None else out[0] + cplm_nll(out[5][:, 0], out[5][:, -1], *copy)
         if self.kernels.fp8_head and self.training:
-            logits = torch.ops.speedrun.mm_fp8(x, self.lm_head_w, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
-                                               HEAD_GRAD_SCALE)[0]
+            logits = torch.ops.speedrun.mm_fp8(x, head, head_x_scale(cfg.model_dim), HEAD_W_SCALE, HEAD_GRAD_SCALE)[0]
         else:
-            logits = F.linear(x, self.lm_head_w.type_as(x))
+            logits = F.linear(x, head.type_as(x))
         z = self.softcap(logits)
         # Cross-entropy written out so that it compiles to one pass over the (tokens x vocab) logits
         # each way: z is in (0, cap) (any shift), so exp(z) needs no max-subtraction pass, and the target
@@ -1423,7 +1452,8 @@ class GPT(nn.Module):
         lse = z.exp().sum(-1).log()
         losses = lse - torch.where(vocab == targets[:, None], z, 0).sum(-1)
         if copy is not None:
-            losses = cplm_nll(losses, lse - z[:, cfg.bos_id + 1], *copy)
+            z_copy = z[:, column] if isinstance(column, int) else z.gather(1, column[:, None])[:, 0]
+            losses = cplm_nll(losses, lse - z_copy, *copy)
         # The weights are a tensor, not Python floats: new values every step reuse the compiled graph.
         for y, w in extra:
             losses = losses + w * (lse - torch.where(vocab == y[:, None], z, 0).sum(-1))
@@ -1435,20 +1465,75 @@ class GPT(nn.Module):
 
     def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int],
                 reduction: str = "sum", mtp_weights: Tensor | None = None,
-                prefix_weight: Tensor | None = None) -> Tensor:
+                prefix_weight: Tensor | None = None, sampled: tuple[int, Tensor] | None = None) -> Tensor:
         """Summed cross-entropy of the micro-batch (reduction="none": per token). In training, mtp_weights
-        and prefix_weight add multi-token prediction's and the prefix-token loss' terms (head_losses);
-        evaluation is always next-token only."""
+        and prefix_weight add multi-token prediction's and the prefix-token loss' terms, and sampled (count,
+        offset) restricts the softmax to count candidates (head_losses); evaluation is always next-token only,
+        over the full softmax."""
         x = self.hidden(inputs, cu_seqlens, max_seqlen, windows)
         copy = self.copy_pointer(x, inputs, targets, cu_seqlens) if self.cfg.cplm_bands else None
         if self.training:
-            losses = self.head_losses(x, targets, mtp_weights, cu_seqlens, prefix_weight, copy)
+            losses = self.head_losses(x, targets, mtp_weights, cu_seqlens, prefix_weight, copy, sampled)
         else:
             n = self.eval_slice
             part = (lambda i: None) if copy is None else (lambda i: (copy[0][i: i + n], copy[1][i: i + n]))
             losses = torch.cat([self.head_losses(x[i: i + n], targets[i: i + n], copy=part(i))
                                 for i in range(0, x.size(0), n)])
         return losses.sum() if reduction == "sum" else losses
+
+
+# -----------------------------------------------------------------------------------------------
+# Sampled softmax in training (the public record ANVIL2, modded-nanogpt records/track_1_short/2026-08-30_ANVIL2, its
+# "shared-negative sampled softmax"): in the early stages each micro-batch's softmax runs over `candidates` rows of
+# the head instead of all vocab_size: every target its loss reads (next token, multi-token prediction's, the prefix
+# token, and CPLM's copy column), then rows taken in the order of a fixed sweep over the vocabulary that moves on from
+# micro-batch to micro-batch. No correction for the rows left out (no log-Q term), as ANVIL2 trains: a bias in the
+# gradient, which ANVIL2 ends by training its last ~8% of steps on the full softmax (full_softmax_from); validation
+# always reads the full softmax. The head's matmuls run over the candidates' rows only, gathered (the FP8 head's
+# kernels take any row count divisible by 16); rows outside them get no gradient that micro-batch.
+SWEEP_STRIDE = 20011  # ANVIL2's _SNS_STRIDE: its negatives sweep k * 20011 mod 50304 (coprime: a permutation)
+
+
+def sweep_inverse(vocab: int) -> int:
+    """The inverse mod vocab of the sweep's stride: the first stride from SWEEP_STRIDE up coprime to vocab (20011
+    itself for GPT-2's 50304), so that row k * stride mod vocab comes k-th in the sweep."""
+    stride = next(s for s in itertools.count(SWEEP_STRIDE) if math.gcd(s, vocab) == 1)
+    return pow(stride, -1, vocab)
+
+
+def sweep_offsets(step: int, micro: int, count: int, vocab: int) -> list[int]:
+    """Where each of this rank's micro-batches of a step starts in the sweep: each micro-batch a stride of about
+    `count` places after the one before (step after step; the first count up coprime to vocab, so that over the
+    laps every row starts a window, whatever the targets skipped in each), each rank 1/world of the vocabulary after
+    the one before (ANVIL2 staggers its ranks so). A function of the step alone: a resumed run samples as an
+    unbroken one."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    advance = next(a for a in itertools.count(max(count, 1)) if math.gcd(a, vocab) == 1)
+    return [((step * micro + m) * advance + vocab * rank // world) % vocab for m in range(micro)]
+
+
+def candidate_rows(ids: Tensor, count: int, vocab: int, offset: Tensor, inverse: int) -> tuple[Tensor, Tensor]:
+    """The sampled softmax's candidates, without a host sync: (count,) rows of the head, ascending: every id in ids,
+    then the others in sweep order from offset (row v's place in the sweep: v * inverse mod vocab, sweep_inverse);
+    and each row's position among them, -1 for the rest (vocab,). More distinct ids than count is an error on the
+    device (the loss would lose targets), as ANVIL2's "candidate overflow" is."""
+    taken = torch.zeros(vocab, dtype=torch.bool, device=ids.device).index_fill_(0, ids, True)
+    torch._assert_async(taken.sum() <= count, "sampled softmax: more distinct targets than candidates")
+    place = (torch.arange(vocab, device=ids.device) * inverse - offset) % vocab
+    rows = torch.where(taken, -1, place).topk(count, largest=False, sorted=False).indices.sort().values
+    positions = torch.full((vocab,), -1, dtype=torch.long, device=ids.device)
+    return rows, positions.index_copy_(0, rows, torch.arange(count, device=ids.device))
+
+
+def sampled_head(head: Tensor, targets: Tensor, extra: list[tuple[Tensor, Tensor]], column: int | None, count: int,
+                 offset: Tensor, inverse: int):
+    """The head restricted to the sampled softmax's candidates (candidate_rows): their rows of the head
+    (count, dim), the targets (T,) and extra's (target, weight) pairs with each target as its row's position among
+    them, and CPLM's copy column (None: no CPLM) likewise, one per token (T,)."""
+    ids = [targets, *(y for y, _ in extra)] + ([] if column is None else [targets.new_full((1,), column)])
+    rows, positions = candidate_rows(torch.cat(ids).long(), count, head.size(0), offset, inverse)
+    column = None if column is None else positions[column].expand_as(targets)
+    return head[rows], positions[targets], [(positions[y], w) for y, w in extra], column
 
 
 def cplm_nll(next_term: Tensor, copy_term: Tensor, p_copy: Tensor, a_sink: Tensor) -> Tensor:
@@ -2090,6 +2175,7 @@ class Schedule:
         self.stages = tuple(self.resolve(args) if stages is None else stages)
         n = args.tied_embed_stages  # the first step with the token embedding untied: the start of stage n
         self.untie = self.stages[n].start if n < len(self.stages) else math.inf  # (0: never tied; inf: always)
+        self.full_softmax = round(args.full_softmax_from * args.num_iterations)  # the first step of the full softmax
 
     @staticmethod
     def resolve(args: Hyperparameters) -> list[Stage]:
@@ -2097,8 +2183,8 @@ class Schedule:
         S = num_iterations - extension_steps scheduled steps in proportion to their shares (with equal shares,
         step s trains in stage floor(n * s / (S + 1)): the 2025-09-03 record's split of steps 0..S); batches and
         windows are counted in tokens; the loss weights ramp to the next row's. An extension stage, if any,
-        follows at the last row's batch and loss weights, lr 1 and the longer extension_window (the public
-        record line's extension, from 11/2025)."""
+        follows at the last row's batch, loss weights and candidates, lr 1 and the longer extension_window (the
+        public record line's extension, from 11/2025)."""
         rows, E = list(args.stages), args.extension_steps
         S = args.num_iterations - E
         total = sum(row.share for row in rows)
@@ -2106,7 +2192,7 @@ class Schedule:
         if E:  # the extension takes over at step S and holds the last row's batch and loss weights
             last = rows[-1]
             rows.append(Stage(args.extension_window, batch=last.batch, doc_len=last.doc_len, mtp=last.mtp,
-                              prefix=last.prefix))
+                              prefix=last.prefix, candidates=last.candidates))
             ends[-1:] = [S, S + E + 1]
         micro = args.batch_size // args.seq_len  # micro-batches per step, the same in every stage
         stages = []
@@ -2158,6 +2244,11 @@ class Schedule:
         last); Muon steps every step."""
         return (step + 1) % self.args.adam_every == 0
 
+    def candidates_at(self, step: int, stage: Stage) -> int:
+        """The sampled softmax's rows at a step of a stage (or a warm-up shape): the stage's candidates before the
+        step full_softmax_from of the run, 0 (the full softmax) from it on."""
+        return stage.candidates if step < self.full_softmax else 0
+
     def val_windows(self, step: int) -> tuple[int, ...]:
         """The windows of the validation before a step: its stage's, except the final validation, whose long
         window can look further back than training did (final_val_window: the 2025-09-10 record's 13 blocks).
@@ -2170,9 +2261,12 @@ class Schedule:
         return last
 
     def warmup_shapes(self) -> list[Stage]:
-        """The distinct stage shapes the warm-up compiles, each as its first stage."""
-        return list({(st.spec, st.windows, len(st.mtp_ramp), any(st.prefix_ramp), st.start < self.untie): st
-                     for st in self.stages}.values())
+        """The distinct stage shapes the warm-up compiles, each as its first stage; a stage that samples the softmax
+        and reaches the switch to the full one (full_softmax_from) once with its candidates, once with 0."""
+        softmax = [(st, c) for st in self.stages for c in dict.fromkeys(
+            ([st.candidates] if st.start < self.full_softmax else []) + ([0] if st.end > self.full_softmax else []))]
+        return list({(st.spec, st.windows, len(st.mtp_ramp), any(st.prefix_ramp), st.start < self.untie, c):
+                     dataclasses.replace(st, candidates=c) for st, c in softmax}.values())
 
     def warmup_spec_at(self, step: int) -> BatchSpec:
         """The batch of a warm-up step: warmup_steps steps of each shape in turn (the warm-up loader's plan)."""
@@ -2312,6 +2406,14 @@ MULTI_GPU_SOURCE = {("H200", 4): "four H200s of one host, 2026-11-28 (bench/resu
 EIGHT_GPU_RATIO = {"H100": {16384: 0.130, 32768: 0.132, 49152: 0.129}}
 
 
+def softmax_column(stage: Stage, full_from: int, steps: int) -> str:
+    """--plan's softmax column of a stage: 'full', or the sampled softmax's rows, '*' where its steps reach the
+    switch to the full softmax (Schedule.full_softmax)."""
+    if not stage.candidates or stage.start >= full_from:
+        return "full"
+    return f"{stage.candidates:,}" + ("*" if min(stage.end, steps) > full_from else "")
+
+
 def plan_kinds() -> list[str]:
     """The GPU kinds --plan_gpu takes: those with rows of ours or of the public master."""
     return sorted({key[0] for key in STEP_US_PER_TOKEN} | set(PUBLIC_MASTER_STEP_MS))
@@ -2345,8 +2447,8 @@ def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
     lines = [f"--preset {args.preset}: {N} steps of {micro} micro-batches; projected seconds on {kind} "
              f"({STEP_US_ATTENTION.get(kind, 'no rows')}), steps only ('-': shape not measured)",
              f"{'stage':>5}  {'steps':>11}  {'batch':>9}  {'micro-batches 1/8 GPUs':>22}  {'micro tokens':>12}  "
-             f"{'doc cut':>7}  {'windows':>9}  {'lr x':>4}  {'tokens':>13}  {'us/token':>8}  {'1 GPU':>7}  "
-             f"{'8 GPUs':>7}"]
+             f"{'doc cut':>7}  {'windows':>9}  {'lr x':>4}  {'tokens':>13}  {'softmax':>9}  {'us/token':>8}  "
+             f"{'1 GPU':>7}  {'8 GPUs':>7}"]
     one, eight, missing, ratios = 0.0, 0.0, [], {}
     for i, st in enumerate(stages):
         steps, b = min(st.end, N) - st.start, st.spec  # the last stage's end is the final validation's step
@@ -2363,8 +2465,13 @@ def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
         per_rank = f"{micro} / {micro / 8:g}"
         lines.append(f"{name:>5}  {f'{st.start}-{st.start + steps - 1}':>11}  {b.batch_size:>9,}  {per_rank:>22}  "
                      f"{b.seq_len:>12,}  {b.max_doc_len:>7,}  {f'{st.windows[0]}/{st.windows[1]}':>9}  "
-                     f"{st.lr:>4g}  {steps * b.batch_size:>13,}  {'-' if us is None else f'{us:.3f}':>8}  "
+                     f"{st.lr:>4g}  {steps * b.batch_size:>13,}  {softmax_column(st, schedule.full_softmax, N):>9}  "
+                     f"{'-' if us is None else f'{us:.3f}':>8}  "
                      f"{'-' if s1 is None else f'{s1:.1f}':>7}  {'-' if s8 is None else f'{s8:.1f}':>7}")
+    if any(st.candidates and st.start < schedule.full_softmax for st in stages):
+        lines.append(f"softmax: in training over that many of the head's rows (sampled), the full softmax from step "
+                     f"{schedule.full_softmax} (full_softmax_from {args.full_softmax_from:g} x {N} steps; '*': from "
+                     "inside the stage); validation: always the full softmax")
     tokens = schedule.tokens_before(N)
     lines.append(f"trained tokens: {tokens:,}")
     if missing:
@@ -2563,7 +2670,20 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
             f"MLP: {'fused' if k.fused_mlp else 'unfused'}{' fp8' if k.fp8_mlp else ''}, "
             f"cross-entropy: {'fused' if k.fused_ce else 'unfused'}, "
             f"compile: {args.compile}, "
-            f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device)]
+            f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device),
+            *sampled_softmax_report(Schedule(args))]
+
+
+def sampled_softmax_report(schedule: Schedule) -> list[str]:
+    """A start-of-run line where training samples the softmax (Stage.candidates): where, and that the training
+    losses logged there are over the candidates only, lower than the full softmax's (validation's are full)."""
+    sampled = [st for st in schedule.stages if st.candidates and st.start < schedule.full_softmax]
+    if not sampled:
+        return []
+    return ["sampled softmax in training: " + ", ".join(f"{st.candidates:,} rows from step {st.start}"
+                                                        for st in sampled)
+            + f", the full softmax from step {schedule.full_softmax}; training losses logged before it are over the "
+              "candidates (lower than the full softmax's), validation's over the full vocabulary"]
 
 
 # -----------------------------------------------------------------------------------------------
@@ -2769,13 +2889,16 @@ def to_device(model: GPT, device: torch.device) -> GPT:
     return model.float() if device.type == "cpu" else model
 
 
-def check_fp8_head_shapes(vocab_size: int, model_dim: int):
+def check_fp8_head_shapes(vocab_size: int, model_dim: int, candidates: tuple[int, ...] = ()):
     """cuBLAS' FP8 matmuls (torch._scaled_mm) take only dimensions divisible by 16: refused here, before any compile,
-    with the fix, rather than as a cuBLAS error in the first step."""
+    with the fix, rather than as a cuBLAS error in the first step. The sampled softmax's head has `candidates` rows."""
     if vocab_size % 16 or model_dim % 16:
         raise ValueError(f"--fp8_head: the FP8 LM head's matmuls need vocab_size and model_dim divisible by 16, not "
                          f"{vocab_size} and {model_dim}; pad the vocabulary (the record's 50304 is GPT-2's 50257 "
                          "rounded up to 128) or pass --fp8_head false")
+    if any(n % 16 for n in candidates):
+        raise ValueError(f"--fp8_head: the sampled softmax's head rows (the stages' candidates {list(candidates)}) "
+                         "must be multiples of 16 for the FP8 matmuls, or pass --fp8_head false")
 
 
 def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int, log=print,
@@ -2786,7 +2909,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     chosen = choose_kernels(device, args.attention, args.compile, args.fp8_head, args.fused_ce, args.fused_mlp,
                             args.fp8_mlp, log)
     if chosen.fp8_head:
-        check_fp8_head_shapes(args.vocab_size, args.model_dim)
+        check_fp8_head_shapes(args.vocab_size, args.model_dim, tuple(row.candidates for row in args.stages))
     # TF32 tensor cores for the float32 matmuls: DC attention's and CPLM's scores (their bf16 inputs are exact in
     # TF32's 10-bit mantissa; the pointer's query and the DC mix round at 2^-11), no longer on CUDA cores
     if device.type == "cuda":
@@ -2804,7 +2927,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     if args.compile:
         # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final
         # validation, on purpose: dynamo's default limit of 8 per function must not fail a longer schedule.
-        graphs = 2 * len(schedule.stages) + 1
+        graphs = 2 * len(schedule.stages) + 1 + sum(1 for st in schedule.stages if st.candidates)  # sampled: one more
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
         # Inductor's fusions capped at 32 input/output buffers: uncapped, the backward fuses every block's
         # scalar-gradient reductions with the bigram and embedding backward into one kernel of 80+ buffers,
@@ -2832,10 +2955,13 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
     w, n = stage.loss_weights(step), len(stage.mtp_ramp)
     weights = torch.tensor(w, pin_memory=device.type == "cuda").to(device, non_blocking=True) if w else None
     mtp, prefix = (weights[:n] if n else None), (weights[n:] if len(w) > n else None)
+    count = schedule.candidates_at(step, stage)  # the sampled softmax's rows, its sweep's offsets as a tensor: no sync
+    offsets = torch.tensor(sweep_offsets(step, len(micro), count, model.cfg.vocab_size), pin_memory=device.type ==
+                           "cuda").to(device, non_blocking=True) if count else None
     model.note_token_lookups()
-    for inputs, targets, cu_seqlens in micro:
+    for m, (inputs, targets, cu_seqlens) in enumerate(micro):
         micro_loss = compiled(inputs, targets, cu_seqlens, stage.spec.max_doc_len, stage.windows, mtp_weights=mtp,
-                              prefix_weight=prefix)
+                              prefix_weight=prefix, sampled=(count, offsets[m]) if count else None)
         micro_loss.backward()
         loss += micro_loss.detach()
     adam, muon = optimizers
