@@ -192,7 +192,7 @@ class Hyperparameters:
     tied_embed_stages: int = 2  # embeddings read from the LM head for this many stages, then a copy learns (12/22/25)
     # long window of the final validation, in blocks (09/10/25: 13), raised without a YaRN step (the last stage's rotary
     # tables) and the short window kept, as records #89 and ANVIL2 validate; 0 = the last stage's windows
-    final_val_window: int = 20
+    final_val_window: int = 20  # the final validation's long window, in blocks (0: the last stage's windows)
     # ANVIL2 (2026-08-30) samples until step 1,101 of its 1,194 (its README), 0.922 of the run, a fraction here so that
     # the switch moves with num_iterations
     full_softmax_from: float = 0.922  # training's softmax is full from this fraction of num_iterations on; before it, each stage's candidates (0: full)
@@ -272,7 +272,7 @@ class Hyperparameters:
     keep_checkpoints: int = 3  # keep the newest K of a run
     resume: str = ""  # a checkpoint folder, or "latest" (newest under checkpoint_dir)
     plan: bool = False  # print the resolved schedule and its projected 1- and 8-GPU time, then exit (no GPU used)
-    plan_gpu: str = "H100"  # the GPU kind --plan projects for and compares with the public master on: H100 | H200
+    plan_gpu: str = "H200"  # the GPU kind --plan projects on, beside the public master: H200 | H100 (full softmax only)
     # presets and the smoke preset's built-in data
     preset: str = "record"  # record | smoke | single | medium (then any field overrides)
     markov_corpus: bool = False  # write a synthetic Markov-chain corpus to train/val_files first
@@ -2351,20 +2351,31 @@ STEP_US_PER_TOKEN = {
     ("H100", "record", 49152, 2048, 7): 1.565,
     ("H100", "record", 49152, 2048, 11): 1.589,
     ("H100", "record", 49152, 2048, 13): 1.576,
-    # one H200 of a two-GPU host, 2026-11-28, PyTorch 2.11.0+cu130, PyTorch's varlen attention, the record preset at
-    # 393,216-token steps of 49,152-token micro-batches: 569.5 / 606.1 / 626.4 / 631.3 ms a step (issue 63's figures;
-    # bench/results/public_line_history.md)
-    ("H200", "record", 49152, 896, 3): 1.448,
-    ("H200", "record", 49152, 2048, 7): 1.541,
-    ("H200", "record", 49152, 2048, 11): 1.593,
-    ("H200", "record", 49152, 2048, 13): 1.605,
+    # one H200 of a one-GPU machine, alone, 2026-11-29, PyTorch 2.11.0+cu130, PyTorch's varlen attention, main at
+    # 8a31d12 (the full softmax throughout): `python train_gpt.py --preset record --seed 0 --num_iterations 80
+    # --attention varlen ...`, each stage's mean step, two runs' mean: 565.0 / 603.6 / 622.0 / 630.2 ms per
+    # 393,216-token step (bench/results/timing_h200_20261129.md)
+    ("H200", "record", 49152, 896, 3): 1.437,
+    ("H200", "record", 49152, 2048, 7): 1.535,
+    ("H200", "record", 49152, 2048, 11): 1.582,
+    ("H200", "record", 49152, 2048, 13): 1.603,
+}
+# The sampled softmax's steps (those before Schedule.full_softmax in a stage with candidates): time per token as
+# STEP_US_PER_TOKEN's, keyed as it is plus the stage's candidates (the head's rows a micro-batch); a stage's full
+# softmax steps are priced at its STEP_US_PER_TOKEN row.
+SAMPLED_US_PER_TOKEN = {
+    # the same H200 session, branch wt63a at 69d1948 with `--candidates_schedule 16384,14336,12288`, stages 1-3's
+    # mean step: 499.4 / 528.7 / 541.3 ms per 393,216-token step (its 4th stage mixed sampled and full steps: unused)
+    ("H200", "record", 49152, 896, 3, 16384): 1.270,
+    ("H200", "record", 49152, 2048, 7, 14336): 1.345,
+    ("H200", "record", 49152, 2048, 11, 12288): 1.377,
 }
 # what --plan says of each kind's rows: the attention kernel they ran with, and where they come from
 STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "PyTorch varlen attention"}
 STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, main at 46b1702 "
                           "(bench/results/one_session_h100_20261127c.md)",
-                  "H200": "one H200 of a two-GPU host, 2026-11-28, PyTorch 2.11.0+cu130 "
-                          "(bench/results/public_line_history.md)"}
+                  "H200": "one H200 of a one-GPU machine, 2026-11-29, PyTorch 2.11.0+cu130 "
+                          "(bench/results/timing_h200_20261129.md)"}
 # The public master (f411b3d3, record #89's code) on its own schedule: steps and tokens per step of each stage,
 # 423 / 424 / 423 steps at 131,072 / 262,144 / 393,216 tokens, then the 15-step extension at 393,216: 338,821,120
 # tokens (bench/results/public_master_comparison.md rows 32-34 and 47; bench/side_by_side.py's public_stages
@@ -2384,11 +2395,12 @@ PUBLIC_MASTER_STEP_MS = {
     "H200": dict(ms=(254.0, 439.0, 658.5, 661.0), attention="PyTorch varlen attention",
                  source="one H200 of a one-GPU machine, 2026-11-28, PyTorch 2.11.0+cu130 "
                         "(bench/results/public_line_history.md)",
-                 paired="ours the same day on another machine's H200, same PyTorch and attention"),
+                 paired="ours the next day on another one-GPU machine's H200, same PyTorch and attention"),
 }
 RECORD_89_SECONDS = 73.8  # public record #89 on 8xH100, its whole schedule
 # Measured on several GPUs of one host: time per token of the whole global batch, by (GPU kind, GPUs, preset,
-# micro-batch tokens per GPU, document cut, long window in blocks), as STEP_US_PER_TOKEN's one-GPU rows.
+# micro-batch tokens per GPU, document cut, long window in blocks), as STEP_US_PER_TOKEN's one-GPU rows: the full
+# softmax only (a stage with sampled steps has no multi-GPU time).
 MULTI_GPU_US_PER_TOKEN = {
     # four H200s of one host (NVLink), 2026-11-28, PyTorch 2.11.0+cu130, PyTorch's varlen attention, main at 28d32b5:
     # `NPROC=4 ./run.sh --preset record --num_iterations 80 --attention varlen ...`, each stage's mean step:
@@ -2406,6 +2418,9 @@ MULTI_GPU_SOURCE = {("H200", 4): "four H200s of one host, 2026-11-28 (bench/resu
 EIGHT_GPU_RATIO = {"H100": {16384: 0.130, 32768: 0.132, 49152: 0.129}}
 
 
+TABLES = "STEP_US_PER_TOKEN (full softmax) / SAMPLED_US_PER_TOKEN (sampled)"  # --plan's name for its one-GPU tables
+
+
 def softmax_column(stage: Stage, full_from: int, steps: int) -> str:
     """--plan's softmax column of a stage: 'full', or the sampled softmax's rows, '*' where its steps reach the
     switch to the full softmax (Schedule.full_softmax)."""
@@ -2416,7 +2431,7 @@ def softmax_column(stage: Stage, full_from: int, steps: int) -> str:
 
 def plan_kinds() -> list[str]:
     """The GPU kinds --plan_gpu takes: those with rows of ours or of the public master."""
-    return sorted({key[0] for key in STEP_US_PER_TOKEN} | set(PUBLIC_MASTER_STEP_MS))
+    return sorted({key[0] for key in (*STEP_US_PER_TOKEN, *SAMPLED_US_PER_TOKEN)} | set(PUBLIC_MASTER_STEP_MS))
 
 
 def public_master_time(kind: str) -> tuple[float, int] | None:
@@ -2435,12 +2450,33 @@ def stage_shape(args: Hyperparameters, stage: Stage) -> tuple[str, int, int, int
     return args.preset, stage.spec.seq_len, stage.spec.max_doc_len, stage.windows[0] // args.window_block
 
 
+def softmax_steps(schedule: Schedule, stage: Stage) -> tuple[int, int]:
+    """A stage's training steps as (sampled softmax, full softmax): with candidates, those before
+    Schedule.full_softmax sample, the rest are full (the last stage's end is the final validation's step)."""
+    end = min(stage.end, schedule.args.num_iterations)
+    sampled = max(0, min(end, schedule.full_softmax) - stage.start) if stage.candidates else 0
+    return sampled, end - stage.start - sampled
+
+
+def stage_us_per_token(schedule: Schedule, stage: Stage, kind: str) -> float | None:
+    """A stage's mean one-GPU time per token on this kind: its sampled steps at SAMPLED_US_PER_TOKEN's row, its full
+    ones at STEP_US_PER_TOKEN's; None where a row it needs is missing."""
+    sampled, full = softmax_steps(schedule, stage)
+    key = (kind, *stage_shape(schedule.args, stage))
+    us_sampled = SAMPLED_US_PER_TOKEN.get((*key, stage.candidates)) if sampled else 0.0
+    us_full = STEP_US_PER_TOKEN.get(key) if full else 0.0
+    if us_sampled is None or us_full is None:
+        return None
+    return (sampled * us_sampled + full * us_full) / max(sampled + full, 1)
+
+
 def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
     """--plan: the resolved schedule, one line per stage, the trained tokens, and the projected training time on
-    --plan_gpu's kind (steps x global batch x the table's time per token; x the 8-GPU ratio on 8 GPUs, where that
-    kind has one), per stage where the table has its shape on this GPU kind and in total where it has every
-    stage's; then where the times come from, and ours against the public master over each code's schedule on the
-    same kind. Validation, compile and warm-up are not counted."""
+    --plan_gpu's kind (steps x global batch x the tables' time per token, a stage's sampled and full softmax steps
+    each at its own row (stage_us_per_token); x the 8-GPU ratio on 8 GPUs, where that kind has one), per stage where
+    the tables have its rows on this GPU kind and in total where they have every stage's; then where the times come
+    from, and ours against the public master over each code's schedule on the same kind. Validation, compile and
+    warm-up are not counted."""
     args, stages, N = schedule.args, schedule.stages, schedule.args.num_iterations
     kind = kind or args.plan_gpu
     micro = args.batch_size // args.seq_len
@@ -2453,7 +2489,7 @@ def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
     for i, st in enumerate(stages):
         steps, b = min(st.end, N) - st.start, st.spec  # the last stage's end is the final validation's step
         name = "ext" if args.extension_steps and i == len(stages) - 1 else str(i + 1)
-        us = STEP_US_PER_TOKEN.get((kind, *stage_shape(args, st)))
+        us = stage_us_per_token(schedule, st, kind)
         ratio = EIGHT_GPU_RATIO.get(kind, {}).get(b.seq_len) if micro == 8 else None  # one micro-batch per GPU
         s1 = None if us is None else steps * b.batch_size * us * 1e-6
         s8 = None if s1 is None or ratio is None else s1 * ratio
@@ -2471,12 +2507,13 @@ def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
     if any(st.candidates and st.start < schedule.full_softmax for st in stages):
         lines.append(f"softmax: in training over that many of the head's rows (sampled), the full softmax from step "
                      f"{schedule.full_softmax} (full_softmax_from {args.full_softmax_from:g} x {N} steps; '*': from "
-                     "inside the stage); validation: always the full softmax")
+                     "inside the stage, its us/token the mean of its sampled and full steps); validation: always the "
+                     "full softmax")
     tokens = schedule.tokens_before(N)
     lines.append(f"trained tokens: {tokens:,}")
     if missing:
         lines.append(f"projected time: incomplete, stage(s) {', '.join(missing)} not in train_gpt.py's "
-                     f"STEP_US_PER_TOKEN for {kind} and --preset {args.preset} (bench/side_by_side.py times each "
+                     f"{TABLES} for {kind} and --preset {args.preset} (bench/side_by_side.py times each "
                      "stage of a schedule)")
     elif eight is not None:
         used = ", ".join(f"{r:.3f} at {n:,}" for n, r in sorted(ratios.items()))
@@ -2509,10 +2546,12 @@ def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
 
 def multi_gpu_lines(schedule: Schedule, kind: str, one: float | None) -> list[str]:
     """--plan: the schedule's time from step times measured on several GPUs of this kind (MULTI_GPU_US_PER_TOKEN),
-    where every stage's shape has a row, beside the one-GPU projection `one`."""
+    where every stage's shape has a row and trains with the full softmax, beside the one-GPU projection `one`."""
     args, N, lines = schedule.args, schedule.args.num_iterations, []
     for k, gpus in sorted(key for key in MULTI_GPU_SOURCE if key[0] == kind):
-        us = [MULTI_GPU_US_PER_TOKEN.get((k, gpus, *stage_shape(args, st))) for st in schedule.stages]
+        # full-softmax rows only: a stage with sampled steps has none
+        us = [None if softmax_steps(schedule, st)[0] else MULTI_GPU_US_PER_TOKEN.get((k, gpus, *stage_shape(args, st)))
+              for st in schedule.stages]
         if None in us:
             continue
         seconds = sum((min(st.end, N) - st.start) * st.spec.batch_size * u * 1e-6 for st, u in zip(schedule.stages, us))
@@ -2527,7 +2566,7 @@ def vs_public_master(kind: str, seconds: float | None, tokens: int, missing: lis
     whole schedule (R), and record #89's 8xH100 time scaled by ours / its one-GPU time over each schedule (T)."""
     master = public_master_time(kind)
     gaps = ([] if seconds is not None else
-            [f"ours: stage(s) {', '.join(missing)} not in STEP_US_PER_TOKEN for {kind} and --preset {preset}"])
+            [f"ours: stage(s) {', '.join(missing)} not in {TABLES} for {kind} and --preset {preset}"])
     if master is None:
         gaps.append(f"the public master: no stage times on {kind} (PUBLIC_MASTER_STEP_MS has "
                     f"{', '.join(PUBLIC_MASTER_STEP_MS)})")

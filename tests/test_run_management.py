@@ -58,12 +58,14 @@ def test_markov_corpus_is_deterministic_and_sits_at_its_entropy_floor(tmp_path):
 def _hand_countable_model():
     """The record model at its smallest to count by hand: four blocks of width 32 ("LSSL", block 2 without attention,
     the skip from block 1, backout at block 2), value tables in blocks 1 and 3, no paired heads, no XSA, no CPLM, a
-    bigram table of 2 rows without signs; vocabulary 64, 64-token micro-batches."""
+    bigram table of 2 rows without signs; vocabulary 64, 64-token micro-batches; the full softmax (the record's
+    sampled-softmax candidates exceed a 64-token vocabulary)."""
     args = tg.Hyperparameters(vocab_size=64, bos_id=63, num_layers=4, model_dim=32, num_heads=2, head_dim=16,
                               gate_channels=4, no_attn_layers=(2,), window_pattern="LSSL", value_embed_blocks=(1, 3),
                               paired_head_blocks=(), xsa_blocks=(), backout_layer=2, skip_from=1, bigram_rows=2,
                               bigram_sign_rows=0, cplm_bands=(), window_block=8, seq_len=64, val_seq_len=64,
-                              batch_size=128)
+                              batch_size=128,
+                              stages=tuple(dataclasses.replace(row, candidates=0) for row in tg.Hyperparameters.stages))
     with torch.device("meta"):
         return args, tg.GPT(tg.ModelConfig.from_args(args))
 
