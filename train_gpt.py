@@ -161,6 +161,9 @@ class Hyperparameters:
     softcap_shift: float = 5.0  # asymmetric softcap: 5 with logit_softcap 23 is the 2025-12-26 record's cap (09/03/25: 0)
     bigram_rows: int = 377_280  # rows of the bigram hash embedding, 0 = off (01/19/26; 377,280 since 05/27/26)
     bigram_sign_rows: int = 8_192  # rows of fixed random +-1 signs that multiply bigram rows, 0 = none (05/20/26)
+    # trigram channel (ANVIL2, modded-nanogpt 2026-08-30: half of its 84.6M-row table): rows after the bigram rows of
+    # the same table, hashed from (t-2, t-1, t) within a document, signed from the same sign rows; 0 = none
+    trigram_rows: int = 0
     # backout (10/04/25): a learned multiple of this block's output is subtracted before the head; MUDD mixes it in
     # and the later blocks attend over it (parallel attention inputs, 03/06/26)
     backout_layer: int = 7  # the backout block: below the last, after the attention-less one
@@ -357,6 +360,8 @@ class Hyperparameters:
             raise ValueError(f"softcap_shift={h.softcap_shift} must be a finite number")
         if h.bigram_rows < 2:  # the MUDD gates weigh it per block
             raise ValueError(f"bigram_rows={h.bigram_rows}: at least 2 (hashed rows + a document-start row)")
+        if h.trigram_rows == 1 or h.trigram_rows < 0:
+            raise ValueError(f"trigram_rows={h.trigram_rows}: 0 (none) or at least 2 (hashed rows + a reserved row)")
         if h.bigram_sign_rows < 0:
             raise ValueError(f"bigram_sign_rows={h.bigram_sign_rows}: 0 (no signs) or a positive count")
         if not 0 <= h.backout_layer < h.num_layers - 1:
@@ -633,6 +638,7 @@ class ModelConfig:
     softcap_shift: float
     bigram_rows: int
     bigram_sign_rows: int
+    trigram_rows: int
     backout_layer: int
     paired_head_blocks: tuple[int, ...]
     xsa_blocks: tuple[int, ...]
@@ -660,6 +666,10 @@ class ModelConfig:
 # the first 192 dims with 8,192 sign rows on 05-20; 377,280 full-width rows with 8,192 sign rows in
 # the 2026-05-27 record (@Lisennlp, PR 315). A table narrower than model_dim is not offered here.
 BIGRAM_HASH_MULTS = (36313, 27191)  # for the current and the previous token (2026-01-19 record)
+# ANVIL2's (2026-08-30) trigram row multipliers for tokens t, t-1, t-2 (get_sgsame_hash's _TG_ROW_0.._2) and
+# its trigram sign multipliers for t-2, t-1, t (bigram_kernels.py's `ss` hash)
+TRIGRAM_HASH_MULTS = (17351, 60961, 45259)
+TRIGRAM_SIGN_MULTS = (26801, 39779, 58699)
 
 
 def document_starts(cu_seqlens: Tensor, T: int) -> Tensor:
@@ -721,6 +731,25 @@ def bigram_indices(inputs: Tensor, cu_seqlens: Tensor, rows: int, sign_rows: int
     a, b = BIGRAM_HASH_MULTS
     row = torch.where(starts, rows - 1, torch.bitwise_xor(a * cur, b * prev) % (rows - 1))
     sign = torch.where(starts, 0, torch.bitwise_xor(cur, prev) % sign_rows) if sign_rows else None
+    return row, sign
+
+
+def trigram_indices(inputs: Tensor, cu_seqlens: Tensor, offset: int, rows: int,
+                    sign_rows: int = 0) -> tuple[Tensor, Tensor | None]:
+    """Each position's row of the trigram channel, rows offset .. offset + rows - 1 of the n-gram table (after the
+    bigram rows), and (sign_rows > 0) of the shared sign table. Row = offset + (17351 * token xor 60961 *
+    previous xor 45259 * the one before) mod (rows - 1), ANVIL2's hash; a position with fewer than two earlier
+    positions in its document takes the reserved last row and sign row 0, as ANVIL2 does for the first two
+    positions of its stream (ANVIL2 otherwise hashes across documents; here nothing crosses into a document).
+    Sign row = (26801 * the one before xor 39779 * previous xor 58699 * token) mod sign_rows (ANVIL2's)."""
+    starts = document_starts(cu_seqlens, inputs.size(0))
+    short = starts | starts.roll(1)  # a document start, or the position after one (position 0 wraps: a start)
+    cur = inputs.long()
+    prev, prev2 = cur.roll(1), cur.roll(2)
+    a, b, c = TRIGRAM_HASH_MULTS
+    row = offset + torch.where(short, rows - 1, (a * cur ^ b * prev ^ c * prev2) % (rows - 1))
+    sa, sb, sc = TRIGRAM_SIGN_MULTS
+    sign = torch.where(short, 0, (sa * prev2 ^ sb * prev ^ sc * cur) % sign_rows) if sign_rows else None
     return row, sign
 
 
@@ -1110,8 +1139,9 @@ class GPT(nn.Module):
         # signs picked by another hash (2026-05-20 record, @TrianX, PR 299: the sign trick of feature
         # hashing), so two bigrams that collide on a row mostly see it with different signs.
         # Made last, so that the weights above do not depend on these fields.
-        self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim, _weight=torch.zeros(cfg.bigram_rows, dim,
-                                                                                   dtype=torch.bfloat16))
+        # With trigram_rows, the trigram channel's rows follow the bigram rows in the same table (ANVIL2's layout).
+        rows = cfg.bigram_rows + cfg.trigram_rows
+        self.bigram_embed = nn.Embedding(rows, dim, _weight=torch.zeros(rows, dim, dtype=torch.bfloat16))
         signs = None
         if cfg.bigram_sign_rows:  # drawn from the seeded RNG: the same on every rank, and saved in checkpoints
             signs = (torch.randint(0, 2, (cfg.bigram_sign_rows, dim)) * 2 - 1).bfloat16()
@@ -1264,10 +1294,20 @@ class GPT(nn.Module):
         tables = {i: lookup(inputs, self.value_embeds[i].weight, self.value_embeds[i].grad_sum)  # each table once
                   for i in dict.fromkeys(self.value_embed_layers()) if i is not None}
         # one bigram lookup, added before every block with that block's weight
-        rows, signs = bigram_indices(inputs, cu_seqlens, self.cfg.bigram_rows, self.cfg.bigram_sign_rows)
-        bigram = lookup(rows, self.bigram_embed.weight, self.bigram_embed.grad_sum)
-        bigram = bigram if signs is None else bigram * self.bigram_signs[signs]
-        return x0, [tables.get(i) for i in self.value_embed_layers()], bigram
+        return x0, [tables.get(i) for i in self.value_embed_layers()], self.ngram_embedding(inputs, cu_seqlens)
+
+    def ngram_embedding(self, inputs: Tensor, cu_seqlens: Tensor) -> Tensor:
+        """The bigram lookup, plus with trigram_rows the trigram lookup (one gather of both channels' rows), each
+        channel's row times its sign row, summed into one embedding (ANVIL2's x0_bigram)."""
+        cfg = self.cfg
+        rows, signs = bigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.bigram_sign_rows)
+        if cfg.trigram_rows:
+            rows3, signs3 = trigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.trigram_rows, cfg.bigram_sign_rows)
+            rows = torch.cat([rows, rows3])
+            signs = None if signs is None else torch.cat([signs, signs3])
+        ngram = lookup(rows, self.bigram_embed.weight, self.bigram_embed.grad_sum)
+        ngram = ngram if signs is None else ngram * self.bigram_signs[signs]
+        return ngram[: inputs.size(0)] + ngram[inputs.size(0):] if cfg.trigram_rows else ngram
 
     def hidden(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int]) -> Tensor:
         """The final normed hidden state of every position (before the LM head)."""
