@@ -221,6 +221,11 @@ class Hyperparameters:
     # decays are per Adam step (Adam stepping every second training step: adam_every)
     embed_weight_decay: float = 0.025  # value-embed + bigram tables: cautious decay lr_t^2 x this; 0 = off (2026)
     embed_adam_betas: tuple[float, ...] = (0.75, 0.95)  # value-embed + bigram tables' Adam betas; empty = Adam's (2026)
+    # the n-gram (bigram + trigram) table learns by a row-sparse Adam (ANVIL2's, 2026-08-30): only the rows looked up
+    # since its last step are read and written, beta1 0 and one second moment per row (its gradient's mean square),
+    # embed_adam_betas' beta2, the embedding lr and embed_weight_decay; a row's missed steps are caught up exactly
+    # when it is next looked up (row_sparse_adam). Off: the table is in the embedding tables' dense Adam group.
+    ngram_sparse_adam: bool = False
     head_lr_mult: float = 1.0  # LM head: adam_lr times this
     # The 2026 records' LM head: betas 0.5,0.95 and cautious decay 0.005 x 150 = 0.75 per Adam step (Adam stepping
     # every second training step there: 0.375 where Adam steps every step, as the tables' 0.0125)
@@ -753,6 +758,33 @@ def trigram_indices(inputs: Tensor, cu_seqlens: Tensor, offset: int, rows: int,
     return row, sign
 
 
+class RowGradLog(torch.autograd.Function):
+    """weight[idx], whose backward writes each looked-up position's gradient into grad_log at positions pos (the
+    n-gram table's gradient log, ngram_lookup) and hands the table no gradient of its own."""
+
+    @staticmethod
+    def forward(ctx, idx: Tensor, weight: Tensor, pos: Tensor, grad_log: Tensor) -> Tensor:
+        ctx.save_for_backward(pos)
+        ctx.grad_log = grad_log
+        return F.embedding(idx, weight)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        pos, = ctx.saved_tensors
+        ctx.grad_log.index_copy_(0, pos, grad.reshape(-1, grad.size(-1)).to(ctx.grad_log.dtype))
+        return None, None, None, None
+
+
+def ngram_lookup(idx: Tensor, weight: Tensor, log: dict) -> Tensor:
+    """weight[idx] with the row-sparse gradient (ngram_sparse_adam): the rows and, in the backward, their gradients
+    (bf16, the lookup's own) are appended to the log (GPT.keep_table_grads), whose next free position `used` is a
+    device counter, so a compiled step has no host sync; the table's memory per step is its looked-up rows."""
+    pos = log["used"] + torch.arange(idx.numel(), device=idx.device)
+    log["rows"].index_copy_(0, pos, idx.reshape(-1))
+    log["used"].add_(idx.numel())
+    return RowGradLog.apply(idx, weight, pos, log["grads"])
+
+
 class TableLookup(torch.autograd.Function):
     """weight[idx], whose backward adds the looked-up rows' gradients into grad_sum (float32, the table's shape)
     instead of handing autograd a gradient of the whole table: a dense table gradient costs a zero fill, a
@@ -1153,6 +1185,8 @@ class GPT(nn.Module):
         self.token_lookups = set()
         for m in self.tables():
             m.register_buffer("grad_sum", None, persistent=False)
+        self.ngram_log = {}  # the n-gram table's gradient log with ngram_sparse_adam (keep_table_grads)
+        self.bigram_embed.weight.sparse_grad = None  # its row-sparse gradient (flush_ngram_log)
         # the smear gate's weights on the embedding's first gate_channels channels: zero, as the record
         self.smear_w = nn.Parameter(torch.zeros(1, cfg.gate_channels))
         # Tied embedding (2025-12-22 record, @varunneal, PR 178): while tied_embed is set, token embeddings
@@ -1243,12 +1277,42 @@ class GPT(nn.Module):
         """The token tables looked up by index: the token embedding, the value embeddings, the bigram table."""
         return [self.embed, *self.value_embeds, self.bigram_embed]
 
-    def keep_table_grads(self):
+    def keep_table_grads(self, ngram_positions: int = 0):
         """Training from here on sums the token tables' gradients in float32 buffers (TableLookup), the LM
-        head's too for its lookups while tied; flush_table_grads hands the sums to the optimizer."""
+        head's too for its lookups while tied; flush_table_grads hands the sums to the optimizer. With
+        ngram_positions (ngram_sparse_adam), the n-gram table instead logs its looked-up rows and their gradients,
+        room for that many lookups to start with (reserve_ngram_log grows it)."""
         self.lm_head_grad_sum = torch.zeros_like(self.lm_head_w, dtype=torch.float32)
         for m in self.tables():
             m.grad_sum = torch.zeros_like(m.weight, dtype=torch.float32)
+        if ngram_positions:
+            w = self.bigram_embed.weight
+            self.bigram_embed.grad_sum = None
+            self.ngram_log = dict(rows=torch.zeros(ngram_positions, dtype=torch.long, device=w.device),
+                                  grads=w.new_zeros(ngram_positions, w.size(1)),
+                                  used=torch.zeros((), dtype=torch.long, device=w.device), host_used=0)
+
+    def reserve_ngram_log(self, tokens: int):
+        """Before a training micro-batch of `tokens` tokens (the trainer's, outside the compiled graph): make room for
+        its n-gram lookups in the log, doubling it when full (a warm-up's run of steps without an Adam step)."""
+        log = self.ngram_log
+        if not log:
+            return
+        log["host_used"] += tokens * (2 if self.cfg.trigram_rows else 1)
+        if log["host_used"] > log["rows"].numel():
+            n = max(log["host_used"], 2 * log["rows"].numel())
+            log["rows"] = torch.cat([log["rows"], log["rows"].new_zeros(n - log["rows"].numel())])
+            log["grads"] = torch.cat([log["grads"], log["grads"].new_zeros(n - log["grads"].size(0), log["grads"].size(1))])
+
+    def flush_ngram_log(self):
+        """The log since the last flush as the n-gram table's row-sparse gradient, p.sparse_grad = (rows, float32
+        gradient sums): its distinct looked-up rows, ascending, each with the sum of its positions' gradients."""
+        log, p = self.ngram_log, self.bigram_embed.weight
+        n, log["host_used"] = log["host_used"], 0
+        log["used"].zero_()
+        rows, inverse = torch.unique(log["rows"][:n], return_inverse=True)
+        grads = torch.zeros(rows.numel(), p.size(1), device=p.device).index_add_(0, inverse, log["grads"][:n].float())
+        p.sparse_grad = (rows, grads)
         self.token_lookups = set()  # which of lm_head_w and embed.weight served the token lookups since the flush
 
     def note_token_lookups(self):
@@ -1259,6 +1323,10 @@ class GPT(nn.Module):
         for grad_sum in (self.lm_head_grad_sum, *(m.grad_sum for m in self.tables())):
             if grad_sum is not None:
                 grad_sum.zero_()
+        if self.ngram_log:
+            self.ngram_log["used"].zero_()
+            self.ngram_log["host_used"] = 0
+        self.bigram_embed.weight.sparse_grad = None
         self.token_lookups = set()
 
     def flush_table_grads(self):
@@ -1269,6 +1337,8 @@ class GPT(nn.Module):
         used += [(self.embed.weight, self.embed.grad_sum)] if "embed" in self.token_lookups else []
         used += [(m.weight, m.grad_sum) for m in self.tables()[1:]]
         self.token_lookups = set()
+        if self.ngram_log:
+            self.flush_ngram_log()
         for p, grad_sum in used:
             if grad_sum is None:
                 continue
@@ -1305,7 +1375,10 @@ class GPT(nn.Module):
             rows3, signs3 = trigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.trigram_rows, cfg.bigram_sign_rows)
             rows = torch.cat([rows, rows3])
             signs = None if signs is None else torch.cat([signs, signs3])
-        ngram = lookup(rows, self.bigram_embed.weight, self.bigram_embed.grad_sum)
+        if self.ngram_log and torch.is_grad_enabled():
+            ngram = ngram_lookup(rows, self.bigram_embed.weight, self.ngram_log)
+        else:
+            ngram = lookup(rows, self.bigram_embed.weight, self.bigram_embed.grad_sum)
         ngram = ngram if signs is None else ngram * self.bigram_signs[signs]
         return ngram[: inputs.size(0)] + ngram[inputs.size(0):] if cfg.trigram_rows else ngram
 
@@ -1687,6 +1760,61 @@ def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_
     p.copy_(p32 - update)
 
 
+def row_sparse_adam(p: Tensor, rows: Tensor, g: Tensor, state: dict, lr: float, beta2: float, eps: float,
+                    weight_decay: float):
+    """One Adam step of the n-gram table p on its looked-up `rows` only (ascending, distinct; g their float32
+    gradient sums), equal to a dense step of every row (ANVIL2's row-compacted Adam, modded-nanogpt 2026-08-30):
+    beta1 = 0 and one second moment per row, v <- beta2 v + (1 - beta2) mean(g^2); update = g / (sqrt(v) + eps) x
+    lr sqrt(1 - beta2^t), plus the cautious decay lr^2 x weight_decay x p where the update has p's sign. A row not
+    looked up takes a zero gradient in the dense step: v <- beta2 v, update 0 and so no decay: the weights do not
+    move. So a row's missed steps come down to v times the product of their beta2, applied exactly when the row is
+    next looked up ("exact replay"): last_step holds each row's last step, log_beta2[j] the sum of log beta2 over
+    steps 1..j (float64; any beta2 schedule). Reads and writes 2 x dim + 8 bytes of state and weights per row."""
+    if not state:
+        state.update(step=0, exp_avg_sq=torch.zeros(p.size(0), device=p.device),
+                     last_step=torch.zeros(p.size(0), dtype=torch.int32, device=p.device),
+                     log_beta2=torch.zeros(1, dtype=torch.float64, device=p.device))
+    state["step"] += 1
+    t, logs = state["step"], state["log_beta2"]
+    missed = (logs[t - 1] - logs[state["last_step"][rows].long()]).exp()  # product of beta2 over missed steps
+    v = state["exp_avg_sq"][rows] * missed.float() * beta2 + g.square().mean(1) * (1 - beta2)
+    p32 = p[rows].float()
+    update = g / (v.sqrt() + eps)[:, None] * (lr * math.sqrt(1 - beta2**t))
+    update = update + torch.where(update * p32 > 0, p32, 0) * (lr**2 * weight_decay)
+    p.index_copy_(0, rows, (p32 - update).to(p.dtype))
+    state["exp_avg_sq"].index_copy_(0, rows, v)
+    state["last_step"].index_fill_(0, rows, t)
+    state["log_beta2"] = torch.cat([logs, logs[-1:] + math.log(beta2)])
+
+
+def launch_row_exchange(rows: Tensor, grads: Tensor, world_size: int) -> tuple[list, list]:
+    """Every rank's (rows, gradient sums) to every rank: an all-gather of the counts (one sync), then of the rows
+    and the gradients (in the table's dtype, bf16 on the wire as the dense table's reduce-scatter sends), padded
+    to the largest count; returns per rank its (rows, grads) views and the all-gathers to wait for. Bytes per
+    Adam step received by each rank: (world_size - 1) x max rows x (8 + 2 x dim), ~0.3 GB at 8 GPUs for ~25K rows
+    per rank; sending each row only to a rank owning its shard (ANVIL2's all-to-all) would cut it to ~n x 2 x dim."""
+    if world_size == 1:
+        return [(rows, grads)], []
+    counts = rows.new_empty(world_size)
+    dist.all_gather_into_tensor(counts, rows.new_tensor([rows.numel()]))
+    counts, m = counts.tolist(), int(counts.max())
+    all_rows, all_grads = rows.new_empty(world_size * m), grads.new_empty(world_size * m, grads.size(1))
+    works = [dist.all_gather_into_tensor(all_rows, F.pad(rows, (0, m - rows.numel())), async_op=True),
+             dist.all_gather_into_tensor(all_grads, F.pad(grads, (0, 0, 0, m - rows.numel())), async_op=True)]
+    return [(all_rows[r * m: r * m + n], all_grads[r * m: r * m + n]) for r, n in enumerate(counts)], works
+
+
+def sum_exchanged_rows(parts: list) -> tuple[Tensor, Tensor]:
+    """The ranks' (rows, grads) summed: the distinct rows, ascending, and their float32 gradient sums. One
+    index_add per rank, whose rows are distinct: its adds never meet on a row, so every rank sums in the same
+    order and computes the same update (the table is replicated)."""
+    rows = torch.cat([r for r, _ in parts]).unique()
+    total = torch.zeros(rows.numel(), parts[0][1].size(1), device=rows.device)
+    for r, g in parts:
+        total.index_add_(0, torch.searchsorted(rows, r), g.float())
+    return rows, total
+
+
 class DistAdam(torch.optim.Optimizer):
     """Adam, its state sharded over ranks (ZeRO-1 style): each parameter is split along dim 0; rank r
     reduce-scatters the gradient, updates its slice with fp32 moments, and the slices are all-gathered
@@ -1701,7 +1829,7 @@ class DistAdam(torch.optim.Optimizer):
         self.rank, self.world_size, self.update = rank, world_size, update
         for group in self.param_groups:
             for p in group["params"]:
-                if p.size(0) % world_size:
+                if p.size(0) % world_size and not group.get("sparse_rows"):
                     raise ValueError(f"DistAdam shards dim 0: a parameter of shape {tuple(p.shape)} "
                                      f"does not split over world_size={world_size}")
 
@@ -1716,6 +1844,8 @@ class DistAdam(torch.optim.Optimizer):
         state = {}
         for i, first in shards[0]["state"].items():
             state[i] = dict(first)
+            if "last_step" in first:  # the row-sparse Adam's state is the same on every rank
+                continue
             for key in ("exp_avg", "exp_avg_sq"):
                 full = torch.cat([shard["state"][i][key] for shard in shards])
                 rows = full.size(0) // self.world_size
@@ -1751,6 +1881,10 @@ class DistAdam(torch.optim.Optimizer):
         pending = []
         for group in self.param_groups:
             for p in group["params"]:
+                if group.get("sparse_rows"):  # the n-gram table: its rows' gradients to every rank
+                    if getattr(p, "sparse_grad", None) is not None:
+                        pending.append((group, p, *launch_row_exchange(*p.sparse_grad, W)))
+                    continue
                 if p.grad is None:  # unused this step on every rank (a tied token embedding): no update
                     continue
                 rows = p.size(0) // W
@@ -1767,6 +1901,13 @@ class DistAdam(torch.optim.Optimizer):
         W, r = self.world_size, self.rank
         gathers = []
         for group, p, g, work in pending:
+            if group.get("sparse_rows"):  # replicated: every rank updates the summed rows, nothing to gather
+                for w in work:
+                    w.wait()
+                p.sparse_grad = None
+                row_sparse_adam(p.data, *sum_exchanged_rows(g), self.state[p], group["lr"], group["betas"][1],
+                                group["eps"], group["weight_decay"])
+                continue
             if work is not None:
                 work.wait()
             rows = p.size(0) // W
@@ -2361,7 +2502,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     decay and betas (embed_weight_decay, embed_adam_betas), as the LM head may have (head_weight_decay,
     head_adam_betas); at the defaults nothing differs."""
     groups = param_groups_by_role(model)
-    tables = groups["value embeddings"] + groups["bigram embedding"]  # decayed as in the 2026 records
+    # decayed as in the 2026 records; the n-gram table by the row-sparse Adam with ngram_sparse_adam
+    tables = groups["value embeddings"] + ([] if args.ngram_sparse_adam else groups["bigram embedding"])
     betas = (args.adam_beta1, args.adam_beta2)
     # a token embedding that starts tied learns, once untied, as the head does: its rate (the 2025-12-22 record),
     # betas and decay (the public master's embed and lm_head entries)
@@ -2380,6 +2522,10 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
                    dict(params=groups["MUDD gates"], lr=args.adam_lr * 0.1, betas=(0.9, 0.99)),
                    # CPLM's pointer: the base rate, betas 0.9 / 0.99 (PR 379's)
                    dict(params=groups.get("copy pointer", []), lr=args.adam_lr, betas=(0.9, 0.99))]
+    if args.ngram_sparse_adam:  # ANVIL2's n-gram table Adam: beta1 0, the tables' beta2, lr and decay
+        adam_groups.append(dict(params=groups["bigram embedding"], sparse_rows=True, lr=args.adam_lr * args.embed_lr_mult,
+                                weight_decay=args.embed_weight_decay,
+                                betas=(0.0, (tuple(args.embed_adam_betas) or betas)[1])))
     adam = DistAdam([g for g in adam_groups if g["params"]], lr=args.adam_lr, betas=betas, eps=args.adam_eps,
                     rank=rank, world_size=world_size, update=update)
     fc, proj = args.mlp_muon_lr_mults or (1.0, 1.0)
@@ -2693,7 +2839,10 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         torch.set_float32_matmul_precision("high")  # as Inductor advises
     torch.manual_seed(args.seed)
     model = to_device(GPT(ModelConfig.from_args(args), chosen), device)
-    model.keep_table_grads()  # the token tables' gradients summed sparsely (TableLookup), flushed on Adam's steps
+    # the token tables' gradients summed sparsely (TableLookup), flushed on Adam's steps; with ngram_sparse_adam the
+    # n-gram table's logged, room for an Adam step's lookups on this rank at the largest batch
+    positions = max(st.spec.batch_size for st in schedule.stages) // world_size * args.adam_every
+    model.keep_table_grads(positions * (2 if args.trigram_rows else 1) if args.ngram_sparse_adam else 0)
     if any(any(st.prefix_ramp) for st in schedule.stages):  # the prefix-token loss' table (untimed; the record
         vocab = gpt2_token_bytes()                            # builds it in its timed region, ~0.1 s)
         if args.vocab_size < len(vocab):
@@ -2734,6 +2883,7 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
     mtp, prefix = (weights[:n] if n else None), (weights[n:] if len(w) > n else None)
     model.note_token_lookups()
     for inputs, targets, cu_seqlens in micro:
+        model.reserve_ngram_log(inputs.numel())
         micro_loss = compiled(inputs, targets, cu_seqlens, stage.spec.max_doc_len, stage.windows, mtp_weights=mtp,
                               prefix_weight=prefix)
         micro_loss.backward()

@@ -73,3 +73,138 @@ def test_trigram_rows_zero_leaves_the_model_as_it_was():
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
     with pytest.raises(ValueError, match="trigram_rows=1"):
         tg.Hyperparameters(**{**TINY, "trigram_rows": 1})
+
+
+# -- 2. the row-sparse gradient and Adam with exact replay
+
+def dense_row_adam(p, g, v, t, lr, beta2, eps, wd):
+    """The rule row_sparse_adam applies to its rows, on every row of the table (untouched rows: g = 0)."""
+    v = beta2 * v + (1 - beta2) * g.square().mean(1)
+    u = g / (v.sqrt() + eps)[:, None] * (lr * (1 - beta2**t) ** 0.5)
+    u = u + torch.where(u * p > 0, p, 0) * (lr**2 * wd)
+    return p - u, v
+
+
+def caught_up_v(state, beta2s):
+    """row_sparse_adam's second moments brought to its current step (what the next lookup of a row applies)."""
+    missed = torch.tensor([float(torch.tensor(beta2s[ls:]).double().prod()) for ls in state["last_step"].tolist()])
+    return state["exp_avg_sq"] * missed.float()
+
+
+def test_row_sparse_adam_equals_dense_adam_on_touched_rows_and_exact_replay_on_untouched_rows():
+    gen = torch.Generator().manual_seed(0)
+    rows, dim, steps = 40, 8, 7
+    p0 = torch.randn(rows, dim, generator=gen)
+    sparse, dense, v, state = p0.clone(), p0.clone(), torch.zeros(rows), {}
+    beta2s, lrs = [0.95, 0.95, 0.9, 0.95, 0.9025, 0.9, 0.95], [0.1, 0.2, 0.15, 0.1, 0.05, 0.1, 0.2]
+    last_touched = {}
+    for t in range(1, steps + 1):
+        touched = torch.randperm(rows, generator=gen)[: 10 + t].sort().values
+        if t < steps:  # row 0 sleeps through steps 2..steps-1 (k = steps - 2 zero-gradient steps), woken at the end
+            touched = touched[touched != 0] if t > 1 else torch.cat([touched[touched != 0], torch.tensor([0])]).sort().values
+        else:
+            touched = torch.cat([touched[touched != 0], torch.tensor([0])]).sort().values
+        g = torch.zeros(rows, dim)
+        g[touched] = torch.randn(touched.numel(), dim, generator=gen)
+        lr, b2 = lrs[t - 1], beta2s[t - 1]
+        tg.row_sparse_adam(sparse, touched, g[touched], state, lr, b2, 1e-8, 0.5)
+        dense, v = dense_row_adam(dense, g, v, t, lr, b2, 1e-8, 0.5)
+        for r in range(rows):
+            last_touched.setdefault(r, 0)
+            if r in touched.tolist():
+                last_touched[r] = t
+        torch.testing.assert_close(sparse, dense, rtol=1e-6, atol=1e-6)  # untouched rows: the weights did not move
+        torch.testing.assert_close(caught_up_v(state, beta2s[:t]), v, rtol=1e-5, atol=0)
+    assert last_touched[0] == steps and state["last_step"][0] == steps
+    assert (state["last_step"] < steps).any(), "some rows are still behind: their catch-up is pending"
+
+
+def test_row_sparse_adam_reads_and_writes_only_its_rows():
+    p = torch.randn(1000, 4).bfloat16()
+    before, state = p.clone(), {}
+    rows = torch.tensor([3, 500, 999])
+    tg.row_sparse_adam(p, rows, torch.randn(3, 4), state, 0.1, 0.95, 1e-8, 0.1)
+    changed = (p != before).any(1).nonzero().flatten()
+    assert changed.tolist() == rows.tolist()
+    assert state["last_step"].nonzero().flatten().tolist() == rows.tolist() and state["step"] == 1
+
+
+def test_the_ngram_log_gives_the_tables_gradient_on_its_looked_up_rows():
+    """keep_table_grads(positions): the n-gram lookups log rows and gradients, flushed as (distinct rows, sums) equal
+    to the dense table gradient (TableLookup's sum) on those rows; no dense gradient of the table is made."""
+    x, cu = stream(T=128, starts=(0, 60))
+    y = torch.randint(0, BOS, (128,), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    grads = {}
+    for sparse in (False, True):
+        model = tiny_model(randomize=True, trigram_rows=128)
+        model.keep_table_grads(64 if sparse else 0)  # room for 64 lookups: the log grows to the micro-batch's 256
+        model.note_token_lookups()
+        model.reserve_ngram_log(x.numel())
+        model(x, y, cu, 128, tg.window_tokens(3, TINY["window_block"])).backward()
+        model.flush_table_grads()
+        w = model.bigram_embed.weight
+        grads[sparse] = w.sparse_grad if sparse else w.grad.float()
+        assert sparse == (w.grad is None)
+    rows, g = grads[True]
+    r2, _ = tg.bigram_indices(x, cu, TINY["bigram_rows"], TINY["bigram_sign_rows"])
+    r3, _ = tg.trigram_indices(x, cu, TINY["bigram_rows"], 128, TINY["bigram_sign_rows"])
+    assert torch.equal(rows, torch.cat([r2, r3]).unique())
+    torch.testing.assert_close(g, grads[False][rows], rtol=1e-2, atol=1e-6)  # the dense path hands .grad in bf16
+    others = torch.ones(grads[False].size(0), dtype=torch.bool).index_fill_(0, rows, False)
+    assert grads[False][others].abs().max() == 0
+
+
+def test_dist_adam_steps_the_sparse_group_by_row_sparse_adam():
+    args = tg.Hyperparameters(**{**TINY, "ngram_sparse_adam": True, "trigram_rows": 64})
+    model = tiny_model(randomize=True, ngram_sparse_adam=True, trigram_rows=64)
+    adam, _ = tg.build_optimizers(model, args, 0, 1)
+    w = model.bigram_embed.weight
+    sparse_groups = [grp for grp in adam.param_groups if grp.get("sparse_rows")]
+    assert len(sparse_groups) == 1 and sparse_groups[0]["params"] == [w] and sparse_groups[0]["betas"][0] == 0
+    assert all(w is not q for grp in adam.param_groups if not grp.get("sparse_rows") for q in grp["params"])
+    rows, g = torch.tensor([1, 7, 300]), torch.randn(3, w.size(1))
+    expected, state = w.detach().clone(), {}
+    grp = sparse_groups[0]
+    tg.row_sparse_adam(expected, rows, g, state, grp["lr"], grp["betas"][1], grp["eps"], grp["weight_decay"])
+    w.sparse_grad = (rows, g)
+    adam.step()
+    assert torch.equal(w.detach(), expected) and w.sparse_grad is None
+
+
+def _exchange_worker(rank, world_size, out):
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    p = torch.nn.Parameter(torch.zeros(50, 4))
+    adam = tg.DistAdam([dict(params=[p], sparse_rows=True, lr=0.1, weight_decay=0.0, betas=(0.0, 0.95))],
+                       lr=0.1, betas=(0.0, 0.95), eps=1e-8, rank=rank, world_size=world_size)
+    for step in range(2):
+        p.sparse_grad = _rank_rows(rank, step)
+        adam.step()
+    torch.save(p.detach(), out.format(rank))
+    dist.destroy_process_group()
+
+
+def _rank_rows(rank, step):
+    g = torch.Generator().manual_seed(10 * step + rank)
+    rows = torch.randperm(50, generator=g)[: 5 + 3 * rank].sort().values  # overlapping, unequal row sets
+    return rows, torch.randn(rows.numel(), 4, generator=g)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_sum_their_sparse_row_gradients():
+    import tempfile
+    from distributed import spawn
+    with tempfile.TemporaryDirectory() as d:
+        out = d + "/rank{}.pt"
+        spawn(_exchange_worker, 2, out)
+        got = [torch.load(out.format(r)) for r in range(2)]
+    assert torch.equal(got[0], got[1]), "the replicated table stays the same on both ranks"
+    p, state = torch.zeros(50, 4), {}
+    for step in range(2):
+        dense = torch.zeros(50, 4)
+        for rank in range(2):
+            rows, g = _rank_rows(rank, step)
+            dense[rows] += g
+        touched = dense.abs().sum(1).nonzero().flatten()
+        tg.row_sparse_adam(p, touched, dense[touched], state, 0.1, 0.95, 1e-8, 0.0)
+    torch.testing.assert_close(got[0], p, rtol=1e-6, atol=1e-7)

@@ -56,7 +56,7 @@ RUN_CONTROL = {"seed", "plan", "peak_tflops", "save_every", "markov_corpus", "ma
 # techniques added off, waiting on GPU runs to be adopted into a preset or deleted (each names what decides it)
 PENDING_ADOPTION = {"weight_average"}  # ANVIL2's endgame weight averaging: paired with/without runs on GPUs
 # ANVIL2's n-gram table (issue 64 item 2): the trigram channel; adoption by the proxy's size sweep on GPUs
-PENDING_ADOPTION |= {"trigram_rows"}
+PENDING_ADOPTION |= {"trigram_rows", "ngram_sparse_adam"}
 
 
 def test_no_technique_is_off_in_every_preset():
