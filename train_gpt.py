@@ -161,9 +161,9 @@ class Hyperparameters:
     softcap_shift: float = 5.0  # asymmetric softcap: 5 with logit_softcap 23 is the 2025-12-26 record's cap (09/03/25: 0)
     bigram_rows: int = 377_280  # rows of the bigram hash embedding, 0 = off (01/19/26; 377,280 since 05/27/26)
     bigram_sign_rows: int = 8_192  # rows of fixed random +-1 signs that multiply bigram rows, 0 = none (05/20/26)
-    # trigram channel (ANVIL2, modded-nanogpt 2026-08-30: half of its 84.6M-row table): rows after the bigram rows of
-    # the same table, hashed from (t-2, t-1, t) within a document, signed from the same sign rows; 0 = none
-    trigram_rows: int = 0
+    # the trigram channel of ANVIL2 (modded-nanogpt 2026-08-30: half of its 84.6M-row table): rows after the bigram
+    # rows of the same table, hashed from (t-2, t-1, t) within a document, signed from the same sign rows
+    trigram_rows: int = 0  # rows of the trigram hash channel, summed with the bigram lookup; 0 = none (ANVIL2, 08/30/26)
     # backout (10/04/25): a learned multiple of this block's output is subtracted before the head; MUDD mixes it in
     # and the later blocks attend over it (parallel attention inputs, 03/06/26)
     backout_layer: int = 7  # the backout block: below the last, after the attention-less one
@@ -225,7 +225,7 @@ class Hyperparameters:
     # since its last step are read and written, beta1 0 and one second moment per row (its gradient's mean square),
     # embed_adam_betas' beta2, the embedding lr and embed_weight_decay; a row's missed steps are caught up exactly
     # when it is next looked up (row_sparse_adam). Off: the table is in the embedding tables' dense Adam group.
-    ngram_sparse_adam: bool = False
+    ngram_sparse_adam: bool = False  # the n-gram table's row-sparse Adam (beta1 0, a moment per row; ANVIL2, 08/30/26)
     head_lr_mult: float = 1.0  # LM head: adam_lr times this
     # The 2026 records' LM head: betas 0.5,0.95 and cautious decay 0.005 x 150 = 0.75 per Adam step (Adam stepping
     # every second training step there: 0.375 where Adam steps every step, as the tables' 0.0125)
@@ -1882,8 +1882,9 @@ class DistAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if group.get("sparse_rows"):  # the n-gram table: its rows' gradients to every rank
-                    if getattr(p, "sparse_grad", None) is not None:
-                        pending.append((group, p, *launch_row_exchange(*p.sparse_grad, W)))
+                    if getattr(p, "sparse_grad", None) is not None:  # in the table's dtype, as the dense .grad
+                        rows, grads = p.sparse_grad
+                        pending.append((group, p, *launch_row_exchange(rows, grads.to(p.dtype), W)))
                     continue
                 if p.grad is None:  # unused this step on every rank (a tied token embedding): no update
                     continue
@@ -2570,16 +2571,76 @@ def flops_per_token(model: GPT, windows: tuple[int, int], max_doc_len: int) -> f
     return 6 * matmul + attn
 
 
+def ngram_positions(schedule: Schedule, world_size: int) -> int:
+    """The n-gram table's lookups on one rank between two Adam steps at the schedule's largest batch (its gradient
+    log's room, ngram_sparse_adam): tokens per rank x adam_every x channels (2 with the trigram channel)."""
+    args = schedule.args
+    batch = max(st.spec.batch_size for st in schedule.stages)
+    return batch // world_size * args.adam_every * (2 if args.trigram_rows else 1)
+
+
+def ngram_memory(rows: int, dim: int, world_size: int, positions: int, sparse: bool) -> dict[str, int]:
+    """Bytes per GPU of the n-gram table (bigram + trigram rows x dim), by part. Dense (the embedding tables' Adam):
+    bf16 weights and gradient on every rank, the float32 gradient sum (TableLookup), fp32 Adam moments sharded.
+    Row-sparse (ngram_sparse_adam): bf16 weights on every rank (replicated, as the dense table's), 8 bytes of Adam
+    state per row (the second moment, the last step), and gradients bounded by the looked-up positions n per rank
+    (every one a distinct row at worst): the log (id + bf16 row), the rank's sums (id + fp32 row), the all-gathered
+    ranks' lists (world_size x n, bf16 rows; none on one GPU) and their fp32 sums."""
+    if not sparse:
+        return {"weights": 2 * rows * dim, "Adam state": 8 * rows * dim // world_size, "gradients": 6 * rows * dim}
+    n, bf16_row, fp32_row = positions, 8 + 2 * dim, 8 + 4 * dim
+    gathered = world_size * n * bf16_row if world_size > 1 else 0
+    return {"weights": 2 * rows * dim, "Adam state": 8 * rows,
+            "gradients": n * (bf16_row + fp32_row) + gathered + world_size * n * fp32_row}
+
+
+def ngram_memory_lines(args: Hyperparameters) -> list[str]:
+    """--plan: the n-gram table's bytes per GPU on 1, 2, 4 and 8 GPUs (ngram_memory), weights, Adam state, gradients."""
+    rows, schedule, gib = args.bigram_rows + args.trigram_rows, Schedule(args), 2**30
+    kind = "row-sparse Adam" if args.ngram_sparse_adam else "dense Adam"
+    lines = [f"n-gram table {args.bigram_rows:,} bigram + {args.trigram_rows:,} trigram rows x {args.model_dim} "
+             f"({kind}), GiB per GPU:", f"{'GPUs':>5}  {'weights':>8}  {'Adam state':>10}  {'gradients':>9}  {'total':>7}"]
+    for world in (1, 2, 4, 8):
+        m = ngram_memory(rows, args.model_dim, world, ngram_positions(schedule, world), args.ngram_sparse_adam)
+        lines.append(f"{world:>5}  {m['weights'] / gib:>8.2f}  {m['Adam state'] / gib:>10.2f}  "
+                     f"{m['gradients'] / gib:>9.2f}  {sum(m.values()) / gib:>7.2f}")
+    return lines
+
+
+def check_memory_fits(args: Hyperparameters, world_size: int, gpu_bytes: int, kernels: ModelKernels):
+    """Start-up: refuse, in one line, a run whose estimated memory per GPU (memory_estimate, the n-gram table's
+    part by ngram_memory) exceeds the GPU's, naming the table's share and the fixes, before anything is allocated."""
+    with torch.device("meta"):  # PyTorch's paths (nothing allocated, no kernel asked); the logits' size as chosen
+        model = GPT(ModelConfig.from_args(args), ModelKernels(fused_ce=kernels.fused_ce))
+        model.keep_table_grads(ngram_positions(Schedule(args), world_size) if args.ngram_sparse_adam else 0)
+    need = sum(memory_estimate(model, args, world_size).values())
+    if need > gpu_bytes:
+        rows, gib = args.bigram_rows + args.trigram_rows, 2**30
+        table = sum(ngram_memory(rows, args.model_dim, world_size, ngram_positions(Schedule(args), world_size),
+                                 args.ngram_sparse_adam).values())
+        raise ValueError(f"this run needs ~{need / gib:.1f} GiB per GPU (the n-gram table of {rows:,} rows "
+                         f"{table / gib:.1f} of it), the GPU has {gpu_bytes / gib:.1f} GiB: use fewer rows "
+                         "(--bigram_rows, --trigram_rows), --ngram_sparse_adam, more GPUs, or --preset single")
+
+
 def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[str, int]:
-    """Estimated bytes per GPU at the peak of a training step (the LM head's backward), by part."""
-    groups = param_groups_by_role(model)
+    """Estimated bytes per GPU at the peak of a training step (the LM head's backward), by part; with
+    ngram_sparse_adam the n-gram table is a part of its own (ngram_memory)."""
+    groups, sparse = param_groups_by_role(model), args.ngram_sparse_adam
+    table = groups.pop("bigram embedding") if sparse else []
     adam = sum(p.numel() for name, ps in groups.items() if name != "block matrices" for p in ps)
     muon = sum(p.numel() for p in groups["block matrices"])
     sums = {}
     if model.lm_head_grad_sum is not None:  # float32, the shapes of the LM head and the token tables (keep_table_grads)
-        sums["table gradient sums"] = 4 * (model.lm_head_w.numel() + sum(m.weight.numel() for m in model.tables()))
+        summed = [m.weight for m in model.tables() if not (sparse and m is model.bigram_embed)]
+        sums["table gradient sums"] = 4 * (model.lm_head_w.numel() + sum(w.numel() for w in summed))
+    if sparse:
+        rows = model.bigram_embed.weight.size(0)
+        sums["n-gram table"] = sum(ngram_memory(rows, args.model_dim, world_size,
+                                                ngram_positions(Schedule(args), world_size), True).values())
     return sums | {
-        "weights + grads": 2 * sum(p.numel() * p.element_size() for p in model.parameters()),
+        "weights + grads": 2 * sum(p.numel() * p.element_size() for p in model.parameters()
+                                   if all(p is not q for q in table)),
         "optimizer shards": (8 * adam + 4 * muon) // world_size,  # fp32 Adam moments, fp32 Muon momentum
         # bf16 logits, then a fp32 soft-capped copy and a bf16 gradient, or (fused) two FP8 gradients
         "logits": (4 if model.kernels.fused_ce else 8) * args.seq_len * args.vocab_size,
@@ -2837,12 +2898,13 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     # TF32's 10-bit mantissa; the pointer's query and the DC mix round at 2^-11), no longer on CUDA cores
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # as Inductor advises
+    if device.type == "cuda":  # a table (or a model) too large for the GPU: one line, before any allocation
+        check_memory_fits(args, world_size, torch.cuda.get_device_properties(device).total_memory, chosen)
     torch.manual_seed(args.seed)
     model = to_device(GPT(ModelConfig.from_args(args), chosen), device)
     # the token tables' gradients summed sparsely (TableLookup), flushed on Adam's steps; with ngram_sparse_adam the
     # n-gram table's logged, room for an Adam step's lookups on this rank at the largest batch
-    positions = max(st.spec.batch_size for st in schedule.stages) // world_size * args.adam_every
-    model.keep_table_grads(positions * (2 if args.trigram_rows else 1) if args.ngram_sparse_adam else 0)
+    model.keep_table_grads(ngram_positions(schedule, world_size) if args.ngram_sparse_adam else 0)
     if any(any(st.prefix_ramp) for st in schedule.stages):  # the prefix-token loss' table (untimed; the record
         vocab = gpt2_token_bytes()                            # builds it in its timed region, ~0.1 s)
         if args.vocab_size < len(vocab):
@@ -3578,7 +3640,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         if args.plan:
-            print("\n".join(schedule_plan(Schedule(args))))
+            print("\n".join(schedule_plan(Schedule(args)) + ngram_memory_lines(args)))
             return 0
         result = train(args)
     except USER_ERRORS as e:

@@ -165,7 +165,8 @@ def test_dist_adam_steps_the_sparse_group_by_row_sparse_adam():
     rows, g = torch.tensor([1, 7, 300]), torch.randn(3, w.size(1))
     expected, state = w.detach().clone(), {}
     grp = sparse_groups[0]
-    tg.row_sparse_adam(expected, rows, g, state, grp["lr"], grp["betas"][1], grp["eps"], grp["weight_decay"])
+    tg.row_sparse_adam(expected, rows, g.bfloat16().float(), state, grp["lr"], grp["betas"][1], grp["eps"],
+                       grp["weight_decay"])  # the gradient sums go to the optimizer in the table's dtype, bf16
     w.sparse_grad = (rows, g)
     adam.step()
     assert torch.equal(w.detach(), expected) and w.sparse_grad is None
@@ -208,3 +209,41 @@ def test_two_gloo_ranks_sum_their_sparse_row_gradients():
         touched = dense.abs().sum(1).nonzero().flatten()
         tg.row_sparse_adam(p, touched, dense[touched], state, 0.1, 0.95, 1e-8, 0.0)
     torch.testing.assert_close(got[0], p, rtol=1e-6, atol=1e-7)
+
+
+# -- 3. the memory table and the start-up refusal
+
+def test_the_ngram_memory_table_is_its_parts_arithmetic():
+    rows, dim, n = 1_000_000, 768, 10_000
+    dense = tg.ngram_memory(rows, dim, 4, n, sparse=False)
+    assert dense == {"weights": 2 * rows * dim, "Adam state": 8 * rows * dim // 4, "gradients": 6 * rows * dim}
+    one, eight = (tg.ngram_memory(rows, dim, w, n, sparse=True) for w in (1, 8))
+    assert one["weights"] == eight["weights"] == 2 * rows * dim and one["Adam state"] == eight["Adam state"] == 8 * rows
+    # log (id + bf16 row) and own sums (id + fp32 row) of n positions; 8 ranks' bf16 lists and their fp32 sums
+    assert one["gradients"] == n * (8 + 2 * dim) + n * (8 + 4 * dim) + n * (8 + 4 * dim)
+    assert eight["gradients"] == n * (8 + 2 * dim) + n * (8 + 4 * dim) + 8 * n * (8 + 2 * dim) + 8 * n * (8 + 4 * dim)
+    # beyond the weights, the dense table's gradients and moments scale with its rows, the sparse one's with its lookups
+    assert sum(dense.values()) - dense["weights"] > 50 * (sum(one.values()) - one["weights"])
+
+
+def test_plan_prints_the_tables_bytes_per_gpu_for_1_2_4_and_8_gpus(capsys):
+    assert tg.main(["--plan", "--trigram_rows", "1000000", "--ngram_sparse_adam", "true"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(out) if line.startswith("n-gram table 377,280 bigram + 1,000,000 trigram"))
+    assert "row-sparse Adam" in out[at] and [line.split()[0] for line in out[at + 2: at + 6]] == ["1", "2", "4", "8"]
+    args = tg.parse_args(["--trigram_rows", "1000000", "--ngram_sparse_adam", "true"])
+    m = tg.ngram_memory(1_377_280, 768, 8, tg.ngram_positions(tg.Schedule(args), 8), True)
+    assert out[at + 5].split()[1:] == [f"{m[k] / 2**30:.2f}" for k in ("weights", "Adam state", "gradients")] + \
+        [f"{sum(m.values()) / 2**30:.2f}"]
+    assert tg.ngram_positions(tg.Schedule(args), 8) == max(st.spec.batch_size for st in tg.Schedule(args).stages) \
+        // 8 * args.adam_every * 2
+
+
+def test_a_table_too_large_for_the_gpu_is_refused_in_one_line_naming_the_fix():
+    args = tg.parse_args(["--trigram_rows", "84225600", "--ngram_sparse_adam", "true"])  # ANVIL2's 84.6M rows
+    with pytest.raises(ValueError, match=r"n-gram table of 84,602,880 rows .*fewer rows .*--preset single") as e:
+        tg.check_memory_fits(args, 8, 141 * 2**30, tg.ModelKernels())  # replicated: 121 GiB of weights, + the model
+    assert "\n" not in str(e.value)
+    tg.check_memory_fits(tg.parse_args([]), 8, 80 * 2**30, tg.ModelKernels())  # the record fits an H100
+    tg.check_memory_fits(tg.parse_args(["--trigram_rows", "20773440", "--ngram_sparse_adam", "true"]), 8,
+                         141 * 2**30, tg.ModelKernels())  # ~21M rows fit an H200, row-sparse
