@@ -1185,7 +1185,7 @@ class GPT(nn.Module):
         self.token_lookups = set()
         for m in self.tables():
             m.register_buffer("grad_sum", None, persistent=False)
-        self.ngram_log = {}  # the n-gram table's gradient log with ngram_sparse_adam (keep_table_grads)
+        self.ngram_log, self.ngram_logged = {}, 0  # the n-gram table's gradient log with ngram_sparse_adam (keep_table_grads)
         self.bigram_embed.weight.sparse_grad = None  # its row-sparse gradient (flush_ngram_log)
         # the smear gate's weights on the embedding's first gate_channels channels: zero, as the record
         self.smear_w = nn.Parameter(torch.zeros(1, cfg.gate_channels))
@@ -1290,7 +1290,8 @@ class GPT(nn.Module):
             self.bigram_embed.grad_sum = None
             self.ngram_log = dict(rows=torch.zeros(ngram_positions, dtype=torch.long, device=w.device),
                                   grads=w.new_zeros(ngram_positions, w.size(1)),
-                                  used=torch.zeros((), dtype=torch.long, device=w.device), host_used=0)
+                                  used=torch.zeros((), dtype=torch.long, device=w.device))
+            self.ngram_logged = 0  # the log's positions in use, counted on the host (the compiled graph reads none)
 
     def reserve_ngram_log(self, tokens: int):
         """Before a training micro-batch of `tokens` tokens (the trainer's, outside the compiled graph): make room for
@@ -1298,9 +1299,9 @@ class GPT(nn.Module):
         log = self.ngram_log
         if not log:
             return
-        log["host_used"] += tokens * (2 if self.cfg.trigram_rows else 1)
-        if log["host_used"] > log["rows"].numel():
-            n = max(log["host_used"], 2 * log["rows"].numel())
+        self.ngram_logged += tokens * (2 if self.cfg.trigram_rows else 1)
+        if self.ngram_logged > log["rows"].numel():
+            n = max(self.ngram_logged, 2 * log["rows"].numel())
             log["rows"] = torch.cat([log["rows"], log["rows"].new_zeros(n - log["rows"].numel())])
             log["grads"] = torch.cat([log["grads"], log["grads"].new_zeros(n - log["grads"].size(0), log["grads"].size(1))])
 
@@ -1308,7 +1309,7 @@ class GPT(nn.Module):
         """The log since the last flush as the n-gram table's row-sparse gradient, p.sparse_grad = (rows, float32
         gradient sums): its distinct looked-up rows, ascending, each with the sum of its positions' gradients."""
         log, p = self.ngram_log, self.bigram_embed.weight
-        n, log["host_used"] = log["host_used"], 0
+        n, self.ngram_logged = self.ngram_logged, 0
         log["used"].zero_()
         rows, inverse = torch.unique(log["rows"][:n], return_inverse=True)
         grads = torch.zeros(rows.numel(), p.size(1), device=p.device).index_add_(0, inverse, log["grads"][:n].float())
@@ -1325,7 +1326,7 @@ class GPT(nn.Module):
                 grad_sum.zero_()
         if self.ngram_log:
             self.ngram_log["used"].zero_()
-            self.ngram_log["host_used"] = 0
+            self.ngram_logged = 0
         self.bigram_embed.weight.sparse_grad = None
         self.token_lookups = set()
 
