@@ -1,5 +1,7 @@
 """Shared fixtures: a synthetic corpus written as real shards, and a tiny model configuration."""
 import functools
+import gc
+import os
 import sys
 from pathlib import Path
 
@@ -9,7 +11,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# One intra-op thread, here and in the processes the tests start, unless OMP_NUM_THREADS says otherwise: the tiny
+# models' operations gain nothing from a second thread, and on a 2-core CPU two threads beside the batch loader's
+# thread (or another process) wait on each other. With another process busy on the CPU, TINY's steps took 680-810 ms
+# on two threads against 240-280 ms on one (the same losses), the quick set 575 s against 410 s (load ~3).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor compiles the tests' small graphs in this process, not in a pool of worker processes it starts at the first
+# compile (each imports torch): the quick set's compiling tests took 8 s less of a 2-core CPU.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
 import train_gpt as tg  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_configure(config):
@@ -30,6 +44,22 @@ def many_shapes_per_compiled_helper():
     torch._dynamo.config.recompile_limit = max(before, 64)
     yield
     torch._dynamo.config.recompile_limit = before
+
+
+@pytest.fixture(autouse=True, scope="session")
+def long_lived_objects_left_out_of_garbage_collection():
+    """train() collects garbage before its timed steps: over torch's, dynamo's and pytest's ~340,000 objects that took
+    0.15-0.3 s a run on a 2-core CPU, some 60 runs in the quick set. The objects alive at the start of each test file
+    are frozen (below), left out of every later collection (the tests' own garbage is still collected); unfrozen at
+    the end, so that the interpreter's exit still frees them (nanobind reports Triton's objects as leaked otherwise)."""
+    yield
+    gc.unfreeze()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def objects_alive_before_a_test_file_frozen(long_lived_objects_left_out_of_garbage_collection):
+    gc.collect()  # only what was made since the last file's freeze; the garbage among it is freed, not frozen
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
@@ -105,9 +135,16 @@ TINY_RECORD = dict(vocab_size=72, bos_id=BOS, num_layers=4, model_dim=64, num_he
                    num_iterations=20, extension_steps=4, extension_window=4, final_val_window=5, val_every=10,
                    compile=False, warmup_steps=0, device="auto")
 # Most tests: the same model and optimizer on a plain schedule: three stages of windows 1, 2, 3 blocks, no multi-token
-# prediction, no extension, the last stage's window for the final validation.
+# prediction, no extension, the last stage's window for the final validation, no endgame weight average (its second,
+# live validation cost a run about a step; tests/test_weight_average.py turns it on).
 TINY = dict(TINY_RECORD, stages=(tg.Stage(1), tg.Stage(2), tg.Stage(3)), extension_steps=0, extension_window=0,
-            final_val_window=0)
+            final_val_window=0, weight_average=())
+
+
+# For runs whose test compares them with each other or reads their logs and checkpoints, not how far they learn: two
+# micro-batches a step instead of TINY's 8, and a validation set of 4 buffers instead of 16 (one evaluation, 16
+# forward passes of 256 tokens, took longer than a training step of TINY's batch): about a third of a run's time.
+FAST = dict(batch_size=2 * 128, val_tokens=1024)
 
 
 def stages(base=None, **columns):

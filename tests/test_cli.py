@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import write_corpus
+from conftest import FAST, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -164,13 +164,13 @@ def test_the_resume_hint_alone_continues_with_the_checkpoints_hyperparameters(ti
 
 
 def test_a_run_sizes_cu_seqlens_from_its_data_by_default(tiny_args, capsys):
-    run = tg.train(tiny_args(num_iterations=2, val_every=0, max_num_docs=0, warmup_steps=1))
+    run = tg.train(tiny_args(**FAST, num_iterations=2, val_every=0, max_num_docs=0, warmup_steps=1))
     out = capsys.readouterr().out
     assert "data: cu_seqlens sized to this run's fullest micro-batches" in out and run.val_losses[-1][0] == 2
 
 
 def test_cpu_runs_report_a_float32_head_and_memory_per_process(tiny_args, capsys):
-    run = tg.train(tiny_args(num_iterations=1, val_every=0, fp8_head=True, save_every=1, adam_every=1))
+    run = tg.train(tiny_args(**FAST, num_iterations=1, val_every=0, fp8_head=True, save_every=1, adam_every=1))
     out = capsys.readouterr().out
     assert "LM head: float32" in out and "memory per process: ~" in out and "MiB" in out
     # on the CPU every weight, the embeddings included, is float32 (bf16 matmuls are emulated there)

@@ -21,8 +21,10 @@ LOSS_LINE = re.compile(r"^(step:\d+/\d+ val_loss:\S+|train_loss per step .*)")
 
 def golden_run(tmp: Path) -> list[str]:
     train, val = write_corpus(tmp / "data")
-    args = tg.Hyperparameters(**{**TINY_RECORD, "train_files": train, "val_files": val, "seed": 1234,
-                                 "val_every": 5, "log_dir": str(tmp / "logs"), "checkpoint_dir": str(tmp / "ckpt")})
+    # weight_average off: the golden pins the arithmetic of ba25215's record model (the averaging, added after, has
+    # its own tests: tests/test_weight_average.py)
+    args = tg.Hyperparameters(**{**TINY_RECORD, "weight_average": (), "train_files": train, "val_files": val,
+                                 "seed": 1234, "val_every": 5, "log_dir": str(tmp / "logs"), "checkpoint_dir": str(tmp / "ckpt")})
     run = tg.train(args)
     lines = [m.group(1) for line in Path(run.log_path).read_text().splitlines() if (m := LOSS_LINE.match(line))]
     return lines

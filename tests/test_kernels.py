@@ -281,17 +281,72 @@ def run_in_triton_interpreter(script_text: str, tmp_path, *extra: str):
     """Run a check script in a fresh process with TRITON_INTERPRET=1 (it must be set before triton is first
     imported); the script gets the project's and the tests' folders as arguments (then `extra`) and prints
     JSON last."""
-    import json
+    return interpreter_result(start_in_triton_interpreter(script_text, tmp_path, *extra))
+
+
+def start_in_triton_interpreter(script_text: str, tmp_path, *extra: str):
+    """run_in_triton_interpreter's process, started and left running: its output goes to files in tmp_path."""
     import subprocess
     import sys
     from pathlib import Path
     script = tmp_path / "interpret.py"
     script.write_text(script_text)
     root, here = Path(tg.__file__).parent, Path(__file__).parent
-    proc = subprocess.run([sys.executable, str(script), str(root), str(here), *extra], capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen([sys.executable, str(script), str(root), str(here), *extra], stdout=out, stderr=err,
+                                text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+    return proc, tmp_path
+
+
+def interpreter_result(started):
+    """Waits for a started process; its JSON."""
+    import json
+    proc, tmp_path = started
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, (tmp_path / "stderr").read_text()[-3000:]
+    return json.loads((tmp_path / "stdout").read_text().strip().splitlines()[-1])
+
+
+INTERPRETER_BATCH = """
+import contextlib, io, json, sys
+results = []
+for path in sys.argv[3:]:  # each script as if run alone, its JSON kept
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(open(path).read(), path, "exec"), {"__name__": "__main__"})
+    results.append(json.loads(out.getvalue().strip().splitlines()[-1]))
+print(json.dumps(results))
+"""
+
+
+INTERPRETED = ("test_copy_pointer_kernels_match_the_reference_and_the_written_out_pointer_in_the_interpreter",
+               "test_fp8_mlp_backward_in_the_interpreter_matches_float32_arithmetic_on_its_fp8_operands")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_checks_started(request, tmp_path_factory):
+    """The quick set's two interpreter checks, the copy pointer's and the FP8 MLP backward's (it sets kernels'
+    globals: last), in one fresh process: its imports (torch, dynamo, kernels, ~7 s of a 2-core CPU) once. Started
+    at this file's first test where the checks are to run, so that a second core runs it (~11 s) beside the ~9 s of
+    tests before the first of them; None where they are not."""
+    if torch.cuda.is_available() or not {item.name for item in request.session.items} & set(INTERPRETED):
+        yield None
+        return
+    tmp = tmp_path_factory.mktemp("interpreted")
+    names = {"pointer": POINTER_SCRIPT, "fp8_backward": FP8_BACKWARD_SCRIPT}
+    for name, text in names.items():
+        (tmp / f"{name}.py").write_text(text)
+    started = start_in_triton_interpreter(INTERPRETER_BATCH, tmp, *(str(tmp / f"{name}.py") for name in names))
+    yield names, started
+    if started[0].poll() is None:  # its tests did not run to the end (-x, Ctrl-C)
+        started[0].kill()
+        started[0].wait()
+
+
+@pytest.fixture(scope="module")
+def interpreted(interpreter_checks_started):
+    names, started = interpreter_checks_started
+    return dict(zip(names, interpreter_result(started)))
 
 
 # On a CUDA machine the GPU test below runs the compiled kernels instead. (On the H100 with PyTorch 2.11 this
@@ -547,11 +602,11 @@ print(json.dumps([same_t, (amax / ref[3].abs().max()).item(), *errors, *op_error
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU machines' check (Triton 3.6's interpreter fails in the "
                     "persistent loop on the H100, as above); the GPU test below covers the compiled kernel")
-def test_fp8_mlp_backward_in_the_interpreter_matches_float32_arithmetic_on_its_fp8_operands(tmp_path):
+def test_fp8_mlp_backward_in_the_interpreter_matches_float32_arithmetic_on_its_fp8_operands(interpreted):
     """kernels.relu2_mlp_fp8_backward through Hopper's kernel in Triton's interpreter: the forward's transposed e4m3
     post is its post, transposed, byte for byte, and post's largest value is taken; so is grad_pre's; the three gradients match float32
     arithmetic on the same FP8 operands (relu2_mlp_fp8_backward_reference)."""
-    same_t, amax_ratio, *errors = run_in_triton_interpreter(FP8_BACKWARD_SCRIPT, tmp_path)
+    same_t, amax_ratio, *errors = interpreted["fp8_backward"]
     assert same_t and abs(amax_ratio - 1) < 1e-5, (same_t, amax_ratio)
     assert len(errors) == 3 + 8 and max(errors[:3]) < 2e-2, errors
     assert max(errors[3:7]) < 2e-2 and max(errors[7:]) < 0.15, errors  # the op: its emulation, then float64
@@ -1079,8 +1134,8 @@ print(json.dumps(errors))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU machines' check; the GPU test covers the compiled kernels")
-def test_copy_pointer_kernels_match_the_reference_and_the_written_out_pointer_in_the_interpreter(tmp_path):
-    errors = run_in_triton_interpreter(POINTER_SCRIPT, tmp_path)
+def test_copy_pointer_kernels_match_the_reference_and_the_written_out_pointer_in_the_interpreter(interpreted):
+    errors = interpreted["pointer"]
     assert len(errors) == 19 and max(errors) < 1e-5, errors
 
 

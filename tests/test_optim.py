@@ -1,4 +1,5 @@
 """Optimizers: Polar Express, Muon and the sharded Adam, on one process and on two gloo processes."""
+import functools
 import math
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import train_gpt as tg
-from conftest import DECAYED_TABLES, TINY
+from conftest import DECAYED_TABLES, FAST, TINY
 from distributed import spawn
 
 
@@ -15,17 +16,23 @@ def newton_schulz(G):
     return tg.quintic_orthogonalize(G, [(3.4445, -4.7750, 2.0315)] * 5)
 
 
+@functools.lru_cache(maxsize=None)
+def singular_values(orthogonalize, shape):
+    """Of orthogonalize(G), G of `shape` at seed 0: the two tests below share the (64, 256) and (768, 3072) ones
+    (the latter, orthogonalized and decomposed, ~3 s of a 2-core CPU)."""
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    return torch.linalg.svdvals(orthogonalize(G).float())
+
+
 @pytest.mark.parametrize("shape", [(64, 256), (256, 64), (3, 96, 32), (768, 3072)])
 def test_polar_express_puts_singular_values_in_a_band(shape):
-    G = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
-    s = torch.linalg.svdvals(tg.polar_express(G).float())
+    s = singular_values(tg.polar_express, shape)
     assert s.min() > 0.8 and s.max() < 1.2, (s.min().item(), s.max().item())
 
 
 @pytest.mark.parametrize("shape", [(64, 256), (768, 3072), (3, 300, 100)])
 def test_polar_express_gets_closer_to_orthogonal_than_newton_schulz_in_five_steps(shape):
-    G = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
-    ns, pe = (torch.linalg.svdvals(f(G).float()) for f in (newton_schulz, tg.polar_express))
+    ns, pe = (singular_values(f, shape) for f in (newton_schulz, tg.polar_express))
     assert 0.8 < pe.min() and pe.max() < 1.2 and (pe - 1).abs().mean() < 0.7 * (ns - 1).abs().mean()
 
 
@@ -297,7 +304,7 @@ def test_the_tables_own_group_changes_nothing_at_the_defaults_and_decay_changes_
     embedding untied: tied, it learns at the head's rate, so it could not share the tables' group)."""
     # Adam on all 8 steps: decay shows; the tables' settings the token embedding's (the record's are their own)
     untied = {"tied_embed_stages": 0, "adam_every": 1, "embed_weight_decay": 0.0, "embed_adam_betas": ()}
-    args = tiny_args(num_iterations=8, val_every=4, **untied)
+    args = tiny_args(**FAST, num_iterations=8, val_every=4, **untied)
     split = tg.train(args)
     build = tg.build_optimizers
 
@@ -312,7 +319,7 @@ def test_the_tables_own_group_changes_nothing_at_the_defaults_and_decay_changes_
     merged = tg.train(args)
     monkeypatch.undo()
     assert split.train_losses == merged.train_losses and split.val_losses == merged.val_losses
-    decayed = tg.train(tiny_args(num_iterations=8, val_every=4, **{**untied, "embed_weight_decay": 0.5}))
+    decayed = tg.train(tiny_args(**FAST, num_iterations=8, val_every=4, **{**untied, "embed_weight_decay": 0.5}))
     assert decayed.train_losses[0] == split.train_losses[0] and decayed.train_losses[-1] != split.train_losses[-1]
     assert decayed.val_losses[-1][1] < decayed.val_losses[0][1] - 0.5
 
@@ -338,13 +345,14 @@ def test_the_lm_head_takes_its_own_betas_and_decay_and_they_change_the_run(tiny_
     tied = tg.Hyperparameters(**{**TINY, "head_adam_betas": (0.5, 0.95), "head_weight_decay": 0.375, "tied_embed_stages": 1})
     token, _, head, *_ = tg.build_optimizers(tg.GPT(tg.ModelConfig.from_args(tied)), tied, 0, 1)[0].param_groups
     assert (token["lr"], token["betas"], token["weight_decay"]) == (head["lr"], (0.5, 0.95), 0.375)  # untied: the head's
-    kw = dict(num_iterations=8, val_every=4, logit_softcap=23.0, softcap_shift=5.0)
+    kw = dict(FAST, num_iterations=8, val_every=4, logit_softcap=23.0, softcap_shift=5.0)
     plain = tg.train(tiny_args(head_adam_betas=(), head_weight_decay=0.0, **kw))  # Adam's betas, no decay
     betas = tg.train(tiny_args(head_adam_betas=(0.5, 0.95), head_weight_decay=0.0, **kw))
     decayed = tg.train(tiny_args(head_adam_betas=(), head_weight_decay=50.0, **kw))  # strong: it shows in 8 steps
     for run in (betas, decayed):
         assert run.train_losses[0] == plain.train_losses[0] and run.train_losses[-1] != plain.train_losses[-1]
-        assert run.val_losses[-1][1] < run.val_losses[0][1] - 0.25  # the record model: 4.26 -> 3.92 in 8 steps
+        # the record model: 4.26 -> 3.92 in 8 steps; 3.98 at FAST's two micro-batches a step
+        assert run.val_losses[-1][1] < run.val_losses[0][1] - 0.25
 
 
 @pytest.mark.parametrize("every", [1, 2, 3])
@@ -368,8 +376,8 @@ def test_adam_steps_every_nth_step_on_the_gradient_summed_since_its_last_step_an
     monkeypatch.setattr(tg.DistAdam, "launch_reduce", adam_recording)
     monkeypatch.setattr(tg.Muon, "launch_reduce", lambda self: (muon_steps.append(1), muon_launch(self))[1])
     # untied: a tied head's token lookups reach it through the table-gradient sums, not its hook
-    run = tg.train(tiny_args(num_iterations=6, val_every=6, adam_every=every, tied_embed_stages=0))
-    micro = TINY["batch_size"] // TINY["seq_len"]
+    run = tg.train(tiny_args(**FAST, num_iterations=6, val_every=6, adam_every=every, tied_embed_stages=0))
+    micro = FAST["batch_size"] // TINY["seq_len"]
     assert len(muon_steps) == 6 and [n for n, _ in at_adam] == [micro * s for s in range(every, 7, every)]
     start = 0
     for n, grad in at_adam:
@@ -454,7 +462,7 @@ def test_train_step_launches_every_reduce_scatter_before_any_update(tiny_args, m
                 calls.append((_name, _phase))
                 return _orig(self, *a)
             monkeypatch.setattr(cls, phase, recording)
-    tg.train(tiny_args(num_iterations=2, val_every=2, adam_every=2))
+    tg.train(tiny_args(**FAST, num_iterations=2, val_every=2, adam_every=2))
     muon_only = [("Muon", "launch_reduce"), ("Muon", "apply_updates"), ("Muon", "finish")]
     both = [("Muon", "launch_reduce"), ("DistAdam", "launch_reduce"), ("Muon", "apply_updates"),
             ("DistAdam", "apply_updates"), ("Muon", "finish"), ("DistAdam", "finish")]

@@ -54,9 +54,8 @@ def test_the_pin_notices_a_changed_stage(monkeypatch):
 # (max_num_docs: 0 sizes the padding of cu_seqlens from the data; a set count only pads more or refuses a batch)
 RUN_CONTROL = {"seed", "plan", "peak_tflops", "save_every", "markov_corpus", "max_num_docs"}
 # techniques added off, waiting on GPU runs to be adopted into a preset or deleted (each names what decides it)
-PENDING_ADOPTION = {"weight_average"}  # ANVIL2's endgame weight averaging: paired with/without runs on GPUs
 # ANVIL2's n-gram table (issue 64 item 2): the trigram channel; adoption by the proxy's size sweep on GPUs
-PENDING_ADOPTION |= {"trigram_rows", "ngram_sparse_adam"}
+PENDING_ADOPTION = {"trigram_rows", "ngram_sparse_adam"}
 
 
 def test_no_technique_is_off_in_every_preset():
@@ -88,6 +87,17 @@ def test_a_checkpoint_of_the_two_model_era_is_refused_with_the_commit_to_use(tmp
     torch.save({**saved, "format": tg.CHECKPOINT_FORMAT}, tmp_path / "model.pt")
     assert tg.read_checkpoint_file(tmp_path / "model.pt")["step"] == 4
 
+
+
+def test_a_checkpoint_from_before_a_model_field_existed_is_refused_naming_the_field(tiny_args, tmp_path):
+    """A model field added after a checkpoint was written (its stored args lack it): refused in one line naming
+    the field, not a KeyError."""
+    run = tg.train(tiny_args(num_iterations=2, val_every=0, save_every=2, run_id="m", checkpoint_dir=str(tmp_path)))
+    meta = torch.load(Path(run.checkpoint) / "model.pt", weights_only=True)
+    del meta["args"]["model_dim"]
+    torch.save(meta, Path(run.checkpoint) / "model.pt")
+    with pytest.raises(ValueError, match="different model: model_dim: not a field when the checkpoint was written"):
+        tg.load_checkpoint(Path(run.checkpoint), None, [], tiny_args(), 0, 1, print)
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     PINNED.write_text(json.dumps({name: resolved(name) for name in tg.PRESETS}, indent=1, sort_keys=True) + "\n")

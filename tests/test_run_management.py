@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import DECAYED_TABLES, write_corpus
+from conftest import DECAYED_TABLES, FAST, write_corpus
 from distributed import spawn, start
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,7 +136,8 @@ def test_bigram_table_is_an_adam_embedding_in_the_size_report_and_adds_no_matmul
 def test_a_checkpoint_of_the_format_before_one_model_is_refused_naming_its_commit(tiny_args, tmp_path, old_format):
     """A model.pt without `format` (written before format 2) or of format 1: --resume stops at once with one line
     that names the format and the code hash of the train_gpt.py to resume it with; nothing is trained or written."""
-    run = tg.train(tiny_args(num_iterations=2, val_every=0, save_every=2, run_id="old", checkpoint_dir=str(tmp_path)))
+    run = tg.train(tiny_args(**FAST, num_iterations=2, val_every=0, save_every=2, run_id="old",
+                             checkpoint_dir=str(tmp_path)))
     meta_path = Path(run.checkpoint) / "model.pt"
     meta = torch.load(meta_path, weights_only=True)
     assert meta["format"] == tg.CHECKPOINT_FORMAT == 2  # the current code writes its format
@@ -146,7 +147,7 @@ def test_a_checkpoint_of_the_format_before_one_model_is_refused_naming_its_commi
     meta["code_hash"] = "0123456789abcdef"  # as the older train_gpt.py hashed itself
     torch.save(meta, meta_path)
     with pytest.raises(tg.CheckpointFormatError) as refused:
-        tg.train(tiny_args(resume=run.checkpoint, checkpoint_dir=str(tmp_path / "y")))
+        tg.train(tiny_args(**FAST, resume=run.checkpoint, checkpoint_dir=str(tmp_path / "y")))
     message = str(refused.value)
     assert isinstance(refused.value, ValueError) and "\n" not in message
     assert message.startswith(f"{meta_path}: ") and "checkpoint format 1" in message
@@ -165,7 +166,7 @@ def test_peak_lookup_prefers_the_specific_name_and_honours_an_override():
 
 
 def test_figures_line_reports_loss_throughput_without_blocking(tiny_args):
-    run = tg.train(tiny_args(num_iterations=6, val_every=0, log_every=3))
+    run = tg.train(tiny_args(**FAST, num_iterations=6, val_every=0, log_every=3))
     lines = [l for l in open(run.log_path) if l.startswith("step:") and " tokens/s:" in l]
     assert len(lines) == 2 and all("train_loss:" in l and "mfu:n/a" in l for l in lines)
     assert any(l.startswith("parameters: block matrices") for l in open(run.log_path))
@@ -178,11 +179,12 @@ def _losses_from(run):
 @pytest.mark.parametrize("features", [{}, DECAYED_TABLES], ids=["plain", "decayed_tables"])
 def test_resumed_run_matches_an_uninterrupted_one_step_for_step(tiny_args, tmp_path, features):
     every = 2 * tiny_args().adam_every  # checkpoints fall on Adam's steps (every second step)
-    full = tg.train(tiny_args(num_iterations=8, val_every=4, save_every=every, run_id="full",
+    full = tg.train(tiny_args(**FAST, num_iterations=8, val_every=4, save_every=every, run_id="full",
                               checkpoint_dir=str(tmp_path / "ck"), **features))
     assert sorted(p.name for p in (tmp_path / "ck" / "full").iterdir()) == \
         [f"step_{s:06d}" for s in sorted({*range(every, 8, every), 8})]
-    resumed = tg.train(tiny_args(num_iterations=8, val_every=4, resume=str(tmp_path / "ck" / "full" / f"step_{every:06d}"),
+    resumed = tg.train(tiny_args(**FAST, num_iterations=8, val_every=4,
+                                 resume=str(tmp_path / "ck" / "full" / f"step_{every:06d}"),
                                  run_id="again", checkpoint_dir=str(tmp_path / "ck2"), **features))
     assert resumed.first_step == every == 4
     a, b = _losses_from(full), _losses_from(resumed)
@@ -194,7 +196,7 @@ def test_with_adam_every_two_a_stop_mid_sum_waits_for_adams_step_and_the_run_res
         tiny_args, tmp_path, monkeypatch):
     """SIGTERM after step 3, Adam's gradient summed over one of its two steps: the run trains step 4,
     checkpoints there, and the resumed run is the uninterrupted one step for step."""
-    kw = dict(num_iterations=8, val_every=4, adam_every=2, checkpoint_dir=str(tmp_path / "ck"))
+    kw = dict(FAST, num_iterations=8, val_every=4, adam_every=2, checkpoint_dir=str(tmp_path / "ck"))
     full = tg.train(tiny_args(run_id="full", **kw))
     signals, train_step = [], tg.train_step
 
@@ -227,7 +229,7 @@ def test_a_resume_never_changes_the_run_it_starts_from(tiny_args, tmp_path):
     same flags from the run's newest checkpoint continue it; a new run never writes into a folder that
     holds checkpoints."""
     ck = tmp_path / "ck"
-    kw = dict(val_every=0, save_every=2, checkpoint_dir=str(ck))
+    kw = dict(FAST, val_every=0, save_every=2, checkpoint_dir=str(ck))
     first = tg.train(tiny_args(num_iterations=6, run_id="first", **kw))
     before, log_before = _checksums(ck / "first"), Path(first.log_path).read_text()
     changed = tg.train(tiny_args(num_iterations=6, resume=str(ck / "first" / "step_000004"), muon_lr=0.03, **kw))
@@ -254,7 +256,7 @@ def test_a_run_id_whose_log_exists_is_refused_with_or_without_checkpoints(tiny_a
     """Issue 61 item 2: with --save_every 0 (the record's default) a run leaves no checkpoint, and a second run with
     the same --run_id appended a whole run to the first's log, which check.py then read as one. Now refused before
     anything is written; a resume that continues a run still appends to its log (test above)."""
-    kw = dict(num_iterations=2, val_every=0, save_every=0, run_id="baz", checkpoint_dir=str(tmp_path / "ck"))
+    kw = dict(FAST, num_iterations=2, val_every=0, save_every=0, run_id="baz", checkpoint_dir=str(tmp_path / "ck"))
     first = tg.train(tiny_args(seed=1, **kw))
     log_before = Path(first.log_path).read_text()
     with pytest.raises(ValueError, match=r"^--run_id baz: \S+baz\.txt already holds another run's log; leave "
@@ -268,7 +270,7 @@ def test_resuming_a_finished_run_says_so_in_one_line_and_writes_nothing(tiny_arg
     block, without a val loss, to its log. And `latest` is the newest checkpoint of any run: it says which."""
     monkeypatch.delenv("SPEEDRUN_DEBUG", raising=False)
     ck = tmp_path / "ck"
-    run = tg.train(tiny_args(num_iterations=2, val_every=0, save_every=2, checkpoint_dir=str(ck)))
+    run = tg.train(tiny_args(**FAST, num_iterations=2, val_every=0, save_every=2, checkpoint_dir=str(ck)))
     run_id, before, log_before = Path(run.checkpoint).parent.name, _checksums(tmp_path), Path(run.log_path).read_text()
     capsys.readouterr()
     assert tg.main(["--resume", "latest", "--checkpoint_dir", str(ck)]) == 1
@@ -284,7 +286,7 @@ def test_resuming_a_finished_run_says_so_in_one_line_and_writes_nothing(tiny_arg
 
 
 def test_a_checkpoint_whose_files_come_from_two_runs_is_refused(tiny_args, tmp_path):
-    kw = dict(num_iterations=2, val_every=0, save_every=2, checkpoint_dir=str(tmp_path))
+    kw = dict(FAST, num_iterations=2, val_every=0, save_every=2, checkpoint_dir=str(tmp_path))
     tg.train(tiny_args(run_id="a", **kw))
     tg.train(tiny_args(run_id="b", seed=1, **kw))
     mixed = tmp_path / "mixed" / "step_000002"
@@ -296,8 +298,8 @@ def test_a_checkpoint_whose_files_come_from_two_runs_is_refused(tiny_args, tmp_p
 
 
 def test_learning_rates_given_on_resume_replace_the_checkpoints(tiny_args, tmp_path):
-    tg.train(tiny_args(num_iterations=4, val_every=0, save_every=4, run_id="r", checkpoint_dir=str(tmp_path)))
-    args = tiny_args(muon_lr=0.01, adam_lr=0.002)
+    tg.train(tiny_args(**FAST, num_iterations=4, val_every=0, save_every=4, run_id="r", checkpoint_dir=str(tmp_path)))
+    args = tiny_args(**FAST, muon_lr=0.01, adam_lr=0.002)
     model = tg.GPT(tg.ModelConfig.from_args(args))
     adam, muon = tg.build_optimizers(model, args, 0, 1)
     want = [[g["initial_lr"] for g in opt.param_groups] for opt in (adam, muon)]
@@ -307,7 +309,7 @@ def test_learning_rates_given_on_resume_replace_the_checkpoints(tiny_args, tmp_p
 
 
 def test_keep_checkpoints_prunes_old_ones_and_latest_finds_the_newest(tiny_args, tmp_path):
-    tg.train(tiny_args(num_iterations=6, val_every=0, save_every=1, adam_every=1, keep_checkpoints=2, run_id="r",
+    tg.train(tiny_args(**FAST, num_iterations=6, val_every=0, save_every=1, adam_every=1, keep_checkpoints=2, run_id="r",
                        checkpoint_dir=str(tmp_path)))
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["step_000005", "step_000006"]
     assert tg.find_checkpoint("latest", str(tmp_path)).name == "step_000006"
@@ -383,20 +385,22 @@ def test_sigterm_mid_run_saves_a_valid_checkpoint_and_exits_cleanly(tmp_path, co
 
 
 def test_checkpoint_of_another_model_or_a_corrupt_one_is_refused(tiny_args, tmp_path):
-    run = tg.train(tiny_args(num_iterations=2, val_every=0, save_every=2, run_id="m", checkpoint_dir=str(tmp_path)))
+    run = tg.train(tiny_args(**FAST, num_iterations=2, val_every=0, save_every=2, run_id="m",
+                             checkpoint_dir=str(tmp_path)))
     with pytest.raises(ValueError, match="different model: num_layers: checkpoint 4, now 6"):
-        tg.train(tiny_args(num_layers=6, window_pattern="LSSLSS", resume=run.checkpoint, checkpoint_dir=str(tmp_path / "y")))
+        tg.train(tiny_args(**FAST, num_layers=6, window_pattern="LSSLSS", resume=run.checkpoint,
+                           checkpoint_dir=str(tmp_path / "y")))
     shard = Path(run.checkpoint) / "rank0.pt"
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(ValueError, match="corrupt or truncated"):
-        tg.train(tiny_args(resume=run.checkpoint, checkpoint_dir=str(tmp_path / "z")))
+        tg.train(tiny_args(**FAST, resume=run.checkpoint, checkpoint_dir=str(tmp_path / "z")))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         tg.train(tiny_args(resume=str(tmp_path / "nowhere")))
 
 
 def test_non_finite_loss_stops_the_run_naming_the_step(tiny_args):
     with pytest.raises(FloatingPointError, match=r"loss is (nan|inf) at step \d+: stopping\. No checkpoint to continue from"):
-        tg.train(tiny_args(num_iterations=30, val_every=0, adam_lr=float("nan")))
+        tg.train(tiny_args(**FAST, num_iterations=30, val_every=0, adam_lr=float("nan")))
 
 
 def _rank_1_fails(rank, world_size, args, failure, out):
@@ -552,7 +556,7 @@ def test_the_token_embedding_is_untouched_while_tied_and_a_copy_of_the_head_from
     """6 steps in stages starting at 0, 3 and 5; tied for the first: the checkpoint after 2 steps holds
     the initial table (no gradient reached it), the one after 3 steps the head's weights (untied at the
     end of step 3, before that checkpoint), the one after 4 steps a table that has learned on its own."""
-    run = tg.train(tiny_args(num_iterations=6, val_every=0, save_every=1, adam_every=1, tied_embed_stages=1,
+    run = tg.train(tiny_args(**FAST, num_iterations=6, val_every=0, save_every=1, adam_every=1, tied_embed_stages=1,
                              run_id="tied", checkpoint_dir=str(tmp_path / "ck"), keep_checkpoints=10))
     assert run.train_losses[-1] < run.train_losses[0]
     state = lambda step: torch.load(tmp_path / "ck" / "tied" / f"step_{step:06d}" / "model.pt", weights_only=True)["model"]

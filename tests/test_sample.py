@@ -9,7 +9,7 @@ import torch
 
 import sample
 import train_gpt as tg
-from conftest import TINY, write_corpus
+from conftest import FAST, TINY, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ def tiny_checkpoint(tmp_path_factory):
     """A checkpoint of the tiny model: a 64-token vocabulary with BOS 63, not GPT-2's (like --preset smoke)."""
     tmp = tmp_path_factory.mktemp("sample")
     train, val = write_corpus(tmp / "data")
-    args = tg.Hyperparameters(**{**TINY, "train_files": train, "val_files": val, "log_dir": str(tmp / "logs"),
+    args = tg.Hyperparameters(**{**TINY, **FAST, "train_files": train, "val_files": val, "log_dir": str(tmp / "logs"),
                                  "num_iterations": 2, "val_every": 0, "save_every": 2,
                                  "checkpoint_dir": str(tmp / "ck")})
     return tg.train(args).checkpoint
@@ -108,8 +108,8 @@ def test_sample_decodes_text_with_the_gpt2_vocabulary(tiny_args, tmp_path):
 
 def test_a_model_loaded_for_sampling_reads_its_embedding_where_training_would_have(tiny_args, tmp_path):
     """Tied for the first stage of 6 steps (stages start at 0, 3, 5): tied at step 2, untied from step 3."""
-    tg.train(tiny_args(num_iterations=6, val_every=0, save_every=1, adam_every=1, keep_checkpoints=10, tied_embed_stages=1,
-                       run_id="t", checkpoint_dir=str(tmp_path / "ck")))
+    tg.train(tiny_args(**FAST, num_iterations=6, val_every=0, save_every=1, adam_every=1, keep_checkpoints=10,
+                       tied_embed_stages=1, run_id="t", checkpoint_dir=str(tmp_path / "ck")))
     for step, tied in ((2, True), (3, False), (6, False)):
         model, _ = sample.load_model(tmp_path / "ck" / "t" / f"step_{step:06d}", torch.device("cpu"), 64)
         assert model.tied_embed is tied, step

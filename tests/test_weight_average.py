@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import TINY  # noqa: F401 (conftest puts the repository on sys.path)
+from conftest import FAST, TINY  # noqa: F401 (conftest puts the repository on sys.path)
 import train_gpt as tg
 from distributed import spawn
 
@@ -52,7 +52,8 @@ def test_window_and_tail_are_fractions_of_the_run_and_parse_from_the_command_lin
     short = tg.WeightAverage(nn.Linear(2, 2), hyper((0.25, 0.55), 20), params=[], **QUIET)
     assert short.first == 16 and set(short.rates) == {"ema"} and short.renorm  # 5 steps; no tail; renorm by default
     assert tg.parse_args(["--weight_average", "0.25,0.55,0.085,1"]).weight_average == (0.25, 0.55, 0.085, 1.0)
-    assert all(tg.parse_args(["--preset", name]).weight_average == () for name in tg.PRESETS)  # off in every preset
+    assert tg.parse_args(["--preset", "record"]).weight_average == (0.25, 0.65)  # the record's: ANVIL2's TailEMA
+    assert tg.parse_args(["--weight_average", ""]).weight_average == ()  # off from the command line
     for bad in ((0.25,), (0.0, 0.5), (1.5, 0.5), (0.25, 1.2), (0.25, 0.5, -0.1), (0.25, 0.5, 0.1, 0.5),
                 (0.25, 0.5, 0.1, 1, 3)):
         with pytest.raises(ValueError, match=r"^--weight_average "):
@@ -138,8 +139,8 @@ def val_live(run) -> list[float]:
 def test_off_runs_as_before_and_a_zero_blend_ship_logs_the_same_loss_live_and_shipped(tiny_args, tmp_path):
     """Off: no line of it in the log, two optimizer states in a checkpoint. On, with a ship that changes nothing
     (blend 0, no tail, no renorm): every loss as off, and val_loss_live equals the final val_loss."""
-    off = tg.train(tiny_args(num_iterations=8, val_every=4, save_every=4, run_id="off"))
-    same = tg.train(tiny_args(num_iterations=8, val_every=4, save_every=4, run_id="same",
+    off = tg.train(tiny_args(**FAST, num_iterations=8, val_every=4, save_every=4, run_id="off", weight_average=()))
+    same = tg.train(tiny_args(**FAST, num_iterations=8, val_every=4, save_every=4, run_id="same",
                               weight_average=(1.0, 0.0, 0.0, 0)))
     assert val_live(off) == [] and not re.search(r"^weight_average: EMA", Path(off.log_path).read_text(), re.M)
     assert re.search(r"^weight_average: EMA of the last 8 steps", Path(same.log_path).read_text(), re.M)
@@ -153,9 +154,9 @@ def test_a_resume_inside_the_window_continues_the_averages_exactly(tiny_args, tm
     """The checkpoint at step 4 is inside the window (steps 3-8): resumed from it, the run ships what the
     uninterrupted run shipped. Resumed from a checkpoint without averages (the same weights, from a run with it off),
     the averages start again at step 4 and the shipped weights differ: the checkpoint is what carried them."""
-    on = dict(num_iterations=8, val_every=4, weight_average=(0.75, 0.5, 0.25))
+    on = dict(FAST, num_iterations=8, val_every=4, weight_average=(0.75, 0.5, 0.25))
     full = tg.train(tiny_args(save_every=4, run_id="full", checkpoint_dir=str(tmp_path / "ck"), **on))
-    off = tg.train(tiny_args(num_iterations=8, val_every=4, save_every=4, run_id="off",
+    off = tg.train(tiny_args(**FAST, num_iterations=8, val_every=4, save_every=4, run_id="off", weight_average=(),
                              checkpoint_dir=str(tmp_path / "ck")))
     resumed = tg.train(tiny_args(resume=str(tmp_path / "ck" / "full" / "step_000004"), run_id="again",
                                  checkpoint_dir=str(tmp_path / "ck2"), **on))
