@@ -2997,7 +2997,9 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, sched
     any, then restore the initial weights and optimizer state exactly. The producer is a fresh one:
     the timed run starts from the same data. Logs each shape as it is done (a cold compile takes minutes)."""
     args, untie, shapes = schedule.args, schedule.untie, schedule.warmup_shapes()
-    initial_model = {name: v.detach().clone() for name, v in model.state_dict().items()}
+    # the initial weights, kept to restore; one that is all zeros is zeroed again rather than copied (the n-gram
+    # table starts at zero: a copy of 21M rows would take another 30 GiB of the GPU)
+    initial_model = {name: v.detach().clone() if v.any() else None for name, v in model.state_dict().items()}
     initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]
     loader = BatchLoader(producer, schedule.warmup_spec_at, model.lm_head_w.device)
     t0 = time.perf_counter()
@@ -3008,6 +3010,7 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, sched
             tie_embedding_at(model, stage.start, untie)  # its graphs are compiled with the embedding it trains with
             for i in range(args.warmup_steps):
                 train_step(model, compiled, optimizers, loader.next()[1], i, stage, schedule)
+            model.zero_table_grads()  # gradients of steps after the shape's last Adam step: the n-gram log would grow
             evaluate(model, compiled, val, stage.windows, args, world_size)
             log(f"warm-up: shape {n}/{len(shapes)} (stage from step {stage.start}: {stage.spec.batch_size:,} tokens, "
                 f"windows {stage.windows[0]}/{stage.windows[1]} tokens) done at {time.perf_counter() - t0:.0f}s")
@@ -3019,7 +3022,9 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, sched
         tie_embedding_at(model, 0, untie)
     model.zero_grad(set_to_none=True)  # Adam's gradients summed for a step that never came
     model.zero_table_grads()  # (and the tables' sums)
-    model.load_state_dict(initial_model)
+    with torch.no_grad():
+        for name, v in model.state_dict().items():
+            v.copy_(initial_model[name]) if initial_model[name] is not None else v.zero_()
     for opt, state in zip(optimizers, initial_opts):
         opt.load_state_dict(state)
 
