@@ -268,6 +268,7 @@ class Hyperparameters:
     keep_checkpoints: int = 3  # keep the newest K of a run
     resume: str = ""  # a checkpoint folder, or "latest" (newest under checkpoint_dir)
     plan: bool = False  # print the resolved schedule and its projected 1- and 8-GPU time, then exit (no GPU used)
+    plan_gpu: str = "H100"  # the GPU kind --plan projects for and compares with the public master on: H100 | H200
     # presets and the smoke preset's built-in data
     preset: str = "record"  # record | smoke | single | medium (then any field overrides)
     markov_corpus: bool = False  # write a synthetic Markov-chain corpus to train/val_files first
@@ -286,6 +287,8 @@ class Hyperparameters:
                 raise ValueError(f"--{name} {getattr(h, name)}: {what}, or 0 ({zero}); not negative")
         if h.max_num_docs < 0:
             raise ValueError(f"--max_num_docs {h.max_num_docs}: a positive count, or 0 to size it from the data")
+        if h.plan_gpu not in plan_kinds():
+            raise ValueError(f"--plan_gpu {h.plan_gpu}: --plan has measured times for {', '.join(plan_kinds())}")
         if h.batch_size % h.seq_len:
             raise ValueError(f"batch_size={h.batch_size} must be a multiple of seq_len={h.seq_len}")
         if not h.stages or not all(isinstance(row, Stage) for row in h.stages):
@@ -534,7 +537,7 @@ def cli_text(value) -> str:
 
 
 # --help opens with these flags and examples, before the presets and the other fields
-FIRST_FLAGS = ("preset", "resume", "save_every", "device", "plan")
+FIRST_FLAGS = ("preset", "resume", "save_every", "device", "plan", "plan_gpu")
 HELP_EXAMPLES = """examples:
   python train_gpt.py --preset smoke             # a tiny model on a built-in synthetic corpus, CPU or GPU
   ./run.sh --save_every 200                      # the record on 8 GPUs (NPROC=4 ./run.sh: on 4), checkpoints
@@ -2421,7 +2424,7 @@ def tie_embedding_at(model: "GPT", step: int, untie: float):
 # by (GPU kind, preset, micro-batch tokens per GPU, document cut, long window in blocks): each stage's mean step
 # time, training steps only (as the public logs' train_time counts), from bench/step_time.py --stages (CUDA events
 # around whole steps) or from train_gpt.py's own log. A table row is a real run; a shape without one is reported
-# unmeasured, never interpolated.
+# unmeasured, never interpolated. Time per token: ms per step x 1000 / tokens per step, in us.
 STEP_US_PER_TOKEN = {
     # one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, FlashAttention-3 (xformers 0.0.34), main at 46b1702 (FP8
     # MLP backward): `python bench/step_time.py --stages --steps 12 --preset record --attention fa3 --num_iterations
@@ -2431,52 +2434,181 @@ STEP_US_PER_TOKEN = {
     ("H100", "record", 49152, 2048, 7): 1.565,
     ("H100", "record", 49152, 2048, 11): 1.589,
     ("H100", "record", 49152, 2048, 13): 1.576,
+    # one H200 of a two-GPU host, 2026-11-28, PyTorch 2.11.0+cu130, PyTorch's varlen attention, the record preset at
+    # 393,216-token steps of 49,152-token micro-batches: 569.5 / 606.1 / 626.4 / 631.3 ms a step (issue 63's figures;
+    # bench/results/public_line_history.md)
+    ("H200", "record", 49152, 896, 3): 1.448,
+    ("H200", "record", 49152, 2048, 7): 1.541,
+    ("H200", "record", 49152, 2048, 11): 1.593,
+    ("H200", "record", 49152, 2048, 13): 1.605,
 }
-STEP_US_ATTENTION = "FlashAttention-3"  # the attention kernel the table's runs used (--plan says so)
+# what --plan says of each kind's rows: the attention kernel they ran with, and where they come from
+STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "PyTorch varlen attention"}
+STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, main at 46b1702 "
+                          "(bench/results/one_session_h100_20261127c.md)",
+                  "H200": "one H200 of a two-GPU host, 2026-11-28, PyTorch 2.11.0+cu130 "
+                          "(bench/results/public_line_history.md)"}
+# The public master (f411b3d3, record #89's code) on its own schedule: steps and tokens per step of each stage,
+# 423 / 424 / 423 steps at 131,072 / 262,144 / 393,216 tokens, then the 15-step extension at 393,216: 338,821,120
+# tokens (bench/results/public_master_comparison.md rows 32-34 and 47; bench/side_by_side.py's public_stages
+# computes the same boundaries from its TRAINING_STAGES).
+PUBLIC_MASTER_STAGES = ((423, 131072), (424, 262144), (423, 393216), (15, 393216))
+# Its mean ms per step at each of those stages, by GPU kind: with the attention kernel, the source, and how the
+# times pair with ours of the same kind (STEP_US_PER_TOKEN), as --plan prints them.
+PUBLIC_MASTER_STEP_MS = {
+    # record #89's code in its own one-H100 logs, mean of five runs, PyTorch 2.10 / CUDA 12.8 (the public
+    # records/track_1_short/2026-08-06-CanonicalMasking/ folder, quoted in bench/results/public_line.md)
+    "H100": dict(ms=(229.44, 421.83, 619.35, 628.03), attention="its own FlashAttention-3",
+                 source="its own logs, one H100 80GB HBM3, PyTorch 2.10 / CUDA 12.8, mean of five runs "
+                        "(bench/results/public_line.md)",
+                 paired="not timed with ours: another machine, another PyTorch"),
+    # one H200 (a one-GPU machine), 2026-11-28, PyTorch 2.11.0+cu130, PyTorch's varlen attention (issue 63's
+    # figures; bench/results/public_line_history.md)
+    "H200": dict(ms=(254.0, 439.0, 658.5, 661.0), attention="PyTorch varlen attention",
+                 source="one H200 of a one-GPU machine, 2026-11-28, PyTorch 2.11.0+cu130 "
+                        "(bench/results/public_line_history.md)",
+                 paired="ours the same day on another machine's H200, same PyTorch and attention"),
+}
+RECORD_89_SECONDS = 73.8  # public record #89 on 8xH100, its whole schedule
+# Measured on several GPUs of one host: time per token of the whole global batch, by (GPU kind, GPUs, preset,
+# micro-batch tokens per GPU, document cut, long window in blocks), as STEP_US_PER_TOKEN's one-GPU rows.
+MULTI_GPU_US_PER_TOKEN = {
+    # four H200s of one host (NVLink), 2026-11-28, PyTorch 2.11.0+cu130, PyTorch's varlen attention, main at 28d32b5:
+    # `NPROC=4 ./run.sh --preset record --num_iterations 80 --attention varlen ...`, each stage's mean step:
+    # 147.0 / 157.6 / 162.4 / 165.0 ms per 393,216-token step, two micro-batches a GPU, alone on the host
+    # (bench/results/x4_h200_20261128b.md)
+    ("H200", 4, "record", 49152, 896, 3): 0.374,
+    ("H200", 4, "record", 49152, 2048, 7): 0.401,
+    ("H200", 4, "record", 49152, 2048, 11): 0.413,
+    ("H200", 4, "record", 49152, 2048, 13): 0.420,
+}
+MULTI_GPU_SOURCE = {("H200", 4): "four H200s of one host, 2026-11-28 (bench/results/x4_h200_20261128b.md)"}
 # 8-GPU step time over one-GPU step time at the same global batch, by micro-batch tokens per GPU, with one
 # micro-batch per GPU on 8 (bench/README: record #89's 8xH100 logs over its and the public master's
-# one-H100 times in the harness: 30.9/238.0, 57.7/435.5, 83.0/644.0 ms).
+# one-H100 times in the harness: 30.9/238.0, 57.7/435.5, 83.0/644.0 ms). No other kind has a measured ratio.
 EIGHT_GPU_RATIO = {"H100": {16384: 0.130, 32768: 0.132, 49152: 0.129}}
 
 
-def schedule_plan(schedule: Schedule, kind: str = "H100") -> list[str]:
-    """--plan: the resolved schedule, one line per stage, the trained tokens, and the projected training time
-    (steps x global batch x the table's time per token; x the 8-GPU ratio on 8 GPUs), per stage where the
-    table has its shape on this GPU kind and in total where it has every stage's; validation, compile and
-    warm-up are not counted."""
+def plan_kinds() -> list[str]:
+    """The GPU kinds --plan_gpu takes: those with rows of ours or of the public master."""
+    return sorted({key[0] for key in STEP_US_PER_TOKEN} | set(PUBLIC_MASTER_STEP_MS))
+
+
+def public_master_time(kind: str) -> tuple[float, int] | None:
+    """The public master's seconds and tokens over its whole schedule on one GPU of this kind (steps x ms per step
+    at each stage), or None without its stage times there."""
+    if kind not in PUBLIC_MASTER_STEP_MS:
+        return None
+    ms = PUBLIC_MASTER_STEP_MS[kind]["ms"]
+    return (sum(n * t for (n, _), t in zip(PUBLIC_MASTER_STAGES, ms)) / 1000,
+            sum(n * tokens for n, tokens in PUBLIC_MASTER_STAGES))
+
+
+def stage_shape(args: Hyperparameters, stage: Stage) -> tuple[str, int, int, int]:
+    """A stage's key in the measured tables (STEP_US_PER_TOKEN, MULTI_GPU_US_PER_TOKEN) after the GPU kind (and
+    count): preset, micro-batch tokens per GPU, document cut, long window in blocks."""
+    return args.preset, stage.spec.seq_len, stage.spec.max_doc_len, stage.windows[0] // args.window_block
+
+
+def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
+    """--plan: the resolved schedule, one line per stage, the trained tokens, and the projected training time on
+    --plan_gpu's kind (steps x global batch x the table's time per token; x the 8-GPU ratio on 8 GPUs, where that
+    kind has one), per stage where the table has its shape on this GPU kind and in total where it has every
+    stage's; then where the times come from, and ours against the public master over each code's schedule on the
+    same kind. Validation, compile and warm-up are not counted."""
     args, stages, N = schedule.args, schedule.stages, schedule.args.num_iterations
+    kind = kind or args.plan_gpu
     micro = args.batch_size // args.seq_len
-    lines = [f"--preset {args.preset}: {N} steps of {micro} micro-batches; projected seconds on {kind}, "
-             f"steps only ('-': shape not measured)",
+    lines = [f"--preset {args.preset}: {N} steps of {micro} micro-batches; projected seconds on {kind} "
+             f"({STEP_US_ATTENTION.get(kind, 'no rows')}), steps only ('-': shape not measured)",
              f"{'stage':>5}  {'steps':>11}  {'batch':>9}  {'micro-batches 1/8 GPUs':>22}  {'micro tokens':>12}  "
-             f"{'doc cut':>7}  {'windows':>9}  {'lr x':>4}  {'tokens':>13}  {'1 GPU':>7}  {'8 GPUs':>7}"]
-    one, eight, missing = 0.0, 0.0, []
+             f"{'doc cut':>7}  {'windows':>9}  {'lr x':>4}  {'tokens':>13}  {'us/token':>8}  {'1 GPU':>7}  "
+             f"{'8 GPUs':>7}"]
+    one, eight, missing, ratios = 0.0, 0.0, [], {}
     for i, st in enumerate(stages):
         steps, b = min(st.end, N) - st.start, st.spec  # the last stage's end is the final validation's step
         name = "ext" if args.extension_steps and i == len(stages) - 1 else str(i + 1)
-        us = STEP_US_PER_TOKEN.get((kind, args.preset, b.seq_len, b.max_doc_len, st.windows[0] // args.window_block))
+        us = STEP_US_PER_TOKEN.get((kind, *stage_shape(args, st)))
         ratio = EIGHT_GPU_RATIO.get(kind, {}).get(b.seq_len) if micro == 8 else None  # one micro-batch per GPU
         s1 = None if us is None else steps * b.batch_size * us * 1e-6
         s8 = None if s1 is None or ratio is None else s1 * ratio
-        one, eight = one + (s1 or 0.0), eight + (s8 or 0.0)
-        if s8 is None:
+        one, eight = one + (s1 or 0.0), None if eight is None or s8 is None else eight + s8
+        if s1 is None:
             missing.append(name)
+        if ratio is not None:
+            ratios[b.seq_len] = ratio
         per_rank = f"{micro} / {micro / 8:g}"
         lines.append(f"{name:>5}  {f'{st.start}-{st.start + steps - 1}':>11}  {b.batch_size:>9,}  {per_rank:>22}  "
                      f"{b.seq_len:>12,}  {b.max_doc_len:>7,}  {f'{st.windows[0]}/{st.windows[1]}':>9}  "
-                     f"{st.lr:>4g}  {steps * b.batch_size:>13,}  {'-' if s1 is None else f'{s1:.1f}':>7}  "
-                     f"{'-' if s8 is None else f'{s8:.1f}':>7}")
-    lines.append(f"trained tokens: {schedule.tokens_before(N):,}")
+                     f"{st.lr:>4g}  {steps * b.batch_size:>13,}  {'-' if us is None else f'{us:.3f}':>8}  "
+                     f"{'-' if s1 is None else f'{s1:.1f}':>7}  {'-' if s8 is None else f'{s8:.1f}':>7}")
+    tokens = schedule.tokens_before(N)
+    lines.append(f"trained tokens: {tokens:,}")
     if missing:
         lines.append(f"projected time: incomplete, stage(s) {', '.join(missing)} not in train_gpt.py's "
                      f"STEP_US_PER_TOKEN for {kind} and --preset {args.preset} (bench/side_by_side.py times each "
                      "stage of a schedule)")
-    else:
+    elif eight is not None:
+        used = ", ".join(f"{r:.3f} at {n:,}" for n, r in sorted(ratios.items()))
         lines.append(f"projected time: 1 x {kind} {one:.1f} s, 8 x {kind} {eight:.1f} s (time per token at each "
-                     "stage's shape, x record #89's 8-GPU ratio)")
-    lines.append(f"(times as measured for --preset {args.preset}'s model with {STEP_US_ATTENTION}; other model or "
-                 "kernel flags are not reflected)")
+                     f"stage's shape, x record #89's 8/1-GPU step-time ratio on {kind} ({used} tokens a micro-batch; "
+                     "EIGHT_GPU_RATIO))")
+    else:
+        why = (f"no measured 8/1-GPU step-time ratio on {kind} (EIGHT_GPU_RATIO has {', '.join(EIGHT_GPU_RATIO)})"
+               if kind not in EIGHT_GPU_RATIO else
+               f"record #89's 8/1-GPU ratio is measured at one micro-batch per GPU, not {micro / 8:g}"
+               if micro != 8 else "no measured 8/1-GPU ratio at some stage's micro-batch (EIGHT_GPU_RATIO)")
+        lines.append(f"projected time: 1 x {kind} {one:.1f} s (time per token at each stage's shape); 8 GPUs not "
+                     f"projected: {why}")
+    if kind in STEP_US_SOURCE:
+        lines.append(f"ours on {kind} ({STEP_US_ATTENTION[kind]}): {STEP_US_SOURCE[kind]}; times as measured for "
+                     f"--preset {args.preset}'s model, other model or kernel flags are not reflected")
+    master = public_master_time(kind)
+    if master is not None:
+        ms, attention, source = (PUBLIC_MASTER_STEP_MS[kind][k] for k in ("ms", "attention", "source"))
+        steps = " / ".join(str(n) for n, _ in PUBLIC_MASTER_STAGES)
+        batches = " / ".join(f"{n:,}" for _, n in PUBLIC_MASTER_STAGES)
+        us = " / ".join(f"{t * 1000 / n:.3f}" for t, (_, n) in zip(ms, PUBLIC_MASTER_STAGES))
+        lines.append(f"public master on {kind} ({attention}; f411b3d3, record #89's code): {steps} steps of {batches} "
+                     f"tokens at {' / '.join(f'{t:g}' for t in ms)} ms ({us} us/token), {master[0]:.1f} s over "
+                     f"{master[1]:,} tokens; {source}")
+    lines += multi_gpu_lines(schedule, kind, None if missing else one)
+    lines.append(vs_public_master(kind, None if missing else one, tokens, missing, args.preset))
     return lines
+
+
+def multi_gpu_lines(schedule: Schedule, kind: str, one: float | None) -> list[str]:
+    """--plan: the schedule's time from step times measured on several GPUs of this kind (MULTI_GPU_US_PER_TOKEN),
+    where every stage's shape has a row, beside the one-GPU projection `one`."""
+    args, N, lines = schedule.args, schedule.args.num_iterations, []
+    for k, gpus in sorted(key for key in MULTI_GPU_SOURCE if key[0] == kind):
+        us = [MULTI_GPU_US_PER_TOKEN.get((k, gpus, *stage_shape(args, st))) for st in schedule.stages]
+        if None in us:
+            continue
+        seconds = sum((min(st.end, N) - st.start) * st.spec.batch_size * u * 1e-6 for st, u in zip(schedule.stages, us))
+        share = f", {seconds / one:.3f} of one GPU's" if one else ""
+        lines.append(f"measured on {gpus} x {kind}: {seconds:.1f} s (each stage's {gpus}-GPU step time{share}); "
+                     f"{MULTI_GPU_SOURCE[k, gpus]}")
+    return lines
+
+
+def vs_public_master(kind: str, seconds: float | None, tokens: int, missing: list[str], preset: str) -> str:
+    """--plan's one line of ours against the public master on one GPU of this kind: per token over each code's
+    whole schedule (R), and record #89's 8xH100 time scaled by ours / its one-GPU time over each schedule (T)."""
+    master = public_master_time(kind)
+    gaps = ([] if seconds is not None else
+            [f"ours: stage(s) {', '.join(missing)} not in STEP_US_PER_TOKEN for {kind} and --preset {preset}"])
+    if master is None:
+        gaps.append(f"the public master: no stage times on {kind} (PUBLIC_MASTER_STEP_MS has "
+                    f"{', '.join(PUBLIC_MASTER_STEP_MS)})")
+    if gaps:
+        return f"vs public master ({kind}): not computed, " + "; ".join(gaps)
+    ratio = seconds / master[0]
+    per_token = (seconds / tokens) / (master[0] / master[1])
+    return (f"vs public master ({kind}, {PUBLIC_MASTER_STEP_MS[kind]['paired']}): per-token "
+            f"{per_token:.2f}x, projected 8xH100 {ratio * RECORD_89_SECONDS:.1f} s (ours {seconds:.1f} s / its "
+            f"{master[0]:.1f} s over each schedule on one {kind}, x record #89's {RECORD_89_SECONDS} s: assumes both "
+            "codes scale to 8 GPUs alike)")
 
 
 # -----------------------------------------------------------------------------------------------

@@ -14,6 +14,13 @@ def stage_rows(out: str) -> dict[str, list[str]]:
     return {line.split()[0]: line.split() for line in out.splitlines() if re.match(r"\s+(\d+|ext)\s+\d+-\d+\s", line)}
 
 
+def line_of(lines: list[str], start: str) -> str:
+    """The one line of --plan's output that opens so."""
+    found = [line for line in lines if line.startswith(start)]
+    assert len(found) == 1, (start, lines)
+    return found[0]
+
+
 @pytest.fixture
 def no_gpu(monkeypatch):
     """Any question to CUDA fails the test: --plan must not touch a GPU."""
@@ -49,8 +56,10 @@ def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, 
     for name, seconds in zip(["1", "2", "3", "ext"], one):
         assert float(rows[name][-2]) == pytest.approx(seconds, abs=0.05)
         assert float(rows[name][-1]) == pytest.approx(seconds * 0.125, abs=0.05)
-    assert lines[-2] == f"projected time: 1 x H100 {sum(one):.1f} s, 8 x H100 {sum(one) * 0.125:.1f} s (time per " \
-                        "token at each stage's shape, x record #89's 8-GPU ratio)"
+    assert line_of(lines, "projected time:") == (
+        f"projected time: 1 x H100 {sum(one):.1f} s, 8 x H100 {sum(one) * 0.125:.1f} s (time per token at each "
+        "stage's shape, x record #89's 8/1-GPU step-time ratio on H100 (0.125 at 49,152 tokens a micro-batch; "
+        "EIGHT_GPU_RATIO))")
 
 
 def test_plan_says_which_stages_are_unmeasured_rather_than_guessing(no_gpu, monkeypatch):
@@ -58,15 +67,19 @@ def test_plan_says_which_stages_are_unmeasured_rather_than_guessing(no_gpu, monk
     lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))
     rows = stage_rows("\n".join(lines))
     assert rows["1"][-2:] == ["-", "-"] and rows["3"][-2] != "-"
-    assert lines[-2].startswith("projected time: incomplete, stage(s) 1, 2, ext not in")
+    assert line_of(lines, "projected time:").startswith("projected time: incomplete, stage(s) 1, 2, ext not in")
+    assert line_of(lines, "vs public master").startswith(
+        "vs public master (H100): not computed, ours: stage(s) 1, 2, ext not in STEP_US_PER_TOKEN for H100")
     # another preset's model at the same shapes has no measured time
     medium = tg.Schedule(tg.parse_args(["--preset", "medium", "--seq_len", "49152"]))
     other = stage_rows("\n".join(tg.schedule_plan(medium)))
     assert all(row[-2:] == ["-", "-"] for row in other.values())
     # 24 micro-batches a step (the single preset) is not the measured one-micro-batch-per-GPU case on 8 GPUs
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H100", "single", 16384, *shape[1:]): 2.0 for shape in RECORD_SHAPES})
-    single = stage_rows("\n".join(tg.schedule_plan(tg.Schedule(tg.parse_args(["--preset", "single"])))))
-    assert all(row[-2] != "-" and row[-1] == "-" for row in single.values())
+    single = tg.schedule_plan(tg.Schedule(tg.parse_args(["--preset", "single"])))
+    assert all(row[-2] != "-" and row[-1] == "-" for row in stage_rows("\n".join(single)).values())
+    assert line_of(single, "projected time:").endswith(
+        "8 GPUs not projected: record #89's 8/1-GPU ratio is measured at one micro-batch per GPU, not 3")
 
 
 def test_plan_follows_the_schedule_flags_with_staged_batches_and_an_extension(no_gpu):
@@ -81,3 +94,90 @@ def test_plan_follows_the_schedule_flags_with_staged_batches_and_an_extension(no
     assert rows["ext"][1] == "1270-1284" and rows["ext"][8] == "1664/768"
     total = sum(int(r[10].replace(",", "")) for r in rows.values())
     assert f"trained tokens: {total:,}" in lines
+
+
+# The figures issue 63 gives for both codes on H200s, 2026-11-28, PyTorch varlen attention: ms per step at each stage
+OURS_H200_MS = (569.5, 606.1, 626.4, 631.3)  # the record preset, 393,216-token steps
+MASTER_H200_MS = (254, 439, 658.5, 661)  # the public master, at its own stages' batches
+
+
+def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_582_s_and_ours_089(no_gpu):
+    ours = [tg.STEP_US_PER_TOKEN[("H200", "record", *shape)] for shape in RECORD_SHAPES]
+    assert ours == pytest.approx([ms * 1000 / 393216 for ms in OURS_H200_MS], abs=5e-4)  # rounded to 3 decimals
+    assert tg.PUBLIC_MASTER_STEP_MS["H200"]["ms"] == MASTER_H200_MS
+    # the public master's schedule: 1270 steps in thirds, then a 15-step extension, 338.8M tokens
+    master_steps, master_batches = [423, 424, 423, 15], [131072, 262144, 393216, 393216]
+    assert tg.PUBLIC_MASTER_STAGES == tuple(zip(master_steps, master_batches))
+    master_s = sum(n * ms for n, ms in zip(master_steps, MASTER_H200_MS)) / 1000
+    master_tokens = sum(n * b for n, b in zip(master_steps, master_batches))
+    assert master_tokens == 338_821_120 and master_s == pytest.approx(582.0, abs=0.05)
+    assert tg.public_master_time("H200") == (pytest.approx(master_s), master_tokens)
+    # ours: 253 / 252 / 251 / 20 steps of 393,216 tokens (the record preset's 776)
+    ours_steps = [253, 252, 251, 20]
+    ours_s = sum(n * ms for n, ms in zip(ours_steps, OURS_H200_MS)) / 1000
+    ours_tokens = sum(ours_steps) * 393216
+    r, t = (ours_s / ours_tokens) / (master_s / master_tokens), ours_s / master_s * 73.8
+    assert r == pytest.approx(0.89, abs=0.005)
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200"])))
+    m = re.match(r"vs public master \(H200, .*\): per-token (\d\.\d\d)x, projected 8xH100 (\d+\.\d) s \(ours "
+                 r"(\d+\.\d) s / its (\d+\.\d) s", line_of(lines, "vs public master"))
+    assert m, line_of(lines, "vs public master")
+    assert float(m[1]) == pytest.approx(r, abs=5e-3) and float(m[2]) == pytest.approx(t, abs=0.1)
+    assert float(m[3]) == pytest.approx(ours_s, abs=0.2) and float(m[4]) == pytest.approx(582.0, abs=0.05)
+    # R itself, unrounded, against the raw ms figures (the table's 3 decimals move it by less than 1e-3)
+    table_s = sum(n * 393216 * us * 1e-6 for n, us in zip(ours_steps, ours))
+    assert (table_s / ours_tokens) / (master_s / master_tokens) == pytest.approx(r, abs=1e-3)
+    # labelled: the kind, the attention kernel and the sources; no 8-GPU figure without a measured H200 ratio
+    assert "projected seconds on H200 (PyTorch varlen attention)" in lines[0]
+    assert line_of(lines, "ours on H200 (PyTorch varlen attention): one H200 of a two-GPU host, 2026-11-28, PyTorch 2.11.0")
+    assert "PyTorch varlen attention" in line_of(lines, "public master on H200")
+    assert "8 GPUs not projected: no measured 8/1-GPU step-time ratio on H200" in line_of(lines, "projected time:")
+    assert all(row[-1] == "-" for row in stage_rows("\n".join(lines)).values())
+
+
+@pytest.mark.parametrize("kind", ["H100", "H200"])
+def test_plan_prints_one_line_against_the_public_master_for_each_kind(no_gpu, capsys, kind):
+    assert tg.main(["--plan", "--plan_gpu", kind]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(rf"vs public master \({kind}, [^)]*\): per-token \d\.\d\dx, projected 8xH100 \d+\.\d s "
+                        rf"\(ours \d+\.\d s / its \d+\.\d s over each schedule on one {kind}, x record #89's 73.8 s: "
+                        r"assumes both codes scale to 8 GPUs alike\)", line_of(lines, "vs public master"))
+    assert f"projected seconds on {kind} ({tg.STEP_US_ATTENTION[kind]})" in lines[0]
+
+
+def test_an_unknown_plan_gpu_is_refused_naming_the_kinds(no_gpu, capsys):
+    assert tg.main(["--plan", "--plan_gpu", "A100"]) == 1
+    err = capsys.readouterr().err
+    assert err == "train_gpt.py: error: --plan_gpu A100: --plan has measured times for H100, H200\n"
+    assert all(kind in tg.field_help()["plan_gpu"] for kind in tg.plan_kinds())  # --help lists them too
+
+
+def test_a_kind_without_the_masters_times_says_so_instead_of_a_ratio(no_gpu, monkeypatch):
+    monkeypatch.setitem(tg.STEP_US_PER_TOKEN, ("A100", "record", *RECORD_SHAPES[0]), 2.0)
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "A100"])))
+    assert line_of(lines, "vs public master") == (
+        "vs public master (A100): not computed, ours: stage(s) 2, 3, ext not in STEP_US_PER_TOKEN for A100 and "
+        "--preset record; the public master: no stage times on A100 (PUBLIC_MASTER_STEP_MS has H100, H200)")
+    monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("A100", "record", *shape): 2.0 for shape in RECORD_SHAPES})
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "A100"])))
+    assert line_of(lines, "vs public master") == (
+        "vs public master (A100): not computed, the public master: no stage times on A100 (PUBLIC_MASTER_STEP_MS has "
+        "H100, H200)")
+
+
+FOUR_H200_MS = (147.0, 157.6, 162.4, 165.0)  # the record preset on four H200s of one host, 393,216-token steps
+
+
+def test_plan_gives_the_schedules_time_from_the_steps_measured_on_four_h200s(no_gpu):
+    """The line from MULTI_GPU_US_PER_TOKEN: the schedule's seconds from each stage's four-GPU step; only for the
+    kind and preset measured, and not for a schedule with a stage shape the four-GPU runs did not time."""
+    four = [tg.MULTI_GPU_US_PER_TOKEN[("H200", 4, "record", *shape)] for shape in RECORD_SHAPES]
+    assert four == pytest.approx([ms * 1000 / 393216 for ms in FOUR_H200_MS], abs=5e-4)
+    seconds = sum(n * ms for n, ms in zip([253, 252, 251, 20], FOUR_H200_MS)) / 1000
+    one = sum(n * ms for n, ms in zip([253, 252, 251, 20], OURS_H200_MS)) / 1000
+    m = re.fullmatch(r"measured on 4 x H200: (\d+\.\d) s \(each stage's 4-GPU step time, (0\.\d+) of one GPU's\); "
+                     r"four H200s of one host, 2026-11-28 \(bench/results/x4_h200_20261128b\.md\)",
+                     line_of(tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200"]))), "measured on"))
+    assert m and float(m[1]) == pytest.approx(seconds, abs=0.1) and float(m[2]) == pytest.approx(seconds / one, abs=1e-3)
+    for flags in (["--plan_gpu", "H100"], ["--plan_gpu", "H200", "--doc_len_schedule", "896,2048,3072"]):
+        assert not [line for line in tg.schedule_plan(tg.Schedule(tg.parse_args(flags))) if "measured on" in line]
