@@ -764,7 +764,8 @@ def trigram_indices(inputs: Tensor, cu_seqlens: Tensor, offset: int, rows: int,
 
 class RowGradLog(torch.autograd.Function):
     """weight[idx], whose backward writes each looked-up position's gradient into grad_log at positions pos (the
-    n-gram table's gradient log, ngram_lookup) and hands the table no gradient of its own."""
+    n-gram table's gradient log, ngram_lookup) and hands the table (or the sharded table's row cache) no gradient
+    of its own."""
 
     @staticmethod
     def forward(ctx, idx: Tensor, weight: Tensor, pos: Tensor, grad_log: Tensor) -> Tensor:
@@ -779,12 +780,13 @@ class RowGradLog(torch.autograd.Function):
         return None, None, None, None
 
 
-def ngram_lookup(idx: Tensor, weight: Tensor, log: dict) -> Tensor:
-    """weight[idx] with the row-sparse gradient (ngram_sparse_adam): the rows and, in the backward, their gradients
+def ngram_lookup(idx: Tensor, rows: Tensor, weight: Tensor, log: dict) -> Tensor:
+    """weight[idx] with the row-sparse gradient (ngram_sparse_adam): the positions' table rows `rows` (weight's own
+    rows idx on one GPU, their places idx in the row cache of a sharded table) and, in the backward, their gradients
     (bf16, the lookup's own) are appended to the log (GPT.keep_table_grads), whose next free position `used` is a
     device counter, so a compiled step has no host sync; the table's memory per step is its looked-up rows."""
     pos = log["used"] + torch.arange(idx.numel(), device=idx.device)
-    log["rows"].index_copy_(0, pos, idx.reshape(-1))
+    log["rows"].index_copy_(0, pos, rows.reshape(-1))
     log["used"].add_(idx.numel())
     return RowGradLog.apply(idx, weight, pos, log["grads"])
 
@@ -1140,7 +1142,9 @@ def mudd_mlp(x: Tensor, w1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: ModelKernels = ModelKernels()):
+    def __init__(self, cfg: ModelConfig, kernels: ModelKernels = ModelKernels(), ngram_shard: tuple[int, int] = (0, 1)):
+        """ngram_shard = (rank, world_size): this rank holds block `rank` of the n-gram table's rows cut into
+        world_size equal blocks (the row-sparse Adam's sharded table; build() passes it); (0, 1) = the whole table."""
         super().__init__()
         self.cfg, self.kernels = cfg, kernels  # kernels: chosen for the device once (build(): choose_kernels)
         L, dim = cfg.num_layers, cfg.model_dim
@@ -1176,8 +1180,15 @@ class GPT(nn.Module):
         # hashing), so two bigrams that collide on a row mostly see it with different signs.
         # Made last, so that the weights above do not depend on these fields.
         # With trigram_rows, the trigram channel's rows follow the bigram rows in the same table (ANVIL2's layout).
+        # Sharded by owner (ANVIL2, 08/30/26): with ngram_shard (r, W) this rank stores only rows r R .. (r + 1) R - 1,
+        # R = rows / W (check_ngram_shards), and a micro-batch reads its rows from a cache pulled from their owners
+        # (pull_ngram_rows). W = 1: the shard is the whole table, read directly.
         rows = cfg.bigram_rows + cfg.trigram_rows
-        self.bigram_embed = nn.Embedding(rows, dim, _weight=torch.zeros(rows, dim, dtype=torch.bfloat16))
+        check_ngram_shards(cfg.bigram_rows, cfg.trigram_rows, ngram_shard[1])
+        self.ngram_rank, self.ngram_world = ngram_shard
+        shard = rows // self.ngram_world
+        self.bigram_embed = nn.Embedding(shard, dim, _weight=torch.zeros(shard, dim, dtype=torch.bfloat16))
+        self.ngram_cache = None  # with W > 1: the micro-batch's (rows, each position's row in them), pull_ngram_rows
         signs = None
         if cfg.bigram_sign_rows:  # drawn from the seeded RNG: the same on every rank, and saved in checkpoints
             signs = (torch.randint(0, 2, (cfg.bigram_sign_rows, dim)) * 2 - 1).bfloat16()
@@ -1371,21 +1382,59 @@ class GPT(nn.Module):
         # one bigram lookup, added before every block with that block's weight
         return x0, [tables.get(i) for i in self.value_embed_layers()], self.ngram_embedding(inputs, cu_seqlens)
 
-    def ngram_embedding(self, inputs: Tensor, cu_seqlens: Tensor) -> Tensor:
-        """The bigram lookup, plus with trigram_rows the trigram lookup (one gather of both channels' rows), each
-        channel's row times its sign row, summed into one embedding (ANVIL2's x0_bigram)."""
+    def ngram_indices(self, inputs: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Each position's n-gram table row (of the whole table), the bigram channel's then with trigram_rows the
+        trigram channel's, and their sign rows (or None)."""
         cfg = self.cfg
         rows, signs = bigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.bigram_sign_rows)
         if cfg.trigram_rows:
             rows3, signs3 = trigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.trigram_rows, cfg.bigram_sign_rows)
             rows = torch.cat([rows, rows3])
             signs = None if signs is None else torch.cat([signs, signs3])
+        return rows, signs
+
+    def ngram_embedding(self, inputs: Tensor, cu_seqlens: Tensor) -> Tensor:
+        """The bigram lookup, plus with trigram_rows the trigram lookup (one gather of both channels' rows), each
+        channel's row times its sign row, summed into one embedding (ANVIL2's x0_bigram). A sharded table
+        (ngram_world > 1) is read from the micro-batch's row cache (pull_ngram_rows, before this forward)."""
+        rows, signs = self.ngram_indices(inputs, cu_seqlens)
+        table, index = self.bigram_embed.weight, rows
+        if self.ngram_world > 1:  # ANVIL2, 08/30/26: the rows pulled from their owners, each position's among them
+            if self.ngram_cache is None or self.ngram_cache[1].shape != rows.shape:
+                raise RuntimeError("the sharded n-gram table is read from a row cache: call "
+                                   "model.pull_ngram_rows(inputs, cu_seqlens) before each forward")
+            table, index = self.ngram_cache
         if self.ngram_log and torch.is_grad_enabled():
-            ngram = ngram_lookup(rows, self.bigram_embed.weight, self.ngram_log)
+            ngram = ngram_lookup(index, rows, table, self.ngram_log)
         else:
-            ngram = lookup(rows, self.bigram_embed.weight, self.bigram_embed.grad_sum)
+            ngram = lookup(index, table, self.bigram_embed.grad_sum)
         ngram = ngram if signs is None else ngram * self.bigram_signs[signs]
-        return ngram[: inputs.size(0)] + ngram[inputs.size(0):] if cfg.trigram_rows else ngram
+        return ngram[: inputs.size(0)] + ngram[inputs.size(0):] if self.cfg.trigram_rows else ngram
+
+    @torch.no_grad()
+    def pull_ngram_rows(self, inputs: Tensor, cu_seqlens: Tensor):
+        """Before a forward (the trainer's and evaluate's, outside the compiled graph; a collective: every rank pulls
+        once per micro-batch): with a sharded table, its rows for this micro-batch from their owners into a compact
+        cache, ngram_cache = (rows, each position's row in them). The cache has a row per position (the distinct
+        rows first, the rest unused), so the compiled graph sees one shape per stage. Nothing to do on one GPU."""
+        if self.ngram_world == 1:
+            return
+        self.ngram_cache = None  # the last micro-batch's cache is freed before this one is made
+        wanted, slots = torch.unique(self.ngram_indices(inputs, cu_seqlens)[0], return_inverse=True)
+        w = self.bigram_embed.weight
+        cache = w.new_empty(slots.numel(), w.size(1))
+        pull_rows(w, wanted, cache[: wanted.numel()], self.ngram_rank, self.ngram_world)
+        # a leaf that asks for a gradient, as the table does: the lookup's backward (RowGradLog) then runs and logs it
+        self.ngram_cache = (cache.requires_grad_(), slots)
+
+    @torch.no_grad()
+    def serve_ngram_pulls(self, pulls: int):
+        """A sharded table's owner answering `pulls` more pulls of the other ranks while it has nothing to ask (a
+        rank with fewer validation buffers than another: evaluate)."""
+        w = self.bigram_embed.weight
+        for _ in range(pulls):
+            pull_rows(w, torch.zeros(0, dtype=torch.long, device=w.device), w.new_empty(0, w.size(1)), self.ngram_rank,
+                      self.ngram_world)
 
     def hidden(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int]) -> Tensor:
         """The final normed hidden state of every position (before the LM head)."""
@@ -1792,32 +1841,66 @@ def row_sparse_adam(p: Tensor, rows: Tensor, g: Tensor, state: dict, lr: float, 
     state["log_beta2"] = torch.cat([logs, logs[-1:] + math.log(beta2)])
 
 
-def launch_row_exchange(rows: Tensor, grads: Tensor, world_size: int) -> tuple[list, list]:
-    """Every rank's (rows, gradient sums) to every rank: an all-gather of the counts (one sync), then of the rows
-    and the gradients (in the table's dtype, bf16 on the wire as the dense table's reduce-scatter sends), padded
-    to the largest count; returns per rank its (rows, grads) views and the all-gathers to wait for. Bytes per
-    Adam step received by each rank: (world_size - 1) x max rows x (8 + 2 x dim), ~0.3 GB at 8 GPUs for ~25K rows
-    per rank; sending each row only to a rank owning its shard (ANVIL2's all-to-all) would cut it to ~n x 2 x dim."""
+# The n-gram table sharded by owner (ANVIL2, 08/30/26): its rows cut into world_size contiguous blocks of
+# R = rows / world_size, rank r owning rows r R .. (r + 1) R - 1 (its parameter, its row-sparse Adam state). Rows go
+# over the wire only to or from their owner, by all-to-all: a micro-batch pulls the rows it reads (pull_rows), an
+# Adam step pushes the looked-up rows' gradients (push_row_grads). The table is never sent whole.
+
+def check_ngram_shards(bigram_rows: int, trigram_rows: int, world_size: int):
+    """The table's rows must split into world_size equal shards: else one line naming the rows to use."""
+    rows, rest = bigram_rows + trigram_rows, (bigram_rows + trigram_rows) % world_size
+    if not rest:
+        return
+    name, n = ("trigram_rows", trigram_rows) if trigram_rows else ("bigram_rows", bigram_rows)
+    fix = n - rest if n - rest >= 2 else n + world_size - rest
+    raise ValueError(f"the n-gram table's {rows:,} rows (bigram_rows + trigram_rows) do not split over {world_size} "
+                     f"GPUs (--ngram_sparse_adam shards it into equal blocks): use --{name} {fix}")
+
+
+def owner_counts(rows: Tensor, shard_rows: int, world_size: int) -> Tensor:
+    """How many of `rows` (ascending, of the whole table) each rank owns: their split sizes, in rank order."""
+    return torch.bincount(rows // shard_rows, minlength=world_size)
+
+
+def exchange_counts(send: Tensor) -> tuple[list[int], list[int]]:
+    """Each rank's counts for every other rank swapped (one small all-to-all, one host sync): (sent, received)
+    split sizes for the all-to-alls that follow."""
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send)
+    return send.tolist(), received.tolist()
+
+
+def pull_rows(table: Tensor, wanted: Tensor, out: Tensor, rank: int, world_size: int):
+    """The rows `wanted` (ascending, distinct, of the whole table) of a sharded table into `out`, in order: each rank
+    asks every owner for its rows (ids by all-to-all), the owners read them from their shards (index_select) and
+    send them back (all-to-all). Rows received per rank: the distinct rows its micro-batch reads (ANVIL2, 08/30/26)."""
+    sent, received = exchange_counts(owner_counts(wanted, table.size(0), world_size))
+    asked = wanted.new_empty(sum(received))
+    dist.all_to_all_single(asked, wanted, received, sent)
+    served = table.index_select(0, asked - rank * table.size(0))
+    dist.all_to_all_single(out, served, sent, received)
+
+
+def push_row_grads(rows: Tensor, grads: Tensor, shard_rows: int, world_size: int) -> tuple[tuple, list]:
+    """An Adam step's gradient sums of this rank's looked-up rows (ascending, distinct, of the whole table; in the
+    table's dtype, bf16 on the wire as the dense table's reduce-scatter sends) to their owners, by all-to-all after
+    the counts' (the row-sparse reduce-scatter of ANVIL2, 08/30/26). Returns (the received rows, their gradients)
+    and the all-to-alls to wait for; on one GPU the rows themselves and nothing to wait for. Received per rank:
+    about its share of the ranks' rows, each 8 + 2 x dim bytes."""
     if world_size == 1:
-        return [(rows, grads)], []
-    counts = rows.new_empty(world_size)
-    dist.all_gather_into_tensor(counts, rows.new_tensor([rows.numel()]))
-    counts, m = counts.tolist(), int(counts.max())
-    all_rows, all_grads = rows.new_empty(world_size * m), grads.new_empty(world_size * m, grads.size(1))
-    works = [dist.all_gather_into_tensor(all_rows, F.pad(rows, (0, m - rows.numel())), async_op=True),
-             dist.all_gather_into_tensor(all_grads, F.pad(grads, (0, 0, 0, m - rows.numel())), async_op=True)]
-    return [(all_rows[r * m: r * m + n], all_grads[r * m: r * m + n]) for r, n in enumerate(counts)], works
+        return (rows, grads), []
+    sent, received = exchange_counts(owner_counts(rows, shard_rows, world_size))
+    got_rows, got = rows.new_empty(sum(received)), grads.new_empty(sum(received), grads.size(1))
+    works = [dist.all_to_all_single(got_rows, rows, received, sent, async_op=True),
+             dist.all_to_all_single(got, grads, received, sent, async_op=True)]
+    return (got_rows, got), works
 
 
-def sum_exchanged_rows(parts: list) -> tuple[Tensor, Tensor]:
-    """The ranks' (rows, grads) summed: the distinct rows, ascending, and their float32 gradient sums. One
-    index_add per rank, whose rows are distinct: its adds never meet on a row, so every rank sums in the same
-    order and computes the same update (the table is replicated)."""
-    rows = torch.cat([r for r, _ in parts]).unique()
-    total = torch.zeros(rows.numel(), parts[0][1].size(1), device=rows.device)
-    for r, g in parts:
-        total.index_add_(0, torch.searchsorted(rows, r), g.float())
-    return rows, total
+def sum_owned_rows(rows: Tensor, grads: Tensor, first_row: int) -> tuple[Tensor, Tensor]:
+    """The pushed gradients an owner received (rows of the whole table, one list per sending rank) summed per row:
+    its own rows (minus first_row: rows of its shard), distinct and ascending, and their float32 sums (index_add)."""
+    owned, inverse = torch.unique(rows - first_row, return_inverse=True)
+    return owned, torch.zeros(owned.numel(), grads.size(1), device=grads.device).index_add_(0, inverse, grads.float())
 
 
 class DistAdam(torch.optim.Optimizer):
@@ -1849,9 +1932,8 @@ class DistAdam(torch.optim.Optimizer):
         state = {}
         for i, first in shards[0]["state"].items():
             state[i] = dict(first)
-            if "last_step" in first:  # the row-sparse Adam's state is the same on every rank
-                continue
-            for key in ("exp_avg", "exp_avg_sq"):
+            # the moments' rows; the row-sparse Adam's (the sharded n-gram table) are its second moments and last steps
+            for key in ("exp_avg", "exp_avg_sq", "last_step") if "last_step" in first else ("exp_avg", "exp_avg_sq"):
                 full = torch.cat([shard["state"][i][key] for shard in shards])
                 rows = full.size(0) // self.world_size
                 state[i][key] = full[self.rank * rows: (self.rank + 1) * rows].clone()
@@ -1886,10 +1968,11 @@ class DistAdam(torch.optim.Optimizer):
         pending = []
         for group in self.param_groups:
             for p in group["params"]:
-                if group.get("sparse_rows"):  # the n-gram table: its rows' gradients to every rank
+                if group.get("sparse_rows"):  # the sharded n-gram table: its rows' gradients to their owners
                     if getattr(p, "sparse_grad", None) is not None:  # in the table's dtype, as the dense .grad
                         rows, grads = p.sparse_grad
-                        pending.append((group, p, *launch_row_exchange(rows, grads.to(p.dtype), W)))
+                        pending.append((group, p, *push_row_grads(rows, grads.to(p.dtype) if W > 1 else grads,
+                                                                  p.size(0), W)))
                     continue
                 if p.grad is None:  # unused this step on every rank (a tied token embedding): no update
                     continue
@@ -1907,11 +1990,12 @@ class DistAdam(torch.optim.Optimizer):
         W, r = self.world_size, self.rank
         gathers = []
         for group, p, g, work in pending:
-            if group.get("sparse_rows"):  # replicated: every rank updates the summed rows, nothing to gather
+            if group.get("sparse_rows"):  # sharded: each owner updates its rows, nothing to gather
                 for w in work:
                     w.wait()
                 p.sparse_grad = None
-                row_sparse_adam(p.data, *sum_exchanged_rows(g), self.state[p], group["lr"], group["betas"][1],
+                rows, grads = sum_owned_rows(*g, r * p.size(0)) if W > 1 else g  # one GPU: the flush's own sums
+                row_sparse_adam(p.data, rows, grads, self.state[p], group["lr"], group["betas"][1],
                                 group["eps"], group["weight_decay"])
                 continue
             if work is not None:
@@ -2705,6 +2789,12 @@ def flops_per_token(model: GPT, windows: tuple[int, int], max_doc_len: int) -> f
     return 6 * matmul + attn
 
 
+def ngram_shard(args: Hyperparameters, rank: int, world_size: int) -> tuple[int, int]:
+    """The n-gram table's shard of this rank, (rank, world_size) for GPT: sharded by owner with the row-sparse Adam
+    (ANVIL2, 08/30/26), whole on every rank in the dense Adam's group (which shards only its moments)."""
+    return (rank, world_size) if args.ngram_sparse_adam else (0, 1)
+
+
 def ngram_positions(schedule: Schedule, world_size: int) -> int:
     """The n-gram table's lookups on one rank between two Adam steps at the schedule's largest batch (its gradient
     log's room, ngram_sparse_adam): tokens per rank x adam_every x channels (2 with the trigram channel)."""
@@ -2713,31 +2803,54 @@ def ngram_positions(schedule: Schedule, world_size: int) -> int:
     return batch // world_size * args.adam_every * (2 if args.trigram_rows else 1)
 
 
-def ngram_memory(rows: int, dim: int, world_size: int, positions: int, sparse: bool) -> dict[str, int]:
+def ngram_cache_positions(schedule: Schedule) -> int:
+    """The n-gram lookups of the schedule's longest training micro-batch: the rows of a sharded table's row cache."""
+    return max(st.spec.seq_len for st in schedule.stages) * (2 if schedule.args.trigram_rows else 1)
+
+
+def ngram_memory(rows: int, dim: int, world_size: int, positions: int, sparse: bool,
+                 cache_positions: int = 0) -> dict[str, int]:
     """Bytes per GPU of the n-gram table (bigram + trigram rows x dim), by part. Dense (the embedding tables' Adam):
     bf16 weights and gradient on every rank, the float32 gradient sum (TableLookup), fp32 Adam moments sharded.
-    Row-sparse (ngram_sparse_adam): bf16 weights on every rank (replicated, as the dense table's), 8 bytes of Adam
-    state per row (the second moment, the last step), and gradients bounded by the looked-up positions n per rank
-    (every one a distinct row at worst): the log (id + bf16 row), the rank's sums (id + fp32 row), the all-gathered
-    ranks' lists (world_size x n, bf16 rows; none on one GPU) and their fp32 sums."""
+    Row-sparse (ngram_sparse_adam), the table sharded by owner (ANVIL2, 08/30/26): R = rows / world_size rows of
+    bf16 weights and 8 bytes of Adam state per row (the second moment, the last step); gradients bounded by the
+    looked-up positions n per rank between Adam steps (every one a distinct row at worst): the log (id + bf16 row)
+    and the rank's sums (id + fp32 row); on several GPUs also the sums sent (id + bf16 row), those received (at
+    worst every rank's n rows, at most R each) and their fp32 sums (at most R rows); and the micro-batch's row cache
+    (several GPUs only): its m = cache_positions bf16 rows and row ids, the ids asked of this rank and the rows it
+    serves (at worst every rank's m, at most R each)."""
     if not sparse:
-        return {"weights": 2 * rows * dim, "Adam state": 8 * rows * dim // world_size, "gradients": 6 * rows * dim}
-    n, bf16_row, fp32_row = positions, 8 + 2 * dim, 8 + 4 * dim
-    gathered = world_size * n * bf16_row if world_size > 1 else 0
-    return {"weights": 2 * rows * dim, "Adam state": 8 * rows,
-            "gradients": n * (bf16_row + fp32_row) + gathered + world_size * n * fp32_row}
+        return {"weights": 2 * rows * dim, "Adam state": 8 * rows * dim // world_size, "gradients": 6 * rows * dim,
+                "row cache": 0}
+    shard, n, m = -(-rows // world_size), positions, cache_positions
+    bf16_row, fp32_row = 8 + 2 * dim, 8 + 4 * dim
+    gradients = n * (bf16_row + fp32_row)
+    cache = 0
+    if world_size > 1:
+        gradients += n * bf16_row + world_size * min(n, shard) * bf16_row + min(world_size * n, shard) * fp32_row
+        cache = m * (2 * dim + 24) + world_size * min(m, shard) * bf16_row
+    return {"weights": 2 * shard * dim, "Adam state": 8 * shard, "gradients": gradients, "row cache": cache}
+
+
+def ngram_memory_of(args: Hyperparameters, world_size: int) -> dict[str, int]:
+    """ngram_memory for a run of args on world_size GPUs."""
+    schedule = Schedule(args)
+    return ngram_memory(args.bigram_rows + args.trigram_rows, args.model_dim, world_size,
+                        ngram_positions(schedule, world_size), args.ngram_sparse_adam, ngram_cache_positions(schedule))
 
 
 def ngram_memory_lines(args: Hyperparameters) -> list[str]:
-    """--plan: the n-gram table's bytes per GPU on 1, 2, 4 and 8 GPUs (ngram_memory), weights, Adam state, gradients."""
-    rows, schedule, gib = args.bigram_rows + args.trigram_rows, Schedule(args), 2**30
-    kind = "row-sparse Adam" if args.ngram_sparse_adam else "dense Adam"
+    """--plan: the n-gram table's bytes per GPU on 1, 2, 4 and 8 GPUs (ngram_memory): weights, Adam state, gradients,
+    and the sharded table's row cache."""
+    kind = "row-sparse Adam, sharded by owner" if args.ngram_sparse_adam else "dense Adam"
     lines = [f"n-gram table {args.bigram_rows:,} bigram + {args.trigram_rows:,} trigram rows x {args.model_dim} "
-             f"({kind}), GiB per GPU:", f"{'GPUs':>5}  {'weights':>8}  {'Adam state':>10}  {'gradients':>9}  {'total':>7}"]
+             f"({kind}), GiB per GPU:",
+             f"{'GPUs':>5}  {'weights':>8}  {'Adam state':>10}  {'gradients':>9}  {'row cache':>9}  {'total':>7}"]
+    gib = 2**30
     for world in (1, 2, 4, 8):
-        m = ngram_memory(rows, args.model_dim, world, ngram_positions(schedule, world), args.ngram_sparse_adam)
+        m = ngram_memory_of(args, world)
         lines.append(f"{world:>5}  {m['weights'] / gib:>8.2f}  {m['Adam state'] / gib:>10.2f}  "
-                     f"{m['gradients'] / gib:>9.2f}  {sum(m.values()) / gib:>7.2f}")
+                     f"{m['gradients'] / gib:>9.2f}  {m['row cache'] / gib:>9.2f}  {sum(m.values()) / gib:>7.2f}")
     return lines
 
 
@@ -2745,13 +2858,12 @@ def check_memory_fits(args: Hyperparameters, world_size: int, gpu_bytes: int, ke
     """Start-up: refuse, in one line, a run whose estimated memory per GPU (memory_estimate, the n-gram table's
     part by ngram_memory) exceeds the GPU's, naming the table's share and the fixes, before anything is allocated."""
     with torch.device("meta"):  # PyTorch's paths (nothing allocated, no kernel asked); the logits' size as chosen
-        model = GPT(ModelConfig.from_args(args), ModelKernels(fused_ce=kernels.fused_ce))
+        model = GPT(ModelConfig.from_args(args), ModelKernels(fused_ce=kernels.fused_ce), ngram_shard(args, 0, world_size))
         model.keep_table_grads(ngram_positions(Schedule(args), world_size) if args.ngram_sparse_adam else 0)
     need = sum(memory_estimate(model, args, world_size).values())
     if need > gpu_bytes:
         rows, gib = args.bigram_rows + args.trigram_rows, 2**30
-        table = sum(ngram_memory(rows, args.model_dim, world_size, ngram_positions(Schedule(args), world_size),
-                                 args.ngram_sparse_adam).values())
+        table = sum(ngram_memory_of(args, world_size).values())
         raise ValueError(f"this run needs ~{need / gib:.1f} GiB per GPU (the n-gram table of {rows:,} rows "
                          f"{table / gib:.1f} of it), the GPU has {gpu_bytes / gib:.1f} GiB: use fewer rows "
                          "(--bigram_rows, --trigram_rows), --ngram_sparse_adam, more GPUs, or --preset single")
@@ -2768,10 +2880,8 @@ def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[
     if model.lm_head_grad_sum is not None:  # float32, the shapes of the LM head and the token tables (keep_table_grads)
         summed = [m.weight for m in model.tables() if not (sparse and m is model.bigram_embed)]
         sums["table gradient sums"] = 4 * (model.lm_head_w.numel() + sum(w.numel() for w in summed))
-    if sparse:
-        rows = model.bigram_embed.weight.size(0)
-        sums["n-gram table"] = sum(ngram_memory(rows, args.model_dim, world_size,
-                                                ngram_positions(Schedule(args), world_size), True).values())
+    if sparse:  # the sharded table: its part per GPU
+        sums["n-gram table"] = sum(ngram_memory_of(args, world_size).values())
     return sums | {
         "weights + grads": 2 * sum(p.numel() * p.element_size() for p in model.parameters()
                                    if all(p is not q for q in table)),
@@ -2847,8 +2957,9 @@ def copy_state_dict(state):
 def save_checkpoint(step: int, model: GPT, optimizers, loader_state: dict, training_time_ms: float,
                     args: Hyperparameters, rank: int, world_size: int) -> Path:
     """checkpoint_dir/<run_id>/step_NNNNNN/: model.pt (weights, step, hyperparameters, code hash) and
-    rank<r>.pt per rank (its optimizer shards, data position, RNG states). Written into a .tmp folder
-    renamed when every rank is done, so a checkpoint either exists whole or not at all."""
+    rank<r>.pt per rank (its optimizer shards, data position, RNG states, and its shard of a sharded n-gram table,
+    which model.pt then leaves out: ngram_shards). Written into a .tmp folder renamed when every rank is done, so a
+    checkpoint either exists whole or not at all."""
     final = Path(args.checkpoint_dir) / args.run_id / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
@@ -2856,12 +2967,15 @@ def save_checkpoint(step: int, model: GPT, optimizers, loader_state: dict, train
         tmp.mkdir(parents=True)
     barrier(world_size)
     rng = dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
+    sharded = model.ngram_world > 1
+    table = dict(ngram_table=model.bigram_embed.weight.detach()) if sharded else {}
     torch.save(dict(optimizers=[o.state_dict() for o in optimizers], loader=loader_state, rng=rng, run_id=args.run_id,
-                    step=step), tmp / f"rank{rank}.pt")  # run and step: the files of one checkpoint are a set
+                    step=step, **table), tmp / f"rank{rank}.pt")  # run and step: the files of one checkpoint are a set
     if rank == 0:
-        torch.save(dict(model=model.state_dict(), step=step, args=dataclasses.asdict(args), world_size=world_size,
-                        code_hash=code_hash(), training_time_ms=training_time_ms, format=CHECKPOINT_FORMAT),
-                   tmp / "model.pt")
+        weights = {k: v for k, v in model.state_dict().items() if not (sharded and k == "bigram_embed.weight")}
+        torch.save(dict(model=weights, step=step, args=dataclasses.asdict(args), world_size=world_size,
+                        ngram_shards=model.ngram_world, code_hash=code_hash(), training_time_ms=training_time_ms,
+                        format=CHECKPOINT_FORMAT), tmp / "model.pt")
     barrier(world_size)
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -2934,7 +3048,10 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
         states = [opt.reshard([s["optimizers"][i] for s in shards]) for i, opt in enumerate(optimizers)]
         shard = shards[rank % saved_world]  # its RNG states; the data position is every rank's
         log(f"note: {path} was written by {saved_world} process(es); optimizer states re-sharded over {world_size}")
-    model.load_state_dict(meta["model"])
+    weights = dict(meta["model"])
+    if meta.get("ngram_shards", 1) > 1 or model.ngram_world > 1:  # the n-gram table: this model's shard of it
+        weights["bigram_embed.weight"] = ngram_table_rows(path, meta, model.ngram_rank, model.ngram_world, shard_of)
+    model.load_state_dict(weights)
     for opt, state in zip(optimizers, states):
         settings = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
         opt.load_state_dict(state)
@@ -2944,6 +3061,20 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
     if shard["rng"]["cuda"] and torch.cuda.is_available() and len(shard["rng"]["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(shard["rng"]["cuda"])
     return meta["step"], shard["loader"], meta["training_time_ms"]
+
+
+def ngram_table_rows(path: Path, meta: dict, rank: int, world_size: int, shard_of=None) -> Tensor:
+    """Block `rank` of world_size of a checkpoint's n-gram table (world_size 1: the whole table): from model.pt, or
+    from the rank files' shards where the writing run sharded it (ngram_shards ranks; the same count: only this
+    rank's file is read, else every one, the table joined whole in memory first)."""
+    saved = meta.get("ngram_shards", 1)
+    shard_of = shard_of or (lambda r: read_checkpoint_file(path / f"rank{r}.pt"))
+    if saved == world_size > 1:
+        return shard_of(rank)["ngram_table"]
+    table = meta["model"]["bigram_embed.weight"] if saved == 1 else \
+        torch.cat([shard_of(r)["ngram_table"] for r in range(saved)])
+    rows = table.size(0) // world_size
+    return table[rank * rows: (rank + 1) * rows]
 
 
 def resume_command(checkpoint: Path, world_size: int) -> str:
@@ -3036,7 +3167,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     if device.type == "cuda":  # a table (or a model) too large for the GPU: one line, before any allocation
         check_memory_fits(args, world_size, torch.cuda.get_device_properties(device).total_memory, chosen)
     torch.manual_seed(args.seed)
-    model = to_device(GPT(ModelConfig.from_args(args), chosen), device)
+    model = to_device(GPT(ModelConfig.from_args(args), chosen, ngram_shard(args, rank, world_size)), device)
     # the token tables' gradients summed sparsely (TableLookup), flushed on Adam's steps; with ngram_sparse_adam the
     # n-gram table's logged, room for an Adam step's lookups on this rank at the largest batch
     model.keep_table_grads(ngram_positions(schedule, world_size) if args.ngram_sparse_adam else 0)
@@ -3081,6 +3212,7 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
     model.note_token_lookups()
     for inputs, targets, cu_seqlens in micro:
         model.reserve_ngram_log(inputs.numel())
+        model.pull_ngram_rows(inputs, cu_seqlens)  # a sharded n-gram table: this micro-batch's rows, as last updated
         micro_loss = compiled(inputs, targets, cu_seqlens, stage.spec.max_doc_len, stage.windows, mtp_weights=mtp,
                               prefix_weight=prefix)
         micro_loss.backward()
@@ -3113,9 +3245,17 @@ def evaluate(model: GPT, compiled, val, windows: tuple[int, int], args: Hyperpar
     # validation is untimed: its graphs keep the Python wrapper, quicker to compile than the C++ one (--cpp_wrapper)
     with torch.no_grad(), torch._inductor.config.patch(cpp_wrapper=False):
         total = torch.zeros((), device=model.lm_head_w.device)
+        pulls = 0
         for inputs, targets, cu_seqlens in val:
+            model.pull_ngram_rows(inputs, cu_seqlens)  # a sharded n-gram table: the buffer's rows from their owners
+            pulls += 1
             # a document may run the whole buffer: max_seqlen is the buffer length
             total += compiled(inputs, targets, cu_seqlens, args.val_seq_len, windows, reduction="sum")
+        if model.ngram_world > 1:  # ranks with fewer buffers than another serve its last pulls
+            most = torch.tensor(pulls, device=total.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            model.serve_ngram_pulls(int(most) - pulls)
+            model.ngram_cache = None
     if world_size > 1:
         dist.all_reduce(total)
     model.train()

@@ -1,5 +1,7 @@
 """ANVIL2's hashed n-gram table (issue 64 item 2): the trigram channel, the row-sparse Adam with exact replay and its
 exchange between ranks, the memory table and the start-up refusal."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -165,53 +167,120 @@ def test_dist_adam_steps_the_sparse_group_by_row_sparse_adam():
     rows, g = torch.tensor([1, 7, 300]), torch.randn(3, w.size(1))
     expected, state = w.detach().clone(), {}
     grp = sparse_groups[0]
-    tg.row_sparse_adam(expected, rows, g.bfloat16().float(), state, grp["lr"], grp["betas"][1], grp["eps"],
-                       grp["weight_decay"])  # the gradient sums go to the optimizer in the table's dtype, bf16
+    tg.row_sparse_adam(expected, rows, g, state, grp["lr"], grp["betas"][1], grp["eps"],
+                       grp["weight_decay"])  # one GPU: the flush's float32 sums go to the optimizer as they are
     w.sparse_grad = (rows, g)
     adam.step()
     assert torch.equal(w.detach(), expected) and w.sparse_grad is None
 
 
-def _exchange_worker(rank, world_size, out):
+# -- 3. the table sharded by owner (ANVIL2, 08/30/26): each rank holds rows / world_size rows; rows and gradients
+# travel by all-to-all to and from their owners only
+
+def test_each_rank_holds_its_block_of_the_table_and_the_rows_must_split_evenly():
+    cfg = tg.ModelConfig.from_args(tg.Hyperparameters(**{**TINY, "trigram_rows": 512}))
+    for world in (1, 2, 4):
+        shapes = {tg.GPT(cfg, tg.ModelKernels(), (rank, world)).bigram_embed.weight.shape for rank in range(world)}
+        assert shapes == {((TINY["bigram_rows"] + 512) // world, TINY["model_dim"])}
+    sparse = tg.Hyperparameters(**{**TINY, "trigram_rows": 512, "ngram_sparse_adam": True})
+    assert tg.ngram_shard(sparse, 3, 4) == (3, 4) and tg.ngram_shard(tg.Hyperparameters(**TINY), 3, 4) == (0, 1)
+    odd = tg.ModelConfig.from_args(tg.Hyperparameters(**{**TINY, "trigram_rows": 514}))  # 770 rows
+    with pytest.raises(ValueError, match=r"^the n-gram table's 770 rows \(bigram_rows \+ trigram_rows\) do not split "
+                                         r"over 4 GPUs .*: use --trigram_rows 512$") as e:
+        tg.GPT(odd, tg.ModelKernels(), (0, 4))
+    assert "\n" not in str(e.value)
+    tg.check_ngram_shards(256, 514, 2)  # 770 rows split over 2
+    with pytest.raises(ValueError, match=r"use --bigram_rows 256$"):
+        tg.check_ngram_shards(257, 0, 2)  # no trigram channel: the bigram rows are the fix
+    with pytest.raises(ValueError, match=r"use --trigram_rows 8$"):
+        tg.check_ngram_shards(256, 3, 8)  # rounding down would leave fewer than 2 rows: rounded up
+
+
+def _push_worker(rank, world_size, out, drop_received):
     import torch.distributed as dist
     dist.init_process_group("gloo")
-    p = torch.nn.Parameter(torch.zeros(50, 4))
+    shard = 48 // world_size
+    p = torch.nn.Parameter(torch.zeros(shard, 4))  # rows rank x shard .. of a 48-row table
     adam = tg.DistAdam([dict(params=[p], sparse_rows=True, lr=0.1, weight_decay=0.0, betas=(0.0, 0.95))],
                        lr=0.1, betas=(0.0, 0.95), eps=1e-8, rank=rank, world_size=world_size)
+    if drop_received:  # a broken exchange, to show the test would see it: each owner keeps only its own rank's rows
+        push = tg.push_row_grads
+        tg.push_row_grads = lambda rows, grads, n, w: (((rows[rows // n == rank], grads[rows // n == rank]), []))
     for step in range(2):
         p.sparse_grad = _rank_rows(rank, step)
         adam.step()
+    if drop_received:
+        tg.push_row_grads = push
     torch.save(p.detach(), out.format(rank))
     dist.destroy_process_group()
 
 
 def _rank_rows(rank, step):
     g = torch.Generator().manual_seed(10 * step + rank)
-    rows = torch.randperm(50, generator=g)[: 5 + 3 * rank].sort().values  # overlapping, unequal row sets
+    rows = torch.randperm(48, generator=g)[: 9 + 5 * rank].sort().values  # overlapping, unequal row sets
     return rows, torch.randn(rows.numel(), 4, generator=g)
 
 
-@pytest.mark.slow
-def test_two_gloo_ranks_sum_their_sparse_row_gradients():
+def _pushed_tables(world_size, drop_received=False):
     import tempfile
     from distributed import spawn
     with tempfile.TemporaryDirectory() as d:
         out = d + "/rank{}.pt"
-        spawn(_exchange_worker, 2, out)
-        got = [torch.load(out.format(r)) for r in range(2)]
-    assert torch.equal(got[0], got[1]), "the replicated table stays the same on both ranks"
-    p, state = torch.zeros(50, 4), {}
-    for step in range(2):
-        dense = torch.zeros(50, 4)
-        for rank in range(2):
+        spawn(_push_worker, world_size, out, drop_received)
+        return [torch.load(out.format(r)) for r in range(world_size)]
+
+
+@pytest.mark.slow
+def test_gloo_ranks_push_their_row_gradients_to_the_owners_which_sum_and_update_their_shards():
+    p, state = torch.zeros(48, 4), {}
+    for step in range(2):  # one process: the ranks' gradients summed, the whole table's row-sparse step
+        dense = torch.zeros(48, 4)
+        for rank in range(4):
             rows, g = _rank_rows(rank, step)
             dense[rows] += g
         touched = dense.abs().sum(1).nonzero().flatten()
         tg.row_sparse_adam(p, touched, dense[touched], state, 0.1, 0.95, 1e-8, 0.0)
-    torch.testing.assert_close(got[0], p, rtol=1e-6, atol=1e-7)
+    shards = _pushed_tables(4)
+    assert [s.shape for s in shards] == [(12, 4)] * 4
+    torch.testing.assert_close(torch.cat(shards), p, rtol=1e-6, atol=1e-7)
+    broken = torch.cat(_pushed_tables(4, drop_received=True))
+    assert (broken - p).abs().max() > 0.05, "dropping the received gradients changes the owners' rows"
 
 
-# -- 3. the memory table and the start-up refusal
+def _train_worker(rank, world_size, args, out):
+    run = tg.train(args)
+    if rank == 0:
+        torch.save((run.train_losses, run.val_losses, run.checkpoint), out)
+
+
+@pytest.mark.slow
+def test_the_sharded_table_trains_on_2_and_4_gloo_processes_as_on_one(tiny_args, tmp_path):
+    """The same global batch (4 micro-batches a step) on 1, 2 and 4 processes, Adam every second step: the losses
+    (training and validation: both read the table through the pulled row caches) and the table rows after 6 steps
+    agree to float32 rounding (the micro-batches' gradients summed in another order); each rank's checkpoint file
+    holds its block of rows / world_size rows, model.pt none."""
+    from distributed import spawn
+    common = dict(batch_size=4 * 128, num_iterations=6, val_every=3, save_every=6, ngram_sparse_adam=True,
+                  trigram_rows=512)
+    one = tg.train(tiny_args(**common, run_id="one"))
+    one_table = torch.load(Path(one.checkpoint) / "model.pt", weights_only=True)["model"]["bigram_embed.weight"]
+    assert one_table.shape == (768, 64) and one_table.abs().sum(1).count_nonzero() > 100, "the table learned"
+    for world in (2, 4):
+        out = str(tmp_path / f"{world}.pt")
+        spawn(_train_worker, world, tiny_args(**common, run_id=f"on{world}"), out)
+        train, val, checkpoint = torch.load(out)
+        torch.testing.assert_close(torch.tensor(train), torch.tensor(one.train_losses), rtol=1e-4, atol=0)
+        torch.testing.assert_close(torch.tensor([v for _, v in val]), torch.tensor([v for _, v in one.val_losses]),
+                                   rtol=1e-4, atol=0)
+        meta = torch.load(Path(checkpoint) / "model.pt", weights_only=True)
+        assert meta["ngram_shards"] == world and "bigram_embed.weight" not in meta["model"]
+        shards = [torch.load(Path(checkpoint) / f"rank{r}.pt", weights_only=True)["ngram_table"] for r in range(world)]
+        assert [s.shape for s in shards] == [(768 // world, 64)] * world
+        table = tg.ngram_table_rows(Path(checkpoint), meta, 0, 1)  # joined whole, as sample.py reads it
+        torch.testing.assert_close(table, one_table, rtol=1e-3, atol=1e-4)
+
+
+# -- 4. the memory table and the start-up refusal
 
 def test_the_ngram_memory_table_is_its_parts_arithmetic():
     rows, dim, n = 1_000_000, 768, 10_000
