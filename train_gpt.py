@@ -225,7 +225,10 @@ class Hyperparameters:
     # the n-gram (bigram + trigram) table learns by a row-sparse Adam (ANVIL2's, 2026-08-30): only the rows looked up
     # since its last step are read and written, beta1 0 and one second moment per row (its gradient's mean square),
     # embed_adam_betas' beta2, the embedding lr and embed_weight_decay; a row's missed steps are caught up exactly
-    # when it is next looked up (row_sparse_adam). Off: the table is in the embedding tables' dense Adam group.
+    # when it is next looked up (row_sparse_adam). On several GPUs the table is sharded by owner (ANVIL2's): each rank
+    # holds rows / world_size of it (bigram_rows + trigram_rows must split), rows and gradients go to and from their
+    # owners by all-to-all (GPT.pull_ngram_rows, push_row_grads). Off: the table is in the embedding tables' dense
+    # Adam group, whole on every rank.
     ngram_sparse_adam: bool = False  # the n-gram table's row-sparse Adam (beta1 0, a moment per row; ANVIL2, 08/30/26)
     head_lr_mult: float = 1.0  # LM head: adam_lr times this
     # The 2026 records' LM head: betas 0.5,0.95 and cautious decay 0.005 x 150 = 0.75 per Adam step (Adam stepping

@@ -283,36 +283,71 @@ def test_the_sharded_table_trains_on_2_and_4_gloo_processes_as_on_one(tiny_args,
 # -- 4. the memory table and the start-up refusal
 
 def test_the_ngram_memory_table_is_its_parts_arithmetic():
-    rows, dim, n = 1_000_000, 768, 10_000
-    dense = tg.ngram_memory(rows, dim, 4, n, sparse=False)
-    assert dense == {"weights": 2 * rows * dim, "Adam state": 8 * rows * dim // 4, "gradients": 6 * rows * dim}
-    one, eight = (tg.ngram_memory(rows, dim, w, n, sparse=True) for w in (1, 8))
-    assert one["weights"] == eight["weights"] == 2 * rows * dim and one["Adam state"] == eight["Adam state"] == 8 * rows
-    # log (id + bf16 row) and own sums (id + fp32 row) of n positions; 8 ranks' bf16 lists and their fp32 sums
-    assert one["gradients"] == n * (8 + 2 * dim) + n * (8 + 4 * dim) + n * (8 + 4 * dim)
-    assert eight["gradients"] == n * (8 + 2 * dim) + n * (8 + 4 * dim) + 8 * n * (8 + 2 * dim) + 8 * n * (8 + 4 * dim)
+    rows, dim, n, m = 1_000_000, 768, 10_000, 3_000
+    dense = tg.ngram_memory(rows, dim, 4, n, sparse=False, cache_positions=m)
+    assert dense == {"weights": 2 * rows * dim, "Adam state": 8 * rows * dim // 4, "gradients": 6 * rows * dim,
+                     "row cache": 0}
+    bf16_row, fp32_row = 8 + 2 * dim, 8 + 4 * dim
+    one = tg.ngram_memory(rows, dim, 1, n, sparse=True, cache_positions=m)
+    # one GPU: the whole table, the log (id + bf16 row) and own sums (id + fp32 row) of n positions, no row cache
+    assert one == {"weights": 2 * rows * dim, "Adam state": 8 * rows, "gradients": n * (bf16_row + fp32_row),
+                   "row cache": 0}
+    for world in (2, 4, 8):
+        got = tg.ngram_memory(rows, dim, world, n, sparse=True, cache_positions=m)
+        R = rows // world
+        # the shard's weights and state; the sums sent, every rank's received (worst case) and their fp32 sums; the
+        # micro-batch's cache (bf16 rows and ids) and the rows it serves every rank (worst case)
+        assert got == {"weights": 2 * R * dim, "Adam state": 8 * R,
+                       "gradients": n * (bf16_row + fp32_row) + n * bf16_row + world * n * bf16_row
+                       + world * n * fp32_row,
+                       "row cache": m * (2 * dim + 24) + world * m * bf16_row}
     # beyond the weights, the dense table's gradients and moments scale with its rows, the sparse one's with its lookups
     assert sum(dense.values()) - dense["weights"] > 50 * (sum(one.values()) - one["weights"])
+    # a shard smaller than the lookups bounds what one owner receives and serves
+    small = tg.ngram_memory(8_000, dim, 8, n, sparse=True, cache_positions=m)
+    assert small["gradients"] == n * (bf16_row + fp32_row) + n * bf16_row + 8 * 1000 * bf16_row + 1000 * fp32_row
+
+
+def test_the_sharded_tables_bytes_per_gpu_shrink_with_the_gpus_as_the_formula_says():
+    """ANVIL2's 84.6M rows x 768 at the record's batch (49,152 tokens per rank at 8 GPUs): the weights and state per
+    GPU are the whole table's / world_size; the total falls with every doubling of the GPUs (the worst-case exchange
+    buffers, about every rank's lookups, do not shrink: 8 GPUs hold 1/5 of one GPU's bytes, not 1/8)."""
+    args = tg.parse_args(["--trigram_rows", "84225600", "--ngram_sparse_adam", "true"])
+    rows, gib = 84_602_880, 2**30
+    parts = {w: tg.ngram_memory_of(args, w) for w in (1, 2, 4, 8)}
+    for w, m in parts.items():
+        assert m["weights"] == 2 * rows * 768 // w and m["Adam state"] == 8 * rows // w
+    totals = [sum(parts[w].values()) for w in (1, 2, 4, 8)]
+    assert totals == sorted(totals, reverse=True) and totals[0] / totals[3] > 5
+    assert 120 < parts[1]["weights"] / gib < 122 and 15 < parts[8]["weights"] / gib < 15.2  # 121 GiB whole, 15.1 a GPU
 
 
 def test_plan_prints_the_tables_bytes_per_gpu_for_1_2_4_and_8_gpus(capsys):
     assert tg.main(["--plan", "--trigram_rows", "1000000", "--ngram_sparse_adam", "true"]) == 0
     out = capsys.readouterr().out.splitlines()
     at = next(i for i, line in enumerate(out) if line.startswith("n-gram table 377,280 bigram + 1,000,000 trigram"))
-    assert "row-sparse Adam" in out[at] and [line.split()[0] for line in out[at + 2: at + 6]] == ["1", "2", "4", "8"]
+    assert "row-sparse Adam, sharded by owner" in out[at]
+    assert out[at + 1].split() == ["GPUs", "weights", "Adam", "state", "gradients", "row", "cache", "total"]
+    assert [line.split()[0] for line in out[at + 2: at + 6]] == ["1", "2", "4", "8"]
     args = tg.parse_args(["--trigram_rows", "1000000", "--ngram_sparse_adam", "true"])
-    m = tg.ngram_memory(1_377_280, 768, 8, tg.ngram_positions(tg.Schedule(args), 8), True)
-    assert out[at + 5].split()[1:] == [f"{m[k] / 2**30:.2f}" for k in ("weights", "Adam state", "gradients")] + \
-        [f"{sum(m.values()) / 2**30:.2f}"]
-    assert tg.ngram_positions(tg.Schedule(args), 8) == max(st.spec.batch_size for st in tg.Schedule(args).stages) \
-        // 8 * args.adam_every * 2
+    schedule = tg.Schedule(args)
+    for line, world in zip(out[at + 2: at + 6], (1, 2, 4, 8)):
+        m = tg.ngram_memory(1_377_280, 768, world, tg.ngram_positions(schedule, world), True,
+                            tg.ngram_cache_positions(schedule))
+        assert line.split()[1:] == [f"{m[k] / 2**30:.2f}" for k in ("weights", "Adam state", "gradients", "row cache")] \
+            + [f"{sum(m.values()) / 2**30:.2f}"]
+    assert tg.ngram_positions(schedule, 8) == max(st.spec.batch_size for st in schedule.stages) // 8 * args.adam_every * 2
+    assert tg.ngram_cache_positions(schedule) == max(st.spec.seq_len for st in schedule.stages) * 2
 
 
 def test_a_table_too_large_for_the_gpu_is_refused_in_one_line_naming_the_fix():
     args = tg.parse_args(["--trigram_rows", "84225600", "--ngram_sparse_adam", "true"])  # ANVIL2's 84.6M rows
     with pytest.raises(ValueError, match=r"n-gram table of 84,602,880 rows .*fewer rows .*--preset single") as e:
-        tg.check_memory_fits(args, 8, 141 * 2**30, tg.ModelKernels())  # replicated: 121 GiB of weights, + the model
+        tg.check_memory_fits(args, 1, 141 * 2**30, tg.ModelKernels())  # whole on one GPU: 121 GiB of weights + more
     assert "\n" not in str(e.value)
+    tg.check_memory_fits(args, 8, 141 * 2**30, tg.ModelKernels())  # sharded over 8: 15.1 GiB of weights a GPU
+    with pytest.raises(ValueError, match=r"n-gram table of 84,602,880 rows .*more GPUs"):
+        tg.check_memory_fits(args, 8, 24 * 2**30, tg.ModelKernels())  # but not on 8 GPUs of 24 GiB
     tg.check_memory_fits(tg.parse_args([]), 8, 80 * 2**30, tg.ModelKernels())  # the record fits an H100
     tg.check_memory_fits(tg.parse_args(["--trigram_rows", "20773440", "--ngram_sparse_adam", "true"]), 8,
                          141 * 2**30, tg.ModelKernels())  # ~21M rows fit an H200, row-sparse
