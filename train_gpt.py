@@ -3035,8 +3035,12 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
         log(f"note: {path} was written by another version of train_gpt.py ({meta['code_hash']} vs {code_hash()})")
     saved_world = meta["world_size"]
 
+    read = {}  # each rank file read once (the n-gram table's shards come from them too: ngram_table_rows)
+
     def shard_of(r: int) -> dict:
-        shard = read_checkpoint_file(path / f"rank{r}.pt")
+        if r in read:
+            return read[r]
+        shard = read[r] = read_checkpoint_file(path / f"rank{r}.pt")
         made = (shard.get("run_id", meta["args"]["run_id"]), shard.get("step", meta["step"]))  # older: unmarked
         if made != (meta["args"]["run_id"], meta["step"]):
             raise ValueError(f"{path}: rank{r}.pt was written by run {made[0]} at step {made[1]}, model.pt by run "
