@@ -1936,7 +1936,7 @@ class DistAdam(torch.optim.Optimizer):
         for i, first in shards[0]["state"].items():
             state[i] = dict(first)
             # the moments' rows; the row-sparse Adam's (the sharded n-gram table) are its second moments and last steps
-            for key in ("exp_avg", "exp_avg_sq", "last_step") if "last_step" in first else ("exp_avg", "exp_avg_sq"):
+            for key in ("exp_avg_sq", "last_step") if "last_step" in first else ("exp_avg", "exp_avg_sq"):
                 full = torch.cat([shard["state"][i][key] for shard in shards])
                 rows = full.size(0) // self.world_size
                 state[i][key] = full[self.rank * rows: (self.rank + 1) * rows].clone()
