@@ -1295,11 +1295,12 @@ class GPT(nn.Module):
         """The token tables looked up by index: the token embedding, the value embeddings, the bigram table."""
         return [self.embed, *self.value_embeds, self.bigram_embed]
 
-    def keep_table_grads(self, ngram_positions: int = 0):
+    def keep_table_grads(self, ngram_positions: int = 0, segment=None):
         """Training from here on sums the token tables' gradients in float32 buffers (TableLookup), the LM
         head's too for its lookups while tied; flush_table_grads hands the sums to the optimizer. With
         ngram_positions (ngram_sparse_adam), the n-gram table instead logs its looked-up rows and their gradients,
-        room for that many lookups to start with (reserve_ngram_log grows it)."""
+        room for that many lookups to start with (reserve_ngram_log grows it), summed per row at the flush by
+        `segment` (segment_sum or its compiled twin: build)."""
         self.lm_head_grad_sum = torch.zeros_like(self.lm_head_w, dtype=torch.float32)
         for m in self.tables():
             m.grad_sum = torch.zeros_like(m.weight, dtype=torch.float32)
@@ -1310,6 +1311,7 @@ class GPT(nn.Module):
                                   grads=w.new_zeros(ngram_positions, w.size(1)),
                                   used=torch.zeros((), dtype=torch.long, device=w.device))
             self.ngram_logged = 0  # the log's positions in use, counted on the host (the compiled graph reads none)
+            self.ngram_segment_sum = segment or segment_sum
 
     def reserve_ngram_log(self, tokens: int):
         """Before a training micro-batch of `tokens` tokens (the trainer's, outside the compiled graph): make room for
@@ -1330,8 +1332,7 @@ class GPT(nn.Module):
         n, self.ngram_logged = self.ngram_logged, 0
         log["used"].zero_()
         rows, inverse = torch.unique(log["rows"][:n], return_inverse=True)
-        grads = torch.zeros(rows.numel(), p.size(1), device=p.device).index_add_(0, inverse, log["grads"][:n].float())
-        p.sparse_grad = (rows, grads)
+        p.sparse_grad = (rows, self.ngram_segment_sum(inverse, log["grads"][:n], rows.numel()))
         self.token_lookups = set()  # which of lm_head_w and embed.weight served the token lookups since the flush
 
     def note_token_lookups(self):
@@ -1817,8 +1818,29 @@ def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_
     p.copy_(p32 - update)
 
 
+def segment_sum(inverse: Tensor, grads: Tensor, num_rows: int) -> Tensor:
+    """grads (any float dtype) summed into num_rows float32 rows, grads[i] into row inverse[i]: the n-gram log's
+    gradients per distinct row (GPT.flush_ngram_log), an owner's received ones (sum_owned_rows). Compiled (build),
+    the cast happens in the scatter's own kernel, where eager PyTorch first writes a float32 copy of every logged
+    row (at 1.6M lookups, 4.8 GB)."""
+    return torch.zeros(num_rows, grads.size(1), device=grads.device).index_add_(0, inverse, grads.float())
+
+
+def row_adam_update(p: Tensor, rows: Tensor, g: Tensor, exp_avg_sq: Tensor, decay: Tensor, step_size: float,
+                    decay_rate: float, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
+    """row_sparse_adam's arithmetic on p's `rows`: (their new values in p's dtype, their new second moments), with
+    decay the second moments' factor (beta2 times the missed steps' product). Compiled (build), one pass over the
+    rows, where eager PyTorch makes about a dozen over float32 copies; every number is a factor of a tensor, as in
+    adam_update, so one graph serves every step and every number of rows."""
+    v = exp_avg_sq[rows] * decay + g.square().mean(1) * (1 - beta2)
+    p32 = p[rows].float()
+    update = g / (v.sqrt() + eps)[:, None] * step_size
+    update = update + torch.where(update * p32 > 0, p32, 0) * decay_rate
+    return (p32 - update).to(p.dtype), v
+
+
 def row_sparse_adam(p: Tensor, rows: Tensor, g: Tensor, state: dict, lr: float, beta2: float, eps: float,
-                    weight_decay: float):
+                    weight_decay: float, update=row_adam_update):
     """One Adam step of the n-gram table p on its looked-up `rows` only (ascending, distinct; g their float32
     gradient sums), equal to a dense step of every row (ANVIL2's row-compacted Adam, modded-nanogpt 2026-08-30):
     beta1 = 0 and one second moment per row, v <- beta2 v + (1 - beta2) mean(g^2); update = g / (sqrt(v) + eps) x
@@ -1826,7 +1848,8 @@ def row_sparse_adam(p: Tensor, rows: Tensor, g: Tensor, state: dict, lr: float, 
     looked up takes a zero gradient in the dense step: v <- beta2 v, update 0 and so no decay: the weights do not
     move. So a row's missed steps come down to v times the product of their beta2, applied exactly when the row is
     next looked up ("exact replay"): last_step holds each row's last step, log_beta2[j] the sum of log beta2 over
-    steps 1..j (float64; any beta2 schedule). Reads and writes 2 x dim + 8 bytes of state and weights per row."""
+    steps 1..j (float64; any beta2 schedule). Reads and writes 2 x dim + 8 bytes of state and weights per row.
+    `update` is row_adam_update or its compiled twin (DistAdam's row_update)."""
     if not state:
         state.update(step=0, exp_avg_sq=torch.zeros(p.size(0), device=p.device),
                      last_step=torch.zeros(p.size(0), dtype=torch.int32, device=p.device),
@@ -1834,11 +1857,9 @@ def row_sparse_adam(p: Tensor, rows: Tensor, g: Tensor, state: dict, lr: float, 
     state["step"] += 1
     t, logs = state["step"], state["log_beta2"]
     missed = (logs[t - 1] - logs[state["last_step"][rows].long()]).exp()  # product of beta2 over missed steps
-    v = state["exp_avg_sq"][rows] * missed.float() * beta2 + g.square().mean(1) * (1 - beta2)
-    p32 = p[rows].float()
-    update = g / (v.sqrt() + eps)[:, None] * (lr * math.sqrt(1 - beta2**t))
-    update = update + torch.where(update * p32 > 0, p32, 0) * (lr**2 * weight_decay)
-    p.index_copy_(0, rows, (p32 - update).to(p.dtype))
+    new, v = update(p, rows, g, state["exp_avg_sq"], missed.float() * beta2, lr * math.sqrt(1 - beta2**t),
+                    lr**2 * weight_decay, beta2, eps)
+    p.index_copy_(0, rows, new)
     state["exp_avg_sq"].index_copy_(0, rows, v)
     state["last_step"].index_fill_(0, rows, t)
     state["log_beta2"] = torch.cat([logs, logs[-1:] + math.log(beta2)])
@@ -1899,11 +1920,11 @@ def push_row_grads(rows: Tensor, grads: Tensor, shard_rows: int, world_size: int
     return (got_rows, got), works
 
 
-def sum_owned_rows(rows: Tensor, grads: Tensor, first_row: int) -> tuple[Tensor, Tensor]:
+def sum_owned_rows(rows: Tensor, grads: Tensor, first_row: int, segment=segment_sum) -> tuple[Tensor, Tensor]:
     """The pushed gradients an owner received (rows of the whole table, one list per sending rank) summed per row:
-    its own rows (minus first_row: rows of its shard), distinct and ascending, and their float32 sums (index_add)."""
+    its own rows (minus first_row: rows of its shard), distinct and ascending, and their float32 sums (segment)."""
     owned, inverse = torch.unique(rows - first_row, return_inverse=True)
-    return owned, torch.zeros(owned.numel(), grads.size(1), device=grads.device).index_add_(0, inverse, grads.float())
+    return owned, segment(inverse, grads, owned.numel())
 
 
 class DistAdam(torch.optim.Optimizer):
@@ -1912,12 +1933,14 @@ class DistAdam(torch.optim.Optimizer):
     back into the full parameter. A group's `weight_decay` (default 0: none) is cautious weight decay
     as in the 2026 records: lr^2 x weight_decay x p joins the update only where the update has p's
     sign, i.e. where Adam already moves the entry toward zero; lr is the group's current lr. `update`
-    is adam_update or its compiled twin (build() passes that one when it compiles the model)."""
+    is adam_update or its compiled twin (build() passes that one when it compiles the model), as are row_update
+    (row_adam_update) and segment (segment_sum) for a sparse_rows group's row-sparse Adam."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, rank: int = 0, world_size: int = 1,
-                 weight_decay: float = 0.0, update=adam_update):
+                 weight_decay: float = 0.0, update=adam_update, row_update=row_adam_update, segment=segment_sum):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.rank, self.world_size, self.update = rank, world_size, update
+        self.row_update, self.segment = row_update, segment
         for group in self.param_groups:
             for p in group["params"]:
                 if p.size(0) % world_size and not group.get("sparse_rows"):
@@ -1997,9 +2020,9 @@ class DistAdam(torch.optim.Optimizer):
                 for w in work:
                     w.wait()
                 p.sparse_grad = None
-                rows, grads = sum_owned_rows(*g, r * p.size(0)) if W > 1 else g  # one GPU: the flush's own sums
+                rows, grads = sum_owned_rows(*g, r * p.size(0), self.segment) if W > 1 else g  # one GPU: the flush's
                 row_sparse_adam(p.data, rows, grads, self.state[p], group["lr"], group["betas"][1],
-                                group["eps"], group["weight_decay"])
+                                group["eps"], group["weight_decay"], self.row_update)
                 continue
             if work is not None:
                 work.wait()
@@ -2715,7 +2738,7 @@ def param_groups_by_role(model: GPT) -> dict[str, list[nn.Parameter]]:
 
 
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, orthogonalize=polar_express,
-                     update=adam_update):
+                     update=adam_update, row_update=row_adam_update, segment=segment_sum):
     """Muon for every matrix inside the blocks and the smear gate's (as the 2025-09-18 record); Adam for
     embeddings, LM head and scalars. The bigram table learns as the other embeddings do (the
     2026-01-19 record gave it the value embeddings' Adam settings); its per-block weights, the
@@ -2749,7 +2772,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
                                 weight_decay=args.embed_weight_decay,
                                 betas=(0.0, (tuple(args.embed_adam_betas) or betas)[1])))
     adam = DistAdam([g for g in adam_groups if g["params"]], lr=args.adam_lr, betas=betas, eps=args.adam_eps,
-                    rank=rank, world_size=world_size, update=update)
+                    rank=rank, world_size=world_size, update=update, row_update=row_update, segment=segment)
     fc, proj = args.mlp_muon_lr_mults or (1.0, 1.0)
     mults = {p: m for block in model.blocks for p, m in ((block.mlp.fc_w, fc), (block.mlp.proj_w, proj))}
     muon = Muon(groups["block matrices"], lr=args.muon_lr, momentum=args.muon_momentum, rank=rank,
@@ -3175,9 +3198,6 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         check_memory_fits(args, world_size, torch.cuda.get_device_properties(device).total_memory, chosen)
     torch.manual_seed(args.seed)
     model = to_device(GPT(ModelConfig.from_args(args), chosen, ngram_shard(args, rank, world_size)), device)
-    # the token tables' gradients summed sparsely (TableLookup), flushed on Adam's steps; with ngram_sparse_adam the
-    # n-gram table's logged, room for an Adam step's lookups on this rank at the largest batch
-    model.keep_table_grads(ngram_positions(schedule, world_size) if args.ngram_sparse_adam else 0)
     if any(any(st.prefix_ramp) for st in schedule.stages):  # the prefix-token loss' table (untimed; the record
         vocab = gpt2_token_bytes()                            # builds it in its timed region, ~0.1 s)
         if args.vocab_size < len(vocab):
@@ -3185,6 +3205,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
                              f"{args.vocab_size} is below GPT-2's {len(vocab)}; set the stages' prefix to 0")
         model.prefix_ids = prefix_table(vocab, args.vocab_size).to(device)
     orthogonalize, update, compiled = polar_express, adam_update, model
+    row_update, segment = row_adam_update, segment_sum
     if args.compile:
         # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final
         # validation, on purpose: dynamo's default limit of 8 per function must not fail a longer schedule.
@@ -3201,7 +3222,14 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         # dynamic=True: shapes, step sizes, decay rates and betas are arguments of one graph per dtype and
         # rank of parameter, not constants that recompile it for every tensor and every step
         update = torch.compile(adam_update, dynamic=True, fullgraph=True)
-    return model, compiled, build_optimizers(model, args, rank, world_size, orthogonalize, update), chosen
+        # the n-gram table's row-sparse Adam and per-row gradient sums: one graph each for any number of rows
+        row_update = torch.compile(row_adam_update, dynamic=True, fullgraph=True)
+        segment = torch.compile(segment_sum, dynamic=True, fullgraph=True)
+    # the token tables' gradients summed sparsely (TableLookup), flushed on Adam's steps; with ngram_sparse_adam the
+    # n-gram table's logged, room for an Adam step's lookups on this rank at the largest batch
+    model.keep_table_grads(ngram_positions(schedule, world_size) if args.ngram_sparse_adam else 0, segment)
+    return model, compiled, build_optimizers(model, args, rank, world_size, orthogonalize, update, row_update,
+                                             segment), chosen
 
 
 def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage, schedule: Schedule) -> Tensor:

@@ -131,6 +131,47 @@ def test_row_sparse_adam_reads_and_writes_only_its_rows():
     assert state["last_step"].nonzero().flatten().tolist() == rows.tolist() and state["step"] == 1
 
 
+def test_compiled_row_ops_equal_eager_for_every_row_count_and_step_without_recompiling():
+    """build() compiles row_adam_update and segment_sum (dynamic=True): the same numbers as eager through
+    row_sparse_adam and the per-row sums, one graph each for every number of rows, step size, decay and beta2 (the
+    table's beta2 changes with the schedule; dynamo's limit is 8 graphs, and fullgraph turns hitting it into a
+    failure)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    counters = [CompileCounterWithBackend("inductor") for _ in range(2)]
+    row_update = torch.compile(tg.row_adam_update, backend=counters[0], dynamic=True, fullgraph=True)
+    segment = torch.compile(tg.segment_sum, backend=counters[1], dynamic=True, fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    eager, comp = (torch.randn(500, 16, generator=gen) * 0.05).bfloat16(), None
+    comp, states = eager.clone(), ({}, {})
+    for step, n in enumerate([40, 40, 120, 7, 300]):  # lookups this step
+        ids = torch.randint(0, 500, (n,), generator=gen)
+        logged = torch.randn(n, 16, generator=gen).bfloat16()
+        rows, inverse = torch.unique(ids, return_inverse=True)
+        sums = tg.segment_sum(inverse, logged, rows.numel())
+        torch.testing.assert_close(segment(inverse, logged, rows.numel()), sums, rtol=1e-6, atol=1e-6)
+        lr, beta2 = 0.02 / (step + 1), 0.95 if step < 3 else 0.95**2
+        tg.row_sparse_adam(eager, rows, sums, states[0], lr, beta2, 1e-10, 5.0)
+        tg.row_sparse_adam(comp, rows, sums, states[1], lr, beta2, 1e-10, 5.0, update=row_update)
+        torch.testing.assert_close(comp.float(), eager.float(), rtol=1e-2, atol=1e-4)  # bf16: a last-bit rounding
+        torch.testing.assert_close(states[1]["exp_avg_sq"], states[0]["exp_avg_sq"], rtol=1e-5, atol=1e-12)
+    assert (comp != (torch.randn(500, 16, generator=torch.Generator().manual_seed(0)) * 0.05).bfloat16()).any()
+    assert [c.frame_count for c in counters] == [1, 1]
+
+
+def test_dist_adam_takes_the_compiled_row_ops_as_build_gives_them():
+    """build_optimizers hands DistAdam its row_update and segment (build passes the compiled twins)."""
+    args = tg.Hyperparameters(**{**TINY, "ngram_sparse_adam": True, "trigram_rows": 64})
+    model = tiny_model(randomize=True, ngram_sparse_adam=True, trigram_rows=64)
+    marks = []
+    adam, _ = tg.build_optimizers(model, args, 0, 1, row_update=lambda *a: marks.append("row") or tg.row_adam_update(*a),
+                                  segment=tg.segment_sum)
+    w = model.bigram_embed.weight
+    w.sparse_grad = (torch.tensor([1, 7, 300]), torch.randn(3, w.size(1)))
+    adam.step()
+    assert marks == ["row"] and adam.segment is tg.segment_sum
+
+
 def test_the_ngram_log_gives_the_tables_gradient_on_its_looked_up_rows():
     """keep_table_grads(positions): the n-gram lookups log rows and gradients, flushed as (distinct rows, sums) equal
     to the dense table gradient (TableLookup's sum) on those rows; no dense gradient of the table is made."""

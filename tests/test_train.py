@@ -35,7 +35,7 @@ def test_token_tables_summed_by_their_lookups_train_as_autograds_gradients(tiny_
     another order)."""
     args = tiny_args(**FAST, num_iterations=8, val_every=4, warmup_steps=1)
     summed = tg.train(args)
-    monkeypatch.setattr(tg.GPT, "keep_table_grads", lambda self, ngram_positions=0: None)
+    monkeypatch.setattr(tg.GPT, "keep_table_grads", lambda self, ngram_positions=0, segment=None: None)
     plain = tg.train(args)
     torch.testing.assert_close(torch.tensor(summed.train_losses), torch.tensor(plain.train_losses), rtol=2e-5, atol=0)
     torch.testing.assert_close(torch.tensor([v for _, v in summed.val_losses]),
