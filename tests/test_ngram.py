@@ -321,26 +321,6 @@ def test_the_sharded_table_trains_on_2_and_4_gloo_processes_as_on_one(tiny_args,
         torch.testing.assert_close(table, one_table, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.slow
-def test_a_sharded_tables_checkpoint_resumes_on_another_number_of_processes(tiny_args, tmp_path):
-    """Written on 2 processes (each rank's file holding its block of the table), resumed on 1, and back: the table
-    is joined or cut anew, the row-sparse Adam's per-row state re-sharded, and the losses go on as they would have."""
-    import os
-    from distributed import spawn
-    common = dict(batch_size=2 * 128, num_iterations=6, val_every=0, ngram_sparse_adam=True, trigram_rows=512)
-    ck = str(tmp_path / "ck")
-    spawn(_train_worker, 2, tiny_args(save_every=2, run_id="two", checkpoint_dir=ck, **common), str(tmp_path / "two.pt"))
-    on_one = tg.train(tiny_args(resume=os.path.join(ck, "two", "step_000002"), run_id="one-b",
-                                checkpoint_dir=str(tmp_path / "x"), **common))
-    one = tg.train(tiny_args(save_every=2, run_id="one", checkpoint_dir=ck, **common))
-    spawn(_train_worker, 2, tiny_args(resume=os.path.join(ck, "one", "step_000002"), run_id="two-b",
-                                      checkpoint_dir=str(tmp_path / "y"), **common), str(tmp_path / "on_two.pt"))
-    two, on_two = torch.load(tmp_path / "two.pt")[0], torch.load(tmp_path / "on_two.pt")[0]
-    close = lambda a, b: torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=0)
-    close(on_one.train_losses, two[2:])
-    close(on_two, one.train_losses[2:])
-
-
 # -- 4. the memory table and the start-up refusal
 
 def test_the_ngram_memory_table_is_its_parts_arithmetic():
