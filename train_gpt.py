@@ -1302,11 +1302,12 @@ class GPT(nn.Module):
         room for that many lookups to start with (reserve_ngram_log grows it), summed per row at the flush by
         `segment` (segment_sum or its compiled twin: build)."""
         self.lm_head_grad_sum = torch.zeros_like(self.lm_head_w, dtype=torch.float32)
-        for m in self.tables():
-            m.grad_sum = torch.zeros_like(m.weight, dtype=torch.float32)
+        for m in self.tables():  # not the row-logged n-gram table: a float32 sum of its shape would be twice its
+            # bf16 bytes, made and dropped (65 GB at 21M rows, on top of the table's 32.5 GB)
+            logged = ngram_positions and m is self.bigram_embed
+            m.grad_sum = None if logged else torch.zeros_like(m.weight, dtype=torch.float32)
         if ngram_positions:
             w = self.bigram_embed.weight
-            self.bigram_embed.grad_sum = None
             self.ngram_log = dict(rows=torch.zeros(ngram_positions, dtype=torch.long, device=w.device),
                                   grads=w.new_zeros(ngram_positions, w.size(1)),
                                   used=torch.zeros((), dtype=torch.long, device=w.device))

@@ -172,6 +172,21 @@ def test_dist_adam_takes_the_compiled_row_ops_as_build_gives_them():
     assert marks == ["row"] and adam.segment is tg.segment_sum
 
 
+def test_a_row_logged_table_gets_no_float32_sum_of_its_shape(monkeypatch):
+    """keep_table_grads(positions) makes no table-shaped float32 buffer for the n-gram table, not even for a moment:
+    at 21M rows it would be 65 GB beside the table's 32.5 GB (seen as ~96 GB held on an H200)."""
+    model = tiny_model(ngram_sparse_adam=True, trigram_rows=512)
+    made, zeros_like = [], torch.zeros_like
+    monkeypatch.setattr(torch, "zeros_like", lambda t, **kw: made.append(tuple(t.shape)) or zeros_like(t, **kw))
+    model.keep_table_grads(64)
+    table = tuple(model.bigram_embed.weight.shape)
+    assert table not in made and model.bigram_embed.grad_sum is None
+    assert tuple(model.embed.weight.shape) in made  # the other tables still sum densely
+    made.clear()
+    tiny_model(trigram_rows=512).keep_table_grads(0)  # the dense Adam's table sums as the other tables do
+    assert table in made
+
+
 def test_the_ngram_log_gives_the_tables_gradient_on_its_looked_up_rows():
     """keep_table_grads(positions): the n-gram lookups log rows and gradients, flushed as (distinct rows, sums) equal
     to the dense table gradient (TableLookup's sum) on those rows; no dense gradient of the table is made."""
