@@ -336,11 +336,13 @@ def test_resume_on_two_processes_matches_uninterrupted(tiny_args, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("features", [{}, DECAYED_TABLES], ids=["plain", "decayed_tables"])
+@pytest.mark.parametrize("features", [{}, DECAYED_TABLES, dict(ngram_sparse_adam=True, trigram_rows=512)],
+                         ids=["plain", "decayed_tables", "sharded_ngram_table"])
 def test_a_checkpoint_resumes_on_another_number_of_processes_as_it_would_have_gone_on(tiny_args, tmp_path, features):
     """Written on 2 processes, resumed on 1 (and back: written on 1, resumed on 2): the optimizer
-    states are re-sharded, and the resumed losses follow the uninterrupted run to the tolerance
-    that 1 x 2 accumulation steps and 2 x 1 agree to anyway (float sums in another order)."""
+    states are re-sharded (and a sharded n-gram table joined or cut anew, its per-row Adam state with it), and the
+    resumed losses follow the uninterrupted run to the tolerance that 1 x 2 accumulation steps and 2 x 1 agree to
+    anyway (float sums in another order)."""
     ck = str(tmp_path / "ck")
     common = dict(batch_size=2 * 128, num_iterations=6, val_every=0, **features)
     spawn(_resume_worker, 2, tiny_args(save_every=2, run_id="two", checkpoint_dir=ck, **common), str(tmp_path / "two.pt"))
