@@ -162,8 +162,11 @@ class Hyperparameters:
     bigram_rows: int = 377_280  # rows of the bigram hash embedding, 0 = off (01/19/26; 377,280 since 05/27/26)
     bigram_sign_rows: int = 8_192  # rows of fixed random +-1 signs that multiply bigram rows, 0 = none (05/20/26)
     # the trigram channel of ANVIL2 (modded-nanogpt 2026-08-30: half of its 84.6M-row table): rows after the bigram
-    # rows of the same table, hashed from (t-2, t-1, t) within a document, signed from the same sign rows
-    trigram_rows: int = 0  # rows of the trigram hash channel, summed with the bigram lookup; 0 = none (ANVIL2, 08/30/26)
+    # rows of the same table, hashed from (t-2, t-1, t) within a document, signed from the same sign rows. With the
+    # bigram rows 21,150,720 in all, which split over 1, 2, 4 and 8 GPUs (ngram_sparse_adam shards the table). On the
+    # proxy: -0.0136 +- 0.0076 at 4.6M rows (3 paired seeds), -0.0138 at 20.8M (2 seeds); 1.015x a step at 4.6M rows
+    # on one H200 (bench/results/learning_decisions.md)
+    trigram_rows: int = 20_773_440  # trigram hash rows summed with the bigram lookup, 0 = none: ANVIL2's ~21M-row point of its FineWeb size sweep (record #92, 08/30/26), ~31 of its 36 millinats at a quarter of its 84.6M-row table's memory
     # backout (10/04/25): a learned multiple of this block's output is subtracted before the head; MUDD mixes it in
     # and the later blocks attend over it (parallel attention inputs, 03/06/26)
     backout_layer: int = 7  # the backout block: below the last, after the attention-less one
@@ -229,7 +232,7 @@ class Hyperparameters:
     # holds rows / world_size of it (bigram_rows + trigram_rows must split), rows and gradients go to and from their
     # owners by all-to-all (GPT.pull_ngram_rows, push_row_grads). Off: the table is in the embedding tables' dense
     # Adam group, whole on every rank.
-    ngram_sparse_adam: bool = False  # the n-gram table's row-sparse Adam (beta1 0, a moment per row; ANVIL2, 08/30/26)
+    ngram_sparse_adam: bool = True  # the n-gram table's row-sparse Adam (beta1 0, a moment per row; ANVIL2, 08/30/26)
     head_lr_mult: float = 1.0  # LM head: adam_lr times this
     # The 2026 records' LM head: betas 0.5,0.95 and cautious decay 0.005 x 150 = 0.75 per Adam step (Adam stepping
     # every second training step there: 0.375 where Adam steps every step, as the tables' 0.0125)
@@ -408,6 +411,7 @@ SMOKE = dict(  # the record model at 4 blocks of 128 on a synthetic corpus, size
     num_layers=4, model_dim=128, num_heads=2, head_dim=64, gate_channels=8, no_attn_layers=(2,), window_pattern="LSSL",
     value_embed_blocks=(1, 3), paired_head_blocks=(1,), xsa_blocks=(1,), backout_layer=2, skip_from=1,
     bigram_rows=4096, bigram_sign_rows=64, cplm_bands=(128, 512), window_block=64,
+    trigram_rows=28_672,  # the record's trigram channel and its row-sparse Adam, 32,768 n-gram rows in all (not 21M)
     # the record's stages without the prefix-token loss (it is over GPT-2's token bytes)
     stages=(Stage(1, doc_len=256, mtp=(0.5, 0.25)), Stage(2, mtp=(0.5, 0.0)), Stage(3, mtp=(0.0, 0.0))),
     extension_steps=6, extension_window=4, final_val_window=6, batch_size=8 * 512, seq_len=512, val_seq_len=1024,
@@ -415,7 +419,9 @@ SMOKE = dict(  # the record model at 4 blocks of 128 on a synthetic corpus, size
     warmup_steps=0, device="auto", save_every=50)
 PRESETS = {  # name: (what it is, the fields it sets)
     "record": ("the 8-GPU record configuration: the public line's current model and optimizer (modded-nanogpt "
-               "master, 2026-08) as far as this file implements them, on its 11 blocks: bigram hash embedding, "
+               "master, 2026-08) as far as this file implements them, on its 11 blocks: bigram hash embedding "
+               "with ANVIL2's hashed trigram channel (record #92; 21.2M rows in one table, learned by a row-sparse "
+               "Adam, sharded over the GPUs by owner), "
                "MUDD with its gates, XSA and DC attention, YaRN, smear and value-embedding gates, paired heads, "
                "partial key offset, five untied value tables, parallel attention inputs, backout, per-sublayer "
                "residual weights and one gated skip, NorMuon with cautious decay, Adam every second step, "
@@ -426,8 +432,10 @@ PRESETS = {  # name: (what it is, the fields it sets)
               "corpus (a random Markov chain whose entropy per token, the lowest loss possible, is known): about 3 "
               "minutes on a 2-core CPU; every technique of the record but the prefix-token loss (over GPT-2's "
               "tokens); a checkpoint every 50 steps, for `python sample.py latest`", SMOKE),
-    "single": ("the record on one GPU with 24-40 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
-               "global batch; Inductor's C++ wrapper, as Python's launches would leave the GPU waiting", dict(seq_len=16384, cpp_wrapper=True)),
+    "single": ("the record on one GPU with 32-80 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
+               "global batch; Inductor's C++ wrapper, as Python's launches would leave the GPU waiting; the n-gram "
+               "table at 5.0M rows (trigram_rows 4,622,720, the size of the proxy runs): 14.0 GiB (--plan) of the "
+               "~26 GiB the run estimates at start", dict(seq_len=16384, cpp_wrapper=True, trigram_rows=4_622_720)),
     "medium": ("the record model at GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the "
                "record's learning rates, its block layout stretched to 24 blocks, 4000 steps",
                dict(num_layers=24, model_dim=1024, num_heads=16, head_dim=64, no_attn_layers=(13,),
@@ -2891,9 +2899,12 @@ def check_memory_fits(args: Hyperparameters, world_size: int, gpu_bytes: int, ke
     if need > gpu_bytes:
         rows, gib = args.bigram_rows + args.trigram_rows, 2**30
         table = sum(ngram_memory_of(args, world_size).values())
+        fixes = ["fewer rows (--bigram_rows, --trigram_rows)",  # and those of the others not already taken
+                 *([] if args.ngram_sparse_adam else ["--ngram_sparse_adam"]), "more GPUs",
+                 *([] if args.preset == "single" else ["--preset single"])]
         raise ValueError(f"this run needs ~{need / gib:.1f} GiB per GPU (the n-gram table of {rows:,} rows "
-                         f"{table / gib:.1f} of it), the GPU has {gpu_bytes / gib:.1f} GiB: use fewer rows "
-                         "(--bigram_rows, --trigram_rows), --ngram_sparse_adam, more GPUs, or --preset single")
+                         f"{table / gib:.1f} of it), the GPU has {gpu_bytes / gib:.1f} GiB: use "
+                         f"{', '.join(fixes[:-1])} or {fixes[-1]}")
 
 
 def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[str, int]:

@@ -405,5 +405,13 @@ def test_a_table_too_large_for_the_gpu_is_refused_in_one_line_naming_the_fix():
     with pytest.raises(ValueError, match=r"n-gram table of 84,602,880 rows .*more GPUs"):
         tg.check_memory_fits(args, 8, 24 * 2**30, tg.ModelKernels())  # but not on 8 GPUs of 24 GiB
     tg.check_memory_fits(tg.parse_args([]), 8, 80 * 2**30, tg.ModelKernels())  # the record fits an H100
+    # the record's 21M-row table whole on one GPU of 40 GiB, and the single preset's 5.0M rows on 24 GiB: refused, the
+    # fixes named only where not taken already (the record's table is row-sparse; single is single)
+    with pytest.raises(ValueError, match=r"of 21,150,720 rows 37\.2 of it\), the GPU has 40\.0 GiB: use fewer rows "
+                                         r"\(--bigram_rows, --trigram_rows\), more GPUs or --preset single$"):
+        tg.check_memory_fits(tg.parse_args([]), 1, 40 * 2**30, tg.ModelKernels())
+    with pytest.raises(ValueError, match=r"of 5,000,000 rows 14\.0 of it\), .*: use fewer rows \(--bigram_rows, "
+                                         r"--trigram_rows\) or more GPUs$"):
+        tg.check_memory_fits(tg.parse_args(["--preset", "single"]), 1, 24 * 2**30, tg.ModelKernels())
     tg.check_memory_fits(tg.parse_args(["--trigram_rows", "20773440", "--ngram_sparse_adam", "true"]), 8,
                          141 * 2**30, tg.ModelKernels())  # ~21M rows fit an H200, row-sparse

@@ -53,16 +53,13 @@ def test_the_pin_notices_a_changed_stage(monkeypatch):
 # fields whose default is 0, -1, False or () but that choose how a run is controlled, not what it learns
 # (max_num_docs: 0 sizes the padding of cu_seqlens from the data; a set count only pads more or refuses a batch)
 RUN_CONTROL = {"seed", "plan", "peak_tflops", "save_every", "markov_corpus", "max_num_docs"}
-# techniques added off, waiting on GPU runs to be adopted into a preset or deleted (each names what decides it)
-# ANVIL2's n-gram table (issue 64 item 2): the trigram channel; adoption by the proxy's size sweep on GPUs
-PENDING_ADOPTION = {"trigram_rows", "ngram_sparse_adam"}
 
 
 def test_no_technique_is_off_in_every_preset():
     """A technique field (default off: False, 0, -1 or ()) is on in some preset, and so are the stage table's
     multi-token and prefix-token columns: a technique no preset uses is deleted, not kept behind a flag."""
     default, presets = tg.Hyperparameters(), [tg.parse_args(["--preset", name]) for name in tg.PRESETS]
-    off = [f.name for f in dataclasses.fields(tg.Hyperparameters) if f.name not in RUN_CONTROL | PENDING_ADOPTION
+    off = [f.name for f in dataclasses.fields(tg.Hyperparameters) if f.name not in RUN_CONTROL
            and (getattr(default, f.name) is False or getattr(default, f.name) in (0, -1, ()))
            and all(getattr(args, f.name) == getattr(default, f.name) for args in presets)]
     assert off == []
