@@ -1,5 +1,6 @@
 """ANVIL2's hashed n-gram table (issue 64 item 2): the trigram channel, the row-sparse Adam with exact replay and its
 exchange between ranks, the memory table and the start-up refusal."""
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -314,10 +315,13 @@ def test_the_sharded_table_trains_on_2_and_4_gloo_processes_as_on_one(tiny_args,
     """The same global batch (4 micro-batches a step) on 1, 2 and 4 processes, Adam every second step: the losses
     (training and validation: both read the table through the pulled row caches) and the table rows after 6 steps
     agree to float32 rounding (the micro-batches' gradients summed in another order); each rank's checkpoint file
-    holds its block of rows / world_size rows, model.pt none."""
+    holds its block of rows / world_size rows, model.pt none. Through the sampled softmax's path too, switched to
+    the full softmax at step 5, as the record preset runs them together: with every row a candidate (the sweep's
+    rows differ by rank and world size, so fewer rows would not give equal losses)."""
     from distributed import spawn
+    sampled = tuple(dataclasses.replace(row, candidates=TINY["vocab_size"]) for row in TINY["stages"])
     common = dict(batch_size=4 * 128, num_iterations=6, val_every=3, save_every=6, ngram_sparse_adam=True,
-                  trigram_rows=512)
+                  trigram_rows=512, stages=sampled, full_softmax_from=0.8)
     one = tg.train(tiny_args(**common, run_id="one"))
     one_table = torch.load(Path(one.checkpoint) / "model.pt", weights_only=True)["model"]["bigram_embed.weight"]
     assert one_table.shape == (768, 64) and one_table.abs().sum(1).count_nonzero() > 100, "the table learned"
