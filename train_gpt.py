@@ -196,8 +196,8 @@ class Hyperparameters:
     extension_steps: int = 20  # last steps, after the cooldown: final learning rate, long window extension_window (09/21/25)
     extension_window: int = 13  # long window of the extension, in blocks
     tied_embed_stages: int = 2  # embeddings read from the LM head for this many stages, then a copy learns (12/22/25)
-    # long window of the final validation, in blocks (09/10/25: 13), raised without a YaRN step (the last stage's rotary
-    # tables) and the short window kept, as records #89 and ANVIL2 validate; 0 = the last stage's windows
+    # the final validation raises only the long window (09/10/25: 13 blocks), without a YaRN step (the last stage's
+    # rotary tables), and keeps the short window, as records #89 and ANVIL2 validate
     final_val_window: int = 20  # the final validation's long window, in blocks (0: the last stage's windows)
     # ANVIL2 (2026-08-30) samples until step 1,101 of its 1,194 (its README), 0.922 of the run, a fraction here so that
     # the switch moves with num_iterations
