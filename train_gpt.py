@@ -4021,9 +4021,12 @@ def stage_times(schedule: Schedule, marks: list[tuple[int, float]], step: int,
     """(stage number from 1, first step, steps, training ms, softmax rows: candidates or 0 for the full softmax) of
     each stage this run trained in, a stage that switches to the full softmax as two parts, from the training time
     at each part's first step (`marks`) and at the last step done (`step`, `train_ms`)."""
-    ends = marks[1:] + [(step, train_ms)]
-    return [(schedule.stages.index(stage) + 1, a, b - a, ms_b - ms_a, schedule.candidates_at(a, stage))
-            for (a, ms_a), (b, ms_b) in zip(marks, ends) if b > a for stage in [schedule.stage_at(a)]]
+    parts = []
+    for (a, ms_a), (b, ms_b) in zip(marks, marks[1:] + [(step, train_ms)]):
+        if b > a:
+            stage = schedule.stage_at(a)
+            parts.append((schedule.stages.index(stage) + 1, a, b - a, ms_b - ms_a, schedule.candidates_at(a, stage)))
+    return parts
 
 
 def finish(log, args: Hyperparameters, device: torch.device, world_size: int, step: int, losses, tokens, val_losses,
