@@ -31,11 +31,16 @@ from comm_time import kernel_gaps  # noqa: E402
 from profile_compare import by_kind, kernel_events, kernels_from_trace, largest  # noqa: E402
 
 
+def spans(events: list[dict]) -> list[tuple[float, float, str]]:
+    """(start, end, name) in microseconds of Chrome-trace complete events."""
+    return [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "")) for e in events]
+
+
 def idle_report(trace: dict, steps: int, top: int = 12) -> str:
     """Where the GPU waited on the host in a torch.profiler Chrome trace: the span from the first kernel's start
     to the last one's end, the part of it no kernel covers, and the longest such gaps with the kernels around
     them (a gap before a kernel is host time: Python, launches, or a wait on the CPU)."""
-    kernels = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "")) for e in kernel_events(trace)]
+    kernels = spans(kernel_events(trace))
     if not kernels:
         return "trace: no GPU kernels"
     gaps = kernel_gaps(kernels)
@@ -53,8 +58,8 @@ def step_report(trace: dict, top: int = 5) -> str:
     Chrome trace's "gpu_user_annotation" events): its span on the GPU, the kernel time by kind of work within it,
     the idle time and the longest gaps. With adam_every 2 the steps alternate: the Adam step's extra time shows
     here as kernels (work) or as idle time (the GPU waiting on the host)."""
-    steps = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in trace.get("traceEvents", [])
-                   if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("step "))
+    steps = sorted(spans([e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+                          and e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("step ")]))
     if not steps:
         return "trace: no per-step GPU ranges (gpu_user_annotation events): no per-step split"
     kernels = kernel_events(trace)
@@ -62,7 +67,7 @@ def step_report(trace: dict, top: int = 5) -> str:
     for a, b, name in steps:
         mine = [e for e in kernels if a <= float(e["ts"]) < b]
         busy = kernels_from_trace({"traceEvents": mine})
-        gaps = kernel_gaps([(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "")) for e in mine])
+        gaps = kernel_gaps(spans(mine))
         idle = sum(g for g, _, _ in gaps)
         kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in sorted(by_kind(busy, 1).items(), key=lambda kv: -kv[1]))
         lines.append(f"{name}: {(b - a) / 1e3:.1f} ms on the GPU, {len(mine)} kernels, idle {idle / 1e3:.1f} ms in "
@@ -178,8 +183,7 @@ def main():
               "projection; a stage mixing both softmaxes has none):", *plan_entries(
             torch.cuda.get_device_name(), args.preset, plan_rows), sep="\n", flush=True)
     if own.profile:
-        from torch.profiler import ProfilerActivity, profile
-        from torch.profiler import record_function
+        from torch.profiler import ProfilerActivity, profile, record_function
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(2):  # (counted in `reads`); one of them an Adam step where adam_every is 2
                 with record_function(f"step {step}" + (" (Adam)" if schedule.adam_steps_at(step) else "")):
