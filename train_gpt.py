@@ -149,6 +149,10 @@ class Hyperparameters:
     head_dim: int = 128  # width of each attention head
     mlp_ratio: int = 4  # MLP hidden width = mlp_ratio x model_dim
     no_attn_layers: tuple[int, ...] = (6,)  # blocks without attention (09/03/25: block 7 of 12, @YouJiacheng)
+    # ANVIL2 (the public record #92) removes block 7 whole and the attention of blocks 4 and 9. Block indices stay as
+    # they are (block 8 is still block 8): a removed block is an identity, with no parameters and no scalars, no MUDD
+    # gate outputs; the residual after it (skip_from, backout_layer may name it) is its input
+    skip_layers: tuple[int, ...] = ()  # blocks removed whole: no parameters, the residual passes through; ANVIL2 (#92) removes block 7
     # untied value embeddings (01/26/26, init 02/03/26): these blocks have a table each, drawn N(0, 0.01)
     value_embed_blocks: tuple[int, ...] = (1, 2, 8, 9, 10)  # blocks with a value-embedding table each, N(0, 0.01); () = off
     window_pattern: str = "SSSLSSSSSSL"  # per block: L = long window, S = short window (half)
@@ -171,7 +175,8 @@ class Hyperparameters:
     # equal tokens, +5.0% step (an H200)
     cplm_bands: tuple[int, ...] = (2048, 8192)  # copy mixture (CPLM, PR 379): pointer bands in training, evaluation; () = off
     # one skip instead of the U-net, weighted sigmoid(l), l = -1.5 at init (2025-11-18 and 12-14 records, PRs 159, 169)
-    skip_from: int = 3  # one skip from this block's output into the first attention-less block
+    skip_from: int = 3  # one skip from this block's output into the first attention-less block (or skip_into)
+    skip_into: int = 0  # the attention-less block the skip goes into; 0 = the first one (ANVIL2's no_attn_layers 4,6,9: 6)
     # schedule: the stages in order (rows of Stage, above), sharing the scheduled steps, then extension_steps more.
     # Three equal stages at batch_size with 3 / 7 / 11-block windows, short documents in the first (02/10/26),
     # multi-token prediction (12/22/25) and the prefix-token loss (07/13/26)
@@ -343,6 +348,20 @@ class Hyperparameters:
         h = self
         if len(h.window_pattern) != h.num_layers or set(h.window_pattern) - {"L", "S"}:
             raise ValueError(f"window_pattern={h.window_pattern!r} needs one L or S per layer ({h.num_layers})")
+        # a removed block (skip_layers) keeps its index, as every other field names blocks by theirs, and is in none
+        if len(set(h.skip_layers)) < len(h.skip_layers) or any(not 0 < i < h.num_layers - 1 for i in h.skip_layers):
+            raise ValueError(f"skip_layers={h.skip_layers}: distinct blocks between the first and the last "
+                             f"({h.num_layers - 1}, where MUDD gives the weights and DC attention runs); without "
+                             "block 0 the model is one of num_layers - 1 blocks: give that, with the indices shifted")
+        for name in ("no_attn_layers", "xsa_blocks", "paired_head_blocks", "value_embed_blocks"):
+            both = sorted(set(h.skip_layers) & set(getattr(h, name)))
+            if both:
+                raise ValueError(f"skip_layers={h.skip_layers}: block(s) {both} also in {name}={getattr(h, name)}; a "
+                                 f"removed block has no attention and no MLP: take it out of {name}")
+        if any(h.window_pattern[i] == "L" for i in h.skip_layers):
+            raise ValueError(f"skip_layers={h.skip_layers}: a removed block has no attention window, but "
+                             f"window_pattern={h.window_pattern!r} marks one long (L), where the MUDD gates and the "
+                             "long-window heads expect attention: mark it S")
         bad = [i for i in h.paired_head_blocks if not 0 <= i < h.num_layers or i in h.no_attn_layers
                or h.window_pattern[i] != "S"]
         if bad or h.num_heads % 2 or len(set(h.paired_head_blocks)) != len(h.paired_head_blocks):
@@ -352,9 +371,14 @@ class Hyperparameters:
                 not 0 <= i < h.num_layers or i in h.no_attn_layers for i in h.value_embed_blocks):
             raise ValueError(f"value_embed_blocks={h.value_embed_blocks}: one or more distinct blocks with attention "
                              "(MUDD mixes the first one's table into the head's input)")
-        if not (h.no_attn_layers and 0 <= h.skip_from < min(h.no_attn_layers)):
-            raise ValueError(f"skip_from={h.skip_from}: a block before the first attention-less one "
-                             f"(no_attn_layers={h.no_attn_layers}, which needs one)")
+        if h.skip_into and h.skip_into not in h.no_attn_layers:
+            raise ValueError(f"skip_into={h.skip_into}: the attention-less block the skip goes into, one of "
+                             f"no_attn_layers={h.no_attn_layers}, or 0 for the first of them")
+        skip_into = h.skip_into or min(h.no_attn_layers, default=0)
+        if not (h.no_attn_layers and 0 <= h.skip_from < skip_into):
+            raise ValueError(f"skip_from={h.skip_from}: a block before the attention-less one the skip goes into "
+                             f"(skip_into={h.skip_into}, 0: the first of no_attn_layers={h.no_attn_layers}, which "
+                             "needs one)")
         if h.logit_softcap + math.log(h.vocab_size) >= 88:  # exp(cap) * vocab must fit in fp32 (any shift)
             raise ValueError(f"logit_softcap={h.logit_softcap} is too large for the overflow-free cross-entropy")
         if not math.isfinite(h.softcap_shift):
@@ -366,10 +390,10 @@ class Hyperparameters:
         if not 0 <= h.backout_layer < h.num_layers - 1:
             raise ValueError(f"backout_layer={h.backout_layer}: a block below the last ({h.num_layers - 1}), whose "
                              "output MUDD mixes in, the later blocks attend over and the head has subtracted")
-        if "L" not in h.window_pattern[:-2] or min(h.no_attn_layers) <= h.window_pattern.index("L"):
+        if "L" not in h.window_pattern[:-2] or skip_into <= h.window_pattern.index("L"):
             raise ValueError(f"window_pattern={h.window_pattern!r}: the MUDD gates need a long-window block (L) "
-                             f"before the last two and before the first attention-less one ({min(h.no_attn_layers)}), "
-                             "where the skip's weight is read from the gate after it")
+                             f"before the last two and before the attention-less block the skip goes into "
+                             f"({skip_into}), where the skip's weight is read from the gate after it")
         if h.num_layers - 1 in h.paired_head_blocks + h.no_attn_layers:
             raise ValueError("DC attention runs in the last block: it needs attention, without paired heads "
                              f"(paired_head_blocks={h.paired_head_blocks}, no_attn_layers={h.no_attn_layers})")
@@ -643,6 +667,8 @@ class ModelConfig:
     cplm_bands: tuple[int, ...]
     bos_id: int  # CPLM's copy column is bos_id + 1
     skip_from: int
+    skip_into: int  # 0: the first of no_attn_layers (skip_target)
+    skip_layers: tuple[int, ...]
     tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order
@@ -655,6 +681,16 @@ class ModelConfig:
         yarn = tuple(dict.fromkeys(b * args.window_block for b in blocks))  # long windows
         longest = max(args.seq_len, args.val_seq_len) * (2 if args.paired_head_blocks else 1)  # paired: 2 per token
         return cls(**{n: getattr(args, n) for n in names}, max_seq_len=longest, yarn_windows=yarn)
+
+    @property
+    def skip_target(self) -> int:
+        """The attention-less block the skip goes into (skip_into, or the first of no_attn_layers)."""
+        return self.skip_into or min(self.no_attn_layers)
+
+    @property
+    def live_blocks(self) -> tuple[int, ...]:
+        """The blocks not removed (skip_layers), in order: the rows of the per-block scalars."""
+        return tuple(i for i in range(self.num_layers) if i not in self.skip_layers)
 
 
 # Bigram hash embedding (2026-01-19 record, @classiclarryd, PR 201; hash embeddings: arXiv 1709.03933):
@@ -1058,6 +1094,16 @@ class Block(nn.Module):
         return w.mlp_resid * x + w.mlp_out * self.mlp(norm(x))
 
 
+class SkippedBlock(nn.Module):
+    """A block removed whole (skip_layers; the public record ANVIL2, #92, removes block 7 of 11): no attention, no MLP,
+    no parameters; the residual passes through unchanged, so the residual after it is its input. It holds the
+    block's place in GPT.blocks: every other block keeps its index, name and checkpoint keys."""
+    attn = mlp = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+
 COPY_DIM = 128  # CPLM's pointer: the width of its query and key
 MUDD_DIM, MUDD_COEFS = 64, 16  # MUDD: each MLP's hidden width, and its outputs (14 and 5 used, 16 for even shards)
 # What MUDD's per-token weights multiply, in order, with their values at the start (the public master's). MLP 0,
@@ -1089,6 +1135,7 @@ class GPT(nn.Module):
             m.weight.data.mul_(0.01)
         # each block with a value embedding has its own gate, but the last: MUDD gives its gate (MUDD_BEFORE_LAST)
         self.blocks = nn.ModuleList(
+            SkippedBlock() if i in cfg.skip_layers else
             Block(cfg, kernels.attn_fn, has_attn=i not in cfg.no_attn_layers, ve_gate=ve is not None and i < L - 1,
                   long_window=cfg.window_pattern[i] == "L", paired=i in cfg.paired_head_blocks,
                   fused_mlp=kernels.fused_mlp, fp8_mlp=kernels.fp8_mlp)
@@ -1100,10 +1147,11 @@ class GPT(nn.Module):
         # backout weight (0.5, the 2025-10-04 record's); the smear weight (0, the 2025-09-18 record's); per block the
         # attention output's and the MLP's residual and output weights (1, sqrt(1.1), 1: the 2026-02-12 record's
         # per-sublayer init); with CPLM the pointer's query gain (1); padded to a multiple of 64 so it shards over any
-        # world size <= 64. (b is unused: the MUDD gates and MUDD give x0's weight per token.)
-        r = math.sqrt(1.1)
-        inits = dict(blocks=torch.tensor([r, 0.0, 0.5, 0.5]).repeat(L), skips=torch.tensor([-1.5]),
-                     backout=torch.tensor([0.5]), smear=torch.zeros(1), sublayer=torch.tensor([1.0, r, 1.0]).repeat(L),
+        # world size <= 64. (b is unused: the MUDD gates and MUDD give x0's weight per token.) The per-block rows are
+        # the blocks not removed (ModelConfig.live_blocks): a removed block has none.
+        r, n = math.sqrt(1.1), len(cfg.live_blocks)
+        inits = dict(blocks=torch.tensor([r, 0.0, 0.5, 0.5]).repeat(n), skips=torch.tensor([-1.5]),
+                     backout=torch.tensor([0.5]), smear=torch.zeros(1), sublayer=torch.tensor([1.0, r, 1.0]).repeat(n),
                      copy_gain=torch.ones(1))
         scalars = torch.cat([inits[name] for name, part in self.scalar_layout().items() if part.stop > part.start])
         self.scalars = nn.Parameter(F.pad(scalars, (0, -scalars.numel() % 64)))
@@ -1178,8 +1226,9 @@ class GPT(nn.Module):
 
     def scalar_layout(self) -> dict[str, slice]:
         """Where each kind of scalar lies in self.scalars (the features that are off take no room)."""
-        cfg, L = self.cfg, self.cfg.num_layers
-        sizes = dict(blocks=4 * L, skips=1, backout=1, smear=1, sublayer=3 * L, copy_gain=1 if cfg.cplm_bands else 0)
+        cfg, live = self.cfg, len(self.cfg.live_blocks)  # per-block rows: the blocks not removed, in order
+        sizes = dict(blocks=4 * live, skips=1, backout=1, smear=1, sublayer=3 * live,
+                     copy_gain=1 if cfg.cplm_bands else 0)
         layout, start = {}, 0
         for name, n in sizes.items():
             layout[name], start = slice(start, start + n), start + n
@@ -1197,9 +1246,9 @@ class GPT(nn.Module):
                 part.append(("xsa", i, H, 0.0))
             if cfg.window_pattern[i] == "L" and i not in cfg.no_attn_layers:
                 part.append(("out", i, H, 0.25))
-            if i < cfg.num_layers - 1:
+            if i < cfg.num_layers - 1 and i not in cfg.skip_layers:  # a removed block takes neither
                 part += [("x0", i, 1, 0.0), ("bigram", i, 1, 0.05)]
-        parts[1].append(("skip", min(cfg.no_attn_layers), 1, 0.5))
+        parts[1].append(("skip", cfg.skip_target, 1, 0.5))
         # DC attention's w1 (1 at the start) and w2 (0: no correction at the start)
         parts[1].extend([("dc1", cfg.num_layers - 1, H, 1.0), ("dc2", cfg.num_layers - 1, H, 0.0)])
         return parts
@@ -1277,13 +1326,14 @@ class GPT(nn.Module):
         """The final normed hidden state of every position (before the LM head)."""
         cfg, L = self.cfg, self.cfg.num_layers
         s, at = self.scalars, self.scalar_layout()
-        own = s[at["blocks"]].view(L, 4)  # per block: the residual's weight, (unused), the value mix's two
-        sub = s[at["sublayer"]].view(L, 3)  # per block: attention output, residual around the MLP, MLP output
+        live = cfg.live_blocks  # a row of scalars per block not removed (skip_layers), in order
+        own = s[at["blocks"]].view(len(live), 4)  # per block: the residual's weight, (unused), the value mix's two
+        sub = s[at["sublayer"]].view(len(live), 3)  # per block: attention output, residual around the MLP, MLP output
         x0, ves, bigram = self.embeddings(inputs, cu_seqlens)
         x = x0
         rope = self.rotary.at(windows[0])  # the stage's rotary tables (YaRN: by its long window)
         windows = self.block_windows(windows)
-        skip_into = min(cfg.no_attn_layers)  # validated: after skip_from and the first long-window block
+        skip_into = cfg.skip_target  # validated: after skip_from and the first long-window block
         g = {what: [None] * L for what in ("xsa", "out", "x0", "bigram", "skip", "dc1", "dc2")}  # from the MUDD gates
         self.gates(x0, 0, g)
         skip = backout = attn_in = before_last = None
@@ -1292,13 +1342,17 @@ class GPT(nn.Module):
                 self.gates(x, 1, g)
             if i == skip_into:  # one skip, weighted sigmoid(l) times the gate's per-token weight
                 x = x + (torch.sigmoid(s[at["skips"]][0]) * g["skip"][i]) * skip
-            if i < L - 1:
-                w = BlockWeights(own[i, 0], g["x0"][i], *sub[i], own[i, 2:], g["bigram"][i] * bigram, g["xsa"][i],
-                                 g["out"][i])
+            if i in cfg.skip_layers:  # removed whole (SkippedBlock): the residual after it is its input
+                x = block(x)
             else:
-                before_last = x
-                x, w = self.mudd_before_last(x, x0, backout, bigram, own[i, 2:], g, i)
-            x = block(x, x0, ves[i], w, attn_in, cu_seqlens, max_seqlen, windows[i], rope)
+                r = live.index(i)  # its row of scalars
+                if i < L - 1:
+                    w = BlockWeights(own[r, 0], g["x0"][i], *sub[r], own[r, 2:], g["bigram"][i] * bigram,
+                                     g["xsa"][i], g["out"][i])
+                else:
+                    before_last = x
+                    x, w = self.mudd_before_last(x, x0, backout, bigram, own[r, 2:], g, i)
+                x = block(x, x0, ves[i], w, attn_in, cu_seqlens, max_seqlen, windows[i], rope)
             if i == cfg.skip_from:
                 skip = x
             if i == cfg.backout_layer:
@@ -2476,7 +2530,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     adam = DistAdam([g for g in adam_groups if g["params"]], lr=args.adam_lr, betas=betas, eps=args.adam_eps,
                     rank=rank, world_size=world_size, update=update)
     fc, proj = args.mlp_muon_lr_mults or (1.0, 1.0)
-    mults = {p: m for block in model.blocks for p, m in ((block.mlp.fc_w, fc), (block.mlp.proj_w, proj))}
+    mults = {p: m for block in model.blocks if block.mlp is not None  # none in a removed block (skip_layers)
+             for p, m in ((block.mlp.fc_w, fc), (block.mlp.proj_w, proj))}
     muon = Muon(groups["block matrices"], lr=args.muon_lr, momentum=args.muon_momentum, rank=rank,
                 world_size=world_size, orthogonalize=orthogonalize, beta2=args.muon_beta2,
                 weight_decay=args.muon_weight_decay, lr_mults=mults)
@@ -2533,7 +2588,7 @@ def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[
         # Tensors kept for the backward: ~16 bf16 values of model_dim per token per block (norms, q, k,
         # v, attention output, the 4x-wide MLP hidden before and after ReLU^2). The peaks measured on
         # H100 for the record, single and medium presets lie within 15% of the total (bench/README.md).
-        "activations": 32 * args.seq_len * args.model_dim * args.num_layers,
+        "activations": 32 * args.seq_len * args.model_dim * (args.num_layers - len(args.skip_layers)),
     }
 
 
