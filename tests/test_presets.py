@@ -53,8 +53,8 @@ def test_the_pin_notices_a_changed_stage(monkeypatch):
 # fields whose default is 0, -1, False or () but that choose how a run is controlled, not what it learns
 # (max_num_docs: 0 sizes the padding of cu_seqlens from the data; a set count only pads more or refuses a batch)
 RUN_CONTROL = {"seed", "plan", "peak_tflops", "save_every", "markov_corpus", "max_num_docs"}
-# fields on trial: in no preset until a GPU measurement decides, then taken into one or deleted (each names its issue)
-ON_TRIAL = {
+# techniques added off, waiting on GPU runs to be adopted into a preset or deleted (each names what decides it)
+PENDING_ADOPTION = {
     # issue 63: ANVIL2's layout (public record #92) on top of the record, block 7 removed and the attention of blocks
     # 4 and 9; skip_into keeps the skip going into block 6 once block 4 is attention-less (0: the first one, as now)
     "skip_layers", "skip_into"}
@@ -64,7 +64,7 @@ def test_no_technique_is_off_in_every_preset():
     """A technique field (default off: False, 0, -1 or ()) is on in some preset, and so are the stage table's
     multi-token and prefix-token columns: a technique no preset uses is deleted, not kept behind a flag."""
     default, presets = tg.Hyperparameters(), [tg.parse_args(["--preset", name]) for name in tg.PRESETS]
-    off = [f.name for f in dataclasses.fields(tg.Hyperparameters) if f.name not in RUN_CONTROL | ON_TRIAL
+    off = [f.name for f in dataclasses.fields(tg.Hyperparameters) if f.name not in RUN_CONTROL | PENDING_ADOPTION
            and (getattr(default, f.name) is False or getattr(default, f.name) in (0, -1, ()))
            and all(getattr(args, f.name) == getattr(default, f.name) for args in presets)]
     assert off == []
