@@ -150,9 +150,9 @@ class Hyperparameters:
     mlp_ratio: int = 4  # MLP hidden width = mlp_ratio x model_dim
     no_attn_layers: tuple[int, ...] = (6,)  # blocks without attention (09/03/25: block 7 of 12, @YouJiacheng)
     # ANVIL2 (the public record #92) removes block 7 whole and the attention of blocks 4 and 9. Block indices stay as
-    # they are (block 8 is still block 8): a removed block is an identity, with no parameters and no scalars, no MUDD
-    # gate outputs; the residual after it (skip_from, backout_layer may name it) is its input
-    skip_layers: tuple[int, ...] = ()  # blocks removed whole: no parameters, the residual passes through; ANVIL2 (#92) removes block 7
+    # they are (block 8 is still block 8): a removed block has no attention, no MLP and no bigram injection, but keeps
+    # its residual weights and its gated x0 injection (ANVIL2: "residual structure ... intact")
+    skip_layers: tuple[int, ...] = ()  # blocks without attention or MLP, only their residual weights; ANVIL2 (#92) removes block 7
     # untied value embeddings (01/26/26, init 02/03/26): these blocks have a table each, drawn N(0, 0.01)
     value_embed_blocks: tuple[int, ...] = (1, 2, 8, 9, 10)  # blocks with a value-embedding table each, N(0, 0.01); () = off
     window_pattern: str = "SSSLSSSSSSL"  # per block: L = long window, S = short window (half)
@@ -687,10 +687,6 @@ class ModelConfig:
         """The attention-less block the skip goes into (skip_into, or the first of no_attn_layers)."""
         return self.skip_into or min(self.no_attn_layers)
 
-    @property
-    def live_blocks(self) -> tuple[int, ...]:
-        """The blocks not removed (skip_layers), in order: the rows of the per-block scalars."""
-        return tuple(i for i in range(self.num_layers) if i not in self.skip_layers)
 
 
 # Bigram hash embedding (2026-01-19 record, @classiclarryd, PR 201; hash embeddings: arXiv 1709.03933):
@@ -1095,13 +1091,14 @@ class Block(nn.Module):
 
 
 class SkippedBlock(nn.Module):
-    """A block removed whole (skip_layers; the public record ANVIL2, #92, removes block 7 of 11): no attention, no MLP,
-    no parameters; the residual passes through unchanged, so the residual after it is its input. It holds the
-    block's place in GPT.blocks: every other block keeps its index, name and checkpoint keys."""
+    """A block removed (skip_layers; the public record ANVIL2, #92, removes block 7 of 11): no attention, no MLP, no
+    parameters of its own, but its residual weights and its gated x0 injection stay, as in ANVIL2 ("residual
+    structure (resid lambdas, x0 ...) intact"; no bigram injection there). It holds the block's place in GPT.blocks:
+    every other block keeps its index, name and checkpoint keys."""
     attn = mlp = None
 
-    def forward(self, x: Tensor) -> Tensor:
-        return x
+    def forward(self, x: Tensor, x0: Tensor, w: BlockWeights) -> Tensor:
+        return w.mlp_resid * (w.resid * x + w.x0 * x0)
 
 
 COPY_DIM = 128  # CPLM's pointer: the width of its query and key
@@ -1147,9 +1144,9 @@ class GPT(nn.Module):
         # backout weight (0.5, the 2025-10-04 record's); the smear weight (0, the 2025-09-18 record's); per block the
         # attention output's and the MLP's residual and output weights (1, sqrt(1.1), 1: the 2026-02-12 record's
         # per-sublayer init); with CPLM the pointer's query gain (1); padded to a multiple of 64 so it shards over any
-        # world size <= 64. (b is unused: the MUDD gates and MUDD give x0's weight per token.) The per-block rows are
-        # the blocks not removed (ModelConfig.live_blocks): a removed block has none.
-        r, n = math.sqrt(1.1), len(cfg.live_blocks)
+        # world size <= 64. (b is unused: the MUDD gates and MUDD give x0's weight per token.) A removed block
+        # (skip_layers) keeps its rows; it reads only a and the residual's weight around the MLP.
+        r, n = math.sqrt(1.1), cfg.num_layers
         inits = dict(blocks=torch.tensor([r, 0.0, 0.5, 0.5]).repeat(n), skips=torch.tensor([-1.5]),
                      backout=torch.tensor([0.5]), smear=torch.zeros(1), sublayer=torch.tensor([1.0, r, 1.0]).repeat(n),
                      copy_gain=torch.ones(1))
@@ -1226,8 +1223,8 @@ class GPT(nn.Module):
 
     def scalar_layout(self) -> dict[str, slice]:
         """Where each kind of scalar lies in self.scalars (the features that are off take no room)."""
-        cfg, live = self.cfg, len(self.cfg.live_blocks)  # per-block rows: the blocks not removed, in order
-        sizes = dict(blocks=4 * live, skips=1, backout=1, smear=1, sublayer=3 * live,
+        cfg, L = self.cfg, self.cfg.num_layers
+        sizes = dict(blocks=4 * L, skips=1, backout=1, smear=1, sublayer=3 * L,
                      copy_gain=1 if cfg.cplm_bands else 0)
         layout, start = {}, 0
         for name, n in sizes.items():
@@ -1246,8 +1243,8 @@ class GPT(nn.Module):
                 part.append(("xsa", i, H, 0.0))
             if cfg.window_pattern[i] == "L" and i not in cfg.no_attn_layers:
                 part.append(("out", i, H, 0.25))
-            if i < cfg.num_layers - 1 and i not in cfg.skip_layers:  # a removed block takes neither
-                part += [("x0", i, 1, 0.0), ("bigram", i, 1, 0.05)]
+            if i < cfg.num_layers - 1:  # a removed block (skip_layers) takes x0's weight, not the bigram's
+                part += [("x0", i, 1, 0.0)] + ([("bigram", i, 1, 0.05)] if i not in cfg.skip_layers else [])
         parts[1].append(("skip", cfg.skip_target, 1, 0.5))
         # DC attention's w1 (1 at the start) and w2 (0: no correction at the start)
         parts[1].extend([("dc1", cfg.num_layers - 1, H, 1.0), ("dc2", cfg.num_layers - 1, H, 0.0)])
@@ -1326,9 +1323,8 @@ class GPT(nn.Module):
         """The final normed hidden state of every position (before the LM head)."""
         cfg, L = self.cfg, self.cfg.num_layers
         s, at = self.scalars, self.scalar_layout()
-        live = cfg.live_blocks  # a row of scalars per block not removed (skip_layers), in order
-        own = s[at["blocks"]].view(len(live), 4)  # per block: the residual's weight, (unused), the value mix's two
-        sub = s[at["sublayer"]].view(len(live), 3)  # per block: attention output, residual around the MLP, MLP output
+        own = s[at["blocks"]].view(L, 4)  # per block: the residual's weight, (unused), the value mix's two
+        sub = s[at["sublayer"]].view(L, 3)  # per block: attention output, residual around the MLP, MLP output
         x0, ves, bigram = self.embeddings(inputs, cu_seqlens)
         x = x0
         rope = self.rotary.at(windows[0])  # the stage's rotary tables (YaRN: by its long window)
@@ -1342,16 +1338,15 @@ class GPT(nn.Module):
                 self.gates(x, 1, g)
             if i == skip_into:  # one skip, weighted sigmoid(l) times the gate's per-token weight
                 x = x + (torch.sigmoid(s[at["skips"]][0]) * g["skip"][i]) * skip
-            if i in cfg.skip_layers:  # removed whole (SkippedBlock): the residual after it is its input
-                x = block(x)
+            if i in cfg.skip_layers:  # removed (SkippedBlock): its residual weights and x0 injection only
+                x = block(x, x0, BlockWeights(own[i, 0], g["x0"][i], *sub[i], own[i, 2:]))
             else:
-                r = live.index(i)  # its row of scalars
                 if i < L - 1:
-                    w = BlockWeights(own[r, 0], g["x0"][i], *sub[r], own[r, 2:], g["bigram"][i] * bigram,
+                    w = BlockWeights(own[i, 0], g["x0"][i], *sub[i], own[i, 2:], g["bigram"][i] * bigram,
                                      g["xsa"][i], g["out"][i])
                 else:
                     before_last = x
-                    x, w = self.mudd_before_last(x, x0, backout, bigram, own[r, 2:], g, i)
+                    x, w = self.mudd_before_last(x, x0, backout, bigram, own[i, 2:], g, i)
                 x = block(x, x0, ves[i], w, attn_in, cu_seqlens, max_seqlen, windows[i], rope)
             if i == cfg.skip_from:
                 skip = x
