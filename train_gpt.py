@@ -1327,9 +1327,8 @@ class GPT(nn.Module):
         sub = s[at["sublayer"]].view(L, 3)  # per block: attention output, residual around the MLP, MLP output
         x0, ves, bigram = self.embeddings(inputs, cu_seqlens)
         x = x0
-        # the stage's rotary tables (YaRN: by its long window, or a third entry: MASTER_FINAL_DIAG's final validation)
-        rope = self.rotary.at(windows[2] if len(windows) > 2 else windows[0])
-        windows = self.block_windows(windows[:2])
+        rope = self.rotary.at(windows[0])  # the stage's rotary tables (YaRN: by its long window)
+        windows = self.block_windows(windows)
         skip_into = cfg.skip_target  # validated: after skip_from and the first long-window block
         g = {what: [None] * L for what in ("xsa", "out", "x0", "bigram", "skip", "dc1", "dc2")}  # from the MUDD gates
         self.gates(x0, 0, g)
@@ -2850,7 +2849,6 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final
         # validation, on purpose: dynamo's default limit of 8 per function must not fail a longer schedule.
         graphs = 2 * len(schedule.stages) + 1
-        graphs += bool(os.environ.get("MASTER_FINAL_DIAG"))  # its final validation: one graph more
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
         # Inductor's fusions capped at 32 input/output buffers: uncapped, the backward fuses every block's
         # scalar-gradient reductions with the bigram and embedding backward into one kernel of 80+ buffers,
@@ -3527,14 +3525,6 @@ def train(args: Hyperparameters) -> RunResult:
                                                   world_size)))
                 log(f"step:{step}/{N} val_loss:{val_losses[-1][1]:.4f} train_time:{clock.ms:.0f}ms "
                     f"step_avg:{clock.ms / max(step, 1):.2f}ms tokens:{schedule.tokens_before(step)}")
-                if step == N and os.environ.get("MASTER_FINAL_DIAG") and args.final_val_window:
-                    # EXPERIMENT (branch only): the same weights validated as records #89 and ANVIL2 do (their
-                    # apply_final_ws_ext): the long window raised to final_val_window without a YaRN step (the last
-                    # stage's rotary tables and scale), the short window kept
-                    last = schedule.val_windows(N - 1)
-                    diag = (window_tokens(args.final_val_window, args.window_block)[0], last[1], last[0])
-                    log(f"step:{step}/{N} val_loss_master_final:{evaluate(model, compiled, val, diag, args, world_size):.4f}"
-                        f" (untimed diagnostic: windows {diag[0]}/{diag[1]} tokens, rotary tables of {diag[2]})")
                 clock.start()
                 figures.restart(step)
             if step == N:
