@@ -47,8 +47,11 @@ def load_model(checkpoint: Path, device: torch.device, max_len: int) -> tuple[tg
     cfg = tg.ModelConfig.from_args(args)
     cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, max_len))
     model = tg.GPT(cfg)  # PyTorch's kernels (ModelKernels' defaults): sampling runs anywhere
+    weights = dict(meta["model"])
+    if meta.get("ngram_shards", 1) > 1:  # a sharded n-gram table: joined from the rank files
+        weights["bigram_embed.weight"] = tg.ngram_table_rows(checkpoint, meta, 0, 1)
     try:
-        model.load_state_dict(meta["model"])
+        model.load_state_dict(weights)
     except RuntimeError as e:  # written by a train_gpt.py with another model layout
         lines = str(e).strip().splitlines()  # "Error(s) in loading state_dict ...", then one line per problem
         first = (lines[1] if len(lines) > 1 else lines[0]).strip()

@@ -86,6 +86,10 @@ class Stage:
     # of its target that is itself a token (prefix_table), at this weight at the stage's start, moving linearly
     # to the next row's by its start. The record's 0.25 -> 0.25, 0.25 -> 0, 0: prefix=0.25, 0.25, 0.
     prefix: float = 0.0
+    # Sampled softmax in training (the public record ANVIL2's, 2026-08-30): the head's softmax over this many of its
+    # rows per micro-batch, every target of the loss among them (sampled_head), until the step full_softmax_from
+    # of the run; 0 = the full softmax. Validation always takes the full softmax. ANVIL2's 10,240 / 14,336 / 24,576.
+    candidates: int = 0
     share: int = 1  # this row's share of the scheduled steps, relative to the other rows'
     # Resolved by Schedule (a row of the table leaves them at these defaults): token counts, and where it falls.
     start: int = 0  # the first step of the stage
@@ -111,7 +115,8 @@ class Stage:
 
 # The columns of the stages table, in the --stages text: field -> how its text reads (mtp's weights joined by '/')
 STAGE_TEXT = {"window": int, "batch": int, "doc_len": int, "lr": float,
-              "mtp": lambda v: tuple(float(w) for w in v.split("/") if w.strip()), "prefix": float, "share": int}
+              "mtp": lambda v: tuple(float(w) for w in v.split("/") if w.strip()), "prefix": float,
+              "candidates": int, "share": int}
 
 
 def number_text(v: float | int) -> str:
@@ -165,6 +170,12 @@ class Hyperparameters:
     softcap_shift: float = 5.0  # asymmetric softcap: 5 with logit_softcap 23 is the 2025-12-26 record's cap (09/03/25: 0)
     bigram_rows: int = 377_280  # rows of the bigram hash embedding, 0 = off (01/19/26; 377,280 since 05/27/26)
     bigram_sign_rows: int = 8_192  # rows of fixed random +-1 signs that multiply bigram rows, 0 = none (05/20/26)
+    # the trigram channel of ANVIL2 (modded-nanogpt 2026-08-30: half of its 84.6M-row table): rows after the bigram
+    # rows of the same table, hashed from (t-2, t-1, t) within a document, signed from the same sign rows. With the
+    # bigram rows 21,150,720 in all, which split over 1, 2, 4 and 8 GPUs (ngram_sparse_adam shards the table). On the
+    # proxy: -0.0136 +- 0.0076 at 4.6M rows (3 paired seeds), -0.0138 at 20.8M (2 seeds); 1.015x a step at 4.6M rows
+    # on one H200 (bench/results/learning_decisions.md)
+    trigram_rows: int = 20_773_440  # trigram hash rows summed with the bigram lookup, 0 = none: ANVIL2's ~21M-row point of its FineWeb size sweep (record #92, 08/30/26), ~31 of its 36 millinats at a quarter of its 84.6M-row table's memory
     # backout (10/04/25): a learned multiple of this block's output is subtracted before the head; MUDD mixes it in
     # and the later blocks attend over it (parallel attention inputs, 03/06/26)
     backout_layer: int = 7  # the backout block: below the last, after the attention-less one
@@ -179,16 +190,23 @@ class Hyperparameters:
     skip_into: int = 0  # the attention-less block the skip goes into; 0 = the first one (ANVIL2's no_attn_layers 4,6,9: 6)
     # schedule: the stages in order (rows of Stage, above), sharing the scheduled steps, then extension_steps more.
     # Three equal stages at batch_size with 3 / 7 / 11-block windows, short documents in the first (02/10/26),
-    # multi-token prediction (12/22/25) and the prefix-token loss (07/13/26)
+    # multi-token prediction (12/22/25), the prefix-token loss (07/13/26) and ANVIL2's sampled softmax (08/30/26: the
+    # head's rows a micro-batch of 49,152 tokens; full from full_softmax_from); on the proxy +0.0090 +- 0.0073 at equal
+    # tokens, 0.886x the step on one H200 (bench/results/learning_decisions.md)
     stages: tuple[Stage, ...] = (  # the schedule table: batch, document cut, window, lr, MTP per stage
-        #     window  documents cut at  targets t+2, t+3  prefix-token weight
-        Stage(3,      doc_len=896,      mtp=(0.5, 0.25),  prefix=0.25),
-        Stage(7,      doc_len=2048,     mtp=(0.5, 0.0),   prefix=0.25),
-        Stage(11,     doc_len=2048,     mtp=(0.0, 0.0),   prefix=0.0))
+        #     window  documents cut at  targets t+2, t+3  prefix-token weight  sampled softmax's rows
+        Stage(3,      doc_len=896,      mtp=(0.5, 0.25),  prefix=0.25,         candidates=16384),
+        Stage(7,      doc_len=2048,     mtp=(0.5, 0.0),   prefix=0.25,         candidates=14336),
+        Stage(11,     doc_len=2048,     mtp=(0.0, 0.0),   prefix=0.0,          candidates=12288))
     extension_steps: int = 20  # last steps, after the cooldown: final learning rate, long window extension_window (09/21/25)
     extension_window: int = 13  # long window of the extension, in blocks
     tied_embed_stages: int = 2  # embeddings read from the LM head for this many stages, then a copy learns (12/22/25)
-    final_val_window: int = 20  # long window of the final validation, in blocks; 0 = the last stage's (09/10/25: 13)
+    # long window of the final validation, in blocks (09/10/25: 13), raised without a YaRN step (the last stage's rotary
+    # tables) and the short window kept, as records #89 and ANVIL2 validate; 0 = the last stage's windows
+    final_val_window: int = 20  # the final validation's long window, in blocks (0: the last stage's windows)
+    # ANVIL2 (2026-08-30) samples until step 1,101 of its 1,194 (its README), 0.922 of the run, a fraction here so that
+    # the switch moves with num_iterations
+    full_softmax_from: float = 0.922  # training's softmax is full from this fraction of num_iterations on; before it, each stage's candidates (0: full)
     # optimization
     # 776 x 393,216 = 305.1M tokens (the public record #89: 338.8M). On the proxy at batches / 16 (the harness's rule:
     # the 8-GPU step count is the proxy's) it reached the public code's mean final loss at steps 763-771 of 776 in
@@ -224,6 +242,14 @@ class Hyperparameters:
     # decays are per Adam step (Adam stepping every second training step: adam_every)
     embed_weight_decay: float = 0.025  # value-embed + bigram tables: cautious decay lr_t^2 x this; 0 = off (2026)
     embed_adam_betas: tuple[float, ...] = (0.75, 0.95)  # value-embed + bigram tables' Adam betas; empty = Adam's (2026)
+    # the n-gram (bigram + trigram) table learns by a row-sparse Adam (ANVIL2's, 2026-08-30): only the rows looked up
+    # since its last step are read and written, beta1 0 and one second moment per row (its gradient's mean square),
+    # embed_adam_betas' beta2, the embedding lr and embed_weight_decay; a row's missed steps are caught up exactly
+    # when it is next looked up (row_sparse_adam). On several GPUs the table is sharded by owner (ANVIL2's): each rank
+    # holds rows / world_size of it (bigram_rows + trigram_rows must split), rows and gradients go to and from their
+    # owners by all-to-all (GPT.pull_ngram_rows, push_row_grads). Off: the table is in the embedding tables' dense
+    # Adam group, whole on every rank.
+    ngram_sparse_adam: bool = True  # the n-gram table's row-sparse Adam (beta1 0, a moment per row; ANVIL2, 08/30/26)
     head_lr_mult: float = 1.0  # LM head: adam_lr times this
     # The 2026 records' LM head: betas 0.5,0.95 and cautious decay 0.005 x 150 = 0.75 per Adam step (Adam stepping
     # every second training step there: 0.375 where Adam steps every step, as the tables' 0.0125)
@@ -265,7 +291,7 @@ class Hyperparameters:
     keep_checkpoints: int = 3  # keep the newest K of a run
     resume: str = ""  # a checkpoint folder, or "latest" (newest under checkpoint_dir)
     plan: bool = False  # print the resolved schedule and its projected 1- and 8-GPU time, then exit (no GPU used)
-    plan_gpu: str = "H100"  # the GPU kind --plan projects for and compares with the public master on: H100 | H200
+    plan_gpu: str = "H200"  # the GPU kind --plan projects on, beside the public master: H200 | H100 (full softmax only)
     # presets and the smoke preset's built-in data
     preset: str = "record"  # record | smoke | single | medium (then any field overrides)
     markov_corpus: bool = False  # write a synthetic Markov-chain corpus to train/val_files first
@@ -319,6 +345,7 @@ class Hyperparameters:
         if h.final_val_window < 0:
             raise ValueError(f"final_val_window={h.final_val_window}: 0 (the last stage's window) or a window in blocks")
         h.check_layout()
+        h.check_softmax()
         if not 0 <= h.muon_beta2 < 1:
             raise ValueError(f"muon_beta2={h.muon_beta2}: 0 (plain Muon) or an EMA factor in (0, 1) for NorMuon")
         for name in ("embed_weight_decay", "head_weight_decay", "muon_weight_decay"):
@@ -342,6 +369,15 @@ class Hyperparameters:
         if h.attention not in ("auto", *ATTENTION_BACKENDS):
             raise ValueError(f"attention={h.attention!r}: choose one of auto, {', '.join(ATTENTION_BACKENDS)}")
 
+
+    def check_softmax(self):
+        """The sampled softmax's columns and switch: counts of the head's rows, and a fraction of the run."""
+        for i, row in enumerate(self.stages, start=1):
+            if not 0 <= row.candidates <= self.vocab_size:
+                raise ValueError(f"stage {i}: candidates={row.candidates}: 0 (the full softmax) or a number of the "
+                                 f"head's rows up to vocab_size={self.vocab_size}")
+        if not 0 <= self.full_softmax_from <= 1:
+            raise ValueError(f"full_softmax_from={self.full_softmax_from}: a fraction of num_iterations in [0, 1]")
 
     def check_layout(self):
         """The model's block-indexed parts fit its blocks and one another (each error names the field)."""
@@ -385,6 +421,8 @@ class Hyperparameters:
             raise ValueError(f"softcap_shift={h.softcap_shift} must be a finite number")
         if h.bigram_rows < 2:  # the MUDD gates weigh it per block
             raise ValueError(f"bigram_rows={h.bigram_rows}: at least 2 (hashed rows + a document-start row)")
+        if h.trigram_rows == 1 or h.trigram_rows < 0:
+            raise ValueError(f"trigram_rows={h.trigram_rows}: 0 (none) or at least 2 (hashed rows + a reserved row)")
         if h.bigram_sign_rows < 0:
             raise ValueError(f"bigram_sign_rows={h.bigram_sign_rows}: 0 (no signs) or a positive count")
         if not 0 <= h.backout_layer < h.num_layers - 1:
@@ -419,6 +457,7 @@ SMOKE = dict(  # the record model at 4 blocks of 128 on a synthetic corpus, size
     num_layers=4, model_dim=128, num_heads=2, head_dim=64, gate_channels=8, no_attn_layers=(2,), window_pattern="LSSL",
     value_embed_blocks=(1, 3), paired_head_blocks=(1,), xsa_blocks=(1,), backout_layer=2, skip_from=1,
     bigram_rows=4096, bigram_sign_rows=64, cplm_bands=(128, 512), window_block=64,
+    trigram_rows=28_672,  # the record's trigram channel and its row-sparse Adam, 32,768 n-gram rows in all (not 21M)
     # the record's stages without the prefix-token loss (it is over GPT-2's token bytes)
     stages=(Stage(1, doc_len=256, mtp=(0.5, 0.25)), Stage(2, mtp=(0.5, 0.0)), Stage(3, mtp=(0.0, 0.0))),
     extension_steps=6, extension_window=4, final_val_window=6, batch_size=8 * 512, seq_len=512, val_seq_len=1024,
@@ -426,7 +465,9 @@ SMOKE = dict(  # the record model at 4 blocks of 128 on a synthetic corpus, size
     warmup_steps=0, device="auto", save_every=50)
 PRESETS = {  # name: (what it is, the fields it sets)
     "record": ("the 8-GPU record configuration: the public line's current model and optimizer (modded-nanogpt "
-               "master, 2026-08) as far as this file implements them, on its 11 blocks: bigram hash embedding, "
+               "master, 2026-08) as far as this file implements them, on its 11 blocks: bigram hash embedding "
+               "with ANVIL2's hashed trigram channel (record #92; 21.2M rows in one table, learned by a row-sparse "
+               "Adam, sharded over the GPUs by owner), "
                "MUDD with its gates, XSA and DC attention, YaRN, smear and value-embedding gates, paired heads, "
                "partial key offset, five untied value tables, parallel attention inputs, backout, per-sublayer "
                "residual weights and one gated skip, NorMuon with cautious decay, Adam every second step, "
@@ -437,14 +478,17 @@ PRESETS = {  # name: (what it is, the fields it sets)
               "corpus (a random Markov chain whose entropy per token, the lowest loss possible, is known): about 3 "
               "minutes on a 2-core CPU; every technique of the record but the prefix-token loss (over GPT-2's "
               "tokens); a checkpoint every 50 steps, for `python sample.py latest`", SMOKE),
-    "single": ("the record on one GPU with 24-40 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
-               "global batch; Inductor's C++ wrapper, as Python's launches would leave the GPU waiting", dict(seq_len=16384, cpp_wrapper=True)),
+    "single": ("the record on one GPU with 32-80 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
+               "global batch; Inductor's C++ wrapper, as Python's launches would leave the GPU waiting; the n-gram "
+               "table at 5.0M rows (trigram_rows 4,622,720, the size of the proxy runs): 14.0 GiB (--plan) of the "
+               "~26 GiB the run estimates at start", dict(seq_len=16384, cpp_wrapper=True, trigram_rows=4_622_720)),
     "medium": ("the record model at GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the "
-               "record's learning rates, its block layout stretched to 24 blocks, 4000 steps",
+               "record's learning rates, its block layout stretched to 24 blocks, 4000 steps, 5.0M n-gram rows",
                dict(num_layers=24, model_dim=1024, num_heads=16, head_dim=64, no_attn_layers=(13,),
                     window_pattern="SSSSSSSLSSSSSSSSSSSSSSSL", skip_from=7, backout_layer=14,
                     value_embed_blocks=(1, 2, 21, 22, 23), paired_head_blocks=(0, 2, 5, 9, 11, 16, 20),
-                    xsa_blocks=(1, 7, 8, 14), seq_len=24576, num_iterations=4000)),
+                    xsa_blocks=(1, 7, 8, 14), seq_len=24576, num_iterations=4000,
+                    trigram_rows=4_622_720)),  # 5.0M n-gram rows at width 1024: one 80 GB GPU holds the run
 }
 
 
@@ -500,6 +544,8 @@ STAGE_COLUMNS = {
     "lr_schedule": ("lr", _floats, "learning-rate multiplier per stage, e.g. 1,1.52,1.73 (empty: 1)"),
     "mtp_weights": ("mtp", _floats, "multi-token prediction weights, K per stage in stage order, e.g. the "
                                    "record line's 0.5,0.25,0.5,0,0,0 (empty: off)"),
+    "candidates_schedule": ("candidates", _ints, "sampled softmax: the head's rows per micro-batch in training, per "
+                                                 "stage, e.g. 10240,14336,24576 (0 or empty: the full softmax)"),
 }
 
 
@@ -661,6 +707,7 @@ class ModelConfig:
     softcap_shift: float
     bigram_rows: int
     bigram_sign_rows: int
+    trigram_rows: int
     backout_layer: int
     paired_head_blocks: tuple[int, ...]
     xsa_blocks: tuple[int, ...]
@@ -676,8 +723,7 @@ class ModelConfig:
     @classmethod
     def from_args(cls, args: Hyperparameters) -> "ModelConfig":
         names = {f.name for f in dataclasses.fields(cls)} - {"max_seq_len", "yarn_windows"}
-        blocks = (*(row.window for row in args.stages), *([args.extension_window] if args.extension_steps else []),
-                  *([args.final_val_window] if args.final_val_window else []))
+        blocks = (*(row.window for row in args.stages), *([args.extension_window] if args.extension_steps else []))
         yarn = tuple(dict.fromkeys(b * args.window_block for b in blocks))  # long windows
         longest = max(args.seq_len, args.val_seq_len) * (2 if args.paired_head_blocks else 1)  # paired: 2 per token
         return cls(**{n: getattr(args, n) for n in names}, max_seq_len=longest, yarn_windows=yarn)
@@ -696,6 +742,10 @@ class ModelConfig:
 # the first 192 dims with 8,192 sign rows on 05-20; 377,280 full-width rows with 8,192 sign rows in
 # the 2026-05-27 record (@Lisennlp, PR 315). A table narrower than model_dim is not offered here.
 BIGRAM_HASH_MULTS = (36313, 27191)  # for the current and the previous token (2026-01-19 record)
+# ANVIL2's (2026-08-30) trigram row multipliers for tokens t, t-1, t-2 (get_sgsame_hash's _TG_ROW_0.._2) and
+# its trigram sign multipliers for t-2, t-1, t (bigram_kernels.py's `ss` hash)
+TRIGRAM_HASH_MULTS = (17351, 60961, 45259)
+TRIGRAM_SIGN_MULTS = (26801, 39779, 58699)
 
 
 def document_starts(cu_seqlens: Tensor, T: int) -> Tensor:
@@ -758,6 +808,54 @@ def bigram_indices(inputs: Tensor, cu_seqlens: Tensor, rows: int, sign_rows: int
     row = torch.where(starts, rows - 1, torch.bitwise_xor(a * cur, b * prev) % (rows - 1))
     sign = torch.where(starts, 0, torch.bitwise_xor(cur, prev) % sign_rows) if sign_rows else None
     return row, sign
+
+
+def trigram_indices(inputs: Tensor, cu_seqlens: Tensor, offset: int, rows: int,
+                    sign_rows: int = 0) -> tuple[Tensor, Tensor | None]:
+    """Each position's row of the trigram channel, rows offset .. offset + rows - 1 of the n-gram table (after the
+    bigram rows), and (sign_rows > 0) of the shared sign table. Row = offset + (17351 * token xor 60961 *
+    previous xor 45259 * the one before) mod (rows - 1), ANVIL2's hash; a position with fewer than two earlier
+    positions in its document takes the reserved last row and sign row 0, as ANVIL2 does for the first two
+    positions of its stream (ANVIL2 otherwise hashes across documents; here nothing crosses into a document).
+    Sign row = (26801 * the one before xor 39779 * previous xor 58699 * token) mod sign_rows (ANVIL2's)."""
+    starts = document_starts(cu_seqlens, inputs.size(0))
+    short = starts | starts.roll(1)  # a document start, or the position after one (position 0 wraps: a start)
+    cur = inputs.long()
+    prev, prev2 = cur.roll(1), cur.roll(2)
+    a, b, c = TRIGRAM_HASH_MULTS
+    row = offset + torch.where(short, rows - 1, (a * cur ^ b * prev ^ c * prev2) % (rows - 1))
+    sa, sb, sc = TRIGRAM_SIGN_MULTS
+    sign = torch.where(short, 0, (sa * prev2 ^ sb * prev ^ sc * cur) % sign_rows) if sign_rows else None
+    return row, sign
+
+
+class RowGradLog(torch.autograd.Function):
+    """weight[idx], whose backward writes each looked-up position's gradient into grad_log at positions pos (the
+    n-gram table's gradient log, ngram_lookup) and hands the table (or the sharded table's row cache) no gradient
+    of its own."""
+
+    @staticmethod
+    def forward(ctx, idx: Tensor, weight: Tensor, pos: Tensor, grad_log: Tensor) -> Tensor:
+        ctx.save_for_backward(pos)
+        ctx.grad_log = grad_log
+        return F.embedding(idx, weight)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        pos, = ctx.saved_tensors
+        ctx.grad_log.index_copy_(0, pos, grad.reshape(-1, grad.size(-1)).to(ctx.grad_log.dtype))
+        return None, None, None, None
+
+
+def ngram_lookup(idx: Tensor, rows: Tensor, weight: Tensor, log: dict) -> Tensor:
+    """weight[idx] with the row-sparse gradient (ngram_sparse_adam): the positions' table rows `rows` (weight's own
+    rows idx on one GPU, their places idx in the row cache of a sharded table) and, in the backward, their gradients
+    (bf16, the lookup's own) are appended to the log (GPT.keep_table_grads), whose next free position `used` is a
+    device counter, so a compiled step has no host sync; the table's memory per step is its looked-up rows."""
+    pos = log["used"] + torch.arange(idx.numel(), device=idx.device)
+    log["rows"].index_copy_(0, pos, rows.reshape(-1))
+    log["used"].add_(idx.numel())
+    return RowGradLog.apply(idx, weight, pos, log["grads"])
 
 
 class TableLookup(torch.autograd.Function):
@@ -1122,9 +1220,12 @@ def mudd_mlp(x: Tensor, w1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: ModelKernels = ModelKernels()):
+    def __init__(self, cfg: ModelConfig, kernels: ModelKernels = ModelKernels(), ngram_shard: tuple[int, int] = (0, 1)):
+        """ngram_shard = (rank, world_size): this rank holds block `rank` of the n-gram table's rows cut into
+        world_size equal blocks (the row-sparse Adam's sharded table; build() passes it); (0, 1) = the whole table."""
         super().__init__()
         self.cfg, self.kernels = cfg, kernels  # kernels: chosen for the device once (build(): choose_kernels)
+        self.sweep_inverse = sweep_inverse(cfg.vocab_size)  # the sampled softmax's sweep (candidate_rows), a constant
         L, dim = cfg.num_layers, cfg.model_dim
         self.embed = nn.Embedding(cfg.vocab_size, dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, dim) for _ in cfg.value_embed_blocks)
@@ -1159,8 +1260,16 @@ class GPT(nn.Module):
         # signs picked by another hash (2026-05-20 record, @TrianX, PR 299: the sign trick of feature
         # hashing), so two bigrams that collide on a row mostly see it with different signs.
         # Made last, so that the weights above do not depend on these fields.
-        self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim, _weight=torch.zeros(cfg.bigram_rows, dim,
-                                                                                   dtype=torch.bfloat16))
+        # With trigram_rows, the trigram channel's rows follow the bigram rows in the same table (ANVIL2's layout).
+        # Sharded by owner (ANVIL2, 08/30/26): with ngram_shard (r, W) this rank stores only rows r R .. (r + 1) R - 1,
+        # R = rows / W (check_ngram_shards), and a micro-batch reads its rows from a cache pulled from their owners
+        # (pull_ngram_rows). W = 1: the shard is the whole table, read directly.
+        rows = cfg.bigram_rows + cfg.trigram_rows
+        check_ngram_shards(cfg.bigram_rows, cfg.trigram_rows, ngram_shard[1])
+        self.ngram_rank, self.ngram_world = ngram_shard
+        shard = rows // self.ngram_world
+        self.bigram_embed = nn.Embedding(shard, dim, _weight=torch.zeros(shard, dim, dtype=torch.bfloat16))
+        self.ngram_cache = None  # with W > 1: the micro-batch's (rows, each position's row in them), pull_ngram_rows
         signs = None
         if cfg.bigram_sign_rows:  # drawn from the seeded RNG: the same on every rank, and saved in checkpoints
             signs = (torch.randint(0, 2, (cfg.bigram_sign_rows, dim)) * 2 - 1).bfloat16()
@@ -1172,6 +1281,8 @@ class GPT(nn.Module):
         self.token_lookups = set()
         for m in self.tables():
             m.register_buffer("grad_sum", None, persistent=False)
+        self.ngram_log, self.ngram_logged = {}, 0  # the n-gram table's gradient log with ngram_sparse_adam (keep_table_grads)
+        self.bigram_embed.weight.sparse_grad = None  # its row-sparse gradient (flush_ngram_log)
         # the smear gate's weights on the embedding's first gate_channels channels: zero, as the record
         self.smear_w = nn.Parameter(torch.zeros(1, cfg.gate_channels))
         # Tied embedding (2025-12-22 record, @varunneal, PR 178): while tied_embed is set, token embeddings
@@ -1263,12 +1374,45 @@ class GPT(nn.Module):
         """The token tables looked up by index: the token embedding, the value embeddings, the bigram table."""
         return [self.embed, *self.value_embeds, self.bigram_embed]
 
-    def keep_table_grads(self):
+    def keep_table_grads(self, ngram_positions: int = 0, segment=None):
         """Training from here on sums the token tables' gradients in float32 buffers (TableLookup), the LM
-        head's too for its lookups while tied; flush_table_grads hands the sums to the optimizer."""
+        head's too for its lookups while tied; flush_table_grads hands the sums to the optimizer. With
+        ngram_positions (ngram_sparse_adam), the n-gram table instead logs its looked-up rows and their gradients,
+        room for that many lookups to start with (reserve_ngram_log grows it), summed per row at the flush by
+        `segment` (segment_sum or its compiled twin: build)."""
         self.lm_head_grad_sum = torch.zeros_like(self.lm_head_w, dtype=torch.float32)
-        for m in self.tables():
-            m.grad_sum = torch.zeros_like(m.weight, dtype=torch.float32)
+        for m in self.tables():  # not the row-logged n-gram table: a float32 sum of its shape would be twice its
+            # bf16 bytes, made and dropped (65 GB at 21M rows, on top of the table's 32.5 GB)
+            logged = ngram_positions and m is self.bigram_embed
+            m.grad_sum = None if logged else torch.zeros_like(m.weight, dtype=torch.float32)
+        if ngram_positions:
+            w = self.bigram_embed.weight
+            self.ngram_log = dict(rows=torch.zeros(ngram_positions, dtype=torch.long, device=w.device),
+                                  grads=w.new_zeros(ngram_positions, w.size(1)),
+                                  used=torch.zeros((), dtype=torch.long, device=w.device))
+            self.ngram_logged = 0  # the log's positions in use, counted on the host (the compiled graph reads none)
+            self.ngram_segment_sum = segment or segment_sum
+
+    def reserve_ngram_log(self, tokens: int):
+        """Before a training micro-batch of `tokens` tokens (the trainer's, outside the compiled graph): make room for
+        its n-gram lookups in the log, doubling it when full (a warm-up's run of steps without an Adam step)."""
+        log = self.ngram_log
+        if not log:
+            return
+        self.ngram_logged += tokens * (2 if self.cfg.trigram_rows else 1)
+        if self.ngram_logged > log["rows"].numel():
+            n = max(self.ngram_logged, 2 * log["rows"].numel())
+            log["rows"] = torch.cat([log["rows"], log["rows"].new_zeros(n - log["rows"].numel())])
+            log["grads"] = torch.cat([log["grads"], log["grads"].new_zeros(n - log["grads"].size(0), log["grads"].size(1))])
+
+    def flush_ngram_log(self):
+        """The log since the last flush as the n-gram table's row-sparse gradient, p.sparse_grad = (rows, float32
+        gradient sums): its distinct looked-up rows, ascending, each with the sum of its positions' gradients."""
+        log, p = self.ngram_log, self.bigram_embed.weight
+        n, self.ngram_logged = self.ngram_logged, 0
+        log["used"].zero_()
+        rows, inverse = torch.unique(log["rows"][:n], return_inverse=True)
+        p.sparse_grad = (rows, self.ngram_segment_sum(inverse, log["grads"][:n], rows.numel()))
         self.token_lookups = set()  # which of lm_head_w and embed.weight served the token lookups since the flush
 
     def note_token_lookups(self):
@@ -1279,6 +1423,10 @@ class GPT(nn.Module):
         for grad_sum in (self.lm_head_grad_sum, *(m.grad_sum for m in self.tables())):
             if grad_sum is not None:
                 grad_sum.zero_()
+        if self.ngram_log:
+            self.ngram_log["used"].zero_()
+            self.ngram_logged = 0
+        self.bigram_embed.weight.sparse_grad = None
         self.token_lookups = set()
 
     def flush_table_grads(self):
@@ -1289,6 +1437,8 @@ class GPT(nn.Module):
         used += [(self.embed.weight, self.embed.grad_sum)] if "embed" in self.token_lookups else []
         used += [(m.weight, m.grad_sum) for m in self.tables()[1:]]
         self.token_lookups = set()
+        if self.ngram_log:
+            self.flush_ngram_log()
         for p, grad_sum in used:
             if grad_sum is None:
                 continue
@@ -1300,7 +1450,7 @@ class GPT(nn.Module):
         blocks = self.cfg.value_embed_blocks
         return [blocks.index(i) if i in blocks else None for i in range(self.cfg.num_layers)]
 
-    def block_windows(self, windows: tuple[int, int]) -> list[int]:
+    def block_windows(self, windows: tuple[int, ...]) -> list[int]:
         """Each block's left attention window in tokens, from the stage's (long, short) windows and
         window_pattern (the record's: S,S,S,L,S,S,S,S,S,S,L)."""
         return [windows[0] if p == "L" else windows[1] for p in self.cfg.window_pattern]
@@ -1314,10 +1464,61 @@ class GPT(nn.Module):
         tables = {i: lookup(inputs, self.value_embeds[i].weight, self.value_embeds[i].grad_sum)  # each table once
                   for i in dict.fromkeys(self.value_embed_layers()) if i is not None}
         # one bigram lookup, added before every block with that block's weight
-        rows, signs = bigram_indices(inputs, cu_seqlens, self.cfg.bigram_rows, self.cfg.bigram_sign_rows)
-        bigram = lookup(rows, self.bigram_embed.weight, self.bigram_embed.grad_sum)
-        bigram = bigram if signs is None else bigram * self.bigram_signs[signs]
-        return x0, [tables.get(i) for i in self.value_embed_layers()], bigram
+        return x0, [tables.get(i) for i in self.value_embed_layers()], self.ngram_embedding(inputs, cu_seqlens)
+
+    def ngram_indices(self, inputs: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Each position's n-gram table row (of the whole table), the bigram channel's then with trigram_rows the
+        trigram channel's, and their sign rows (or None)."""
+        cfg = self.cfg
+        rows, signs = bigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.bigram_sign_rows)
+        if cfg.trigram_rows:
+            rows3, signs3 = trigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.trigram_rows, cfg.bigram_sign_rows)
+            rows = torch.cat([rows, rows3])
+            signs = None if signs is None else torch.cat([signs, signs3])
+        return rows, signs
+
+    def ngram_embedding(self, inputs: Tensor, cu_seqlens: Tensor) -> Tensor:
+        """The bigram lookup, plus with trigram_rows the trigram lookup (one gather of both channels' rows), each
+        channel's row times its sign row, summed into one embedding (ANVIL2's x0_bigram). A sharded table
+        (ngram_world > 1) is read from the micro-batch's row cache (pull_ngram_rows, before this forward)."""
+        rows, signs = self.ngram_indices(inputs, cu_seqlens)
+        table, index = self.bigram_embed.weight, rows
+        if self.ngram_world > 1:  # ANVIL2, 08/30/26: the rows pulled from their owners, each position's among them
+            if self.ngram_cache is None or self.ngram_cache[1].shape != rows.shape:
+                raise RuntimeError("the sharded n-gram table is read from a row cache: call "
+                                   "model.pull_ngram_rows(inputs, cu_seqlens) before each forward")
+            table, index = self.ngram_cache
+        if self.ngram_log and torch.is_grad_enabled():
+            ngram = ngram_lookup(index, rows, table, self.ngram_log)
+        else:
+            ngram = lookup(index, table, self.bigram_embed.grad_sum)
+        ngram = ngram if signs is None else ngram * self.bigram_signs[signs]
+        return ngram[: inputs.size(0)] + ngram[inputs.size(0):] if self.cfg.trigram_rows else ngram
+
+    @torch.no_grad()
+    def pull_ngram_rows(self, inputs: Tensor, cu_seqlens: Tensor):
+        """Before a forward (the trainer's and evaluate's, outside the compiled graph; a collective: every rank pulls
+        once per micro-batch): with a sharded table, its rows for this micro-batch from their owners into a compact
+        cache, ngram_cache = (rows, each position's row in them). The cache has a row per position (the distinct
+        rows first, the rest unused), so the compiled graph sees one shape per stage. Nothing to do on one GPU."""
+        if self.ngram_world == 1:
+            return
+        self.ngram_cache = None  # the last micro-batch's cache is freed before this one is made
+        wanted, slots = torch.unique(self.ngram_indices(inputs, cu_seqlens)[0], return_inverse=True)
+        w = self.bigram_embed.weight
+        cache = w.new_empty(slots.numel(), w.size(1))
+        pull_rows(w, wanted, cache[: wanted.numel()], self.ngram_rank, self.ngram_world)
+        # a leaf that asks for a gradient, as the table does: the lookup's backward (RowGradLog) then runs and logs it
+        self.ngram_cache = (cache.requires_grad_(), slots)
+
+    @torch.no_grad()
+    def serve_ngram_pulls(self, pulls: int):
+        """A sharded table's owner answering `pulls` more pulls of the other ranks while it has nothing to ask (a
+        rank with fewer validation buffers than another: evaluate)."""
+        w = self.bigram_embed.weight
+        for _ in range(pulls):
+            pull_rows(w, torch.zeros(0, dtype=torch.long, device=w.device), w.new_empty(0, w.size(1)), self.ngram_rank,
+                      self.ngram_world)
 
     def hidden(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int]) -> Tensor:
         """The final normed hidden state of every position (before the LM head)."""
@@ -1327,7 +1528,9 @@ class GPT(nn.Module):
         sub = s[at["sublayer"]].view(L, 3)  # per block: attention output, residual around the MLP, MLP output
         x0, ves, bigram = self.embeddings(inputs, cu_seqlens)
         x = x0
-        rope = self.rotary.at(windows[0])  # the stage's rotary tables (YaRN: by its long window)
+        # the stage's rotary tables (YaRN: by its long window; the final validation's third entry names the last
+        # training stage's long window, whose tables it keeps)
+        rope = self.rotary.at(windows[2] if len(windows) > 2 else windows[0])
         windows = self.block_windows(windows)
         skip_into = cfg.skip_target  # validated: after skip_from and the first long-window block
         g = {what: [None] * L for what in ("xsa", "out", "x0", "bigram", "skip", "dc1", "dc2")}  # from the MUDD gates
@@ -1430,37 +1633,43 @@ class GPT(nn.Module):
 
     def head_losses(self, x: Tensor, targets: Tensor, mtp_weights: Tensor | None = None,
                     cu_seqlens: Tensor | None = None, prefix_weight: Tensor | None = None,
-                    copy: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                    copy: tuple[Tensor, Tensor] | None = None, sampled: tuple[int, Tensor] | None = None) -> Tensor:
         """Cross-entropy of every position of the final hidden state x against its target; with
         mtp_weights (w_2, w_3, ...), plus multi-token prediction's sum_k w_k * CE(logits_t, token t+k)
         over the targets of t's document (mtp_targets); with prefix_weight (one value), plus that times
         CE(logits_t, the prefix token of t's target) where it has one (prefix_ids); all from the same logits.
         With copy = (p_copy, a_sink) (copy_pointer), the next-token term is CPLM's: -log of the mixture
         p_lm(y) (1 - alpha (1 - a_sink)) / (1 - alpha) + alpha p_copy(y), alpha the softmax's share of the copy
-        column bos_id + 1 (a padding row no token uses), as PR 379."""
+        column bos_id + 1 (a padding row no token uses), as PR 379. With sampled = (count, offset), in training, the
+        softmax runs over `count` rows of the head (sampled_head): every target above and the copy column, and rows
+        of a sweep over the vocabulary from offset (ANVIL2's sampled softmax)."""
         cfg = self.cfg
         extra = [] if mtp_weights is None else [(y, torch.where(keep, mtp_weights[j], 0)) for j, (y, keep) in
                                                  enumerate(mtp_targets(targets, cu_seqlens, mtp_weights.size(0)))]
         if prefix_weight is not None:
             prefix = self.prefix_ids[targets]
             extra.append((prefix.clamp(min=0), torch.where(prefix >= 0, prefix_weight[0], 0)))
+        head, column = self.lm_head_w, cfg.bos_id + 1  # the head's rows, and the copy column's among them
+        if sampled is not None:  # the candidates' rows only, every target and the copy column as its place among them
+            head, targets, extra, column = sampled_head(head, targets, extra, column if copy is not None else None,
+                                                        *sampled, self.sweep_inverse)
         if self.kernels.fused_ce and self.training:
             # every target of a token in one pass over its logits: (T, K) targets, (T, K) weights; with CPLM, the
             # next token's term and the copy column's (the last target) go into the mixture instead, at weight 0
             ys = torch.stack([targets, *(y for y, _ in extra)], 1)
             ws = torch.stack([torch.ones_like(targets, dtype=torch.float32), *(w for _, w in extra)], 1)
             if copy is not None:
-                ys = torch.cat([ys, torch.full_like(targets, cfg.bos_id + 1)[:, None]], 1)
+                columns = torch.full_like(targets, column) if isinstance(column, int) else column
+                ys = torch.cat([ys, columns[:, None]], 1)
                 ws = torch.cat([torch.zeros_like(ws[:, :1]), ws[:, 1:], torch.zeros_like(ws[:, :1])], 1)
-            out = torch.ops.speedrun.fp8_head_ce(x, self.lm_head_w, ys, ws, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
+            out = torch.ops.speedrun.fp8_head_ce(x, head, ys, ws, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
                                                  HEAD_GRAD_SCALE, cfg.logit_softcap, cfg.softcap_shift,
                                                  cfg.softcap_temp)
             return out[0] if copy is None else out[0] + cplm_nll(out[5][:, 0], out[5][:, -1], *copy)
         if self.kernels.fp8_head and self.training:
-            logits = torch.ops.speedrun.mm_fp8(x, self.lm_head_w, head_x_scale(cfg.model_dim), HEAD_W_SCALE,
-                                               HEAD_GRAD_SCALE)[0]
+            logits = torch.ops.speedrun.mm_fp8(x, head, head_x_scale(cfg.model_dim), HEAD_W_SCALE, HEAD_GRAD_SCALE)[0]
         else:
-            logits = F.linear(x, self.lm_head_w.type_as(x))
+            logits = F.linear(x, head.type_as(x))
         z = self.softcap(logits)
         # Cross-entropy written out so that it compiles to one pass over the (tokens x vocab) logits
         # each way: z is in (0, cap) (any shift), so exp(z) needs no max-subtraction pass, and the target
@@ -1469,7 +1678,8 @@ class GPT(nn.Module):
         lse = z.exp().sum(-1).log()
         losses = lse - torch.where(vocab == targets[:, None], z, 0).sum(-1)
         if copy is not None:
-            losses = cplm_nll(losses, lse - z[:, cfg.bos_id + 1], *copy)
+            z_copy = z[:, column] if isinstance(column, int) else z.gather(1, column[:, None])[:, 0]
+            losses = cplm_nll(losses, lse - z_copy, *copy)
         # The weights are a tensor, not Python floats: new values every step reuse the compiled graph.
         for y, w in extra:
             losses = losses + w * (lse - torch.where(vocab == y[:, None], z, 0).sum(-1))
@@ -1481,20 +1691,75 @@ class GPT(nn.Module):
 
     def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int],
                 reduction: str = "sum", mtp_weights: Tensor | None = None,
-                prefix_weight: Tensor | None = None) -> Tensor:
+                prefix_weight: Tensor | None = None, sampled: tuple[int, Tensor] | None = None) -> Tensor:
         """Summed cross-entropy of the micro-batch (reduction="none": per token). In training, mtp_weights
-        and prefix_weight add multi-token prediction's and the prefix-token loss' terms (head_losses);
-        evaluation is always next-token only."""
+        and prefix_weight add multi-token prediction's and the prefix-token loss' terms, and sampled (count,
+        offset) restricts the softmax to count candidates (head_losses); evaluation is always next-token only,
+        over the full softmax."""
         x = self.hidden(inputs, cu_seqlens, max_seqlen, windows)
         copy = self.copy_pointer(x, inputs, targets, cu_seqlens) if self.cfg.cplm_bands else None
         if self.training:
-            losses = self.head_losses(x, targets, mtp_weights, cu_seqlens, prefix_weight, copy)
+            losses = self.head_losses(x, targets, mtp_weights, cu_seqlens, prefix_weight, copy, sampled)
         else:
             n = self.eval_slice
             part = (lambda i: None) if copy is None else (lambda i: (copy[0][i: i + n], copy[1][i: i + n]))
             losses = torch.cat([self.head_losses(x[i: i + n], targets[i: i + n], copy=part(i))
                                 for i in range(0, x.size(0), n)])
         return losses.sum() if reduction == "sum" else losses
+
+
+# -----------------------------------------------------------------------------------------------
+# Sampled softmax in training (the public record ANVIL2, modded-nanogpt records/track_1_short/2026-08-30_ANVIL2, its
+# "shared-negative sampled softmax"): in the early stages each micro-batch's softmax runs over `candidates` rows of
+# the head instead of all vocab_size: every target its loss reads (next token, multi-token prediction's, the prefix
+# token, and CPLM's copy column), then rows taken in the order of a fixed sweep over the vocabulary that moves on from
+# micro-batch to micro-batch. No correction for the rows left out (no log-Q term), as ANVIL2 trains: a bias in the
+# gradient, which ANVIL2 ends by training its last ~8% of steps on the full softmax (full_softmax_from); validation
+# always reads the full softmax. The head's matmuls run over the candidates' rows only, gathered (the FP8 head's
+# kernels take any row count divisible by 16); rows outside them get no gradient that micro-batch.
+SWEEP_STRIDE = 20011  # ANVIL2's _SNS_STRIDE: its negatives sweep k * 20011 mod 50304 (coprime: a permutation)
+
+
+def sweep_inverse(vocab: int) -> int:
+    """The inverse mod vocab of the sweep's stride: the first stride from SWEEP_STRIDE up coprime to vocab (20011
+    itself for GPT-2's 50304), so that row k * stride mod vocab comes k-th in the sweep."""
+    stride = next(s for s in itertools.count(SWEEP_STRIDE) if math.gcd(s, vocab) == 1)
+    return pow(stride, -1, vocab)
+
+
+def sweep_offsets(step: int, micro: int, count: int, vocab: int) -> list[int]:
+    """Where each of this rank's micro-batches of a step starts in the sweep: each micro-batch a stride of about
+    `count` places after the one before (step after step; the first count up coprime to vocab, so that over the
+    laps every row starts a window, whatever the targets skipped in each), each rank 1/world of the vocabulary after
+    the one before (ANVIL2 staggers its ranks so). A function of the step alone: a resumed run samples as an
+    unbroken one."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    advance = next(a for a in itertools.count(max(count, 1)) if math.gcd(a, vocab) == 1)
+    return [((step * micro + m) * advance + vocab * rank // world) % vocab for m in range(micro)]
+
+
+def candidate_rows(ids: Tensor, count: int, vocab: int, offset: Tensor, inverse: int) -> tuple[Tensor, Tensor]:
+    """The sampled softmax's candidates, without a host sync: (count,) rows of the head, ascending: every id in ids,
+    then the others in sweep order from offset (row v's place in the sweep: v * inverse mod vocab, sweep_inverse);
+    and each row's position among them, -1 for the rest (vocab,). More distinct ids than count is an error on the
+    device (the loss would lose targets), as ANVIL2's "candidate overflow" is."""
+    taken = torch.zeros(vocab, dtype=torch.bool, device=ids.device).index_fill_(0, ids, True)
+    torch._assert_async(taken.sum() <= count, "sampled softmax: more distinct targets than candidates")
+    place = (torch.arange(vocab, device=ids.device) * inverse - offset) % vocab
+    rows = torch.where(taken, -1, place).topk(count, largest=False, sorted=False).indices.sort().values
+    positions = torch.full((vocab,), -1, dtype=torch.long, device=ids.device)
+    return rows, positions.index_copy_(0, rows, torch.arange(count, device=ids.device))
+
+
+def sampled_head(head: Tensor, targets: Tensor, extra: list[tuple[Tensor, Tensor]], column: int | None, count: int,
+                 offset: Tensor, inverse: int):
+    """The head restricted to the sampled softmax's candidates (candidate_rows): their rows of the head
+    (count, dim), the targets (T,) and extra's (target, weight) pairs with each target as its row's position among
+    them, and CPLM's copy column (None: no CPLM) likewise, one per token (T,)."""
+    ids = [targets, *(y for y, _ in extra)] + ([] if column is None else [targets.new_full((1,), column)])
+    rows, positions = candidate_rows(torch.cat(ids).long(), count, head.size(0), offset, inverse)
+    column = None if column is None else positions[column].expand_as(targets)
+    return head[rows], positions[targets], [(positions[y], w) for y, w in extra], column
 
 
 def cplm_nll(next_term: Tensor, copy_term: Tensor, p_copy: Tensor, a_sink: Tensor) -> Tensor:
@@ -1700,21 +1965,132 @@ def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_
     p.copy_(p32 - update)
 
 
+def segment_sum(inverse: Tensor, grads: Tensor, num_rows: int) -> Tensor:
+    """grads (any float dtype) summed into num_rows float32 rows, grads[i] into row inverse[i]: the n-gram log's
+    gradients per distinct row (GPT.flush_ngram_log), an owner's received ones (sum_owned_rows). Compiled (build),
+    the cast happens in the scatter's own kernel, where eager PyTorch first writes a float32 copy of every logged
+    row (at 1.6M lookups, 4.8 GB)."""
+    return torch.zeros(num_rows, grads.size(1), device=grads.device).index_add_(0, inverse, grads.float())
+
+
+def row_adam_update(p: Tensor, rows: Tensor, g: Tensor, exp_avg_sq: Tensor, decay: Tensor, step_size: float,
+                    decay_rate: float, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
+    """row_sparse_adam's arithmetic on p's `rows`: (their new values in p's dtype, their new second moments), with
+    decay the second moments' factor (beta2 times the missed steps' product). Compiled (build), one pass over the
+    rows, where eager PyTorch makes about a dozen over float32 copies; every number is a factor of a tensor, as in
+    adam_update, so one graph serves every step and every number of rows."""
+    v = exp_avg_sq[rows] * decay + g.square().mean(1) * (1 - beta2)
+    p32 = p[rows].float()
+    update = g / (v.sqrt() + eps)[:, None] * step_size
+    update = update + torch.where(update * p32 > 0, p32, 0) * decay_rate
+    return (p32 - update).to(p.dtype), v
+
+
+def row_sparse_adam(p: Tensor, rows: Tensor, g: Tensor, state: dict, lr: float, beta2: float, eps: float,
+                    weight_decay: float, update=row_adam_update):
+    """One Adam step of the n-gram table p on its looked-up `rows` only (ascending, distinct; g their float32
+    gradient sums), equal to a dense step of every row (ANVIL2's row-compacted Adam, modded-nanogpt 2026-08-30):
+    beta1 = 0 and one second moment per row, v <- beta2 v + (1 - beta2) mean(g^2); update = g / (sqrt(v) + eps) x
+    lr sqrt(1 - beta2^t), plus the cautious decay lr^2 x weight_decay x p where the update has p's sign. A row not
+    looked up takes a zero gradient in the dense step: v <- beta2 v, update 0 and so no decay: the weights do not
+    move. So a row's missed steps come down to v times the product of their beta2, applied exactly when the row is
+    next looked up ("exact replay"): last_step holds each row's last step, log_beta2[j] the sum of log beta2 over
+    steps 1..j (float64; any beta2 schedule). Reads and writes 2 x dim + 8 bytes of state and weights per row.
+    `update` is row_adam_update or its compiled twin (DistAdam's row_update)."""
+    if not state:
+        state.update(step=0, exp_avg_sq=torch.zeros(p.size(0), device=p.device),
+                     last_step=torch.zeros(p.size(0), dtype=torch.int32, device=p.device),
+                     log_beta2=torch.zeros(1, dtype=torch.float64, device=p.device))
+    state["step"] += 1
+    t, logs = state["step"], state["log_beta2"]
+    missed = (logs[t - 1] - logs[state["last_step"][rows].long()]).exp()  # product of beta2 over missed steps
+    new, v = update(p, rows, g, state["exp_avg_sq"], missed.float() * beta2, lr * math.sqrt(1 - beta2**t),
+                    lr**2 * weight_decay, beta2, eps)
+    p.index_copy_(0, rows, new)
+    state["exp_avg_sq"].index_copy_(0, rows, v)
+    state["last_step"].index_fill_(0, rows, t)
+    state["log_beta2"] = torch.cat([logs, logs[-1:] + math.log(beta2)])
+
+
+# The n-gram table sharded by owner (ANVIL2, 08/30/26): its rows cut into world_size contiguous blocks of
+# R = rows / world_size, rank r owning rows r R .. (r + 1) R - 1 (its parameter, its row-sparse Adam state). Rows go
+# over the wire only to or from their owner, by all-to-all: a micro-batch pulls the rows it reads (pull_rows), an
+# Adam step pushes the looked-up rows' gradients (push_row_grads). The table is never sent whole.
+
+def check_ngram_shards(bigram_rows: int, trigram_rows: int, world_size: int):
+    """The table's rows must split into world_size equal shards: else one line naming the rows to use."""
+    rows, rest = bigram_rows + trigram_rows, (bigram_rows + trigram_rows) % world_size
+    if not rest:
+        return
+    name, n = ("trigram_rows", trigram_rows) if trigram_rows else ("bigram_rows", bigram_rows)
+    fix = n - rest if n - rest >= 2 else n + world_size - rest
+    raise ValueError(f"the n-gram table's {rows:,} rows (bigram_rows + trigram_rows) do not split over {world_size} "
+                     f"GPUs (--ngram_sparse_adam shards it into equal blocks): use --{name} {fix}")
+
+
+def owner_counts(rows: Tensor, shard_rows: int, world_size: int) -> Tensor:
+    """How many of `rows` (ascending, of the whole table) each rank owns: their split sizes, in rank order."""
+    return torch.bincount(rows // shard_rows, minlength=world_size)
+
+
+def exchange_counts(send: Tensor) -> tuple[list[int], list[int]]:
+    """Each rank's counts for every other rank swapped (one small all-to-all, one host sync): (sent, received)
+    split sizes for the all-to-alls that follow."""
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send)
+    return send.tolist(), received.tolist()
+
+
+def pull_rows(table: Tensor, wanted: Tensor, out: Tensor, rank: int, world_size: int):
+    """The rows `wanted` (ascending, distinct, of the whole table) of a sharded table into `out`, in order: each rank
+    asks every owner for its rows (ids by all-to-all), the owners read them from their shards (index_select) and
+    send them back (all-to-all). Rows received per rank: the distinct rows its micro-batch reads (ANVIL2, 08/30/26)."""
+    sent, received = exchange_counts(owner_counts(wanted, table.size(0), world_size))
+    asked = wanted.new_empty(sum(received))
+    dist.all_to_all_single(asked, wanted, received, sent)
+    served = table.index_select(0, asked - rank * table.size(0))
+    dist.all_to_all_single(out, served, sent, received)
+
+
+def push_row_grads(rows: Tensor, grads: Tensor, shard_rows: int, world_size: int) -> tuple[tuple, list]:
+    """An Adam step's gradient sums of this rank's looked-up rows (ascending, distinct, of the whole table; in the
+    table's dtype, bf16 on the wire as the dense table's reduce-scatter sends) to their owners, by all-to-all after
+    the counts' (the row-sparse reduce-scatter of ANVIL2, 08/30/26). Returns (the received rows, their gradients)
+    and the all-to-alls to wait for; on one GPU the rows themselves and nothing to wait for. Received per rank:
+    about its share of the ranks' rows, each 8 + 2 x dim bytes."""
+    if world_size == 1:
+        return (rows, grads), []
+    sent, received = exchange_counts(owner_counts(rows, shard_rows, world_size))
+    got_rows, got = rows.new_empty(sum(received)), grads.new_empty(sum(received), grads.size(1))
+    works = [dist.all_to_all_single(got_rows, rows, received, sent, async_op=True),
+             dist.all_to_all_single(got, grads, received, sent, async_op=True)]
+    return (got_rows, got), works
+
+
+def sum_owned_rows(rows: Tensor, grads: Tensor, first_row: int, segment=segment_sum) -> tuple[Tensor, Tensor]:
+    """The pushed gradients an owner received (rows of the whole table, one list per sending rank) summed per row:
+    its own rows (minus first_row: rows of its shard), distinct and ascending, and their float32 sums (segment)."""
+    owned, inverse = torch.unique(rows - first_row, return_inverse=True)
+    return owned, segment(inverse, grads, owned.numel())
+
+
 class DistAdam(torch.optim.Optimizer):
     """Adam, its state sharded over ranks (ZeRO-1 style): each parameter is split along dim 0; rank r
     reduce-scatters the gradient, updates its slice with fp32 moments, and the slices are all-gathered
     back into the full parameter. A group's `weight_decay` (default 0: none) is cautious weight decay
     as in the 2026 records: lr^2 x weight_decay x p joins the update only where the update has p's
     sign, i.e. where Adam already moves the entry toward zero; lr is the group's current lr. `update`
-    is adam_update or its compiled twin (build() passes that one when it compiles the model)."""
+    is adam_update or its compiled twin (build() passes that one when it compiles the model), as are row_update
+    (row_adam_update) and segment (segment_sum) for a sparse_rows group's row-sparse Adam."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, rank: int = 0, world_size: int = 1,
-                 weight_decay: float = 0.0, update=adam_update):
+                 weight_decay: float = 0.0, update=adam_update, row_update=row_adam_update, segment=segment_sum):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.rank, self.world_size, self.update = rank, world_size, update
+        self.row_update, self.segment = row_update, segment
         for group in self.param_groups:
             for p in group["params"]:
-                if p.size(0) % world_size:
+                if p.size(0) % world_size and not group.get("sparse_rows"):
                     raise ValueError(f"DistAdam shards dim 0: a parameter of shape {tuple(p.shape)} "
                                      f"does not split over world_size={world_size}")
 
@@ -1729,7 +2105,8 @@ class DistAdam(torch.optim.Optimizer):
         state = {}
         for i, first in shards[0]["state"].items():
             state[i] = dict(first)
-            for key in ("exp_avg", "exp_avg_sq"):
+            # the moments' rows; the row-sparse Adam's (the sharded n-gram table) are its second moments and last steps
+            for key in ("exp_avg_sq", "last_step") if "last_step" in first else ("exp_avg", "exp_avg_sq"):
                 full = torch.cat([shard["state"][i][key] for shard in shards])
                 rows = full.size(0) // self.world_size
                 state[i][key] = full[self.rank * rows: (self.rank + 1) * rows].clone()
@@ -1764,6 +2141,12 @@ class DistAdam(torch.optim.Optimizer):
         pending = []
         for group in self.param_groups:
             for p in group["params"]:
+                if group.get("sparse_rows"):  # the sharded n-gram table: its rows' gradients to their owners
+                    if getattr(p, "sparse_grad", None) is not None:  # in the table's dtype, as the dense .grad
+                        rows, grads = p.sparse_grad
+                        pending.append((group, p, *push_row_grads(rows, grads.to(p.dtype) if W > 1 else grads,
+                                                                  p.size(0), W)))
+                    continue
                 if p.grad is None:  # unused this step on every rank (a tied token embedding): no update
                     continue
                 rows = p.size(0) // W
@@ -1780,6 +2163,14 @@ class DistAdam(torch.optim.Optimizer):
         W, r = self.world_size, self.rank
         gathers = []
         for group, p, g, work in pending:
+            if group.get("sparse_rows"):  # sharded: each owner updates its rows, nothing to gather
+                for w in work:
+                    w.wait()
+                p.sparse_grad = None
+                rows, grads = sum_owned_rows(*g, r * p.size(0), self.segment) if W > 1 else g  # one GPU: the flush's
+                row_sparse_adam(p.data, rows, grads, self.state[p], group["lr"], group["betas"][1],
+                                group["eps"], group["weight_decay"], self.row_update)
+                continue
             if work is not None:
                 work.wait()
             rows = p.size(0) // W
@@ -2136,6 +2527,7 @@ class Schedule:
         self.stages = tuple(self.resolve(args) if stages is None else stages)
         n = args.tied_embed_stages  # the first step with the token embedding untied: the start of stage n
         self.untie = self.stages[n].start if n < len(self.stages) else math.inf  # (0: never tied; inf: always)
+        self.full_softmax = round(args.full_softmax_from * args.num_iterations)  # the first step of the full softmax
 
     @staticmethod
     def resolve(args: Hyperparameters) -> list[Stage]:
@@ -2143,8 +2535,8 @@ class Schedule:
         S = num_iterations - extension_steps scheduled steps in proportion to their shares (with equal shares,
         step s trains in stage floor(n * s / (S + 1)): the 2025-09-03 record's split of steps 0..S); batches and
         windows are counted in tokens; the loss weights ramp to the next row's. An extension stage, if any,
-        follows at the last row's batch and loss weights, lr 1 and the longer extension_window (the public
-        record line's extension, from 11/2025)."""
+        follows at the last row's batch, loss weights and candidates, lr 1 and the longer extension_window (the
+        public record line's extension, from 11/2025)."""
         rows, E = list(args.stages), args.extension_steps
         S = args.num_iterations - E
         total = sum(row.share for row in rows)
@@ -2152,7 +2544,7 @@ class Schedule:
         if E:  # the extension takes over at step S and holds the last row's batch and loss weights
             last = rows[-1]
             rows.append(Stage(args.extension_window, batch=last.batch, doc_len=last.doc_len, mtp=last.mtp,
-                              prefix=last.prefix))
+                              prefix=last.prefix, candidates=last.candidates))
             ends[-1:] = [S, S + E + 1]
         micro = args.batch_size // args.seq_len  # micro-batches per step, the same in every stage
         stages = []
@@ -2204,18 +2596,29 @@ class Schedule:
         last); Muon steps every step."""
         return (step + 1) % self.args.adam_every == 0
 
-    def val_windows(self, step: int) -> tuple[int, int]:
-        """The windows of the validation before a step: its stage's, except the final validation, which
-        can look further back than training did (final_val_window: the 2025-09-10 record's 13 blocks)."""
+    def candidates_at(self, step: int, stage: Stage) -> int:
+        """The sampled softmax's rows at a step of a stage (or a warm-up shape): the stage's candidates before the
+        step full_softmax_from of the run, 0 (the full softmax) from it on."""
+        return stage.candidates if step < self.full_softmax else 0
+
+    def val_windows(self, step: int) -> tuple[int, ...]:
+        """The windows of the validation before a step: its stage's, except the final validation, whose long
+        window can look further back than training did (final_val_window: the 2025-09-10 record's 13 blocks).
+        Records #89 and ANVIL2 raise only the long window and keep the last stage's rotary tables (no YaRN step):
+        (long, short, the long window whose rotary tables to use)."""
         args = self.args
+        last = self.stage_at(min(step, args.num_iterations - 1)).windows
         if step >= args.num_iterations and args.final_val_window:
-            return window_tokens(args.final_val_window, args.window_block)
-        return self.stage_at(min(step, args.num_iterations - 1)).windows
+            return window_tokens(args.final_val_window, args.window_block)[0], last[1], last[0]
+        return last
 
     def warmup_shapes(self) -> list[Stage]:
-        """The distinct stage shapes the warm-up compiles, each as its first stage."""
-        return list({(st.spec, st.windows, len(st.mtp_ramp), any(st.prefix_ramp), st.start < self.untie): st
-                     for st in self.stages}.values())
+        """The distinct stage shapes the warm-up compiles, each as its first stage; a stage that samples the softmax
+        and reaches the switch to the full one (full_softmax_from) once with its candidates, once with 0."""
+        softmax = [(st, c) for st in self.stages for c in dict.fromkeys(
+            ([st.candidates] if st.start < self.full_softmax else []) + ([0] if st.end > self.full_softmax else []))]
+        return list({(st.spec, st.windows, len(st.mtp_ramp), any(st.prefix_ramp), st.start < self.untie, c):
+                     dataclasses.replace(st, candidates=c) for st, c in softmax}.values())
 
     def warmup_spec_at(self, step: int) -> BatchSpec:
         """The batch of a warm-up step: warmup_steps steps of each shape in turn (the warm-up loader's plan)."""
@@ -2300,20 +2703,31 @@ STEP_US_PER_TOKEN = {
     ("H100", "record", 49152, 2048, 7): 1.565,
     ("H100", "record", 49152, 2048, 11): 1.589,
     ("H100", "record", 49152, 2048, 13): 1.576,
-    # one H200 of a two-GPU host, 2026-11-28, PyTorch 2.11.0+cu130, PyTorch's varlen attention, the record preset at
-    # 393,216-token steps of 49,152-token micro-batches: 569.5 / 606.1 / 626.4 / 631.3 ms a step (issue 63's figures;
-    # bench/results/public_line_history.md)
-    ("H200", "record", 49152, 896, 3): 1.448,
-    ("H200", "record", 49152, 2048, 7): 1.541,
-    ("H200", "record", 49152, 2048, 11): 1.593,
-    ("H200", "record", 49152, 2048, 13): 1.605,
+    # one H200 of a one-GPU machine, alone, 2026-11-29, PyTorch 2.11.0+cu130, PyTorch's varlen attention, main at
+    # 8a31d12 (the full softmax throughout): `python train_gpt.py --preset record --seed 0 --num_iterations 80
+    # --attention varlen ...`, each stage's mean step, two runs' mean: 565.0 / 603.6 / 622.0 / 630.2 ms per
+    # 393,216-token step (bench/results/timing_h200_20261129.md)
+    ("H200", "record", 49152, 896, 3): 1.437,
+    ("H200", "record", 49152, 2048, 7): 1.535,
+    ("H200", "record", 49152, 2048, 11): 1.582,
+    ("H200", "record", 49152, 2048, 13): 1.603,
+}
+# The sampled softmax's steps (those before Schedule.full_softmax in a stage with candidates): time per token as
+# STEP_US_PER_TOKEN's, keyed as it is plus the stage's candidates (the head's rows a micro-batch); a stage's full
+# softmax steps are priced at its STEP_US_PER_TOKEN row.
+SAMPLED_US_PER_TOKEN = {
+    # the same H200 session, branch wt63a at 69d1948 with `--candidates_schedule 16384,14336,12288`, stages 1-3's
+    # mean step: 499.4 / 528.7 / 541.3 ms per 393,216-token step (its 4th stage mixed sampled and full steps: unused)
+    ("H200", "record", 49152, 896, 3, 16384): 1.270,
+    ("H200", "record", 49152, 2048, 7, 14336): 1.345,
+    ("H200", "record", 49152, 2048, 11, 12288): 1.377,
 }
 # what --plan says of each kind's rows: the attention kernel they ran with, and where they come from
 STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "PyTorch varlen attention"}
 STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, main at 46b1702 "
                           "(bench/results/one_session_h100_20261127c.md)",
-                  "H200": "one H200 of a two-GPU host, 2026-11-28, PyTorch 2.11.0+cu130 "
-                          "(bench/results/public_line_history.md)"}
+                  "H200": "one H200 of a one-GPU machine, 2026-11-29, PyTorch 2.11.0+cu130 "
+                          "(bench/results/timing_h200_20261129.md)"}
 # The public master (f411b3d3, record #89's code) on its own schedule: steps and tokens per step of each stage,
 # 423 / 424 / 423 steps at 131,072 / 262,144 / 393,216 tokens, then the 15-step extension at 393,216: 338,821,120
 # tokens (bench/results/public_master_comparison.md rows 32-34 and 47; bench/side_by_side.py's public_stages
@@ -2333,11 +2747,12 @@ PUBLIC_MASTER_STEP_MS = {
     "H200": dict(ms=(254.0, 439.0, 658.5, 661.0), attention="PyTorch varlen attention",
                  source="one H200 of a one-GPU machine, 2026-11-28, PyTorch 2.11.0+cu130 "
                         "(bench/results/public_line_history.md)",
-                 paired="ours the same day on another machine's H200, same PyTorch and attention"),
+                 paired="ours the next day on another one-GPU machine's H200, same PyTorch and attention"),
 }
 RECORD_89_SECONDS = 73.8  # public record #89 on 8xH100, its whole schedule
 # Measured on several GPUs of one host: time per token of the whole global batch, by (GPU kind, GPUs, preset,
-# micro-batch tokens per GPU, document cut, long window in blocks), as STEP_US_PER_TOKEN's one-GPU rows.
+# micro-batch tokens per GPU, document cut, long window in blocks), as STEP_US_PER_TOKEN's one-GPU rows: the full
+# softmax only (a stage with sampled steps has no multi-GPU time).
 MULTI_GPU_US_PER_TOKEN = {
     # four H200s of one host (NVLink), 2026-11-28, PyTorch 2.11.0+cu130, PyTorch's varlen attention, main at 28d32b5:
     # `NPROC=4 ./run.sh --preset record --num_iterations 80 --attention varlen ...`, each stage's mean step:
@@ -2355,9 +2770,20 @@ MULTI_GPU_SOURCE = {("H200", 4): "four H200s of one host, 2026-11-28 (bench/resu
 EIGHT_GPU_RATIO = {"H100": {16384: 0.130, 32768: 0.132, 49152: 0.129}}
 
 
+TABLES = "STEP_US_PER_TOKEN (full softmax) / SAMPLED_US_PER_TOKEN (sampled)"  # --plan's name for its one-GPU tables
+
+
+def softmax_column(stage: Stage, full_from: int, steps: int) -> str:
+    """--plan's softmax column of a stage: 'full', or the sampled softmax's rows, '*' where its steps reach the
+    switch to the full softmax (Schedule.full_softmax)."""
+    if not stage.candidates or stage.start >= full_from:
+        return "full"
+    return f"{stage.candidates:,}" + ("*" if min(stage.end, steps) > full_from else "")
+
+
 def plan_kinds() -> list[str]:
     """The GPU kinds --plan_gpu takes: those with rows of ours or of the public master."""
-    return sorted({key[0] for key in STEP_US_PER_TOKEN} | set(PUBLIC_MASTER_STEP_MS))
+    return sorted({key[0] for key in (*STEP_US_PER_TOKEN, *SAMPLED_US_PER_TOKEN)} | set(PUBLIC_MASTER_STEP_MS))
 
 
 def public_master_time(kind: str) -> tuple[float, int] | None:
@@ -2376,25 +2802,46 @@ def stage_shape(args: Hyperparameters, stage: Stage) -> tuple[str, int, int, int
     return args.preset, stage.spec.seq_len, stage.spec.max_doc_len, stage.windows[0] // args.window_block
 
 
+def softmax_steps(schedule: Schedule, stage: Stage) -> tuple[int, int]:
+    """A stage's training steps as (sampled softmax, full softmax): with candidates, those before
+    Schedule.full_softmax sample, the rest are full (the last stage's end is the final validation's step)."""
+    end = min(stage.end, schedule.args.num_iterations)
+    sampled = max(0, min(end, schedule.full_softmax) - stage.start) if stage.candidates else 0
+    return sampled, end - stage.start - sampled
+
+
+def stage_us_per_token(schedule: Schedule, stage: Stage, kind: str) -> float | None:
+    """A stage's mean one-GPU time per token on this kind: its sampled steps at SAMPLED_US_PER_TOKEN's row, its full
+    ones at STEP_US_PER_TOKEN's; None where a row it needs is missing."""
+    sampled, full = softmax_steps(schedule, stage)
+    key = (kind, *stage_shape(schedule.args, stage))
+    us_sampled = SAMPLED_US_PER_TOKEN.get((*key, stage.candidates)) if sampled else 0.0
+    us_full = STEP_US_PER_TOKEN.get(key) if full else 0.0
+    if us_sampled is None or us_full is None:
+        return None
+    return (sampled * us_sampled + full * us_full) / max(sampled + full, 1)
+
+
 def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
     """--plan: the resolved schedule, one line per stage, the trained tokens, and the projected training time on
-    --plan_gpu's kind (steps x global batch x the table's time per token; x the 8-GPU ratio on 8 GPUs, where that
-    kind has one), per stage where the table has its shape on this GPU kind and in total where it has every
-    stage's; then where the times come from, and ours against the public master over each code's schedule on the
-    same kind. Validation, compile and warm-up are not counted."""
+    --plan_gpu's kind (steps x global batch x the tables' time per token, a stage's sampled and full softmax steps
+    each at its own row (stage_us_per_token); x the 8-GPU ratio on 8 GPUs, where that kind has one), per stage where
+    the tables have its rows on this GPU kind and in total where they have every stage's; then where the times come
+    from, and ours against the public master over each code's schedule on the same kind. Validation, compile and
+    warm-up are not counted."""
     args, stages, N = schedule.args, schedule.stages, schedule.args.num_iterations
     kind = kind or args.plan_gpu
     micro = args.batch_size // args.seq_len
     lines = [f"--preset {args.preset}: {N} steps of {micro} micro-batches; projected seconds on {kind} "
              f"({STEP_US_ATTENTION.get(kind, 'no rows')}), steps only ('-': shape not measured)",
              f"{'stage':>5}  {'steps':>11}  {'batch':>9}  {'micro-batches 1/8 GPUs':>22}  {'micro tokens':>12}  "
-             f"{'doc cut':>7}  {'windows':>9}  {'lr x':>4}  {'tokens':>13}  {'us/token':>8}  {'1 GPU':>7}  "
-             f"{'8 GPUs':>7}"]
+             f"{'doc cut':>7}  {'windows':>9}  {'lr x':>4}  {'tokens':>13}  {'softmax':>9}  {'us/token':>8}  "
+             f"{'1 GPU':>7}  {'8 GPUs':>7}"]
     one, eight, missing, ratios = 0.0, 0.0, [], {}
     for i, st in enumerate(stages):
         steps, b = min(st.end, N) - st.start, st.spec  # the last stage's end is the final validation's step
         name = "ext" if args.extension_steps and i == len(stages) - 1 else str(i + 1)
-        us = STEP_US_PER_TOKEN.get((kind, *stage_shape(args, st)))
+        us = stage_us_per_token(schedule, st, kind)
         ratio = EIGHT_GPU_RATIO.get(kind, {}).get(b.seq_len) if micro == 8 else None  # one micro-batch per GPU
         s1 = None if us is None else steps * b.batch_size * us * 1e-6
         s8 = None if s1 is None or ratio is None else s1 * ratio
@@ -2406,13 +2853,19 @@ def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
         per_rank = f"{micro} / {micro / 8:g}"
         lines.append(f"{name:>5}  {f'{st.start}-{st.start + steps - 1}':>11}  {b.batch_size:>9,}  {per_rank:>22}  "
                      f"{b.seq_len:>12,}  {b.max_doc_len:>7,}  {f'{st.windows[0]}/{st.windows[1]}':>9}  "
-                     f"{st.lr:>4g}  {steps * b.batch_size:>13,}  {'-' if us is None else f'{us:.3f}':>8}  "
+                     f"{st.lr:>4g}  {steps * b.batch_size:>13,}  {softmax_column(st, schedule.full_softmax, N):>9}  "
+                     f"{'-' if us is None else f'{us:.3f}':>8}  "
                      f"{'-' if s1 is None else f'{s1:.1f}':>7}  {'-' if s8 is None else f'{s8:.1f}':>7}")
+    if any(st.candidates and st.start < schedule.full_softmax for st in stages):
+        lines.append(f"softmax: in training over that many of the head's rows (sampled), the full softmax from step "
+                     f"{schedule.full_softmax} (full_softmax_from {args.full_softmax_from:g} x {N} steps; '*': from "
+                     "inside the stage, its us/token the mean of its sampled and full steps); validation: always the "
+                     "full softmax")
     tokens = schedule.tokens_before(N)
     lines.append(f"trained tokens: {tokens:,}")
     if missing:
         lines.append(f"projected time: incomplete, stage(s) {', '.join(missing)} not in train_gpt.py's "
-                     f"STEP_US_PER_TOKEN for {kind} and --preset {args.preset} (bench/side_by_side.py times each "
+                     f"{TABLES} for {kind} and --preset {args.preset} (bench/side_by_side.py times each "
                      "stage of a schedule)")
     elif eight is not None:
         used = ", ".join(f"{r:.3f} at {n:,}" for n, r in sorted(ratios.items()))
@@ -2445,10 +2898,12 @@ def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
 
 def multi_gpu_lines(schedule: Schedule, kind: str, one: float | None) -> list[str]:
     """--plan: the schedule's time from step times measured on several GPUs of this kind (MULTI_GPU_US_PER_TOKEN),
-    where every stage's shape has a row, beside the one-GPU projection `one`."""
+    where every stage's shape has a row and trains with the full softmax, beside the one-GPU projection `one`."""
     args, N, lines = schedule.args, schedule.args.num_iterations, []
     for k, gpus in sorted(key for key in MULTI_GPU_SOURCE if key[0] == kind):
-        us = [MULTI_GPU_US_PER_TOKEN.get((k, gpus, *stage_shape(args, st))) for st in schedule.stages]
+        # full-softmax rows only: a stage with sampled steps has none
+        us = [None if softmax_steps(schedule, st)[0] else MULTI_GPU_US_PER_TOKEN.get((k, gpus, *stage_shape(args, st)))
+              for st in schedule.stages]
         if None in us:
             continue
         seconds = sum((min(st.end, N) - st.start) * st.spec.batch_size * u * 1e-6 for st, u in zip(schedule.stages, us))
@@ -2463,7 +2918,7 @@ def vs_public_master(kind: str, seconds: float | None, tokens: int, missing: lis
     whole schedule (R), and record #89's 8xH100 time scaled by ours / its one-GPU time over each schedule (T)."""
     master = public_master_time(kind)
     gaps = ([] if seconds is not None else
-            [f"ours: stage(s) {', '.join(missing)} not in STEP_US_PER_TOKEN for {kind} and --preset {preset}"])
+            [f"ours: stage(s) {', '.join(missing)} not in {TABLES} for {kind} and --preset {preset}"])
     if master is None:
         gaps.append(f"the public master: no stage times on {kind} (PUBLIC_MASTER_STEP_MS has "
                     f"{', '.join(PUBLIC_MASTER_STEP_MS)})")
@@ -2494,7 +2949,7 @@ def param_groups_by_role(model: GPT) -> dict[str, list[nn.Parameter]]:
 
 
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, orthogonalize=polar_express,
-                     update=adam_update):
+                     update=adam_update, row_update=row_adam_update, segment=segment_sum):
     """Muon for every matrix inside the blocks and the smear gate's (as the 2025-09-18 record); Adam for
     embeddings, LM head and scalars. The bigram table learns as the other embeddings do (the
     2026-01-19 record gave it the value embeddings' Adam settings); its per-block weights, the
@@ -2503,7 +2958,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     decay and betas (embed_weight_decay, embed_adam_betas), as the LM head may have (head_weight_decay,
     head_adam_betas); at the defaults nothing differs."""
     groups = param_groups_by_role(model)
-    tables = groups["value embeddings"] + groups["bigram embedding"]  # decayed as in the 2026 records
+    # decayed as in the 2026 records; the n-gram table by the row-sparse Adam with ngram_sparse_adam
+    tables = groups["value embeddings"] + ([] if args.ngram_sparse_adam else groups["bigram embedding"])
     betas = (args.adam_beta1, args.adam_beta2)
     # a token embedding that starts tied learns, once untied, as the head does: its rate (the 2025-12-22 record),
     # betas and decay (the public master's embed and lm_head entries)
@@ -2522,8 +2978,12 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
                    dict(params=groups["MUDD gates"], lr=args.adam_lr * 0.1, betas=(0.9, 0.99)),
                    # CPLM's pointer: the base rate, betas 0.9 / 0.99 (PR 379's)
                    dict(params=groups.get("copy pointer", []), lr=args.adam_lr, betas=(0.9, 0.99))]
+    if args.ngram_sparse_adam:  # ANVIL2's n-gram table Adam: beta1 0, the tables' beta2, lr and decay
+        adam_groups.append(dict(params=groups["bigram embedding"], sparse_rows=True, lr=args.adam_lr * args.embed_lr_mult,
+                                weight_decay=args.embed_weight_decay,
+                                betas=(0.0, (tuple(args.embed_adam_betas) or betas)[1])))
     adam = DistAdam([g for g in adam_groups if g["params"]], lr=args.adam_lr, betas=betas, eps=args.adam_eps,
-                    rank=rank, world_size=world_size, update=update)
+                    rank=rank, world_size=world_size, update=update, row_update=row_update, segment=segment)
     fc, proj = args.mlp_muon_lr_mults or (1.0, 1.0)
     mults = {p: m for block in model.blocks if block.mlp is not None  # none in a removed block (skip_layers)
              for p, m in ((block.mlp.fc_w, fc), (block.mlp.proj_w, proj))}
@@ -2567,16 +3027,105 @@ def flops_per_token(model: GPT, windows: tuple[int, int], max_doc_len: int) -> f
     return 6 * matmul + attn
 
 
+def ngram_shard(args: Hyperparameters, rank: int, world_size: int) -> tuple[int, int]:
+    """The n-gram table's shard of this rank, (rank, world_size) for GPT: sharded by owner with the row-sparse Adam
+    (ANVIL2, 08/30/26), whole on every rank in the dense Adam's group (which shards only its moments)."""
+    return (rank, world_size) if args.ngram_sparse_adam else (0, 1)
+
+
+def ngram_positions(schedule: Schedule, world_size: int) -> int:
+    """The n-gram table's lookups on one rank between two Adam steps at the schedule's largest batch (its gradient
+    log's room, ngram_sparse_adam): tokens per rank x adam_every x channels (2 with the trigram channel)."""
+    args = schedule.args
+    batch = max(st.spec.batch_size for st in schedule.stages)
+    return batch // world_size * args.adam_every * (2 if args.trigram_rows else 1)
+
+
+def ngram_cache_positions(schedule: Schedule) -> int:
+    """The n-gram lookups of the schedule's longest training micro-batch: the rows of a sharded table's row cache."""
+    return max(st.spec.seq_len for st in schedule.stages) * (2 if schedule.args.trigram_rows else 1)
+
+
+def ngram_memory(rows: int, dim: int, world_size: int, positions: int, sparse: bool,
+                 cache_positions: int = 0) -> dict[str, int]:
+    """Bytes per GPU of the n-gram table (bigram + trigram rows x dim), by part. Dense (the embedding tables' Adam):
+    bf16 weights and gradient on every rank, the float32 gradient sum (TableLookup), fp32 Adam moments sharded.
+    Row-sparse (ngram_sparse_adam), the table sharded by owner (ANVIL2, 08/30/26): R = rows / world_size rows of
+    bf16 weights and 8 bytes of Adam state per row (the second moment, the last step); gradients bounded by the
+    looked-up positions n per rank between Adam steps (every one a distinct row at worst): the log (id + bf16 row)
+    and the rank's sums (id + fp32 row); on several GPUs also the sums sent (id + bf16 row), those received (at
+    worst every rank's n rows, at most R each) and their fp32 sums (at most R rows); and the micro-batch's row cache
+    (several GPUs only): its m = cache_positions bf16 rows and row ids, the ids asked of this rank and the rows it
+    serves (at worst every rank's m, at most R each)."""
+    if not sparse:
+        return {"weights": 2 * rows * dim, "Adam state": 8 * rows * dim // world_size, "gradients": 6 * rows * dim,
+                "row cache": 0}
+    shard, n, m = -(-rows // world_size), positions, cache_positions
+    bf16_row, fp32_row = 8 + 2 * dim, 8 + 4 * dim
+    gradients = n * (bf16_row + fp32_row)
+    cache = 0
+    if world_size > 1:
+        gradients += n * bf16_row + world_size * min(n, shard) * bf16_row + min(world_size * n, shard) * fp32_row
+        cache = m * (2 * dim + 24) + world_size * min(m, shard) * bf16_row
+    return {"weights": 2 * shard * dim, "Adam state": 8 * shard, "gradients": gradients, "row cache": cache}
+
+
+def ngram_memory_of(args: Hyperparameters, world_size: int) -> dict[str, int]:
+    """ngram_memory for a run of args on world_size GPUs."""
+    schedule = Schedule(args)
+    return ngram_memory(args.bigram_rows + args.trigram_rows, args.model_dim, world_size,
+                        ngram_positions(schedule, world_size), args.ngram_sparse_adam, ngram_cache_positions(schedule))
+
+
+def ngram_memory_lines(args: Hyperparameters) -> list[str]:
+    """--plan: the n-gram table's bytes per GPU on 1, 2, 4 and 8 GPUs (ngram_memory): weights, Adam state, gradients,
+    and the sharded table's row cache."""
+    kind = "row-sparse Adam, sharded by owner" if args.ngram_sparse_adam else "dense Adam"
+    lines = [f"n-gram table {args.bigram_rows:,} bigram + {args.trigram_rows:,} trigram rows x {args.model_dim} "
+             f"({kind}), GiB per GPU:",
+             f"{'GPUs':>5}  {'weights':>8}  {'Adam state':>10}  {'gradients':>9}  {'row cache':>9}  {'total':>7}"]
+    gib = 2**30
+    for world in (1, 2, 4, 8):
+        m = ngram_memory_of(args, world)
+        lines.append(f"{world:>5}  {m['weights'] / gib:>8.2f}  {m['Adam state'] / gib:>10.2f}  "
+                     f"{m['gradients'] / gib:>9.2f}  {m['row cache'] / gib:>9.2f}  {sum(m.values()) / gib:>7.2f}")
+    return lines
+
+
+def check_memory_fits(args: Hyperparameters, world_size: int, gpu_bytes: int, kernels: ModelKernels):
+    """Start-up: refuse, in one line, a run whose estimated memory per GPU (memory_estimate, the n-gram table's
+    part by ngram_memory) exceeds the GPU's, naming the table's share and the fixes, before anything is allocated."""
+    with torch.device("meta"):  # PyTorch's paths (nothing allocated, no kernel asked); the logits' size as chosen
+        model = GPT(ModelConfig.from_args(args), ModelKernels(fused_ce=kernels.fused_ce), ngram_shard(args, 0, world_size))
+        model.keep_table_grads(ngram_positions(Schedule(args), world_size) if args.ngram_sparse_adam else 0)
+    need = sum(memory_estimate(model, args, world_size).values())
+    if need > gpu_bytes:
+        rows, gib = args.bigram_rows + args.trigram_rows, 2**30
+        table = sum(ngram_memory_of(args, world_size).values())
+        fixes = ["fewer rows (--bigram_rows, --trigram_rows)",  # and those of the others not already taken
+                 *([] if args.ngram_sparse_adam else ["--ngram_sparse_adam"]), "more GPUs",
+                 *([] if args.preset == "single" else ["--preset single"])]
+        raise ValueError(f"this run needs ~{need / gib:.1f} GiB per GPU (the n-gram table of {rows:,} rows "
+                         f"{table / gib:.1f} of it), the GPU has {gpu_bytes / gib:.1f} GiB: use "
+                         f"{', '.join(fixes[:-1])} or {fixes[-1]}")
+
+
 def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[str, int]:
-    """Estimated bytes per GPU at the peak of a training step (the LM head's backward), by part."""
-    groups = param_groups_by_role(model)
+    """Estimated bytes per GPU at the peak of a training step (the LM head's backward), by part; with
+    ngram_sparse_adam the n-gram table is a part of its own (ngram_memory)."""
+    groups, sparse = param_groups_by_role(model), args.ngram_sparse_adam
+    table = groups.pop("bigram embedding") if sparse else []
     adam = sum(p.numel() for name, ps in groups.items() if name != "block matrices" for p in ps)
     muon = sum(p.numel() for p in groups["block matrices"])
     sums = {}
     if model.lm_head_grad_sum is not None:  # float32, the shapes of the LM head and the token tables (keep_table_grads)
-        sums["table gradient sums"] = 4 * (model.lm_head_w.numel() + sum(m.weight.numel() for m in model.tables()))
+        summed = [m.weight for m in model.tables() if not (sparse and m is model.bigram_embed)]
+        sums["table gradient sums"] = 4 * (model.lm_head_w.numel() + sum(w.numel() for w in summed))
+    if sparse:  # the sharded table: its part per GPU
+        sums["n-gram table"] = sum(ngram_memory_of(args, world_size).values())
     return sums | {
-        "weights + grads": 2 * sum(p.numel() * p.element_size() for p in model.parameters()),
+        "weights + grads": 2 * sum(p.numel() * p.element_size() for p in model.parameters()
+                                   if all(p is not q for q in table)),
         "optimizer shards": (8 * adam + 4 * muon) // world_size,  # fp32 Adam moments, fp32 Muon momentum
         # bf16 logits, then a fp32 soft-capped copy and a bf16 gradient, or (fused) two FP8 gradients
         "logits": (4 if model.kernels.fused_ce else 8) * args.seq_len * args.vocab_size,
@@ -2607,7 +3156,20 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
             f"MLP: {'fused' if k.fused_mlp else 'unfused'}{' fp8' if k.fp8_mlp else ''}, "
             f"cross-entropy: {'fused' if k.fused_ce else 'unfused'}, "
             f"compile: {args.compile}, "
-            f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device)]
+            f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device),
+            *sampled_softmax_report(Schedule(args))]
+
+
+def sampled_softmax_report(schedule: Schedule) -> list[str]:
+    """A start-of-run line where training samples the softmax (Stage.candidates): where, and that the training
+    losses logged there are over the candidates only, lower than the full softmax's (validation's are full)."""
+    sampled = [st for st in schedule.stages if st.candidates and st.start < schedule.full_softmax]
+    if not sampled:
+        return []
+    return ["sampled softmax in training: " + ", ".join(f"{st.candidates:,} rows from step {st.start}"
+                                                        for st in sampled)
+            + f", the full softmax from step {schedule.full_softmax}; training losses logged before it are over the "
+              "candidates (lower than the full softmax's), validation's over the full vocabulary"]
 
 
 # -----------------------------------------------------------------------------------------------
@@ -2649,8 +3211,9 @@ def copy_state_dict(state):
 def save_checkpoint(step: int, model: GPT, optimizers, loader_state: dict, training_time_ms: float,
                     args: Hyperparameters, rank: int, world_size: int) -> Path:
     """checkpoint_dir/<run_id>/step_NNNNNN/: model.pt (weights, step, hyperparameters, code hash) and
-    rank<r>.pt per rank (its optimizer shards, data position, RNG states). Written into a .tmp folder
-    renamed when every rank is done, so a checkpoint either exists whole or not at all."""
+    rank<r>.pt per rank (its optimizer shards, data position, RNG states, and its shard of a sharded n-gram table,
+    which model.pt then leaves out: ngram_shards). Written into a .tmp folder renamed when every rank is done, so a
+    checkpoint either exists whole or not at all."""
     final = Path(args.checkpoint_dir) / args.run_id / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
@@ -2658,12 +3221,15 @@ def save_checkpoint(step: int, model: GPT, optimizers, loader_state: dict, train
         tmp.mkdir(parents=True)
     barrier(world_size)
     rng = dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
+    sharded = model.ngram_world > 1
+    table = dict(ngram_table=model.bigram_embed.weight.detach()) if sharded else {}
     torch.save(dict(optimizers=[o.state_dict() for o in optimizers], loader=loader_state, rng=rng, run_id=args.run_id,
-                    step=step), tmp / f"rank{rank}.pt")  # run and step: the files of one checkpoint are a set
+                    step=step, **table), tmp / f"rank{rank}.pt")  # run and step: the files of one checkpoint are a set
     if rank == 0:
-        torch.save(dict(model=model.state_dict(), step=step, args=dataclasses.asdict(args), world_size=world_size,
-                        code_hash=code_hash(), training_time_ms=training_time_ms, format=CHECKPOINT_FORMAT),
-                   tmp / "model.pt")
+        weights = {k: v for k, v in model.state_dict().items() if not (sharded and k == "bigram_embed.weight")}
+        torch.save(dict(model=weights, step=step, args=dataclasses.asdict(args), world_size=world_size,
+                        ngram_shards=model.ngram_world, code_hash=code_hash(), training_time_ms=training_time_ms,
+                        format=CHECKPOINT_FORMAT), tmp / "model.pt")
     barrier(world_size)
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -2720,8 +3286,12 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
         log(f"note: {path} was written by another version of train_gpt.py ({meta['code_hash']} vs {code_hash()})")
     saved_world = meta["world_size"]
 
+    read = {}  # each rank file read once (the n-gram table's shards come from them too: ngram_table_rows)
+
     def shard_of(r: int) -> dict:
-        shard = read_checkpoint_file(path / f"rank{r}.pt")
+        if r in read:
+            return read[r]
+        shard = read[r] = read_checkpoint_file(path / f"rank{r}.pt")
         made = (shard.get("run_id", meta["args"]["run_id"]), shard.get("step", meta["step"]))  # older: unmarked
         if made != (meta["args"]["run_id"], meta["step"]):
             raise ValueError(f"{path}: rank{r}.pt was written by run {made[0]} at step {made[1]}, model.pt by run "
@@ -2736,7 +3306,10 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
         states = [opt.reshard([s["optimizers"][i] for s in shards]) for i, opt in enumerate(optimizers)]
         shard = shards[rank % saved_world]  # its RNG states; the data position is every rank's
         log(f"note: {path} was written by {saved_world} process(es); optimizer states re-sharded over {world_size}")
-    model.load_state_dict(meta["model"])
+    weights = dict(meta["model"])
+    if meta.get("ngram_shards", 1) > 1 or model.ngram_world > 1:  # the n-gram table: this model's shard of it
+        weights["bigram_embed.weight"] = ngram_table_rows(path, meta, model.ngram_rank, model.ngram_world, shard_of)
+    model.load_state_dict(weights)
     for opt, state in zip(optimizers, states):
         settings = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
         opt.load_state_dict(state)
@@ -2746,6 +3319,20 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
     if shard["rng"]["cuda"] and torch.cuda.is_available() and len(shard["rng"]["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(shard["rng"]["cuda"])
     return meta["step"], shard["loader"], meta["training_time_ms"]
+
+
+def ngram_table_rows(path: Path, meta: dict, rank: int, world_size: int, shard_of=None) -> Tensor:
+    """Block `rank` of world_size of a checkpoint's n-gram table (world_size 1: the whole table): from model.pt, or
+    from the rank files' shards where the writing run sharded it (ngram_shards ranks; the same count: only this
+    rank's file is read, else every one, the table joined whole in memory first)."""
+    saved = meta.get("ngram_shards", 1)
+    shard_of = shard_of or (lambda r: read_checkpoint_file(path / f"rank{r}.pt"))
+    if saved == world_size > 1:
+        return shard_of(rank)["ngram_table"]
+    table = meta["model"]["bigram_embed.weight"] if saved == 1 else \
+        torch.cat([shard_of(r)["ngram_table"] for r in range(saved)])
+    rows = table.size(0) // world_size
+    return table[rank * rows: (rank + 1) * rows]
 
 
 def resume_command(checkpoint: Path, world_size: int) -> str:
@@ -2813,13 +3400,16 @@ def to_device(model: GPT, device: torch.device) -> GPT:
     return model.float() if device.type == "cpu" else model
 
 
-def check_fp8_head_shapes(vocab_size: int, model_dim: int):
+def check_fp8_head_shapes(vocab_size: int, model_dim: int, candidates: tuple[int, ...] = ()):
     """cuBLAS' FP8 matmuls (torch._scaled_mm) take only dimensions divisible by 16: refused here, before any compile,
-    with the fix, rather than as a cuBLAS error in the first step."""
+    with the fix, rather than as a cuBLAS error in the first step. The sampled softmax's head has `candidates` rows."""
     if vocab_size % 16 or model_dim % 16:
         raise ValueError(f"--fp8_head: the FP8 LM head's matmuls need vocab_size and model_dim divisible by 16, not "
                          f"{vocab_size} and {model_dim}; pad the vocabulary (the record's 50304 is GPT-2's 50257 "
                          "rounded up to 128) or pass --fp8_head false")
+    if any(n % 16 for n in candidates):
+        raise ValueError(f"--fp8_head: the sampled softmax's head rows (the stages' candidates {list(candidates)}) "
+                         "must be multiples of 16 for the FP8 matmuls, or pass --fp8_head false")
 
 
 def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int, log=print,
@@ -2830,14 +3420,15 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     chosen = choose_kernels(device, args.attention, args.compile, args.fp8_head, args.fused_ce, args.fused_mlp,
                             args.fp8_mlp, log)
     if chosen.fp8_head:
-        check_fp8_head_shapes(args.vocab_size, args.model_dim)
+        check_fp8_head_shapes(args.vocab_size, args.model_dim, tuple(row.candidates for row in args.stages))
     # TF32 tensor cores for the float32 matmuls: DC attention's and CPLM's scores (their bf16 inputs are exact in
     # TF32's 10-bit mantissa; the pointer's query and the DC mix round at 2^-11), no longer on CUDA cores
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # as Inductor advises
+    if device.type == "cuda":  # a table (or a model) too large for the GPU: one line, before any allocation
+        check_memory_fits(args, world_size, torch.cuda.get_device_properties(device).total_memory, chosen)
     torch.manual_seed(args.seed)
-    model = to_device(GPT(ModelConfig.from_args(args), chosen), device)
-    model.keep_table_grads()  # the token tables' gradients summed sparsely (TableLookup), flushed on Adam's steps
+    model = to_device(GPT(ModelConfig.from_args(args), chosen, ngram_shard(args, rank, world_size)), device)
     if any(any(st.prefix_ramp) for st in schedule.stages):  # the prefix-token loss' table (untimed; the record
         vocab = gpt2_token_bytes()                            # builds it in its timed region, ~0.1 s)
         if args.vocab_size < len(vocab):
@@ -2845,10 +3436,11 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
                              f"{args.vocab_size} is below GPT-2's {len(vocab)}; set the stages' prefix to 0")
         model.prefix_ids = prefix_table(vocab, args.vocab_size).to(device)
     orthogonalize, update, compiled = polar_express, adam_update, model
+    row_update, segment = row_adam_update, segment_sum
     if args.compile:
         # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final
         # validation, on purpose: dynamo's default limit of 8 per function must not fail a longer schedule.
-        graphs = 2 * len(schedule.stages) + 1
+        graphs = 2 * len(schedule.stages) + 1 + sum(1 for st in schedule.stages if st.candidates)  # sampled: one more
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
         # Inductor's fusions capped at 32 input/output buffers: uncapped, the backward fuses every block's
         # scalar-gradient reductions with the bigram and embedding backward into one kernel of 80+ buffers,
@@ -2861,7 +3453,14 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         # dynamic=True: shapes, step sizes, decay rates and betas are arguments of one graph per dtype and
         # rank of parameter, not constants that recompile it for every tensor and every step
         update = torch.compile(adam_update, dynamic=True, fullgraph=True)
-    return model, compiled, build_optimizers(model, args, rank, world_size, orthogonalize, update), chosen
+        # the n-gram table's row-sparse Adam and per-row gradient sums: one graph each for any number of rows
+        row_update = torch.compile(row_adam_update, dynamic=True, fullgraph=True)
+        segment = torch.compile(segment_sum, dynamic=True, fullgraph=True)
+    # the token tables' gradients summed sparsely (TableLookup), flushed on Adam's steps; with ngram_sparse_adam the
+    # n-gram table's logged, room for an Adam step's lookups on this rank at the largest batch
+    model.keep_table_grads(ngram_positions(schedule, world_size) if args.ngram_sparse_adam else 0, segment)
+    return model, compiled, build_optimizers(model, args, rank, world_size, orthogonalize, update, row_update,
+                                             segment), chosen
 
 
 def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage, schedule: Schedule) -> Tensor:
@@ -2876,10 +3475,15 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
     w, n = stage.loss_weights(step), len(stage.mtp_ramp)
     weights = torch.tensor(w, pin_memory=device.type == "cuda").to(device, non_blocking=True) if w else None
     mtp, prefix = (weights[:n] if n else None), (weights[n:] if len(w) > n else None)
+    count = schedule.candidates_at(step, stage)  # the sampled softmax's rows, its sweep's offsets as a tensor: no sync
+    offsets = torch.tensor(sweep_offsets(step, len(micro), count, model.cfg.vocab_size), pin_memory=device.type ==
+                           "cuda").to(device, non_blocking=True) if count else None
     model.note_token_lookups()
-    for inputs, targets, cu_seqlens in micro:
+    for m, (inputs, targets, cu_seqlens) in enumerate(micro):
+        model.reserve_ngram_log(inputs.numel())
+        model.pull_ngram_rows(inputs, cu_seqlens)  # a sharded n-gram table: this micro-batch's rows, as last updated
         micro_loss = compiled(inputs, targets, cu_seqlens, stage.spec.max_doc_len, stage.windows, mtp_weights=mtp,
-                              prefix_weight=prefix)
+                              prefix_weight=prefix, sampled=(count, offsets[m]) if count else None)
         micro_loss.backward()
         loss += micro_loss.detach()
     adam, muon = optimizers
@@ -2910,9 +3514,17 @@ def evaluate(model: GPT, compiled, val, windows: tuple[int, int], args: Hyperpar
     # validation is untimed: its graphs keep the Python wrapper, quicker to compile than the C++ one (--cpp_wrapper)
     with torch.no_grad(), torch._inductor.config.patch(cpp_wrapper=False):
         total = torch.zeros((), device=model.lm_head_w.device)
+        pulls = 0
         for inputs, targets, cu_seqlens in val:
+            model.pull_ngram_rows(inputs, cu_seqlens)  # a sharded n-gram table: the buffer's rows from their owners
+            pulls += 1
             # a document may run the whole buffer: max_seqlen is the buffer length
             total += compiled(inputs, targets, cu_seqlens, args.val_seq_len, windows, reduction="sum")
+        if model.ngram_world > 1:  # ranks with fewer buffers than another serve its last pulls
+            most = torch.tensor(pulls, device=total.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            model.serve_ngram_pulls(int(most) - pulls)
+            model.ngram_cache = None
     if world_size > 1:
         dist.all_reduce(total)
     model.train()
@@ -2926,7 +3538,9 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, sched
     any, then restore the initial weights and optimizer state exactly. The producer is a fresh one:
     the timed run starts from the same data. Logs each shape as it is done (a cold compile takes minutes)."""
     args, untie, shapes = schedule.args, schedule.untie, schedule.warmup_shapes()
-    initial_model = {name: v.detach().clone() for name, v in model.state_dict().items()}
+    # the initial weights, kept to restore; one that is all zeros is zeroed again rather than copied (the n-gram
+    # table starts at zero: a copy of 21M rows would take another 30 GiB of the GPU)
+    initial_model = {name: v.detach().clone() if v.any() else None for name, v in model.state_dict().items()}
     initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]
     loader = BatchLoader(producer, schedule.warmup_spec_at, model.lm_head_w.device)
     t0 = time.perf_counter()
@@ -2937,6 +3551,7 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, sched
             tie_embedding_at(model, stage.start, untie)  # its graphs are compiled with the embedding it trains with
             for i in range(args.warmup_steps):
                 train_step(model, compiled, optimizers, loader.next()[1], i, stage, schedule)
+            model.zero_table_grads()  # gradients of steps after the shape's last Adam step: the n-gram log would grow
             evaluate(model, compiled, val, stage.windows, args, world_size)
             log(f"warm-up: shape {n}/{len(shapes)} (stage from step {stage.start}: {stage.spec.batch_size:,} tokens, "
                 f"windows {stage.windows[0]}/{stage.windows[1]} tokens) done at {time.perf_counter() - t0:.0f}s")
@@ -2948,7 +3563,9 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, sched
         tie_embedding_at(model, 0, untie)
     model.zero_grad(set_to_none=True)  # Adam's gradients summed for a step that never came
     model.zero_table_grads()  # (and the tables' sums)
-    model.load_state_dict(initial_model)
+    with torch.no_grad():
+        for name, v in model.state_dict().items():
+            v.copy_(initial_model[name]) if initial_model[name] is not None else v.zero_()
     for opt, state in zip(optimizers, initial_opts):
         opt.load_state_dict(state)
 
@@ -3572,7 +4189,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         if args.plan:
-            print("\n".join(schedule_plan(Schedule(args))))
+            print("\n".join(schedule_plan(Schedule(args)) + ngram_memory_lines(args)))
             return 0
         result = train(args)
     except USER_ERRORS as e:

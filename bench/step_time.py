@@ -3,6 +3,7 @@ optionally show where the time goes (torch.profiler, top kernels by GPU time).
 
     python bench/step_time.py --ws 3 7 11 --steps 20 [--profile] [any train_gpt.py --field value ...]
     python bench/step_time.py --stages --steps 20 [--preset record ...]   # each stage of the schedule
+    python bench/step_time.py --stages "window=3,share=1;window=11,share=1" ... # each stage of that stage table
     python bench/step_time.py --ws 3 --profile --trace ws3.json.gz ...        # + the GPU's idle gaps
 
 A step is the whole optimizer step of the configured global batch (8 micro-batches of 49,152
@@ -11,7 +12,8 @@ medians (and means: with --adam_every > 1 the steps alternate) after compile and
 times the first stage's targets at each window; --stages times every stage of the resolved schedule at
 its own batch, windows, extra targets and tied or untied embedding, then sums the schedule's training time at
 those mean step times (`--num_iterations 776`: that schedule's one-GPU time, beside bench/side_by_side.py's
-public schedule time measured in the same session) and prints them as train_gpt.py's STEP_US_PER_TOKEN entries."""
+public schedule time measured in the same session) and prints them as train_gpt.py's STEP_US_PER_TOKEN entries
+(SAMPLED_US_PER_TOKEN's for a stage whose timed steps sample the softmax)."""
 import argparse
 import dataclasses
 import gzip
@@ -46,19 +48,33 @@ def idle_report(trace: dict, steps: int, top: int = 12) -> str:
     return "\n".join(lines)
 
 
-def plan_entries(device_name: str, preset: str, rows: list[tuple[int, int, int, int, float]]) -> list[str]:
-    """--stages' measured stages as train_gpt.py's STEP_US_PER_TOKEN entries (what --plan projects from): key (GPU
-    kind, preset, micro-batch tokens, document cut, long window in blocks), value mean us per token. rows: (seq_len,
-    max_doc_len, long window in blocks, tokens per step, mean ms per step), one per stage; a shape measured twice
-    (the extension's window, say, in two stages) keeps its first."""
+def plan_entries(device_name: str, preset: str, rows: list[tuple[int, int, int, int | None, int, float]]
+                 ) -> list[str]:
+    """--stages' measured stages as train_gpt.py's entries (what --plan projects from): key (GPU kind, preset,
+    micro-batch tokens, document cut, long window in blocks), STEP_US_PER_TOKEN's for the full softmax, plus the
+    candidates for SAMPLED_US_PER_TOKEN's; value mean us per token. rows: (seq_len, max_doc_len, long window in
+    blocks, the sampled softmax's rows at the timed steps (0: full; None: they mixed both, no entry), tokens per
+    step, mean ms per step), one per stage; a key measured twice (the extension's window, say) keeps its first."""
     kind = next((k for k in ("H100", "H200", "B200", "A100") if k in device_name), device_name)
     seen = {}
-    for seq_len, doc_len, window, batch, ms in rows:
-        seen.setdefault((kind, preset, seq_len, doc_len, window), ms * 1000 / batch)
+    for seq_len, doc_len, window, candidates, batch, ms in rows:
+        if candidates is not None:
+            key = (kind, preset, seq_len, doc_len, window) + ((candidates,) if candidates else ())
+            seen.setdefault(key, ms * 1000 / batch)
     return [f"    {key!r}: {us:.3f}," for key, us in seen.items()]
 
 
-def main():
+def timed_candidates(schedule: tg.Schedule, stage: tg.Stage, first: int, steps: int) -> int | None:
+    """The sampled softmax's rows at the timed steps first .. first + steps - 1 of a stage (Schedule.candidates_at:
+    0 for the full softmax, as in the extension after the switch), None where they cross the switch (both)."""
+    rows = {schedule.candidates_at(s, stage) for s in range(first, first + steps)}
+    return rows.pop() if len(rows) == 1 else None
+
+
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tg.Hyperparameters]:
+    """This script's own flags and train_gpt.py's (every other flag). `--stages TABLE` is both: per-stage timing of
+    that stage table (train_gpt.py's --stages, which the flag would otherwise shadow); own.stages is None without
+    --stages, "" for the preset's table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ws", type=int, nargs="+", default=[3], help="long windows in blocks of 128 tokens, "
                         "each timed in turn")
@@ -68,10 +84,16 @@ def main():
                         "the top kernels")
     parser.add_argument("--trace", default="", help="with --profile: also write the profile's Chrome trace here "
                         "(.json.gz) and print where the GPU sat idle between kernels and its kernel time by kind of work")
-    parser.add_argument("--stages", action="store_true", help="time each stage of the resolved schedule (its batch, "
-                        "windows, extra targets, embedding tied or not) instead of --ws")
-    own, rest = parser.parse_known_args()
-    args = tg.parse_args(rest)
+    parser.add_argument("--stages", nargs="?", const="", default=None, metavar="TABLE",
+                        help="time each stage of the resolved schedule (its batch, windows, extra targets, embedding "
+                        "tied or not) instead of --ws; with TABLE, of that stage table (train_gpt.py's --stages)")
+    own, rest = parser.parse_known_args(argv)
+    return own, tg.parse_args(rest + (["--stages", own.stages] if own.stages else []))
+
+
+def main():
+    own, args = parse()
+    per_stage = own.stages is not None  # --stages, with or without a table
     device = torch.device("cuda")
     schedule = tg.Schedule(args)
     model, compiled, optimizers, chosen = tg.build(args, device, 0, 1, schedule=schedule)
@@ -91,7 +113,7 @@ def main():
 
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, attention: {attention}, "
           f"LM head: {'fp8' if fp8 else 'bf16'}")
-    if own.stages:
+    if per_stage:
         runs = [(f"stage {i + 1} (steps {st.start}-{st.end - 1})", st) for i, st in enumerate(schedule.stages)]
     else:  # --ws: the first stage's extra targets at each long window
         runs = [(f"ws={ws}", dataclasses.replace(schedule.stages[0], spec=spec,
@@ -104,29 +126,33 @@ def main():
     runs = [(name, stage.with_slots(slots)) for name, stage in runs]
     loader = tg.BatchLoader(producer, lambda i: runs[min(i // per_run, len(runs) - 1)][1].spec, device)
     whole_ms, tokens = 0.0, 0  # --stages: the schedule's training time at the measured mean step times
-    plan_rows = []  # --stages: (seq_len, doc cut, long window in blocks, tokens per step, mean ms) per stage
+    plan_rows = []  # --stages: (seq_len, doc cut, long window in blocks, candidates, tokens per step, mean ms)
     for name, stage in runs:
-        if own.stages:
+        if per_stage:
             step = stage.start  # the stage's own weights of its extra targets (and learning rate)
             if model.tied_embed and stage.start >= schedule.untie:
                 tg.untie_embedding(model, optimizers[0])
             tg.tie_embedding_at(model, stage.start, schedule.untie)
         spec = stage.spec
+        candidates = timed_candidates(schedule, stage, step + own.warmup, own.steps)
         # cuda_times collects the compile's garbage after the warm-up: not in a timed step (as train_gpt.py does)
         times = timing.cuda_times(run_step, own.steps, own.warmup)
         med, mean = statistics.median(times), statistics.fmean(times)
         whole_ms += (stage.end - stage.start) * mean
         tokens += (stage.end - stage.start) * spec.batch_size
-        plan_rows.append((spec.seq_len, spec.max_doc_len, stage.windows[0] // args.window_block, spec.batch_size, mean))
-        print(f"{name}: step of {spec.batch_size:,} tokens, windows {stage.windows}: median {med:.1f} ms, "
-              f"mean {mean:.1f} (min {min(times):.1f}, max {max(times):.1f}) over {own.steps} steps; "
-              f"{spec.batch_size / mean * 1e3:,.0f} tokens/s; "
+        plan_rows.append((spec.seq_len, spec.max_doc_len, stage.windows[0] // args.window_block, candidates,
+                          spec.batch_size, mean))
+        rows = "sampled and full" if candidates is None else f"{candidates:,} rows" if candidates else "full"
+        print(f"{name}: step of {spec.batch_size:,} tokens, windows {stage.windows}, softmax {rows}: "
+              f"median {med:.1f} ms, mean {mean:.1f} (min {min(times):.1f}, max {max(times):.1f}) over {own.steps} "
+              f"steps; {spec.batch_size / mean * 1e3:,.0f} tokens/s; "
               f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; loss per micro-batch over them "
               f"{torch.stack(losses[-own.steps:]).mean().item() / (spec.batch_size // spec.seq_len):.4f}", flush=True)
-    if own.stages:
+    if per_stage:
         print(f"schedule: {schedule.stages[-1].end} steps, {tokens:,} tokens: {whole_ms / 1000:.1f} s of training "
               f"steps on this GPU at these mean step times", flush=True)
-        print("as train_gpt.py's STEP_US_PER_TOKEN entries (--plan's projection):", *plan_entries(
+        print("as train_gpt.py's STEP_US_PER_TOKEN / SAMPLED_US_PER_TOKEN (key's last: candidates) entries (--plan's "
+              "projection; a stage mixing both softmaxes has none):", *plan_entries(
             torch.cuda.get_device_name(), args.preset, plan_rows), sep="\n", flush=True)
     if own.profile:
         from torch.profiler import ProfilerActivity, profile

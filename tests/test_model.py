@@ -118,12 +118,14 @@ def test_value_embeddings_and_window_pattern_follow_the_record_layout():
     assert model.block_windows((384, 128)) == [128, 128, 128, 384, 128, 128, 128, 128, 128, 128, 384]
     assert model.blocks[6].attn is None and all(b.attn is not None for i, b in enumerate(model.blocks) if i != 6)
     assert model.embed.weight.dtype == torch.bfloat16 and model.lm_head_w.dtype == torch.float32
-    assert model.bigram_embed.weight.shape == (377_280, 768) and model.bigram_signs.shape == (8192, 768)
+    # the n-gram table: 377,280 bigram rows, then the trigram channel's 20,773,440 (whole here: one GPU)
+    assert model.bigram_embed.weight.shape == (377_280 + 20_773_440, 768) and model.bigram_signs.shape == (8192, 768)
     n_params = sum(p.numel() for p in model.parameters())
     blocks = sum(p.numel() for p in model.blocks.parameters())
     assert 75e6 < blocks < 76e6  # 11 blocks of 768 (one without attention)
-    # ~76M in blocks, 7 tables of 38.6M (token embedding, LM head, 5 value tables), the bigram table's 290M
-    assert 630e6 < n_params < 640e6
+    # ~76M in blocks, 7 tables of 38.6M (token embedding, LM head, 5 value tables), the bigram rows' 290M; and the
+    # trigram rows' 16.0G
+    assert 630e6 < n_params - 20_773_440 * 768 < 640e6
 
 
 @pytest.mark.parametrize("field,value,needle", [

@@ -309,8 +309,9 @@ def test_the_tables_own_group_changes_nothing_at_the_defaults_and_decay_changes_
     split = tg.train(args)
     build = tg.build_optimizers
 
-    def one_embedding_group(model, args, rank, world_size, orthogonalize=tg.polar_express, update=tg.adam_update):
-        adam, muon = build(model, args, rank, world_size, orthogonalize, update)
+    def one_embedding_group(model, args, rank, world_size, orthogonalize=tg.polar_express, update=tg.adam_update,
+                            *row_ops):
+        adam, muon = build(model, args, rank, world_size, orthogonalize, update, *row_ops)
         token, tables, *rest = adam.param_groups
         merged = {**token, "params": token["params"] + tables["params"]}
         return tg.DistAdam([merged, *rest], lr=args.adam_lr, betas=token["betas"], eps=args.adam_eps,

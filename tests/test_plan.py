@@ -8,6 +8,8 @@ import torch
 import train_gpt as tg
 
 RECORD_SHAPES = [(49152, 896, 3), (49152, 2048, 7), (49152, 2048, 11), (49152, 2048, 13)]  # record's stages, extension
+RECORD_CANDIDATES = (16384, 14336, 12288)  # the sampled softmax's rows in stages 1-3 (full from step 715)
+FULL = ["--full_softmax_from", "0"]  # the record preset with the full softmax throughout
 
 
 def stage_rows(out: str) -> dict[str, list[str]]:
@@ -49,7 +51,7 @@ def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, 
     table = {("H100", "record", *shape): us for shape, us in zip(RECORD_SHAPES, (2.0, 2.5, 3.0, 3.5))}
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", table)
     monkeypatch.setattr(tg, "EIGHT_GPU_RATIO", {"H100": {49152: 0.125}})
-    lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H100", *FULL])))
     steps = [253, 252, 251, 20]
     one = [n * 393216 * us * 1e-6 for n, us in zip(steps, (2.0, 2.5, 3.0, 3.5))]
     rows = stage_rows("\n".join(lines))
@@ -64,19 +66,20 @@ def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, 
 
 def test_plan_says_which_stages_are_unmeasured_rather_than_guessing(no_gpu, monkeypatch):
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H100", "record", 49152, 2048, 11): 1.8})
-    lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H100", *FULL])))
     rows = stage_rows("\n".join(lines))
     assert rows["1"][-2:] == ["-", "-"] and rows["3"][-2] != "-"
     assert line_of(lines, "projected time:").startswith("projected time: incomplete, stage(s) 1, 2, ext not in")
     assert line_of(lines, "vs public master").startswith(
-        "vs public master (H100): not computed, ours: stage(s) 1, 2, ext not in STEP_US_PER_TOKEN for H100")
+        "vs public master (H100): not computed, ours: stage(s) 1, 2, ext not in STEP_US_PER_TOKEN (full softmax) / "
+        "SAMPLED_US_PER_TOKEN (sampled) for H100")
     # another preset's model at the same shapes has no measured time
     medium = tg.Schedule(tg.parse_args(["--preset", "medium", "--seq_len", "49152"]))
     other = stage_rows("\n".join(tg.schedule_plan(medium)))
     assert all(row[-2:] == ["-", "-"] for row in other.values())
     # 24 micro-batches a step (the single preset) is not the measured one-micro-batch-per-GPU case on 8 GPUs
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H100", "single", 16384, *shape[1:]): 2.0 for shape in RECORD_SHAPES})
-    single = tg.schedule_plan(tg.Schedule(tg.parse_args(["--preset", "single"])))
+    single = tg.schedule_plan(tg.Schedule(tg.parse_args(["--preset", "single", "--plan_gpu", "H100", *FULL])))
     assert all(row[-2] != "-" and row[-1] == "-" for row in stage_rows("\n".join(single)).values())
     assert line_of(single, "projected time:").endswith(
         "8 GPUs not projected: record #89's 8/1-GPU ratio is measured at one micro-batch per GPU, not 3")
@@ -96,14 +99,30 @@ def test_plan_follows_the_schedule_flags_with_staged_batches_and_an_extension(no
     assert f"trained tokens: {total:,}" in lines
 
 
-# The figures issue 63 gives for both codes on H200s, 2026-11-28, PyTorch varlen attention: ms per step at each stage
-OURS_H200_MS = (569.5, 606.1, 626.4, 631.3)  # the record preset, 393,216-token steps
-MASTER_H200_MS = (254, 439, 658.5, 661)  # the public master, at its own stages' batches
+# Ours alone on one H200 of a one-GPU machine, 2026-11-29, PyTorch varlen attention, 80 steps of the record preset
+# (bench/results/timing_h200_20261129.md): ms per 393,216-token step at each stage
+OURS_H200_MS = (565.0, 603.6, 622.0, 630.2)  # the full softmax (main 8a31d12, two runs' mean), stages 1-3, extension
+OURS_H200_SAMPLED_MS = (499.4, 528.7, 541.3)  # the sampled softmax at 16,384 / 14,336 / 12,288 rows, stages 1-3
+# The public master on one H200 of a one-GPU machine, 2026-11-28 (issue 63's figures), at its own stages' batches
+MASTER_H200_MS = (254, 439, 658.5, 661)
 
 
-def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_582_s_and_ours_089(no_gpu):
+def test_the_record_presets_stages_split_at_the_switch_to_the_full_softmax():
+    """776 steps, the full softmax from round(0.922 x 776) = 715: stage 3 (steps 505-755) samples 210 steps and
+    trains 41 with the full softmax; the extension (756-775) is full although its row carries stage 3's candidates."""
+    schedule = tg.Schedule(tg.parse_args([]))
+    assert schedule.full_softmax == 715 and schedule.stages[2].start == 505 and schedule.stages[3].start == 756
+    assert [tg.softmax_steps(schedule, st) for st in schedule.stages] == [(253, 0), (252, 0), (210, 41), (0, 20)]
+    assert [st.candidates for st in schedule.stages] == [*RECORD_CANDIDATES, 12288]
+    assert [tg.softmax_steps(tg.Schedule(tg.parse_args(FULL)), st)[0] for st in schedule.stages] == [0, 0, 0, 0]
+
+
+def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_582_s_and_ours_0785(no_gpu):
     ours = [tg.STEP_US_PER_TOKEN[("H200", "record", *shape)] for shape in RECORD_SHAPES]
     assert ours == pytest.approx([ms * 1000 / 393216 for ms in OURS_H200_MS], abs=5e-4)  # rounded to 3 decimals
+    sampled = [tg.SAMPLED_US_PER_TOKEN[("H200", "record", *shape, c)]
+               for shape, c in zip(RECORD_SHAPES, RECORD_CANDIDATES)]
+    assert sampled == pytest.approx([ms * 1000 / 393216 for ms in OURS_H200_SAMPLED_MS], abs=5e-4)
     assert tg.PUBLIC_MASTER_STEP_MS["H200"]["ms"] == MASTER_H200_MS
     # the public master's schedule: 1270 steps in thirds, then a 15-step extension, 338.8M tokens
     master_steps, master_batches = [423, 424, 423, 15], [131072, 262144, 393216, 393216]
@@ -112,32 +131,70 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_582_s
     master_tokens = sum(n * b for n, b in zip(master_steps, master_batches))
     assert master_tokens == 338_821_120 and master_s == pytest.approx(582.0, abs=0.05)
     assert tg.public_master_time("H200") == (pytest.approx(master_s), master_tokens)
-    # ours: 253 / 252 / 251 / 20 steps of 393,216 tokens (the record preset's 776)
-    ours_steps = [253, 252, 251, 20]
-    ours_s = sum(n * ms for n, ms in zip(ours_steps, OURS_H200_MS)) / 1000
-    ours_tokens = sum(ours_steps) * 393216
+    # ours: 253 / 252 / 210 sampled steps in stages 1-3, then 41 full ones in stage 3 and the 20 of the extension
+    ours_s = (253 * 499.4 + 252 * 528.7 + 210 * 541.3 + 41 * 622.0 + 20 * 630.2) / 1000
+    ours_tokens = 776 * 393216
     r, t = (ours_s / ours_tokens) / (master_s / master_tokens), ours_s / master_s * 73.8
-    assert r == pytest.approx(0.89, abs=0.005)
-    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200"])))
+    assert ours_tokens == 305_135_616 and ours_s == pytest.approx(411.4, abs=0.05)
+    assert r == pytest.approx(0.785, abs=1e-3) and t == pytest.approx(52.2, abs=0.05)
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))  # H200: --plan_gpu's default
     m = re.match(r"vs public master \(H200, .*\): per-token (\d\.\d\d)x, projected 8xH100 (\d+\.\d) s \(ours "
                  r"(\d+\.\d) s / its (\d+\.\d) s", line_of(lines, "vs public master"))
     assert m, line_of(lines, "vs public master")
     assert float(m[1]) == pytest.approx(r, abs=5e-3) and float(m[2]) == pytest.approx(t, abs=0.1)
     assert float(m[3]) == pytest.approx(ours_s, abs=0.2) and float(m[4]) == pytest.approx(582.0, abs=0.05)
-    # R itself, unrounded, against the raw ms figures (the table's 3 decimals move it by less than 1e-3)
-    table_s = sum(n * 393216 * us * 1e-6 for n, us in zip(ours_steps, ours))
+    # R itself, unrounded, against the raw ms figures (the tables' 3 decimals move it by less than 1e-3)
+    table_s = 393216e-6 * (253 * sampled[0] + 252 * sampled[1] + 210 * sampled[2] + 41 * ours[2] + 20 * ours[3])
     assert (table_s / ours_tokens) / (master_s / master_tokens) == pytest.approx(r, abs=1e-3)
+    # stage 3's us/token: the mean of its 210 sampled and 41 full steps
+    assert float(stage_rows("\n".join(lines))["3"][-3]) == pytest.approx((210 * sampled[2] + 41 * ours[2]) / 251,
+                                                                         abs=5e-4)
     # labelled: the kind, the attention kernel and the sources; no 8-GPU figure without a measured H200 ratio
     assert "projected seconds on H200 (PyTorch varlen attention)" in lines[0]
-    assert line_of(lines, "ours on H200 (PyTorch varlen attention): one H200 of a two-GPU host, 2026-11-28, PyTorch 2.11.0")
+    assert line_of(lines, "ours on H200 (PyTorch varlen attention): one H200 of a one-GPU machine, 2026-11-29, "
+                          "PyTorch 2.11.0+cu130 (bench/results/timing_h200_20261129.md)")
     assert "PyTorch varlen attention" in line_of(lines, "public master on H200")
+    assert "ours the next day on another one-GPU machine's H200" in line_of(lines, "vs public master")
     assert "8 GPUs not projected: no measured 8/1-GPU step-time ratio on H200" in line_of(lines, "projected time:")
     assert all(row[-1] == "-" for row in stage_rows("\n".join(lines)).values())
 
 
-@pytest.mark.parametrize("kind", ["H100", "H200"])
-def test_plan_prints_one_line_against_the_public_master_for_each_kind(no_gpu, capsys, kind):
-    assert tg.main(["--plan", "--plan_gpu", kind]) == 0
+def test_a_stage_split_by_the_switch_is_priced_as_the_weighted_sum_and_a_missing_row_leaves_it_out(no_gpu, monkeypatch):
+    """Each stage's sampled steps at its SAMPLED_US_PER_TOKEN row, its full ones at its STEP_US_PER_TOKEN row: stage 3
+    (210 sampled, 41 full) needs both, stages 1-2 (all sampled) only the sampled, the extension only the full."""
+    full = {("H100", "record", *shape): us for shape, us in zip(RECORD_SHAPES[2:], (3.0, 3.5))}  # stage 3, extension
+    sampled = {("H100", "record", *shape, c): us
+               for shape, c, us in zip(RECORD_SHAPES, RECORD_CANDIDATES, (1.0, 1.5, 2.0))}  # stages 1-3
+    monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", full)
+    monkeypatch.setattr(tg, "SAMPLED_US_PER_TOKEN", sampled)
+    args = tg.parse_args(["--plan_gpu", "H100"])
+    lines = tg.schedule_plan(tg.Schedule(args))
+    rows = stage_rows("\n".join(lines))
+    seconds = [253 * 1.0, 252 * 1.5, 210 * 2.0 + 41 * 3.0, 20 * 3.5]  # x 393,216 tokens x 1e-6
+    for name, s in zip(["1", "2", "3", "ext"], seconds):
+        assert float(rows[name][-2]) == pytest.approx(s * 0.393216, abs=0.05)
+    assert float(rows["3"][-3]) == pytest.approx((210 * 2.0 + 41 * 3.0) / 251, abs=5e-4)  # the stage's mean
+    assert line_of(lines, "projected time:").startswith(f"projected time: 1 x H100 {sum(seconds) * 0.393216:.1f} s")
+    # without stage 2's sampled row, or without stage 3's full one, that stage is '-' and the projection incomplete
+    for table, key, name in ((sampled, ("H100", "record", *RECORD_SHAPES[1], 14336), "2"),
+                             (full, ("H100", "record", *RECORD_SHAPES[2]), "3")):
+        monkeypatch.delitem(table, key)
+        lines = tg.schedule_plan(tg.Schedule(args))
+        assert stage_rows("\n".join(lines))[name][-3:-1] == ["-", "-"]
+        assert line_of(lines, "projected time:").startswith(f"projected time: incomplete, stage(s) {name} not in "
+                                                           "train_gpt.py's STEP_US_PER_TOKEN (full softmax) / "
+                                                           "SAMPLED_US_PER_TOKEN (sampled) for H100")
+        assert line_of(lines, "vs public master").startswith("vs public master (H100): not computed")
+        table[key] = 1.0  # back, for the next case
+    # the H100 tables hold the full softmax only: the record preset's sampled stages are unmeasured there
+    monkeypatch.undo()
+    h100 = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H100"])))
+    assert line_of(h100, "projected time:").startswith("projected time: incomplete, stage(s) 1, 2, 3 not in")
+
+
+@pytest.mark.parametrize("kind, flags", [("H100", FULL), ("H200", [])])  # H100: full-softmax rows only
+def test_plan_prints_one_line_against_the_public_master_for_each_kind(no_gpu, capsys, kind, flags):
+    assert tg.main(["--plan", "--plan_gpu", kind, *flags]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert re.fullmatch(rf"vs public master \({kind}, [^)]*\): per-token \d\.\d\dx, projected 8xH100 \d+\.\d s "
                         rf"\(ours \d+\.\d s / its \d+\.\d s over each schedule on one {kind}, x record #89's 73.8 s: "
@@ -154,12 +211,13 @@ def test_an_unknown_plan_gpu_is_refused_naming_the_kinds(no_gpu, capsys):
 
 def test_a_kind_without_the_masters_times_says_so_instead_of_a_ratio(no_gpu, monkeypatch):
     monkeypatch.setitem(tg.STEP_US_PER_TOKEN, ("A100", "record", *RECORD_SHAPES[0]), 2.0)
-    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "A100"])))
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "A100", *FULL])))
     assert line_of(lines, "vs public master") == (
-        "vs public master (A100): not computed, ours: stage(s) 2, 3, ext not in STEP_US_PER_TOKEN for A100 and "
-        "--preset record; the public master: no stage times on A100 (PUBLIC_MASTER_STEP_MS has H100, H200)")
+        "vs public master (A100): not computed, ours: stage(s) 2, 3, ext not in STEP_US_PER_TOKEN (full softmax) / "
+        "SAMPLED_US_PER_TOKEN (sampled) for A100 and --preset record; the public master: no stage times on A100 "
+        "(PUBLIC_MASTER_STEP_MS has H100, H200)")
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("A100", "record", *shape): 2.0 for shape in RECORD_SHAPES})
-    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "A100"])))
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "A100", *FULL])))
     assert line_of(lines, "vs public master") == (
         "vs public master (A100): not computed, the public master: no stage times on A100 (PUBLIC_MASTER_STEP_MS has "
         "H100, H200)")
@@ -170,14 +228,17 @@ FOUR_H200_MS = (147.0, 157.6, 162.4, 165.0)  # the record preset on four H200s o
 
 def test_plan_gives_the_schedules_time_from_the_steps_measured_on_four_h200s(no_gpu):
     """The line from MULTI_GPU_US_PER_TOKEN: the schedule's seconds from each stage's four-GPU step; only for the
-    kind and preset measured, and not for a schedule with a stage shape the four-GPU runs did not time."""
+    kind and preset measured, and not for a schedule with a stage shape the four-GPU runs did not time, nor with
+    sampled-softmax steps (the four-GPU rows are of the full softmax): here the record preset with the full one."""
     four = [tg.MULTI_GPU_US_PER_TOKEN[("H200", 4, "record", *shape)] for shape in RECORD_SHAPES]
     assert four == pytest.approx([ms * 1000 / 393216 for ms in FOUR_H200_MS], abs=5e-4)
     seconds = sum(n * ms for n, ms in zip([253, 252, 251, 20], FOUR_H200_MS)) / 1000
     one = sum(n * ms for n, ms in zip([253, 252, 251, 20], OURS_H200_MS)) / 1000
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *FULL])))
     m = re.fullmatch(r"measured on 4 x H200: (\d+\.\d) s \(each stage's 4-GPU step time, (0\.\d+) of one GPU's\); "
                      r"four H200s of one host, 2026-11-28 \(bench/results/x4_h200_20261128b\.md\)",
-                     line_of(tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200"]))), "measured on"))
+                     line_of(lines, "measured on"))
     assert m and float(m[1]) == pytest.approx(seconds, abs=0.1) and float(m[2]) == pytest.approx(seconds / one, abs=1e-3)
-    for flags in (["--plan_gpu", "H100"], ["--plan_gpu", "H200", "--doc_len_schedule", "896,2048,3072"]):
+    for flags in (["--plan_gpu", "H100", *FULL], ["--plan_gpu", "H200", "--doc_len_schedule", "896,2048,3072", *FULL],
+                  ["--plan_gpu", "H200"]):  # the last: the record preset as it is, sampled in stages 1-3
         assert not [line for line in tg.schedule_plan(tg.Schedule(tg.parse_args(flags))) if "measured on" in line]

@@ -27,7 +27,8 @@ def resolved(name: str) -> dict:
             value = "<DATA_PATH>" + value[len(tg.DATA_PATH):]
         fields[key] = list(value) if isinstance(value, tuple) else value
     stages = [[st.start, st.end, st.spec.batch_size, st.spec.seq_len, st.spec.max_doc_len, list(st.windows),
-               list(st.prefix_ramp), st.lr, [list(m) for m in st.mtp_ramp]] for st in tg.Schedule(args).stages]
+               list(st.prefix_ramp), st.lr, [list(m) for m in st.mtp_ramp], st.candidates]
+              for st in tg.Schedule(args).stages]
     return dict(fields=fields, stages=stages)
 
 
@@ -62,14 +63,16 @@ PENDING_ADOPTION = {
 
 def test_no_technique_is_off_in_every_preset():
     """A technique field (default off: False, 0, -1 or ()) is on in some preset, and so are the stage table's
-    multi-token and prefix-token columns: a technique no preset uses is deleted, not kept behind a flag."""
+    multi-token, prefix-token and sampled-softmax columns: a technique no preset uses is deleted, not kept behind a
+    flag."""
     default, presets = tg.Hyperparameters(), [tg.parse_args(["--preset", name]) for name in tg.PRESETS]
     off = [f.name for f in dataclasses.fields(tg.Hyperparameters) if f.name not in RUN_CONTROL | PENDING_ADOPTION
            and (getattr(default, f.name) is False or getattr(default, f.name) in (0, -1, ()))
            and all(getattr(args, f.name) == getattr(default, f.name) for args in presets)]
     assert off == []
-    assert any(any(row.mtp) for args in presets for row in args.stages)
-    assert any(row.prefix for args in presets for row in args.stages)
+    for column in ("mtp", "prefix", "candidates"):
+        values = [getattr(row, column) for args in presets for row in args.stages]
+        assert any(any(v) if isinstance(v, tuple) else v for v in values), column
     record = tg.parse_args(["--preset", "record"])
     with torch.device("meta"):
         model = tg.GPT(tg.ModelConfig.from_args(record))

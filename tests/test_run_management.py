@@ -27,7 +27,8 @@ def test_presets_set_their_configuration_and_fields_still_override():
     assert tg.parse_args(["--preset", "record", "--backout_layer", "5"]).backout_layer == 5
     single = tg.parse_args(["--preset", "single"])
     assert single.batch_size == tg.Hyperparameters().batch_size and single.batch_size // single.seq_len == 24
-    assert single == dataclasses.replace(record, preset="single", seq_len=16384, cpp_wrapper=True)
+    # and a quarter of the record's n-gram table: 5.0M rows (the proxy's size), ~26 GiB in all on one GPU
+    assert single == dataclasses.replace(record, preset="single", seq_len=16384, cpp_wrapper=True, trigram_rows=4_622_720)
     medium = tg.parse_args(["--preset", "medium", "--num_iterations", "700"])  # above the record's 20 extension steps
     assert (medium.num_layers, medium.model_dim, medium.num_heads, medium.num_iterations) == (24, 1024, 16, 700)
     smoke = tg.parse_args(["--preset", "smoke"])
@@ -58,12 +59,14 @@ def test_markov_corpus_is_deterministic_and_sits_at_its_entropy_floor(tmp_path):
 def _hand_countable_model():
     """The record model at its smallest to count by hand: four blocks of width 32 ("LSSL", block 2 without attention,
     the skip from block 1, backout at block 2), value tables in blocks 1 and 3, no paired heads, no XSA, no CPLM, a
-    bigram table of 2 rows without signs; vocabulary 64, 64-token micro-batches."""
+    bigram table of 2 rows without signs, no trigram rows, in the dense Adam; vocabulary 64, 64-token micro-batches;
+    the full softmax (the record's sampled-softmax candidates exceed a 64-token vocabulary)."""
     args = tg.Hyperparameters(vocab_size=64, bos_id=63, num_layers=4, model_dim=32, num_heads=2, head_dim=16,
                               gate_channels=4, no_attn_layers=(2,), window_pattern="LSSL", value_embed_blocks=(1, 3),
                               paired_head_blocks=(), xsa_blocks=(), backout_layer=2, skip_from=1, bigram_rows=2,
-                              bigram_sign_rows=0, cplm_bands=(), window_block=8, seq_len=64, val_seq_len=64,
-                              batch_size=128)
+                              bigram_sign_rows=0, trigram_rows=0, ngram_sparse_adam=False, cplm_bands=(),
+                              window_block=8, seq_len=64, val_seq_len=64, batch_size=128,
+                              stages=tuple(dataclasses.replace(row, candidates=0) for row in tg.Hyperparameters.stages))
     with torch.device("meta"):
         return args, tg.GPT(tg.ModelConfig.from_args(args))
 
@@ -109,12 +112,13 @@ def test_parameter_counts_and_memory_estimate_match_a_hand_count():
 
 
 def test_bigram_table_is_an_adam_embedding_in_the_size_report_and_adds_no_matmul_flops():
-    """The record's bigram table (377,280 rows) against the smallest one (2 rows): only the table's parameters differ
-    (its per-block weights are the MUDD gates' per token), no FLOPs, and it learns in the value tables' Adam group."""
-    args = tg.Hyperparameters()
+    """The record's bigram table (377,280 rows) against the smallest one (2 rows), both without the trigram channel
+    and in the dense Adam (--trigram_rows 0 --ngram_sparse_adam false): only the table's parameters differ (its
+    per-block weights are the MUDD gates' per token), no FLOPs, and it learns in the value tables' Adam group."""
+    args = tg.Hyperparameters(trigram_rows=0, ngram_sparse_adam=False)
     with torch.device("meta"):
         model, base = (tg.GPT(tg.ModelConfig.from_args(a))
-                       for a in (args, tg.Hyperparameters(bigram_rows=2, bigram_sign_rows=0)))
+                       for a in (args, dataclasses.replace(args, bigram_rows=2, bigram_sign_rows=0)))
     table = model.bigram_embed.weight
     assert table.shape == (377_280, 768) and table.dtype == torch.bfloat16
     assert base.scalars.numel() == model.scalars.numel()
@@ -129,6 +133,28 @@ def test_bigram_table_is_an_adam_embedding_in_the_size_report_and_adds_no_matmul
     assert all(any(p is m.weight for p in embed_group["params"]) for m in model.value_embeds)
     # the token embedding, tied for the record's first two stages, learns as the head does once untied
     assert all(p is not model.embed.weight for p in embed_group["params"])
+    assert all(p is not table for g in muon.param_groups for p in g["params"])
+
+
+def test_the_records_ngram_table_is_sharded_in_the_row_sparse_adams_own_group():
+    """The record's n-gram table (377,280 bigram + 20,773,440 trigram rows, ANVIL2's ~21M-row point): sharded by
+    owner over 8 GPUs into 2,643,840 rows each, alone in the row-sparse Adam's group (beta1 0, the tables' beta2, rate
+    and decay), no FLOPs of its own, and the size report counts this rank's shard."""
+    args = tg.Hyperparameters()
+    assert (args.bigram_rows, args.trigram_rows, args.ngram_sparse_adam) == (377_280, 20_773_440, True)
+    with torch.device("meta"):
+        model = tg.GPT(tg.ModelConfig.from_args(args), ngram_shard=tg.ngram_shard(args, 3, 8))
+        base = tg.GPT(tg.ModelConfig.from_args(dataclasses.replace(args, trigram_rows=0, ngram_sparse_adam=False)))
+    table = model.bigram_embed.weight
+    assert table.shape == (21_150_720 // 8, 768) and (model.ngram_rank, model.ngram_world) == (3, 8)
+    windows = tg.window_tokens(3, 128)
+    assert tg.flops_per_token(model, windows, 2048) == tg.flops_per_token(base, windows, 2048)
+    assert tg.size_report(model, args, world_size=8)[2] == f"parameters: bigram embedding {2_643_840 * 768:,}"
+    adam, muon = tg.build_optimizers(model, args, rank=3, world_size=8)
+    group = next(g for g in adam.param_groups if any(p is table for p in g["params"]))
+    assert group["sparse_rows"] and group["params"] == [table]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == \
+        (args.adam_lr * args.embed_lr_mult, (0.0, args.embed_adam_betas[1]), args.embed_weight_decay)
     assert all(p is not table for g in muon.param_groups for p in g["params"])
 
 
@@ -336,11 +362,13 @@ def test_resume_on_two_processes_matches_uninterrupted(tiny_args, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("features", [{}, DECAYED_TABLES], ids=["plain", "decayed_tables"])
+@pytest.mark.parametrize("features", [{}, DECAYED_TABLES, dict(ngram_sparse_adam=True, trigram_rows=512)],
+                         ids=["plain", "decayed_tables", "sharded_ngram_table"])
 def test_a_checkpoint_resumes_on_another_number_of_processes_as_it_would_have_gone_on(tiny_args, tmp_path, features):
     """Written on 2 processes, resumed on 1 (and back: written on 1, resumed on 2): the optimizer
-    states are re-sharded, and the resumed losses follow the uninterrupted run to the tolerance
-    that 1 x 2 accumulation steps and 2 x 1 agree to anyway (float sums in another order)."""
+    states are re-sharded (and a sharded n-gram table joined or cut anew, its per-row Adam state with it), and the
+    resumed losses follow the uninterrupted run to the tolerance that 1 x 2 accumulation steps and 2 x 1 agree to
+    anyway (float sums in another order)."""
     ck = str(tmp_path / "ck")
     common = dict(batch_size=2 * 128, num_iterations=6, val_every=0, **features)
     spawn(_resume_worker, 2, tiny_args(save_every=2, run_id="two", checkpoint_dir=ck, **common), str(tmp_path / "two.pt"))

@@ -32,8 +32,42 @@ def test_idle_report_of_a_trace_without_kernels():
 
 
 def test_plan_entries_are_train_gpts_table_keys_in_us_per_token():
-    rows = [(49152, 896, 3, 393216, 659.6), (49152, 2048, 11, 393216, 695.0), (49152, 2048, 11, 393216, 700.0)]
+    rows = [(49152, 896, 3, 0, 393216, 659.6), (49152, 2048, 11, 0, 393216, 695.0), (49152, 2048, 11, 0, 393216, 700.0)]
     lines = step_time.plan_entries("NVIDIA H100 80GB HBM3", "record", rows)
     assert lines == ["    ('H100', 'record', 49152, 896, 3): 1.677,", "    ('H100', 'record', 49152, 2048, 11): 1.767,"]
     table = ast.literal_eval("{" + "".join(lines) + "}")  # pastes into train_gpt.STEP_US_PER_TOKEN as it is
     assert set(table) <= set(tg.STEP_US_PER_TOKEN) and table[("H100", "record", 49152, 896, 3)] == 1.677
+
+
+def test_a_sampled_stage_gives_a_sampled_entry_and_a_mixed_one_none():
+    """A stage timed with the sampled softmax: SAMPLED_US_PER_TOKEN's key (the candidates last); timed steps across
+    the switch to the full softmax: no entry; the full softmax: STEP_US_PER_TOKEN's."""
+    rows = [(49152, 896, 3, 16384, 393216, 499.4), (49152, 2048, 11, None, 393216, 575.6),
+            (49152, 2048, 13, 0, 393216, 630.2)]
+    lines = step_time.plan_entries("NVIDIA H200", "record", rows)
+    sampled, full = ("H200", "record", 49152, 896, 3, 16384), ("H200", "record", 49152, 2048, 13)
+    assert lines == [f"    {sampled!r}: 1.270,", f"    {full!r}: 1.603,"]
+    table = ast.literal_eval("{" + "".join(lines) + "}")  # the H200 rows of 2026-11-29 (timing_h200_20261129.md)
+    assert table == {sampled: tg.SAMPLED_US_PER_TOKEN[sampled], full: tg.STEP_US_PER_TOKEN[full]}
+
+
+def test_timed_candidates_follow_the_switch_to_the_full_softmax():
+    """The record preset (776 steps, full from step 715): stage 1's timed steps sample 16,384 rows; stage 3's near
+    the switch mix both; the extension, whose row carries stage 3's candidates, trains with the full softmax."""
+    schedule = tg.Schedule(tg.parse_args([]))
+    first, third, ext = schedule.stages[0], schedule.stages[2], schedule.stages[3]
+    assert schedule.full_softmax == 715 and ext.candidates == 12288
+    assert step_time.timed_candidates(schedule, first, 3, 12) == 16384
+    assert step_time.timed_candidates(schedule, third, 710, 12) is None
+    assert step_time.timed_candidates(schedule, ext, ext.start + 3, 12) == 0
+
+
+def test_stages_alone_times_the_presets_table_and_with_a_table_times_that_one():
+    """`--stages` is this script's per-stage mode and also train_gpt.py's stage table: alone, the preset's stages;
+    with a table, that table reaches the trainer (a store_true flag would swallow it and leave the table stray)."""
+    own, args = step_time.parse(["--stages", "--steps", "4", "--preset", "record"])
+    assert own.stages == "" and own.steps == 4 and args.stages == tg.Hyperparameters().stages
+    own, args = step_time.parse(["--stages", "window=3,share=1;window=11,batch=327680,share=1", "--preset", "record"])
+    assert own.stages is not None and [(st.window, st.batch) for st in args.stages] == [(3, 0), (11, 327680)]
+    own, args = step_time.parse(["--ws", "3", "11"])
+    assert own.stages is None and own.ws == [3, 11]
