@@ -158,6 +158,11 @@ class Hyperparameters:
     # they are (block 8 is still block 8): a removed block has no attention, no MLP and no bigram injection, but keeps
     # its residual weights and its gated x0 injection (ANVIL2: "residual structure ... intact")
     skip_layers: tuple[int, ...] = ()  # blocks without attention or MLP, only their residual weights; ANVIL2 (#92) removes block 7
+    # ANVIL2 also runs a second MLP beside block 8's, in the MLP bank's spare slot 11 (its train_gpt.py, at the start of
+    # records/track_1_short/2026-08-30_ANVIL2/this_pr/*.txt, @fd1b14a5: `if i == 8:` "Parallel second MLP on layer 8"):
+    # it reads the same normed input, its output projection starts at zero (the same function at step 0), its output
+    # joins the MLP's under the block's MLP output weight, and it learns at the MLP rates (per_matrix_lr_mul 1 / 2)
+    parallel_mlp_blocks: tuple[int, ...] = ()  # blocks with a second MLP beside their own: same input, output projection zero at the start, summed before the MLP output's weight; ANVIL2 (#92): 8
     # untied value embeddings (01/26/26, init 02/03/26): these blocks have a table each, drawn N(0, 0.01)
     value_embed_blocks: tuple[int, ...] = (1, 2, 8, 9, 10)  # blocks with a value-embedding table each, N(0, 0.01); () = off
     window_pattern: str = "SSSLSSSSSSL"  # per block: L = long window, S = short window (half)
@@ -389,11 +394,15 @@ class Hyperparameters:
             raise ValueError(f"skip_layers={h.skip_layers}: distinct blocks between the first and the last "
                              f"({h.num_layers - 1}, where MUDD gives the weights and DC attention runs); without "
                              "block 0 the model is one of num_layers - 1 blocks: give that, with the indices shifted")
-        for name in ("no_attn_layers", "xsa_blocks", "paired_head_blocks", "value_embed_blocks"):
+        for name in ("no_attn_layers", "xsa_blocks", "paired_head_blocks", "value_embed_blocks", "parallel_mlp_blocks"):
             both = sorted(set(h.skip_layers) & set(getattr(h, name)))
             if both:
                 raise ValueError(f"skip_layers={h.skip_layers}: block(s) {both} also in {name}={getattr(h, name)}; a "
                                  f"removed block has no attention and no MLP: take it out of {name}")
+        if (len(set(h.parallel_mlp_blocks)) < len(h.parallel_mlp_blocks)
+                or any(not 0 <= i < h.num_layers for i in h.parallel_mlp_blocks)):
+            raise ValueError(f"parallel_mlp_blocks={h.parallel_mlp_blocks}: distinct blocks 0-{h.num_layers - 1}, each "
+                             "given one second MLP")
         if any(h.window_pattern[i] == "L" for i in h.skip_layers):
             raise ValueError(f"skip_layers={h.skip_layers}: a removed block has no attention window, but "
                              f"window_pattern={h.window_pattern!r} marks one long (L), where the MUDD gates and the "
@@ -716,6 +725,7 @@ class ModelConfig:
     skip_from: int
     skip_into: int  # 0: the first of no_attn_layers (skip_target)
     skip_layers: tuple[int, ...]
+    parallel_mlp_blocks: tuple[int, ...]
     tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order
@@ -1175,6 +1185,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg, attn_fn, ve_gate=ve_gate, key_offset=long_window,
                                         paired=paired) if has_attn else None
         self.mlp = MLP(cfg, fused=fused_mlp, fp8=fp8_mlp)
+        # parallel_mlp_blocks: a second MLP of the same kind, set by GPT after every other weight is drawn
+        self.parallel_mlp: MLP | None = None
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, w: BlockWeights, attn_in: Tensor | None,
                 cu_seqlens: Tensor, max_seqlen: int, window: int, rope: tuple[Tensor, Tensor, float]) -> Tensor:
@@ -1185,7 +1197,10 @@ class Block(nn.Module):
         if self.attn is not None:
             y = self.attn(norm(x) if attn_in is None else attn_in, ve, w, cu_seqlens, max_seqlen, window, rope)
             x = x + w.attn_out * y
-        return w.mlp_resid * x + w.mlp_out * self.mlp(norm(x))
+        if self.parallel_mlp is None:
+            return w.mlp_resid * x + w.mlp_out * self.mlp(norm(x))
+        h = norm(x)  # both MLPs read it (ANVIL2's `normed`), their outputs summed under one weight
+        return w.mlp_resid * x + w.mlp_out * (self.mlp(h) + self.parallel_mlp(h))
 
 
 class SkippedBlock(nn.Module):
@@ -1193,7 +1208,7 @@ class SkippedBlock(nn.Module):
     parameters of its own, but its residual weights and its gated x0 injection stay, as in ANVIL2 ("residual
     structure (resid lambdas, x0 ...) intact"; no bigram injection there). It holds the block's place in GPT.blocks:
     every other block keeps its index, name and checkpoint keys."""
-    attn = mlp = None
+    attn = mlp = parallel_mlp = None
 
     def forward(self, x: Tensor, x0: Tensor, w: BlockWeights) -> Tensor:
         return w.mlp_resid * (w.resid * x + w.x0 * x0)
@@ -1309,6 +1324,11 @@ class GPT(nn.Module):
             bound = math.sqrt(3 / dim)
             self.copy_qk = nn.Parameter(torch.empty(2 * COPY_DIM, dim).uniform_(-bound, bound))
             self.copy_sink = nn.Parameter(torch.randn(COPY_DIM) / math.sqrt(COPY_DIM))
+        # parallel_mlp_blocks (ANVIL2's second MLP in block 8): an MLP as the block's own, same kernels, its input
+        # matrix drawn as theirs and its output matrix zero, so the block computes what it did without it until the
+        # first update. Drawn after everything else: every other weight is the one drawn without it at that seed.
+        for i in cfg.parallel_mlp_blocks:
+            self.blocks[i].parallel_mlp = MLP(cfg, fused=kernels.fused_mlp, fp8=kernels.fp8_mlp)
 
     def make_mudd_gates(self):
         """MUDD gates (the 2026-05-27 record, PR 315): two more small MLPs of MUDD's form, one from x0 and one from the
@@ -2985,8 +3005,10 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     adam = DistAdam([g for g in adam_groups if g["params"]], lr=args.adam_lr, betas=betas, eps=args.adam_eps,
                     rank=rank, world_size=world_size, update=update, row_update=row_update, segment=segment)
     fc, proj = args.mlp_muon_lr_mults or (1.0, 1.0)
-    mults = {p: m for block in model.blocks if block.mlp is not None  # none in a removed block (skip_layers)
-             for p, m in ((block.mlp.fc_w, fc), (block.mlp.proj_w, proj))}
+    # every MLP's two matrices, a block's second MLP (parallel_mlp_blocks) too: ANVIL2 gives its bank slot 11 the MLP
+    # rates (per_matrix_lr_mul 1 on c_fc, 2 on c_proj, as every live slot); none in a removed block (skip_layers)
+    mlps = [m for block in model.blocks for m in (block.mlp, block.parallel_mlp) if m is not None]
+    mults = {p: m for mlp in mlps for p, m in ((mlp.fc_w, fc), (mlp.proj_w, proj))}
     muon = Muon(groups["block matrices"], lr=args.muon_lr, momentum=args.muon_momentum, rank=rank,
                 world_size=world_size, orthogonalize=orthogonalize, beta2=args.muon_beta2,
                 weight_decay=args.muon_weight_decay, lr_mults=mults)
@@ -3132,7 +3154,9 @@ def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[
         # Tensors kept for the backward: ~16 bf16 values of model_dim per token per block (norms, q, k,
         # v, attention output, the 4x-wide MLP hidden before and after ReLU^2). The peaks measured on
         # H100 for the record, single and medium presets lie within 15% of the total (bench/README.md).
-        "activations": 32 * args.seq_len * args.model_dim * (args.num_layers - len(args.skip_layers)),
+        # A second MLP (parallel_mlp_blocks) keeps its own hidden before and after ReLU^2: 8 of those 16 values.
+        "activations": 32 * args.seq_len * args.model_dim * (args.num_layers - len(args.skip_layers))
+                       + 16 * args.seq_len * args.model_dim * len(args.parallel_mlp_blocks),
     }
 
 

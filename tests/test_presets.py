@@ -58,7 +58,10 @@ RUN_CONTROL = {"seed", "plan", "peak_tflops", "save_every", "markov_corpus", "ma
 PENDING_ADOPTION = {
     # issue 63: ANVIL2's layout (public record #92) on top of the record, block 7 removed and the attention of blocks
     # 4 and 9; skip_into keeps the skip going into block 6 once block 4 is attention-less (0: the first one, as now)
-    "skip_layers", "skip_into"}
+    "skip_layers", "skip_into",
+    # issue 63: ANVIL2's second MLP beside block 8's (parallel_mlp_blocks 8), the one piece of its layout the port
+    # lacked (a review of the port found it); decided by a GPU run of the layout with and without it
+    "parallel_mlp_blocks"}
 
 
 def test_no_technique_is_off_in_every_preset():
