@@ -206,8 +206,8 @@ class Hyperparameters:
     extension_steps: int = 20  # last steps, after the cooldown: final learning rate, long window extension_window (09/21/25)
     extension_window: int = 13  # long window of the extension, in blocks
     tied_embed_stages: int = 2  # embeddings read from the LM head for this many stages, then a copy learns (12/22/25)
-    # long window of the final validation, in blocks (09/10/25: 13), raised without a YaRN step (the last stage's rotary
-    # tables) and the short window kept, as records #89 and ANVIL2 validate; 0 = the last stage's windows
+    # the final validation raises only the long window (09/10/25: 13 blocks), without a YaRN step (the last stage's
+    # rotary tables), and keeps the short window, as records #89 and ANVIL2 validate
     final_val_window: int = 20  # the final validation's long window, in blocks (0: the last stage's windows)
     # ANVIL2 (2026-08-30) samples until step 1,101 of its 1,194 (its README), 0.922 of the run, a fraction here so that
     # the switch moves with num_iterations
@@ -2724,30 +2724,37 @@ STEP_US_PER_TOKEN = {
     ("H100", "record", 49152, 2048, 11): 1.589,
     ("H100", "record", 49152, 2048, 13): 1.576,
     # one H200 of a one-GPU machine, alone, 2026-11-29, PyTorch 2.11.0+cu130, PyTorch's varlen attention, main at
-    # 8a31d12 (the full softmax throughout): `python train_gpt.py --preset record --seed 0 --num_iterations 80
-    # --attention varlen ...`, each stage's mean step, two runs' mean: 565.0 / 603.6 / 622.0 / 630.2 ms per
-    # 393,216-token step (bench/results/timing_h200_20261129.md)
+    # 8a31d12 (the full softmax throughout, before the trigram table): `python train_gpt.py --preset record --seed 0
+    # --num_iterations 80 --attention varlen ...`, each stage's mean step, two runs' mean: 565.0 / 603.6 / 622.0 ms
+    # per 393,216-token step (bench/results/timing_h200_20261129.md)
     ("H200", "record", 49152, 896, 3): 1.437,
     ("H200", "record", 49152, 2048, 7): 1.535,
     ("H200", "record", 49152, 2048, 11): 1.582,
-    ("H200", "record", 49152, 2048, 13): 1.603,
+    # the same machine kind, a later session of 2026-11-29, the record preset whole at 6cdf50a (the trigram table's
+    # 20,773,440 rows included): the 80-step run of SAMPLED_US_PER_TOKEN below, its last stage's full-softmax steps
+    # 74-79: 636.3 ms per 393,216-token step (bench/results/preset_h200_20261129c.md)
+    ("H200", "record", 49152, 2048, 13): 1.618,
 }
 # The sampled softmax's steps (those before Schedule.full_softmax in a stage with candidates): time per token as
 # STEP_US_PER_TOKEN's, keyed as it is plus the stage's candidates (the head's rows a micro-batch); a stage's full
 # softmax steps are priced at its STEP_US_PER_TOKEN row.
 SAMPLED_US_PER_TOKEN = {
-    # the same H200 session, branch wt63a at 69d1948 with `--candidates_schedule 16384,14336,12288`, stages 1-3's
-    # mean step: 499.4 / 528.7 / 541.3 ms per 393,216-token step (its 4th stage mixed sampled and full steps: unused)
-    ("H200", "record", 49152, 896, 3, 16384): 1.270,
-    ("H200", "record", 49152, 2048, 7, 14336): 1.345,
-    ("H200", "record", 49152, 2048, 11, 12288): 1.377,
+    # one H200 of a one-GPU machine, alone, 2026-11-29 (its third session), PyTorch 2.11.0+cu130, PyTorch's varlen
+    # attention, the record preset whole at 6cdf50a (sampled softmax, the trigram table's 20,773,440 rows with their
+    # row-sparse Adam): `python train_gpt.py --preset record --seed 0 --num_iterations 80 --log_every 1 --val_every
+    # 40 --attention varlen ...`, stages 1-3's mean step: 507.0 / 537.6 / 548.2 ms per 393,216-token step
+    # (bench/results/preset_h200_20261129c.md)
+    ("H200", "record", 49152, 896, 3, 16384): 1.289,
+    ("H200", "record", 49152, 2048, 7, 14336): 1.367,
+    ("H200", "record", 49152, 2048, 11, 12288): 1.394,
 }
 # what --plan says of each kind's rows: the attention kernel they ran with, and where they come from
 STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "PyTorch varlen attention"}
 STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, main at 46b1702 "
                           "(bench/results/one_session_h100_20261127c.md)",
-                  "H200": "one H200 of a one-GPU machine, 2026-11-29, PyTorch 2.11.0+cu130 "
-                          "(bench/results/timing_h200_20261129.md)"}
+                  "H200": "one-GPU H200 machines, 2026-11-29, PyTorch 2.11.0+cu130: the record preset whole at "
+                          "6cdf50a (bench/results/preset_h200_20261129c.md); stages 1-3's full-softmax rows at "
+                          "8a31d12, before the trigram table (bench/results/timing_h200_20261129.md)"}
 # The public master (f411b3d3, record #89's code) on its own schedule: steps and tokens per step of each stage,
 # 423 / 424 / 423 steps at 131,072 / 262,144 / 393,216 tokens, then the 15-step extension at 393,216: 338,821,120
 # tokens (bench/results/public_master_comparison.md rows 32-34 and 47; bench/side_by_side.py's public_stages

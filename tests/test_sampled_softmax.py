@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import train_gpt as tg
 from conftest import BOS, TINY
+from test_mtp import two_documents
 
 W3 = tg.window_tokens(3, TINY["window_block"])
 V = TINY["vocab_size"]  # 72: the corpus' 64 tokens (BOS 63), CPLM's copy column 64, padding rows up to 71
@@ -35,13 +36,9 @@ def tiny_model(kernels=tg.ModelKernels(), **overrides):
     return model
 
 
-def batch(T=24, second=10):
-    g = torch.Generator().manual_seed(2)
-    x = torch.randint(0, BOS, (T,), generator=g, dtype=torch.int32)
-    y = torch.randint(0, BOS, (T,), generator=g, dtype=torch.int32)
-    x[[0, second]] = BOS
-    y[second - 1] = BOS
-    return x.to(DEVICE), y.to(DEVICE), torch.tensor([0, second, T, T], dtype=torch.int32, device=DEVICE)
+def batch():
+    """test_mtp's two documents, on the tests' device."""
+    return tuple(t.to(DEVICE) for t in two_documents())
 
 
 def sweep(offset: int, vocab: int = V) -> list[int]:

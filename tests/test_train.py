@@ -1,4 +1,5 @@
 """The training loop end to end on the CPU: learning, world-size invariance, warm-up, the log."""
+import dataclasses
 import math
 import re
 import subprocess
@@ -298,13 +299,18 @@ def test_the_model_is_compiled_with_inductors_fusions_capped(tiny_args, monkeypa
 @pytest.mark.slow
 def test_a_compiled_run_with_an_extension_and_a_final_window_compiles_every_graph_it_needs(tiny_args, monkeypatch):
     """3 stages + the extension, each in training and evaluation, and the final validation's window: 9
-    graphs of one function, one more than dynamo's default limit, which fullgraph turns into a failure.
+    graphs of one function, one more than dynamo's default limit, which fullgraph turns into a failure; with
+    the record's sampled softmax (one more graph per sampled stage, and its switch inside stage 3) and its
+    row-logged trigram table, as the record preset compiles them together.
     (aot_eager instead of inductor: the same tracing and guards, compiled in seconds on the CPU.)"""
     torch._dynamo.reset()  # forget the graphs other tests compiled of the same functions (they count)
     compile = torch.compile
     monkeypatch.setattr(tg.torch, "compile", lambda fn, **kw: compile(fn, **{**kw, "backend": "aot_eager"}))
+    # the corpus' 64 tokens and the copy column: at most 65 distinct targets, so 66 or more rows never overflow
+    sampled = tuple(dataclasses.replace(row, candidates=c) for row, c in zip(TINY["stages"], (66, 68, 70)))
     args = tiny_args(num_iterations=12, val_every=3, extension_steps=2, extension_window=4, final_val_window=5,
-                     compile=True, warmup_steps=1)
+                     compile=True, warmup_steps=1, stages=sampled, full_softmax_from=0.75, trigram_rows=512,
+                     ngram_sparse_adam=True)
     assert len(tg.Schedule(args).stages) == 4
     try:
         with torch._dynamo.config.patch(recompile_limit=8):
