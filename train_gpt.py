@@ -152,7 +152,10 @@ class Hyperparameters:
     model_dim: int = 768  # residual stream width
     num_heads: int = 6  # attention heads per block
     head_dim: int = 128  # width of each attention head
-    mlp_ratio: int = 4  # MLP hidden width = mlp_ratio x model_dim
+    mlp_ratio: int = 4  # MLP hidden width = mlp_ratio x model_dim (where mlp_hidden is 0)
+    # ANVIL2's rate on its MLP (ANVIL, its Muon) is its shape factor max(1, hidden/dim)^0.5 x (1, 2): (1.915, 3.830)
+    # at 2816. mlp_muon_lr_mults' (2, 4) is that rule at 3072 and stays as set whatever the width
+    mlp_hidden: int = 0  # MLP hidden width exactly, 0 = mlp_ratio x model_dim: ANVIL2 (record #92, 08/30/26) has 2816 at model_dim 768, ours 3072
     no_attn_layers: tuple[int, ...] = (6,)  # blocks without attention (09/03/25: block 7 of 12, @YouJiacheng)
     # ANVIL2 (the public record #92) removes block 7 whole and the attention of blocks 4 and 9. Block indices stay as
     # they are (block 8 is still block 8): a removed block has no attention, no MLP and no bigram injection, but keeps
@@ -337,6 +340,9 @@ class Hyperparameters:
             raise ValueError(f"num_iterations={h.num_iterations} leaves no step before the {h.extension_steps}-step "
                              f"extension: give --num_iterations {h.extension_steps + 1} or more, or leave the "
                              "extension out with --extension_steps 0 --extension_window 0")
+        if h.mlp_ratio < 1 or h.mlp_hidden < 0:
+            raise ValueError(f"mlp_ratio={h.mlp_ratio}, mlp_hidden={h.mlp_hidden}: the MLP's hidden width is "
+                             "mlp_hidden, or where that is 0 mlp_ratio (>= 1) x model_dim")
         if len(h.mlp_muon_lr_mults) not in (0, 2) or not all(0 < m < math.inf for m in h.mlp_muon_lr_mults):
             raise ValueError(f"mlp_muon_lr_mults={h.mlp_muon_lr_mults}: empty, or two positive numbers (input, output)")
         if len(h.scalar_adam_betas) not in (0, 2):
@@ -697,6 +703,16 @@ def uniform_init_(w: Tensor, fan_in: int) -> Tensor:
     return w.uniform_(-bound, bound)
 
 
+def mlp_width(fields: dict) -> int | None:
+    """The MLP's hidden width of a run's hyperparameters (vars() of Hyperparameters, or a checkpoint's stored ones):
+    mlp_hidden, or where that is 0 or not yet a field mlp_ratio x model_dim; None where those are missing too."""
+    if fields.get("mlp_hidden"):
+        return fields["mlp_hidden"]
+    if "mlp_ratio" in fields and "model_dim" in fields:
+        return fields["mlp_ratio"] * fields["model_dim"]
+    return None
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int
@@ -704,7 +720,7 @@ class ModelConfig:
     model_dim: int
     num_heads: int
     head_dim: int
-    mlp_ratio: int
+    mlp_hidden: int  # the MLP's hidden width, resolved (mlp_width)
     no_attn_layers: tuple[int, ...]
     value_embed_blocks: tuple[int, ...]
     window_pattern: str
@@ -732,11 +748,12 @@ class ModelConfig:
 
     @classmethod
     def from_args(cls, args: Hyperparameters) -> "ModelConfig":
-        names = {f.name for f in dataclasses.fields(cls)} - {"max_seq_len", "yarn_windows"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"max_seq_len", "yarn_windows", "mlp_hidden"}
         blocks = (*(row.window for row in args.stages), *([args.extension_window] if args.extension_steps else []))
         yarn = tuple(dict.fromkeys(b * args.window_block for b in blocks))  # long windows
         longest = max(args.seq_len, args.val_seq_len) * (2 if args.paired_head_blocks else 1)  # paired: 2 per token
-        return cls(**{n: getattr(args, n) for n in names}, max_seq_len=longest, yarn_windows=yarn)
+        return cls(**{n: getattr(args, n) for n in names}, mlp_hidden=mlp_width(vars(args)), max_seq_len=longest,
+                   yarn_windows=yarn)
 
     @property
     def skip_target(self) -> int:
@@ -1138,7 +1155,7 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, fused: bool = False, fp8: bool = False):
         super().__init__()
-        hidden = cfg.mlp_ratio * cfg.model_dim
+        hidden = cfg.mlp_hidden  # mlp_hidden, or mlp_ratio x model_dim
         # Both matrices are stored (dim, hidden), as in the 2025-09-03 record: one Muon group of
         # same-shape matrices, and Muon's shape scale max(1, rows/cols)^0.5 is 1 for both. Stored
         # (hidden, dim), the input matrix got scale 2, i.e. twice the record's learning rate.
@@ -3121,6 +3138,26 @@ def ngram_memory_lines(args: Hyperparameters) -> list[str]:
     return lines
 
 
+def model_plan_line(schedule: Schedule) -> str:
+    """--plan: the MLP's hidden width and what MFU counts with it (flops_per_token), from the model built on the meta
+    device: the matmul weights (block matrices and LM head) and the training FLOPs per token at each stage's windows
+    and document cut; where the width is not the preset's own, that the step times above are the preset's model's."""
+    args = schedule.args
+    with torch.device("meta"):
+        model = GPT(ModelConfig.from_args(args))
+    groups = param_groups_by_role(model)
+    matmul = sum(p.numel() for p in groups["block matrices"] + groups["LM head"])
+    flops = " / ".join(f"{flops_per_token(model, st.windows, st.spec.max_doc_len) / 1e9:.4g}" for st in schedule.stages)
+    width, how = model.cfg.mlp_hidden, ("mlp_hidden" if args.mlp_hidden else
+                                        f"mlp_ratio {args.mlp_ratio} x model_dim {args.model_dim}")
+    line = (f"model: MLP hidden {width:,} ({how}), {matmul:,} matmul weights (block matrices, LM head), training "
+            f"GFLOPs per token by stage {flops} (flops_per_token: MFU's count)")
+    preset = mlp_width(vars(Hyperparameters(**PRESETS[args.preset][1], preset=args.preset)))
+    if width != preset:
+        line += f"; the step times above are --preset {args.preset}'s model's, MLP hidden {preset:,}"
+    return line
+
+
 def check_memory_fits(args: Hyperparameters, world_size: int, gpu_bytes: int, kernels: ModelKernels):
     """Start-up: refuse, in one line, a run whose estimated memory per GPU (memory_estimate, the n-gram table's
     part by ngram_memory) exceeds the GPU's, naming the table's share and the fixes, before anything is allocated."""
@@ -3158,12 +3195,14 @@ def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[
         "optimizer shards": (8 * adam + 4 * muon) // world_size,  # fp32 Adam moments, fp32 Muon momentum
         # bf16 logits, then a fp32 soft-capped copy and a bf16 gradient, or (fused) two FP8 gradients
         "logits": (4 if model.kernels.fused_ce else 8) * args.seq_len * args.vocab_size,
-        # Tensors kept for the backward: ~16 bf16 values of model_dim per token per block (norms, q, k,
-        # v, attention output, the 4x-wide MLP hidden before and after ReLU^2). The peaks measured on
-        # H100 for the record, single and medium presets lie within 15% of the total (bench/README.md).
-        # A second MLP (parallel_mlp_blocks) keeps its own hidden before and after ReLU^2: 8 of those 16 values.
-        "activations": 32 * args.seq_len * args.model_dim * (args.num_layers - len(args.skip_layers))
-                       + 16 * args.seq_len * args.model_dim * len(args.parallel_mlp_blocks),
+        # Tensors kept for the backward, bf16 per token per block: ~8 of model_dim (norms, q, k, v, attention
+        # output) and the MLP's hidden before and after ReLU^2 (2 of its width: 16 of model_dim at 4x). The peaks
+        # measured on H100 for the record, single and medium presets (4x) lie within 15% of the total
+        # (bench/README.md). A removed block (skip_layers) keeps none; a second MLP (parallel_mlp_blocks) keeps its
+        # own hidden before and after ReLU^2, at the same width (2 of it).
+        "activations": 2 * args.seq_len * ((args.num_layers - len(args.skip_layers))
+                                           * (8 * args.model_dim + 2 * model.cfg.mlp_hidden)
+                                           + 2 * model.cfg.mlp_hidden * len(args.parallel_mlp_blocks)),
     }
 
 
@@ -3221,6 +3260,16 @@ def code_hash() -> str:  # this file and the two it imports from the repository,
 
 
 MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("max_seq_len", "yarn_windows")]
+
+
+def model_values(fields: dict) -> dict:
+    """The MODEL_FIELDS of a run's hyperparameters (vars() of Hyperparameters, or a checkpoint's stored ones), as a
+    checkpoint is checked against a run: the MLP's width resolved (mlp_width: mlp_ratio 4 at model_dim 768 and
+    mlp_hidden 3072 are one model, and a checkpoint from before mlp_hidden has its ratio's width); a field absent
+    there is left out."""
+    values = {k: fields[k] for k in MODEL_FIELDS if k in fields and k != "mlp_hidden"}
+    width = mlp_width(fields)
+    return values if width is None else {**values, "mlp_hidden": width}
 
 
 def barrier(world_size: int):
@@ -3307,10 +3356,11 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
     size is re-sharded: every rank reads every rank's file and keeps its new share (the data position
     is the same on every rank: each reads the whole stream)."""
     meta = read_checkpoint_file(path / "model.pt")
-    saved = stored_args(meta["args"])
-    diff = [f"{k}: checkpoint {saved[k]!r}, now {getattr(args, k)!r}" if k in saved else
-            f"{k}: not a field when the checkpoint was written, now {getattr(args, k)!r}"
-            for k in MODEL_FIELDS if k not in saved or saved[k] != getattr(args, k)]
+    then, now = model_values(stored_args(meta["args"])), model_values(vars(args))
+    # a width not resolved (then) lacks model_dim or mlp_ratio, which are named themselves
+    diff = [f"{k}: checkpoint {then[k]!r}, now {now[k]!r}" if k in then else
+            f"{k}: not a field when the checkpoint was written, now {now[k]!r}"
+            for k in MODEL_FIELDS if then.get(k) != now[k] and (k in then or k != "mlp_hidden")]
     if diff:
         raise ValueError(f"{path} holds a different model: " + "; ".join(diff))
     if meta["code_hash"] != code_hash():
@@ -3443,6 +3493,17 @@ def check_fp8_head_shapes(vocab_size: int, model_dim: int, candidates: tuple[int
                          "must be multiples of 16 for the FP8 matmuls, or pass --fp8_head false")
 
 
+def check_fp8_mlp_shapes(hidden: int):
+    """The FP8 MLP (--fp8_mlp) reads and writes e4m3 tensors with a row of the hidden width (post, W_fc and W_proj
+    in their two layouts) through TMA, whose rows are 16-byte multiples, and cuBLAS' FP8 matmuls take only dimensions
+    divisible by 16: a width that is not is refused here, before any compile, naming the field (model_dim: the FP8
+    head's check). The tiles need no multiple: edge tiles are zero-filled and clipped (2816 = 11 x 256 has none)."""
+    if hidden % 16:
+        raise ValueError(f"--fp8_mlp: the FP8 MLP's matmuls need the MLP's hidden width (mlp_hidden, or mlp_ratio x "
+                         f"model_dim) divisible by 16, not {hidden}: set --mlp_hidden to a multiple of 16 (ANVIL2's "
+                         "2816 is 176 x 16) or pass --fp8_mlp false")
+
+
 def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int, log=print,
           schedule: Schedule | None = None):
     """The model (seeded, identical on every rank), its compiled twin, the optimizers, and the
@@ -3452,6 +3513,8 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
                             args.fp8_mlp, log)
     if chosen.fp8_head:
         check_fp8_head_shapes(args.vocab_size, args.model_dim, tuple(row.candidates for row in args.stages))
+    if chosen.fp8_mlp:
+        check_fp8_mlp_shapes(mlp_width(vars(args)))
     # TF32 tensor cores for the float32 matmuls: DC attention's and CPLM's scores (their bf16 inputs are exact in
     # TF32's 10-bit mantissa; the pointer's query and the DC mix round at 2^-11), no longer on CUDA cores
     if device.type == "cuda":
@@ -4220,7 +4283,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         if args.plan:
-            print("\n".join(schedule_plan(Schedule(args)) + ngram_memory_lines(args)))
+            schedule = Schedule(args)
+            print("\n".join(schedule_plan(schedule) + [model_plan_line(schedule)] + ngram_memory_lines(args)))
             return 0
         result = train(args)
     except USER_ERRORS as e:

@@ -229,6 +229,33 @@ def test_mlp_matrices_share_one_shape_so_muon_scales_them_alike():
     assert {tuple(g["params"][0].shape) for g in muon.param_groups} == {(4, 64, 64), (64, 256), (1, 8), (2, 8)}
 
 
+def test_mlp_hidden_sets_the_width_exactly_and_its_0_keeps_mlp_ratio_x_model_dim():
+    """--mlp_hidden (ANVIL2's 2816 at model_dim 768, 08/30/26) at TINY's size: 176 = 2.75 x 64 (11 x 16, as 2816 is
+    11 x 256), over any mlp_ratio. Every block's two matrices have that width, initialized as at 4x (W_fc uniform at
+    fan-in model_dim, W_proj zero), one shape in Muon at the MLP's two rates (its shape scale 1), and a Muon step
+    keeps NorMuon's statistic per hidden unit. 0 is mlp_ratio x model_dim, as before the field."""
+    assert tiny_model().cfg.mlp_hidden == 256 and tiny_model(mlp_ratio=3).blocks[3].mlp.proj_w.shape == (64, 192)
+    args = tg.Hyperparameters(**{**TINY, "mlp_hidden": 176, "mlp_ratio": 3})
+    model = tiny_model(mlp_hidden=176, mlp_ratio=3)
+    bound = math.sqrt(3) * 0.5 / math.sqrt(TINY["model_dim"])
+    for block in model.blocks:
+        assert block.mlp.fc_w.shape == block.mlp.proj_w.shape == (64, 176)
+        assert bound * 0.98 < block.mlp.fc_w.abs().max() <= bound and not block.mlp.proj_w.any()
+    adam, muon = tg.build_optimizers(model, args, 0, 1)
+    mlp = [(len(g["params"]), g["lr_mult"]) for g in muon.param_groups if g["params"][0].shape == (64, 176)]
+    assert sorted(mlp) == [(4, 2.0), (4, 4.0)]  # mlp_muon_lr_mults: W_fc x 2, W_proj x 4, in four blocks each
+    assert not any(g["params"][0].shape == (64, 256) for g in muon.param_groups)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    before = model.blocks[0].mlp.proj_w.detach().clone()
+    muon.step()
+    assert muon.state[model.blocks[0].mlp.proj_w]["neuron_second_moment"].shape == (1, 176)
+    assert not torch.equal(model.blocks[0].mlp.proj_w, before)
+    for bad in (dict(mlp_hidden=-1), dict(mlp_ratio=0)):
+        with pytest.raises(ValueError, match="the MLP's hidden width is mlp_hidden, or where that is 0 mlp_ratio"):
+            tg.Hyperparameters(**{**TINY, **bad})
+
+
 # -- techniques of records after 2025-09-03 (issue 12): bigram hash embedding, backout, asymmetric softcap
 
 def test_bigram_rows_are_the_records_xor_hash_in_range_with_document_starts_on_the_reserved_row():

@@ -47,6 +47,30 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     assert not list(tmp_path.iterdir())  # no log, no checkpoint folder
 
 
+def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_presets(no_gpu, capsys):
+    """--plan's model line: the MLP's hidden width and MFU's counts from it (flops_per_token), ANVIL2's 2816 against
+    the record's 3072 (11 blocks x 2 matrices x 768 x 256 fewer weights, 6 FLOPs each per token); the measured step
+    times stay the preset's model's, and the line says so where the width is not the preset's."""
+    lines = {}
+    for given in ([], ["--mlp_hidden", "3072"], ["--mlp_hidden", "2816"]):
+        assert tg.main(["--plan", *given]) == 0
+        lines[" ".join(given)] = line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden")
+    record, same, anvil2 = lines.values()
+    assert record.startswith("model: MLP hidden 3,072 (mlp_ratio 4 x model_dim 768), 114,131,244 matmul weights")
+    assert same.replace("(mlp_hidden)", "(mlp_ratio 4 x model_dim 768)") == record  # 3072 given: the same model
+    assert anvil2.startswith(f"model: MLP hidden 2,816 (mlp_hidden), {114_131_244 - 11 * 2 * 768 * 256:,} matmul")
+    assert anvil2.endswith("; the step times above are --preset record's model's, MLP hidden 3,072")
+    gflops = [[float(v) for v in re.search(r"by stage ([\d. /]+) \(", line)[1].split(" / ")] for line in (record, anvil2)]
+    args = tg.parse_args(["--mlp_hidden", "2816"])
+    with torch.device("meta"):
+        model = tg.GPT(tg.ModelConfig.from_args(args))
+    assert model.blocks[0].mlp.fc_w.shape == (768, 2816)
+    exact = [tg.flops_per_token(model, st.windows, st.spec.max_doc_len) / 1e9 for st in tg.Schedule(args).stages]
+    assert gflops[1] == pytest.approx(exact, rel=1e-3) and len(exact) == 4
+    for a, b in zip(*gflops):
+        assert a - b == pytest.approx(6 * 11 * 2 * 768 * 256 / 1e9, abs=2e-4)
+
+
 def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, capsys, monkeypatch):
     table = {("H100", "record", *shape): us for shape, us in zip(RECORD_SHAPES, (2.0, 2.5, 3.0, 3.5))}
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", table)
