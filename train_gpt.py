@@ -3141,7 +3141,8 @@ def ngram_memory_lines(args: Hyperparameters) -> list[str]:
 def model_plan_line(schedule: Schedule) -> str:
     """--plan: the MLP's hidden width and what MFU counts with it (flops_per_token), from the model built on the meta
     device: the matmul weights (block matrices and LM head) and the training FLOPs per token at each stage's windows
-    and document cut; where the width is not the preset's own, that the step times above are the preset's model's."""
+    and document cut; where the model is not the preset's own (its width, or any other of MODEL_FIELDS: the layout's
+    skip_layers or parallel_mlp_blocks), that the step times above are the preset's model's, naming what differs."""
     args = schedule.args
     with torch.device("meta"):
         model = GPT(ModelConfig.from_args(args))
@@ -3152,9 +3153,12 @@ def model_plan_line(schedule: Schedule) -> str:
                                         f"mlp_ratio {args.mlp_ratio} x model_dim {args.model_dim}")
     line = (f"model: MLP hidden {width:,} ({how}), {matmul:,} matmul weights (block matrices, LM head), training "
             f"GFLOPs per token by stage {flops} (flops_per_token: MFU's count)")
-    preset = mlp_width(vars(Hyperparameters(**PRESETS[args.preset][1], preset=args.preset)))
-    if width != preset:
-        line += f"; the step times above are --preset {args.preset}'s model's, MLP hidden {preset:,}"
+    ours = model_values(vars(args))
+    theirs = model_values(vars(Hyperparameters(**PRESETS[args.preset][1], preset=args.preset)))
+    named = [f"MLP hidden {theirs[k]:,}" if k == "mlp_hidden" else f"{k} {theirs[k]}" for k in MODEL_FIELDS
+             if ours[k] != theirs[k]]
+    if named:
+        line += f"; the step times above are --preset {args.preset}'s model's, " + ", ".join(named)
     return line
 
 

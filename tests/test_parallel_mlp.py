@@ -197,6 +197,38 @@ def test_a_run_of_anvil2s_layout_with_it_learns_and_starts_as_the_run_without(ti
     assert matrices[0] - matrices[1] == 2 * 64 * 4 * 64
 
 
+def test_with_mlp_hidden_it_is_built_counted_and_learned_at_that_width(tiny_args):
+    """ANVIL2's layout with its second MLP in block 8 and an MLP width set by mlp_hidden (176 on TINY's model_dim 64,
+    not 4 x 64 = 256; ANVIL2 has 2816 at 768): the second MLP's two matrices have that width, as the block's own, and
+    the estimates count one more MLP of it (parameters, FLOPs, activations); Muon gives its matrices the block's MLP
+    rates. A run's first loss is the run without it, and its log counts exactly one more MLP of that width."""
+    hidden, dim = 176, TINY["model_dim"]
+    wide, plain = dict(PARALLEL, mlp_hidden=hidden), dict(LAYOUT, mlp_hidden=hidden)
+    with_, without = model_of(wide), model_of(plain)
+    mlp, extra = with_.blocks[8].mlp, with_.blocks[8].parallel_mlp
+    assert with_.cfg.mlp_hidden == hidden and hidden != 4 * dim
+    assert extra.fc_w.shape == extra.proj_w.shape == mlp.fc_w.shape == mlp.proj_w.shape == (dim, hidden)
+    assert torch.count_nonzero(extra.proj_w) == 0
+    one = 2 * dim * hidden
+    assert count(with_.parameters()) - count(without.parameters()) == one
+    groups = [tg.param_groups_by_role(m)["block matrices"] for m in (with_, without)]
+    assert count(groups[0]) - count(groups[1]) == one
+    assert tg.flops_per_token(with_, W3, 64) - tg.flops_per_token(without, W3, 64) == 6 * one
+    args_with, args_without = tg.Hyperparameters(**wide), tg.Hyperparameters(**plain)
+    est = [tg.memory_estimate(m, a, 1) for m, a in ((with_, args_with), (without, args_without))]
+    assert est[0]["activations"] - est[1]["activations"] == 2 * args_with.seq_len * 2 * hidden  # bf16 pre and post
+    group = {id(p): g for g in muon_of(with_, wide).param_groups for p in g["params"]}
+    assert group[id(extra.fc_w)] is group[id(mlp.fc_w)] and group[id(extra.proj_w)] is group[id(mlp.proj_w)]
+    assert (group[id(extra.fc_w)]["lr_mult"], group[id(extra.proj_w)]["lr_mult"]) == (2.0, 4.0)
+    runs = [tg.train(tiny_args(**{**config, **FAST, "num_iterations": 3, "val_every": 0})) for config in (wide, plain)]
+    assert runs[0].train_losses[0] == runs[1].train_losses[0]
+    assert runs[0].train_losses[-1] != runs[1].train_losses[-1]
+    logs = [open(r.log_path).read() for r in runs]
+    assert all("mlp_hidden: 176\n" in log for log in logs)
+    total = [int(log.split(", parameters: ")[1].split("\n")[0].replace(",", "")) for log in logs]
+    assert total[0] == total[1] + one == count(with_.parameters())
+
+
 def test_checkpoints_hold_it_a_resumed_run_continues_exactly_and_a_checkpoint_without_it_is_refused(
         tiny_args, tmp_path):
     every = 2 * tiny_args().adam_every

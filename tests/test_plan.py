@@ -50,7 +50,7 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
 def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_presets(no_gpu, capsys):
     """--plan's model line: the MLP's hidden width and MFU's counts from it (flops_per_token), ANVIL2's 2816 against
     the record's 3072 (11 blocks x 2 matrices x 768 x 256 fewer weights, 6 FLOPs each per token); the measured step
-    times stay the preset's model's, and the line says so where the width is not the preset's."""
+    times stay the preset's model's, and the line says so where the width, or another model field, is not the preset's."""
     lines = {}
     for given in ([], ["--mlp_hidden", "3072"], ["--mlp_hidden", "2816"]):
         assert tg.main(["--plan", *given]) == 0
@@ -69,6 +69,14 @@ def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_preset
     assert gflops[1] == pytest.approx(exact, rel=1e-3) and len(exact) == 4
     for a, b in zip(*gflops):
         assert a - b == pytest.approx(6 * 11 * 2 * 768 * 256 / 1e9, abs=2e-4)
+    # ANVIL2's whole architecture (its layout, the second MLP in block 8, 2816): every model field that differs named
+    layout = ["--skip_layers", "7", "--no_attn_layers", "4,6,9", "--skip_into", "6", "--xsa_blocks", "1,3",
+              "--paired_head_blocks", "0,2,5", "--value_embed_blocks", "1,2,8,10", "--parallel_mlp_blocks", "8"]
+    assert tg.main(["--plan", "--mlp_hidden", "2816", *layout]) == 0
+    line = line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden")
+    assert line.endswith("; the step times above are --preset record's model's, MLP hidden 3,072, no_attn_layers (6,), "
+                         "value_embed_blocks (1, 2, 8, 9, 10), paired_head_blocks (0, 2, 5, 9), xsa_blocks (1, 3, 4, 7), "
+                         "skip_into 0, skip_layers (), parallel_mlp_blocks ()")
 
 
 def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, capsys, monkeypatch):
