@@ -166,6 +166,16 @@ class Hyperparameters:
     # it reads the same normed input, its output projection starts at zero (the same function at step 0), its output
     # joins the MLP's under the block's MLP output weight, and it learns at the MLP rates (per_matrix_lr_mul 1 / 2)
     parallel_mlp_blocks: tuple[int, ...] = ()  # blocks with a second MLP beside their own: same input, output projection zero at the start, summed before the MLP output's weight; ANVIL2 (#92): 8
+    # ANVIL2 injects x0 and the n-gram (its "hashed bigram") embedding on fewer blocks than every one before the last:
+    # `_NOINJ_X0 = frozenset((3, 8, 9))`, `_NOINJ_BG = frozenset((2, 3, 7, 8))` (its train_gpt.py, printed at the start
+    # of records/track_1_short/2026-08-30_ANVIL2/this_pr/32a48562-*.txt @fd1b14a5, ~102k characters in), and its skip
+    # target, layer 6, only adds the skip: `elif i == 6:` `x = x + skip_gate_out * cache[3]` (~143k): no
+    # resid_lambdas_attn[6] (its MLP's residual lambda stays), no x0, no n-gram injection. A block listed below has no
+    # gate output for what it skips (the MUDD gates' layout leaves it out); the last block's weights are MUDD's, so it
+    # is in none of them
+    no_x0_blocks: tuple[int, ...] = ()  # blocks that take no x0 injection (no x0 gate output); ANVIL2 (#92): 3,6,8,9
+    no_ngram_blocks: tuple[int, ...] = ()  # blocks that take no n-gram (bigram + trigram) embedding (no gate output for it); ANVIL2 (#92): 2,3,6,8 (its 7 is the removed block, which has none)
+    no_resid_scale_blocks: tuple[int, ...] = ()  # blocks whose residual enters unscaled (no learned weight before the attention; the one around the MLP stays); ANVIL2 (#92): 6
     # untied value embeddings (01/26/26, init 02/03/26): these blocks have a table each, drawn N(0, 0.01)
     value_embed_blocks: tuple[int, ...] = (1, 2, 8, 9, 10)  # blocks with a value-embedding table each, N(0, 0.01); () = off
     window_pattern: str = "SSSLSSSSSSL"  # per block: L = long window, S = short window (half)
@@ -409,6 +419,17 @@ class Hyperparameters:
                 or any(not 0 <= i < h.num_layers for i in h.parallel_mlp_blocks)):
             raise ValueError(f"parallel_mlp_blocks={h.parallel_mlp_blocks}: distinct blocks 0-{h.num_layers - 1}, each "
                              "given one second MLP")
+        # the injections a block goes without (no_x0_blocks etc.): blocks before the last, each named once; a removed
+        # block keeps its x0 injection and residual weight unless listed, and has no n-gram injection to go without
+        for name in ("no_x0_blocks", "no_ngram_blocks", "no_resid_scale_blocks"):
+            blocks = getattr(h, name)
+            if len(set(blocks)) < len(blocks) or any(not 0 <= i < h.num_layers - 1 for i in blocks):
+                raise ValueError(f"{name}={blocks}: distinct blocks 0-{h.num_layers - 2}, below the last, whose "
+                                 "residual, x0 and n-gram weights MUDD gives per token")
+        both = sorted(set(h.skip_layers) & set(h.no_ngram_blocks))
+        if both:
+            raise ValueError(f"no_ngram_blocks={h.no_ngram_blocks}: block(s) {both} removed (skip_layers="
+                             f"{h.skip_layers}) take no n-gram injection already: leave them out")
         if any(h.window_pattern[i] == "L" for i in h.skip_layers):
             raise ValueError(f"skip_layers={h.skip_layers}: a removed block has no attention window, but "
                              f"window_pattern={h.window_pattern!r} marks one long (L), where the MUDD gates and the "
@@ -742,6 +763,9 @@ class ModelConfig:
     skip_into: int  # 0: the first of no_attn_layers (skip_target)
     skip_layers: tuple[int, ...]
     parallel_mlp_blocks: tuple[int, ...]
+    no_x0_blocks: tuple[int, ...]
+    no_ngram_blocks: tuple[int, ...]
+    no_resid_scale_blocks: tuple[int, ...]
     tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order
@@ -1092,8 +1116,8 @@ class BlockWeights(NamedTuple):
     """One block's mixing weights, each a scalar tensor or per token ((T, 1); per head (T, H)), set by GPT.hidden from
     the learned scalars, the MUDD gates and, in the last block, MUDD: x <- resid x + x0_w x0 + bigram; then
     x <- x + attn_out attention(x); then x <- mlp_resid x + mlp_out MLP(x)."""
-    resid: Tensor  # the residual stream's own weight before the block
-    x0: Tensor  # the normed embedding's weight
+    resid: Tensor | None  # the residual stream's own weight before the block; None: unscaled (no_resid_scale_blocks)
+    x0: Tensor | None  # the normed embedding's weight; None: no x0 injection (no_x0_blocks)
     attn_out: Tensor  # the attention output's weight
     mlp_resid: Tensor  # the residual's weight around the MLP
     mlp_out: Tensor  # the MLP output's weight
@@ -1195,6 +1219,15 @@ def fp8_mlp_operands(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, .
             scales, parts)
 
 
+def residual_in(x: Tensor, x0: Tensor, w: BlockWeights) -> Tensor:
+    """A block's residual before its sublayers: resid x + x0_w x0, where a block of no_resid_scale_blocks takes x as it
+    comes (w.resid None) and one of no_x0_blocks no x0 (w.x0 None). Both given, the one expression it always was."""
+    if w.resid is not None and w.x0 is not None:
+        return w.resid * x + w.x0 * x0
+    scaled = x if w.resid is None else w.resid * x
+    return scaled if w.x0 is None else scaled + w.x0 * x0
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn, has_attn: bool, ve_gate: bool, long_window: bool, paired: bool,
                  fused_mlp: bool = False, fp8_mlp: bool = False):
@@ -1208,7 +1241,7 @@ class Block(nn.Module):
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, w: BlockWeights, attn_in: Tensor | None,
                 cu_seqlens: Tensor, max_seqlen: int, window: int, rope: tuple[Tensor, Tensor, float]) -> Tensor:
         """attn_in: the attention's normed input when it is not this block's own (parallel attention inputs)."""
-        x = w.resid * x + w.x0 * x0  # learned mix with the embedding stream x0
+        x = residual_in(x, x0, w)  # learned mix with the embedding stream x0
         if w.bigram is not None:  # this block's weighted bigram hash embedding (see bigram_indices)
             x = x + w.bigram
         if self.attn is not None:
@@ -1223,12 +1256,13 @@ class Block(nn.Module):
 class SkippedBlock(nn.Module):
     """A block removed (skip_layers; the public record ANVIL2, #92, removes block 7 of 11): no attention, no MLP, no
     parameters of its own, but its residual weights and its gated x0 injection stay, as in ANVIL2 ("residual
-    structure (resid lambdas, x0 ...) intact"; no bigram injection there). It holds the block's place in GPT.blocks:
+    structure (resid lambdas, x0 ...) intact"; no bigram injection there); no_x0_blocks and no_resid_scale_blocks
+    may take its x0 injection and residual weight too (residual_in). It holds the block's place in GPT.blocks:
     every other block keeps its index, name and checkpoint keys."""
     attn = mlp = parallel_mlp = None
 
     def forward(self, x: Tensor, x0: Tensor, w: BlockWeights) -> Tensor:
-        return w.mlp_resid * (w.resid * x + w.x0 * x0)
+        return w.mlp_resid * residual_in(x, x0, w)
 
 
 COPY_DIM = 128  # CPLM's pointer: the width of its query and key
@@ -1391,8 +1425,12 @@ class GPT(nn.Module):
                 part.append(("xsa", i, H, 0.0))
             if cfg.window_pattern[i] == "L" and i not in cfg.no_attn_layers:
                 part.append(("out", i, H, 0.25))
-            if i < cfg.num_layers - 1:  # a removed block (skip_layers) takes x0's weight, not the bigram's
-                part += [("x0", i, 1, 0.0)] + ([("bigram", i, 1, 0.05)] if i not in cfg.skip_layers else [])
+            # a removed block (skip_layers) takes x0's weight, not the bigram's; no_x0_blocks and no_ngram_blocks
+            # take neither output they name (ANVIL2's _NOINJ_X0 / _NOINJ_BG, and its layer 6)
+            if i < cfg.num_layers - 1 and i not in cfg.no_x0_blocks:
+                part.append(("x0", i, 1, 0.0))
+            if i < cfg.num_layers - 1 and i not in cfg.skip_layers and i not in cfg.no_ngram_blocks:
+                part.append(("bigram", i, 1, 0.05))
         parts[1].append(("skip", cfg.skip_target, 1, 0.5))
         # DC attention's w1 (1 at the start) and w2 (0: no correction at the start)
         parts[1].extend([("dc1", cfg.num_layers - 1, H, 1.0), ("dc2", cfg.num_layers - 1, H, 0.0)])
@@ -1578,12 +1616,14 @@ class GPT(nn.Module):
                 self.gates(x, 1, g)
             if i == skip_into:  # one skip, weighted sigmoid(l) times the gate's per-token weight
                 x = x + (torch.sigmoid(s[at["skips"]][0]) * g["skip"][i]) * skip
+            # no_resid_scale_blocks: the residual unscaled (ANVIL2's layer 6); no_x0_blocks leave g["x0"][i] None
+            resid = None if i in cfg.no_resid_scale_blocks else own[i, 0]
             if i in cfg.skip_layers:  # removed (SkippedBlock): its residual weights and x0 injection only
-                x = block(x, x0, BlockWeights(own[i, 0], g["x0"][i], *sub[i], own[i, 2:]))
+                x = block(x, x0, BlockWeights(resid, g["x0"][i], *sub[i], own[i, 2:]))
             else:
                 if i < L - 1:
-                    w = BlockWeights(own[i, 0], g["x0"][i], *sub[i], own[i, 2:], g["bigram"][i] * bigram,
-                                     g["xsa"][i], g["out"][i])
+                    weighted = None if i in cfg.no_ngram_blocks else g["bigram"][i] * bigram
+                    w = BlockWeights(resid, g["x0"][i], *sub[i], own[i, 2:], weighted, g["xsa"][i], g["out"][i])
                 else:
                     before_last = x
                     x, w = self.mudd_before_last(x, x0, backout, bigram, own[i, 2:], g, i)

@@ -71,12 +71,14 @@ def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_preset
         assert a - b == pytest.approx(6 * 11 * 2 * 768 * 256 / 1e9, abs=2e-4)
     # ANVIL2's whole architecture (its layout, the second MLP in block 8, 2816): every model field that differs named
     layout = ["--skip_layers", "7", "--no_attn_layers", "4,6,9", "--skip_into", "6", "--xsa_blocks", "1,3",
-              "--paired_head_blocks", "0,2,5", "--value_embed_blocks", "1,2,8,10", "--parallel_mlp_blocks", "8"]
+              "--paired_head_blocks", "0,2,5", "--value_embed_blocks", "1,2,8,10", "--parallel_mlp_blocks", "8",
+              "--no_x0_blocks", "3,6,8,9", "--no_ngram_blocks", "2,3,6,8", "--no_resid_scale_blocks", "6"]
     assert tg.main(["--plan", "--mlp_hidden", "2816", *layout]) == 0
     line = line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden")
     assert line.endswith("; the step times above are --preset record's model's, MLP hidden 3,072, no_attn_layers (6,), "
                          "value_embed_blocks (1, 2, 8, 9, 10), paired_head_blocks (0, 2, 5, 9), xsa_blocks (1, 3, 4, 7), "
-                         "skip_into 0, skip_layers (), parallel_mlp_blocks ()")
+                         "skip_into 0, skip_layers (), parallel_mlp_blocks (), no_x0_blocks (), no_ngram_blocks (), "
+                         "no_resid_scale_blocks ()")
 
 
 def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, capsys, monkeypatch):
