@@ -176,6 +176,11 @@ class Hyperparameters:
     no_x0_blocks: tuple[int, ...] = ()  # blocks that take no x0 injection (no x0 gate output); ANVIL2 (#92): 3,6,8,9
     no_ngram_blocks: tuple[int, ...] = ()  # blocks that take no n-gram (bigram + trigram) embedding (no gate output for it); ANVIL2 (#92): 2,3,6,8 (its 7 is the removed block, which has none)
     no_resid_scale_blocks: tuple[int, ...] = ()  # blocks whose residual enters unscaled (no learned weight before the attention; the one around the MLP stays); ANVIL2 (#92): 6
+    # ANVIL2 adds x0 and the n-gram embedding after a layer's attention, before its MLP, as the public line has since
+    # record #73 (PR 230; #89: `x = resid_lambdas_attn[i] * x + post_lambdas_attn[i] * attn_out + x0 * x0_gates[i]`),
+    # and layer 0's n-gram before the loop ("pre-layer-0 bigram injection"): its train_gpt.py, in
+    # records/track_1_short/2026-08-30_ANVIL2/this_pr/32a48562-*.txt @fd1b14a5, ~140k and ~148k characters in
+    inject_after_attn: bool = False  # add a block's gated x0 and n-gram injections after its attention (which reads the residual without them), before its MLP; block 0's n-gram still before it: ANVIL2 (#92)
     # untied value embeddings (01/26/26, init 02/03/26): these blocks have a table each, drawn N(0, 0.01)
     value_embed_blocks: tuple[int, ...] = (1, 2, 8, 9, 10)  # blocks with a value-embedding table each, N(0, 0.01); () = off
     window_pattern: str = "SSSLSSSSSSL"  # per block: L = long window, S = short window (half)
@@ -766,6 +771,7 @@ class ModelConfig:
     no_x0_blocks: tuple[int, ...]
     no_ngram_blocks: tuple[int, ...]
     no_resid_scale_blocks: tuple[int, ...]
+    inject_after_attn: bool
     tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order
@@ -1115,7 +1121,8 @@ def rotate(x: Tensor, rope: tuple[Tensor, Tensor, float]) -> Tensor:  # x: (T, H
 class BlockWeights(NamedTuple):
     """One block's mixing weights, each a scalar tensor or per token ((T, 1); per head (T, H)), set by GPT.hidden from
     the learned scalars, the MUDD gates and, in the last block, MUDD: x <- resid x + x0_w x0 + bigram; then
-    x <- x + attn_out attention(x); then x <- mlp_resid x + mlp_out MLP(x)."""
+    x <- x + attn_out attention(x); then x <- mlp_resid x + mlp_out MLP(x). With inject_after_attn, x <- resid x;
+    x <- x + attn_out attention(x) + x0_w x0 + bigram; then the MLP as before."""
     resid: Tensor | None  # the residual stream's own weight before the block; None: unscaled (no_resid_scale_blocks)
     x0: Tensor | None  # the normed embedding's weight; None: no x0 injection (no_x0_blocks)
     attn_out: Tensor  # the attention output's weight
@@ -1237,16 +1244,26 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, fused=fused_mlp, fp8=fp8_mlp)
         # parallel_mlp_blocks: a second MLP of the same kind, set by GPT after every other weight is drawn
         self.parallel_mlp: MLP | None = None
+        # inject_after_attn (ANVIL2, #92): x0 and the n-gram embedding join after the attention; without attention
+        # they join before the MLP, as always
+        self.inject_after_attn = cfg.inject_after_attn and has_attn
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, w: BlockWeights, attn_in: Tensor | None,
                 cu_seqlens: Tensor, max_seqlen: int, window: int, rope: tuple[Tensor, Tensor, float]) -> Tensor:
         """attn_in: the attention's normed input when it is not this block's own (parallel attention inputs)."""
-        x = residual_in(x, x0, w)  # learned mix with the embedding stream x0
-        if w.bigram is not None:  # this block's weighted bigram hash embedding (see bigram_indices)
-            x = x + w.bigram
-        if self.attn is not None:
+        if self.inject_after_attn:  # the attention reads the (weighted) residual alone; the injections join after it
+            x = x if w.resid is None else w.resid * x
             y = self.attn(norm(x) if attn_in is None else attn_in, ve, w, cu_seqlens, max_seqlen, window, rope)
             x = x + w.attn_out * y
+            x = x if w.x0 is None else x + w.x0 * x0
+            x = x if w.bigram is None else x + w.bigram
+        else:
+            x = residual_in(x, x0, w)  # learned mix with the embedding stream x0
+            if w.bigram is not None:  # this block's weighted bigram hash embedding (see bigram_indices)
+                x = x + w.bigram
+            if self.attn is not None:
+                y = self.attn(norm(x) if attn_in is None else attn_in, ve, w, cu_seqlens, max_seqlen, window, rope)
+                x = x + w.attn_out * y
         if self.parallel_mlp is None:
             return w.mlp_resid * x + w.mlp_out * self.mlp(norm(x))
         h = norm(x)  # both MLPs read it (ANVIL2's `normed`), their outputs summed under one weight
@@ -1623,6 +1640,9 @@ class GPT(nn.Module):
             else:
                 if i < L - 1:
                     weighted = None if i in cfg.no_ngram_blocks else g["bigram"][i] * bigram
+                    if i == 0 and cfg.inject_after_attn and weighted is not None:
+                        # ANVIL2's stream starts as x0 + block 0's n-gram term, which block 0's attention reads
+                        x, weighted = x + weighted, None
                     w = BlockWeights(resid, g["x0"][i], *sub[i], own[i, 2:], weighted, g["xsa"][i], g["out"][i])
                 else:
                     before_last = x

@@ -65,7 +65,11 @@ PENDING_ADOPTION = {
     # issue 63: ANVIL2's injection sites (x0 on 0,1,2,4,5,7; n-gram on 0,1,4,5,9) and its skip target 6 that only adds
     # the skip (no residual weight, x0 or n-gram), which the layout's port still lacked (layout_review.md, item 3);
     # decided by a GPU run of ANVIL2's whole layout with and without them
-    "no_x0_blocks", "no_ngram_blocks", "no_resid_scale_blocks"}
+    "no_x0_blocks", "no_ngram_blocks", "no_resid_scale_blocks",
+    # issue 63: ANVIL2's order of a block's injections, x0 and the n-gram term after its attention (as the public line
+    # since #73), the one difference a review of the port found left; decided by a GPU run of ANVIL2's whole layout
+    # with and without it
+    "inject_after_attn"}
 # fields whose 0 is not off but a value derived from other fields: mlp_hidden 0 is the MLP's width mlp_ratio x
 # model_dim, which every preset has (ANVIL2's 2816 is a candidate not yet measured on a GPU)
 DERIVED = {"mlp_hidden"}
