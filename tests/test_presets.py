@@ -69,7 +69,11 @@ PENDING_ADOPTION = {
     # issue 63: ANVIL2's order of a block's injections, x0 and the n-gram term after its attention (as the public line
     # since #73), the one difference a review of the port found left; decided by a GPU run of ANVIL2's whole layout
     # with and without it
-    "inject_after_attn"}
+    "inject_after_attn",
+    # issue 63: ANVIL2's narrow heads, Q/K half wide in its short-window attention layers and V too in two of them
+    # (bench/results/attention_head_widths.md), which the port lacked; decided by a GPU run of ANVIL2's whole layout
+    # with and without them, after timing the padded (64,128) route's kernel (that file's list of GPU measurements)
+    "narrow_qk_blocks", "narrow_v_blocks"}
 # fields whose 0 is not off but a value derived from other fields: mlp_hidden 0 is the MLP's width mlp_ratio x
 # model_dim, which every preset has (ANVIL2's 2816 is a candidate not yet measured on a GPU)
 DERIVED = {"mlp_hidden"}
