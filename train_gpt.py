@@ -3951,7 +3951,7 @@ class RunResult:
     first_step: int = 0  # a resumed run starts after its checkpoint's step
     checkpoint: str | None = None  # the last checkpoint written
     interrupted: int = 0  # the signal (SIGTERM / SIGINT) that stopped the run after saving a checkpoint
-    stage_ms: list = dataclasses.field(default_factory=list)  # (stage number, first step, steps, training ms)
+    stage_ms: list = dataclasses.field(default_factory=list)  # (stage number, first step, steps, training ms, softmax rows)
 
 
 class LossWatch:
@@ -4279,17 +4279,21 @@ class RunControl:
 
 
 def stage_times(schedule: Schedule, marks: list[tuple[int, float]], step: int,
-                train_ms: float) -> list[tuple[int, int, int, float]]:
-    """(stage number from 1, first step, steps, training ms) of each stage this run trained in, from the
-    training time at each stage's first step (`marks`) and at the last step done (`step`, `train_ms`)."""
-    ends = marks[1:] + [(step, train_ms)]
-    return [(schedule.stages.index(schedule.stage_at(a)) + 1, a, b - a, ms_b - ms_a)
-            for (a, ms_a), (b, ms_b) in zip(marks, ends) if b > a]
+                train_ms: float) -> list[tuple[int, int, int, float, int]]:
+    """(stage number from 1, first step, steps, training ms, softmax rows: candidates or 0 for the full softmax) of
+    each stage this run trained in, a stage that switches to the full softmax as two parts, from the training time
+    at each part's first step (`marks`) and at the last step done (`step`, `train_ms`)."""
+    parts = []
+    for (a, ms_a), (b, ms_b) in zip(marks, marks[1:] + [(step, train_ms)]):
+        if b > a:
+            stage = schedule.stage_at(a)
+            parts.append((schedule.stages.index(stage) + 1, a, b - a, ms_b - ms_a, schedule.candidates_at(a, stage)))
+    return parts
 
 
 def finish(log, args: Hyperparameters, device: torch.device, world_size: int, step: int, losses, tokens, val_losses,
            train_ms: float, first_step: int, checkpoint, interrupted: int, stages: tuple[Stage, ...] = (),
-           stages_ms: list[tuple[int, int, int, float]] = ()) -> RunResult:
+           stages_ms: list[tuple[int, int, int, float, int]] = ()) -> RunResult:
     """Every rank's per-step losses gathered, peak memory, each stage's step time, and the closing summary
     line (`step` steps done)."""
     per_step = torch.stack(losses) if losses else torch.zeros(0, device=device)
@@ -4298,10 +4302,11 @@ def finish(log, args: Hyperparameters, device: torch.device, world_size: int, st
     if device.type == "cuda":
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-    for number, first, steps, ms in stages_ms:  # the first step of a stage is one of its steps (no recompile: warm-up)
-        batch = stages[number - 1].spec.batch_size
+    for number, first, steps, ms, rows in stages_ms:  # a stage's first step is one of its steps (no recompile: warm-up)
+        stage = stages[number - 1]
+        softmax = (f", sampled softmax ({rows:,} rows)" if rows else ", full softmax") if stage.candidates else ""
         log(f"stage {number}, steps {first}-{first + steps - 1}: {ms / steps:.1f} ms a step over {steps} steps, "
-            f"{batch * steps / ms * 1000:,.0f} tokens/s")
+            f"{stage.spec.batch_size * steps / ms * 1000:,.0f} tokens/s{softmax}")
     log(f"{'stopped' if interrupted else 'finished'} at step {step}/{args.num_iterations}: training time "
         f"{train_ms / 1000:.1f}s ({train_ms / max(step, 1):.1f} ms/step)" +
         (f", val_loss {val_losses[-1][1]:.4f} at step {val_losses[-1][0]}" if val_losses else "") +
@@ -4366,7 +4371,8 @@ def train(args: Hyperparameters) -> RunResult:
             if step == N:
                 break
             stage = schedule.stage_at(step)
-            if step == first_step or step == stage.start:  # each stage's time, exact at its edges (a GPU sync)
+            # each stage's time, exact at its edges and at the switch to the full softmax inside it (a GPU sync)
+            if step == first_step or step == stage.start or (step == schedule.full_softmax and stage.candidates):
                 clock.stop()
                 stage_marks.append((step, clock.ms))
                 clock.start()

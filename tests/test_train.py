@@ -327,16 +327,36 @@ def test_each_stage_step_time_is_logged_and_the_stages_add_up_to_the_training_ti
     args = tiny_args(**FAST, num_iterations=20, val_every=5, save_every=10)
     run = tg.train(args)
     stages = tg.Schedule(args).stages
-    assert [(n, first, steps) for n, first, steps, _ in run.stage_ms] == [
-        (i + 1, st.start, min(st.end, args.num_iterations) - st.start) for i, st in enumerate(stages)]
-    total = sum(ms for *_, ms in run.stage_ms)  # all but the timed moments before step 0's step (bookkeeping)
+    assert [(n, first, steps, rows) for n, first, steps, _, rows in run.stage_ms] == [
+        (i + 1, st.start, min(st.end, args.num_iterations) - st.start, 0) for i, st in enumerate(stages)]
+    total = sum(ms for _, _, _, ms, _ in run.stage_ms)  # all but the timed moments before step 0's step (bookkeeping)
     assert run.train_time_ms - 50 < total <= run.train_time_ms
     text = Path(run.log_path).read_text()
-    for n, first, steps, ms in run.stage_ms:
+    for n, first, steps, ms, _ in run.stage_ms:
         assert f"stage {n}, steps {first}-{first + steps - 1}: {ms / steps:.1f} ms a step over {steps} steps" in text
+    lines = re.findall(r"^stage \d, steps .*$", text, re.M)
+    assert len(lines) == 3 and not any("softmax" in line for line in lines)  # no stage samples: no softmax named
     step_10 = str(Path(run.checkpoint).parent / "step_000010")
     resumed = tg.train(tiny_args(**FAST, num_iterations=20, val_every=5, save_every=10, resume=step_10))
-    assert [(n, first, steps) for n, first, steps, _ in resumed.stage_ms] == [(2, 10, 4), (3, 14, 6)]
+    assert [(n, first, steps) for n, first, steps, _, _ in resumed.stage_ms] == [(2, 10, 4), (3, 14, 6)]
+
+
+def test_a_stage_that_switches_to_the_full_softmax_is_timed_in_two_parts(tiny_args):
+    """The sampled and the full softmax's steps of one stage are timed apart (--plan prices them from two tables):
+    stage 3 of 20 steps (14-19) switches at round(0.8 x 20) = 16, so it logs steps 14-15 sampled and 16-19 full,
+    and the parts still add up to the training time."""
+    sampled = tuple(dataclasses.replace(row, candidates=c) for row, c in zip(TINY["stages"], (66, 68, 70)))
+    args = tiny_args(**FAST, num_iterations=20, val_every=0, stages=sampled, full_softmax_from=0.8)
+    run = tg.train(args)
+    assert [(n, first, steps, rows) for n, first, steps, _, rows in run.stage_ms] == [
+        (1, 0, 7, 66), (2, 7, 7, 68), (3, 14, 2, 70), (3, 16, 4, 0)]
+    assert run.train_time_ms - 50 < sum(ms for _, _, _, ms, _ in run.stage_ms) <= run.train_time_ms
+    text = Path(run.log_path).read_text()
+    _, _, _, ms, _ = run.stage_ms[2]
+    assert f"stage 3, steps 14-15: {ms / 2:.1f} ms a step over 2 steps" in text
+    lines = re.findall(r"^stage \d, steps .*$", text, re.M)
+    assert [line.split("tokens/s")[-1] for line in lines] == [
+        ", sampled softmax (66 rows)", ", sampled softmax (68 rows)", ", sampled softmax (70 rows)", ", full softmax"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the host-device synchronization check needs a CUDA GPU")
