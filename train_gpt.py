@@ -3412,6 +3412,53 @@ def copy_state_dict(state):
     return state
 
 
+def state_bytes(state) -> int:
+    """Bytes of the tensors in a (nested) state dict: what torch.save writes of it, less a small overhead."""
+    if isinstance(state, Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def checkpoint_bytes(model: GPT, optimizers, rank: int) -> int:
+    """The tensor bytes of this rank's checkpoint files (save_checkpoint's split: rank 0 alone writes the weights)."""
+    sharded = model.ngram_world > 1
+    need = state_bytes([o.state_dict() for o in optimizers])
+    need += state_bytes(model.bigram_embed.weight) if sharded else 0
+    if rank == 0:
+        need += sum(state_bytes(v) for k, v in model.state_dict().items() if not (sharded and k == "bigram_embed.weight"))
+    return need
+
+
+CHECKPOINT_SPARE = 2**30  # bytes a checkpoint leaves free on its disk (logs, compile caches, the next checkpoint's .tmp)
+
+
+def checkpoint_room(step: int, model: GPT, optimizers, args: Hyperparameters, rank: int, control) -> str:
+    """'' if the checkpoint of `step` fits on its disk with CHECKPOINT_SPARE to spare, else the line that says
+    why it is not written. Every rank's files are counted against every rank's disk (one node's ranks share one;
+    on several nodes with their own disks this asks for more than each needs). A full disk is worse than a
+    missing checkpoint: the record preset's 20.8M-row table alone is 30 GiB a checkpoint, and two such
+    checkpoints once filled a 64 GiB disk and took its machine down."""
+    need = checkpoint_bytes(model, optimizers, rank)
+    where = Path(args.checkpoint_dir).resolve()
+    while not where.exists():  # the nearest folder that exists: the checkpoint's disk
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if control is not None:
+        total, least = torch.tensor([need], dtype=torch.float64), torch.tensor([free], dtype=torch.float64)
+        dist.all_reduce(total, group=control)  # every rank's files
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=control)  # the fullest disk
+        need, free = total.item(), least.item()
+    if need + CHECKPOINT_SPARE <= free:
+        return ""
+    size = lambda n: f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return (f"checkpoint at step {step} not written: it needs {size(need)} and {where} has {size(free)} free "
+            f"({size(CHECKPOINT_SPARE)} kept spare); point --checkpoint_dir at a disk with room")
+
+
 def save_checkpoint(step: int, model: GPT, optimizers, loader_state: dict, training_time_ms: float,
                     args: Hyperparameters, rank: int, world_size: int) -> Path:
     """checkpoint_dir/<run_id>/step_NNNNNN/: model.pt (weights, step, hyperparameters, code hash) and
@@ -4230,12 +4277,16 @@ class RunControl:
         once read 0.82 s before the first step on two H100s, against 2 ms on one)."""
         agree(False, self.watch.failure, self.group)
 
-    def save(self, step: int, data_state: dict) -> Path:
+    def save(self, step: int, data_state: dict) -> Path | None:
         """A checkpoint of `step` steps, written once every rank's losses so far are known finite (the GPU
-        synchronised first, so every loss is in): the last good checkpoint a failure names is good."""
+        synchronised first, so every loss is in): the last good checkpoint a failure names is good. None, and a
+        log line saying why, where its disk lacks the room (checkpoint_room)."""
         self.clock.sync()
         self.watch.newest(self.checkpoint)
         agree(False, self.watch.failure, self.group)
+        if short := checkpoint_room(step, self.model, self.optimizers, self.args, self.rank, self.group):
+            self.log(short)
+            return None
         self.checkpoint = save_checkpoint(step, self.model, self.optimizers, data_state, self.clock.ms, self.args,
                                           self.rank, self.world_size)
         return self.checkpoint
@@ -4251,27 +4302,31 @@ class RunControl:
         except ShardError as e:  # the data broke on a rank: every rank saves the steps done, then stops
             # (a gradient summed for Adam's next step, adam_every > 1, is not in the checkpoint)
             self.clock.stop()
-            checkpoint = self.save(step, data_state)
-            raise ShardError(f"{e}. Saved {checkpoint}; once the data is fixed, continue with: "
-                             f"{resume_command(checkpoint, self.world_size)}") from e
+            if self.save(step, data_state) is None:
+                raise ShardError(f"{e}. No checkpoint of step {step} (no room: see the line above)") from e
+            raise ShardError(f"{e}. Saved {self.checkpoint}; once the data is fixed, continue with: "
+                             f"{resume_command(self.checkpoint, self.world_size)}") from e
         if stop and step % args.adam_every and step < N:  # Adam's summed gradient is not checkpointed:
             stop = False  # stop after Adam's next step (every rank defers alike: the flag is agreed)
         if step > self.first_step and (stop or (args.save_every > 0 and step % args.save_every == 0 and step < N)):
             self.clock.stop()  # checkpoints are not timed
-            self.log(f"checkpoint: {self.save(step, data_state)}")
+            if saved := self.save(step, data_state):
+                self.log(f"checkpoint: {saved}")
             self.clock.start()
             self.figures.restart(step)
             if stop:
                 self.interrupted = self.signals[0] if self.signals else signal.SIGTERM
-                self.log(f"stopped by signal after step {step}; continue with: "
-                         f"{resume_command(self.checkpoint, self.world_size)}")
+                self.log(f"stopped by signal after step {step}; " + (
+                    f"continue with: {resume_command(self.checkpoint, self.world_size)}" if self.checkpoint else
+                    "no checkpoint was written"))
                 return None
         return micro
 
     def finish(self):
         """The final checkpoint (--save_every > 0), unless a signal stopped the run (it saved already)."""
         if self.args.save_every > 0 and not self.interrupted:
-            self.log(f"checkpoint: {self.save(self.args.num_iterations, self.loader.state)}")
+            if saved := self.save(self.args.num_iterations, self.loader.state):
+                self.log(f"checkpoint: {saved}")
 
     def close(self):
         for sig, handler in self.handlers.items():

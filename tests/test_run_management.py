@@ -260,6 +260,43 @@ def test_with_adam_every_two_a_stop_mid_sum_waits_for_adams_step_and_the_run_res
     assert resumed.val_losses[-1] == full.val_losses[-1]
 
 
+def test_a_checkpoint_with_no_room_on_its_disk_is_not_written_and_the_run_says_so(tiny_args, tmp_path, monkeypatch):
+    """Periodic saves and the stop's save both skip when the disk lacks the checkpoint's size plus the spare
+    gigabyte; the run trains on, and stopped by a signal names no checkpoint to resume from."""
+    kw = dict(FAST, num_iterations=8, val_every=4, save_every=2, checkpoint_dir=str(tmp_path / "ck"))
+    signals, train_step = [], tg.train_step
+
+    def signalled(model, compiled, optimizers, micro, step, stage, schedule):
+        loss = train_step(model, compiled, optimizers, micro, step, stage, schedule)
+        if step == 4:
+            signals.append(signal.SIGTERM)
+        return loss
+    monkeypatch.setattr(tg, "stop_on_signals", lambda: (signals, {}))
+    monkeypatch.setattr(tg, "train_step", signalled)
+    room = tg.shutil.disk_usage(tmp_path)._replace(free=tg.CHECKPOINT_SPARE + 1)  # short by the checkpoint's size
+    monkeypatch.setattr(tg.shutil, "disk_usage", lambda path: room)
+    stopped = tg.train(tiny_args(run_id="full_disk", **kw))
+    monkeypatch.undo()
+    assert stopped.interrupted == signal.SIGTERM and len(stopped.train_losses) == 6 and stopped.checkpoint is None
+    assert not list((tmp_path / "ck").rglob("*.pt"))
+    log = Path(stopped.log_path).read_text()
+    for step in (2, 4, 6):  # the stop waits for Adam's step (adam_every 2)
+        assert re.search(rf"checkpoint at step {step} not written: it needs \d+\.\d MiB and \S+ has 1\.0 GiB free", log)
+    assert "\nstopped by signal after step 6; no checkpoint was written\n" in log  # no resume command to a missing one
+
+
+def test_the_checkpoint_size_estimate_is_what_the_files_take(tiny_args, tmp_path, monkeypatch):
+    """checkpoint_bytes (the room asked for) against the written files: tensors plus torch.save's small overhead."""
+    asked, estimate = [], tg.checkpoint_bytes
+    monkeypatch.setattr(tg, "checkpoint_bytes", lambda *a: asked.append(estimate(*a)) or asked[-1])
+    run = tg.train(tiny_args(**FAST, num_iterations=4, val_every=4, save_every=2, run_id="sized",
+                             checkpoint_dir=str(tmp_path / "ck"), **DECAYED_TABLES))
+    need = asked[-1]  # the final checkpoint's (steps 2 and 4 saved)
+    assert len(asked) == 2 and Path(run.checkpoint).name == "step_000004"
+    written = sum(f.stat().st_size for f in Path(run.checkpoint).iterdir())
+    assert need <= written <= 1.05 * need + 256 * 1024, (need, written)
+
+
 def _checksums(folder: Path) -> dict[str, str]:
     import hashlib
     return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
