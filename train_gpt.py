@@ -146,7 +146,8 @@ class Hyperparameters:
     val_seq_len: int = 262144  # validation buffer: context resets at its edges (the public speedrun's 262,144)
     max_doc_len: int = 2048  # training documents are cut here and the rest dropped (validation: never cut)
     max_num_docs: int = 0  # cu_seqlens padded to this many sequences (static shapes); 0: this run's fullest micro-batch (doc_slots)
-    # model: the public master's 11 blocks, attention skipped in block 6, long windows in blocks 3 and 10
+    # model: the public master's 11 blocks in ANVIL2's layout (record #92, 08/30/26): block 7 removed, no attention in
+    # blocks 4, 6 and 9, long windows in blocks 3 and 10
     vocab_size: int = 50304  # GPT-2's 50,257 padded to a multiple of 128 for fast matmuls (@Grad62304977)
     num_layers: int = 11  # transformer blocks (09/03/25: 12)
     model_dim: int = 768  # residual stream width
@@ -154,18 +155,19 @@ class Hyperparameters:
     head_dim: int = 128  # width of each attention head
     mlp_ratio: int = 4  # MLP hidden width = mlp_ratio x model_dim (where mlp_hidden is 0)
     # ANVIL2's rate on its MLP (ANVIL, its Muon) is its shape factor max(1, hidden/dim)^0.5 x (1, 2): (1.915, 3.830)
-    # at 2816. mlp_muon_lr_mults' (2, 4) is that rule at 3072 and stays as set whatever the width
-    mlp_hidden: int = 0  # MLP hidden width exactly, 0 = mlp_ratio x model_dim: ANVIL2 (record #92, 08/30/26) has 2816 at model_dim 768, ours 3072
-    no_attn_layers: tuple[int, ...] = (6,)  # blocks without attention (09/03/25: block 7 of 12, @YouJiacheng)
+    # at 2816. mlp_muon_lr_mults' (2, 4) is that rule at 3072 and stays as set whatever the width (the record's 2816
+    # was measured at (2, 4): bench/results/arch_h200_20261129d.md)
+    mlp_hidden: int = 2816  # MLP hidden width exactly, 0 = mlp_ratio x model_dim: the record's 2816 at model_dim 768, ANVIL2's (record #92, 08/30/26; before it 3072)
+    no_attn_layers: tuple[int, ...] = (4, 6, 9)  # blocks without attention: the record's 4, 6, 9 are ANVIL2's (record #92, 08/30/26; before it 6, as 09/03/25's block 7 of 12, @YouJiacheng)
     # ANVIL2 (the public record #92) removes block 7 whole and the attention of blocks 4 and 9. Block indices stay as
     # they are (block 8 is still block 8): a removed block has no attention, no MLP and no bigram injection, but keeps
     # its residual weights and its gated x0 injection (ANVIL2: "residual structure ... intact")
-    skip_layers: tuple[int, ...] = ()  # blocks without attention or MLP, only their residual weights; ANVIL2 (#92) removes block 7
+    skip_layers: tuple[int, ...] = (7,)  # blocks without attention or MLP, only their residual weights: the record removes block 7, as ANVIL2 (record #92, 08/30/26)
     # ANVIL2 also runs a second MLP beside block 8's, in the MLP bank's spare slot 11 (its train_gpt.py, at the start of
     # records/track_1_short/2026-08-30_ANVIL2/this_pr/*.txt, @fd1b14a5: `if i == 8:` "Parallel second MLP on layer 8"):
     # it reads the same normed input, its output projection starts at zero (the same function at step 0), its output
     # joins the MLP's under the block's MLP output weight, and it learns at the MLP rates (per_matrix_lr_mul 1 / 2)
-    parallel_mlp_blocks: tuple[int, ...] = ()  # blocks with a second MLP beside their own: same input, output projection zero at the start, summed before the MLP output's weight; ANVIL2 (#92): 8
+    parallel_mlp_blocks: tuple[int, ...] = (8,)  # blocks with a second MLP beside their own: same input, output projection zero at the start, summed before the MLP output's weight; the record's 8 is ANVIL2's (record #92, 08/30/26)
     # ANVIL2 injects x0 and the n-gram (its "hashed bigram") embedding on fewer blocks than every one before the last:
     # `_NOINJ_X0 = frozenset((3, 8, 9))`, `_NOINJ_BG = frozenset((2, 3, 7, 8))` (its train_gpt.py, printed at the start
     # of records/track_1_short/2026-08-30_ANVIL2/this_pr/32a48562-*.txt @fd1b14a5, ~102k characters in), and its skip
@@ -173,16 +175,16 @@ class Hyperparameters:
     # resid_lambdas_attn[6] (its MLP's residual lambda stays), no x0, no n-gram injection. A block listed below has no
     # gate output for what it skips (the MUDD gates' layout leaves it out); the last block's weights are MUDD's, so it
     # is in none of them
-    no_x0_blocks: tuple[int, ...] = ()  # blocks that take no x0 injection (no x0 gate output); ANVIL2 (#92): 3,6,8,9
-    no_ngram_blocks: tuple[int, ...] = ()  # blocks that take no n-gram (bigram + trigram) embedding (no gate output for it); ANVIL2 (#92): 2,3,6,8 (its 7 is the removed block, which has none)
-    no_resid_scale_blocks: tuple[int, ...] = ()  # blocks whose residual enters unscaled (no learned weight before the attention; the one around the MLP stays); ANVIL2 (#92): 6
+    no_x0_blocks: tuple[int, ...] = (3, 6, 8, 9)  # blocks that take no x0 injection (no x0 gate output): the record's 3,6,8,9 are ANVIL2's (record #92, 08/30/26)
+    no_ngram_blocks: tuple[int, ...] = (2, 3, 6, 8)  # blocks that take no n-gram (bigram + trigram) embedding (no gate output for it): the record's 2,3,6,8 are ANVIL2's (record #92, 08/30/26; its 7 is the removed block, which has none)
+    no_resid_scale_blocks: tuple[int, ...] = (6,)  # blocks whose residual enters unscaled (no learned weight before the attention; the one around the MLP stays): the record's 6 is ANVIL2's (record #92, 08/30/26)
     # ANVIL2 adds x0 and the n-gram embedding after a layer's attention, before its MLP, as the public line has since
     # record #73 (PR 230; #89: `x = resid_lambdas_attn[i] * x + post_lambdas_attn[i] * attn_out + x0 * x0_gates[i]`),
     # and layer 0's n-gram before the loop ("pre-layer-0 bigram injection"): its train_gpt.py, in
     # records/track_1_short/2026-08-30_ANVIL2/this_pr/32a48562-*.txt @fd1b14a5, ~140k and ~148k characters in
-    inject_after_attn: bool = False  # add a block's gated x0 and n-gram injections after its attention (which reads the residual without them), before its MLP; block 0's n-gram still before it: ANVIL2 (#92)
+    inject_after_attn: bool = True  # add a block's gated x0 and n-gram injections after its attention (which reads the residual without them), before its MLP; block 0's n-gram still before it: the record's order, ANVIL2's (record #92, 08/30/26; before it false)
     # untied value embeddings (01/26/26, init 02/03/26): these blocks have a table each, drawn N(0, 0.01)
-    value_embed_blocks: tuple[int, ...] = (1, 2, 8, 9, 10)  # blocks with a value-embedding table each, N(0, 0.01); () = off
+    value_embed_blocks: tuple[int, ...] = (1, 2, 8, 10)  # blocks with a value-embedding table each, N(0, 0.01); () = off: the record's 1,2,8,10 are ANVIL2's (record #92, 08/30/26; before it 1,2,8,9,10)
     window_pattern: str = "SSSLSSSSSSL"  # per block: L = long window, S = short window (half)
     window_block: int = 128  # tokens per window block
     attn_scale: float = 0.1  # attention logit scale, QK being normed (@leloykun; 09/03/25: 0.12; YaRN raises it)
@@ -202,9 +204,9 @@ class Hyperparameters:
     # backout (10/04/25): a learned multiple of this block's output is subtracted before the head; MUDD mixes it in
     # and the later blocks attend over it (parallel attention inputs, 03/06/26)
     backout_layer: int = 7  # the backout block: below the last, after the attention-less one
-    paired_head_blocks: tuple[int, ...] = (0, 2, 5, 9)  # paired-head attention in these short-window blocks (01/07/26)
+    paired_head_blocks: tuple[int, ...] = (0, 2, 5)  # paired-head attention in these short-window blocks (01/07/26): the record's 0,2,5 are ANVIL2's (record #92, 08/30/26; before it 0,2,5,9)
     # learnable XSA (04/29/26): each head removes tanh(a) of its output along its own value, a set per token by the gates
-    xsa_blocks: tuple[int, ...] = (1, 3, 4, 7)  # XSA in these blocks (05/27/26)
+    xsa_blocks: tuple[int, ...] = (1, 3)  # XSA in these blocks (05/27/26): the record's 1,3 are ANVIL2's (record #92, 08/30/26; before it 1,3,4,7)
     # ANVIL2's narrow heads (its train_gpt.py, printed at the start of records/track_1_short/2026-08-30_ANVIL2/this_pr/
     # 32a48562-*.txt @fd1b14a5, ~100k characters in): "the long-window carriers {3,10} keep the full d_qk=128 head,
     # every other layer runs d_qk=64 with a fully-rotating 64-dim rotary at this scale", QK_NARROW_ATTN_SCALE = 0.13
@@ -221,7 +223,7 @@ class Hyperparameters:
     cplm_bands: tuple[int, ...] = (2048, 8192)  # copy mixture (CPLM, PR 379): pointer bands in training, evaluation; () = off
     # one skip instead of the U-net, weighted sigmoid(l), l = -1.5 at init (2025-11-18 and 12-14 records, PRs 159, 169)
     skip_from: int = 3  # one skip from this block's output into the first attention-less block (or skip_into)
-    skip_into: int = 0  # the attention-less block the skip goes into; 0 = the first one (ANVIL2's no_attn_layers 4,6,9: 6)
+    skip_into: int = 6  # the attention-less block the skip goes into; 0 = the first one: the record's 6 is ANVIL2's (record #92, 08/30/26; before it 0, block 6 being the only one)
     # schedule: the stages in order (rows of Stage, above), sharing the scheduled steps, then extension_steps more.
     # Three equal stages at batch_size with 3 / 7 / 11-block windows, short documents in the first (02/10/26),
     # multi-token prediction (12/22/25), the prefix-token loss (07/13/26) and ANVIL2's sampled softmax (08/30/26: the
@@ -244,8 +246,10 @@ class Hyperparameters:
     # optimization
     # 776 x 393,216 = 305.1M tokens (the public record #89: 338.8M). On the proxy at batches / 16 (the harness's rule:
     # the 8-GPU step count is the proxy's) it reached the public code's mean final loss at steps 763-771 of 776 in
-    # 3 seeds of 3 (bench/results/cooldown_timing_h100_20261127b.md)
-    num_iterations: int = 776  # training steps, extension_steps included
+    # 3 seeds of 3 (bench/results/cooldown_timing_h100_20261127b.md). ANVIL2's architecture needs about 6-7% more
+    # tokens there than the model before it, at 0.825x its step time on one H200: 824 = 776 x 1.062 steps, 324.0M
+    # tokens (bench/results/arch_h200_20261129d.md, arch_h200_20261129e.md: +0.0030 at 824 steps, seed 0 only)
+    num_iterations: int = 824  # training steps, extension_steps included: the record's 824 for ANVIL2's architecture (record #92, 08/30/26; before it 776)
     # The public master decays over 0.6 (02/10/26) of its 1270 + 15 steps. Ours: at 776 steps (0.90 of the public
     # schedule's tokens) 0.7 ended lower on the proxy in 3 seeds of 3, -0.0018 +- 0.0026
     # (bench/results/cooldown_timing_h100_20261127b.md)
@@ -511,9 +515,13 @@ class Hyperparameters:
 # (modded-nanogpt master, 2026-08), on its 11 blocks, with our kernels and CPLM. On the proxy under the harness's
 # batches/16 rule, 3 seeds paired on H100s: -0.129 final loss against the previous record preset (12 blocks, our
 # 2025 A/B's subset) at 1.06x its step time on 12 blocks; on 11 blocks 0.99x the time and +0.005 +- 0.021 against 12
-# (an H200; bench/results/public_line_ab_20261126.md, step_time_stages_h100_20261126.md). Every preset trains this
-# model; the smaller ones place its block-indexed parts (the attention-less block, the skip, backout, XSA, value
-# tables, paired heads, long windows) as the record does, in proportion.
+# (an H200; bench/results/public_line_ab_20261126.md, step_time_stages_h100_20261126.md). Its block layout, MLP width,
+# injection sites and order and 824 steps are ANVIL2's architecture (record #92, 08/30/26; on the proxy +0.0030 at
+# 824 steps against the model before it at 776, seed 0 only, at 0.825x its step: bench/results/arch_h200_20261129e.md).
+# Every preset trains this model. ANVIL2's layout names blocks of 11, so the presets of other depths keep the layout
+# before it (one attention-less block and none removed, no second MLP, every block's injections, MLPs mlp_ratio x
+# model_dim), its block-indexed parts (the attention-less block, the skip, backout, XSA, value tables, paired heads,
+# long windows) placed as the record had them, in proportion; they inject after attention as the record does.
 DEFAULT_PRESET = "record"  # what a command without --preset runs: the dataclass defaults
 SMOKE = dict(  # the record model at 4 blocks of 128 on a synthetic corpus, sized for a 2-core CPU
     markov_corpus=True, train_files=os.path.join(DATA_PATH, "data/smoke/markov_train_*.bin"),
@@ -521,6 +529,10 @@ SMOKE = dict(  # the record model at 4 blocks of 128 on a synthetic corpus, size
     vocab_size=136, bos_id=127,  # 128 corpus tokens, BOS the last (as GPT-2's 50,256); CPLM's copy column 128
     num_layers=4, model_dim=128, num_heads=2, head_dim=64, gate_channels=8, no_attn_layers=(2,), window_pattern="LSSL",
     value_embed_blocks=(1, 3), paired_head_blocks=(1,), xsa_blocks=(1,), backout_layer=2, skip_from=1,
+    # the layout before ANVIL2's (its indices are the 11 blocks'): none removed, the skip into block 2, MLPs 4 x 128,
+    # no second MLP, every block's injections; in the record's order (inject_after_attn)
+    skip_layers=(), skip_into=0, mlp_hidden=0, parallel_mlp_blocks=(), no_x0_blocks=(), no_ngram_blocks=(),
+    no_resid_scale_blocks=(),
     bigram_rows=4096, bigram_sign_rows=64, cplm_bands=(128, 512), window_block=64,
     trigram_rows=28_672,  # the record's trigram channel and its row-sparse Adam, 32,768 n-gram rows in all (not 21M)
     # the record's stages without the prefix-token loss (it is over GPT-2's token bytes)
@@ -530,29 +542,42 @@ SMOKE = dict(  # the record model at 4 blocks of 128 on a synthetic corpus, size
     warmup_steps=0, device="auto", save_every=50)
 PRESETS = {  # name: (what it is, the fields it sets)
     "record": ("the 8-GPU record configuration: the public line's current model and optimizer (modded-nanogpt "
-               "master, 2026-08) as far as this file implements them, on its 11 blocks: bigram hash embedding "
-               "with ANVIL2's hashed trigram channel (record #92; 21.2M rows in one table, learned by a row-sparse "
+               "master, 2026-08) as far as this file implements them, on its 11 blocks in ANVIL2's layout (record "
+               "#92, 2026-08-30): block 7 removed (its residual weights and x0 kept), no attention in blocks 4, 6 "
+               "and 9, a second parallel MLP in block 8, MLPs 2,816 wide, x0 injected in blocks 0-2, 4, 5 and 7 and "
+               "the n-gram embedding in 0, 1, 4, 5 and 9 (the last block's by MUDD; block 6, the skip's target, "
+               "takes the skip alone, without its attention-side residual weight), after a block's attention and "
+               "before its MLP (block 0's n-gram before it); bigram hash embedding "
+               "with ANVIL2's hashed trigram channel (21.2M rows in one table, learned by a row-sparse "
                "Adam, sharded over the GPUs by owner), "
                "MUDD with its gates, XSA and DC attention, YaRN, smear and value-embedding gates, paired heads, "
-               "partial key offset, five untied value tables, parallel attention inputs, backout, per-sublayer "
+               "partial key offset, four untied value tables, parallel attention inputs, backout, per-sublayer "
                "residual weights and one gated skip, NorMuon with cautious decay, Adam every second step, "
-               "multi-token and prefix-token losses, the embedding tied for two stages, a 20-step extension; plus "
+               "multi-token and prefix-token losses, the embedding tied for two stages, 824 steps (776 x 1.062: "
+               "ANVIL2's architecture needs ~6-7% more tokens on the proxy) with a 20-step extension; plus "
                "the copy-pointer mixture of public pull request 379 (CPLM); with our fused ReLU² MLP (FP8 forward "
                "and backward) and soft-capped cross-entropy kernels: the dataclass defaults", {}),
     "smoke": ("the record model at a tiny size (4 blocks of 128, a vocabulary of 128 tokens) on a built-in synthetic "
               "corpus (a random Markov chain whose entropy per token, the lowest loss possible, is known): about 3 "
               "minutes on a 2-core CPU; every technique of the record but the prefix-token loss (over GPT-2's "
-              "tokens); a checkpoint every 50 steps, for `python sample.py latest`", SMOKE),
+              "tokens) and ANVIL2's 11-block layout (here one attention-less block, none removed, no second MLP, "
+              "every block's injections, after its attention as the record's); a checkpoint every 50 steps, for "
+              "`python sample.py latest`", SMOKE),
     "single": ("the record on one GPU with 32-80 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
                "global batch; Inductor's C++ wrapper, as Python's launches would leave the GPU waiting; the n-gram "
                "table at 5.0M rows (trigram_rows 4,622,720, the size of the proxy runs): 14.0 GiB (--plan) of the "
-               "~26 GiB the run estimates at start", dict(seq_len=16384, cpp_wrapper=True, trigram_rows=4_622_720)),
+               "~25 GiB the run estimates at start", dict(seq_len=16384, cpp_wrapper=True, trigram_rows=4_622_720)),
     "medium": ("the record model at GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the "
-               "record's learning rates, its block layout stretched to 24 blocks, 4000 steps, 5.0M n-gram rows",
+               "record's learning rates, its block layout before ANVIL2's stretched to 24 blocks (one attention-less "
+               "block, none removed, no second MLP, every block's injections, MLPs 4 x 1024), the injections after "
+               "a block's attention as the record's, 4000 steps, 5.0M n-gram rows",
                dict(num_layers=24, model_dim=1024, num_heads=16, head_dim=64, no_attn_layers=(13,),
                     window_pattern="SSSSSSSLSSSSSSSSSSSSSSSL", skip_from=7, backout_layer=14,
                     value_embed_blocks=(1, 2, 21, 22, 23), paired_head_blocks=(0, 2, 5, 9, 11, 16, 20),
                     xsa_blocks=(1, 7, 8, 14), seq_len=24576, num_iterations=4000,
+                    # ANVIL2's layout is the 11 blocks' (its indices): the one before it, the skip into block 13
+                    skip_layers=(), skip_into=0, mlp_hidden=0, parallel_mlp_blocks=(), no_x0_blocks=(),
+                    no_ngram_blocks=(), no_resid_scale_blocks=(),
                     trigram_rows=4_622_720)),  # 5.0M n-gram rows at width 1024: one 80 GB GPU holds the run
 }
 
@@ -2882,6 +2907,14 @@ SAMPLED_US_PER_TOKEN = {
     ("H200", "record", 49152, 2048, 7, 14336): 1.367,
     ("H200", "record", 49152, 2048, 11, 12288): 1.394,
 }
+# The model a preset's rows in the tables (STEP_US_PER_TOKEN, SAMPLED_US_PER_TOKEN, MULTI_GPU_US_PER_TOKEN) were timed
+# on, where the preset's model has changed since: the fields it had then. The record's rows are all of its model before
+# ANVIL2's architecture (record #92's layout, MLP width, injection sites and order) became it; that architecture ran
+# 0.825x their model's step on one H200 over 80 steps (bench/results/arch_h200_20261129d.md), no table row yet
+MEASURED_MODEL = {"record": dict(skip_layers=(), no_attn_layers=(6,), skip_into=0, xsa_blocks=(1, 3, 4, 7),
+                                 paired_head_blocks=(0, 2, 5, 9), value_embed_blocks=(1, 2, 8, 9, 10),
+                                 parallel_mlp_blocks=(), mlp_hidden=0, no_x0_blocks=(), no_ngram_blocks=(),
+                                 no_resid_scale_blocks=(), inject_after_attn=False)}
 # what --plan says of each kind's rows: the attention kernel they ran with, and where they come from
 STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "PyTorch varlen attention"}
 STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, main at 46b1702 "
@@ -3042,7 +3075,8 @@ def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
                      f"projected: {why}")
     if kind in STEP_US_SOURCE:
         lines.append(f"ours on {kind} ({STEP_US_ATTENTION[kind]}): {STEP_US_SOURCE[kind]}; times as measured for "
-                     f"--preset {args.preset}'s model, other model or kernel flags are not reflected")
+                     f"--preset {args.preset}'s model{measured_when(args.preset)}, other model or kernel flags are "
+                     "not reflected")
     master = public_master_time(kind)
     if master is not None:
         ms, attention, source = (PUBLIC_MASTER_STEP_MS[kind][k] for k in ("ms", "attention", "source"))
@@ -3054,7 +3088,26 @@ def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
                      f"{master[1]:,} tokens; {source}")
     lines += multi_gpu_lines(schedule, kind, None if missing else one)
     lines.append(vs_public_master(kind, None if missing else one, tokens, missing, args.preset))
+    unmeasured = unmeasured_model(args)
+    if unmeasured and len(missing) < len(stages):  # some stage priced, at another model's rows
+        lines.append(f"step times of another model: the times above are --preset {args.preset}'s model's"
+                     f"{measured_when(args.preset)}; this run's model is not measured (it differs in "
+                     f"{', '.join(unmeasured)}: the model line gives the measured model's values)")
     return lines
+
+
+def measured_when(preset: str) -> str:
+    """--plan's words for a preset whose tables' rows are of a model it no longer trains (MEASURED_MODEL)."""
+    return " before its present one (MEASURED_MODEL)" if preset in MEASURED_MODEL else ""
+
+
+def unmeasured_model(args: Hyperparameters) -> dict:
+    """The MODEL_FIELDS in which a run's model is not the one its preset's rows in the tables were timed on (the
+    preset's, with MEASURED_MODEL's fields of then): {field: the measured model's value}."""
+    ours = model_values(vars(args))
+    theirs = model_values(vars(Hyperparameters(**{**PRESETS[args.preset][1], **MEASURED_MODEL.get(args.preset, {})},
+                                               preset=args.preset)))
+    return {k: theirs[k] for k in MODEL_FIELDS if ours[k] != theirs[k]}
 
 
 def multi_gpu_lines(schedule: Schedule, kind: str, one: float | None) -> list[str]:
@@ -3259,8 +3312,9 @@ def ngram_memory_lines(args: Hyperparameters) -> list[str]:
 def model_plan_line(schedule: Schedule) -> str:
     """--plan: the MLP's hidden width and what MFU counts with it (flops_per_token), from the model built on the meta
     device: the matmul weights (block matrices and LM head) and the training FLOPs per token at each stage's windows
-    and document cut; where the model is not the preset's own (its width, or any other of MODEL_FIELDS: the layout's
-    skip_layers or parallel_mlp_blocks), that the step times above are the preset's model's, naming what differs."""
+    and document cut; where the model is not the one the preset's rows were timed on (unmeasured_model: its width, or
+    any other of MODEL_FIELDS, such as the layout's skip_layers or parallel_mlp_blocks), that the step times above are
+    that model's, naming its values where they differ."""
     args = schedule.args
     with torch.device("meta"):
         model = GPT(ModelConfig.from_args(args))
@@ -3271,12 +3325,10 @@ def model_plan_line(schedule: Schedule) -> str:
                                         f"mlp_ratio {args.mlp_ratio} x model_dim {args.model_dim}")
     line = (f"model: MLP hidden {width:,} ({how}), {matmul:,} matmul weights (block matrices, LM head), training "
             f"GFLOPs per token by stage {flops} (flops_per_token: MFU's count)")
-    ours = model_values(vars(args))
-    theirs = model_values(vars(Hyperparameters(**PRESETS[args.preset][1], preset=args.preset)))
-    named = [f"MLP hidden {theirs[k]:,}" if k == "mlp_hidden" else f"{k} {theirs[k]}" for k in MODEL_FIELDS
-             if ours[k] != theirs[k]]
+    named = [f"MLP hidden {v:,}" if k == "mlp_hidden" else f"{k} {v}" for k, v in unmeasured_model(args).items()]
     if named:
-        line += f"; the step times above are --preset {args.preset}'s model's, " + ", ".join(named)
+        line += (f"; the step times above are --preset {args.preset}'s model's{measured_when(args.preset)}, "
+                 + ", ".join(named))
     return line
 
 

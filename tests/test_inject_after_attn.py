@@ -4,8 +4,8 @@ the start of records/track_1_short/2026-08-30_ANVIL2/this_pr/32a48562-*.txt, @fd
 layer 0's bigram term ("pre-layer-0 bigram injection", ~140k characters in), and in each attention layer adds
 `_xa = _rf_smul(resid_lambdas_attn[i], x) + attn_out`, then `x0 * x0_gates[i]` and the bigram (~148k), so the
 attention reads the residual without them. A block without attention, and the removed block 7, take them before their
-MLP either way; the blocks after backout_layer read the shared attention input (attn_in) either way. Off, the model
-is the one built before the field."""
+MLP either way; the blocks after backout_layer read the shared attention input (attn_in) either way. On in the record
+and every preset since wt80; off, the model is the one built before the field."""
 import pytest
 import torch
 
@@ -15,7 +15,8 @@ from test_injection_sites import FULL, RECORD_FLAGS, SITE_FLAGS, model_of
 from test_parallel_mlp import W3
 from test_skip_layers import batch
 
-AFTER = dict(FULL, inject_after_attn=True)
+AFTER = dict(FULL, inject_after_attn=True)  # ANVIL2's architecture whole (FULL takes the field from TINY: on)
+BEFORE = dict(FULL, inject_after_attn=False)  # the same with the old order
 
 
 def old_block_forward(self, x, x0, ve, w, attn_in, cu_seqlens, max_seqlen, window, rope):
@@ -61,10 +62,11 @@ def recorded(model: tg.GPT, x0_noise: dict | None = None) -> dict:
     return seen
 
 
-def test_the_field_parses_is_off_by_default_and_in_the_model_fields():
-    assert tg.parse_args([]).inject_after_attn is False
-    assert tg.parse_args(["--inject_after_attn"]).inject_after_attn is True
+def test_the_field_parses_is_on_in_every_preset_and_in_the_model_fields():
+    assert tg.parse_args([]).inject_after_attn is True
+    assert all(tg.parse_args(["--preset", name]).inject_after_attn is True for name in tg.PRESETS)
     assert tg.parse_args(["--inject_after_attn", "false"]).inject_after_attn is False
+    assert tg.parse_args(["--inject_after_attn", "false", "--inject_after_attn"]).inject_after_attn is True
     args = tg.parse_args([*RECORD_FLAGS, *SITE_FLAGS, "--inject_after_attn", "true"])
     assert args.inject_after_attn is True and tg.ModelConfig.from_args(args).inject_after_attn is True
     assert "after its attention" in tg.field_help()["inject_after_attn"]
@@ -72,10 +74,12 @@ def test_the_field_parses_is_off_by_default_and_in_the_model_fields():
     assert "inject_after_attn" in tg.MODEL_FIELDS
 
 
-@pytest.mark.parametrize("config", [TINY_RECORD, FULL], ids=["tiny_record", "anvil2_layout"])
+@pytest.mark.parametrize("config", [dict(TINY_RECORD, inject_after_attn=False), BEFORE],
+                         ids=["tiny_record", "anvil2_layout"])
 def test_off_the_model_computes_what_it_did_before_bit_for_bit(config, monkeypatch):
     """The loss and every gradient with the field off equal those of Block.forward as it was (old_block_forward),
-    bit for bit, on the record's tiny model and on ANVIL2's whole layout (tests/test_golden.py pins the losses too)."""
+    bit for bit, on the record's tiny model and on ANVIL2's whole layout (tests/test_golden.py pinned its losses at
+    ba25215 until wt80, and they reproduced to the end: now it pins the record's order)."""
     model = model_of(config, randomize=True)
     assert not any(getattr(b, "inject_after_attn", False) for b in model.blocks)
     now = loss_and_grads(model)
@@ -113,7 +117,7 @@ def test_on_block_0s_ngram_term_enters_before_it_and_its_x0_after():
     """ANVIL2: `x = x0.clone()`, x += x0_bigram * bigram_gates[0] before the loop, then layer 0's attention reads it and
     x0 * x0_gates[0] joins after. Block 0 receives x0 + its weighted n-gram term (the one the field off gives it, the
     same bits) and no n-gram term of its own; the x0 it receives reaches its output but not its attention."""
-    off, on = model_of(FULL, randomize=True), model_of(AFTER, randomize=True)
+    off, on = model_of(BEFORE, randomize=True), model_of(AFTER, randomize=True)
     assert all(torch.equal(a, b) for a, b in zip(off.state_dict().values(), on.state_dict().values()))
     w_off = recorded(off)[0]["args"][3]
     x, x0, _, w, *_ = recorded(on)[0]["args"]
@@ -129,7 +133,7 @@ def test_the_x0_a_block_receives_moves_its_attention_input_only_with_the_field_o
     """The x0 that one block receives perturbed: off, its attention input moves; on, its attention input and output
     are the same bits and only what follows the attention (the MLP, the block's output) moves."""
     noise = {block: torch.randn(128, FULL["model_dim"], generator=torch.Generator().manual_seed(6))}
-    for config, attention_moves in ((FULL, True), (AFTER, False)):
+    for config, attention_moves in ((BEFORE, True), (AFTER, False)):
         model = model_of(config, randomize=True)
         clean, noisy = recorded(model)[block], recorded(model, noise)[block]
         assert (not torch.equal(noisy["attn_in"], clean["attn_in"])) == attention_moves, config
@@ -158,7 +162,7 @@ def test_on_it_composes_with_blocks_without_attention_the_removed_block_and_the_
     noise = lambda i: {i: torch.randn(128, FULL["model_dim"], generator=torch.Generator().manual_seed(8))}
     for i in (4, 7):  # x0 still reaches an attention-less and the removed block
         assert not torch.equal(recorded(model, noise(i))[i]["out"], seen[i]["out"]), i
-    off = model_of(FULL, randomize=True)
+    off = model_of(BEFORE, randomize=True)
     assert sum(p.numel() for p in off.parameters()) == sum(p.numel() for p in model.parameters())
     x, y, cu = batch()
     with torch.no_grad():

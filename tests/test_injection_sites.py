@@ -20,7 +20,7 @@ from test_skip_layers import ANVIL2, batch, count
 SITES = dict(no_x0_blocks=(3, 6, 8, 9), no_ngram_blocks=(2, 3, 6, 8), no_resid_scale_blocks=(6,))
 WHOLE = dict(LAYOUT, parallel_mlp_blocks=(8,), mlp_hidden=176)
 FULL = dict(WHOLE, **SITES)
-# on the record: wt73's flags for ANVIL2, then these
+# wt73's flags for ANVIL2, then these: its architecture as flags, the record's own values since wt80
 RECORD_FLAGS = [*ANVIL2, "--parallel_mlp_blocks", "8", "--mlp_hidden", "2816"]
 SITE_FLAGS = ["--no_x0_blocks", "3,6,8,9", "--no_ngram_blocks", "2,3,6,8", "--no_resid_scale_blocks", "6"]
 
@@ -41,11 +41,13 @@ def sites(model: tg.GPT, what: str) -> list[int]:
     return sorted(b for part in model.gate_layout() for w, b, _, _ in part if w == what)
 
 
-def test_the_fields_parse_are_empty_by_default_and_bad_blocks_are_refused_naming_them():
+def test_the_fields_parse_are_anvil2s_in_the_record_and_bad_blocks_are_refused_naming_them():
     default = tg.parse_args([])
-    assert (default.no_x0_blocks, default.no_ngram_blocks, default.no_resid_scale_blocks) == ((), (), ())
-    args = tg.parse_args(RECORD_FLAGS + SITE_FLAGS)
-    assert (args.no_x0_blocks, args.no_ngram_blocks, args.no_resid_scale_blocks) == ((3, 6, 8, 9), (2, 3, 6, 8), (6,))
+    assert (default.no_x0_blocks, default.no_ngram_blocks, default.no_resid_scale_blocks) == \
+        ((3, 6, 8, 9), (2, 3, 6, 8), (6,))
+    assert tg.parse_args(RECORD_FLAGS + SITE_FLAGS) == default
+    args = tg.parse_args(["--no_x0_blocks", "", "--no_ngram_blocks", "", "--no_resid_scale_blocks", ""])
+    assert (args.no_x0_blocks, args.no_ngram_blocks, args.no_resid_scale_blocks) == ((), (), ())
     helps = tg.field_help()
     assert "no x0 injection" in helps["no_x0_blocks"] and "n-gram" in helps["no_ngram_blocks"]
     assert "unscaled" in helps["no_resid_scale_blocks"]
@@ -65,7 +67,9 @@ def test_on_the_record_the_injection_sites_are_anvil2s():
     injection on {0 (pre-loop), 1, 4, 5, 9} plus layer 10 riding mu[11]" (our last block's from MUDD, as before).
     The MUDD gates lose 8 outputs; their tensors keep 32 rows per gate (padded to a multiple of 8), so the
     parameter count of ANVIL2's architecture is unchanged by the fields."""
-    before, after = tg.parse_args(RECORD_FLAGS), tg.parse_args(RECORD_FLAGS + SITE_FLAGS)
+    before = tg.parse_args([*RECORD_FLAGS, "--no_x0_blocks", "", "--no_ngram_blocks", "",
+                            "--no_resid_scale_blocks", ""])
+    after = tg.parse_args([])  # the record's: ANVIL2's sites
     with torch.device("meta"):
         whole, model = (tg.GPT(tg.ModelConfig.from_args(a)) for a in (before, after))
     assert sites(whole, "x0") == list(range(10)) and sites(whole, "bigram") == [i for i in range(10) if i != 7]
@@ -153,7 +157,8 @@ def test_a_block_without_the_ngram_embedding_ignores_the_table():
         h.remove()
     for i in range(10):
         w = seen[i]
-        assert (w.bigram is None) == (i in SITES["no_ngram_blocks"] or i == 7), i  # 7: removed, none
+        # 7: removed, none; 0: its term starts the stream, before its attention (inject_after_attn, the record's)
+        assert (w.bigram is None) == (i in SITES["no_ngram_blocks"] or i in (0, 7)), i
         assert (w.x0 is None) == (i in SITES["no_x0_blocks"]) and (w.resid is None) == (i == 6), i
 
 

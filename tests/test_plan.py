@@ -8,8 +8,14 @@ import torch
 import train_gpt as tg
 
 RECORD_SHAPES = [(49152, 896, 3), (49152, 2048, 7), (49152, 2048, 11), (49152, 2048, 13)]  # record's stages, extension
-RECORD_CANDIDATES = (16384, 14336, 12288)  # the sampled softmax's rows in stages 1-3 (full from step 715)
+RECORD_CANDIDATES = (16384, 14336, 12288)  # the sampled softmax's rows in stages 1-3 (full from step 760)
 FULL = ["--full_softmax_from", "0"]  # the record preset with the full softmax throughout
+# the record's model before ANVIL2's architecture, the one the tables' rows were timed on (MEASURED_MODEL); 776 steps
+MEASURED = ["--skip_layers", "", "--no_attn_layers", "6", "--skip_into", "0", "--xsa_blocks", "1,3,4,7",
+            "--paired_head_blocks", "0,2,5,9", "--value_embed_blocks", "1,2,8,9,10", "--parallel_mlp_blocks", "",
+            "--mlp_hidden", "0", "--no_x0_blocks", "", "--no_ngram_blocks", "", "--no_resid_scale_blocks", "",
+            "--inject_after_attn", "false", "--num_iterations", "776"]
+STEPS = [269, 268, 267, 20]  # the record's 824 steps by stage: three of 269 / 268 / 267, the extension's 20
 
 
 def stage_rows(out: str) -> dict[str, list[str]]:
@@ -39,29 +45,42 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     rows = stage_rows(out)
     assert list(rows) == ["1", "2", "3", "ext"]
     # steps, batch, micro-batches on 1 / 8 GPUs, micro tokens, document cut, windows, lr, tokens
-    assert rows["1"][1:11] == ["0-252", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "99,483,648"]
-    assert rows["3"][1] == "505-755" and rows["3"][8] == "1408/640"
-    assert rows["ext"][1] == "756-775" and rows["ext"][8] == "1664/768"  # step 776 is the final validation only
-    assert f"trained tokens: {776 * 393216:,}" in out
-    assert 776 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
+    assert rows["1"][1:11] == ["0-268", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "105,775,104"]
+    assert rows["3"][1] == "537-803" and rows["3"][8] == "1408/640"
+    assert rows["ext"][1] == "804-823" and rows["ext"][8] == "1664/768"  # step 824 is the final validation only
+    assert f"trained tokens: {824 * 393216:,}" in out
+    assert 824 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
     assert not list(tmp_path.iterdir())  # no log, no checkpoint folder
+    # the tables' rows are of the record's model before ANVIL2's architecture: the plan says so, naming what differs
+    assert line_of(out.splitlines(), "step times of another model:") == (
+        "step times of another model: the times above are --preset record's model's before its present one "
+        "(MEASURED_MODEL); this run's model is not measured (it differs in mlp_hidden, no_attn_layers, "
+        "value_embed_blocks, paired_head_blocks, xsa_blocks, skip_into, skip_layers, parallel_mlp_blocks, "
+        "no_x0_blocks, no_ngram_blocks, no_resid_scale_blocks, inject_after_attn: the model line gives the measured "
+        "model's values)")
 
 
-def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_presets(no_gpu, capsys):
-    """--plan's model line: the MLP's hidden width and MFU's counts from it (flops_per_token), ANVIL2's 2816 against
-    the record's 3072 (11 blocks x 2 matrices x 768 x 256 fewer weights, 6 FLOPs each per token); the measured step
-    times stay the preset's model's, and the line says so where the width, or another model field, is not the preset's."""
+def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measured_models(no_gpu, capsys):
+    """--plan's model line: the MLP's hidden width and MFU's counts from it (flops_per_token), 2816 against 3072 on the
+    model the tables' rows were timed on (11 blocks x 2 matrices x 768 x 256 fewer weights, 6 FLOPs each per token);
+    the measured step times stay that model's, and the line says so where the width, or another model field, is not
+    its: on the record itself since ANVIL2's architecture became it (MEASURED_MODEL)."""
     lines = {}
-    for given in ([], ["--mlp_hidden", "3072"], ["--mlp_hidden", "2816"]):
+    for given in (MEASURED, [*MEASURED, "--mlp_hidden", "3072"], [*MEASURED, "--mlp_hidden", "2816"]):
         assert tg.main(["--plan", *given]) == 0
-        lines[" ".join(given)] = line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden")
-    record, same, anvil2 = lines.values()
-    assert record.startswith("model: MLP hidden 3,072 (mlp_ratio 4 x model_dim 768), 114,131,244 matmul weights")
-    assert same.replace("(mlp_hidden)", "(mlp_ratio 4 x model_dim 768)") == record  # 3072 given: the same model
+        out = capsys.readouterr().out.splitlines()
+        lines[" ".join(given)] = line_of(out, "model: MLP hidden")
+        assert any(line.startswith("step times of another model:") for line in out) == ("2816" in given)
+    measured, same, anvil2 = lines.values()
+    assert measured.startswith("model: MLP hidden 3,072 (mlp_ratio 4 x model_dim 768), 114,131,244 matmul weights")
+    assert "the step times above" not in measured
+    assert same.replace("(mlp_hidden)", "(mlp_ratio 4 x model_dim 768)") == measured  # 3072 given: the same model
     assert anvil2.startswith(f"model: MLP hidden 2,816 (mlp_hidden), {114_131_244 - 11 * 2 * 768 * 256:,} matmul")
-    assert anvil2.endswith("; the step times above are --preset record's model's, MLP hidden 3,072")
-    gflops = [[float(v) for v in re.search(r"by stage ([\d. /]+) \(", line)[1].split(" / ")] for line in (record, anvil2)]
-    args = tg.parse_args(["--mlp_hidden", "2816"])
+    assert anvil2.endswith("; the step times above are --preset record's model's before its present one "
+                           "(MEASURED_MODEL), MLP hidden 3,072")
+    gflops = [[float(v) for v in re.search(r"by stage ([\d. /]+) \(", line)[1].split(" / ")]
+              for line in (measured, anvil2)]
+    args = tg.parse_args([*MEASURED, "--mlp_hidden", "2816"])
     with torch.device("meta"):
         model = tg.GPT(tg.ModelConfig.from_args(args))
     assert model.blocks[0].mlp.fc_w.shape == (768, 2816)
@@ -69,16 +88,18 @@ def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_preset
     assert gflops[1] == pytest.approx(exact, rel=1e-3) and len(exact) == 4
     for a, b in zip(*gflops):
         assert a - b == pytest.approx(6 * 11 * 2 * 768 * 256 / 1e9, abs=2e-4)
-    # ANVIL2's whole architecture (its layout, the second MLP in block 8, 2816): every model field that differs named
-    layout = ["--skip_layers", "7", "--no_attn_layers", "4,6,9", "--skip_into", "6", "--xsa_blocks", "1,3",
-              "--paired_head_blocks", "0,2,5", "--value_embed_blocks", "1,2,8,10", "--parallel_mlp_blocks", "8",
-              "--no_x0_blocks", "3,6,8,9", "--no_ngram_blocks", "2,3,6,8", "--no_resid_scale_blocks", "6"]
-    assert tg.main(["--plan", "--mlp_hidden", "2816", *layout]) == 0
+    # the record, ANVIL2's whole architecture (its layout, the second MLP in block 8, 2816, its injection sites and
+    # order): every model field that differs from the measured model named, with the measured model's value
+    assert tg.main(["--plan"]) == 0
     line = line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden")
-    assert line.endswith("; the step times above are --preset record's model's, MLP hidden 3,072, no_attn_layers (6,), "
-                         "value_embed_blocks (1, 2, 8, 9, 10), paired_head_blocks (0, 2, 5, 9), xsa_blocks (1, 3, 4, 7), "
-                         "skip_into 0, skip_layers (), parallel_mlp_blocks (), no_x0_blocks (), no_ngram_blocks (), "
-                         "no_resid_scale_blocks ()")
+    assert line.startswith("model: MLP hidden 2,816 (mlp_hidden)")
+    assert line.endswith("; the step times above are --preset record's model's before its present one "
+                         "(MEASURED_MODEL), MLP hidden 3,072, no_attn_layers (6,), value_embed_blocks (1, 2, 8, 9, "
+                         "10), paired_head_blocks (0, 2, 5, 9), xsa_blocks (1, 3, 4, 7), skip_into 0, skip_layers (), "
+                         "parallel_mlp_blocks (), no_x0_blocks (), no_ngram_blocks (), no_resid_scale_blocks (), "
+                         "inject_after_attn False")
+    # MEASURED is that model, field for field
+    assert tg.parse_args(MEASURED) == tg.Hyperparameters(**tg.MEASURED_MODEL["record"], num_iterations=776)
 
 
 def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, capsys, monkeypatch):
@@ -86,8 +107,7 @@ def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, 
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", table)
     monkeypatch.setattr(tg, "EIGHT_GPU_RATIO", {"H100": {49152: 0.125}})
     lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H100", *FULL])))
-    steps = [253, 252, 251, 20]
-    one = [n * 393216 * us * 1e-6 for n, us in zip(steps, (2.0, 2.5, 3.0, 3.5))]
+    one = [n * 393216 * us * 1e-6 for n, us in zip(STEPS, (2.0, 2.5, 3.0, 3.5))]
     rows = stage_rows("\n".join(lines))
     for name, seconds in zip(["1", "2", "3", "ext"], one):
         assert float(rows[name][-2]) == pytest.approx(seconds, abs=0.05)
@@ -145,11 +165,11 @@ MASTER_H200_MS = (254, 439, 658.5, 661)
 
 
 def test_the_record_presets_stages_split_at_the_switch_to_the_full_softmax():
-    """776 steps, the full softmax from round(0.922 x 776) = 715: stage 3 (steps 505-755) samples 210 steps and
-    trains 41 with the full softmax; the extension (756-775) is full although its row carries stage 3's candidates."""
+    """824 steps, the full softmax from round(0.922 x 824) = 760: stage 3 (steps 537-803) samples 223 steps and
+    trains 44 with the full softmax; the extension (804-823) is full although its row carries stage 3's candidates."""
     schedule = tg.Schedule(tg.parse_args([]))
-    assert schedule.full_softmax == 715 and schedule.stages[2].start == 505 and schedule.stages[3].start == 756
-    assert [tg.softmax_steps(schedule, st) for st in schedule.stages] == [(253, 0), (252, 0), (210, 41), (0, 20)]
+    assert schedule.full_softmax == 760 and schedule.stages[2].start == 537 and schedule.stages[3].start == 804
+    assert [tg.softmax_steps(schedule, st) for st in schedule.stages] == [(269, 0), (268, 0), (223, 44), (0, 20)]
     assert [st.candidates for st in schedule.stages] == [*RECORD_CANDIDATES, 12288]
     assert [tg.softmax_steps(tg.Schedule(tg.parse_args(FULL)), st)[0] for st in schedule.stages] == [0, 0, 0, 0]
 
@@ -174,7 +194,7 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_582_s
     r, t = (ours_s / ours_tokens) / (master_s / master_tokens), ours_s / master_s * 73.8
     assert ours_tokens == 305_135_616 and ours_s == pytest.approx(417.1, abs=0.05)
     assert r == pytest.approx(0.796, abs=1e-3) and t == pytest.approx(52.9, abs=0.05)
-    lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))  # H200: --plan_gpu's default
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(MEASURED)))  # H200: --plan_gpu's default
     m = re.match(r"vs public master \(H200, .*\): per-token (\d\.\d\d)x, projected 8xH100 (\d+\.\d) s \(ours "
                  r"(\d+\.\d) s / its (\d+\.\d) s", line_of(lines, "vs public master"))
     assert m, line_of(lines, "vs public master")
@@ -194,6 +214,13 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_582_s
     assert "ours the next day on another one-GPU machine's H200" in line_of(lines, "vs public master")
     assert "8 GPUs not projected: no measured 8/1-GPU step-time ratio on H200" in line_of(lines, "projected time:")
     assert all(row[-1] == "-" for row in stage_rows("\n".join(lines)).values())
+    assert not [line for line in lines if line.startswith("step times of another model")]  # the model measured
+    # the record as it is (ANVIL2's architecture, 824 steps): priced at those rows, and said to be another model's
+    record = tg.schedule_plan(tg.Schedule(tg.parse_args([])))
+    record_s = 393216e-6 * (269 * sampled[0] + 268 * sampled[1] + 223 * sampled[2] + 44 * ours[2] + 20 * ours[3])
+    assert line_of(record, "projected time:").startswith(f"projected time: 1 x H200 {record_s:.1f} s")
+    assert "--preset record's model before its present one (MEASURED_MODEL)" in line_of(record, "ours on H200")
+    assert line_of(record, "step times of another model:")
 
 
 def test_a_stage_split_by_the_switch_is_priced_as_the_weighted_sum_and_a_missing_row_leaves_it_out(no_gpu, monkeypatch):
@@ -207,10 +234,10 @@ def test_a_stage_split_by_the_switch_is_priced_as_the_weighted_sum_and_a_missing
     args = tg.parse_args(["--plan_gpu", "H100"])
     lines = tg.schedule_plan(tg.Schedule(args))
     rows = stage_rows("\n".join(lines))
-    seconds = [253 * 1.0, 252 * 1.5, 210 * 2.0 + 41 * 3.0, 20 * 3.5]  # x 393,216 tokens x 1e-6
+    seconds = [269 * 1.0, 268 * 1.5, 223 * 2.0 + 44 * 3.0, 20 * 3.5]  # x 393,216 tokens x 1e-6
     for name, s in zip(["1", "2", "3", "ext"], seconds):
         assert float(rows[name][-2]) == pytest.approx(s * 0.393216, abs=0.05)
-    assert float(rows["3"][-3]) == pytest.approx((210 * 2.0 + 41 * 3.0) / 251, abs=5e-4)  # the stage's mean
+    assert float(rows["3"][-3]) == pytest.approx((223 * 2.0 + 44 * 3.0) / 267, abs=5e-4)  # the stage's mean
     assert line_of(lines, "projected time:").startswith(f"projected time: 1 x H100 {sum(seconds) * 0.393216:.1f} s")
     # without stage 2's sampled row, or without stage 3's full one, that stage is '-' and the projection incomplete
     for table, key, name in ((sampled, ("H100", "record", *RECORD_SHAPES[1], 14336), "2"),
@@ -271,7 +298,7 @@ def test_plan_gives_the_schedules_time_from_the_steps_measured_on_four_h200s(no_
     assert four == pytest.approx([ms * 1000 / 393216 for ms in FOUR_H200_MS], abs=5e-4)
     seconds = sum(n * ms for n, ms in zip([253, 252, 251, 20], FOUR_H200_MS)) / 1000
     one = sum(n * ms for n, ms in zip([253, 252, 251, 20], OURS_H200_MS)) / 1000
-    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *FULL])))
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *MEASURED, *FULL])))
     m = re.fullmatch(r"measured on 4 x H200: (\d+\.\d) s \(each stage's 4-GPU step time, (0\.\d+) of one GPU's\); "
                      r"four H200s of one host, 2026-11-28 \(bench/results/x4_h200_20261128b\.md\)",
                      line_of(lines, "measured on"))

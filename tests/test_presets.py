@@ -56,27 +56,10 @@ def test_the_pin_notices_a_changed_stage(monkeypatch):
 RUN_CONTROL = {"seed", "plan", "peak_tflops", "save_every", "markov_corpus", "max_num_docs"}
 # techniques added off, waiting on GPU runs to be adopted into a preset or deleted (each names what decides it)
 PENDING_ADOPTION = {
-    # issue 63: ANVIL2's layout (public record #92) on top of the record, block 7 removed and the attention of blocks
-    # 4 and 9; skip_into keeps the skip going into block 6 once block 4 is attention-less (0: the first one, as now)
-    "skip_layers", "skip_into",
-    # issue 63: ANVIL2's second MLP beside block 8's (parallel_mlp_blocks 8), the one piece of its layout the port
-    # lacked (a review of the port found it); decided by a GPU run of the layout with and without it
-    "parallel_mlp_blocks",
-    # issue 63: ANVIL2's injection sites (x0 on 0,1,2,4,5,7; n-gram on 0,1,4,5,9) and its skip target 6 that only adds
-    # the skip (no residual weight, x0 or n-gram), which the layout's port still lacked (layout_review.md, item 3);
-    # decided by a GPU run of ANVIL2's whole layout with and without them
-    "no_x0_blocks", "no_ngram_blocks", "no_resid_scale_blocks",
-    # issue 63: ANVIL2's order of a block's injections, x0 and the n-gram term after its attention (as the public line
-    # since #73), the one difference a review of the port found left; decided by a GPU run of ANVIL2's whole layout
-    # with and without it
-    "inject_after_attn",
     # issue 63: ANVIL2's narrow heads, Q/K half wide in its short-window attention layers and V too in two of them
     # (bench/results/attention_head_widths.md), which the port lacked; decided by a GPU run of ANVIL2's whole layout
     # with and without them, after timing the padded (64,128) route's kernel (that file's list of GPU measurements)
     "narrow_qk_blocks", "narrow_v_blocks"}
-# fields whose 0 is not off but a value derived from other fields: mlp_hidden 0 is the MLP's width mlp_ratio x
-# model_dim, which every preset has (ANVIL2's 2816 is a candidate not yet measured on a GPU)
-DERIVED = {"mlp_hidden"}
 
 
 def test_no_technique_is_off_in_every_preset():
@@ -85,7 +68,7 @@ def test_no_technique_is_off_in_every_preset():
     flag."""
     default, presets = tg.Hyperparameters(), [tg.parse_args(["--preset", name]) for name in tg.PRESETS]
     off = [f.name for f in dataclasses.fields(tg.Hyperparameters)
-           if f.name not in RUN_CONTROL | PENDING_ADOPTION | DERIVED
+           if f.name not in RUN_CONTROL | PENDING_ADOPTION
            and (getattr(default, f.name) is False or getattr(default, f.name) in (0, -1, ()))
            and all(getattr(args, f.name) == getattr(default, f.name) for args in presets)]
     assert off == []
@@ -95,10 +78,24 @@ def test_no_technique_is_off_in_every_preset():
     record = tg.parse_args(["--preset", "record"])
     with torch.device("meta"):
         model = tg.GPT(tg.ModelConfig.from_args(record))
+    # ANVIL2's architecture (record #92): block 7 removed, no attention in 4, 6 and 9, a second MLP in block 8, 2816
     assert len(model.blocks) == 11 and model.smear_w is not None
-    assert [i for i, b in enumerate(model.blocks) if b.attn is None] == [6]
+    assert [i for i, b in enumerate(model.blocks) if isinstance(b, tg.SkippedBlock)] == [7]
+    assert [i for i, b in enumerate(model.blocks) if b.attn is None] == [4, 6, 7, 9]
+    assert [i for i, b in enumerate(model.blocks) if b.parallel_mlp is not None] == [8]
+    assert model.blocks[0].mlp.fc_w.shape == (768, 2816) and model.blocks[8].parallel_mlp.fc_w.shape == (768, 2816)
     # the value-embedding gates: the blocks' own, and MUDD's per token in the last block (10)
-    assert [i for i, b in enumerate(model.blocks) if b.attn is not None and b.attn.ve_gate_w is not None] == [1, 2, 8, 9]
+    assert [i for i, b in enumerate(model.blocks) if b.attn is not None and b.attn.ve_gate_w is not None] == [1, 2, 8]
+    assert all(b.inject_after_attn for b in model.blocks if b.attn is not None)
+    # the presets of other depths keep the layout before it (ANVIL2's indices are the 11 blocks'), MLPs 4 x model_dim
+    for name in ("smoke", "medium"):
+        args = tg.parse_args(["--preset", name])
+        with torch.device("meta"):
+            model = tg.GPT(tg.ModelConfig.from_args(args))
+        assert [i for i, b in enumerate(model.blocks) if b.attn is None] == list(args.no_attn_layers), name
+        assert not any(isinstance(b, tg.SkippedBlock) or b.parallel_mlp is not None for b in model.blocks), name
+        assert model.blocks[0].mlp.fc_w.shape == (args.model_dim, 4 * args.model_dim), name
+        assert args.inject_after_attn and not (args.no_x0_blocks or args.no_ngram_blocks or args.no_resid_scale_blocks)
 
 
 def test_a_checkpoint_of_the_two_model_era_is_refused_with_the_commit_to_use(tmp_path):

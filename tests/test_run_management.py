@@ -27,7 +27,7 @@ def test_presets_set_their_configuration_and_fields_still_override():
     assert tg.parse_args(["--preset", "record", "--backout_layer", "5"]).backout_layer == 5
     single = tg.parse_args(["--preset", "single"])
     assert single.batch_size == tg.Hyperparameters().batch_size and single.batch_size // single.seq_len == 24
-    # and a quarter of the record's n-gram table: 5.0M rows (the proxy's size), ~26 GiB in all on one GPU
+    # and a quarter of the record's n-gram table: 5.0M rows (the proxy's size), ~25 GiB in all on one GPU
     assert single == dataclasses.replace(record, preset="single", seq_len=16384, cpp_wrapper=True, trigram_rows=4_622_720)
     medium = tg.parse_args(["--preset", "medium", "--num_iterations", "700"])  # above the record's 20 extension steps
     assert (medium.num_layers, medium.model_dim, medium.num_heads, medium.num_iterations) == (24, 1024, 16, 700)
@@ -60,14 +60,16 @@ def _hand_countable_model(**overrides):
     """The record model at its smallest to count by hand: four blocks of width 32 ("LSSL", block 2 without attention,
     the skip from block 1, backout at block 2), value tables in blocks 1 and 3, no paired heads, no XSA, no CPLM, a
     bigram table of 2 rows without signs, no trigram rows, in the dense Adam; vocabulary 64, 64-token micro-batches;
-    the full softmax (the record's sampled-softmax candidates exceed a 64-token vocabulary)."""
-    args = tg.Hyperparameters(vocab_size=64, bos_id=63, num_layers=4, model_dim=32, num_heads=2, head_dim=16,
-                              gate_channels=4, no_attn_layers=(2,), window_pattern="LSSL", value_embed_blocks=(1, 3),
-                              paired_head_blocks=(), xsa_blocks=(), backout_layer=2, skip_from=1, bigram_rows=2,
-                              bigram_sign_rows=0, trigram_rows=0, ngram_sparse_adam=False, cplm_bands=(),
-                              window_block=8, seq_len=64, val_seq_len=64, batch_size=128,
-                              stages=tuple(dataclasses.replace(row, candidates=0) for row in tg.Hyperparameters.stages),
-                              **overrides)
+    the full softmax (the record's sampled-softmax candidates exceed a 64-token vocabulary); the layout before
+    ANVIL2's (its block indices are the 11 blocks'): none removed, MLPs 4 x 32, no second MLP, every injection."""
+    args = tg.Hyperparameters(**{**dict(
+        vocab_size=64, bos_id=63, num_layers=4, model_dim=32, num_heads=2, head_dim=16, gate_channels=4,
+        no_attn_layers=(2,), window_pattern="LSSL", value_embed_blocks=(1, 3), paired_head_blocks=(), xsa_blocks=(),
+        backout_layer=2, skip_from=1, bigram_rows=2, bigram_sign_rows=0, trigram_rows=0, ngram_sparse_adam=False,
+        cplm_bands=(), window_block=8, seq_len=64, val_seq_len=64, batch_size=128,
+        stages=tuple(dataclasses.replace(row, candidates=0) for row in tg.Hyperparameters.stages),
+        skip_layers=(), skip_into=0, mlp_hidden=0, parallel_mlp_blocks=(), no_x0_blocks=(), no_ngram_blocks=(),
+        no_resid_scale_blocks=()), **overrides})
     with torch.device("meta"):
         return args, tg.GPT(tg.ModelConfig.from_args(args))
 

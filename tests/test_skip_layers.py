@@ -16,6 +16,12 @@ SKIP3 = dict(FIVE, skip_layers=(3,))
 # ANVIL2's layout on the record: block 7 removed, no attention in 4 and 9 (and 6), and what referenced them gone
 ANVIL2 = ["--skip_layers", "7", "--no_attn_layers", "4,6,9", "--skip_into", "6", "--xsa_blocks", "1,3",
           "--paired_head_blocks", "0,2,5", "--value_embed_blocks", "1,2,8,10"]
+# the record's layout before ANVIL2's (--plan's MEASURED_MODEL's), and the rest of ANVIL2's architecture off: its
+# second MLP, MLP width and injection sites
+BEFORE = ["--skip_layers", "", "--no_attn_layers", "6", "--skip_into", "0", "--xsa_blocks", "1,3,4,7",
+          "--paired_head_blocks", "0,2,5,9", "--value_embed_blocks", "1,2,8,9,10"]
+REST_OFF = ["--parallel_mlp_blocks", "", "--mlp_hidden", "0", "--no_x0_blocks", "", "--no_ngram_blocks", "",
+            "--no_resid_scale_blocks", ""]
 W3 = tg.window_tokens(3, TINY["window_block"])
 
 
@@ -171,19 +177,22 @@ def test_invalid_layouts_are_refused_naming_the_field(overrides, needle):
         tg.Hyperparameters(**{**FIVE, **overrides})
 
 
-def test_the_record_refuses_block_7_alone_and_takes_anvil2s_layout():
-    """--skip_layers 7 alone: refused, naming xsa_blocks (the record's XSA is on 1,3,4,7); ANVIL2's flags pass, with
-    seven attention sublayers {0,1,2,3,5,8,10}, ten MLPs and the skip still into block 6 (--skip_into 6: the first
-    attention-less block is now 4, right after the skip's source 3)."""
+def test_the_layout_before_refuses_block_7_alone_and_the_record_takes_anvil2s_layout():
+    """On the layout before ANVIL2's, --skip_layers 7 alone: refused, naming xsa_blocks (its XSA was on 1,3,4,7);
+    ANVIL2's layout, the record's, has seven attention sublayers {0,1,2,3,5,8,10}, ten MLPs and the skip still into
+    block 6 (--skip_into 6: the first attention-less block is now 4, right after the skip's source 3)."""
     with pytest.raises(ValueError, match=r"skip_layers=\(7,\): block\(s\) \[7\] also in xsa_blocks=\(1, 3, 4, 7\)"):
-        tg.parse_args(["--skip_layers", "7"])
-    record, args = tg.parse_args([]), tg.parse_args(ANVIL2)
+        tg.parse_args([*BEFORE, "--skip_layers", "7"])
+    record, args = tg.parse_args([*BEFORE, *REST_OFF]), tg.parse_args([*ANVIL2, *REST_OFF])
+    assert all(getattr(tg.parse_args([]), k) == getattr(args, k) for k in ("skip_layers", "no_attn_layers", "skip_into",
+                                                                          "xsa_blocks", "paired_head_blocks",
+                                                                          "value_embed_blocks"))
     with torch.device("meta"):
         whole, model = (tg.GPT(tg.ModelConfig.from_args(a)) for a in (record, args))
     assert [i for i, b in enumerate(model.blocks) if b.attn is not None] == [0, 1, 2, 3, 5, 8, 10]
     assert [i for i, b in enumerate(model.blocks) if b.mlp is not None] == [i for i in range(11) if i != 7]
     assert model.cfg.skip_target == 6 and whole.cfg.skip_target == 6
-    assert tg.ModelConfig.from_args(tg.parse_args(ANVIL2[:4] + ANVIL2[6:])).skip_target == 4  # without --skip_into
+    assert tg.ModelConfig.from_args(tg.parse_args([*ANVIL2, "--skip_into", "0"])).skip_target == 4  # the first one
     # one block, two attention sublayers (4, 9) and block 9's value-embedding gate fewer in the block matrices
     attn = count(whole.blocks[4].attn.parameters())
     gate = whole.blocks[9].attn.ve_gate_w.numel()
