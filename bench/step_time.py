@@ -4,7 +4,7 @@ optionally show where the time goes (torch.profiler, top kernels by GPU time).
     python bench/step_time.py --ws 3 7 11 --steps 20 [--profile] [any train_gpt.py --field value ...]
     python bench/step_time.py --stages --steps 20 [--preset record ...]   # each stage of the schedule
     python bench/step_time.py --stages "window=3,share=1;window=11,share=1" ... # each stage of that stage table
-    python bench/step_time.py --ws 3 --profile --trace ws3.json.gz ...        # + the GPU's idle gaps
+    python bench/step_time.py --ws 3 --profile --trace ws3.json.gz ...        # + the GPU's idle gaps, step by step
 
 A step is the whole optimizer step of the configured global batch (8 micro-batches of 49,152
 tokens by default, accumulated on one GPU): forward, backward, Muon and Adam. Times are CUDA-event
@@ -31,11 +31,16 @@ from comm_time import kernel_gaps  # noqa: E402
 from profile_compare import by_kind, kernel_events, kernels_from_trace, largest  # noqa: E402
 
 
+def spans(events: list[dict]) -> list[tuple[float, float, str]]:
+    """(start, end, name) in microseconds of Chrome-trace complete events."""
+    return [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "")) for e in events]
+
+
 def idle_report(trace: dict, steps: int, top: int = 12) -> str:
     """Where the GPU waited on the host in a torch.profiler Chrome trace: the span from the first kernel's start
     to the last one's end, the part of it no kernel covers, and the longest such gaps with the kernels around
     them (a gap before a kernel is host time: Python, launches, or a wait on the CPU)."""
-    kernels = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "")) for e in kernel_events(trace)]
+    kernels = spans(kernel_events(trace))
     if not kernels:
         return "trace: no GPU kernels"
     gaps = kernel_gaps(kernels)
@@ -45,6 +50,29 @@ def idle_report(trace: dict, steps: int, top: int = 12) -> str:
              f"ms a step ({idle / span:.1%}) in {len(gaps)} gaps; longest:"]
     for g, a, b in sorted(gaps, reverse=True)[:top]:
         lines.append(f"  {g / 1e3:8.3f} ms after {a[:70]} / before {b[:70]}")
+    return "\n".join(lines)
+
+
+def step_report(trace: dict, top: int = 5) -> str:
+    """Each profiled step on its own, from the GPU ranges of its record_function (`step N`, `step N (Adam)`: the
+    Chrome trace's "gpu_user_annotation" events): its span on the GPU, the kernel time by kind of work within it,
+    the idle time and the longest gaps. With adam_every 2 the steps alternate: the Adam step's extra time shows
+    here as kernels (work) or as idle time (the GPU waiting on the host)."""
+    steps = sorted(spans([e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+                          and e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("step ")]))
+    if not steps:
+        return "trace: no per-step GPU ranges (gpu_user_annotation events): no per-step split"
+    kernels = kernel_events(trace)
+    lines = []
+    for a, b, name in steps:
+        mine = [e for e in kernels if a <= float(e["ts"]) < b]
+        busy = kernels_from_trace({"traceEvents": mine})
+        gaps = kernel_gaps(spans(mine))
+        idle = sum(g for g, _, _ in gaps)
+        kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in sorted(by_kind(busy, 1).items(), key=lambda kv: -kv[1]))
+        lines.append(f"{name}: {(b - a) / 1e3:.1f} ms on the GPU, {len(mine)} kernels, idle {idle / 1e3:.1f} ms in "
+                     f"{len(gaps)} gaps; kernel ms by kind: {kinds}")
+        lines += [f"  {g / 1e3:8.3f} ms after {x[:70]} / before {y[:70]}" for g, x, y in sorted(gaps, reverse=True)[:top]]
     return "\n".join(lines)
 
 
@@ -155,10 +183,11 @@ def main():
               "projection; a stage mixing both softmaxes has none):", *plan_entries(
             torch.cuda.get_device_name(), args.preset, plan_rows), sep="\n", flush=True)
     if own.profile:
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, profile, record_function
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(2):  # (counted in `reads`)
-                run_step()
+            for _ in range(2):  # (counted in `reads`); one of them an Adam step where adam_every is 2
+                with record_function(f"step {step}" + (" (Adam)" if schedule.adam_steps_at(step) else "")):
+                    run_step()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90))
         if own.trace:
@@ -166,6 +195,7 @@ def main():
             with gzip.open(own.trace) if own.trace.endswith(".gz") else open(own.trace) as f:
                 trace = json.load(f)
             print(idle_report(trace, 2))
+            print(step_report(trace))
             print("kernel time by kind of work, ms a step (bench/profile_compare.py compares two profiles), each "
                   "kind's largest kernels under it (ms a step, calls a step):")
             kernels = kernels_from_trace(trace)

@@ -237,21 +237,26 @@ def test_resumed_run_matches_an_uninterrupted_one_step_for_step(tiny_args, tmp_p
     assert dict(full.val_losses)[8] == dict(resumed.val_losses)[8]
 
 
+def _sigterm_after_step(monkeypatch, at: int):
+    """The next tg.train gets a SIGTERM (as its signal handler would record it) once its step index `at` is done."""
+    signals, train_step = [], tg.train_step
+
+    def signalled(model, compiled, optimizers, micro, step, stage, schedule):
+        loss = train_step(model, compiled, optimizers, micro, step, stage, schedule)
+        if step == at:
+            signals.append(signal.SIGTERM)
+        return loss
+    monkeypatch.setattr(tg, "stop_on_signals", lambda: (signals, {}))
+    monkeypatch.setattr(tg, "train_step", signalled)
+
+
 def test_with_adam_every_two_a_stop_mid_sum_waits_for_adams_step_and_the_run_resumes_exactly(
         tiny_args, tmp_path, monkeypatch):
     """SIGTERM after step 3, Adam's gradient summed over one of its two steps: the run trains step 4,
     checkpoints there, and the resumed run is the uninterrupted one step for step."""
     kw = dict(FAST, num_iterations=8, val_every=4, adam_every=2, checkpoint_dir=str(tmp_path / "ck"))
     full = tg.train(tiny_args(run_id="full", **kw))
-    signals, train_step = [], tg.train_step
-
-    def signalled(model, compiled, optimizers, micro, step, stage, schedule):
-        loss = train_step(model, compiled, optimizers, micro, step, stage, schedule)
-        if step == 2:
-            signals.append(signal.SIGTERM)
-        return loss
-    monkeypatch.setattr(tg, "stop_on_signals", lambda: (signals, {}))
-    monkeypatch.setattr(tg, "train_step", signalled)
+    _sigterm_after_step(monkeypatch, 2)
     stopped = tg.train(tiny_args(run_id="cut", **kw))
     monkeypatch.undo()
     assert stopped.interrupted == signal.SIGTERM and len(stopped.train_losses) == 4
@@ -266,15 +271,7 @@ def test_a_checkpoint_with_no_room_on_its_disk_is_not_written_and_the_run_says_s
     """Periodic saves and the stop's save both skip when the disk lacks the checkpoint's size plus the spare
     gigabyte; the run trains on, and stopped by a signal names no checkpoint to resume from."""
     kw = dict(FAST, num_iterations=8, val_every=4, save_every=2, checkpoint_dir=str(tmp_path / "ck"))
-    signals, train_step = [], tg.train_step
-
-    def signalled(model, compiled, optimizers, micro, step, stage, schedule):
-        loss = train_step(model, compiled, optimizers, micro, step, stage, schedule)
-        if step == 4:
-            signals.append(signal.SIGTERM)
-        return loss
-    monkeypatch.setattr(tg, "stop_on_signals", lambda: (signals, {}))
-    monkeypatch.setattr(tg, "train_step", signalled)
+    _sigterm_after_step(monkeypatch, 4)
     room = tg.shutil.disk_usage(tmp_path)._replace(free=tg.CHECKPOINT_SPARE + 1)  # short by the checkpoint's size
     monkeypatch.setattr(tg.shutil, "disk_usage", lambda path: room)
     stopped = tg.train(tiny_args(run_id="full_disk", **kw))

@@ -31,6 +31,23 @@ def test_idle_report_of_a_trace_without_kernels():
     assert step_time.idle_report({"traceEvents": []}, 2) == "trace: no GPU kernels"
 
 
+def test_step_report_splits_the_profile_at_the_steps_gpu_ranges():
+    def step(ts, dur, name):
+        return {"ph": "X", "cat": "gpu_user_annotation", "ts": ts, "dur": dur, "name": name}
+    trace = {"traceEvents": [
+        step(0, 100, "step 40"), kernel(0, 60, "sm90_xmma_gemm_bf16"), kernel(70, 30, "triton_poi_fused_relu"),
+        step(100, 300, "step 41 (Adam)"), kernel(100, 60, "sm90_xmma_gemm_bf16"),
+        kernel(250, 50, "triton_poi_fused_adam"), kernel(300, 100, "triton_poi_fused_relu"),
+        {"ph": "X", "cat": "user_annotation", "ts": 0, "dur": 400, "name": "step 40"}]}  # host range: not the GPU's
+    lines = step_time.step_report(trace, top=1).splitlines()
+    assert lines[0].startswith("step 40: 0.1 ms on the GPU, 2 kernels, idle 0.0 ms in 1 gaps; kernel ms by kind: ")
+    assert lines[1].split() == ["0.010", "ms", "after", "sm90_xmma_gemm_bf16", "/", "before", "triton_poi_fused_relu"]
+    assert lines[2].startswith("step 41 (Adam): 0.3 ms on the GPU, 3 kernels, idle 0.1 ms in 1 gaps")
+    assert lines[3].split() == ["0.090", "ms", "after", "sm90_xmma_gemm_bf16", "/", "before", "triton_poi_fused_adam"]
+    assert len(lines) == 4
+    assert step_time.step_report({"traceEvents": [kernel(0, 5, "gemm")]}).startswith("trace: no per-step GPU ranges")
+
+
 def test_plan_entries_are_train_gpts_table_keys_in_us_per_token():
     rows = [(49152, 896, 3, 0, 393216, 659.6), (49152, 2048, 11, 0, 393216, 695.0), (49152, 2048, 11, 0, 393216, 700.0)]
     lines = step_time.plan_entries("NVIDIA H100 80GB HBM3", "record", rows)
