@@ -55,11 +55,7 @@ def test_the_pin_notices_a_changed_stage(monkeypatch):
 # (max_num_docs: 0 sizes the padding of cu_seqlens from the data; a set count only pads more or refuses a batch)
 RUN_CONTROL = {"seed", "plan", "peak_tflops", "save_every", "markov_corpus", "max_num_docs"}
 # techniques added off, waiting on GPU runs to be adopted into a preset or deleted (each names what decides it)
-PENDING_ADOPTION = {
-    # issue 63: ANVIL2's narrow heads, Q/K half wide in its short-window attention layers and V too in two of them
-    # (bench/results/attention_head_widths.md), which the port lacked; decided by a GPU run of ANVIL2's whole layout
-    # with and without them, after timing the padded (64,128) route's kernel (that file's list of GPU measurements)
-    "narrow_qk_blocks", "narrow_v_blocks"}
+PENDING_ADOPTION: set[str] = set()  # none now
 
 
 def test_no_technique_is_off_in_every_preset():
