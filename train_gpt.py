@@ -178,11 +178,6 @@ class Hyperparameters:
     no_x0_blocks: tuple[int, ...] = (3, 6, 8, 9)  # blocks that take no x0 injection (no x0 gate output): the record's 3,6,8,9 are ANVIL2's (record #92, 08/30/26)
     no_ngram_blocks: tuple[int, ...] = (2, 3, 6, 8)  # blocks that take no n-gram (bigram + trigram) embedding (no gate output for it): the record's 2,3,6,8 are ANVIL2's (record #92, 08/30/26; its 7 is the removed block, which has none)
     no_resid_scale_blocks: tuple[int, ...] = (6,)  # blocks whose residual enters unscaled (no learned weight before the attention; the one around the MLP stays): the record's 6 is ANVIL2's (record #92, 08/30/26)
-    # ANVIL2 adds x0 and the n-gram embedding after a layer's attention, before its MLP, as the public line has since
-    # record #73 (PR 230; #89: `x = resid_lambdas_attn[i] * x + post_lambdas_attn[i] * attn_out + x0 * x0_gates[i]`),
-    # and layer 0's n-gram before the loop ("pre-layer-0 bigram injection"): its train_gpt.py, in
-    # records/track_1_short/2026-08-30_ANVIL2/this_pr/32a48562-*.txt @fd1b14a5, ~140k and ~148k characters in
-    inject_after_attn: bool = True  # add a block's gated x0 and n-gram injections after its attention (which reads the residual without them), before its MLP; block 0's n-gram still before it: the record's order, ANVIL2's (record #92, 08/30/26; before it false)
     # untied value embeddings (01/26/26, init 02/03/26): these blocks have a table each, drawn N(0, 0.01)
     value_embed_blocks: tuple[int, ...] = (1, 2, 8, 10)  # blocks with a value-embedding table each, N(0, 0.01); () = off: the record's 1,2,8,10 are ANVIL2's (record #92, 08/30/26; before it 1,2,8,9,10)
     window_pattern: str = "SSSLSSSSSSL"  # per block: L = long window, S = short window (half)
@@ -497,7 +492,9 @@ class Hyperparameters:
 # Every preset trains this model. ANVIL2's layout names blocks of 11, so the presets of other depths keep the layout
 # before it (one attention-less block and none removed, no second MLP, every block's injections, MLPs mlp_ratio x
 # model_dim), its block-indexed parts (the attention-less block, the skip, backout, XSA, value tables, paired heads,
-# long windows) placed as the record had them, in proportion; they inject after attention as the record does.
+# long windows) placed as the record had them, in proportion. They take ANVIL2's injection order, the one built here,
+# although on that layout it measured worse than the one before it (x0 and the n-gram term before a block's
+# attention): +0.0016 +- 0.0011, 3 seeds on the proxy at 776 steps (bench/results/arch_h200_20261129f.md).
 DEFAULT_PRESET = "record"  # what a command without --preset runs: the dataclass defaults
 SMOKE = dict(  # the record model at 4 blocks of 128 on a synthetic corpus, sized for a 2-core CPU
     markov_corpus=True, train_files=os.path.join(DATA_PATH, "data/smoke/markov_train_*.bin"),
@@ -506,7 +503,7 @@ SMOKE = dict(  # the record model at 4 blocks of 128 on a synthetic corpus, size
     num_layers=4, model_dim=128, num_heads=2, head_dim=64, gate_channels=8, no_attn_layers=(2,), window_pattern="LSSL",
     value_embed_blocks=(1, 3), paired_head_blocks=(1,), xsa_blocks=(1,), backout_layer=2, skip_from=1,
     # the layout before ANVIL2's (its indices are the 11 blocks'): none removed, the skip into block 2, MLPs 4 x 128,
-    # no second MLP, every block's injections; in the record's order (inject_after_attn)
+    # no second MLP, every block's injections
     skip_layers=(), skip_into=0, mlp_hidden=0, parallel_mlp_blocks=(), no_x0_blocks=(), no_ngram_blocks=(),
     no_resid_scale_blocks=(),
     bigram_rows=4096, bigram_sign_rows=64, cplm_bands=(128, 512), window_block=64,
@@ -796,7 +793,6 @@ class ModelConfig:
     no_x0_blocks: tuple[int, ...]
     no_ngram_blocks: tuple[int, ...]
     no_resid_scale_blocks: tuple[int, ...]
-    inject_after_attn: bool
     tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order
@@ -1145,9 +1141,9 @@ def rotate(x: Tensor, rope: tuple[Tensor, Tensor, float]) -> Tensor:  # x: (T, H
 
 class BlockWeights(NamedTuple):
     """One block's mixing weights, each a scalar tensor or per token ((T, 1); per head (T, H)), set by GPT.hidden from
-    the learned scalars, the MUDD gates and, in the last block, MUDD: x <- resid x + x0_w x0 + bigram; then
-    x <- x + attn_out attention(x); then x <- mlp_resid x + mlp_out MLP(x). With inject_after_attn, x <- resid x;
-    x <- x + attn_out attention(x) + x0_w x0 + bigram; then the MLP as before."""
+    the learned scalars, the MUDD gates and, in the last block, MUDD: x <- resid x; x <- x + attn_out attention(x)
+    + x0_w x0 + bigram; then x <- mlp_resid x + mlp_out MLP(x). A block without attention: x <- resid x + x0_w x0 +
+    bigram, then the MLP."""
     resid: Tensor | None  # the residual stream's own weight before the block; None: unscaled (no_resid_scale_blocks)
     x0: Tensor | None  # the normed embedding's weight; None: no x0 injection (no_x0_blocks)
     attn_out: Tensor  # the attention output's weight
@@ -1269,26 +1265,23 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, fused=fused_mlp, fp8=fp8_mlp)
         # parallel_mlp_blocks: a second MLP of the same kind, set by GPT after every other weight is drawn
         self.parallel_mlp: MLP | None = None
-        # inject_after_attn (ANVIL2, #92): x0 and the n-gram embedding join after the attention; without attention
-        # they join before the MLP, as always
-        self.inject_after_attn = cfg.inject_after_attn and has_attn
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, w: BlockWeights, attn_in: Tensor | None,
                 cu_seqlens: Tensor, max_seqlen: int, window: int, rope: tuple[Tensor, Tensor, float]) -> Tensor:
         """attn_in: the attention's normed input when it is not this block's own (parallel attention inputs)."""
-        if self.inject_after_attn:  # the attention reads the (weighted) residual alone; the injections join after it
+        # x0 and the n-gram embedding join after the attention, which reads the (weighted) residual alone: ANVIL2's
+        # order (#92; its train_gpt.py in records/track_1_short/2026-08-30_ANVIL2/this_pr/32a48562-*.txt @fd1b14a5,
+        # ~148k characters in), the public line's since #73 (PR 230). Without attention, before the MLP
+        if self.attn is None:
+            x = residual_in(x, x0, w)  # learned mix with the embedding stream x0
+            if w.bigram is not None:  # this block's weighted bigram hash embedding (see bigram_indices)
+                x = x + w.bigram
+        else:
             x = x if w.resid is None else w.resid * x
             y = self.attn(norm(x) if attn_in is None else attn_in, ve, w, cu_seqlens, max_seqlen, window, rope)
             x = x + w.attn_out * y
             x = x if w.x0 is None else x + w.x0 * x0
             x = x if w.bigram is None else x + w.bigram
-        else:
-            x = residual_in(x, x0, w)  # learned mix with the embedding stream x0
-            if w.bigram is not None:  # this block's weighted bigram hash embedding (see bigram_indices)
-                x = x + w.bigram
-            if self.attn is not None:
-                y = self.attn(norm(x) if attn_in is None else attn_in, ve, w, cu_seqlens, max_seqlen, window, rope)
-                x = x + w.attn_out * y
         if self.parallel_mlp is None:
             return w.mlp_resid * x + w.mlp_out * self.mlp(norm(x))
         h = norm(x)  # both MLPs read it (ANVIL2's `normed`), their outputs summed under one weight
@@ -1665,8 +1658,9 @@ class GPT(nn.Module):
             else:
                 if i < L - 1:
                     weighted = None if i in cfg.no_ngram_blocks else g["bigram"][i] * bigram
-                    if i == 0 and cfg.inject_after_attn and weighted is not None:
+                    if i == 0 and weighted is not None:
                         # ANVIL2's stream starts as x0 + block 0's n-gram term, which block 0's attention reads
+                        # ("pre-layer-0 bigram injection", its train_gpt.py ~140k characters in)
                         x, weighted = x + weighted, None
                     w = BlockWeights(resid, g["x0"][i], *sub[i], own[i, 2:], weighted, g["xsa"][i], g["out"][i])
                 else:
@@ -2853,11 +2847,12 @@ SAMPLED_US_PER_TOKEN = {
 # The model a preset's rows in the tables (STEP_US_PER_TOKEN, SAMPLED_US_PER_TOKEN, MULTI_GPU_US_PER_TOKEN) were timed
 # on, where the preset's model has changed since: the fields it had then. The record's rows are all of its model before
 # ANVIL2's architecture (record #92's layout, MLP width, injection sites and order) became it; that architecture ran
-# 0.825x their model's step on one H200 over 80 steps (bench/results/arch_h200_20261129d.md), no table row yet
+# 0.825x their model's step on one H200 over 80 steps (bench/results/arch_h200_20261129d.md), no table row yet. Their
+# model also injected x0 and the n-gram term before a block's attention, an order no longer built (no field to give)
 MEASURED_MODEL = {"record": dict(skip_layers=(), no_attn_layers=(6,), skip_into=0, xsa_blocks=(1, 3, 4, 7),
                                  paired_head_blocks=(0, 2, 5, 9), value_embed_blocks=(1, 2, 8, 9, 10),
                                  parallel_mlp_blocks=(), mlp_hidden=0, no_x0_blocks=(), no_ngram_blocks=(),
-                                 no_resid_scale_blocks=(), inject_after_attn=False)}
+                                 no_resid_scale_blocks=())}
 # what --plan says of each kind's rows: the attention kernel they ran with, and where they come from
 STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "PyTorch varlen attention"}
 STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, main at 46b1702 "
@@ -3524,6 +3519,9 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
     diff = [f"{k}: checkpoint {then[k]!r}, now {now[k]!r}" if k in then else
             f"{k}: not a field when the checkpoint was written, now {now[k]!r}"
             for k in MODEL_FIELDS if then.get(k) != now[k] and (k in then or k != "mlp_hidden")]
+    if meta["args"].get("inject_after_attn") is False:  # the field deleted: its True is the one order built now
+        diff.append("inject_after_attn: checkpoint False (x0 and the n-gram term before a block's attention), now "
+                    "always after it")
     if diff:
         raise ValueError(f"{path} holds a different model: " + "; ".join(diff))
     if meta["code_hash"] != code_hash():

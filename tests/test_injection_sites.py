@@ -157,7 +157,7 @@ def test_a_block_without_the_ngram_embedding_ignores_the_table():
         h.remove()
     for i in range(10):
         w = seen[i]
-        # 7: removed, none; 0: its term starts the stream, before its attention (inject_after_attn, the record's)
+        # 7: removed, none; 0: its term starts the stream, before its attention (ANVIL2's)
         assert (w.bigram is None) == (i in SITES["no_ngram_blocks"] or i in (0, 7)), i
         assert (w.x0 is None) == (i in SITES["no_x0_blocks"]) and (w.resid is None) == (i == 6), i
 

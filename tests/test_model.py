@@ -93,26 +93,24 @@ def test_window_limits_how_far_back_attention_reaches():
     # the smear and the bigram carry token 10 to position 11, and each of the 3 attention blocks reaches 16 positions
     # further, plus one for its keys' offset (the long-window blocks' partial key offset), so up to 11 + 3 * 17 = 62,
     # no further. DC attention (its own window of DC_WINDOW tokens, in the last block) is off: its gate's w2 at zero;
-    # CPLM's pointer (its own bands) is off. The old injection order's change reaches position 62; in the record's
-    # (inject_after_attn) block 1's change at its edge, ~1e-4 against a residual of ~5, is rounded away in bf16 when x0
-    # and the bigram join after it, and the reach ends at 61 (the old order's ends at 60 for 3 of 4 other changes to
-    # token 10, +2 to +5: the edge is rounding's, the bound is the windows')
-    for order, edge in ((False, 11 + 3 * 17), (True, 11 + 3 * 17 - 1)):
-        model = tiny_model(randomize=True, window_pattern="LLLL", paired_head_blocks=(), cplm_bands=(),
-                           inject_after_attn=order)
-        with torch.no_grad():
-            start = model.gate_width + sum(n for what, _, n, _ in model.gate_parts[1][:-1])
-            assert model.gate_parts[1][-1][0] == "dc2"
-            model.mudd_gate_w2[start: start + 2].zero_(), model.mudd_gate_b2[start: start + 2].zero_()
-        x, y, cu = batch(doc_starts=(0,))
-        with torch.no_grad():
-            base = model(x, y, cu, 128, W1, reduction="none")
-            x2 = x.clone()
-            x2[10] = (x2[10] + 1) % BOS
-            delta = (model(x2, y, cu, 128, W1, reduction="none") - base).abs()
-        assert delta[11 + 3 * 17 + 1:].max() == 0, order
-        assert delta[edge] > 0 and delta[edge + 1:].max() == 0, order
-        assert delta[10 + 3 * 16 + 1:].max() > 0, order  # the key offsets do reach further
+    # CPLM's pointer (its own bands) is off. Block 1's change at its edge, ~1e-4 against a residual of ~5, is rounded
+    # away in bf16 when x0 and the bigram join after its attention, and the reach ends at 61 (the old order, x0 and
+    # the bigram before the attention, reached 62 here: the edge is rounding's, the bound is the windows')
+    edge = 11 + 3 * 17 - 1
+    model = tiny_model(randomize=True, window_pattern="LLLL", paired_head_blocks=(), cplm_bands=())
+    with torch.no_grad():
+        start = model.gate_width + sum(n for what, _, n, _ in model.gate_parts[1][:-1])
+        assert model.gate_parts[1][-1][0] == "dc2"
+        model.mudd_gate_w2[start: start + 2].zero_(), model.mudd_gate_b2[start: start + 2].zero_()
+    x, y, cu = batch(doc_starts=(0,))
+    with torch.no_grad():
+        base = model(x, y, cu, 128, W1, reduction="none")
+        x2 = x.clone()
+        x2[10] = (x2[10] + 1) % BOS
+        delta = (model(x2, y, cu, 128, W1, reduction="none") - base).abs()
+    assert delta[11 + 3 * 17 + 1:].max() == 0
+    assert delta[edge] > 0 and delta[edge + 1:].max() == 0
+    assert delta[10 + 3 * 16 + 1:].max() > 0  # the key offsets do reach further
 
 
 def test_value_embeddings_and_window_pattern_follow_the_record_layout():
@@ -302,8 +300,8 @@ def test_bigram_rows_of_a_document_do_not_depend_on_the_document_before_it():
 
 def test_the_bigram_embedding_is_its_row_times_its_sign_row_and_block_0_adds_its_gated_share():
     """embeddings(): the bigram table's row (bigram_indices) times its sign row; before block 0 it joins the residual
-    times the x0 gate's per-token bigram weight: the stream block 0 receives is x0 plus it (inject_after_attn, the
-    record's; block 0's own weights carry none). The table starts at zero, so at first nothing is added."""
+    times the x0 gate's per-token bigram weight: the stream block 0 receives is x0 plus it (ANVIL2's order; block 0's
+    own weights carry none). The table starts at zero, so at first nothing is added."""
     model = tiny_model(randomize=True)
     x, y, cu = batch(doc_starts=(0, 60))
     seen = []
@@ -935,7 +933,7 @@ def test_every_attention_after_the_backout_block_reads_its_normed_output(backout
     for i in (0, 1, 3):
         if i > backout:
             assert torch.equal(seen["attn", i], tg.norm(seen["out", backout])), i
-        else:  # its own input, weighted; x0 and the n-gram term join after the attention (inject_after_attn)
+        else:  # its own input, weighted; x0 and the n-gram term join after the attention
             h, x0, _, w = seen["in", i]
             assert torch.equal(seen["attn", i], tg.norm(w.resid * h)), i
             assert not torch.allclose(seen["attn", i], tg.norm(seen["out", backout])), i
@@ -990,9 +988,8 @@ def test_untie_step_is_the_start_of_the_first_untied_stage():
 
 
 def test_a_block_applies_its_weights_as_block_weights_says():
-    """x <- resid x; x <- x + attn_out attention(norm(x), or attn_in when given) + x0_w x0 + bigram (the record's
-    order, inject_after_attn); x <- mlp_resid x + mlp_out MLP(norm(x)), against the block's own attention and MLP
-    called on their own."""
+    """x <- resid x; x <- x + attn_out attention(norm(x), or attn_in when given) + x0_w x0 + bigram (ANVIL2's order);
+    x <- mlp_resid x + mlp_out MLP(norm(x)), against the block's own attention and MLP called on their own."""
     model = tiny_model(randomize=True)
     block, T, dim = model.blocks[1], 128, TINY["model_dim"]  # attention, a value table, paired heads, XSA
     g = torch.Generator().manual_seed(3)

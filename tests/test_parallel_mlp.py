@@ -100,7 +100,7 @@ def test_at_the_start_the_model_computes_what_it_did_without_it(kernels, trainin
 
 def test_the_block_sums_both_mlps_of_the_same_normed_input_under_its_mlp_output_weight():
     """x <- mlp_resid x + mlp_out (MLP(norm x) + MLP'(norm x)), x the residual after the attention and the injections
-    that join after it (inject_after_attn, the record's; ANVIL2: both read `normed`, both outputs times
+    that join after it (ANVIL2's order; ANVIL2: both read `normed`, both outputs times
     post_lambdas_mlp[8]), against the two MLPs called on their own."""
     model = randomized_pair(config=TINY, block=1)[1]
     block, T, dim = model.blocks[1], 128, TINY["model_dim"]

@@ -14,7 +14,7 @@ FULL = ["--full_softmax_from", "0"]  # the record preset with the full softmax t
 MEASURED = ["--skip_layers", "", "--no_attn_layers", "6", "--skip_into", "0", "--xsa_blocks", "1,3,4,7",
             "--paired_head_blocks", "0,2,5,9", "--value_embed_blocks", "1,2,8,9,10", "--parallel_mlp_blocks", "",
             "--mlp_hidden", "0", "--no_x0_blocks", "", "--no_ngram_blocks", "", "--no_resid_scale_blocks", "",
-            "--inject_after_attn", "false", "--num_iterations", "776"]
+            "--num_iterations", "776"]
 STEPS = [269, 268, 267, 20]  # the record's 824 steps by stage: three of 269 / 268 / 267, the extension's 20
 
 
@@ -56,7 +56,7 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
         "step times of another model: the times above are --preset record's model's before its present one "
         "(MEASURED_MODEL); this run's model is not measured (it differs in mlp_hidden, no_attn_layers, "
         "value_embed_blocks, paired_head_blocks, xsa_blocks, skip_into, skip_layers, parallel_mlp_blocks, "
-        "no_x0_blocks, no_ngram_blocks, no_resid_scale_blocks, inject_after_attn: the model line gives the measured "
+        "no_x0_blocks, no_ngram_blocks, no_resid_scale_blocks: the model line gives the measured "
         "model's values)")
 
 
@@ -96,8 +96,7 @@ def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measur
     assert line.endswith("; the step times above are --preset record's model's before its present one "
                          "(MEASURED_MODEL), MLP hidden 3,072, no_attn_layers (6,), value_embed_blocks (1, 2, 8, 9, "
                          "10), paired_head_blocks (0, 2, 5, 9), xsa_blocks (1, 3, 4, 7), skip_into 0, skip_layers (), "
-                         "parallel_mlp_blocks (), no_x0_blocks (), no_ngram_blocks (), no_resid_scale_blocks (), "
-                         "inject_after_attn False")
+                         "parallel_mlp_blocks (), no_x0_blocks (), no_ngram_blocks (), no_resid_scale_blocks ()")
     # MEASURED is that model, field for field
     assert tg.parse_args(MEASURED) == tg.Hyperparameters(**tg.MEASURED_MODEL["record"], num_iterations=776)
 

@@ -82,7 +82,6 @@ def test_no_technique_is_off_in_every_preset():
     assert model.blocks[0].mlp.fc_w.shape == (768, 2816) and model.blocks[8].parallel_mlp.fc_w.shape == (768, 2816)
     # the value-embedding gates: the blocks' own, and MUDD's per token in the last block (10)
     assert [i for i, b in enumerate(model.blocks) if b.attn is not None and b.attn.ve_gate_w is not None] == [1, 2, 8]
-    assert all(b.inject_after_attn for b in model.blocks if b.attn is not None)
     # the presets of other depths keep the layout before it (ANVIL2's indices are the 11 blocks'), MLPs 4 x model_dim
     for name in ("smoke", "medium"):
         args = tg.parse_args(["--preset", name])
@@ -91,7 +90,7 @@ def test_no_technique_is_off_in_every_preset():
         assert [i for i, b in enumerate(model.blocks) if b.attn is None] == list(args.no_attn_layers), name
         assert not any(isinstance(b, tg.SkippedBlock) or b.parallel_mlp is not None for b in model.blocks), name
         assert model.blocks[0].mlp.fc_w.shape == (args.model_dim, 4 * args.model_dim), name
-        assert args.inject_after_attn and not (args.no_x0_blocks or args.no_ngram_blocks or args.no_resid_scale_blocks)
+        assert not (args.no_x0_blocks or args.no_ngram_blocks or args.no_resid_scale_blocks), name
 
 
 def test_a_checkpoint_of_the_two_model_era_is_refused_with_the_commit_to_use(tmp_path):
