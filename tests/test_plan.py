@@ -8,14 +8,14 @@ import torch
 import train_gpt as tg
 
 RECORD_SHAPES = [(49152, 896, 3), (49152, 2048, 7), (49152, 2048, 11), (49152, 2048, 13)]  # record's stages, extension
-RECORD_CANDIDATES = (16384, 14336, 12288)  # the sampled softmax's rows in stages 1-3 (full from step 760)
+RECORD_CANDIDATES = (16384, 14336, 12288)  # the sampled softmax's rows in stages 1-3 (full from step 774)
 FULL = ["--full_softmax_from", "0"]  # the record preset with the full softmax throughout
 # the record's model before ANVIL2's architecture, the one the tables' rows were timed on (MEASURED_MODEL); 776 steps
 MEASURED = ["--skip_layers", "", "--no_attn_layers", "6", "--skip_into", "0", "--xsa_blocks", "1,3,4,7",
             "--paired_head_blocks", "0,2,5,9", "--value_embed_blocks", "1,2,8,9,10", "--parallel_mlp_blocks", "",
             "--mlp_hidden", "0", "--no_x0_blocks", "", "--no_ngram_blocks", "", "--no_resid_scale_blocks", "",
             "--num_iterations", "776"]
-STEPS = [269, 268, 267, 20]  # the record's 824 steps by stage: three of 269 / 268 / 267, the extension's 20
+STEPS = [274, 274, 272, 20]  # the record's 840 steps by stage: three of 274 / 274 / 272, the extension's 20
 
 
 def stage_rows(out: str) -> dict[str, list[str]]:
@@ -45,11 +45,11 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     rows = stage_rows(out)
     assert list(rows) == ["1", "2", "3", "ext"]
     # steps, batch, micro-batches on 1 / 8 GPUs, micro tokens, document cut, windows, lr, tokens
-    assert rows["1"][1:11] == ["0-268", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "105,775,104"]
-    assert rows["3"][1] == "537-803" and rows["3"][8] == "1408/640"
-    assert rows["ext"][1] == "804-823" and rows["ext"][8] == "1664/768"  # step 824 is the final validation only
-    assert f"trained tokens: {824 * 393216:,}" in out
-    assert 824 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
+    assert rows["1"][1:11] == ["0-273", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "107,741,184"]
+    assert rows["3"][1] == "548-819" and rows["3"][8] == "1408/640"
+    assert rows["ext"][1] == "820-839" and rows["ext"][8] == "1664/768"  # step 840 is the final validation only
+    assert f"trained tokens: {840 * 393216:,}" in out
+    assert 840 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
     assert not list(tmp_path.iterdir())  # no log, no checkpoint folder
     # the tables' rows are of the record's model before ANVIL2's architecture: the plan says so, naming what differs
     assert line_of(out.splitlines(), "step times of another model:") == (
@@ -164,11 +164,11 @@ MASTER_H200_MS = (254, 439, 658.5, 661)
 
 
 def test_the_record_presets_stages_split_at_the_switch_to_the_full_softmax():
-    """824 steps, the full softmax from round(0.922 x 824) = 760: stage 3 (steps 537-803) samples 223 steps and
-    trains 44 with the full softmax; the extension (804-823) is full although its row carries stage 3's candidates."""
+    """840 steps, the full softmax from round(0.922 x 840) = 774: stage 3 (steps 548-819) samples 226 steps and
+    trains 46 with the full softmax; the extension (820-839) is full although its row carries stage 3's candidates."""
     schedule = tg.Schedule(tg.parse_args([]))
-    assert schedule.full_softmax == 760 and schedule.stages[2].start == 537 and schedule.stages[3].start == 804
-    assert [tg.softmax_steps(schedule, st) for st in schedule.stages] == [(269, 0), (268, 0), (223, 44), (0, 20)]
+    assert schedule.full_softmax == 774 and schedule.stages[2].start == 548 and schedule.stages[3].start == 820
+    assert [tg.softmax_steps(schedule, st) for st in schedule.stages] == [(274, 0), (274, 0), (226, 46), (0, 20)]
     assert [st.candidates for st in schedule.stages] == [*RECORD_CANDIDATES, 12288]
     assert [tg.softmax_steps(tg.Schedule(tg.parse_args(FULL)), st)[0] for st in schedule.stages] == [0, 0, 0, 0]
 
@@ -214,9 +214,9 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_582_s
     assert "8 GPUs not projected: no measured 8/1-GPU step-time ratio on H200" in line_of(lines, "projected time:")
     assert all(row[-1] == "-" for row in stage_rows("\n".join(lines)).values())
     assert not [line for line in lines if line.startswith("step times of another model")]  # the model measured
-    # the record as it is (ANVIL2's architecture, 824 steps): priced at those rows, and said to be another model's
+    # the record as it is (ANVIL2's architecture, 840 steps): priced at those rows, and said to be another model's
     record = tg.schedule_plan(tg.Schedule(tg.parse_args([])))
-    record_s = 393216e-6 * (269 * sampled[0] + 268 * sampled[1] + 223 * sampled[2] + 44 * ours[2] + 20 * ours[3])
+    record_s = 393216e-6 * (274 * sampled[0] + 274 * sampled[1] + 226 * sampled[2] + 46 * ours[2] + 20 * ours[3])
     assert line_of(record, "projected time:").startswith(f"projected time: 1 x H200 {record_s:.1f} s")
     assert "--preset record's model before its present one (MEASURED_MODEL)" in line_of(record, "ours on H200")
     assert line_of(record, "step times of another model:")
@@ -224,7 +224,7 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_582_s
 
 def test_a_stage_split_by_the_switch_is_priced_as_the_weighted_sum_and_a_missing_row_leaves_it_out(no_gpu, monkeypatch):
     """Each stage's sampled steps at its SAMPLED_US_PER_TOKEN row, its full ones at its STEP_US_PER_TOKEN row: stage 3
-    (210 sampled, 41 full) needs both, stages 1-2 (all sampled) only the sampled, the extension only the full."""
+    (226 sampled, 46 full) needs both, stages 1-2 (all sampled) only the sampled, the extension only the full."""
     full = {("H100", "record", *shape): us for shape, us in zip(RECORD_SHAPES[2:], (3.0, 3.5))}  # stage 3, extension
     sampled = {("H100", "record", *shape, c): us
                for shape, c, us in zip(RECORD_SHAPES, RECORD_CANDIDATES, (1.0, 1.5, 2.0))}  # stages 1-3
@@ -233,10 +233,10 @@ def test_a_stage_split_by_the_switch_is_priced_as_the_weighted_sum_and_a_missing
     args = tg.parse_args(["--plan_gpu", "H100"])
     lines = tg.schedule_plan(tg.Schedule(args))
     rows = stage_rows("\n".join(lines))
-    seconds = [269 * 1.0, 268 * 1.5, 223 * 2.0 + 44 * 3.0, 20 * 3.5]  # x 393,216 tokens x 1e-6
+    seconds = [274 * 1.0, 274 * 1.5, 226 * 2.0 + 46 * 3.0, 20 * 3.5]  # x 393,216 tokens x 1e-6
     for name, s in zip(["1", "2", "3", "ext"], seconds):
         assert float(rows[name][-2]) == pytest.approx(s * 0.393216, abs=0.05)
-    assert float(rows["3"][-3]) == pytest.approx((223 * 2.0 + 44 * 3.0) / 267, abs=5e-4)  # the stage's mean
+    assert float(rows["3"][-3]) == pytest.approx((226 * 2.0 + 46 * 3.0) / 272, abs=5e-4)  # the stage's mean
     assert line_of(lines, "projected time:").startswith(f"projected time: 1 x H100 {sum(seconds) * 0.393216:.1f} s")
     # without stage 2's sampled row, or without stage 3's full one, that stage is '-' and the projection incomplete
     for table, key, name in ((sampled, ("H100", "record", *RECORD_SHAPES[1], 14336), "2"),
