@@ -2815,61 +2815,57 @@ def tie_embedding_at(model: "GPT", step: int, untie: float):
 # unmeasured, never interpolated. Time per token: ms per step x 1000 / tokens per step, in us.
 STEP_US_PER_TOKEN = {
     # one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, FlashAttention-3 (xformers 0.0.34), main at 46b1702 (FP8
-    # MLP backward): `python bench/step_time.py --stages --steps 12 --preset record --attention fa3 --num_iterations
-    # 776`, each stage's mean step: 603.3 / 615.3 / 624.8 / 619.7 ms per 393,216-token step
-    # (bench/results/one_session_h100_20261127c.md)
+    # MLP backward), the record's model before ANVIL2's architecture (MEASURED_MODEL): `python bench/step_time.py
+    # --stages --steps 12 --preset record --attention fa3 --num_iterations 776`, each stage's mean step: 603.3 /
+    # 615.3 / 624.8 / 619.7 ms per 393,216-token step (bench/results/one_session_h100_20261127c.md)
     ("H100", "record", 49152, 896, 3): 1.534,
     ("H100", "record", 49152, 2048, 7): 1.565,
     ("H100", "record", 49152, 2048, 11): 1.589,
     ("H100", "record", 49152, 2048, 13): 1.576,
-    # one H200 of a one-GPU machine, alone, 2026-11-29, PyTorch 2.11.0+cu130, PyTorch's varlen attention, main at
-    # 8a31d12 (the full softmax throughout, before the trigram table): `python train_gpt.py --preset record --seed 0
-    # --num_iterations 80 --attention varlen ...`, each stage's mean step, two runs' mean: 565.0 / 603.6 / 622.0 ms
-    # per 393,216-token step (bench/results/timing_h200_20261129.md)
-    ("H200", "record", 49152, 896, 3): 1.437,
-    ("H200", "record", 49152, 2048, 7): 1.535,
-    ("H200", "record", 49152, 2048, 11): 1.582,
-    # the same machine kind, a later session of 2026-11-29, the record preset whole at 6cdf50a (the trigram table's
-    # 20,773,440 rows included): the 80-step run of SAMPLED_US_PER_TOKEN below, its last stage's full-softmax steps
-    # 74-79: 636.3 ms per 393,216-token step (bench/results/preset_h200_20261129c.md)
-    ("H200", "record", 49152, 2048, 13): 1.618,
+    # one H200 of a one-GPU machine, alone, 2026-11-29, PyTorch 2.11.0+cu130, PyTorch's varlen attention, the record
+    # preset with ANVIL2's architecture (wt80's defaults, run c79): `python train_gpt.py --preset record
+    # --num_iterations 80 --full_softmax_from 0.65 --attention varlen ...`, each stage's mean step from the log's
+    # stage lines: stage 3's full-softmax steps 527.3 ms, the extension's 535.5 ms per 393,216-token step
+    # (bench/results/arch_h200_20261129f.md). Stages 1-2 have no full-softmax row on it
+    ("H200", "record", 49152, 2048, 11): 1.341,
+    ("H200", "record", 49152, 2048, 13): 1.362,
 }
 # The sampled softmax's steps (those before Schedule.full_softmax in a stage with candidates): time per token as
 # STEP_US_PER_TOKEN's, keyed as it is plus the stage's candidates (the head's rows a micro-batch); a stage's full
 # softmax steps are priced at its STEP_US_PER_TOKEN row.
 SAMPLED_US_PER_TOKEN = {
-    # one H200 of a one-GPU machine, alone, 2026-11-29 (its third session), PyTorch 2.11.0+cu130, PyTorch's varlen
-    # attention, the record preset whole at 6cdf50a (sampled softmax, the trigram table's 20,773,440 rows with their
-    # row-sparse Adam): `python train_gpt.py --preset record --seed 0 --num_iterations 80 --log_every 1 --val_every
-    # 40 --attention varlen ...`, stages 1-3's mean step: 507.0 / 537.6 / 548.2 ms per 393,216-token step
-    # (bench/results/preset_h200_20261129c.md)
-    ("H200", "record", 49152, 896, 3, 16384): 1.289,
-    ("H200", "record", 49152, 2048, 7, 14336): 1.367,
-    ("H200", "record", 49152, 2048, 11, 12288): 1.394,
+    # the run of STEP_US_PER_TOKEN's H200 rows (2026-11-29, ANVIL2's architecture, run c79): stages 1-3's sampled
+    # steps, 423.8 / 442.4 / 453.4 ms per 393,216-token step (bench/results/arch_h200_20261129f.md)
+    ("H200", "record", 49152, 896, 3, 16384): 1.078,
+    ("H200", "record", 49152, 2048, 7, 14336): 1.125,
+    ("H200", "record", 49152, 2048, 11, 12288): 1.153,
 }
-# The model a preset's rows in the tables (STEP_US_PER_TOKEN, SAMPLED_US_PER_TOKEN, MULTI_GPU_US_PER_TOKEN) were timed
-# on, where the preset's model has changed since: the fields it had then. The record's rows are all of its model before
-# ANVIL2's architecture (record #92's layout, MLP width, injection sites and order) became it; that architecture ran
-# 0.825x their model's step on one H200 over 80 steps (bench/results/arch_h200_20261129d.md), no table row yet. Their
-# model also injected x0 and the n-gram term before a block's attention, an order no longer built (no field to give)
-MEASURED_MODEL = {"record": dict(skip_layers=(), no_attn_layers=(6,), skip_into=0, xsa_blocks=(1, 3, 4, 7),
-                                 paired_head_blocks=(0, 2, 5, 9), value_embed_blocks=(1, 2, 8, 9, 10),
-                                 parallel_mlp_blocks=(), mlp_hidden=0, no_x0_blocks=(), no_ngram_blocks=(),
-                                 no_resid_scale_blocks=())}
+# The record's model before ANVIL2's architecture (record #92's layout, MLP width, injection sites and order) became
+# it: the fields it had then, and its injections (x0 and the n-gram term) before a block's attention, an order no
+# longer built (not a field: every run differs in it). ANVIL2's architecture ran 0.825x its step on one H200 over 80
+# steps (bench/results/arch_h200_20261129d.md).
+BEFORE_ANVIL2 = dict(skip_layers=(), no_attn_layers=(6,), skip_into=0, xsa_blocks=(1, 3, 4, 7),
+                     paired_head_blocks=(0, 2, 5, 9), value_embed_blocks=(1, 2, 8, 9, 10), parallel_mlp_blocks=(),
+                     mlp_hidden=0, no_x0_blocks=(), no_ngram_blocks=(), no_resid_scale_blocks=(),
+                     injections="before a block's attention")
+# The model a preset's rows of one GPU kind and count were timed on, where it is not the preset's present model, by
+# (preset, GPU kind, GPUs): the fields it had then. 1 GPU: STEP_US_PER_TOKEN's and SAMPLED_US_PER_TOKEN's rows; more:
+# MULTI_GPU_US_PER_TOKEN's. --plan names these rows as that model's. The H200 one-GPU rows are the present record's.
+MEASURED_MODEL = {("record", "H100", 1): BEFORE_ANVIL2, ("record", "H200", 4): BEFORE_ANVIL2}
 # what --plan says of each kind's rows: the attention kernel they ran with, and where they come from
 STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "PyTorch varlen attention"}
 STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, main at 46b1702 "
                           "(bench/results/one_session_h100_20261127c.md)",
-                  "H200": "one-GPU H200 machines, 2026-11-29, PyTorch 2.11.0+cu130: the record preset whole at "
-                          "6cdf50a (bench/results/preset_h200_20261129c.md); stages 1-3's full-softmax rows at "
-                          "8a31d12, before the trigram table (bench/results/timing_h200_20261129.md)"}
+                  "H200": "one H200 of a one-GPU machine, alone, 2026-11-29, PyTorch 2.11.0+cu130: the record preset "
+                          "with ANVIL2's architecture, 80 steps (bench/results/arch_h200_20261129f.md)"}
 # The public master (f411b3d3, record #89's code) on its own schedule: steps and tokens per step of each stage,
 # 423 / 424 / 423 steps at 131,072 / 262,144 / 393,216 tokens, then the 15-step extension at 393,216: 338,821,120
 # tokens (bench/results/public_master_comparison.md rows 32-34 and 47; bench/side_by_side.py's public_stages
 # computes the same boundaries from its TRAINING_STAGES).
 PUBLIC_MASTER_STAGES = ((423, 131072), (424, 262144), (423, 393216), (15, 393216))
-# Its mean ms per step at each of those stages, by GPU kind: with the attention kernel, the source, and how the
-# times pair with ours of the same kind (STEP_US_PER_TOKEN), as --plan prints them.
+# Its ms per step at each of those stages (the mean, or the median where the source says), by GPU kind: with the
+# attention kernel, the source, and how the times pair with ours of the same kind (STEP_US_PER_TOKEN), as --plan
+# prints them.
 PUBLIC_MASTER_STEP_MS = {
     # record #89's code in its own one-H100 logs, mean of five runs, PyTorch 2.10 / CUDA 12.8 (the public
     # records/track_1_short/2026-08-06-CanonicalMasking/ folder, quoted in bench/results/public_line.md)
@@ -2877,22 +2873,25 @@ PUBLIC_MASTER_STEP_MS = {
                  source="its own logs, one H100 80GB HBM3, PyTorch 2.10 / CUDA 12.8, mean of five runs "
                         "(bench/results/public_line.md)",
                  paired="not timed with ours: another machine, another PyTorch"),
-    # one H200 (a one-GPU machine), 2026-11-28, PyTorch 2.11.0+cu130, PyTorch's varlen attention (issue 63's
-    # figures; bench/results/public_line_history.md)
-    "H200": dict(ms=(254.0, 439.0, 658.5, 661.0), attention="PyTorch varlen attention",
-                 source="one H200 of a one-GPU machine, 2026-11-28, PyTorch 2.11.0+cu130 "
-                        "(bench/results/public_line_history.md)",
-                 paired="ours the next day on another one-GPU machine's H200, same PyTorch and attention"),
+    # one H200 of a one-GPU machine, 2026-11-29, PyTorch 2.11.0+cu130, PyTorch's varlen attention, right after the run
+    # of STEP_US_PER_TOKEN's H200 rows on the same machine: each stage's median step (its stage-3 rate, 1.653 us per
+    # token, within 2% of its stage 2's 1.659); one A B pair (bench/results/arch_h200_20261129f.md). Before it:
+    # 254.0 / 439.0 / 658.5 / 661.0 ms on 2026-11-28, another machine (bench/results/public_line_history.md)
+    "H200": dict(ms=(232.0, 435.0, 650.0, 657.0), attention="PyTorch varlen attention",
+                 source="one H200 of a one-GPU machine, 2026-11-29, PyTorch 2.11.0+cu130, stage medians "
+                        "(bench/results/arch_h200_20261129f.md)",
+                 paired="the master timed right after ours on the same one-GPU machine, same PyTorch and attention: "
+                        "one A B pair"),
 }
 RECORD_89_SECONDS = 73.8  # public record #89 on 8xH100, its whole schedule
 # Measured on several GPUs of one host: time per token of the whole global batch, by (GPU kind, GPUs, preset,
 # micro-batch tokens per GPU, document cut, long window in blocks), as STEP_US_PER_TOKEN's one-GPU rows: the full
 # softmax only (a stage with sampled steps has no multi-GPU time).
 MULTI_GPU_US_PER_TOKEN = {
-    # four H200s of one host (NVLink), 2026-11-28, PyTorch 2.11.0+cu130, PyTorch's varlen attention, main at 28d32b5:
-    # `NPROC=4 ./run.sh --preset record --num_iterations 80 --attention varlen ...`, each stage's mean step:
-    # 147.0 / 157.6 / 162.4 / 165.0 ms per 393,216-token step, two micro-batches a GPU, alone on the host
-    # (bench/results/x4_h200_20261128b.md)
+    # four H200s of one host (NVLink), 2026-11-28, PyTorch 2.11.0+cu130, PyTorch's varlen attention, main at 28d32b5
+    # (the record's model before ANVIL2's architecture, MEASURED_MODEL): `NPROC=4 ./run.sh --preset record
+    # --num_iterations 80 --attention varlen ...`, each stage's mean step: 147.0 / 157.6 / 162.4 / 165.0 ms per
+    # 393,216-token step, two micro-batches a GPU, alone on the host (bench/results/x4_h200_20261128b.md)
     ("H200", 4, "record", 49152, 896, 3): 0.374,
     ("H200", 4, "record", 49152, 2048, 7): 0.401,
     ("H200", 4, "record", 49152, 2048, 11): 0.413,
@@ -3016,8 +3015,8 @@ def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
                      f"projected: {why}")
     if kind in STEP_US_SOURCE:
         lines.append(f"ours on {kind} ({STEP_US_ATTENTION[kind]}): {STEP_US_SOURCE[kind]}; times as measured for "
-                     f"--preset {args.preset}'s model{measured_when(args.preset)}, other model or kernel flags are "
-                     "not reflected")
+                     f"--preset {args.preset}'s model{measured_when(args.preset, kind)}, other model or kernel flags "
+                     "are not reflected")
     master = public_master_time(kind)
     if master is not None:
         ms, attention, source = (PUBLIC_MASTER_STEP_MS[kind][k] for k in ("ms", "attention", "source"))
@@ -3029,26 +3028,30 @@ def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
                      f"{master[1]:,} tokens; {source}")
     lines += multi_gpu_lines(schedule, kind, None if missing else one)
     lines.append(vs_public_master(kind, None if missing else one, tokens, missing, args.preset))
-    unmeasured = unmeasured_model(args)
+    unmeasured = unmeasured_model(args, kind)
     if unmeasured and len(missing) < len(stages):  # some stage priced, at another model's rows
         lines.append(f"step times of another model: the times above are --preset {args.preset}'s model's"
-                     f"{measured_when(args.preset)}; this run's model is not measured (it differs in "
+                     f"{measured_when(args.preset, kind)}; this run's model is not measured (it differs in "
                      f"{', '.join(unmeasured)}: the model line gives the measured model's values)")
     return lines
 
 
-def measured_when(preset: str) -> str:
-    """--plan's words for a preset whose tables' rows are of a model it no longer trains (MEASURED_MODEL)."""
-    return " before its present one (MEASURED_MODEL)" if preset in MEASURED_MODEL else ""
+def measured_when(preset: str, kind: str, gpus: int = 1) -> str:
+    """--plan's words for a preset's rows on `gpus` GPUs of this kind that are of a model it no longer trains
+    (MEASURED_MODEL)."""
+    return " before its present one (MEASURED_MODEL)" if (preset, kind, gpus) in MEASURED_MODEL else ""
 
 
-def unmeasured_model(args: Hyperparameters) -> dict:
-    """The MODEL_FIELDS in which a run's model is not the one its preset's rows in the tables were timed on (the
-    preset's, with MEASURED_MODEL's fields of then): {field: the measured model's value}."""
+def unmeasured_model(args: Hyperparameters, kind: str, gpus: int = 1) -> dict:
+    """The MODEL_FIELDS in which a run's model is not the one its preset's rows on `gpus` GPUs of this kind were timed
+    on (the preset's, with MEASURED_MODEL's fields of then), and what that model had that no field builds now:
+    {field: the measured model's value}."""
     ours = model_values(vars(args))
-    theirs = model_values(vars(Hyperparameters(**{**PRESETS[args.preset][1], **MEASURED_MODEL.get(args.preset, {})},
-                                               preset=args.preset)))
-    return {k: theirs[k] for k in MODEL_FIELDS if ours[k] != theirs[k]}
+    then = MEASURED_MODEL.get((args.preset, kind, gpus), {})
+    fields = {k: v for k, v in then.items() if k in MODEL_FIELDS}
+    theirs = model_values(vars(Hyperparameters(**{**PRESETS[args.preset][1], **fields}, preset=args.preset)))
+    return {**{k: theirs[k] for k in MODEL_FIELDS if ours[k] != theirs[k]},
+            **{k: v for k, v in then.items() if k not in fields}}
 
 
 def multi_gpu_lines(schedule: Schedule, kind: str, one: float | None) -> list[str]:
@@ -3062,8 +3065,13 @@ def multi_gpu_lines(schedule: Schedule, kind: str, one: float | None) -> list[st
         if None in us:
             continue
         seconds = sum((min(st.end, N) - st.start) * st.spec.batch_size * u * 1e-6 for st, u in zip(schedule.stages, us))
-        share = f", {seconds / one:.3f} of one GPU's" if one else ""
-        lines.append(f"measured on {gpus} x {kind}: {seconds:.1f} s (each stage's {gpus}-GPU step time{share}); "
+        # against the one-GPU time only where both sets of rows are of one model
+        same = MEASURED_MODEL.get((args.preset, k, gpus)) == MEASURED_MODEL.get((args.preset, k, 1))
+        share = f", {seconds / one:.3f} of one GPU's" if one and same else ""
+        differs = unmeasured_model(args, k, gpus)
+        model = (f"; --preset {args.preset}'s model{measured_when(args.preset, k, gpus)}"
+                 + (f", not this run's (it differs in {', '.join(differs)})" if differs else ""))
+        lines.append(f"measured on {gpus} x {kind}: {seconds:.1f} s (each stage's {gpus}-GPU step time{share}){model}; "
                      f"{MULTI_GPU_SOURCE[k, gpus]}")
     return lines
 
@@ -3265,9 +3273,10 @@ def model_plan_line(schedule: Schedule) -> str:
                                         f"mlp_ratio {args.mlp_ratio} x model_dim {args.model_dim}")
     line = (f"model: MLP hidden {width:,} ({how}), {matmul:,} matmul weights (block matrices, LM head), training "
             f"GFLOPs per token by stage {flops} (flops_per_token: MFU's count)")
-    named = [f"MLP hidden {v:,}" if k == "mlp_hidden" else f"{k} {v}" for k, v in unmeasured_model(args).items()]
+    kind = args.plan_gpu
+    named = [f"MLP hidden {v:,}" if k == "mlp_hidden" else f"{k} {v}" for k, v in unmeasured_model(args, kind).items()]
     if named:
-        line += (f"; the step times above are --preset {args.preset}'s model's{measured_when(args.preset)}, "
+        line += (f"; the step times above are --preset {args.preset}'s model's{measured_when(args.preset, kind)}, "
                  + ", ".join(named))
     return line
 

@@ -16,7 +16,7 @@ SKIP3 = dict(FIVE, skip_layers=(3,))
 # ANVIL2's layout on the record: block 7 removed, no attention in 4 and 9 (and 6), and what referenced them gone
 ANVIL2 = ["--skip_layers", "7", "--no_attn_layers", "4,6,9", "--skip_into", "6", "--xsa_blocks", "1,3",
           "--paired_head_blocks", "0,2,5", "--value_embed_blocks", "1,2,8,10"]
-# the record's layout before ANVIL2's (--plan's MEASURED_MODEL's), and the rest of ANVIL2's architecture off: its
+# the record's layout before ANVIL2's (--plan's BEFORE_ANVIL2), and the rest of ANVIL2's architecture off: its
 # second MLP, MLP width and injection sites
 BEFORE = ["--skip_layers", "", "--no_attn_layers", "6", "--skip_into", "0", "--xsa_blocks", "1,3,4,7",
           "--paired_head_blocks", "0,2,5,9", "--value_embed_blocks", "1,2,8,9,10"]
