@@ -44,7 +44,7 @@ def triton_runs_on(t: Tensor) -> bool:
 # linear + ReLU² kernel"): the up-projection's epilogue writes post = relu(h)² of h = x W_fc, and in the
 # backward the epilogue of (grad_out W_proj) multiplies by the derivative 2 relu(h) = 2 sqrt(post), so h
 # is never written (the public line's commit 75d6867a, after record #89). The two
-# elementwise passes over the (tokens x 4 dim) activations that the epilogues replace cost about as
+# elementwise passes over the (tokens x hidden width) activations that the epilogues replace cost about as
 # much memory traffic as the matmul takes time. The other matmuls stay on cuBLAS.
 #
 # --fp8_mlp (the public line's FP8 MLP forward: the up projection of the 2026-05-19 record, the down
@@ -268,8 +268,11 @@ def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dty
             TensorDescriptor.from_tensor(side_t, [BN // 2, BM]) if side_t is not None else half(out),
             scales if fp8 else out, amax if fp8 else out, M, N, K,
             BACKWARD=aux is not None, FP8=fp8, B_NK=b_nk, Q_MAX=torch.finfo(q_dtype).max, NUM_SMS=programs, **t)
-    elif fp8:
-        raise RuntimeError("the FP8 MLP's matmuls run in Hopper's TMA kernel only")
+    elif fp8:  # train_gpt.check_fp8_mlp_shapes refuses a width that breaks TMA's rule before a run starts
+        raise RuntimeError(f"the FP8 MLP's matmuls run in Hopper's TMA kernel only: here none, or operands a "
+                           f"{tuple(a.shape)}, b {tuple(b.shape)} not in TMA's layout (rows of 16-byte multiples: the "
+                           "MLP's hidden width, train_gpt.py's mlp_hidden or mlp_ratio x model_dim, and model_dim "
+                           "divisible by 16)")
     else:
         _matmul_relu2_kernel[(tiles,)](a, b, out, side, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                                        out.stride(0), out.stride(1), BACKWARD=aux is not None, **t)

@@ -146,16 +146,40 @@ class Hyperparameters:
     val_seq_len: int = 262144  # validation buffer: context resets at its edges (the public speedrun's 262,144)
     max_doc_len: int = 2048  # training documents are cut here and the rest dropped (validation: never cut)
     max_num_docs: int = 0  # cu_seqlens padded to this many sequences (static shapes); 0: this run's fullest micro-batch (doc_slots)
-    # model: the public master's 11 blocks, attention skipped in block 6, long windows in blocks 3 and 10
+    # model: the public master's 11 blocks in ANVIL2's layout (record #92, 08/30/26): block 7 removed, no attention in
+    # blocks 4, 6 and 9, long windows in blocks 3 and 10
     vocab_size: int = 50304  # GPT-2's 50,257 padded to a multiple of 128 for fast matmuls (@Grad62304977)
     num_layers: int = 11  # transformer blocks (09/03/25: 12)
     model_dim: int = 768  # residual stream width
     num_heads: int = 6  # attention heads per block
     head_dim: int = 128  # width of each attention head
-    mlp_ratio: int = 4  # MLP hidden width = mlp_ratio x model_dim
-    no_attn_layers: tuple[int, ...] = (6,)  # blocks without attention (09/03/25: block 7 of 12, @YouJiacheng)
+    mlp_ratio: int = 4  # MLP hidden width = mlp_ratio x model_dim (where mlp_hidden is 0)
+    # ANVIL2's rate on its MLP (ANVIL, its Muon) is its shape factor max(1, hidden/dim)^0.5 x (1, 2): (1.915, 3.830)
+    # at 2816. mlp_muon_lr_mults' (2, 4) is that rule at 3072 and stays as set whatever the width (the record's 2816
+    # was measured at (2, 4): bench/results/arch_h200_20261129d.md)
+    mlp_hidden: int = 2816  # MLP hidden width exactly, 0 = mlp_ratio x model_dim: the record's 2816 at model_dim 768, ANVIL2's (record #92, 08/30/26; before it 3072)
+    no_attn_layers: tuple[int, ...] = (4, 6, 9)  # blocks without attention: the record's 4, 6, 9 are ANVIL2's (record #92, 08/30/26; before it 6, as 09/03/25's block 7 of 12, @YouJiacheng)
+    # ANVIL2 (the public record #92) removes block 7 whole and the attention of blocks 4 and 9. Block indices stay as
+    # they are (block 8 is still block 8): a removed block has no attention, no MLP and no bigram injection, but keeps
+    # its residual weights and its gated x0 injection (ANVIL2: "residual structure ... intact")
+    skip_layers: tuple[int, ...] = (7,)  # blocks without attention or MLP, only their residual weights: the record removes block 7, as ANVIL2 (record #92, 08/30/26)
+    # ANVIL2 also runs a second MLP beside block 8's, in the MLP bank's spare slot 11 (its train_gpt.py, at the start of
+    # records/track_1_short/2026-08-30_ANVIL2/this_pr/*.txt, @fd1b14a5: `if i == 8:` "Parallel second MLP on layer 8"):
+    # it reads the same normed input, its output projection starts at zero (the same function at step 0), its output
+    # joins the MLP's under the block's MLP output weight, and it learns at the MLP rates (per_matrix_lr_mul 1 / 2)
+    parallel_mlp_blocks: tuple[int, ...] = (8,)  # blocks with a second MLP beside their own: same input, output projection zero at the start, summed before the MLP output's weight; the record's 8 is ANVIL2's (record #92, 08/30/26)
+    # ANVIL2 injects x0 and the n-gram (its "hashed bigram") embedding on fewer blocks than every one before the last:
+    # `_NOINJ_X0 = frozenset((3, 8, 9))`, `_NOINJ_BG = frozenset((2, 3, 7, 8))` (its train_gpt.py, printed at the start
+    # of records/track_1_short/2026-08-30_ANVIL2/this_pr/32a48562-*.txt @fd1b14a5, ~102k characters in), and its skip
+    # target, layer 6, only adds the skip: `elif i == 6:` `x = x + skip_gate_out * cache[3]` (~143k): no
+    # resid_lambdas_attn[6] (its MLP's residual lambda stays), no x0, no n-gram injection. A block listed below has no
+    # gate output for what it skips (the MUDD gates' layout leaves it out); the last block's weights are MUDD's, so it
+    # is in none of them
+    no_x0_blocks: tuple[int, ...] = (3, 6, 8, 9)  # blocks that take no x0 injection (no x0 gate output): the record's 3,6,8,9 are ANVIL2's (record #92, 08/30/26)
+    no_ngram_blocks: tuple[int, ...] = (2, 3, 6, 8)  # blocks that take no n-gram (bigram + trigram) embedding (no gate output for it): the record's 2,3,6,8 are ANVIL2's (record #92, 08/30/26; its 7 is the removed block, which has none)
+    no_resid_scale_blocks: tuple[int, ...] = (6,)  # blocks whose residual enters unscaled (no learned weight before the attention; the one around the MLP stays): the record's 6 is ANVIL2's (record #92, 08/30/26)
     # untied value embeddings (01/26/26, init 02/03/26): these blocks have a table each, drawn N(0, 0.01)
-    value_embed_blocks: tuple[int, ...] = (1, 2, 8, 9, 10)  # blocks with a value-embedding table each, N(0, 0.01); () = off
+    value_embed_blocks: tuple[int, ...] = (1, 2, 8, 10)  # blocks with a value-embedding table each, N(0, 0.01); () = off: the record's 1,2,8,10 are ANVIL2's (record #92, 08/30/26; before it 1,2,8,9,10)
     window_pattern: str = "SSSLSSSSSSL"  # per block: L = long window, S = short window (half)
     window_block: int = 128  # tokens per window block
     attn_scale: float = 0.1  # attention logit scale, QK being normed (@leloykun; 09/03/25: 0.12; YaRN raises it)
@@ -175,14 +199,15 @@ class Hyperparameters:
     # backout (10/04/25): a learned multiple of this block's output is subtracted before the head; MUDD mixes it in
     # and the later blocks attend over it (parallel attention inputs, 03/06/26)
     backout_layer: int = 7  # the backout block: below the last, after the attention-less one
-    paired_head_blocks: tuple[int, ...] = (0, 2, 5, 9)  # paired-head attention in these short-window blocks (01/07/26)
+    paired_head_blocks: tuple[int, ...] = (0, 2, 5)  # paired-head attention in these short-window blocks (01/07/26): the record's 0,2,5 are ANVIL2's (record #92, 08/30/26; before it 0,2,5,9)
     # learnable XSA (04/29/26): each head removes tanh(a) of its output along its own value, a set per token by the gates
-    xsa_blocks: tuple[int, ...] = (1, 3, 4, 7)  # XSA in these blocks (05/27/26)
+    xsa_blocks: tuple[int, ...] = (1, 3)  # XSA in these blocks (05/27/26): the record's 1,3 are ANVIL2's (record #92, 08/30/26; before it 1,3,4,7)
     # the copy-pointer mixture of public pull request 379 (not in the master): on the proxy -0.0398 +- 0.0040 at
     # equal tokens, +5.0% step (an H200)
     cplm_bands: tuple[int, ...] = (2048, 8192)  # copy mixture (CPLM, PR 379): pointer bands in training, evaluation; () = off
     # one skip instead of the U-net, weighted sigmoid(l), l = -1.5 at init (2025-11-18 and 12-14 records, PRs 159, 169)
-    skip_from: int = 3  # one skip from this block's output into the first attention-less block
+    skip_from: int = 3  # one skip from this block's output into the first attention-less block (or skip_into)
+    skip_into: int = 6  # the attention-less block the skip goes into; 0 = the first one: the record's 6 is ANVIL2's (record #92, 08/30/26; before it 0, block 6 being the only one)
     # schedule: the stages in order (rows of Stage, above), sharing the scheduled steps, then extension_steps more.
     # Three equal stages at batch_size with 3 / 7 / 11-block windows, short documents in the first (02/10/26),
     # multi-token prediction (12/22/25), the prefix-token loss (07/13/26) and ANVIL2's sampled softmax (08/30/26: the
@@ -205,8 +230,11 @@ class Hyperparameters:
     # optimization
     # 776 x 393,216 = 305.1M tokens (the public record #89: 338.8M). On the proxy at batches / 16 (the harness's rule:
     # the 8-GPU step count is the proxy's) it reached the public code's mean final loss at steps 763-771 of 776 in
-    # 3 seeds of 3 (bench/results/cooldown_timing_h100_20261127b.md)
-    num_iterations: int = 776  # training steps, extension_steps included
+    # 3 seeds of 3 (bench/results/cooldown_timing_h100_20261127b.md). ANVIL2's architecture against that model at 776
+    # steps, 3 seeds paired on the proxy: +0.0229 +- 0.0051 at 776 steps, +0.0050 +- 0.0042 at 824 (~0.0029 per 1%
+    # more steps); the proxy's slope prices equal loss at ~835-838 steps. 840 = 776 x 1.082, 330.3M tokens (0.975 of
+    # record #89's 338.8M), chosen from that, not yet run at 840 (bench/results/arch_h200_20261129f.md)
+    num_iterations: int = 840  # training steps, extension_steps included: the record's 840 for ANVIL2's architecture (record #92, 08/30/26; before it 776)
     # The public master decays over 0.6 (02/10/26) of its 1270 + 15 steps. Ours: at 776 steps (0.90 of the public
     # schedule's tokens) 0.7 ended lower on the proxy in 3 seeds of 3, -0.0018 +- 0.0026
     # (bench/results/cooldown_timing_h100_20261127b.md)
@@ -327,6 +355,9 @@ class Hyperparameters:
             raise ValueError(f"num_iterations={h.num_iterations} leaves no step before the {h.extension_steps}-step "
                              f"extension: give --num_iterations {h.extension_steps + 1} or more, or leave the "
                              "extension out with --extension_steps 0 --extension_window 0")
+        if h.mlp_ratio < 1 or h.mlp_hidden < 0:
+            raise ValueError(f"mlp_ratio={h.mlp_ratio}, mlp_hidden={h.mlp_hidden}: the MLP's hidden width is "
+                             "mlp_hidden, or where that is 0 mlp_ratio (>= 1) x model_dim")
         if len(h.mlp_muon_lr_mults) not in (0, 2) or not all(0 < m < math.inf for m in h.mlp_muon_lr_mults):
             raise ValueError(f"mlp_muon_lr_mults={h.mlp_muon_lr_mults}: empty, or two positive numbers (input, output)")
         if len(h.scalar_adam_betas) not in (0, 2):
@@ -379,6 +410,35 @@ class Hyperparameters:
         h = self
         if len(h.window_pattern) != h.num_layers or set(h.window_pattern) - {"L", "S"}:
             raise ValueError(f"window_pattern={h.window_pattern!r} needs one L or S per layer ({h.num_layers})")
+        # a removed block (skip_layers) keeps its index, as every other field names blocks by theirs, and is in none
+        if len(set(h.skip_layers)) < len(h.skip_layers) or any(not 0 < i < h.num_layers - 1 for i in h.skip_layers):
+            raise ValueError(f"skip_layers={h.skip_layers}: distinct blocks between the first and the last "
+                             f"({h.num_layers - 1}, where MUDD gives the weights and DC attention runs); without "
+                             "block 0 the model is one of num_layers - 1 blocks: give that, with the indices shifted")
+        for name in ("no_attn_layers", "xsa_blocks", "paired_head_blocks", "value_embed_blocks", "parallel_mlp_blocks"):
+            both = sorted(set(h.skip_layers) & set(getattr(h, name)))
+            if both:
+                raise ValueError(f"skip_layers={h.skip_layers}: block(s) {both} also in {name}={getattr(h, name)}; a "
+                                 f"removed block has no attention and no MLP: take it out of {name}")
+        if (len(set(h.parallel_mlp_blocks)) < len(h.parallel_mlp_blocks)
+                or any(not 0 <= i < h.num_layers for i in h.parallel_mlp_blocks)):
+            raise ValueError(f"parallel_mlp_blocks={h.parallel_mlp_blocks}: distinct blocks 0-{h.num_layers - 1}, each "
+                             "given one second MLP")
+        # the injections a block goes without (no_x0_blocks etc.): blocks before the last, each named once; a removed
+        # block keeps its x0 injection and residual weight unless listed, and has no n-gram injection to go without
+        for name in ("no_x0_blocks", "no_ngram_blocks", "no_resid_scale_blocks"):
+            blocks = getattr(h, name)
+            if len(set(blocks)) < len(blocks) or any(not 0 <= i < h.num_layers - 1 for i in blocks):
+                raise ValueError(f"{name}={blocks}: distinct blocks 0-{h.num_layers - 2}, below the last, whose "
+                                 "residual, x0 and n-gram weights MUDD gives per token")
+        both = sorted(set(h.skip_layers) & set(h.no_ngram_blocks))
+        if both:
+            raise ValueError(f"no_ngram_blocks={h.no_ngram_blocks}: block(s) {both} removed (skip_layers="
+                             f"{h.skip_layers}) take no n-gram injection already: leave them out")
+        if any(h.window_pattern[i] == "L" for i in h.skip_layers):
+            raise ValueError(f"skip_layers={h.skip_layers}: a removed block has no attention window, but "
+                             f"window_pattern={h.window_pattern!r} marks one long (L), where the MUDD gates and the "
+                             "long-window heads expect attention: mark it S")
         bad = [i for i in h.paired_head_blocks if not 0 <= i < h.num_layers or i in h.no_attn_layers
                or h.window_pattern[i] != "S"]
         if bad or h.num_heads % 2 or len(set(h.paired_head_blocks)) != len(h.paired_head_blocks):
@@ -388,9 +448,14 @@ class Hyperparameters:
                 not 0 <= i < h.num_layers or i in h.no_attn_layers for i in h.value_embed_blocks):
             raise ValueError(f"value_embed_blocks={h.value_embed_blocks}: one or more distinct blocks with attention "
                              "(MUDD mixes the first one's table into the head's input)")
-        if not (h.no_attn_layers and 0 <= h.skip_from < min(h.no_attn_layers)):
-            raise ValueError(f"skip_from={h.skip_from}: a block before the first attention-less one "
-                             f"(no_attn_layers={h.no_attn_layers}, which needs one)")
+        if h.skip_into and h.skip_into not in h.no_attn_layers:
+            raise ValueError(f"skip_into={h.skip_into}: the attention-less block the skip goes into, one of "
+                             f"no_attn_layers={h.no_attn_layers}, or 0 for the first of them")
+        skip_into = h.skip_into or min(h.no_attn_layers, default=0)
+        if not (h.no_attn_layers and 0 <= h.skip_from < skip_into):
+            raise ValueError(f"skip_from={h.skip_from}: a block before the attention-less one the skip goes into "
+                             f"(skip_into={h.skip_into}, 0: the first of no_attn_layers={h.no_attn_layers}, which "
+                             "needs one)")
         if h.logit_softcap + math.log(h.vocab_size) >= 88:  # exp(cap) * vocab must fit in fp32 (any shift)
             raise ValueError(f"logit_softcap={h.logit_softcap} is too large for the overflow-free cross-entropy")
         if not math.isfinite(h.softcap_shift):
@@ -404,10 +469,10 @@ class Hyperparameters:
         if not 0 <= h.backout_layer < h.num_layers - 1:
             raise ValueError(f"backout_layer={h.backout_layer}: a block below the last ({h.num_layers - 1}), whose "
                              "output MUDD mixes in, the later blocks attend over and the head has subtracted")
-        if "L" not in h.window_pattern[:-2] or min(h.no_attn_layers) <= h.window_pattern.index("L"):
+        if "L" not in h.window_pattern[:-2] or skip_into <= h.window_pattern.index("L"):
             raise ValueError(f"window_pattern={h.window_pattern!r}: the MUDD gates need a long-window block (L) "
-                             f"before the last two and before the first attention-less one ({min(h.no_attn_layers)}), "
-                             "where the skip's weight is read from the gate after it")
+                             f"before the last two and before the attention-less block the skip goes into "
+                             f"({skip_into}), where the skip's weight is read from the gate after it")
         if h.num_layers - 1 in h.paired_head_blocks + h.no_attn_layers:
             raise ValueError("DC attention runs in the last block: it needs attention, without paired heads "
                              f"(paired_head_blocks={h.paired_head_blocks}, no_attn_layers={h.no_attn_layers})")
@@ -422,9 +487,16 @@ class Hyperparameters:
 # (modded-nanogpt master, 2026-08), on its 11 blocks, with our kernels and CPLM. On the proxy under the harness's
 # batches/16 rule, 3 seeds paired on H100s: -0.129 final loss against the previous record preset (12 blocks, our
 # 2025 A/B's subset) at 1.06x its step time on 12 blocks; on 11 blocks 0.99x the time and +0.005 +- 0.021 against 12
-# (an H200; bench/results/public_line_ab_20261126.md, step_time_stages_h100_20261126.md). Every preset trains this
-# model; the smaller ones place its block-indexed parts (the attention-less block, the skip, backout, XSA, value
-# tables, paired heads, long windows) as the record does, in proportion.
+# (an H200; bench/results/public_line_ab_20261126.md, step_time_stages_h100_20261126.md). Its block layout, MLP width,
+# injection sites and order and 840 steps are ANVIL2's architecture (record #92, 08/30/26; on the proxy +0.0050 +-
+# 0.0042 at 824 steps against the model before it at 776, 3 seeds, 840 not yet run:
+# bench/results/arch_h200_20261129f.md).
+# Every preset trains this model. ANVIL2's layout names blocks of 11, so the presets of other depths keep the layout
+# before it (one attention-less block and none removed, no second MLP, every block's injections, MLPs mlp_ratio x
+# model_dim), its block-indexed parts (the attention-less block, the skip, backout, XSA, value tables, paired heads,
+# long windows) placed as the record had them, in proportion. They take ANVIL2's injection order, the one built here,
+# although on that layout it measured worse than the one before it (x0 and the n-gram term before a block's
+# attention): +0.0016 +- 0.0011, 3 seeds on the proxy at 776 steps (bench/results/arch_h200_20261129f.md).
 DEFAULT_PRESET = "record"  # what a command without --preset runs: the dataclass defaults
 SMOKE = dict(  # the record model at 4 blocks of 128 on a synthetic corpus, sized for a 2-core CPU
     markov_corpus=True, train_files=os.path.join(DATA_PATH, "data/smoke/markov_train_*.bin"),
@@ -432,6 +504,10 @@ SMOKE = dict(  # the record model at 4 blocks of 128 on a synthetic corpus, size
     vocab_size=136, bos_id=127,  # 128 corpus tokens, BOS the last (as GPT-2's 50,256); CPLM's copy column 128
     num_layers=4, model_dim=128, num_heads=2, head_dim=64, gate_channels=8, no_attn_layers=(2,), window_pattern="LSSL",
     value_embed_blocks=(1, 3), paired_head_blocks=(1,), xsa_blocks=(1,), backout_layer=2, skip_from=1,
+    # the layout before ANVIL2's (its indices are the 11 blocks'): none removed, the skip into block 2, MLPs 4 x 128,
+    # no second MLP, every block's injections
+    skip_layers=(), skip_into=0, mlp_hidden=0, parallel_mlp_blocks=(), no_x0_blocks=(), no_ngram_blocks=(),
+    no_resid_scale_blocks=(),
     bigram_rows=4096, bigram_sign_rows=64, cplm_bands=(128, 512), window_block=64,
     trigram_rows=28_672,  # the record's trigram channel and its row-sparse Adam, 32,768 n-gram rows in all (not 21M)
     # the record's stages without the prefix-token loss (it is over GPT-2's token bytes)
@@ -441,29 +517,43 @@ SMOKE = dict(  # the record model at 4 blocks of 128 on a synthetic corpus, size
     warmup_steps=0, device="auto", save_every=50)
 PRESETS = {  # name: (what it is, the fields it sets)
     "record": ("the 8-GPU record configuration: the public line's current model and optimizer (modded-nanogpt "
-               "master, 2026-08) as far as this file implements them, on its 11 blocks: bigram hash embedding "
-               "with ANVIL2's hashed trigram channel (record #92; 21.2M rows in one table, learned by a row-sparse "
+               "master, 2026-08) as far as this file implements them, on its 11 blocks in ANVIL2's layout (record "
+               "#92, 2026-08-30): block 7 removed (its residual weights and x0 kept), no attention in blocks 4, 6 "
+               "and 9, a second parallel MLP in block 8, MLPs 2,816 wide, x0 injected in blocks 0-2, 4, 5 and 7 and "
+               "the n-gram embedding in 0, 1, 4, 5 and 9 (the last block's by MUDD; block 6, the skip's target, "
+               "takes the skip alone, without its attention-side residual weight), after a block's attention and "
+               "before its MLP (block 0's n-gram before it); bigram hash embedding "
+               "with ANVIL2's hashed trigram channel (21.2M rows in one table, learned by a row-sparse "
                "Adam, sharded over the GPUs by owner), "
                "MUDD with its gates, XSA and DC attention, YaRN, smear and value-embedding gates, paired heads, "
-               "partial key offset, five untied value tables, parallel attention inputs, backout, per-sublayer "
+               "partial key offset, four untied value tables, parallel attention inputs, backout, per-sublayer "
                "residual weights and one gated skip, NorMuon with cautious decay, Adam every second step, "
-               "multi-token and prefix-token losses, the embedding tied for two stages, a 20-step extension; plus "
+               "multi-token and prefix-token losses, the embedding tied for two stages, 840 steps (776 x 1.082: "
+               "ANVIL2's architecture's equal loss on the proxy priced at ~835-838; 840 not yet run) with a 20-step "
+               "extension; plus "
                "the copy-pointer mixture of public pull request 379 (CPLM); with our fused ReLU² MLP (FP8 forward "
                "and backward) and soft-capped cross-entropy kernels: the dataclass defaults", {}),
     "smoke": ("the record model at a tiny size (4 blocks of 128, a vocabulary of 128 tokens) on a built-in synthetic "
               "corpus (a random Markov chain whose entropy per token, the lowest loss possible, is known): about 3 "
               "minutes on a 2-core CPU; every technique of the record but the prefix-token loss (over GPT-2's "
-              "tokens); a checkpoint every 50 steps, for `python sample.py latest`", SMOKE),
+              "tokens) and ANVIL2's 11-block layout (here one attention-less block, none removed, no second MLP, "
+              "every block's injections, after its attention as the record's); a checkpoint every 50 steps, for "
+              "`python sample.py latest`", SMOKE),
     "single": ("the record on one GPU with 32-80 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
                "global batch; Inductor's C++ wrapper, as Python's launches would leave the GPU waiting; the n-gram "
                "table at 5.0M rows (trigram_rows 4,622,720, the size of the proxy runs): 14.0 GiB (--plan) of the "
-               "~26 GiB the run estimates at start", dict(seq_len=16384, cpp_wrapper=True, trigram_rows=4_622_720)),
+               "~25 GiB the run estimates at start", dict(seq_len=16384, cpp_wrapper=True, trigram_rows=4_622_720)),
     "medium": ("the record model at GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the "
-               "record's learning rates, its block layout stretched to 24 blocks, 4000 steps, 5.0M n-gram rows",
+               "record's learning rates, its block layout before ANVIL2's stretched to 24 blocks (one attention-less "
+               "block, none removed, no second MLP, every block's injections, MLPs 4 x 1024), the injections after "
+               "a block's attention as the record's, 4000 steps, 5.0M n-gram rows",
                dict(num_layers=24, model_dim=1024, num_heads=16, head_dim=64, no_attn_layers=(13,),
                     window_pattern="SSSSSSSLSSSSSSSSSSSSSSSL", skip_from=7, backout_layer=14,
                     value_embed_blocks=(1, 2, 21, 22, 23), paired_head_blocks=(0, 2, 5, 9, 11, 16, 20),
                     xsa_blocks=(1, 7, 8, 14), seq_len=24576, num_iterations=4000,
+                    # ANVIL2's layout is the 11 blocks' (its indices): the one before it, the skip into block 13
+                    skip_layers=(), skip_into=0, mlp_hidden=0, parallel_mlp_blocks=(), no_x0_blocks=(),
+                    no_ngram_blocks=(), no_resid_scale_blocks=(),
                     trigram_rows=4_622_720)),  # 5.0M n-gram rows at width 1024: one 80 GB GPU holds the run
 }
 
@@ -664,6 +754,16 @@ def uniform_init_(w: Tensor, fan_in: int) -> Tensor:
     return w.uniform_(-bound, bound)
 
 
+def mlp_width(fields: dict) -> int | None:
+    """The MLP's hidden width of a run's hyperparameters (vars() of Hyperparameters, or a checkpoint's stored ones):
+    mlp_hidden, or where that is 0 or not yet a field mlp_ratio x model_dim; None where those are missing too."""
+    if fields.get("mlp_hidden"):
+        return fields["mlp_hidden"]
+    if "mlp_ratio" in fields and "model_dim" in fields:
+        return fields["mlp_ratio"] * fields["model_dim"]
+    return None
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int
@@ -671,7 +771,7 @@ class ModelConfig:
     model_dim: int
     num_heads: int
     head_dim: int
-    mlp_ratio: int
+    mlp_hidden: int  # the MLP's hidden width, resolved (mlp_width)
     no_attn_layers: tuple[int, ...]
     value_embed_blocks: tuple[int, ...]
     window_pattern: str
@@ -690,17 +790,30 @@ class ModelConfig:
     cplm_bands: tuple[int, ...]
     bos_id: int  # CPLM's copy column is bos_id + 1
     skip_from: int
+    skip_into: int  # 0: the first of no_attn_layers (skip_target)
+    skip_layers: tuple[int, ...]
+    parallel_mlp_blocks: tuple[int, ...]
+    no_x0_blocks: tuple[int, ...]
+    no_ngram_blocks: tuple[int, ...]
+    no_resid_scale_blocks: tuple[int, ...]
     tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order
 
     @classmethod
     def from_args(cls, args: Hyperparameters) -> "ModelConfig":
-        names = {f.name for f in dataclasses.fields(cls)} - {"max_seq_len", "yarn_windows"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"max_seq_len", "yarn_windows", "mlp_hidden"}
         blocks = (*(row.window for row in args.stages), *([args.extension_window] if args.extension_steps else []))
         yarn = tuple(dict.fromkeys(b * args.window_block for b in blocks))  # long windows
         longest = max(args.seq_len, args.val_seq_len) * (2 if args.paired_head_blocks else 1)  # paired: 2 per token
-        return cls(**{n: getattr(args, n) for n in names}, max_seq_len=longest, yarn_windows=yarn)
+        return cls(**{n: getattr(args, n) for n in names}, mlp_hidden=mlp_width(vars(args)), max_seq_len=longest,
+                   yarn_windows=yarn)
+
+    @property
+    def skip_target(self) -> int:
+        """The attention-less block the skip goes into (skip_into, or the first of no_attn_layers)."""
+        return self.skip_into or min(self.no_attn_layers)
+
 
 
 # Bigram hash embedding (2026-01-19 record, @classiclarryd, PR 201; hash embeddings: arXiv 1709.03933):
@@ -1031,10 +1144,11 @@ def rotate(x: Tensor, rope: tuple[Tensor, Tensor, float]) -> Tensor:  # x: (T, H
 
 class BlockWeights(NamedTuple):
     """One block's mixing weights, each a scalar tensor or per token ((T, 1); per head (T, H)), set by GPT.hidden from
-    the learned scalars, the MUDD gates and, in the last block, MUDD: x <- resid x + x0_w x0 + bigram; then
-    x <- x + attn_out attention(x); then x <- mlp_resid x + mlp_out MLP(x)."""
-    resid: Tensor  # the residual stream's own weight before the block
-    x0: Tensor  # the normed embedding's weight
+    the learned scalars, the MUDD gates and, in the last block, MUDD: x <- resid x; x <- x + attn_out attention(x)
+    + x0_w x0 + bigram; then x <- mlp_resid x + mlp_out MLP(x). A block without attention: x <- resid x + x0_w x0 +
+    bigram, then the MLP."""
+    resid: Tensor | None  # the residual stream's own weight before the block; None: unscaled (no_resid_scale_blocks)
+    x0: Tensor | None  # the normed embedding's weight; None: no x0 injection (no_x0_blocks)
     attn_out: Tensor  # the attention output's weight
     mlp_resid: Tensor  # the residual's weight around the MLP
     mlp_out: Tensor  # the MLP output's weight
@@ -1096,7 +1210,7 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, fused: bool = False, fp8: bool = False):
         super().__init__()
-        hidden = cfg.mlp_ratio * cfg.model_dim
+        hidden = cfg.mlp_hidden  # mlp_hidden, or mlp_ratio x model_dim
         # Both matrices are stored (dim, hidden), as in the 2025-09-03 record: one Muon group of
         # same-shape matrices, and Muon's shape scale max(1, rows/cols)^0.5 is 1 for both. Stored
         # (hidden, dim), the input matrix got scale 2, i.e. twice the record's learning rate.
@@ -1136,6 +1250,15 @@ def fp8_mlp_operands(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, .
             scales, parts)
 
 
+def residual_in(x: Tensor, x0: Tensor, w: BlockWeights) -> Tensor:
+    """A block's residual before its sublayers: resid x + x0_w x0, where a block of no_resid_scale_blocks takes x as it
+    comes (w.resid None) and one of no_x0_blocks no x0 (w.x0 None). Both given, the one expression it always was."""
+    if w.resid is not None and w.x0 is not None:
+        return w.resid * x + w.x0 * x0
+    scaled = x if w.resid is None else w.resid * x
+    return scaled if w.x0 is None else scaled + w.x0 * x0
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn, has_attn: bool, ve_gate: bool, long_window: bool, paired: bool,
                  fused_mlp: bool = False, fp8_mlp: bool = False):
@@ -1143,17 +1266,41 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg, attn_fn, ve_gate=ve_gate, key_offset=long_window,
                                         paired=paired) if has_attn else None
         self.mlp = MLP(cfg, fused=fused_mlp, fp8=fp8_mlp)
+        # parallel_mlp_blocks: a second MLP of the same kind, set by GPT after every other weight is drawn
+        self.parallel_mlp: MLP | None = None
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, w: BlockWeights, attn_in: Tensor | None,
                 cu_seqlens: Tensor, max_seqlen: int, window: int, rope: tuple[Tensor, Tensor, float]) -> Tensor:
         """attn_in: the attention's normed input when it is not this block's own (parallel attention inputs)."""
-        x = w.resid * x + w.x0 * x0  # learned mix with the embedding stream x0
-        if w.bigram is not None:  # this block's weighted bigram hash embedding (see bigram_indices)
-            x = x + w.bigram
-        if self.attn is not None:
+        # x0 and the n-gram embedding join after the attention, which reads the (weighted) residual alone: ANVIL2's
+        # order (#92; its train_gpt.py in records/track_1_short/2026-08-30_ANVIL2/this_pr/32a48562-*.txt @fd1b14a5,
+        # ~148k characters in), the public line's since #73 (PR 230). Without attention, before the MLP
+        if self.attn is None:
+            x = residual_in(x, x0, w)  # learned mix with the embedding stream x0
+            if w.bigram is not None:  # this block's weighted bigram hash embedding (see bigram_indices)
+                x = x + w.bigram
+        else:
+            x = x if w.resid is None else w.resid * x
             y = self.attn(norm(x) if attn_in is None else attn_in, ve, w, cu_seqlens, max_seqlen, window, rope)
             x = x + w.attn_out * y
-        return w.mlp_resid * x + w.mlp_out * self.mlp(norm(x))
+            x = x if w.x0 is None else x + w.x0 * x0
+            x = x if w.bigram is None else x + w.bigram
+        if self.parallel_mlp is None:
+            return w.mlp_resid * x + w.mlp_out * self.mlp(norm(x))
+        h = norm(x)  # both MLPs read it (ANVIL2's `normed`), their outputs summed under one weight
+        return w.mlp_resid * x + w.mlp_out * (self.mlp(h) + self.parallel_mlp(h))
+
+
+class SkippedBlock(nn.Module):
+    """A block removed (skip_layers; the public record ANVIL2, #92, removes block 7 of 11): no attention, no MLP, no
+    parameters of its own, but its residual weights and its gated x0 injection stay, as in ANVIL2 ("residual
+    structure (resid lambdas, x0 ...) intact"; no bigram injection there); no_x0_blocks and no_resid_scale_blocks
+    may take its x0 injection and residual weight too (residual_in). It holds the block's place in GPT.blocks:
+    every other block keeps its index, name and checkpoint keys."""
+    attn = mlp = parallel_mlp = None
+
+    def forward(self, x: Tensor, x0: Tensor, w: BlockWeights) -> Tensor:
+        return w.mlp_resid * residual_in(x, x0, w)
 
 
 COPY_DIM = 128  # CPLM's pointer: the width of its query and key
@@ -1190,6 +1337,7 @@ class GPT(nn.Module):
             m.weight.data.mul_(0.01)
         # each block with a value embedding has its own gate, but the last: MUDD gives its gate (MUDD_BEFORE_LAST)
         self.blocks = nn.ModuleList(
+            SkippedBlock() if i in cfg.skip_layers else
             Block(cfg, kernels.attn_fn, has_attn=i not in cfg.no_attn_layers, ve_gate=ve is not None and i < L - 1,
                   long_window=cfg.window_pattern[i] == "L", paired=i in cfg.paired_head_blocks,
                   fused_mlp=kernels.fused_mlp, fp8_mlp=kernels.fp8_mlp)
@@ -1201,10 +1349,11 @@ class GPT(nn.Module):
         # backout weight (0.5, the 2025-10-04 record's); the smear weight (0, the 2025-09-18 record's); per block the
         # attention output's and the MLP's residual and output weights (1, sqrt(1.1), 1: the 2026-02-12 record's
         # per-sublayer init); with CPLM the pointer's query gain (1); padded to a multiple of 64 so it shards over any
-        # world size <= 64. (b is unused: the MUDD gates and MUDD give x0's weight per token.)
-        r = math.sqrt(1.1)
-        inits = dict(blocks=torch.tensor([r, 0.0, 0.5, 0.5]).repeat(L), skips=torch.tensor([-1.5]),
-                     backout=torch.tensor([0.5]), smear=torch.zeros(1), sublayer=torch.tensor([1.0, r, 1.0]).repeat(L),
+        # world size <= 64. (b is unused: the MUDD gates and MUDD give x0's weight per token.) A removed block
+        # (skip_layers) keeps its rows; it reads only a and the residual's weight around the MLP.
+        r, n = math.sqrt(1.1), cfg.num_layers
+        inits = dict(blocks=torch.tensor([r, 0.0, 0.5, 0.5]).repeat(n), skips=torch.tensor([-1.5]),
+                     backout=torch.tensor([0.5]), smear=torch.zeros(1), sublayer=torch.tensor([1.0, r, 1.0]).repeat(n),
                      copy_gain=torch.ones(1))
         scalars = torch.cat([inits[name] for name, part in self.scalar_layout().items() if part.stop > part.start])
         self.scalars = nn.Parameter(F.pad(scalars, (0, -scalars.numel() % 64)))
@@ -1264,6 +1413,11 @@ class GPT(nn.Module):
             bound = math.sqrt(3 / dim)
             self.copy_qk = nn.Parameter(torch.empty(2 * COPY_DIM, dim).uniform_(-bound, bound))
             self.copy_sink = nn.Parameter(torch.randn(COPY_DIM) / math.sqrt(COPY_DIM))
+        # parallel_mlp_blocks (ANVIL2's second MLP in block 8): an MLP as the block's own, same kernels, its input
+        # matrix drawn as theirs and its output matrix zero, so the block computes what it did without it until the
+        # first update. Drawn after everything else: every other weight is the one drawn without it at that seed.
+        for i in cfg.parallel_mlp_blocks:
+            self.blocks[i].parallel_mlp = MLP(cfg, fused=kernels.fused_mlp, fp8=kernels.fp8_mlp)
 
     def make_mudd_gates(self):
         """MUDD gates (the 2026-05-27 record, PR 315): two more small MLPs of MUDD's form, one from x0 and one from the
@@ -1290,7 +1444,8 @@ class GPT(nn.Module):
     def scalar_layout(self) -> dict[str, slice]:
         """Where each kind of scalar lies in self.scalars (the features that are off take no room)."""
         cfg, L = self.cfg, self.cfg.num_layers
-        sizes = dict(blocks=4 * L, skips=1, backout=1, smear=1, sublayer=3 * L, copy_gain=1 if cfg.cplm_bands else 0)
+        sizes = dict(blocks=4 * L, skips=1, backout=1, smear=1, sublayer=3 * L,
+                     copy_gain=1 if cfg.cplm_bands else 0)
         layout, start = {}, 0
         for name, n in sizes.items():
             layout[name], start = slice(start, start + n), start + n
@@ -1308,9 +1463,13 @@ class GPT(nn.Module):
                 part.append(("xsa", i, H, 0.0))
             if cfg.window_pattern[i] == "L" and i not in cfg.no_attn_layers:
                 part.append(("out", i, H, 0.25))
-            if i < cfg.num_layers - 1:
-                part += [("x0", i, 1, 0.0), ("bigram", i, 1, 0.05)]
-        parts[1].append(("skip", min(cfg.no_attn_layers), 1, 0.5))
+            # a removed block (skip_layers) takes x0's weight, not the bigram's; no_x0_blocks and no_ngram_blocks
+            # take neither output they name (ANVIL2's _NOINJ_X0 / _NOINJ_BG, and its layer 6)
+            if i < cfg.num_layers - 1 and i not in cfg.no_x0_blocks:
+                part.append(("x0", i, 1, 0.0))
+            if i < cfg.num_layers - 1 and i not in cfg.skip_layers and i not in cfg.no_ngram_blocks:
+                part.append(("bigram", i, 1, 0.05))
+        parts[1].append(("skip", cfg.skip_target, 1, 0.5))
         # DC attention's w1 (1 at the start) and w2 (0: no correction at the start)
         parts[1].extend([("dc1", cfg.num_layers - 1, H, 1.0), ("dc2", cfg.num_layers - 1, H, 0.0)])
         return parts
@@ -1486,7 +1645,7 @@ class GPT(nn.Module):
         # training stage's long window, whose tables it keeps)
         rope = self.rotary.at(windows[2] if len(windows) > 2 else windows[0])
         windows = self.block_windows(windows)
-        skip_into = min(cfg.no_attn_layers)  # validated: after skip_from and the first long-window block
+        skip_into = cfg.skip_target  # validated: after skip_from and the first long-window block
         g = {what: [None] * L for what in ("xsa", "out", "x0", "bigram", "skip", "dc1", "dc2")}  # from the MUDD gates
         self.gates(x0, 0, g)
         skip = backout = attn_in = before_last = None
@@ -1495,13 +1654,22 @@ class GPT(nn.Module):
                 self.gates(x, 1, g)
             if i == skip_into:  # one skip, weighted sigmoid(l) times the gate's per-token weight
                 x = x + (torch.sigmoid(s[at["skips"]][0]) * g["skip"][i]) * skip
-            if i < L - 1:
-                w = BlockWeights(own[i, 0], g["x0"][i], *sub[i], own[i, 2:], g["bigram"][i] * bigram, g["xsa"][i],
-                                 g["out"][i])
+            # no_resid_scale_blocks: the residual unscaled (ANVIL2's layer 6); no_x0_blocks leave g["x0"][i] None
+            resid = None if i in cfg.no_resid_scale_blocks else own[i, 0]
+            if i in cfg.skip_layers:  # removed (SkippedBlock): its residual weights and x0 injection only
+                x = block(x, x0, BlockWeights(resid, g["x0"][i], *sub[i], own[i, 2:]))
             else:
-                before_last = x
-                x, w = self.mudd_before_last(x, x0, backout, bigram, own[i, 2:], g, i)
-            x = block(x, x0, ves[i], w, attn_in, cu_seqlens, max_seqlen, windows[i], rope)
+                if i < L - 1:
+                    weighted = None if i in cfg.no_ngram_blocks else g["bigram"][i] * bigram
+                    if i == 0 and weighted is not None:
+                        # ANVIL2's stream starts as x0 + block 0's n-gram term, which block 0's attention reads
+                        # ("pre-layer-0 bigram injection", its train_gpt.py ~140k characters in)
+                        x, weighted = x + weighted, None
+                    w = BlockWeights(resid, g["x0"][i], *sub[i], own[i, 2:], weighted, g["xsa"][i], g["out"][i])
+                else:
+                    before_last = x
+                    x, w = self.mudd_before_last(x, x0, backout, bigram, own[i, 2:], g, i)
+                x = block(x, x0, ves[i], w, attn_in, cu_seqlens, max_seqlen, windows[i], rope)
             if i == cfg.skip_from:
                 skip = x
             if i == cfg.backout_layer:
@@ -2647,52 +2815,57 @@ def tie_embedding_at(model: "GPT", step: int, untie: float):
 # unmeasured, never interpolated. Time per token: ms per step x 1000 / tokens per step, in us.
 STEP_US_PER_TOKEN = {
     # one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, FlashAttention-3 (xformers 0.0.34), main at 46b1702 (FP8
-    # MLP backward): `python bench/step_time.py --stages --steps 12 --preset record --attention fa3 --num_iterations
-    # 776`, each stage's mean step: 603.3 / 615.3 / 624.8 / 619.7 ms per 393,216-token step
-    # (bench/results/one_session_h100_20261127c.md)
+    # MLP backward), the record's model before ANVIL2's architecture (MEASURED_MODEL): `python bench/step_time.py
+    # --stages --steps 12 --preset record --attention fa3 --num_iterations 776`, each stage's mean step: 603.3 /
+    # 615.3 / 624.8 / 619.7 ms per 393,216-token step (bench/results/one_session_h100_20261127c.md)
     ("H100", "record", 49152, 896, 3): 1.534,
     ("H100", "record", 49152, 2048, 7): 1.565,
     ("H100", "record", 49152, 2048, 11): 1.589,
     ("H100", "record", 49152, 2048, 13): 1.576,
-    # one H200 of a one-GPU machine, alone, 2026-11-29, PyTorch 2.11.0+cu130, PyTorch's varlen attention, main at
-    # 8a31d12 (the full softmax throughout, before the trigram table): `python train_gpt.py --preset record --seed 0
-    # --num_iterations 80 --attention varlen ...`, each stage's mean step, two runs' mean: 565.0 / 603.6 / 622.0 ms
-    # per 393,216-token step (bench/results/timing_h200_20261129.md)
-    ("H200", "record", 49152, 896, 3): 1.437,
-    ("H200", "record", 49152, 2048, 7): 1.535,
-    ("H200", "record", 49152, 2048, 11): 1.582,
-    # the same machine kind, a later session of 2026-11-29, the record preset whole at 6cdf50a (the trigram table's
-    # 20,773,440 rows included): the 80-step run of SAMPLED_US_PER_TOKEN below, its last stage's full-softmax steps
-    # 74-79: 636.3 ms per 393,216-token step (bench/results/preset_h200_20261129c.md)
-    ("H200", "record", 49152, 2048, 13): 1.618,
+    # one H200 of a one-GPU machine, alone, 2026-11-29, PyTorch 2.11.0+cu130, PyTorch's varlen attention, the record
+    # preset with ANVIL2's architecture (wt80's defaults, run c79): `python train_gpt.py --preset record
+    # --num_iterations 80 --full_softmax_from 0.65 --attention varlen ...`, each stage's mean step from the log's
+    # stage lines: stage 3's full-softmax steps 527.3 ms, the extension's 535.5 ms per 393,216-token step
+    # (bench/results/arch_h200_20261129f.md). Stages 1-2 have no full-softmax row on it
+    ("H200", "record", 49152, 2048, 11): 1.341,
+    ("H200", "record", 49152, 2048, 13): 1.362,
 }
 # The sampled softmax's steps (those before Schedule.full_softmax in a stage with candidates): time per token as
 # STEP_US_PER_TOKEN's, keyed as it is plus the stage's candidates (the head's rows a micro-batch); a stage's full
 # softmax steps are priced at its STEP_US_PER_TOKEN row.
 SAMPLED_US_PER_TOKEN = {
-    # one H200 of a one-GPU machine, alone, 2026-11-29 (its third session), PyTorch 2.11.0+cu130, PyTorch's varlen
-    # attention, the record preset whole at 6cdf50a (sampled softmax, the trigram table's 20,773,440 rows with their
-    # row-sparse Adam): `python train_gpt.py --preset record --seed 0 --num_iterations 80 --log_every 1 --val_every
-    # 40 --attention varlen ...`, stages 1-3's mean step: 507.0 / 537.6 / 548.2 ms per 393,216-token step
-    # (bench/results/preset_h200_20261129c.md)
-    ("H200", "record", 49152, 896, 3, 16384): 1.289,
-    ("H200", "record", 49152, 2048, 7, 14336): 1.367,
-    ("H200", "record", 49152, 2048, 11, 12288): 1.394,
+    # the run of STEP_US_PER_TOKEN's H200 rows (2026-11-29, ANVIL2's architecture, run c79): stages 1-3's sampled
+    # steps, 423.8 / 442.4 / 453.4 ms per 393,216-token step (bench/results/arch_h200_20261129f.md)
+    ("H200", "record", 49152, 896, 3, 16384): 1.078,
+    ("H200", "record", 49152, 2048, 7, 14336): 1.125,
+    ("H200", "record", 49152, 2048, 11, 12288): 1.153,
 }
+# The record's model before ANVIL2's architecture (record #92's layout, MLP width, injection sites and order) became
+# it: the fields it had then, and its injections (x0 and the n-gram term) before a block's attention, an order no
+# longer built (not a field: every run differs in it). ANVIL2's architecture ran 0.825x its step on one H200 over 80
+# steps (bench/results/arch_h200_20261129d.md).
+BEFORE_ANVIL2 = dict(skip_layers=(), no_attn_layers=(6,), skip_into=0, xsa_blocks=(1, 3, 4, 7),
+                     paired_head_blocks=(0, 2, 5, 9), value_embed_blocks=(1, 2, 8, 9, 10), parallel_mlp_blocks=(),
+                     mlp_hidden=0, no_x0_blocks=(), no_ngram_blocks=(), no_resid_scale_blocks=(),
+                     injections="before a block's attention")
+# The model a preset's rows of one GPU kind and count were timed on, where it is not the preset's present model, by
+# (preset, GPU kind, GPUs): the fields it had then. 1 GPU: STEP_US_PER_TOKEN's and SAMPLED_US_PER_TOKEN's rows; more:
+# MULTI_GPU_US_PER_TOKEN's. --plan names these rows as that model's. The H200 one-GPU rows are the present record's.
+MEASURED_MODEL = {("record", "H100", 1): BEFORE_ANVIL2, ("record", "H200", 4): BEFORE_ANVIL2}
 # what --plan says of each kind's rows: the attention kernel they ran with, and where they come from
 STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "PyTorch varlen attention"}
 STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, main at 46b1702 "
                           "(bench/results/one_session_h100_20261127c.md)",
-                  "H200": "one-GPU H200 machines, 2026-11-29, PyTorch 2.11.0+cu130: the record preset whole at "
-                          "6cdf50a (bench/results/preset_h200_20261129c.md); stages 1-3's full-softmax rows at "
-                          "8a31d12, before the trigram table (bench/results/timing_h200_20261129.md)"}
+                  "H200": "one H200 of a one-GPU machine, alone, 2026-11-29, PyTorch 2.11.0+cu130: the record preset "
+                          "with ANVIL2's architecture, 80 steps (bench/results/arch_h200_20261129f.md)"}
 # The public master (f411b3d3, record #89's code) on its own schedule: steps and tokens per step of each stage,
 # 423 / 424 / 423 steps at 131,072 / 262,144 / 393,216 tokens, then the 15-step extension at 393,216: 338,821,120
 # tokens (bench/results/public_master_comparison.md rows 32-34 and 47; bench/side_by_side.py's public_stages
 # computes the same boundaries from its TRAINING_STAGES).
 PUBLIC_MASTER_STAGES = ((423, 131072), (424, 262144), (423, 393216), (15, 393216))
-# Its mean ms per step at each of those stages, by GPU kind: with the attention kernel, the source, and how the
-# times pair with ours of the same kind (STEP_US_PER_TOKEN), as --plan prints them.
+# Its ms per step at each of those stages (the mean, or the median where the source says), by GPU kind: with the
+# attention kernel, the source, and how the times pair with ours of the same kind (STEP_US_PER_TOKEN), as --plan
+# prints them.
 PUBLIC_MASTER_STEP_MS = {
     # record #89's code in its own one-H100 logs, mean of five runs, PyTorch 2.10 / CUDA 12.8 (the public
     # records/track_1_short/2026-08-06-CanonicalMasking/ folder, quoted in bench/results/public_line.md)
@@ -2700,22 +2873,25 @@ PUBLIC_MASTER_STEP_MS = {
                  source="its own logs, one H100 80GB HBM3, PyTorch 2.10 / CUDA 12.8, mean of five runs "
                         "(bench/results/public_line.md)",
                  paired="not timed with ours: another machine, another PyTorch"),
-    # one H200 (a one-GPU machine), 2026-11-28, PyTorch 2.11.0+cu130, PyTorch's varlen attention (issue 63's
-    # figures; bench/results/public_line_history.md)
-    "H200": dict(ms=(254.0, 439.0, 658.5, 661.0), attention="PyTorch varlen attention",
-                 source="one H200 of a one-GPU machine, 2026-11-28, PyTorch 2.11.0+cu130 "
-                        "(bench/results/public_line_history.md)",
-                 paired="ours the next day on another one-GPU machine's H200, same PyTorch and attention"),
+    # one H200 of a one-GPU machine, 2026-11-29, PyTorch 2.11.0+cu130, PyTorch's varlen attention, right after the run
+    # of STEP_US_PER_TOKEN's H200 rows on the same machine: each stage's median step (its stage-3 rate, 1.653 us per
+    # token, within 2% of its stage 2's 1.659); one A B pair (bench/results/arch_h200_20261129f.md). Before it:
+    # 254.0 / 439.0 / 658.5 / 661.0 ms on 2026-11-28, another machine (bench/results/public_line_history.md)
+    "H200": dict(ms=(232.0, 435.0, 650.0, 657.0), attention="PyTorch varlen attention",
+                 source="one H200 of a one-GPU machine, 2026-11-29, PyTorch 2.11.0+cu130, stage medians "
+                        "(bench/results/arch_h200_20261129f.md)",
+                 paired="the master timed right after ours on the same one-GPU machine, same PyTorch and attention: "
+                        "one A B pair"),
 }
 RECORD_89_SECONDS = 73.8  # public record #89 on 8xH100, its whole schedule
 # Measured on several GPUs of one host: time per token of the whole global batch, by (GPU kind, GPUs, preset,
 # micro-batch tokens per GPU, document cut, long window in blocks), as STEP_US_PER_TOKEN's one-GPU rows: the full
 # softmax only (a stage with sampled steps has no multi-GPU time).
 MULTI_GPU_US_PER_TOKEN = {
-    # four H200s of one host (NVLink), 2026-11-28, PyTorch 2.11.0+cu130, PyTorch's varlen attention, main at 28d32b5:
-    # `NPROC=4 ./run.sh --preset record --num_iterations 80 --attention varlen ...`, each stage's mean step:
-    # 147.0 / 157.6 / 162.4 / 165.0 ms per 393,216-token step, two micro-batches a GPU, alone on the host
-    # (bench/results/x4_h200_20261128b.md)
+    # four H200s of one host (NVLink), 2026-11-28, PyTorch 2.11.0+cu130, PyTorch's varlen attention, main at 28d32b5
+    # (the record's model before ANVIL2's architecture, MEASURED_MODEL): `NPROC=4 ./run.sh --preset record
+    # --num_iterations 80 --attention varlen ...`, each stage's mean step: 147.0 / 157.6 / 162.4 / 165.0 ms per
+    # 393,216-token step, two micro-batches a GPU, alone on the host (bench/results/x4_h200_20261128b.md)
     ("H200", 4, "record", 49152, 896, 3): 0.374,
     ("H200", 4, "record", 49152, 2048, 7): 0.401,
     ("H200", 4, "record", 49152, 2048, 11): 0.413,
@@ -2839,7 +3015,8 @@ def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
                      f"projected: {why}")
     if kind in STEP_US_SOURCE:
         lines.append(f"ours on {kind} ({STEP_US_ATTENTION[kind]}): {STEP_US_SOURCE[kind]}; times as measured for "
-                     f"--preset {args.preset}'s model, other model or kernel flags are not reflected")
+                     f"--preset {args.preset}'s model{measured_when(args.preset, kind)}, other model or kernel flags "
+                     "are not reflected")
     master = public_master_time(kind)
     if master is not None:
         ms, attention, source = (PUBLIC_MASTER_STEP_MS[kind][k] for k in ("ms", "attention", "source"))
@@ -2851,7 +3028,30 @@ def schedule_plan(schedule: Schedule, kind: str | None = None) -> list[str]:
                      f"{master[1]:,} tokens; {source}")
     lines += multi_gpu_lines(schedule, kind, None if missing else one)
     lines.append(vs_public_master(kind, None if missing else one, tokens, missing, args.preset))
+    unmeasured = unmeasured_model(args, kind)
+    if unmeasured and len(missing) < len(stages):  # some stage priced, at another model's rows
+        lines.append(f"step times of another model: the times above are --preset {args.preset}'s model's"
+                     f"{measured_when(args.preset, kind)}; this run's model is not measured (it differs in "
+                     f"{', '.join(unmeasured)}: the model line gives the measured model's values)")
     return lines
+
+
+def measured_when(preset: str, kind: str, gpus: int = 1) -> str:
+    """--plan's words for a preset's rows on `gpus` GPUs of this kind that are of a model it no longer trains
+    (MEASURED_MODEL)."""
+    return " before its present one (MEASURED_MODEL)" if (preset, kind, gpus) in MEASURED_MODEL else ""
+
+
+def unmeasured_model(args: Hyperparameters, kind: str, gpus: int = 1) -> dict:
+    """The MODEL_FIELDS in which a run's model is not the one its preset's rows on `gpus` GPUs of this kind were timed
+    on (the preset's, with MEASURED_MODEL's fields of then), and what that model had that no field builds now:
+    {field: the measured model's value}."""
+    ours = model_values(vars(args))
+    then = MEASURED_MODEL.get((args.preset, kind, gpus), {})
+    fields = {k: v for k, v in then.items() if k in MODEL_FIELDS}
+    theirs = model_values(vars(Hyperparameters(**{**PRESETS[args.preset][1], **fields}, preset=args.preset)))
+    return {**{k: theirs[k] for k in MODEL_FIELDS if ours[k] != theirs[k]},
+            **{k: v for k, v in then.items() if k not in fields}}
 
 
 def multi_gpu_lines(schedule: Schedule, kind: str, one: float | None) -> list[str]:
@@ -2865,8 +3065,13 @@ def multi_gpu_lines(schedule: Schedule, kind: str, one: float | None) -> list[st
         if None in us:
             continue
         seconds = sum((min(st.end, N) - st.start) * st.spec.batch_size * u * 1e-6 for st, u in zip(schedule.stages, us))
-        share = f", {seconds / one:.3f} of one GPU's" if one else ""
-        lines.append(f"measured on {gpus} x {kind}: {seconds:.1f} s (each stage's {gpus}-GPU step time{share}); "
+        # against the one-GPU time only where both sets of rows are of one model
+        same = MEASURED_MODEL.get((args.preset, k, gpus)) == MEASURED_MODEL.get((args.preset, k, 1))
+        share = f", {seconds / one:.3f} of one GPU's" if one and same else ""
+        differs = unmeasured_model(args, k, gpus)
+        model = (f"; --preset {args.preset}'s model{measured_when(args.preset, k, gpus)}"
+                 + (f", not this run's (it differs in {', '.join(differs)})" if differs else ""))
+        lines.append(f"measured on {gpus} x {kind}: {seconds:.1f} s (each stage's {gpus}-GPU step time{share}){model}; "
                      f"{MULTI_GPU_SOURCE[k, gpus]}")
     return lines
 
@@ -2943,7 +3148,10 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     adam = DistAdam([g for g in adam_groups if g["params"]], lr=args.adam_lr, betas=betas, eps=args.adam_eps,
                     rank=rank, world_size=world_size, update=update, row_update=row_update, segment=segment)
     fc, proj = args.mlp_muon_lr_mults or (1.0, 1.0)
-    mults = {p: m for block in model.blocks for p, m in ((block.mlp.fc_w, fc), (block.mlp.proj_w, proj))}
+    # every MLP's two matrices, a block's second MLP (parallel_mlp_blocks) too: ANVIL2 gives its bank slot 11 the MLP
+    # rates (per_matrix_lr_mul 1 on c_fc, 2 on c_proj, as every live slot); none in a removed block (skip_layers)
+    mlps = [m for block in model.blocks for m in (block.mlp, block.parallel_mlp) if m is not None]
+    mults = {p: m for mlp in mlps for p, m in ((mlp.fc_w, fc), (mlp.proj_w, proj))}
     muon = Muon(groups["block matrices"], lr=args.muon_lr, momentum=args.muon_momentum, rank=rank,
                 world_size=world_size, orthogonalize=orthogonalize, beta2=args.muon_beta2,
                 weight_decay=args.muon_weight_decay, lr_mults=mults)
@@ -3049,6 +3257,30 @@ def ngram_memory_lines(args: Hyperparameters) -> list[str]:
     return lines
 
 
+def model_plan_line(schedule: Schedule) -> str:
+    """--plan: the MLP's hidden width and what MFU counts with it (flops_per_token), from the model built on the meta
+    device: the matmul weights (block matrices and LM head) and the training FLOPs per token at each stage's windows
+    and document cut; where the model is not the one the preset's rows were timed on (unmeasured_model: its width, or
+    any other of MODEL_FIELDS, such as the layout's skip_layers or parallel_mlp_blocks), that the step times above are
+    that model's, naming its values where they differ."""
+    args = schedule.args
+    with torch.device("meta"):
+        model = GPT(ModelConfig.from_args(args))
+    groups = param_groups_by_role(model)
+    matmul = sum(p.numel() for p in groups["block matrices"] + groups["LM head"])
+    flops = " / ".join(f"{flops_per_token(model, st.windows, st.spec.max_doc_len) / 1e9:.4g}" for st in schedule.stages)
+    width, how = model.cfg.mlp_hidden, ("mlp_hidden" if args.mlp_hidden else
+                                        f"mlp_ratio {args.mlp_ratio} x model_dim {args.model_dim}")
+    line = (f"model: MLP hidden {width:,} ({how}), {matmul:,} matmul weights (block matrices, LM head), training "
+            f"GFLOPs per token by stage {flops} (flops_per_token: MFU's count)")
+    kind = args.plan_gpu
+    named = [f"MLP hidden {v:,}" if k == "mlp_hidden" else f"{k} {v}" for k, v in unmeasured_model(args, kind).items()]
+    if named:
+        line += (f"; the step times above are --preset {args.preset}'s model's{measured_when(args.preset, kind)}, "
+                 + ", ".join(named))
+    return line
+
+
 def check_memory_fits(args: Hyperparameters, world_size: int, gpu_bytes: int, kernels: ModelKernels):
     """Start-up: refuse, in one line, a run whose estimated memory per GPU (memory_estimate, the n-gram table's
     part by ngram_memory) exceeds the GPU's, naming the table's share and the fixes, before anything is allocated."""
@@ -3086,10 +3318,14 @@ def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[
         "optimizer shards": (8 * adam + 4 * muon) // world_size,  # fp32 Adam moments, fp32 Muon momentum
         # bf16 logits, then a fp32 soft-capped copy and a bf16 gradient, or (fused) two FP8 gradients
         "logits": (4 if model.kernels.fused_ce else 8) * args.seq_len * args.vocab_size,
-        # Tensors kept for the backward: ~16 bf16 values of model_dim per token per block (norms, q, k,
-        # v, attention output, the 4x-wide MLP hidden before and after ReLU^2). The peaks measured on
-        # H100 for the record, single and medium presets lie within 15% of the total (bench/README.md).
-        "activations": 32 * args.seq_len * args.model_dim * args.num_layers,
+        # Tensors kept for the backward, bf16 per token per block: ~8 of model_dim (norms, q, k, v, attention
+        # output) and the MLP's hidden before and after ReLU^2 (2 of its width: 16 of model_dim at 4x). The peaks
+        # measured on H100 for the record, single and medium presets (4x) lie within 15% of the total
+        # (bench/README.md). A removed block (skip_layers) keeps none; a second MLP (parallel_mlp_blocks) keeps its
+        # own hidden before and after ReLU^2, at the same width (2 of it).
+        "activations": 2 * args.seq_len * ((args.num_layers - len(args.skip_layers))
+                                           * (8 * args.model_dim + 2 * model.cfg.mlp_hidden)
+                                           + 2 * model.cfg.mlp_hidden * len(args.parallel_mlp_blocks)),
     }
 
 
@@ -3147,6 +3383,16 @@ def code_hash() -> str:  # this file and the two it imports from the repository,
 
 
 MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("max_seq_len", "yarn_windows")]
+
+
+def model_values(fields: dict) -> dict:
+    """The MODEL_FIELDS of a run's hyperparameters (vars() of Hyperparameters, or a checkpoint's stored ones), as a
+    checkpoint is checked against a run: the MLP's width resolved (mlp_width: mlp_ratio 4 at model_dim 768 and
+    mlp_hidden 3072 are one model, and a checkpoint from before mlp_hidden has its ratio's width); a field absent
+    there is left out."""
+    values = {k: fields[k] for k in MODEL_FIELDS if k in fields and k != "mlp_hidden"}
+    width = mlp_width(fields)
+    return values if width is None else {**values, "mlp_hidden": width}
 
 
 def barrier(world_size: int):
@@ -3280,10 +3526,14 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
     size is re-sharded: every rank reads every rank's file and keeps its new share (the data position
     is the same on every rank: each reads the whole stream)."""
     meta = read_checkpoint_file(path / "model.pt")
-    saved = stored_args(meta["args"])
-    diff = [f"{k}: checkpoint {saved[k]!r}, now {getattr(args, k)!r}" if k in saved else
-            f"{k}: not a field when the checkpoint was written, now {getattr(args, k)!r}"
-            for k in MODEL_FIELDS if k not in saved or saved[k] != getattr(args, k)]
+    then, now = model_values(stored_args(meta["args"])), model_values(vars(args))
+    # a width not resolved (then) lacks model_dim or mlp_ratio, which are named themselves
+    diff = [f"{k}: checkpoint {then[k]!r}, now {now[k]!r}" if k in then else
+            f"{k}: not a field when the checkpoint was written, now {now[k]!r}"
+            for k in MODEL_FIELDS if then.get(k) != now[k] and (k in then or k != "mlp_hidden")]
+    if meta["args"].get("inject_after_attn") is False:  # the field deleted: its True is the one order built now
+        diff.append("inject_after_attn: checkpoint False (x0 and the n-gram term before a block's attention), now "
+                    "always after it")
     if diff:
         raise ValueError(f"{path} holds a different model: " + "; ".join(diff))
     if meta["code_hash"] != code_hash():
@@ -3416,6 +3666,17 @@ def check_fp8_head_shapes(vocab_size: int, model_dim: int, candidates: tuple[int
                          "must be multiples of 16 for the FP8 matmuls, or pass --fp8_head false")
 
 
+def check_fp8_mlp_shapes(hidden: int):
+    """The FP8 MLP (--fp8_mlp) reads and writes e4m3 tensors with a row of the hidden width (post, W_fc and W_proj
+    in their two layouts) through TMA, whose rows are 16-byte multiples, and cuBLAS' FP8 matmuls take only dimensions
+    divisible by 16: a width that is not is refused here, before any compile, naming the field (model_dim: the FP8
+    head's check). The tiles need no multiple: edge tiles are zero-filled and clipped (2816 = 11 x 256 has none)."""
+    if hidden % 16:
+        raise ValueError(f"--fp8_mlp: the FP8 MLP's matmuls need the MLP's hidden width (mlp_hidden, or mlp_ratio x "
+                         f"model_dim) divisible by 16, not {hidden}: set --mlp_hidden to a multiple of 16 (ANVIL2's "
+                         "2816 is 176 x 16) or pass --fp8_mlp false")
+
+
 def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int, log=print,
           schedule: Schedule | None = None):
     """The model (seeded, identical on every rank), its compiled twin, the optimizers, and the
@@ -3425,6 +3686,8 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
                             args.fp8_mlp, log)
     if chosen.fp8_head:
         check_fp8_head_shapes(args.vocab_size, args.model_dim, tuple(row.candidates for row in args.stages))
+    if chosen.fp8_mlp:
+        check_fp8_mlp_shapes(mlp_width(vars(args)))
     # TF32 tensor cores for the float32 matmuls: DC attention's and CPLM's scores (their bf16 inputs are exact in
     # TF32's 10-bit mantissa; the pointer's query and the DC mix round at 2^-11), no longer on CUDA cores
     if device.type == "cuda":
@@ -4207,7 +4470,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         if args.plan:
-            print("\n".join(schedule_plan(Schedule(args)) + ngram_memory_lines(args)))
+            schedule = Schedule(args)
+            print("\n".join(schedule_plan(schedule) + [model_plan_line(schedule)] + ngram_memory_lines(args)))
             return 0
         result = train(args)
     except USER_ERRORS as e:

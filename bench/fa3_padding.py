@@ -79,10 +79,14 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"timed micro-batch: {len(lengths)} documents")
     dev, H, D = "cuda", 6, 128
-    # the record's attention layers (train_gpt.Hyperparameters: window_pattern, paired_head_blocks, no_attn_layers):
-    # 2 long-window layers, 4 short-window ones, 4 short-window ones with paired heads (tokens x 2, heads / 2)
-    layers = [("long", a.windows[0], False, 2), ("short", a.windows[1], False, 4),
-              ("short, paired", a.windows[1], True, 4)]
+    # the record's attention layers (train_gpt.Hyperparameters: window_pattern, paired_head_blocks, no_attn_layers,
+    # skip_layers): long-window ones, short-window ones, short-window ones with paired heads (tokens x 2, heads / 2);
+    # 2, 4 and 4 before ANVIL2's layout, 2, 2 and 3 in it
+    h = tg.Hyperparameters()
+    attn = [i for i in range(h.num_layers) if i not in h.no_attn_layers + h.skip_layers]
+    n_long, n_paired = sum(h.window_pattern[i] == "L" for i in attn), len(h.paired_head_blocks)
+    layers = [("long", a.windows[0], False, n_long), ("short", a.windows[1], False, len(attn) - n_long - n_paired),
+              ("short, paired", a.windows[1], True, n_paired)]
 
     def run(cu, max_len, window, dout, q, k, v, backward=True):
         out, lse = torch.ops.flash_attn_3.fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,

@@ -431,11 +431,11 @@ def test_dist_adam_refuses_a_parameter_that_does_not_shard():
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_orthogonalization_work_of_the_record_model_is_spread_over_ranks_group_by_group(world_size):
-    """An orthogonalization costs ~m^2 n per m x n matrix (m <= n). The record's 11 blocks hold 22 MLP matrices
-    (stored alike, as in the 09/03 record: one group at equal rates) and 10 attention stacks of 4 x 768^2, 32 equal
-    units of work; each group is split over the ranks on its own, so the busiest rank does ceil(22/w) + ceil(10/w)
-    units (8 ranks: 5, where 4 is the fewest any split allows), plus the smear gate's and value-embedding gates' tiny
-    matrices."""
+    """An orthogonalization costs ~m^2 n per m x n matrix (m <= n). The record's 11 blocks in ANVIL2's layout hold 22
+    MLP matrices of 768 x 2816 (the MLPs of the 10 blocks left after block 7's removal and block 8's second one, stored
+    alike: one group at equal rates) and 7 attention stacks of 4 x 768^2 (none in blocks 4, 6, 7 and 9); each group is
+    split over the ranks on its own, so the busiest rank does ceil(22/w) MLP matrices and ceil(7/w) stacks, plus the
+    smear gate's and value-embedding gates' tiny matrices."""
     with torch.device("meta"):
         model = tg.GPT(tg.ModelConfig.from_args(tg.Hyperparameters()))
     params = tg.param_groups_by_role(model)["block matrices"]
@@ -449,9 +449,11 @@ def test_orthogonalization_work_of_the_record_model_is_spread_over_ranks_group_b
                 m, n = sorted(p.shape[-2:])
                 work += p.numel() // (m * n) * m * m * n
         loads.append(work)
-    unit = 768 * 768 * 3072  # one MLP matrix = one of the 4 stacked attention matrices' 4 x 768^3
-    assert sum(loads) // unit == 32 and max(loads) <= (-(-22 // world_size) - (-10 // world_size)) * unit + 4 * 6 * 6 * 12 + 12
-    assert max(loads) > (-(-22 // world_size) - (-10 // world_size) - 1) * unit  # the bound is what happens
+    mlp, attn = 768 * 768 * 2816, 4 * 768 ** 3  # one MLP matrix's work, one stack of the 4 attention matrices'
+    gates = 3 * 6 * 6 * 12 + 12  # the value-embedding gates of blocks 1, 2 and 8 (6 x 12 each), the smear gate (1 x 12)
+    busiest = -(-22 // world_size) * mlp - (-7 // world_size) * attn
+    assert sum(loads) == 22 * mlp + 7 * attn + gates
+    assert busiest <= max(loads) <= busiest + gates  # the bound is what happens
 
 
 def test_train_step_launches_every_reduce_scatter_before_any_update(tiny_args, monkeypatch):

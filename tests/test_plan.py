@@ -8,8 +8,15 @@ import torch
 import train_gpt as tg
 
 RECORD_SHAPES = [(49152, 896, 3), (49152, 2048, 7), (49152, 2048, 11), (49152, 2048, 13)]  # record's stages, extension
-RECORD_CANDIDATES = (16384, 14336, 12288)  # the sampled softmax's rows in stages 1-3 (full from step 715)
+RECORD_CANDIDATES = (16384, 14336, 12288)  # the sampled softmax's rows in stages 1-3 (full from step 774)
 FULL = ["--full_softmax_from", "0"]  # the record preset with the full softmax throughout
+# the record's model before ANVIL2's architecture, the one its one-GPU H100 rows and four-GPU H200 rows were timed on
+# (MEASURED_MODEL: BEFORE_ANVIL2's fields; its injection order is no longer built); 776 steps
+MEASURED = ["--skip_layers", "", "--no_attn_layers", "6", "--skip_into", "0", "--xsa_blocks", "1,3,4,7",
+            "--paired_head_blocks", "0,2,5,9", "--value_embed_blocks", "1,2,8,9,10", "--parallel_mlp_blocks", "",
+            "--mlp_hidden", "0", "--no_x0_blocks", "", "--no_ngram_blocks", "", "--no_resid_scale_blocks", "",
+            "--num_iterations", "776"]
+STEPS = [274, 274, 272, 20]  # the record's 840 steps by stage: three of 274 / 274 / 272, the extension's 20
 
 
 def stage_rows(out: str) -> dict[str, list[str]]:
@@ -39,12 +46,79 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     rows = stage_rows(out)
     assert list(rows) == ["1", "2", "3", "ext"]
     # steps, batch, micro-batches on 1 / 8 GPUs, micro tokens, document cut, windows, lr, tokens
-    assert rows["1"][1:11] == ["0-252", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "99,483,648"]
-    assert rows["3"][1] == "505-755" and rows["3"][8] == "1408/640"
-    assert rows["ext"][1] == "756-775" and rows["ext"][8] == "1664/768"  # step 776 is the final validation only
-    assert f"trained tokens: {776 * 393216:,}" in out
-    assert 776 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
+    assert rows["1"][1:11] == ["0-273", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "107,741,184"]
+    assert rows["3"][1] == "548-819" and rows["3"][8] == "1408/640"
+    assert rows["ext"][1] == "820-839" and rows["ext"][8] == "1664/768"  # step 840 is the final validation only
+    assert f"trained tokens: {840 * 393216:,}" in out
+    assert 840 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
     assert not list(tmp_path.iterdir())  # no log, no checkpoint folder
+    # the H200 rows (--plan_gpu's default) are of the record's present model: nothing said of another model
+    assert not [line for line in out.splitlines() if "another model" in line or "MEASURED_MODEL" in line]
+    # the H100 rows are of the record's model before ANVIL2's architecture: the plan says so, naming what differs
+    assert tg.main(["--plan", "--plan_gpu", "H100"]) == 0
+    assert line_of(capsys.readouterr().out.splitlines(), "step times of another model:") == (
+        "step times of another model: the times above are --preset record's model's before its present one "
+        "(MEASURED_MODEL); this run's model is not measured (it differs in mlp_hidden, no_attn_layers, "
+        "value_embed_blocks, paired_head_blocks, xsa_blocks, skip_into, skip_layers, parallel_mlp_blocks, "
+        "no_x0_blocks, no_ngram_blocks, no_resid_scale_blocks, injections: the model line gives the measured "
+        "model's values)")
+
+
+def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measured_models(no_gpu, capsys):
+    """--plan's model line: the MLP's hidden width and MFU's counts from it (flops_per_token), 2816 against 3072 on the
+    model the H100 rows were timed on (11 blocks x 2 matrices x 768 x 256 fewer weights, 6 FLOPs each per token);
+    the measured step times stay that model's, and the line says so where the width, or another model field, is not
+    its, and always its injection order, which no run has now (MEASURED_MODEL). The H200 rows are of the record's
+    present model: the line names the fields in which a run differs from it."""
+    lines = {}
+    for given in (MEASURED, [*MEASURED, "--mlp_hidden", "3072"], [*MEASURED, "--mlp_hidden", "2816"]):
+        assert tg.main(["--plan", "--plan_gpu", "H100", *given]) == 0
+        out = capsys.readouterr().out.splitlines()
+        lines[" ".join(given)] = line_of(out, "model: MLP hidden")
+        assert line_of(out, "step times of another model:").endswith(
+            ("in mlp_hidden, injections: " if "2816" in given else "in injections: ") + "the model line gives the "
+            "measured model's values)")
+    measured, same, anvil2 = lines.values()
+    assert measured.startswith("model: MLP hidden 3,072 (mlp_ratio 4 x model_dim 768), 114,131,244 matmul weights")
+    assert measured.endswith("; the step times above are --preset record's model's before its present one "
+                             "(MEASURED_MODEL), injections before a block's attention")
+    assert same.replace("(mlp_hidden)", "(mlp_ratio 4 x model_dim 768)") == measured  # 3072 given: the same model
+    assert anvil2.startswith(f"model: MLP hidden 2,816 (mlp_hidden), {114_131_244 - 11 * 2 * 768 * 256:,} matmul")
+    assert anvil2.endswith("; the step times above are --preset record's model's before its present one "
+                           "(MEASURED_MODEL), MLP hidden 3,072, injections before a block's attention")
+    gflops = [[float(v) for v in re.search(r"by stage ([\d. /]+) \(", line)[1].split(" / ")]
+              for line in (measured, anvil2)]
+    args = tg.parse_args([*MEASURED, "--mlp_hidden", "2816"])
+    with torch.device("meta"):
+        model = tg.GPT(tg.ModelConfig.from_args(args))
+    assert model.blocks[0].mlp.fc_w.shape == (768, 2816)
+    exact = [tg.flops_per_token(model, st.windows, st.spec.max_doc_len) / 1e9 for st in tg.Schedule(args).stages]
+    assert gflops[1] == pytest.approx(exact, rel=1e-3) and len(exact) == 4
+    for a, b in zip(*gflops):
+        assert a - b == pytest.approx(6 * 11 * 2 * 768 * 256 / 1e9, abs=2e-4)
+    # the record, ANVIL2's whole architecture (its layout, the second MLP in block 8, 2816, its injection sites and
+    # order), on H100: every model field that differs from the measured model named, with the measured model's value
+    assert tg.main(["--plan", "--plan_gpu", "H100"]) == 0
+    line = line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden")
+    assert line.startswith("model: MLP hidden 2,816 (mlp_hidden)")
+    record_then = ("MLP hidden 3,072, no_attn_layers (6,), value_embed_blocks (1, 2, 8, 9, 10), paired_head_blocks (0, "
+                   "2, 5, 9), xsa_blocks (1, 3, 4, 7), skip_into 0, skip_layers (), parallel_mlp_blocks (), "
+                   "no_x0_blocks (), no_ngram_blocks (), no_resid_scale_blocks ()")
+    assert line.endswith("; the step times above are --preset record's model's before its present one "
+                         f"(MEASURED_MODEL), {record_then}, injections before a block's attention")
+    # on H200 the record is the measured model; the model before ANVIL2's is not, named by the record's values now
+    assert tg.main(["--plan"]) == 0
+    assert line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden").endswith("(flops_per_token: MFU's count)")
+    assert tg.main(["--plan", *MEASURED]) == 0
+    assert line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden").endswith(
+        "; the step times above are --preset record's model's, MLP hidden 2,816, no_attn_layers (4, 6, 9), "
+        "value_embed_blocks (1, 2, 8, 10), paired_head_blocks (0, 2, 5), xsa_blocks (1, 3), skip_into 6, skip_layers "
+        "(7,), parallel_mlp_blocks (8,), no_x0_blocks (3, 6, 8, 9), no_ngram_blocks (2, 3, 6, 8), "
+        "no_resid_scale_blocks (6,)")
+    # MEASURED is that model, field for field (its injection order aside), and the rows of it are H100's and 4 x H200's
+    fields = {k: v for k, v in tg.BEFORE_ANVIL2.items() if k != "injections"}
+    assert tg.parse_args(MEASURED) == tg.Hyperparameters(**fields, num_iterations=776)
+    assert tg.MEASURED_MODEL == {("record", "H100", 1): tg.BEFORE_ANVIL2, ("record", "H200", 4): tg.BEFORE_ANVIL2}
 
 
 def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, capsys, monkeypatch):
@@ -52,8 +126,7 @@ def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, 
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", table)
     monkeypatch.setattr(tg, "EIGHT_GPU_RATIO", {"H100": {49152: 0.125}})
     lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H100", *FULL])))
-    steps = [253, 252, 251, 20]
-    one = [n * 393216 * us * 1e-6 for n, us in zip(steps, (2.0, 2.5, 3.0, 3.5))]
+    one = [n * 393216 * us * 1e-6 for n, us in zip(STEPS, (2.0, 2.5, 3.0, 3.5))]
     rows = stage_rows("\n".join(lines))
     for name, seconds in zip(["1", "2", "3", "ext"], one):
         assert float(rows[name][-2]) == pytest.approx(seconds, abs=0.05)
@@ -99,30 +172,31 @@ def test_plan_follows_the_schedule_flags_with_staged_batches_and_an_extension(no
     assert f"trained tokens: {total:,}" in lines
 
 
-# Ours alone on one-GPU H200 machines, 2026-11-29, PyTorch varlen attention, 80 steps of the record preset: ms per
-# 393,216-token step at each stage. The full softmax: stages 1-3 before the trigram table (main 8a31d12, two runs'
-# mean, bench/results/timing_h200_20261129.md), the extension the record preset whole (6cdf50a,
-# bench/results/preset_h200_20261129c.md); the sampled softmax at 16,384 / 14,336 / 12,288 rows, stages 1-3, the
-# record preset whole (6cdf50a)
-OURS_H200_MS = (565.0, 603.6, 622.0, 636.3)
-OURS_H200_SAMPLED_MS = (507.0, 537.6, 548.2)
-# The public master on one H200 of a one-GPU machine, 2026-11-28 (issue 63's figures), at its own stages' batches
-MASTER_H200_MS = (254, 439, 658.5, 661)
+# Ours alone on one H200 of a one-GPU machine, 2026-11-29, PyTorch varlen attention, 80 steps of the record preset
+# with ANVIL2's architecture (--full_softmax_from 0.65): ms per 393,216-token step, each stage's mean from the log's
+# stage lines (bench/results/arch_h200_20261129f.md). The full softmax in stage 3 and the extension; the sampled one at
+# 16,384 / 14,336 / 12,288 rows in stages 1-3
+OURS_H200_MS = (527.3, 535.5)
+OURS_H200_SAMPLED_MS = (423.8, 442.4, 453.4)
+# The public master on the same machine right after ours, each stage's median, at its own stages' batches
+MASTER_H200_MS = (232.0, 435.0, 650.0, 657.0)
 
 
 def test_the_record_presets_stages_split_at_the_switch_to_the_full_softmax():
-    """776 steps, the full softmax from round(0.922 x 776) = 715: stage 3 (steps 505-755) samples 210 steps and
-    trains 41 with the full softmax; the extension (756-775) is full although its row carries stage 3's candidates."""
+    """840 steps, the full softmax from round(0.922 x 840) = 774: stage 3 (steps 548-819) samples 226 steps and
+    trains 46 with the full softmax; the extension (820-839) is full although its row carries stage 3's candidates."""
     schedule = tg.Schedule(tg.parse_args([]))
-    assert schedule.full_softmax == 715 and schedule.stages[2].start == 505 and schedule.stages[3].start == 756
-    assert [tg.softmax_steps(schedule, st) for st in schedule.stages] == [(253, 0), (252, 0), (210, 41), (0, 20)]
+    assert schedule.full_softmax == 774 and schedule.stages[2].start == 548 and schedule.stages[3].start == 820
+    assert [tg.softmax_steps(schedule, st) for st in schedule.stages] == [(274, 0), (274, 0), (226, 46), (0, 20)]
     assert [st.candidates for st in schedule.stages] == [*RECORD_CANDIDATES, 12288]
     assert [tg.softmax_steps(tg.Schedule(tg.parse_args(FULL)), st)[0] for st in schedule.stages] == [0, 0, 0, 0]
 
 
-def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_582_s_and_ours_0796(no_gpu):
-    ours = [tg.STEP_US_PER_TOKEN[("H200", "record", *shape)] for shape in RECORD_SHAPES]
+def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_567_s_and_ours_068(no_gpu):
+    ours = [tg.STEP_US_PER_TOKEN[("H200", "record", *shape)] for shape in RECORD_SHAPES[2:]]
     assert ours == pytest.approx([ms * 1000 / 393216 for ms in OURS_H200_MS], abs=5e-4)  # rounded to 3 decimals
+    # stages 1-2's full softmax was timed on the model before ANVIL2's only: no row (unmeasured, not interpolated)
+    assert all(("H200", "record", *shape) not in tg.STEP_US_PER_TOKEN for shape in RECORD_SHAPES[:2])
     sampled = [tg.SAMPLED_US_PER_TOKEN[("H200", "record", *shape, c)]
                for shape, c in zip(RECORD_SHAPES, RECORD_CANDIDATES)]
     assert sampled == pytest.approx([ms * 1000 / 393216 for ms in OURS_H200_SAMPLED_MS], abs=5e-4)
@@ -132,39 +206,55 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_582_s
     assert tg.PUBLIC_MASTER_STAGES == tuple(zip(master_steps, master_batches))
     master_s = sum(n * ms for n, ms in zip(master_steps, MASTER_H200_MS)) / 1000
     master_tokens = sum(n * b for n, b in zip(master_steps, master_batches))
-    assert master_tokens == 338_821_120 and master_s == pytest.approx(582.0, abs=0.05)
+    assert master_tokens == 338_821_120 and master_s == pytest.approx(567.4, abs=0.05)
     assert tg.public_master_time("H200") == (pytest.approx(master_s), master_tokens)
-    # ours: 253 / 252 / 210 sampled steps in stages 1-3, then 41 full ones in stage 3 and the 20 of the extension
-    ours_s = (253 * 507.0 + 252 * 537.6 + 210 * 548.2 + 41 * 622.0 + 20 * 636.3) / 1000
-    ours_tokens = 776 * 393216
+    # ours: 274 / 274 / 226 sampled steps in stages 1-3, then 46 full ones in stage 3 and the 20 of the extension
+    ours_s = (274 * 423.8 + 274 * 442.4 + 226 * 453.4 + 46 * 527.3 + 20 * 535.5) / 1000
+    ours_tokens = 840 * 393216
     r, t = (ours_s / ours_tokens) / (master_s / master_tokens), ours_s / master_s * 73.8
-    assert ours_tokens == 305_135_616 and ours_s == pytest.approx(417.1, abs=0.05)
-    assert r == pytest.approx(0.796, abs=1e-3) and t == pytest.approx(52.9, abs=0.05)
-    lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))  # H200: --plan_gpu's default
+    assert ours_tokens == 330_301_440 and ours_s == pytest.approx(374.8, abs=0.05)
+    assert r == pytest.approx(0.678, abs=1e-3) and t == pytest.approx(48.7, abs=0.05)
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))  # the record; H200: --plan_gpu's default
     m = re.match(r"vs public master \(H200, .*\): per-token (\d\.\d\d)x, projected 8xH100 (\d+\.\d) s \(ours "
                  r"(\d+\.\d) s / its (\d+\.\d) s", line_of(lines, "vs public master"))
     assert m, line_of(lines, "vs public master")
     assert float(m[1]) == pytest.approx(r, abs=5e-3) and float(m[2]) == pytest.approx(t, abs=0.1)
-    assert float(m[3]) == pytest.approx(ours_s, abs=0.2) and float(m[4]) == pytest.approx(582.0, abs=0.05)
+    assert float(m[3]) == pytest.approx(ours_s, abs=0.2) and float(m[4]) == pytest.approx(567.4, abs=0.05)
     # R itself, unrounded, against the raw ms figures (the tables' 3 decimals move it by less than 1e-3)
-    table_s = 393216e-6 * (253 * sampled[0] + 252 * sampled[1] + 210 * sampled[2] + 41 * ours[2] + 20 * ours[3])
+    table_s = 393216e-6 * (274 * sampled[0] + 274 * sampled[1] + 226 * sampled[2] + 46 * ours[0] + 20 * ours[1])
     assert (table_s / ours_tokens) / (master_s / master_tokens) == pytest.approx(r, abs=1e-3)
-    # stage 3's us/token: the mean of its 210 sampled and 41 full steps
-    assert float(stage_rows("\n".join(lines))["3"][-3]) == pytest.approx((210 * sampled[2] + 41 * ours[2]) / 251,
+    assert line_of(lines, "projected time:").startswith(f"projected time: 1 x H200 {table_s:.1f} s")
+    # stage 3's us/token: the mean of its 226 sampled and 46 full steps
+    assert float(stage_rows("\n".join(lines))["3"][-3]) == pytest.approx((226 * sampled[2] + 46 * ours[0]) / 272,
                                                                          abs=5e-4)
     # labelled: the kind, the attention kernel and the sources; no 8-GPU figure without a measured H200 ratio
     assert "projected seconds on H200 (PyTorch varlen attention)" in lines[0]
-    assert line_of(lines, "ours on H200 (PyTorch varlen attention): one-GPU H200 machines, 2026-11-29, PyTorch "
-                          "2.11.0+cu130: the record preset whole at 6cdf50a (bench/results/preset_h200_20261129c.md)")
+    assert line_of(lines, "ours on H200 (PyTorch varlen attention): one H200 of a one-GPU machine, alone, 2026-11-29, "
+                          "PyTorch 2.11.0+cu130: the record preset with ANVIL2's architecture, 80 steps "
+                          "(bench/results/arch_h200_20261129f.md); times as measured for --preset record's model, ")
     assert "PyTorch varlen attention" in line_of(lines, "public master on H200")
-    assert "ours the next day on another one-GPU machine's H200" in line_of(lines, "vs public master")
+    assert "the master timed right after ours on the same one-GPU machine" in line_of(lines, "vs public master")
+    assert "one A B pair" in line_of(lines, "vs public master")
     assert "8 GPUs not projected: no measured 8/1-GPU step-time ratio on H200" in line_of(lines, "projected time:")
     assert all(row[-1] == "-" for row in stage_rows("\n".join(lines)).values())
+    assert not [line for line in lines if line.startswith("step times of another model")]  # the model measured
+    # the model before ANVIL2's architecture (776 steps): priced at those rows, and said to be another model's
+    before = tg.schedule_plan(tg.Schedule(tg.parse_args(MEASURED)))
+    before_s = 393216e-6 * (253 * sampled[0] + 252 * sampled[1] + 210 * sampled[2] + 41 * ours[0] + 20 * ours[1])
+    assert line_of(before, "projected time:").startswith(f"projected time: 1 x H200 {before_s:.1f} s")
+    assert "MEASURED_MODEL" not in line_of(before, "ours on H200")
+    assert line_of(before, "step times of another model:").startswith(
+        "step times of another model: the times above are --preset record's model's; this run's model is not measured "
+        "(it differs in mlp_hidden, no_attn_layers, ")
+    # the full softmax throughout: stages 1-2 have no H200 row, so no projection and no ratio
+    full = tg.schedule_plan(tg.Schedule(tg.parse_args(FULL)))
+    assert line_of(full, "projected time:").startswith("projected time: incomplete, stage(s) 1, 2 not in")
+    assert line_of(full, "vs public master").startswith("vs public master (H200): not computed")
 
 
 def test_a_stage_split_by_the_switch_is_priced_as_the_weighted_sum_and_a_missing_row_leaves_it_out(no_gpu, monkeypatch):
     """Each stage's sampled steps at its SAMPLED_US_PER_TOKEN row, its full ones at its STEP_US_PER_TOKEN row: stage 3
-    (210 sampled, 41 full) needs both, stages 1-2 (all sampled) only the sampled, the extension only the full."""
+    (226 sampled, 46 full) needs both, stages 1-2 (all sampled) only the sampled, the extension only the full."""
     full = {("H100", "record", *shape): us for shape, us in zip(RECORD_SHAPES[2:], (3.0, 3.5))}  # stage 3, extension
     sampled = {("H100", "record", *shape, c): us
                for shape, c, us in zip(RECORD_SHAPES, RECORD_CANDIDATES, (1.0, 1.5, 2.0))}  # stages 1-3
@@ -173,10 +263,10 @@ def test_a_stage_split_by_the_switch_is_priced_as_the_weighted_sum_and_a_missing
     args = tg.parse_args(["--plan_gpu", "H100"])
     lines = tg.schedule_plan(tg.Schedule(args))
     rows = stage_rows("\n".join(lines))
-    seconds = [253 * 1.0, 252 * 1.5, 210 * 2.0 + 41 * 3.0, 20 * 3.5]  # x 393,216 tokens x 1e-6
+    seconds = [274 * 1.0, 274 * 1.5, 226 * 2.0 + 46 * 3.0, 20 * 3.5]  # x 393,216 tokens x 1e-6
     for name, s in zip(["1", "2", "3", "ext"], seconds):
         assert float(rows[name][-2]) == pytest.approx(s * 0.393216, abs=0.05)
-    assert float(rows["3"][-3]) == pytest.approx((210 * 2.0 + 41 * 3.0) / 251, abs=5e-4)  # the stage's mean
+    assert float(rows["3"][-3]) == pytest.approx((226 * 2.0 + 46 * 3.0) / 272, abs=5e-4)  # the stage's mean
     assert line_of(lines, "projected time:").startswith(f"projected time: 1 x H100 {sum(seconds) * 0.393216:.1f} s")
     # without stage 2's sampled row, or without stage 3's full one, that stage is '-' and the projection incomplete
     for table, key, name in ((sampled, ("H100", "record", *RECORD_SHAPES[1], 14336), "2"),
@@ -229,19 +319,38 @@ def test_a_kind_without_the_masters_times_says_so_instead_of_a_ratio(no_gpu, mon
 FOUR_H200_MS = (147.0, 157.6, 162.4, 165.0)  # the record preset on four H200s of one host, 393,216-token steps
 
 
-def test_plan_gives_the_schedules_time_from_the_steps_measured_on_four_h200s(no_gpu):
+def test_plan_gives_the_schedules_time_from_the_steps_measured_on_four_h200s(no_gpu, monkeypatch):
     """The line from MULTI_GPU_US_PER_TOKEN: the schedule's seconds from each stage's four-GPU step; only for the
     kind and preset measured, and not for a schedule with a stage shape the four-GPU runs did not time, nor with
-    sampled-softmax steps (the four-GPU rows are of the full softmax): here the record preset with the full one."""
+    sampled-softmax steps (the four-GPU rows are of the full softmax): here the record preset with the full one. The
+    rows are of the record's model before ANVIL2's architecture (MEASURED_MODEL): the line says so, names what a run's
+    model differs in, and gives no share of the one-GPU time where the one-GPU rows are of another model."""
     four = [tg.MULTI_GPU_US_PER_TOKEN[("H200", 4, "record", *shape)] for shape in RECORD_SHAPES]
     assert four == pytest.approx([ms * 1000 / 393216 for ms in FOUR_H200_MS], abs=5e-4)
     seconds = sum(n * ms for n, ms in zip([253, 252, 251, 20], FOUR_H200_MS)) / 1000
-    one = sum(n * ms for n, ms in zip([253, 252, 251, 20], OURS_H200_MS)) / 1000
+    source = "four H200s of one host, 2026-11-28 (bench/results/x4_h200_20261128b.md)"
+    old = "--preset record's model before its present one (MEASURED_MODEL)"
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *MEASURED, *FULL])))
+    m = re.fullmatch(rf"measured on 4 x H200: (\d+\.\d) s \(each stage's 4-GPU step time\); {re.escape(old)}, not "
+                     rf"this run's \(it differs in injections\); {re.escape(source)}", line_of(lines, "measured on"))
+    assert m and float(m[1]) == pytest.approx(seconds, abs=0.1)
+    # the record as it is: every field of ANVIL2's architecture named
+    record = line_of(tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *FULL]))), "measured on")
+    assert f"; {old}, not this run's (it differs in mlp_hidden, no_attn_layers, " in record
+    assert record.endswith(f"no_resid_scale_blocks, injections); {source}")
+    # one-GPU rows at every shape: no share while they and the four-GPU rows are of two models; with both of one, it
+    monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H200", "record", *shape): 1.5 for shape in RECORD_SHAPES})
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *MEASURED, *FULL])))
+    assert line_of(lines, "projected time:").startswith("projected time: 1 x H200 ")
+    assert "of one GPU's" not in line_of(lines, "measured on")
+    monkeypatch.setattr(tg, "MEASURED_MODEL", {})  # as if the four-GPU rows were of the record's present model
     lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *FULL])))
+    seconds = sum(n * ms for n, ms in zip(STEPS, FOUR_H200_MS)) / 1000
+    one = sum(STEPS) * 393216 * 1.5e-6
     m = re.fullmatch(r"measured on 4 x H200: (\d+\.\d) s \(each stage's 4-GPU step time, (0\.\d+) of one GPU's\); "
-                     r"four H200s of one host, 2026-11-28 \(bench/results/x4_h200_20261128b\.md\)",
-                     line_of(lines, "measured on"))
+                     rf"--preset record's model; {re.escape(source)}", line_of(lines, "measured on"))
     assert m and float(m[1]) == pytest.approx(seconds, abs=0.1) and float(m[2]) == pytest.approx(seconds / one, abs=1e-3)
+    monkeypatch.undo()
     for flags in (["--plan_gpu", "H100", *FULL], ["--plan_gpu", "H200", "--doc_len_schedule", "896,2048,3072", *FULL],
                   ["--plan_gpu", "H200"]):  # the last: the record preset as it is, sampled in stages 1-3
         assert not [line for line in tg.schedule_plan(tg.Schedule(tg.parse_args(flags))) if "measured on" in line]

@@ -27,7 +27,7 @@ def test_presets_set_their_configuration_and_fields_still_override():
     assert tg.parse_args(["--preset", "record", "--backout_layer", "5"]).backout_layer == 5
     single = tg.parse_args(["--preset", "single"])
     assert single.batch_size == tg.Hyperparameters().batch_size and single.batch_size // single.seq_len == 24
-    # and a quarter of the record's n-gram table: 5.0M rows (the proxy's size), ~26 GiB in all on one GPU
+    # and a quarter of the record's n-gram table: 5.0M rows (the proxy's size), ~25 GiB in all on one GPU
     assert single == dataclasses.replace(record, preset="single", seq_len=16384, cpp_wrapper=True, trigram_rows=4_622_720)
     medium = tg.parse_args(["--preset", "medium", "--num_iterations", "700"])  # above the record's 20 extension steps
     assert (medium.num_layers, medium.model_dim, medium.num_heads, medium.num_iterations) == (24, 1024, 16, 700)
@@ -56,17 +56,20 @@ def test_markov_corpus_is_deterministic_and_sits_at_its_entropy_floor(tmp_path):
     assert abs(-(torch.tensor(Q[t[:-1], t[1:]]).log().mean().item()) - floor) < 0.03
 
 
-def _hand_countable_model():
+def _hand_countable_model(**overrides):
     """The record model at its smallest to count by hand: four blocks of width 32 ("LSSL", block 2 without attention,
     the skip from block 1, backout at block 2), value tables in blocks 1 and 3, no paired heads, no XSA, no CPLM, a
     bigram table of 2 rows without signs, no trigram rows, in the dense Adam; vocabulary 64, 64-token micro-batches;
-    the full softmax (the record's sampled-softmax candidates exceed a 64-token vocabulary)."""
-    args = tg.Hyperparameters(vocab_size=64, bos_id=63, num_layers=4, model_dim=32, num_heads=2, head_dim=16,
-                              gate_channels=4, no_attn_layers=(2,), window_pattern="LSSL", value_embed_blocks=(1, 3),
-                              paired_head_blocks=(), xsa_blocks=(), backout_layer=2, skip_from=1, bigram_rows=2,
-                              bigram_sign_rows=0, trigram_rows=0, ngram_sparse_adam=False, cplm_bands=(),
-                              window_block=8, seq_len=64, val_seq_len=64, batch_size=128,
-                              stages=tuple(dataclasses.replace(row, candidates=0) for row in tg.Hyperparameters.stages))
+    the full softmax (the record's sampled-softmax candidates exceed a 64-token vocabulary); the layout before
+    ANVIL2's (its block indices are the 11 blocks'): none removed, MLPs 4 x 32, no second MLP, every injection."""
+    args = tg.Hyperparameters(**{**dict(
+        vocab_size=64, bos_id=63, num_layers=4, model_dim=32, num_heads=2, head_dim=16, gate_channels=4,
+        no_attn_layers=(2,), window_pattern="LSSL", value_embed_blocks=(1, 3), paired_head_blocks=(), xsa_blocks=(),
+        backout_layer=2, skip_from=1, bigram_rows=2, bigram_sign_rows=0, trigram_rows=0, ngram_sparse_adam=False,
+        cplm_bands=(), window_block=8, seq_len=64, val_seq_len=64, batch_size=128,
+        stages=tuple(dataclasses.replace(row, candidates=0) for row in tg.Hyperparameters.stages),
+        skip_layers=(), skip_into=0, mlp_hidden=0, parallel_mlp_blocks=(), no_x0_blocks=(), no_ngram_blocks=(),
+        no_resid_scale_blocks=()), **overrides})
     with torch.device("meta"):
         return args, tg.GPT(tg.ModelConfig.from_args(args))
 
@@ -109,6 +112,22 @@ def test_parameter_counts_and_memory_estimate_match_a_hand_count():
     assert lines[8].startswith("memory per GPU: ~0.9 MiB: weights + grads 0.5")  # MiB below 1 GiB
     model.keep_table_grads()  # as the trainer's model: the LM head's and the tables' float32 gradient sums
     assert tg.memory_estimate(model, args, world_size=2)["table gradient sums"] == 4 * (2048 + tables)
+
+
+def test_flops_parameters_and_memory_follow_the_mlp_width_mlp_hidden_sets():
+    """The hand-counted model at mlp_hidden 72 (2.25 x its width 32, as ANVIL2's 2816 is no 4 x 768): its MLP
+    matrices 32 x 72 in MFU's FLOPs, the size report and the memory estimate, whose activations keep two values of
+    the hidden width per token per block (before and after ReLU^2), 16 of model_dim's at 4x."""
+    args, model = _hand_countable_model(mlp_hidden=72)
+    blocks = BLOCK_MATRICES - 4 * 2 * 32 * 128 + 4 * 2 * 32 * 72
+    attn = 12 * 2 * 16 * (25 + 9 + 25)
+    assert tg.flops_per_token(model, windows=(24, 8), max_doc_len=64) == 6 * (blocks + 64 * 32) + attn
+    assert tg.size_report(model, args, world_size=2)[3] == f"parameters: block matrices {blocks:,}"
+    estimate, at_4x = (tg.memory_estimate(m, a, world_size=2) for a, m in (
+        (args, model), _hand_countable_model()))
+    assert estimate["activations"] == 2 * 64 * 4 * (8 * 32 + 2 * 72)
+    assert at_4x["activations"] - estimate["activations"] == 2 * 64 * 4 * 2 * (128 - 72)
+    assert at_4x["optimizer shards"] - estimate["optimizer shards"] == 4 * (BLOCK_MATRICES - blocks) // 2  # Muon's
 
 
 def test_bigram_table_is_an_adam_embedding_in_the_size_report_and_adds_no_matmul_flops():
@@ -366,6 +385,40 @@ def test_learning_rates_given_on_resume_replace_the_checkpoints(tiny_args, tmp_p
     assert tg.load_checkpoint(tmp_path / "r" / "step_000004", model, (adam, muon), args, 0, 1, print)[0] == 4
     assert [[g["initial_lr"] for g in opt.param_groups] for opt in (adam, muon)] == want
     assert muon.param_groups[0]["initial_lr"] == 0.01 and adam.state  # the moments still come from the checkpoint
+
+
+def test_a_checkpoint_is_checked_by_its_mlp_width_however_the_width_was_given(tiny_args, tmp_path):
+    """A checkpoint at mlp_hidden 176 (2.75 x TINY's 64, as ANVIL2's 2816 is no 4 x 768) holds its MLP at that width
+    and loads back into a model of it, Muon's momentum too; a run at mlp_ratio 4's 256 is another model, named. A
+    checkpoint from before the field (no mlp_hidden in its args) is its ratio's width: --mlp_hidden 256 is the same
+    model, --mlp_ratio 3 another."""
+    kw = dict(FAST, num_iterations=2, val_every=0, save_every=2, checkpoint_dir=str(tmp_path))
+
+    def load(path, **given):
+        args = tiny_args(**kw, **given)
+        model = tg.GPT(tg.ModelConfig.from_args(args))
+        optimizers = tg.build_optimizers(model, args, 0, 1)
+        assert tg.load_checkpoint(path, model, optimizers, args, 0, 1, print)[0] == 2
+        return model, optimizers
+
+    tg.train(tiny_args(run_id="w", mlp_hidden=176, **kw))
+    path = tmp_path / "w" / "step_000002"
+    weights = torch.load(path / "model.pt", weights_only=True)["model"]
+    assert weights["blocks.0.mlp.fc_w"].shape == weights["blocks.3.mlp.proj_w"].shape == (64, 176)
+    model, (_, muon) = load(path, mlp_hidden=176)
+    assert torch.equal(model.blocks[2].mlp.proj_w.detach(), weights["blocks.2.mlp.proj_w"])
+    assert muon.state[model.blocks[2].mlp.proj_w]["momentum_buffer"].shape == (64, 176)
+    with pytest.raises(ValueError, match=r"holds a different model: mlp_hidden: checkpoint 176, now 256$"):
+        tg.load_checkpoint(path, None, [], tiny_args(**kw), 0, 1, print)
+    tg.train(tiny_args(run_id="old", **kw))
+    old = tmp_path / "old" / "step_000002"
+    meta = torch.load(old / "model.pt", weights_only=True)
+    del meta["args"]["mlp_hidden"]
+    torch.save(meta, old / "model.pt")
+    load(old)
+    load(old, mlp_hidden=256)
+    with pytest.raises(ValueError, match=r"holds a different model: mlp_hidden: checkpoint 256, now 192$"):
+        tg.load_checkpoint(old, None, [], tiny_args(**kw, mlp_ratio=3), 0, 1, print)
 
 
 def test_keep_checkpoints_prunes_old_ones_and_latest_finds_the_newest(tiny_args, tmp_path):
