@@ -2823,9 +2823,9 @@ STEP_US_PER_TOKEN = {
     ("H100", "record", 49152, 2048, 11): 1.589,
     ("H100", "record", 49152, 2048, 13): 1.576,
     # one H200 of a one-GPU machine, alone, 2026-11-29, PyTorch 2.11.0+cu130, PyTorch's varlen attention, the record
-    # preset with ANVIL2's architecture (wt80's defaults, run c79): `python train_gpt.py --preset record
-    # --num_iterations 80 --full_softmax_from 0.65 --attention varlen ...`, each stage's mean step from the log's
-    # stage lines: stage 3's full-softmax steps 527.3 ms, the extension's 535.5 ms per 393,216-token step
+    # preset with ANVIL2's architecture (commit 3463280, these defaults given as flags): `python train_gpt.py
+    # --preset record --num_iterations 80 --full_softmax_from 0.65 --attention varlen ...`, each stage's mean step from
+    # the log's stage lines: stage 3's full-softmax steps 527.3 ms, the extension's 535.5 ms per 393,216-token step
     # (bench/results/arch_h200_20261129f.md). Stages 1-2 have no full-softmax row on it
     ("H200", "record", 49152, 2048, 11): 1.341,
     ("H200", "record", 49152, 2048, 13): 1.362,
@@ -2834,7 +2834,7 @@ STEP_US_PER_TOKEN = {
 # STEP_US_PER_TOKEN's, keyed as it is plus the stage's candidates (the head's rows a micro-batch); a stage's full
 # softmax steps are priced at its STEP_US_PER_TOKEN row.
 SAMPLED_US_PER_TOKEN = {
-    # the run of STEP_US_PER_TOKEN's H200 rows (2026-11-29, ANVIL2's architecture, run c79): stages 1-3's sampled
+    # the run of STEP_US_PER_TOKEN's H200 rows (2026-11-29, ANVIL2's architecture, commit 3463280): stages 1-3's sampled
     # steps, 423.8 / 442.4 / 453.4 ms per 393,216-token step (bench/results/arch_h200_20261129f.md)
     ("H200", "record", 49152, 896, 3, 16384): 1.078,
     ("H200", "record", 49152, 2048, 7, 14336): 1.125,

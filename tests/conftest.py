@@ -132,7 +132,7 @@ def write_corpus(directory, train_sizes=(20_000, 20_000), val_size=10_000, seed=
 # of 11: here the layout before it (as the smoke preset's), none removed, the skip into block 2, MLPs 4 x 64, no second
 # MLP, every block's injections (after a block's attention, the one order the model has).
 # tests/test_golden.py's golden losses are this model's, written at ba25215 and again for the record's injection
-# order (wt80): keep this dict as it is. The n-gram table is ba25215's too: the bigram rows alone in the dense Adam's
+# order (ff18072): keep this dict as it is. The n-gram table is ba25215's too: the bigram rows alone in the dense Adam's
 # group (the record's 20.8M trigram rows would be 2.7 GB here; tests/test_ngram.py and the tests that ask for it turn
 # the trigram channel and its row-sparse Adam on at a small size).
 TINY_RECORD = dict(vocab_size=72, bos_id=BOS, num_layers=4, model_dim=64, num_heads=2, head_dim=32, gate_channels=8,

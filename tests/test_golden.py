@@ -1,7 +1,7 @@
 """Golden losses of a tiny record model on the CPU: 20 steps at a fixed seed, every digit the log prints.
 
 The file tests/golden/record_tiny_cpu.txt was written by the trainer at commit ba25215, before the record model was
-refactored (issue: one model in the house), and rewritten on wt80 when the record took ANVIL2's injection order
+refactored (issue: one model in the house), and rewritten at ff18072 when the record took ANVIL2's injection order
 (x0 and the n-gram term after a block's attention: 17 of the 25 losses moved by 1-3 in the last digit; with the old
 order the model still reproduced ba25215's file; that order is no longer built); a change meant to keep the
 arithmetic must reproduce it to the last printed digit. Rewrite it only for a change that is meant to alter

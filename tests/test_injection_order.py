@@ -5,7 +5,7 @@ plus layer 0's bigram term ("pre-layer-0 bigram injection", ~140k characters in)
 `_xa = _rf_smul(resid_lambdas_attn[i], x) + attn_out`, then `x0 * x0_gates[i]` and the bigram (~148k), so the
 attention reads the residual without them. A block without attention, and the removed block 7, take them before their
 MLP; the blocks after backout_layer read the shared attention input (attn_in). The only order since the field
-inject_after_attn was deleted (wt82); a checkpoint of the old one (the field false) is refused."""
+inject_after_attn was deleted (9851fef); a checkpoint of the old one (the field false) is refused."""
 import dataclasses
 from collections import defaultdict
 

@@ -20,7 +20,7 @@ from test_skip_layers import ANVIL2, batch, count
 SITES = dict(no_x0_blocks=(3, 6, 8, 9), no_ngram_blocks=(2, 3, 6, 8), no_resid_scale_blocks=(6,))
 WHOLE = dict(LAYOUT, parallel_mlp_blocks=(8,), mlp_hidden=176)
 FULL = dict(WHOLE, **SITES)
-# wt73's flags for ANVIL2, then these: its architecture as flags, the record's own values since wt80
+# f64ee35's flags for ANVIL2, then these: its architecture as flags, the record's own values since ff18072
 RECORD_FLAGS = [*ANVIL2, "--parallel_mlp_blocks", "8", "--mlp_hidden", "2816"]
 SITE_FLAGS = ["--no_x0_blocks", "3,6,8,9", "--no_ngram_blocks", "2,3,6,8", "--no_resid_scale_blocks", "6"]
 
