@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import FAST
+from conftest import FAST, compiled_matches_eager
 from test_parallel_mlp import LAYOUT, W3
 from test_skip_layers import ANVIL2, batch, count
 
@@ -269,19 +269,5 @@ def test_without_the_fields_every_block_takes_both_injections_and_its_residual_w
 
 @pytest.mark.slow
 def test_the_model_with_the_fields_compiles_whole_and_computes_the_same():
-    """torch.compile(fullgraph=True) takes the listed blocks (no graph break); AOT's eager backend, so the same
-    arithmetic as the eager model, gradients included."""
-    model = model_of(FULL, randomize=True)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)
-    x, y, cu = batch()
-    results = []
-    for fn in (model, compiled):
-        model.zero_grad(set_to_none=True)
-        loss = fn(x, y, cu, 128, W3)
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    (l0, g0), (l1, g1) = results
-    torch.testing.assert_close(l1, l0, rtol=1e-6, atol=0)
-    assert g0.keys() == g1.keys()
-    for name in g0:
-        torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6)
+    """torch.compile(fullgraph=True) takes the listed blocks (no graph break), with the eager model's arithmetic."""
+    compiled_matches_eager(model_of(FULL, randomize=True), *batch(), 128, W3)
