@@ -1,6 +1,6 @@
 """Generate text from a checkpoint of train_gpt.py, on a GPU or the CPU.
 
-    python sample.py checkpoints/<run_id>/step_000776 --prompt "The meaning of life" --tokens 100
+    python sample.py checkpoints/<run_id>/step_000840 --prompt "The meaning of life" --tokens 100
     python sample.py latest --temperature 0.8 --top_k 50
     python sample.py latest --prompt "5 17 42"      # a non-GPT-2 vocabulary: the prompt is token ids
 
