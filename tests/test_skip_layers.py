@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import BOS, FAST, TINY, compiled_matches_eager
+from conftest import FAST, TINY, compiled_matches_eager
+from test_model import batch, tiny_model  # noqa: F401 (batch: for the files that import it from here)
 
 # TINY on five blocks, so that one between the attention-less block (2) and the last can go: block 3 (short window,
 # no XSA, paired heads or value table), which is also the backout block
@@ -26,21 +27,8 @@ W3 = tg.window_tokens(3, TINY["window_block"])
 
 
 def model_of(config: dict, randomize: bool = False, **overrides) -> tg.GPT:
-    torch.manual_seed(0)
-    model = tg.GPT(tg.ModelConfig.from_args(tg.Hyperparameters(**{**config, **overrides})))
-    if randomize:  # zero-initialised weights (gates, MUDD's second layers) would hide paths: give every one signal
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.1 * torch.randn_like(p.float()).to(p.dtype))
-    return model
-
-
-def batch(T=128, doc_starts=(0, 60)):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, BOS, (T,), generator=g, dtype=torch.int32)
-    y = torch.randint(0, BOS, (T,), generator=g, dtype=torch.int32)
-    x[list(doc_starts)] = BOS
-    return x, y, torch.tensor([*doc_starts, T, T, T], dtype=torch.int32)
+    """test_model's tiny model on this config (TINY and its variants), every weight given signal if randomize."""
+    return tiny_model(randomize, **{**config, **overrides})
 
 
 def count(params) -> int:
