@@ -6,8 +6,8 @@
         [--public_code master|89|mudd-base|mudd-v1] [--public_commit HASH] [--public_attention fa3|varlen] \\
         [--batch_div 16] [--step_div 1] [--accum N] [--val_every 125] [--seeds 0 1 2] [--public_seeds 0 1 2] \\
         [--nproc 1|2|4|8 (GPUs per run, one run at a time; at --batch_div 1 --accum defaults to 8 // nproc)] \\
-        [--ours_args "FLAGS"] [--variant NAME "FLAGS" ...] [--parallel [--stagger] | --warm_first] [--target LOSS] \
-        [--out table.md]
+        [--ours_args "FLAGS"] [--variant NAME "FLAGS" ...] [--parallel [--stagger] | --warm_first] [--alternate] \\
+        [--target LOSS] [--out table.md]
 
 Public codes (--public_code), all read from a checkout of KellerJordan/modded-nanogpt:
   master  the public line's current code: train_gpt.py and the kernel files it imports, at the commit
@@ -35,7 +35,8 @@ Validation is the same for both codes: the first --val_tokens tokens of the val 
 
 Runs go one after the other (step times then compare; the per-stage table is printed), or with
 --parallel all at once sharing the GPU (losses only; the tables say so). --warm_first runs each code's first run
-once beforehand, all at the same time and untimed, so that the timed runs compile from warm caches. Prints and
+once beforehand, all at the same time and untimed, so that the timed runs compile from warm caches; --alternate
+takes the codes in turns (A B A B) instead of each code's runs together. Prints and
 writes markdown: val loss at each validation, tokens and training time there, the tokens and time to --target, the
 final losses per group with a 95% interval and the paired (same seed) difference, and ms/step and
 us/token per stage; in a timing run (--step_div > 1, runs one after the other) also each run's time over the
@@ -718,6 +719,15 @@ def group_of(name: str) -> str:
     return "public" if name.startswith("public") else name.rsplit(" seed ", 1)[0]
 
 
+def in_turns(runs: list) -> list:
+    """The runs in turns, for --alternate: every code's first run, then every code's second, and so on (public, ours,
+    public, ours: A B A B), a code with fewer runs leaving the turns early."""
+    groups: dict[str, list] = {}
+    for r in runs:
+        groups.setdefault(group_of(r[0]), []).append(r)
+    return [g[i] for i in range(max(map(len, groups.values()), default=0)) for g in groups.values() if i < len(g)]
+
+
 def launch_all(runs, at_once: int, stagger: bool, poll: float = 2.0) -> list:
     """Start the runs, at most `at_once` at a time, in order; with `stagger`, the other runs of a code wait
     until its first run has logged a training step, so that they find its compiled graphs in the shared
@@ -921,13 +931,17 @@ def main():
                    "code's first run once, all at the same time, untimed, so that every timed run compiles from a warm "
                    "cache (one cold compile's wait instead of one per code; the warming runs train their whole "
                    "schedule: meant for the short timing runs, --step_div 16)")
+    p.add_argument("--alternate", action="store_true", help="run the codes in turns, one at a time: public seed 0, "
+                   "ours seed 0, public seed 1, ours seed 1, ... (A B A B), so that a drift of the machine falls on "
+                   "both codes alike; with --warm_first, the timing behind --plan's rows (--public_seeds 0 1 --seeds 0 1)")
     p.add_argument("--start_after", help="public runs wait after their warm-up until this file exists, "
                    "then start the clock (compile a timing run while learning runs still share the GPU)")
     p.add_argument("--check_only", action="store_true", help="stage and check the data plan, run nothing")
     p.add_argument("--out", type=Path, help="also write the table here")
     a = p.parse_args()
-    if a.warm_first and a.parallel:
-        fail("--warm_first is for runs timed one after the other; --parallel runs share the GPU anyway")
+    if (a.warm_first or a.alternate) and a.parallel:
+        fail(f"--{'warm_first' if a.warm_first else 'alternate'} is for runs timed one after the other; --parallel "
+             "runs share the GPU anyway")
     if a.nproc < 1 or 8 % a.nproc:
         fail(f"--nproc {a.nproc}: the public code runs on a divisor of 8 GPUs (8 // world_size micro-batches): "
              "use --nproc 1, 2, 4 or 8")
@@ -992,7 +1006,7 @@ def main():
         return runs
 
     stamp = time.strftime("%Y%m%d_%H%M%S")
-    runs = make_runs(stamp)
+    runs = in_turns(make_runs(stamp)) if a.alternate else make_runs(stamp)
 
     print(f"public code: {code.name}, {code.origin}; staged in {stage}", flush=True)
     plans = []

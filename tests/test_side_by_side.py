@@ -162,6 +162,22 @@ def test_warm_first_runs_each_code_once_at_the_same_time_before_the_timed_runs(m
         fake_main(monkeypatch, tmp_path / "parallel", argv + ["--parallel"])
 
 
+
+def test_alternate_takes_the_codes_in_turns_after_the_warming_runs(monkeypatch, tmp_path):
+    """--alternate: public, ours, public, ours (A B A B), each variant in its turn, a code with fewer runs leaving the
+    turns early; the warming runs still go first; refused with --parallel (shared runs are not timed)."""
+    argv = ["--public_seeds", "0", "1", "--seeds", "0", "1", "2", "--variant", "v", "--preset record", "--alternate",
+            "--warm_first"]
+    logs = [name for _, name in fake_main(monkeypatch, tmp_path, argv)]
+    assert all("_warm_" in n for n in logs[:3]) and not any("_warm" in n for n in logs[3:])
+    timed = [(n.split("_")[0], n.rsplit("seed", 1)[1].split(".")[0]) for n in logs[3:]]
+    assert timed == [("public", "0"), ("ours", "0"), ("v", "0"), ("public", "1"), ("ours", "1"), ("v", "1"),
+                     ("ours", "2"), ("v", "2")]
+    plain = [n.split("_")[0] for _, n in fake_main(monkeypatch, tmp_path / "plain", argv[:-2])]
+    assert plain == ["public", "public", "ours", "ours", "ours", "v", "v", "v"]  # without it: each code's runs together
+    with pytest.raises(SystemExit, match="--alternate is for runs timed one after the other"):
+        fake_main(monkeypatch, tmp_path / "parallel", argv[:-1] + ["--parallel"])
+
 # ---- the public line's current code (master) and record #89: patches, the scaling rule, the data check
 
 # The lines of the public master script each patch anchors on, in a stand-in that is not the public code.
