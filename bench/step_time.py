@@ -4,7 +4,8 @@ optionally show where the time goes (torch.profiler, top kernels by GPU time).
     python bench/step_time.py --ws 3 7 11 --steps 20 [--profile] [any train_gpt.py --field value ...]
     python bench/step_time.py --stages --steps 20 [--preset record ...]   # each stage of the schedule
     python bench/step_time.py --stages "window=3,share=1;window=11,share=1" ... # each stage of that stage table
-    python bench/step_time.py --ws 3 --profile --trace ws3.json.gz ...        # + the GPU's idle gaps, step by step
+    python bench/step_time.py --ws 3 --profile --trace ws3.json.gz ...        # + the GPU's idle gaps, step by step,
+                                                                              # and each kernel against the ceilings
 
 A step is the whole optimizer step of the configured global batch (8 micro-batches of 49,152
 tokens by default, accumulated on one GPU): forward, backward, Muon and Adam. Times are CUDA-event
@@ -29,6 +30,7 @@ import timing  # noqa: E402  (bench/timing.py)
 import train_gpt as tg  # noqa: E402
 from comm_time import kernel_gaps  # noqa: E402
 from profile_compare import by_kind, kernel_events, kernels_from_trace, largest  # noqa: E402
+import roofline  # noqa: E402
 
 
 def spans(events: list[dict]) -> list[tuple[float, float, str]]:
@@ -111,7 +113,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tg.Hyperpa
     parser.add_argument("--profile", action="store_true", help="profile two extra steps at the last ws and print "
                         "the top kernels")
     parser.add_argument("--trace", default="", help="with --profile: also write the profile's Chrome trace here "
-                        "(.json.gz) and print where the GPU sat idle between kernels and its kernel time by kind of work")
+                        "(.json.gz) and print where the GPU sat idle between kernels, its kernel time by kind of work, and each "
+                        "kernel's bytes and FLOPs against this GPU's copy and matmul rates (bench/roofline.py)")
     parser.add_argument("--stages", nargs="?", const="", default=None, metavar="TABLE",
                         help="time each stage of the resolved schedule (its batch, windows, extra targets, embedding "
                         "tied or not) instead of --ws; with TABLE, of that stage table (train_gpt.py's --stages)")
@@ -123,6 +126,8 @@ def main():
     own, args = parse()
     per_stage = own.stages is not None  # --stages, with or without a table
     device = torch.device("cuda")
+    if own.trace:  # Inductor's kernels carry the bytes they move into the profile (bench/roofline.py): set before
+        torch._inductor.config.benchmark_kernel = True  # the first compile (it changes the compile cache's key)
     schedule = tg.Schedule(args)
     model, compiled, optimizers, chosen = tg.build(args, device, 0, 1, schedule=schedule)
     attention, fp8 = chosen.attention, chosen.fp8_head
@@ -184,7 +189,7 @@ def main():
             torch.cuda.get_device_name(), args.preset, plan_rows), sep="\n", flush=True)
     if own.profile:
         from torch.profiler import ProfilerActivity, profile, record_function
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=bool(own.trace)) as prof:
             for _ in range(2):  # (counted in `reads`); one of them an Adam step where adam_every is 2
                 with record_function(f"step {step}" + (" (Adam)" if schedule.adam_steps_at(step) else "")):
                     run_step()
@@ -203,6 +208,10 @@ def main():
                 print(f"  {ms:8.2f}  {kind}")
                 for k_ms, calls, name in largest(kernels, 2, kind, 6):
                     print(f"      {k_ms:8.2f}  {calls:4g}x  {name[:110]}")
+            ceilings = roofline.measure_ceilings(device)
+            print("each kernel against this GPU's ceilings (bench/roofline.py): the bytes and FLOPs it moves, its time at "
+                  "those rates, and how far over it runs", roofline.report(roofline.roofline(trace, ceilings), 2, ceilings),
+                  sep="\n", flush=True)
     loader.close()
 
 
