@@ -101,6 +101,14 @@ def timed_candidates(schedule: tg.Schedule, stage: tg.Stage, first: int, steps: 
     return rows.pop() if len(rows) == 1 else None
 
 
+def memory_fraction(gib: float, total_bytes: int) -> float:
+    """--memory_gib as the fraction of the GPU's memory that set_per_process_memory_fraction takes."""
+    if not 0 < gib * 2**30 <= total_bytes:
+        raise SystemExit(f"step_time.py: error: --memory_gib {gib:g}: this GPU has {total_bytes / 2**30:.1f} GiB; give "
+                         "a cap above 0 and at most that")
+    return gib * 2**30 / total_bytes
+
+
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tg.Hyperparameters]:
     """This script's own flags and train_gpt.py's (every other flag). `--stages TABLE` is both: per-stage timing of
     that stage table (train_gpt.py's --stages, which the flag would otherwise shadow); own.stages is None without
@@ -115,6 +123,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tg.Hyperpa
     parser.add_argument("--trace", default="", help="with --profile: also write the profile's Chrome trace here "
                         "(.json.gz) and print where the GPU sat idle between kernels, its kernel time by kind of work, and each "
                         "kernel's bytes and FLOPs against this GPU's copy and matmul rates (bench/roofline.py)")
+    parser.add_argument("--memory_gib", type=float, default=0.0, help="cap this process's GPU memory at this many GiB "
+                        "(torch.cuda.set_per_process_memory_fraction): a larger GPU standing in for a smaller one, "
+                        "80 for an 80 GB H100 on an H200; a step that needs more fails with CUDA's out-of-memory error")
     parser.add_argument("--stages", nargs="?", const="", default=None, metavar="TABLE",
                         help="time each stage of the resolved schedule (its batch, windows, extra targets, embedding "
                         "tied or not) instead of --ws; with TABLE, of that stage table (train_gpt.py's --stages)")
@@ -126,6 +137,10 @@ def main():
     own, args = parse()
     per_stage = own.stages is not None  # --stages, with or without a table
     device = torch.device("cuda")
+    if own.memory_gib:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(memory_fraction(own.memory_gib, total), device)
+        print(f"GPU memory capped at {own.memory_gib:g} GiB of {total / 2**30:.1f}", flush=True)
     if own.trace:  # Inductor's kernels carry the bytes they move into the profile (bench/roofline.py): set before
         torch._inductor.config.benchmark_kernel = True  # the first compile (it changes the compile cache's key)
     schedule = tg.Schedule(args)

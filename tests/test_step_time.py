@@ -4,6 +4,8 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import step_time  # noqa: E402
 import train_gpt as tg  # noqa: E402  (step_time put the repository on the path)
@@ -88,3 +90,13 @@ def test_stages_alone_times_the_presets_table_and_with_a_table_times_that_one():
     assert own.stages is not None and [(st.window, st.batch) for st in args.stages] == [(3, 0), (11, 327680)]
     own, args = step_time.parse(["--ws", "3", "11"])
     assert own.stages is None and own.ws == [3, 11]
+
+
+def test_memory_cap_is_the_fraction_of_the_gpu_and_refuses_more_than_it_has():
+    h200 = int(139.8 * 2**30)
+    assert step_time.memory_fraction(80, h200) == pytest.approx(80 / 139.8)
+    for bad in (0, -1, 140):
+        with pytest.raises(SystemExit, match="--memory_gib"):
+            step_time.memory_fraction(bad, h200)
+    own, _ = step_time.parse(["--memory_gib", "80", "--preset", "single"])
+    assert own.memory_gib == 80
