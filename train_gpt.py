@@ -256,6 +256,13 @@ class Hyperparameters:
     muon_momentum_cooldown: int = 50  # last steps: momentum back down to muon_momentum_start, linearly; 0 = none
     muon_beta2: float = 0.9  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off
     muon_weight_decay: float = 1.2  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25)
+    # ANVIL, the update rule of the public record ANVIL2 (modded-nanogpt record #92, 08/30/26, PR 360, @devenpzak): its
+    # README prices it at 4.9 millinats of final loss against record #89's Muon (NorMuon, Polar Express, cautious
+    # decay; removal ablation). ANVIL2 runs it at weight decay 2.25 (--muon_weight_decay) and momentum 0.85 -> 0.93
+    # over 240 steps and back over the last 50 (here the muon_momentum fields': 0.95 over 300 at the defaults). Off
+    # until GPU runs decide it (tests/test_presets.py, PENDING_ADOPTION)
+    muon_rule: str = "normuon"  # Muon's update rule: normuon (Polar Express, one momentum, decay where the update has p's sign) or anvil (ANVIL2's: six trace-normed quintic maps, twin momentum rails, decay where the slow rail has p's sign)
+    anvil_rails: tuple[float, ...] = (0.98, 0.4385, 0.85, 0.43)  # muon_rule anvil's rails: the slow rail's beta, the fast rail's weight and beta once engaged, and from what fraction of num_iterations (ANVIL2's 0.98, 0.4385, 0.85 from its step 514 of 1194); before it, weight 1 at Muon's momentum
     # the public master's NorMuon rates: 0.023 x 2 on the MLP's input (its shape factor), x 4 on its output (10/27/25)
     mlp_muon_lr_mults: tuple[float, ...] = (2.0, 4.0)  # Muon lr multipliers of the MLP's input and output matrices; () = 1, 1
     adam_lr: float = 0.008  # Adam's base learning rate (embeddings, head and scalars: times their *_lr_mult)
@@ -375,6 +382,11 @@ class Hyperparameters:
         h.check_softmax()
         if not 0 <= h.muon_beta2 < 1:
             raise ValueError(f"muon_beta2={h.muon_beta2}: 0 (plain Muon) or an EMA factor in (0, 1) for NorMuon")
+        if h.muon_rule not in MUON_RULES:
+            raise ValueError(f"muon_rule={h.muon_rule!r}: choose one of {', '.join(MUON_RULES)}")
+        if len(h.anvil_rails) != 4 or not (0 < h.anvil_rails[0] < 1 and all(0 <= x <= 1 for x in h.anvil_rails[1:])):
+            raise ValueError(f"anvil_rails={h.anvil_rails}: four numbers: the slow rail's beta in (0, 1), then the fast "
+                             "rail's weight, its beta and the fraction of the run they engage at, each in [0, 1]")
         for name in ("embed_weight_decay", "head_weight_decay", "muon_weight_decay"):
             if not 0 <= getattr(h, name) < math.inf:
                 raise ValueError(f"{name}={getattr(h, name)} must be a finite number >= 0")
@@ -1896,11 +1908,12 @@ def cplm_nll(next_term: Tensor, copy_term: Tensor, p_copy: Tensor, a_sink: Tenso
 # every rank updates only its share, then all-gathers the new parameters. Summing (not averaging)
 # makes world size x accumulation steps interchangeable.
 
-def quintic_orthogonalize(G: Tensor, coefficients, safety: float = 0.0) -> Tensor:
-    """Approximately orthogonalize a batch of matrices (..., m, n) in bf16 (float32 on the CPU): scale to spectral
-    norm <= 1 (by the Frobenius norm, times 1 + safety), then per (a, b, c) one step X <- aX + (bA + cA^2)X with
-    A = X X^T, an odd quintic polynomial of the singular values that pushes them toward 1."""
-    X = G.bfloat16() if G.is_cuda else G.float()  # float32 on the CPU (see to_device: bf16 matmuls are emulated)
+def quintic_orthogonalize(G: Tensor, coefficients, safety: float = 0.0, dtype: torch.dtype | None = None) -> Tensor:
+    """Approximately orthogonalize a batch of matrices (..., m, n) in bf16 (float32 on the CPU; or in dtype): scale to
+    spectral norm <= 1 (by the Frobenius norm, times 1 + safety), then per (a, b, c) one step X <- aX + (bA + cA^2)X
+    with A = X X^T, an odd quintic polynomial of the singular values that pushes them toward 1."""
+    # float32 on the CPU (see to_device: bf16 matmuls are emulated); a test asks for the GPU's bf16 with dtype
+    X = G.to(dtype) if dtype else G.bfloat16() if G.is_cuda else G.float()
     transposed = X.size(-2) > X.size(-1)
     if transposed:
         X = X.mT
@@ -1929,6 +1942,36 @@ def polar_express(G: Tensor) -> Tensor:
     return quintic_orthogonalize(G, POLAR_EXPRESS, safety=2e-2)
 
 
+# ANVIL's maps, from the public record ANVIL2 (modded-nanogpt record #92, 08/30/26, PR 360, @devenpzak; ANVIL_MAPS in
+# its train_gpt.py, printed at the start of records/track_1_short/2026-08-30_ANVIL2/this_pr/*.txt): six quintics
+# re-derived for its trace-normed input, which together take every singular value in [3e-3, 1/1.05] into
+# [0.9951, 1.0004], small ones gaining 643x (its README). One more step than Polar Express' five.
+ANVIL_MAPS = ((3.923798038567, -6.095026865488, 3.905234618423),
+              (3.278126713798, -3.328923386476, 0.989127286973),
+              (3.505298394150, -5.137358782410, 1.968325560615),
+              (2.815058591845, -3.685181239622, 1.417196497642),
+              (2.245503932403, -2.443826979899, 0.963091710461),
+              (2.256537145403, -2.166840097229, 0.929501253245))
+# ANVIL2 divides the input by 1.05 x the root of its Gram's trace (sqrt(tr X X^T) = the Frobenius norm) + 1e-6. That
+# puts a rank-1 matrix's one singular value at 1/1.05, where the maps' basin ends: from 1.00007/1.05 on they run away
+# from 1, by 1.003/1.05 past bf16's range (inf, then NaN). bf16 rounding (~2^-9) puts a rank-1 input (the smear gate's
+# 1 x 12 matrix, a gate's gradient) there often (tests/test_anvil.py): an earlier version of this rule lost its loss
+# to NaN at step 4-5 on a GPU. 3% more puts it 3% inside, where bf16 stays finite; the maps are flat there, so
+# nothing else moves by more than the 3% of singular values below 3e-3 x the Frobenius norm.
+ANVIL_SAFETY = 1.05 * 1.03 - 1
+
+
+def anvil_orthogonalize(G: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """ANVIL's orthogonalization (ANVIL_MAPS): six quintic maps on the input scaled by its trace norm (ANVIL_SAFETY)."""
+    return quintic_orthogonalize(G, ANVIL_MAPS, safety=ANVIL_SAFETY, dtype=dtype)
+
+
+# Muon's update rules by name (muon_rule), each with its orthogonalization: NorMuon with Polar Express (the public
+# line's since 10/24/25), and ANVIL (ANVIL2's, record #92: six trace-normed quintic maps, twin momentum rails, decay
+# gated on the slow rail)
+MUON_RULES = {"normuon": polar_express, "anvil": anvil_orthogonalize}
+
+
 class Muon(torch.optim.Optimizer):
     """MomentUm Orthogonalized by Newton-Schulz (Keller Jordan): SGD-Nesterov whose update is
     replaced by its nearest semi-orthogonal matrix, scaled by max(1, rows/cols)^0.5; here by Polar Express.
@@ -1943,16 +1986,40 @@ class Muon(torch.optim.Optimizer):
     of 2025-11-10): lr x weight_decay x p joins the update u only where u has p's sign, i.e. where the
     step already moves the entry toward zero; lr is the group's current (scheduled) lr, so the decay
     per step falls as lr^2. lr_mults: a learning-rate multiplier by parameter (default 1), applied as the
-    shape scale is (matrices of one shape and multiplier share a group)."""
+    shape scale is (matrices of one shape and multiplier share a group).
+
+    rule="anvil" is ANVIL2's rule instead (see `anvil_rails`): ANVIL_MAPS for Polar Express (orthogonalize's
+    default), two momentum rails for one, and the decay gated on the slow rail's sign instead of the update's."""
 
     def __init__(self, params, lr: float, momentum: float, rank: int = 0, world_size: int = 1,
-                 orthogonalize=polar_express, beta2: float = 0.0, weight_decay: float = 0.0,
-                 lr_mults: dict[nn.Parameter, float] | None = None):
+                 orthogonalize=None, beta2: float = 0.0, weight_decay: float = 0.0,
+                 lr_mults: dict[nn.Parameter, float] | None = None, rule: str = "normuon", slow_beta: float = 0.0):
+        if rule not in MUON_RULES or (rule == "anvil" and not 0 < slow_beta < 1):
+            raise ValueError(f"Muon: rule={rule!r}, slow_beta={slow_beta}: a rule of {', '.join(MUON_RULES)}; anvil's "
+                             "slow rail needs a beta in (0, 1)")
         params, mult = list(params), (lr_mults or {}).get
         keys = sorted({(tuple(p.shape), mult(p, 1.0)) for p in params}, key=lambda k: (-math.prod(k[0]), k))
         groups = [{"params": [p for p in params if (tuple(p.shape), mult(p, 1.0)) == k], "lr_mult": k[1]} for k in keys]
-        super().__init__(groups, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay))
-        self.rank, self.world_size, self.orthogonalize = rank, world_size, orthogonalize
+        defaults = dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay)
+        if rule == "anvil":  # the rails before they engage: the fast one is Muon's momentum (train_step sets both)
+            defaults.update(fast_beta=momentum, fast_weight=1.0, slow_beta=slow_beta)
+        super().__init__(groups, defaults)
+        self.rank, self.world_size, self.rule = rank, world_size, rule
+        self.orthogonalize = MUON_RULES[rule] if orthogonalize is None else orthogonalize
+
+    def anvil_rails(self, group, owned: list[Tensor], fast: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+        """ANVIL's twin momentum rails (ANVIL2, record #92: `anvil_cascade` in its train_gpt.py): a fast rail (the
+        momentum buffer) and a slow rail, EMAs of the gradient from zero at fast_beta and slow_beta, and their blend
+        fast_weight x fast + (1 - fast_weight) x slow as the Nesterov look-ahead: the gradient lerped toward it by
+        momentum, in place. Until the rails engage (fast_weight 1, fast_beta the momentum) that is Muon's momentum
+        exactly, the slow rail accumulating unread. Returns the slow rails, which gate the decay."""
+        slow = [self.state[p].setdefault("slow_rail", torch.zeros_like(p)) for p in owned]
+        torch._foreach_lerp_(fast, grads, 1 - group["fast_beta"])
+        torch._foreach_lerp_(slow, grads, 1 - group["slow_beta"])
+        w = group["fast_weight"]
+        blend = torch._foreach_add(torch._foreach_mul(fast, w), torch._foreach_mul(slow, 1 - w))
+        torch._foreach_lerp_(grads, blend, group["momentum"])
+        return slow
 
     def normalize_neurons(self, update: Tensor, owned: list[Tensor], beta2: float) -> Tensor:
         """NorMuon: orthogonalized updates give every neuron the same step size only on average; divide
@@ -2037,8 +2104,11 @@ class Muon(torch.optim.Optimizer):
                 # Multi-tensor (foreach) ops: one pass over all of the group's matrices, not one kernel per
                 # matrix plus a stacked copy of the buffers
                 grads = list(grad.unbind(0))
-                torch._foreach_lerp_(bufs, grads, 1 - momentum)  # momentum
-                torch._foreach_lerp_(grads, bufs, momentum)  # Nesterov, in place in the stacked grad
+                if self.rule == "anvil":
+                    slow = self.anvil_rails(group, owned, bufs, grads)
+                else:
+                    torch._foreach_lerp_(bufs, grads, 1 - momentum)  # momentum
+                    torch._foreach_lerp_(grads, bufs, momentum)  # Nesterov, in place in the stacked grad
                 update = self.orthogonalize(grad)
                 if group["beta2"]:
                     update = self.normalize_neurons(update, owned, group["beta2"])
@@ -2046,8 +2116,9 @@ class Muon(torch.optim.Optimizer):
                 scale = max(1, shape[-2] / shape[-1]) ** 0.5 * group["lr_mult"]
                 lr, decay = group["lr"], group["lr"] * group["weight_decay"]
                 updates = list(update.to(owned[0].dtype).unbind(0))
-                if decay:
-                    updates = [u + decay * p * (u * p >= 0) for p, u in zip(owned, updates)]
+                if decay:  # cautious: where the update has p's sign (ANVIL: where its slow rail has)
+                    gates = slow if self.rule == "anvil" else updates
+                    updates = [u + decay * p * (s * p >= 0) for p, u, s in zip(owned, updates, gates)]
                 torch._foreach_add_(owned, updates, alpha=-lr * scale)
             if W > 1:
                 out = torch.empty(per_rank * W, *params[0].shape, dtype=params[0].dtype, device=params[0].device)
@@ -2711,6 +2782,13 @@ class Schedule:
             frac = max(1 - (step - cooldown_start) / args.muon_momentum_cooldown, 0)
         return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
 
+    def anvil_rails(self, step: int) -> tuple[float, float]:
+        """muon_rule anvil's fast rail at a step: its beta and its weight in the blend with the slow rail. Muon's
+        momentum and weight 1 (the slow rail unread) until anvil_rails' fraction of num_iterations, then the fixed
+        ones (ANVIL2's train_gpt.py: `step_optimizers`, `_RAIL_ENGAGE_STEP`)."""
+        _, weight, beta, engage = self.args.anvil_rails
+        return (beta, weight) if step >= engage * self.args.num_iterations else (self.momentum(step), 1.0)
+
     def adam_steps_at(self, step: int) -> bool:
         """Whether Adam steps at the end of this step (every adam_every-th, on the gradients summed since its
         last); Muon steps every step."""
@@ -3112,7 +3190,7 @@ def param_groups_by_role(model: GPT) -> dict[str, list[nn.Parameter]]:
             "LM head": [model.lm_head_w], "scalars": [model.scalars], **mudd}
 
 
-def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, orthogonalize=polar_express,
+def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, orthogonalize=None,
                      update=adam_update, row_update=row_adam_update, segment=segment_sum):
     """Muon for every matrix inside the blocks and the smear gate's (as the 2025-09-18 record); Adam for
     embeddings, LM head and scalars. The bigram table learns as the other embeddings do (the
@@ -3155,7 +3233,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     mults = {p: m for mlp in mlps for p, m in ((mlp.fc_w, fc), (mlp.proj_w, proj))}
     muon = Muon(groups["block matrices"], lr=args.muon_lr, momentum=args.muon_momentum, rank=rank,
                 world_size=world_size, orthogonalize=orthogonalize, beta2=args.muon_beta2,
-                weight_decay=args.muon_weight_decay, lr_mults=mults)
+                weight_decay=args.muon_weight_decay, lr_mults=mults, rule=args.muon_rule, slow_beta=args.anvil_rails[0])
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
@@ -3316,7 +3394,8 @@ def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[
     return sums | {
         "weights + grads": 2 * sum(p.numel() * p.element_size() for p in model.parameters()
                                    if all(p is not q for q in table)),
-        "optimizer shards": (8 * adam + 4 * muon) // world_size,  # fp32 Adam moments, fp32 Muon momentum
+        # fp32 Adam moments, fp32 Muon momentum (ANVIL: two rails)
+        "optimizer shards": (8 * adam + (8 if args.muon_rule == "anvil" else 4) * muon) // world_size,
         # bf16 logits, then a fp32 soft-capped copy and a bf16 gradient, or (fused) two FP8 gradients
         "logits": (4 if model.kernels.fused_ce else 8) * args.seq_len * args.vocab_size,
         # Tensors kept for the backward, bf16 per token per block: ~8 of model_dim (norms, q, k, v, attention
@@ -3703,7 +3782,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
             raise ValueError(f"the prefix-token loss (a stage's prefix > 0) is for GPT-2 tokens: vocab_size="
                              f"{args.vocab_size} is below GPT-2's {len(vocab)}; set the stages' prefix to 0")
         model.prefix_ids = prefix_table(vocab, args.vocab_size).to(device)
-    orthogonalize, update, compiled = polar_express, adam_update, model
+    orthogonalize, update, compiled = MUON_RULES[args.muon_rule], adam_update, model
     row_update, segment = row_adam_update, segment_sum
     if args.compile:
         # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final
@@ -3760,6 +3839,8 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
             group["lr"] = group["initial_lr"] * schedule.lr_factor(step, stage)
     for group in muon.param_groups:
         group["momentum"] = schedule.momentum(step)
+        if muon.rule == "anvil":
+            group["fast_beta"], group["fast_weight"] = schedule.anvil_rails(step)
     stepping = (muon, adam) if schedule.adam_steps_at(step) else (muon,)
     if adam in stepping:
         model.flush_table_grads()  # the token tables' gradients summed since Adam's last step

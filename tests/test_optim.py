@@ -176,7 +176,8 @@ def _optimizer_worker(rank, world_size, out, features):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("features", [{}, DECAYED_TABLES], ids=["0903", "decayed_tables"])
+@pytest.mark.parametrize("features", [{}, DECAYED_TABLES, dict(muon_rule="anvil", muon_weight_decay=2.25)],
+                         ids=["0903", "decayed_tables", "anvil"])
 def test_distributed_muon_and_adam_on_two_processes_equal_one_process_with_summed_grads(tmp_path, features):
     out = str(tmp_path / "two.pt")
     spawn(_optimizer_worker, 2, out, features)

@@ -55,7 +55,11 @@ def test_the_pin_notices_a_changed_stage(monkeypatch):
 # (max_num_docs: 0 sizes the padding of cu_seqlens from the data; a set count only pads more or refuses a batch)
 RUN_CONTROL = {"seed", "plan", "peak_tflops", "save_every", "markov_corpus", "max_num_docs"}
 # techniques added off, waiting on GPU runs to be adopted into a preset or deleted (each names what decides it)
-PENDING_ADOPTION: set[str] = set()  # none now
+PENDING_ADOPTION: set[str] = {
+    # ANVIL2's update rule (record #92), muon_rule anvil with its rails: decided by 3 paired seeds on the proxy at 840
+    # steps against the record preset, on GPUs: --muon_rule anvil --muon_weight_decay 2.25 (ANVIL2's decay; its fast
+    # rail's schedule would add --muon_momentum 0.93 --muon_momentum_warmup 240)
+    "muon_rule", "anvil_rails"}
 
 
 def test_no_technique_is_off_in_every_preset():
