@@ -934,6 +934,9 @@ def main():
     p.add_argument("--alternate", action="store_true", help="run the codes in turns, one at a time: public seed 0, "
                    "ours seed 0, public seed 1, ours seed 1, ... (A B A B), so that a drift of the machine falls on "
                    "both codes alike; with --warm_first, the timing behind --plan's rows (--public_seeds 0 1 --seeds 0 1)")
+    p.add_argument("--allow_repeat", action="store_true", help="let our runs read the shards more than once (our "
+                   "loader then starts over; the public loader cannot): for timing runs on a small corpus, whose losses "
+                   "are not compared")
     p.add_argument("--start_after", help="public runs wait after their warm-up until this file exists, "
                    "then start the clock (compile a timing run while learning runs still share the GPU)")
     p.add_argument("--check_only", action="store_true", help="stage and check the data plan, run nothing")
@@ -1018,7 +1021,14 @@ def main():
                          f"trained, reads {pub['read']:,} of the shards' {pub['total']:,}")
         for label, extra in variants if a.seeds else []:
             args = tg.parse_args([*ours_common, *extra.split()])
-            ours = simulate_our_loader(train_files, args)
+            try:
+                ours = simulate_our_loader(train_files, args)
+            except DataExhausted as e:
+                if not a.allow_repeat:
+                    raise
+                plans.append(f"{label}: {args.num_iterations} steps, {e}, as --allow_repeat lets it (a timing run: "
+                             "its losses are not for comparison)")
+                continue
             plans.append(f"{label}: {args.num_iterations} steps, {ours['trained']:,} tokens trained, reads "
                          f"{ours['read']:,} of {ours['total']:,}")
     except DataExhausted as e:

@@ -115,9 +115,10 @@ def test_parallel_runs_are_capped_by_the_gpu_memory(monkeypatch):
         assert fh.runs_that_fit() == runs
 
 
-def fake_main(monkeypatch, tmp_path, argv: list[str], rc: int = 0, launched=None) -> list:
+def fake_main(monkeypatch, tmp_path, argv: list[str], rc: int = 0, launched=None, loaders=None) -> list:
     """main() against master_code() on a small corpus, nothing run: the launched (command, log name) pairs, the
-    data check passed (it has its own tests); each launched run exits with rc."""
+    data check passed (it has its own tests) unless `loaders` gives stand-ins for its walks by name; each launched
+    run exits with rc."""
     train, val = write_corpus(tmp_path / "data")
     launched = [] if launched is None else launched
 
@@ -127,7 +128,7 @@ def fake_main(monkeypatch, tmp_path, argv: list[str], rc: int = 0, launched=None
     monkeypatch.setattr(fh, "launch", fake_launch)
     monkeypatch.setattr(fh, "public_source", lambda *a: master_code())
     for loader in ("simulate_public_loader", "simulate_our_loader"):
-        monkeypatch.setattr(fh, loader, lambda *a: dict(trained=1, read=1, total=1))
+        monkeypatch.setattr(fh, loader, (loaders or {}).get(loader, lambda *a: dict(trained=1, read=1, total=1)))
     monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--public", str(tmp_path), "--train_files", train,
                                       "--val_files", val, "--work", str(tmp_path / "w"), *argv])
     fh.main()
@@ -407,6 +408,22 @@ def test_a_run_that_would_repeat_data_is_refused_before_anything_starts(monkeypa
     assert [p.name for p in staged] == ["fineweb_train_000001.bin", "fineweb_train_000002.bin"]
     assert staged[0].resolve() == Path(train.replace("*", "000001")).resolve() and tg.read_shard_header(staged[1]) == 16
 
+
+
+def test_allow_repeat_lets_our_timing_run_start_over_on_the_shards_and_nothing_else(monkeypatch, tmp_path, capsys):
+    """--allow_repeat: a run of ours that would read the shards twice goes ahead, said in the data plan (our loader
+    starts over); without it the same run is refused, and a public run that would run out is refused either way."""
+    def exhausted(*a):
+        raise fh.DataExhausted("our loader would start a second pass over the shards at step 57 of 80")
+    ours_short = {"simulate_our_loader": exhausted}
+    argv = ["--public_seeds", "--seeds", "0"]
+    with pytest.raises(SystemExit, match="second pass over the shards at step 57"):
+        fake_main(monkeypatch, tmp_path / "a", argv, loaders=ours_short)
+    launched = fake_main(monkeypatch, tmp_path / "b", argv + ["--allow_repeat"], loaders=ours_short)
+    assert len(launched) == 1 and "as --allow_repeat lets it" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="second pass"):  # the public run's shortfall: refused even so
+        fake_main(monkeypatch, tmp_path / "c", ["--public_seeds", "0", "--seeds", "--allow_repeat"],
+                  loaders={"simulate_public_loader": exhausted})
 
 def test_step_times_give_each_stage_its_median_step():
     steps = [0, 100, 200, 300, 400, 500, 700, 900, 1100, 1300, 1500, 1800]  # ms after n steps
