@@ -2017,7 +2017,7 @@ class Muon(torch.optim.Optimizer):
         torch._foreach_lerp_(fast, grads, 1 - group["fast_beta"])
         torch._foreach_lerp_(slow, grads, 1 - group["slow_beta"])
         w = group["fast_weight"]
-        blend = torch._foreach_add(torch._foreach_mul(fast, w), torch._foreach_mul(slow, 1 - w))
+        blend = torch._foreach_lerp(slow, fast, w)  # w fast + (1 - w) slow; exactly fast at w = 1
         torch._foreach_lerp_(grads, blend, group["momentum"])
         return slow
 

@@ -84,10 +84,15 @@ def kernels_from_table(text: str) -> dict[str, tuple[float, int]]:
     return out
 
 
+def load_trace(path: str) -> dict:
+    """A torch.profiler Chrome trace from its .json or .json.gz file."""
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
+        return json.load(f)
+
+
 def load_kernels(path: str) -> dict[str, tuple[float, int]]:
     if path.endswith((".json", ".json.gz")):
-        with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
-            return kernels_from_trace(json.load(f))
+        return kernels_from_trace(load_trace(path))
     with open(path) as f:
         return kernels_from_table(f.read())
 

@@ -19,15 +19,13 @@ retuning it could save, if it still had to move those bytes. A kernel deleted sa
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_compare import kernel_events, kind_of  # noqa: E402
+from profile_compare import kernel_events, kind_of, load_trace  # noqa: E402
 
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm", "aten::baddbmm"}
 ELEMENT_BYTES = {"float8": 1, "bfloat16": 2, "half": 2, "float": 4, "double": 8, "long": 8, "int": 4}
@@ -69,8 +67,7 @@ def element_type(text: str) -> str:
     t = text.lower().replace("c10::", "")
     if t.startswith("float8"):
         return "float8"
-    return {"bfloat16": "bfloat16", "half": "half", "float": "float", "double": "double", "long int": "long",
-            "int": "int"}.get(t, t)
+    return "long" if t == "long int" else t
 
 
 def matmul_size(op: dict) -> tuple[float, float, str] | None:
@@ -190,8 +187,7 @@ def main():
     p.add_argument("--fp8_tflops", type=float, default=1300.0)
     p.add_argument("--top", type=int, default=25)
     a = p.parse_args()
-    with gzip.open(a.trace, "rt") if a.trace.endswith(".gz") else open(a.trace) as f:
-        trace = json.load(f)
+    trace = load_trace(a.trace)
     ceilings = Ceilings(a.copy_tbs, a.bf16_tflops, a.fp8_tflops)
     print(report(roofline(trace, ceilings), a.steps, ceilings, a.top))
 

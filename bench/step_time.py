@@ -17,8 +17,6 @@ public schedule time measured in the same session) and prints them as train_gpt.
 (SAMPLED_US_PER_TOKEN's for a stage whose timed steps sample the softmax)."""
 import argparse
 import dataclasses
-import gzip
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -29,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import timing  # noqa: E402  (bench/timing.py)
 import train_gpt as tg  # noqa: E402
 from comm_time import kernel_gaps  # noqa: E402
-from profile_compare import by_kind, kernel_events, kernels_from_trace, largest  # noqa: E402
+from profile_compare import by_kind, kernel_events, kernels_from_trace, largest, load_trace  # noqa: E402
 import roofline  # noqa: E402
 
 
@@ -212,8 +210,7 @@ def main():
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90))
         if own.trace:
             prof.export_chrome_trace(own.trace)
-            with gzip.open(own.trace) if own.trace.endswith(".gz") else open(own.trace) as f:
-                trace = json.load(f)
+            trace = load_trace(own.trace)
             print(idle_report(trace, 2))
             print(step_report(trace))
             print("kernel time by kind of work, ms a step (bench/profile_compare.py compares two profiles), each "
