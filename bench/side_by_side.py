@@ -7,7 +7,7 @@
         [--batch_div 16] [--step_div 1] [--accum N] [--val_every 125] [--seeds 0 1 2] [--public_seeds 0 1 2] \\
         [--nproc 1|2|4|8 (GPUs per run, one run at a time; at --batch_div 1 --accum defaults to 8 // nproc)] \\
         [--ours_args "FLAGS"] [--variant NAME "FLAGS" ...] [--parallel [--stagger] | --warm_first] [--alternate] \\
-        [--target LOSS] [--out table.md]
+        [--target LOSS] [--out table.md] [--report STAMP]
 
 Public codes (--public_code), all read from a checkout of KellerJordan/modded-nanogpt:
   master  the public line's current code: train_gpt.py and the kernel files it imports, at the commit
@@ -42,7 +42,9 @@ final losses per group with a 95% interval and the paired (same seed) difference
 us/token per stage; in a timing run (--step_div > 1, runs one after the other) also each run's time over the
 public schedule's own step counts, from its stage medians, and each later run's us/token over the first's; and
 the conditions each run met while its GPU was busy (nvidia-smi twice a second: SM clock, power, temperature,
-clock limits, the other GPUs' use, the host's load), the samples in WORK/gpu_monitor_STAMP.csv."""
+clock limits, the other GPUs' use, the host's load), the samples in WORK/gpu_monitor_STAMP.csv. A command stopped
+before its tables (a machine's time ran out) leaves its logs in --work: the same command with --report STAMP (the
+stamp in the log names) prints the tables from them, each cut-off run as far as its log goes."""
 from __future__ import annotations
 
 import argparse
@@ -543,17 +545,21 @@ def link_shards(folder: Path, files: list[str]):
     tg.write_shard(folder / f"fineweb_train_{len(files) + 1:06d}.bin", np.full(16, BOS))
 
 
+def staged_files(a, code: PublicCode, stage: Path, val_file: str) -> dict[str, str]:
+    """The public code's files as the harness stages them into `stage` for the flags `a` (patch_public)."""
+    return patch_public(code, train_glob=str(stage / "train" / "fineweb_train_*.bin"), val_file=val_file,
+                        val_tokens=a.val_tokens, val_seq_len=a.val_seq_len, val_every=a.val_every,
+                        accum=a.accum, batch_div=a.batch_div, step_div=a.step_div, attention=a.public_attention,
+                        nproc=a.nproc, profile_step=a.profile_step, start_after=a.start_after)
+
+
 def stage_public(a, work: Path, code: PublicCode) -> Path:
     stage = work / f"public_{code.name}"
     stage.mkdir(parents=True, exist_ok=True)
     train = tg.shard_files(a.train_files, "training")
     val = os.path.abspath(tg.shard_files(a.val_files, "validation")[0])
     link_shards(stage / "train", train)  # once: the harness refuses a run that needs more
-    files = patch_public(code, train_glob=str(stage / "train" / "fineweb_train_*.bin"), val_file=val,
-                         val_tokens=a.val_tokens, val_seq_len=a.val_seq_len, val_every=a.val_every,
-                         accum=a.accum, batch_div=a.batch_div, step_div=a.step_div, attention=a.public_attention,
-                         nproc=a.nproc, profile_step=a.profile_step, start_after=a.start_after)
-    for name, text in files.items():
+    for name, text in staged_files(a, code, stage, val).items():
         (stage / name).write_text(text)
     return stage
 
@@ -889,6 +895,60 @@ def stage_table(per_run: dict[str, list[dict]], full_steps: list[int] | None = N
     return lines
 
 
+def report(a, runs: list, code: PublicCode, labels: list[str], plans: list[str] = (), conditions: list[str] = ()):
+    """Print (and with --out write) the tables of the runs from their logs, grouped by code (the public code, then
+    each of our labels): validation losses and times, finals with paired differences, and (runs one at a time) each
+    stage's step time; with --report, from the logs a stopped command left, a run without a log or with part of one
+    shown as far as it got."""
+    results, seeds, per_stage = {}, {}, {}
+    for name, log, _, _, _, seed, stages in runs:
+        text = log_text(log)
+        by_step = logparse.val_losses(text)
+        if name.startswith("public"):  # the public lines lack tokens: from its schedule
+            by_step = {s: (v, ms, tokens_at(stages, s)) for s, (v, ms, _) in by_step.items()}
+            logged = logparse.stage_boundaries(text)
+            if logged is not None and logged != [(st.start, st.end) for st in stages]:
+                print(f"warning: {name} logged stage boundaries {logged}, the harness computed "
+                      f"{[(st.start, st.end) for st in stages]}", flush=True)
+        results[name], seeds[name] = by_step, seed
+        per_stage[name] = stage_step_ms(logparse.step_times(text), stages)
+    groups = {label: [n for n, *_ in runs if n.startswith(f"{label} seed ")] for label in labels}
+    pub_names = [n for n, *_ in runs if n.startswith("public")]
+    if pub_names:
+        groups = {"public": pub_names, **groups}
+    import torch
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    shared = "; runs shared the GPU (--parallel): step times are not comparable" if a.parallel else ""
+    rule = (f"{a.nproc} GPU(s) per run, batches / {a.batch_div}, steps / {a.step_div}, {a.accum} public "
+            f"micro-batch(es) per step per GPU, public attention {a.public_attention}")
+    where = (f"Tables rebuilt from the logs of the runs started at {a.report} (--report; device and conditions not "
+             "recorded here)" if a.report else f"Device: {device}; PyTorch {torch.__version__}")
+    lines = [f"{where}; public code {code.name}: {code.origin}; {rule}; validation {a.val_tokens:,} tokens in buffers "
+             f"of {a.val_seq_len:,}{shared}",
+             f"Command: python bench/side_by_side.py {' '.join(sys.argv[1:])}", *(["Data: " + "; ".join(plans)] if plans else []),
+             f"Patches: {', '.join(patches_for(code.name))} (bench/side_by_side.py PATCHES)"]
+    missing = [f"{name} ({log})" for name, log, *_ in runs if not log.exists()]
+    if missing:
+        lines.append("No log: " + ", ".join(missing))
+    lines += ["", *format_table(results, groups), "", *finals_table(results, groups, seeds)]
+    if a.target is not None:
+        lines += ["", *target_table(results, a.target)]
+    if not a.parallel:
+        full = [st.end - st.start for st in public_stages(code.script, a.batch_div)] if a.step_div > 1 \
+            else None  # the timing run: each code's stage times over the public schedule's own step counts
+        lines += ["", "Per stage: median ms per step (us per token, tokens per step, steps), each stage's first two "
+                  "steps left out" + (", and the public schedule's time at these step times" if full else "")
+                  + "; then each later run over the first", "",
+                  *stage_table(per_stage, full)]
+    if conditions:
+        lines += ["", *conditions]
+    table = "\n".join(lines)
+    print(table)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(table + "\n")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--public", required=True, type=Path, help="a checkout of KellerJordan/modded-nanogpt")
@@ -940,6 +1000,10 @@ def main():
     p.add_argument("--start_after", help="public runs wait after their warm-up until this file exists, "
                    "then start the clock (compile a timing run while learning runs still share the GPU)")
     p.add_argument("--check_only", action="store_true", help="stage and check the data plan, run nothing")
+    p.add_argument("--report", metavar="STAMP", help="run nothing: the tables of the runs a command with these same "
+                   "flags started at STAMP (the stamp in their log names, as 20261129_165049), from the logs they left in "
+                   "--work; for a command stopped before it printed them (a run that did not finish shows what its log "
+                   "holds)")
     p.add_argument("--out", type=Path, help="also write the table here")
     a = p.parse_args()
     if (a.warm_first or a.alternate) and a.parallel:
@@ -972,9 +1036,13 @@ def main():
         fail(f"the public stage batches ({', '.join(f'{b:,}' for b in pub_batches)} tokens) do not split into --accum "
              f"{a.accum} x --nproc {a.nproc} micro-batches: "
              + (f"use --accum {fits[0]}" if fits else f"use a --batch_div that leaves them multiples of {a.nproc}"))
-    stage = stage_public(a, a.work, code)
-    train_files = tg.shard_files(a.train_files, "training")
-    pub_stages = public_stages((stage / "train_gpt.py").read_text(), a.batch_div)
+    if a.report:  # nothing staged or read but the logs: the schedules from the patched script in memory
+        stage = a.work / f"public_{code.name}"
+        pub_stages = public_stages(staged_files(a, code, stage, a.val_files)["train_gpt.py"], a.batch_div)
+    else:
+        stage = stage_public(a, a.work, code)
+        train_files = tg.shard_files(a.train_files, "training")
+        pub_stages = public_stages((stage / "train_gpt.py").read_text(), a.batch_div)
     ours_common = ["--preset", "record", "--attention", a.public_attention, "--train_files", a.train_files,
                    "--val_files", a.val_files, "--val_tokens", str(a.val_tokens), "--val_seq_len", str(a.val_seq_len),
                    "--val_every", str(a.val_every), "--log_dir", str(a.work / "logs"), *a.ours_args.split()]
@@ -987,12 +1055,14 @@ def main():
                  f"split over --nproc {a.nproc}: give it a batch_size of seq_len x a multiple of {a.nproc}")
 
     def make_runs(stamp: str) -> list:
-        """(column, log path, command, cwd, env, seed, stages) of every run, its files named by stamp."""
+        """(column, log path, command, cwd, env, seed, stages) of every run, its files named by stamp (each public
+        run's script written into the stage, but for --report)."""
         runs = []
         for seed in a.public_seeds:
             rid = f"public_{code.name}_{stamp}_seed{seed}"
-            source_i = override((stage / "train_gpt.py").read_text(), "run_id", repr(rid))
-            (stage / f"{rid}.py").write_text(seed_public(source_i, seed))
+            if not a.report:
+                source_i = override((stage / "train_gpt.py").read_text(), "run_id", repr(rid))
+                (stage / f"{rid}.py").write_text(seed_public(source_i, seed))
             runs.append((f"public {code.name} seed {seed}",
                          stage / "logs" / f"{rid}.txt",
                          ["torchrun", "--standalone", f"--nproc_per_node={a.nproc}", f"{rid}.py"],
@@ -1008,8 +1078,11 @@ def main():
                              tg.Schedule(tg.parse_args(argv)).stages))
         return runs
 
-    stamp = time.strftime("%Y%m%d_%H%M%S")
+    stamp = a.report or time.strftime("%Y%m%d_%H%M%S")
     runs = in_turns(make_runs(stamp)) if a.alternate else make_runs(stamp)
+    if a.report:
+        report(a, runs, code, [label for label, _ in variants])
+        return
 
     print(f"public code: {code.name}, {code.origin}; staged in {stage}", flush=True)
     plans = []
@@ -1063,48 +1136,7 @@ def main():
     gpus = visible_gpus(a.nproc)  # a run's first GPU, and its others (not counted as other work)
     conditions = [(name, run_conditions(monitor.samples, proc.started_at, last_write(log), gpus[0], tuple(gpus[1:])))
                   for (name, log, *_), proc in zip(runs, procs)]
-
-    results, seeds, per_stage = {}, {}, {}
-    for name, log, _, _, _, seed, stages in runs:
-        text = log_text(log)
-        by_step = logparse.val_losses(text)
-        if name.startswith("public"):  # the public lines lack tokens: from its schedule
-            by_step = {s: (v, ms, tokens_at(stages, s)) for s, (v, ms, _) in by_step.items()}
-            logged = logparse.stage_boundaries(text)
-            if logged is not None and logged != [(st.start, st.end) for st in stages]:
-                print(f"warning: {name} logged stage boundaries {logged}, the harness computed "
-                      f"{[(st.start, st.end) for st in stages]}", flush=True)
-        results[name], seeds[name] = by_step, seed
-        per_stage[name] = stage_step_ms(logparse.step_times(text), stages)
-    groups = {label: [n for n, *_ in runs if n.startswith(f"{label} seed ")] for label, _ in variants}
-    pub_names = [n for n, *_ in runs if n.startswith("public")]
-    if pub_names:
-        groups = {"public": pub_names, **groups}
-    import torch
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    shared = "; runs shared the GPU (--parallel): step times are not comparable" if a.parallel else ""
-    rule = (f"{a.nproc} GPU(s) per run, batches / {a.batch_div}, steps / {a.step_div}, {a.accum} public "
-            f"micro-batch(es) per step per GPU, public attention {a.public_attention}")
-    lines = [f"Device: {device}; PyTorch {torch.__version__}; public code {code.name}: {code.origin}; {rule}; "
-             f"validation {a.val_tokens:,} tokens in buffers of {a.val_seq_len:,}{shared}",
-             f"Command: python bench/side_by_side.py {' '.join(sys.argv[1:])}", *(["Data: " + "; ".join(plans)] if plans else []),
-             f"Patches: {', '.join(patches_for(code.name))} (bench/side_by_side.py PATCHES)",
-             "", *format_table(results, groups), "", *finals_table(results, groups, seeds)]
-    if a.target is not None:
-        lines += ["", *target_table(results, a.target)]
-    if not a.parallel:
-        full = [st.end - st.start for st in public_stages(code.script, a.batch_div)] if a.step_div > 1 \
-            else None  # the timing run: each code's stage times over the public schedule's own step counts
-        lines += ["", "Per stage: median ms per step (us per token, tokens per step, steps), each stage's first two "
-                  "steps left out" + (", and the public schedule's time at these step times" if full else "")
-                  + "; then each later run over the first", "",
-                  *stage_table(per_stage, full)]
-    lines += ["", *conditions_table(conditions, monitor.error)]
-    table = "\n".join(lines)
-    print(table)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(table + "\n")
+    report(a, runs, code, [label for label, _ in variants], plans, conditions_table(conditions, monitor.error))
 
 
 if __name__ == "__main__":

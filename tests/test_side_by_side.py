@@ -179,6 +179,50 @@ def test_alternate_takes_the_codes_in_turns_after_the_warming_runs(monkeypatch, 
     with pytest.raises(SystemExit, match="--alternate is for runs timed one after the other"):
         fake_main(monkeypatch, tmp_path / "parallel", argv[:-1] + ["--parallel"])
 
+def test_report_rebuilds_the_tables_from_the_logs_of_a_stopped_command_and_runs_nothing(monkeypatch, tmp_path, capsys):
+    """--report STAMP: the tables of the runs a command with the same flags started at STAMP, from the logs it left
+    (no shards, no staging, nothing launched): a public run's stage times and loss, a run cut off in its warm-up (its
+    log without a step) and a run that never started (no log), each shown as far as it got."""
+    argv = ["--public_seeds", "0", "1", "--seeds", "0", "1", "--alternate", "--step_div", "16", "--batch_div", "1"]
+    started = [name for _, name in fake_main(monkeypatch, tmp_path, argv)]
+    stamp = started[0].split("_seed")[0].removeprefix("public_master_")
+    assert started == [f"public_master_{stamp}_seed0.out", f"ours_{stamp}_seed0.out", f"public_master_{stamp}_seed1.out",
+                       f"ours_{stamp}_seed1.out"]
+    work = tmp_path / "w"
+    bounds = [(0, 26), (26, 53), (53, 79), (79, 80)]  # 1270 + 15 steps / 16
+    ms_per_step, t, lines = [10, 20, 30, 31], 0, []
+    for (start, end), ms in zip(bounds, ms_per_step):
+        for step in range(start + 1, end + 1):
+            t += ms
+            lines.append(f"step:{step}/80 train_time:{t}ms step_avg:1ms")
+    public_log = "\n".join(lines + [f"step:80/80 val_loss:3.0400 train_time:{t}ms step_avg:1ms"]) + "\n"
+    (work / "public_master" / "logs").mkdir(parents=True, exist_ok=True)
+    (work / "public_master" / "logs" / f"public_master_{stamp}_seed0.txt").write_text(public_log)
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    (work / "logs" / f"ours_{stamp}_seed0.txt").write_text("warm-up: shape 1/5 done at 30s\n")  # cut off
+    for shard in (tmp_path / "data").iterdir():  # --report reads no shard
+        shard.unlink()
+    monkeypatch.setattr(fh, "stage_public", lambda *a: pytest.fail("--report staged the public code"))
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--public", str(tmp_path), "--train_files",
+                                      str(tmp_path / "data" / "syn_train_*.bin"), "--val_files",
+                                      str(tmp_path / "data" / "syn_val_*.bin"), "--work", str(work), *argv,
+                                      "--report", stamp, "--out", str(tmp_path / "table.md")])
+    monkeypatch.setattr(fh, "launch", lambda *a: pytest.fail("--report launched a run"))
+    capsys.readouterr()
+    fh.main()
+    out = capsys.readouterr().out
+    assert out == (tmp_path / "table.md").read_text()
+    assert f"Tables rebuilt from the logs of the runs started at {stamp} (--report" in out
+    assert f"No log: public master seed 1 ({work / 'public_master' / 'logs' / f'public_master_{stamp}_seed1.txt'}), " \
+           f"ours seed 1" in out
+    assert "| 80 | 3.0400 | - | - | - |" in out  # the public run's final loss; the others have none
+    row = next(line for line in out.splitlines() if line.startswith("| public master seed 0 | "))
+    assert row.startswith("| public master seed 0 | 10.0 ms") and "| 30.0 ms (" in row
+    assert row.endswith(f"| {(423 * 10 + 424 * 20 + 423 * 30 + 15 * 31) / 1000:.1f} s |")  # the master's own schedule
+    assert next(line for line in out.splitlines() if line.startswith("| ours seed 0 | ")).startswith(
+        "| ours seed 0 | - | - |")
+
+
 # ---- the public line's current code (master) and record #89: patches, the scaling rule, the data check
 
 # The lines of the public master script each patch anchors on, in a stand-in that is not the public code.
