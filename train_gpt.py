@@ -2902,22 +2902,23 @@ STEP_US_PER_TOKEN = {
     ("H100", "record", 49152, 2048, 11): 1.589,
     ("H100", "record", 49152, 2048, 13): 1.576,
     # one H200 of a one-GPU machine, alone, 2026-11-29, PyTorch 2.11.0+cu130, PyTorch's varlen attention, the record
-    # preset with ANVIL2's architecture (commit 3463280, these defaults given as flags): `python train_gpt.py
-    # --preset record --num_iterations 80 --full_softmax_from 0.65 --attention varlen ...`, each stage's mean step from
-    # the log's stage lines: stage 3's full-softmax steps 527.3 ms, the extension's 535.5 ms per 393,216-token step
-    # (bench/results/arch_h200_20261129f.md). Stages 1-2 have no full-softmax row on it
-    ("H200", "record", 49152, 2048, 11): 1.341,
-    ("H200", "record", 49152, 2048, 13): 1.362,
+    # preset at main 8f7b24c, between two runs of the public master (A B A; bench/side_by_side.py --alternate): `python
+    # train_gpt.py --preset record --num_iterations 80 --full_softmax_from 0.65 --attention varlen ...`, each stage's
+    # mean step from the log's stage lines: stage 3's full-softmax steps 518.9 ms, the extension's 526.0 ms per
+    # 393,216-token step (bench/results/abab_h200_20261129h.md; before it 527.3 / 535.5 on another machine,
+    # arch_h200_20261129f.md). Stages 1-2 have no full-softmax row on it
+    ("H200", "record", 49152, 2048, 11): 1.320,
+    ("H200", "record", 49152, 2048, 13): 1.338,
 }
 # The sampled softmax's steps (those before Schedule.full_softmax in a stage with candidates): time per token as
 # STEP_US_PER_TOKEN's, keyed as it is plus the stage's candidates (the head's rows a micro-batch); a stage's full
 # softmax steps are priced at its STEP_US_PER_TOKEN row.
 SAMPLED_US_PER_TOKEN = {
-    # the run of STEP_US_PER_TOKEN's H200 rows (2026-11-29, ANVIL2's architecture, commit 3463280): stages 1-3's sampled
-    # steps, 423.8 / 442.4 / 453.4 ms per 393,216-token step (bench/results/arch_h200_20261129f.md)
-    ("H200", "record", 49152, 896, 3, 16384): 1.078,
-    ("H200", "record", 49152, 2048, 7, 14336): 1.125,
-    ("H200", "record", 49152, 2048, 11, 12288): 1.153,
+    # the run of STEP_US_PER_TOKEN's H200 rows (2026-11-29, main 8f7b24c, A B A with the master): stages 1-3's sampled
+    # steps, 415.1 / 436.6 / 443.0 ms per 393,216-token step (bench/results/abab_h200_20261129h.md)
+    ("H200", "record", 49152, 896, 3, 16384): 1.056,
+    ("H200", "record", 49152, 2048, 7, 14336): 1.110,
+    ("H200", "record", 49152, 2048, 11, 12288): 1.127,
 }
 # The record's model before ANVIL2's architecture (record #92's layout, MLP width, injection sites and order) became
 # it: the fields it had then, and its injections (x0 and the n-gram term) before a block's attention, an order no
@@ -2936,7 +2937,7 @@ STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "PyTorch varlen attenti
 STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, main at 46b1702 "
                           "(bench/results/one_session_h100_20261127c.md)",
                   "H200": "one H200 of a one-GPU machine, alone, 2026-11-29, PyTorch 2.11.0+cu130: the record preset "
-                          "with ANVIL2's architecture, 80 steps (bench/results/arch_h200_20261129f.md)"}
+                          "at main 8f7b24c, 80 steps between two of the master's (bench/results/abab_h200_20261129h.md)"}
 # The public master (f411b3d3, record #89's code) on its own schedule: steps and tokens per step of each stage,
 # 423 / 424 / 423 steps at 131,072 / 262,144 / 393,216 tokens, then the 15-step extension at 393,216: 338,821,120
 # tokens (bench/results/public_master_comparison.md rows 32-34 and 47; bench/side_by_side.py's public_stages
@@ -2952,15 +2953,17 @@ PUBLIC_MASTER_STEP_MS = {
                  source="its own logs, one H100 80GB HBM3, PyTorch 2.10 / CUDA 12.8, mean of five runs "
                         "(bench/results/public_line.md)",
                  paired="not timed with ours: another machine, another PyTorch"),
-    # one H200 of a one-GPU machine, 2026-11-29, PyTorch 2.11.0+cu130, PyTorch's varlen attention, right after the run
-    # of STEP_US_PER_TOKEN's H200 rows on the same machine: each stage's median step (its stage-3 rate, 1.653 us per
-    # token, within 2% of its stage 2's 1.659); one A B pair (bench/results/arch_h200_20261129f.md). Before it:
-    # 254.0 / 439.0 / 658.5 / 661.0 ms on 2026-11-28, another machine (bench/results/public_line_history.md)
-    "H200": dict(ms=(232.0, 435.0, 650.0, 657.0), attention="PyTorch varlen attention",
-                 source="one H200 of a one-GPU machine, 2026-11-29, PyTorch 2.11.0+cu130, stage medians "
-                        "(bench/results/arch_h200_20261129f.md)",
-                 paired="the master timed right after ours on the same one-GPU machine, same PyTorch and attention: "
-                        "one A B pair"),
+    # one H200 of a one-GPU machine, 2026-11-29, PyTorch 2.11.0+cu130, PyTorch's varlen attention, before and after the
+    # run of STEP_US_PER_TOKEN's H200 rows on the same machine (A B A, bench/side_by_side.py --alternate; the second B
+    # ran out of device time): each stage's median step, the mean of its two runs (280 / 289, 430 / 430, 642 / 642,
+    # 645 / 657 ms; its stage-3 rate, 1.633 us per token, within 0.5% of its stage 2's 1.640)
+    # (bench/results/abab_h200_20261129h.md). Before it: 232 / 435 / 650 / 657 ms (one A B pair, another machine,
+    # arch_h200_20261129f.md), 254.0 / 439.0 / 658.5 / 661.0 on 2026-11-28 (bench/results/public_line_history.md)
+    "H200": dict(ms=(284.5, 430.0, 642.0, 651.0), attention="PyTorch varlen attention",
+                 source="one H200 of a one-GPU machine, 2026-11-29, PyTorch 2.11.0+cu130, stage medians, mean of two "
+                        "runs (bench/results/abab_h200_20261129h.md)",
+                 paired="the master timed before and after ours on the same one-GPU machine, same PyTorch and "
+                        "attention: A B A"),
 }
 RECORD_89_SECONDS = 73.8  # public record #89 on 8xH100, its whole schedule
 # Measured on several GPUs of one host: time per token of the whole global batch, by (GPU kind, GPUs, preset,

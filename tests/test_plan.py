@@ -173,13 +173,14 @@ def test_plan_follows_the_schedule_flags_with_staged_batches_and_an_extension(no
 
 
 # Ours alone on one H200 of a one-GPU machine, 2026-11-29, PyTorch varlen attention, 80 steps of the record preset
-# with ANVIL2's architecture (--full_softmax_from 0.65): ms per 393,216-token step, each stage's mean from the log's
-# stage lines (bench/results/arch_h200_20261129f.md). The full softmax in stage 3 and the extension; the sampled one at
+# at main 8f7b24c (--full_softmax_from 0.65): ms per 393,216-token step, each stage's mean from the log's stage lines
+# (bench/results/abab_h200_20261129h.md). The full softmax in stage 3 and the extension; the sampled one at
 # 16,384 / 14,336 / 12,288 rows in stages 1-3
-OURS_H200_MS = (527.3, 535.5)
-OURS_H200_SAMPLED_MS = (423.8, 442.4, 453.4)
-# The public master on the same machine right after ours, each stage's median, at its own stages' batches
-MASTER_H200_MS = (232.0, 435.0, 650.0, 657.0)
+OURS_H200_MS = (518.9, 526.0)
+OURS_H200_SAMPLED_MS = (415.1, 436.6, 443.0)
+# The public master on the same machine before and after ours (A B A), each stage's median, the mean of its two runs,
+# at its own stages' batches
+MASTER_H200_MS = (284.5, 430.0, 642.0, 651.0)
 
 
 def test_the_record_presets_stages_split_at_the_switch_to_the_full_softmax():
@@ -192,7 +193,7 @@ def test_the_record_presets_stages_split_at_the_switch_to_the_full_softmax():
     assert [tg.softmax_steps(tg.Schedule(tg.parse_args(FULL)), st)[0] for st in schedule.stages] == [0, 0, 0, 0]
 
 
-def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_567_s_and_ours_068(no_gpu):
+def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_584_s_and_ours_065(no_gpu):
     ours = [tg.STEP_US_PER_TOKEN[("H200", "record", *shape)] for shape in RECORD_SHAPES[2:]]
     assert ours == pytest.approx([ms * 1000 / 393216 for ms in OURS_H200_MS], abs=5e-4)  # rounded to 3 decimals
     # stages 1-2's full softmax was timed on the model before ANVIL2's only: no row (unmeasured, not interpolated)
@@ -206,20 +207,20 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_567_s
     assert tg.PUBLIC_MASTER_STAGES == tuple(zip(master_steps, master_batches))
     master_s = sum(n * ms for n, ms in zip(master_steps, MASTER_H200_MS)) / 1000
     master_tokens = sum(n * b for n, b in zip(master_steps, master_batches))
-    assert master_tokens == 338_821_120 and master_s == pytest.approx(567.4, abs=0.05)
+    assert master_tokens == 338_821_120 and master_s == pytest.approx(584.0, abs=0.05)
     assert tg.public_master_time("H200") == (pytest.approx(master_s), master_tokens)
     # ours: 274 / 274 / 226 sampled steps in stages 1-3, then 46 full ones in stage 3 and the 20 of the extension
-    ours_s = (274 * 423.8 + 274 * 442.4 + 226 * 453.4 + 46 * 527.3 + 20 * 535.5) / 1000
+    ours_s = (274 * 415.1 + 274 * 436.6 + 226 * 443.0 + 46 * 518.9 + 20 * 526.0) / 1000
     ours_tokens = 840 * 393216
     r, t = (ours_s / ours_tokens) / (master_s / master_tokens), ours_s / master_s * 73.8
-    assert ours_tokens == 330_301_440 and ours_s == pytest.approx(374.8, abs=0.05)
-    assert r == pytest.approx(0.678, abs=1e-3) and t == pytest.approx(48.7, abs=0.05)
+    assert ours_tokens == 330_301_440 and ours_s == pytest.approx(367.9, abs=0.05)
+    assert r == pytest.approx(0.646, abs=1e-3) and t == pytest.approx(46.5, abs=0.05)
     lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))  # the record; H200: --plan_gpu's default
     m = re.match(r"vs public master \(H200, .*\): per-token (\d\.\d\d)x, projected 8xH100 (\d+\.\d) s \(ours "
                  r"(\d+\.\d) s / its (\d+\.\d) s", line_of(lines, "vs public master"))
     assert m, line_of(lines, "vs public master")
     assert float(m[1]) == pytest.approx(r, abs=5e-3) and float(m[2]) == pytest.approx(t, abs=0.1)
-    assert float(m[3]) == pytest.approx(ours_s, abs=0.2) and float(m[4]) == pytest.approx(567.4, abs=0.05)
+    assert float(m[3]) == pytest.approx(ours_s, abs=0.2) and float(m[4]) == pytest.approx(584.0, abs=0.05)
     # R itself, unrounded, against the raw ms figures (the tables' 3 decimals move it by less than 1e-3)
     table_s = 393216e-6 * (274 * sampled[0] + 274 * sampled[1] + 226 * sampled[2] + 46 * ours[0] + 20 * ours[1])
     assert (table_s / ours_tokens) / (master_s / master_tokens) == pytest.approx(r, abs=1e-3)
@@ -230,11 +231,12 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_567_s
     # labelled: the kind, the attention kernel and the sources; no 8-GPU figure without a measured H200 ratio
     assert "projected seconds on H200 (PyTorch varlen attention)" in lines[0]
     assert line_of(lines, "ours on H200 (PyTorch varlen attention): one H200 of a one-GPU machine, alone, 2026-11-29, "
-                          "PyTorch 2.11.0+cu130: the record preset with ANVIL2's architecture, 80 steps "
-                          "(bench/results/arch_h200_20261129f.md); times as measured for --preset record's model, ")
+                          "PyTorch 2.11.0+cu130: the record preset at main 8f7b24c, 80 steps between two of the "
+                          "master's (bench/results/abab_h200_20261129h.md); times as measured for --preset record's "
+                          "model, ")
     assert "PyTorch varlen attention" in line_of(lines, "public master on H200")
-    assert "the master timed right after ours on the same one-GPU machine" in line_of(lines, "vs public master")
-    assert "one A B pair" in line_of(lines, "vs public master")
+    assert "the master timed before and after ours on the same one-GPU machine" in line_of(lines, "vs public master")
+    assert "A B A" in line_of(lines, "vs public master")
     assert "8 GPUs not projected: no measured 8/1-GPU step-time ratio on H200" in line_of(lines, "projected time:")
     assert all(row[-1] == "-" for row in stage_rows("\n".join(lines)).values())
     assert not [line for line in lines if line.startswith("step times of another model")]  # the model measured
