@@ -42,9 +42,10 @@ final losses per group with a 95% interval and the paired (same seed) difference
 us/token per stage; in a timing run (--step_div > 1, runs one after the other) also each run's time over the
 public schedule's own step counts, from its stage medians, and each later run's us/token over the first's; and
 the conditions each run met while its GPU was busy (nvidia-smi twice a second: SM clock, power, temperature,
-clock limits, the other GPUs' use, the host's load), the samples in WORK/gpu_monitor_STAMP.csv. A command stopped
-before its tables (a machine's time ran out) leaves its logs in --work: the same command with --report STAMP (the
-stamp in the log names) prints the tables from them, each cut-off run as far as its log goes."""
+clock limits, the other GPUs' use, the host's load), the samples in WORK/gpu_monitor_STAMP.csv as they come and
+each run's start in WORK/runs_STAMP.tsv. A command stopped before its tables (a machine's time ran out) leaves these
+and its logs in --work: the same command with --report STAMP (the stamp in the log names) prints the tables from
+them, each cut-off run as far as its log goes."""
 from __future__ import annotations
 
 import argparse
@@ -610,14 +611,41 @@ def parse_monitor_line(line: str) -> tuple | None:
     return (int(parts[0]), *map(number, parts[1:5]), reasons)
 
 
+MONITOR_CSV_HEADER = "time,load_1min,index,sm_mhz,power_w,temperature_c,utilization_percent,clock_reasons"
+
+
+def monitor_csv_line(sample: tuple) -> str:
+    """A GpuMonitor sample as a row of its CSV file (MONITOR_CSV_HEADER; the clock limits in hex)."""
+    return ",".join("" if v is None else (f"{v:#x}" if i == 7 else str(v)) for i, v in enumerate(sample))
+
+
+def read_monitor_csv(path: Path) -> list[tuple]:
+    """The samples of a GpuMonitor CSV file, as GpuMonitor.samples holds them (a cut-off last row is left out)."""
+    samples = []
+    for line in path.read_text().splitlines()[1:]:
+        cells = line.split(",")
+        if len(cells) != 8:
+            continue
+        num = lambda c, kind=float: None if c == "" else kind(c)
+        samples.append((float(cells[0]), float(cells[1]), int(cells[2]), *(num(c) for c in cells[3:7]),
+                        num(cells[7], lambda c: int(c, 16))))
+    return samples
+
+
 class GpuMonitor:
     """nvidia-smi's MONITOR_FIELDS for every GPU every `period_ms`, each row stamped with its arrival time and the
-    host's 1-minute load: samples (time, load, index, SM MHz, W, C, utilization %, reasons). Where nvidia-smi is
-    missing or fails, `error` says so and the runs go on unmonitored."""
+    host's 1-minute load: samples (time, load, index, SM MHz, W, C, utilization %, reasons), each also written to
+    the CSV file `path` as it arrives (so a command stopped halfway keeps them). Where nvidia-smi is missing or
+    fails, `error` says so and the runs go on unmonitored."""
 
-    def __init__(self, period_ms: int = 500):
+    def __init__(self, period_ms: int = 500, path: Path | None = None):
         self.samples: list[tuple] = []
         self.error = ""
+        self.file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = path.open("w")
+            self.file.write(MONITOR_CSV_HEADER + "\n")
         try:
             listed = subprocess.run(["nvidia-smi", "--help-query-gpu"], capture_output=True, text=True,
                                     timeout=30).stdout
@@ -637,26 +665,23 @@ class GpuMonitor:
             row = parse_monitor_line(line)
             if row is not None:
                 self.samples.append((time.time(), os.getloadavg()[0], *row))
+                if self.file is not None:
+                    self.file.write(monitor_csv_line(self.samples[-1]) + "\n")
+                    self.file.flush()
 
     def stop(self):
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:  # it had ended (an nvidia-smi that failed)
-            pass
-        self.proc.wait()
-        self.thread.join(timeout=5)
-        if not self.samples:
-            said = (self.proc.stderr.read() or "").strip().splitlines()
-            self.error = f"nvidia-smi gave no samples (exit {self.proc.returncode}{': ' + said[0] if said else ''})"
-
-    def write_csv(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        rows = ["time,load_1min,index,sm_mhz,power_w,temperature_c,utilization_percent,clock_reasons"]
-        rows += [",".join("" if v is None else (f"{v:#x}" if i == 7 else str(v)) for i, v in enumerate(s))
-                 for s in self.samples]
-        path.write_text("\n".join(rows) + "\n")
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:  # it had ended (an nvidia-smi that failed)
+                pass
+            self.proc.wait()
+            self.thread.join(timeout=5)
+            if not self.samples:
+                said = (self.proc.stderr.read() or "").strip().splitlines()
+                self.error = f"nvidia-smi gave no samples (exit {self.proc.returncode}{': ' + said[0] if said else ''})"
+        if self.file is not None:
+            self.file.close()
 
 
 def run_conditions(samples: list[tuple], start: float, end: float, gpu: int, also: tuple = ()) -> dict | None:
@@ -734,10 +759,11 @@ def in_turns(runs: list) -> list:
     return [g[i] for i in range(max(map(len, groups.values()), default=0)) for g in groups.values() if i < len(g)]
 
 
-def launch_all(runs, at_once: int, stagger: bool, poll: float = 2.0) -> list:
+def launch_all(runs, at_once: int, stagger: bool, poll: float = 2.0, journal: Path | None = None) -> list:
     """Start the runs, at most `at_once` at a time, in order; with `stagger`, the other runs of a code wait
     until its first run has logged a training step, so that they find its compiled graphs in the shared
-    Inductor cache instead of compiling the same graphs at once. Returns the processes in run order."""
+    Inductor cache instead of compiling the same graphs at once. Each start is appended to `journal` (its time,
+    a tab, the run's name), for --report. Returns the processes in run order."""
     procs: dict[int, subprocess.Popen] = {}
     leader: dict[str, int] = {}
     while len(procs) < len(runs):
@@ -752,10 +778,30 @@ def launch_all(runs, at_once: int, stagger: bool, poll: float = 2.0) -> list:
             print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
             procs[i] = launch(cmd, cwd, log.with_suffix(".out"), env)
             procs[i].started_at = time.time()  # the run's span for run_conditions: to its logs' last write
+            if journal is not None:
+                with journal.open("a") as f:
+                    f.write(f"{procs[i].started_at}\t{name}\n")
             leader.setdefault(g, i)
         if len(procs) < len(runs):
             time.sleep(poll)
     return [procs[i] for i in range(len(runs))]
+
+
+def read_journal(path: Path) -> dict[str, float]:
+    """launch_all's journal: each run's start time by name (none where the file is missing)."""
+    if not path.exists():
+        return {}
+    return {name: float(t) for t, name in (line.split("\t", 1) for line in path.read_text().splitlines() if "\t" in line)}
+
+
+def runs_conditions(runs: list, samples: list[tuple], starts: dict[str, float], nproc: int) -> list[tuple]:
+    """(name, run_conditions) of each run, over its span from its start to its logs' last write (None for a run that
+    did not start)."""
+    last_write = lambda log: max((f.stat().st_mtime for f in (log, log.with_suffix(".out")) if f.exists()),
+                                 default=time.time())
+    gpus = visible_gpus(nproc)  # a run's first GPU, and its others (not counted as other work)
+    return [(name, run_conditions(samples, starts[name], last_write(log), gpus[0], tuple(gpus[1:]))
+             if name in starts else None) for name, log, *_ in runs]
 
 
 def log_text(path: Path) -> str:
@@ -921,8 +967,8 @@ def report(a, runs: list, code: PublicCode, labels: list[str], plans: list[str] 
     shared = "; runs shared the GPU (--parallel): step times are not comparable" if a.parallel else ""
     rule = (f"{a.nproc} GPU(s) per run, batches / {a.batch_div}, steps / {a.step_div}, {a.accum} public "
             f"micro-batch(es) per step per GPU, public attention {a.public_attention}")
-    where = (f"Tables rebuilt from the logs of the runs started at {a.report} (--report; device and conditions not "
-             "recorded here)" if a.report else f"Device: {device}; PyTorch {torch.__version__}")
+    where = (f"Tables rebuilt from the logs of the runs started at {a.report} (--report; the device not recorded "
+             "here)" if a.report else f"Device: {device}; PyTorch {torch.__version__}")
     lines = [f"{where}; public code {code.name}: {code.origin}; {rule}; validation {a.val_tokens:,} tokens in buffers "
              f"of {a.val_seq_len:,}{shared}",
              f"Command: python bench/side_by_side.py {' '.join(sys.argv[1:])}", *(["Data: " + "; ".join(plans)] if plans else []),
@@ -1080,8 +1126,13 @@ def main():
 
     stamp = a.report or time.strftime("%Y%m%d_%H%M%S")
     runs = in_turns(make_runs(stamp)) if a.alternate else make_runs(stamp)
-    if a.report:
-        report(a, runs, code, [label for label, _ in variants])
+    if a.report:  # the conditions from the monitor's file and the runs' journal, where the command left them
+        monitored, journal = a.work / f"gpu_monitor_{stamp}.csv", a.work / f"runs_{stamp}.tsv"
+        missing = [f.name for f in (monitored, journal) if not f.exists()]
+        conditions = ([f"Conditions: not recorded (not in --work: {', '.join(missing)})"] if missing else
+                      conditions_table(runs_conditions(runs, read_monitor_csv(monitored), read_journal(journal),
+                                                       a.nproc)))
+        report(a, runs, code, [label for label, _ in variants], conditions=conditions)
         return
 
     print(f"public code: {code.name}, {code.origin}; staged in {stage}", flush=True)
@@ -1123,19 +1174,13 @@ def main():
         if failed:
             fail("the cache-warming run of " + "; ".join(failed))
     at_once = (a.max_parallel or runs_that_fit()) if a.parallel else 1
-    monitor = GpuMonitor()
-    procs = launch_all(runs, at_once, a.parallel and a.stagger)
+    monitor = GpuMonitor(path=a.work / f"gpu_monitor_{stamp}.csv")  # written as it goes, as is the journal
+    procs = launch_all(runs, at_once, a.parallel and a.stagger, journal=a.work / f"runs_{stamp}.tsv")
     for (name, log, *_), proc in zip(runs, procs):
         if proc.wait() != 0:
             print(f"{name} exited with {proc.returncode}; its output: {log.with_suffix('.out')}", flush=True)
     monitor.stop()
-    if monitor.samples:
-        monitor.write_csv(a.work / f"gpu_monitor_{stamp}.csv")
-    last_write = lambda log: max((f.stat().st_mtime for f in (log, log.with_suffix(".out")) if f.exists()),
-                                 default=time.time())
-    gpus = visible_gpus(a.nproc)  # a run's first GPU, and its others (not counted as other work)
-    conditions = [(name, run_conditions(monitor.samples, proc.started_at, last_write(log), gpus[0], tuple(gpus[1:])))
-                  for (name, log, *_), proc in zip(runs, procs)]
+    conditions = runs_conditions(runs, monitor.samples, {r[0]: p.started_at for r, p in zip(runs, procs)}, a.nproc)
     report(a, runs, code, [label for label, _ in variants], plans, conditions_table(conditions, monitor.error))
 
 

@@ -200,6 +200,14 @@ def test_report_rebuilds_the_tables_from_the_logs_of_a_stopped_command_and_runs_
     (work / "public_master" / "logs" / f"public_master_{stamp}_seed0.txt").write_text(public_log)
     (work / "logs").mkdir(parents=True, exist_ok=True)
     (work / "logs" / f"ours_{stamp}_seed0.txt").write_text("warm-up: shape 1/5 done at 30s\n")  # cut off
+    # the monitor's file and the runs' journal as the command leaves them: GPU 0 busy at 1980 MHz while the master's
+    # first run trained, one sample under the power cap; its second run has no busy sample
+    (work / f"runs_{stamp}.tsv").write_text(f"100.0\tpublic master seed 0\n150.0\tours seed 0\n")
+    samples = [(t, 1.0, 0, 1980.0 if t != 120 else 1700.0, 600.0, 50.0, 100.0, 4 if t == 120 else 0)
+               for t in range(110, 131)]
+    (work / f"gpu_monitor_{stamp}.csv").write_text(
+        fh.MONITOR_CSV_HEADER + "\n" + "\n".join(map(fh.monitor_csv_line, samples)) + "\n1000.0,1.0,0,19")
+    os.utime(work / "public_master" / "logs" / f"public_master_{stamp}_seed0.txt", (140, 140))
     for shard in (tmp_path / "data").iterdir():  # --report reads no shard
         shard.unlink()
     monkeypatch.setattr(fh, "stage_public", lambda *a: pytest.fail("--report staged the public code"))
@@ -221,6 +229,12 @@ def test_report_rebuilds_the_tables_from_the_logs_of_a_stopped_command_and_runs_
     assert row.endswith(f"| {(423 * 10 + 424 * 20 + 423 * 30 + 15 * 31) / 1000:.1f} s |")  # the master's own schedule
     assert next(line for line in out.splitlines() if line.startswith("| ours seed 0 | ")).startswith(
         "| ours seed 0 | - | - |")
+    conditions = out.split("Conditions while each run's GPU was busy")[1].splitlines()
+    assert conditions[4].startswith("| public master seed 0 | 0 | 21 | 1980 (1700) | 600 | 50 | SW power cap |")
+    assert conditions[5].startswith("| ours seed 0 | - | 0 |") and conditions[6].startswith("| public master seed 1 | - |")
+    (work / f"runs_{stamp}.tsv").unlink()  # without the journal: said, not guessed
+    fh.main()
+    assert f"Conditions: not recorded (not in --work: runs_{stamp}.tsv)" in capsys.readouterr().out
 
 
 # ---- the public line's current code (master) and record #89: patches, the scaling rule, the data check
@@ -539,19 +553,21 @@ def test_the_gpu_monitor_reads_nvidia_smi_while_runs_go_and_says_why_it_cannot(m
         (tmp_path / "nvidia-smi").write_text("#!/bin/sh\n" + script + "\n")
         (tmp_path / "nvidia-smi").chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
-    monitor = fh.GpuMonitor(period_ms=100)
+    monitor = fh.GpuMonitor(period_ms=100, path=tmp_path / "w" / "m.csv")
     deadline = fh.time.time() + 10
     while script and not error and len(monitor.samples) < 6 and fh.time.time() < deadline:
         fh.time.sleep(0.05)
     fh.time.sleep(0.2)
+    if not error:  # each sample is in the file once it has come, before the monitor stops
+        lines = (tmp_path / "w" / "m.csv").read_text().splitlines()
+        assert lines[0].startswith("time,load_1min,index") and lines[2].endswith(",1,1755.0,300.0,40.0,7.0,0x4")
+        assert len(lines) == 7
     monitor.stop()
     assert monitor.error.startswith(error)
     if not error:
         assert len(monitor.samples) == 6 and {s[2] for s in monitor.samples} == {0, 1}
         assert monitor.samples[1][3:] == (1755.0, 300.0, 40.0, 7.0, 4)
-        monitor.write_csv(tmp_path / "m.csv")
-        lines = (tmp_path / "m.csv").read_text().splitlines()
-        assert lines[0].startswith("time,load_1min,index") and lines[2].endswith(",1,1755.0,300.0,40.0,7.0,0x4")
+        assert fh.read_monitor_csv(tmp_path / "w" / "m.csv") == monitor.samples  # read back as they were
         # the clock limits under the name this driver lists (an older one: clocks_throttle_reasons.active)
         assert (tmp_path / "query").read_text().strip().endswith(",utilization.gpu,clocks_event_reasons.active")
     else:
