@@ -202,6 +202,17 @@ class Hyperparameters:
     paired_head_blocks: tuple[int, ...] = (0, 2, 5)  # paired-head attention in these short-window blocks (01/07/26): the record's 0,2,5 are ANVIL2's (record #92, 08/30/26; before it 0,2,5,9)
     # learnable XSA (04/29/26): each head removes tanh(a) of its output along its own value, a set per token by the gates
     xsa_blocks: tuple[int, ...] = (1, 3)  # XSA in these blocks (05/27/26): the record's 1,3 are ANVIL2's (record #92, 08/30/26; before it 1,3,4,7)
+    # ANVIL2's narrow heads (its train_gpt.py, printed at the start of records/track_1_short/2026-08-30_ANVIL2/this_pr/
+    # 32a48562-*.txt @fd1b14a5, ~100k characters in): "the long-window carriers {3,10} keep the full d_qk=128 head,
+    # every other layer runs d_qk=64 with a fully-rotating 64-dim rotary at this scale", QK_NARROW_ATTN_SCALE = 0.13
+    # (its wide heads': 0.085), and "these layers carry d_v = 64 end to end", _DV64_LAYERS = (1, 4, 7, 8) (4 and 7
+    # have no attention there). A narrow Q/K is QK-normed over its width and rotates all of it at the frequencies of
+    # the wide heads' rotating half; a narrow V takes its heads' first halves of the value embedding (ANVIL2: "adding
+    # only the live half") and narrows the output projection's input. Long-window blocks stay wide: their key offset
+    # moves the dims rotary leaves alone, which a narrow head has none of
+    narrow_qk_blocks: tuple[int, ...] = ()  # blocks whose Q and K heads are head_dim/2 wide, all of it rotating, at narrow_attn_scale; short-window blocks with attention; ANVIL2 (#92): 0,1,2,5,8
+    narrow_v_blocks: tuple[int, ...] = ()  # blocks of narrow_qk_blocks whose V heads (and the output projection's input) are head_dim/2 wide too; ANVIL2 (#92): 1,8
+    narrow_attn_scale: float = 0.13  # attention logit scale in narrow_qk_blocks, QK normed over head_dim/2 (YaRN raises it as attn_scale): ANVIL2's 0.13
     # the copy-pointer mixture of public pull request 379 (not in the master): on the proxy -0.0398 +- 0.0040 at
     # equal tokens, +5.0% step (an H200)
     cplm_bands: tuple[int, ...] = (2048, 8192)  # copy mixture (CPLM, PR 379): pointer bands in training, evaluation; () = off
@@ -437,7 +448,8 @@ class Hyperparameters:
             raise ValueError(f"skip_layers={h.skip_layers}: distinct blocks between the first and the last "
                              f"({h.num_layers - 1}, where MUDD gives the weights and DC attention runs); without "
                              "block 0 the model is one of num_layers - 1 blocks: give that, with the indices shifted")
-        for name in ("no_attn_layers", "xsa_blocks", "paired_head_blocks", "value_embed_blocks", "parallel_mlp_blocks"):
+        for name in ("no_attn_layers", "xsa_blocks", "paired_head_blocks", "value_embed_blocks", "parallel_mlp_blocks",
+                     "narrow_qk_blocks", "narrow_v_blocks"):
             both = sorted(set(h.skip_layers) & set(getattr(h, name)))
             if both:
                 raise ValueError(f"skip_layers={h.skip_layers}: block(s) {both} also in {name}={getattr(h, name)}; a "
@@ -500,6 +512,18 @@ class Hyperparameters:
                              f"(paired_head_blocks={h.paired_head_blocks}, no_attn_layers={h.no_attn_layers})")
         if any(not 0 <= i < h.num_layers or i in h.no_attn_layers for i in h.xsa_blocks):
             raise ValueError(f"xsa_blocks={h.xsa_blocks}: blocks with attention")
+        narrow = h.narrow_qk_blocks
+        if narrow and (len(set(narrow)) < len(narrow) or h.head_dim % 4 or any(
+                not 0 <= i < h.num_layers or i in h.no_attn_layers or h.window_pattern[i] != "S" for i in narrow)):
+            raise ValueError(f"narrow_qk_blocks={narrow}: distinct blocks with attention and a short window (S in "
+                             f"window_pattern={h.window_pattern!r}: a long window's key offset moves the dims rotary "
+                             f"leaves alone, which a narrow head has none of), and head_dim={h.head_dim} a multiple "
+                             "of 4 (its half rotates in pairs)")
+        if len(set(h.narrow_v_blocks)) < len(h.narrow_v_blocks) or not set(h.narrow_v_blocks) <= set(narrow):
+            raise ValueError(f"narrow_v_blocks={h.narrow_v_blocks}: distinct blocks of narrow_qk_blocks={narrow} (a "
+                             "narrow V under a wide Q/K, ANVIL2's unused (128,64), has no kernel route here)")
+        if not 0 < h.narrow_attn_scale < math.inf:
+            raise ValueError(f"narrow_attn_scale={h.narrow_attn_scale} must be a positive number")
         if h.cplm_bands and (len(h.cplm_bands) != 2 or min(h.cplm_bands) < 1 or h.bos_id + 1 >= h.vocab_size):
             raise ValueError(f"cplm_bands={h.cplm_bands}: two band lengths in tokens (training, evaluation; the PR's "
                              f"2048,8192), and the copy column bos_id + 1 = {h.bos_id + 1} below vocab_size={h.vocab_size}")
@@ -818,6 +842,9 @@ class ModelConfig:
     no_x0_blocks: tuple[int, ...]
     no_ngram_blocks: tuple[int, ...]
     no_resid_scale_blocks: tuple[int, ...]
+    narrow_qk_blocks: tuple[int, ...]
+    narrow_v_blocks: tuple[int, ...]
+    narrow_attn_scale: float
     tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order
@@ -835,6 +862,12 @@ class ModelConfig:
     def skip_target(self) -> int:
         """The attention-less block the skip goes into (skip_into, or the first of no_attn_layers)."""
         return self.skip_into or min(self.no_attn_layers)
+
+    def head_widths(self, block: int) -> tuple[int, int]:
+        """A block's attention head widths (d_qk, d_v): head_dim, or half of it in narrow_qk_blocks, narrow_v_blocks."""
+        half = self.head_dim // 2
+        return (half if block in self.narrow_qk_blocks else self.head_dim,
+                half if block in self.narrow_v_blocks else self.head_dim)
 
 
 
@@ -1184,49 +1217,73 @@ class BlockWeights(NamedTuple):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_fn, ve_gate: bool, key_offset: bool, paired: bool):
+    def __init__(self, cfg: ModelConfig, attn_fn, ve_gate: bool, key_offset: bool, paired: bool,
+                 widths: tuple[int, int] | None = None):
+        """widths: the heads' (d_qk, d_v) (ModelConfig.head_widths; default head_dim both)."""
         super().__init__()
         self.attn_fn, self.key_offset, self.paired = attn_fn, key_offset, paired  # attn_fn: chosen by build()
-        self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.attn_scale
-        hdim = cfg.num_heads * cfg.head_dim
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.qk_dim, self.v_dim = widths or (cfg.head_dim, cfg.head_dim)
+        self.scale = cfg.narrow_attn_scale if self.qk_dim < cfg.head_dim else cfg.attn_scale
+        H, dim = cfg.num_heads, cfg.model_dim
         # One fused weight for Q, K, V and the output projection (stored transposed, hdim x dim): one matmul for QKV
         # and one Muon group of same-shape matrices; the output projection drawn as V (the public master's, after the
-        # 2026-01-30 record's V/O init)
-        self.qkvo_w = nn.Parameter(uniform_init_(torch.empty(4, hdim, cfg.model_dim), cfg.model_dim))
+        # 2026-01-30 record's V/O init). Q/K narrower than V (narrow_qk_blocks without narrow_v_blocks): Q and K in
+        # one weight, V and O in another, drawn alike (ANVIL2 draws its banks full and reads the narrow rows)
+        if self.qk_dim == self.v_dim:
+            self.qkvo_w = nn.Parameter(uniform_init_(torch.empty(4, H * self.v_dim, dim), dim))
+        else:
+            self.qk_w = nn.Parameter(uniform_init_(torch.empty(2, H * self.qk_dim, dim), dim))
+            self.vo_w = nn.Parameter(uniform_init_(torch.empty(2, H * self.v_dim, dim), dim))
         # Value-embedding gate (2025-12-29 record, @classiclarryd, PR 186), in blocks with a value embedding (but the
         # last, whose gate MUDD gives): 2 sigmoid(W x[:12]) scales each head's value embedding by context; zero = 1
         self.ve_gate_w = nn.Parameter(torch.zeros(cfg.num_heads, cfg.gate_channels)) if ve_gate else None
 
     def forward(self, x: Tensor, ve: Tensor | None, w: BlockWeights, cu_seqlens: Tensor, max_seqlen: int, window: int,
                 rope: tuple[Tensor, Tensor, float]) -> Tensor:
-        T, H, D = x.size(0), self.num_heads, self.head_dim
-        q, k, v = F.linear(x, self.qkvo_w[:3].flatten(0, 1).type_as(x)).view(T, 3 * H, D).chunk(3, dim=1)
+        T, H, dq, dv = x.size(0), self.num_heads, self.qk_dim, self.v_dim
+        if dq == dv:
+            w_qkv, w_out = self.qkvo_w[:3].flatten(0, 1), self.qkvo_w[3]
+        else:
+            w_qkv, w_out = torch.cat([self.qk_w.flatten(0, 1), self.vo_w[0]]), self.vo_w[1]
+        qkv = F.linear(x, w_qkv.type_as(x)).split((H * dq, H * dq, H * dv), dim=-1)
+        q, k, v = (t.view(T, H, -1) for t in qkv)
+        # per token (T, model_dim) -> (T, H, dv): each head's first dv dims of a value-width vector (a narrow V's
+        # share, narrow_v_blocks: "adding only the live half equals adding at full width and dropping the top", ANVIL2)
+        heads = (lambda t: t.view(T, H, -1)) if dv == self.head_dim else (lambda t: t.view(T, H, -1)[..., :dv])
         # Value embeddings (@KoszarskyB, @Grad62304977; value residual, arXiv 2410.17897): v mixes in a
         # per-token table lookup.
         ve_gate = w.ve_gate
         if ve is not None and ve_gate is None and self.ve_gate_w is not None:
             ve_gate = 2 * torch.sigmoid(F.linear(x[:, : self.ve_gate_w.size(1)], self.ve_gate_w.type_as(x)))
         if ve is not None and ve_gate is not None:
-            ve = ve.view_as(v) * ve_gate.unsqueeze(-1)
-        v = w.value_mix[0] * v + w.value_mix[1] * ve.view_as(v) if ve is not None else w.value_mix[0] * v
+            ve = heads(ve) * ve_gate.unsqueeze(-1)
+        v = w.value_mix[0] * v + w.value_mix[1] * heads(ve) if ve is not None else w.value_mix[0] * v
         if w.value_extra is not None:  # MUDD's value channel (GPT.hidden)
-            v = v + w.value_extra.view_as(v)
-        own_v = v  # (T, H, D) before any pairing: each head's value at each token, for XSA
+            v = v + heads(w.value_extra)
+        own_v = v  # (T, H, dv) before any pairing: each head's value at each token, for XSA
         if self.paired:
             q, k, v = pair_heads(q), pair_heads(k), pair_heads(v)
             cu_seqlens, max_seqlen = 2 * cu_seqlens, 2 * max_seqlen
-        q, k = rotate(norm(q), rope), rotate(norm(k), rope)  # QK-norm (@Grad62304977), then rotary
+        # a narrow Q/K (narrow_qk_blocks) rotates all of its dq dims: the tables' first dq/2 columns, the wide heads'
+        # nonzero frequencies (ANVIL2's 64-dim rotary: the same 32 frequencies as its 128-dim one's rotating half)
+        rope_qk = rope if dq == self.head_dim else (rope[0][:, : dq // 2], rope[1][:, : dq // 2], rope[2])
+        q, k = rotate(norm(q), rope_qk), rotate(norm(k), rope_qk)  # QK-norm (@Grad62304977), then rotary
         if self.key_offset:
             k = offset_keys(k, cu_seqlens)
+        if dq < dv:  # one head width for every backend: Q and K zero-padded to V's, exact (zeros add nothing to q.k),
+            # at this block's own scale (passed: never a kernel's default 1/sqrt(dv)); the padding's gradient is dropped
+            # FA4 could run (dq, dv) natively (it tiles d_qk, d_v apart): not wired here, untested on our GPUs
+            q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))  # bench/results/attention_head_widths.md
         y = self.attn_fn(q, k, v, cu_seqlens, max_seqlen, window, self.scale * rope[2])  # rope[2]: YaRN's
-        y = y.reshape(T, H, D)  # paired heads back in place (otherwise already this shape)
+        y = y.reshape(T, H, dv)  # paired heads back in place (otherwise already this shape)
         if w.dc is not None:  # before XSA and the output weights, as in the 2026-05-27 record
             y = y + dc_correction(q, k, v, cu_seqlens, w.dc[0], w.dc[1], self.scale * rope[2])
         if w.xsa is not None:
             y = exclude_own_value(y, own_v, w.xsa)
         if w.head_out is not None:
             y = y * w.head_out.unsqueeze(-1)
-        return y.reshape(T, H * D) @ self.qkvo_w[3].type_as(y)
+        return y.reshape(T, H * dv) @ w_out.type_as(y)
 
 
 class MLP(nn.Module):
@@ -1283,10 +1340,10 @@ def residual_in(x: Tensor, x0: Tensor, w: BlockWeights) -> Tensor:
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn, has_attn: bool, ve_gate: bool, long_window: bool, paired: bool,
-                 fused_mlp: bool = False, fp8_mlp: bool = False):
+                 fused_mlp: bool = False, fp8_mlp: bool = False, widths: tuple[int, int] | None = None):
         super().__init__()
         self.attn = CausalSelfAttention(cfg, attn_fn, ve_gate=ve_gate, key_offset=long_window,
-                                        paired=paired) if has_attn else None
+                                        paired=paired, widths=widths) if has_attn else None
         self.mlp = MLP(cfg, fused=fused_mlp, fp8=fp8_mlp)
         # parallel_mlp_blocks: a second MLP of the same kind, set by GPT after every other weight is drawn
         self.parallel_mlp: MLP | None = None
@@ -1362,7 +1419,7 @@ class GPT(nn.Module):
             SkippedBlock() if i in cfg.skip_layers else
             Block(cfg, kernels.attn_fn, has_attn=i not in cfg.no_attn_layers, ve_gate=ve is not None and i < L - 1,
                   long_window=cfg.window_pattern[i] == "L", paired=i in cfg.paired_head_blocks,
-                  fused_mlp=kernels.fused_mlp, fp8_mlp=kernels.fp8_mlp)
+                  fused_mlp=kernels.fused_mlp, fp8_mlp=kernels.fp8_mlp, widths=cfg.head_widths(i))
             for i, ve in enumerate(self.value_embed_layers()))
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
@@ -3272,13 +3329,14 @@ def peak_tflops(device: torch.device, override: float) -> float | None:
 
 def flops_per_token(model: GPT, windows: tuple[int, int], max_doc_len: int) -> float:
     """Training FLOPs per token: 6 x the matmul weights (block matrices + LM head), plus attention:
-    QK^T and AV, 2 x 2 x heads x head_dim multiply-adds per key forward, x3 with the backward, over
-    the keys a query sees (its window + itself, at most a document). Table lookups (token, value and
-    bigram embeddings) and elementwise work (norms, scalar mixes, backout, softcap) are not counted."""
+    QK^T and AV, 2 x heads x (d_qk + d_v) multiply-adds per key forward (2 x 2 x heads x head_dim at full width),
+    x3 with the backward, over the keys a query sees (its window + itself, at most a document). The model's widths:
+    the zeros a narrow Q/K is padded with for the kernel (narrow_qk_blocks) are not counted. Table lookups (token,
+    value and bigram embeddings) and elementwise work (norms, scalar mixes, backout, softcap) are not counted."""
     cfg = model.cfg
     groups = param_groups_by_role(model)
     matmul = sum(p.numel() for p in groups["block matrices"] + groups["LM head"])
-    attn = sum(12 * cfg.num_heads * cfg.head_dim * min(w + 1, max_doc_len)
+    attn = sum(6 * cfg.num_heads * (block.attn.qk_dim + block.attn.v_dim) * min(w + 1, max_doc_len)
                for w, block in zip(model.block_windows(windows), model.blocks) if block.attn is not None)
     return 6 * matmul + attn
 
@@ -3414,10 +3472,12 @@ def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[
         # output) and the MLP's hidden before and after ReLU^2 (2 of its width: 16 of model_dim at 4x). The peaks
         # measured on H100 for the record, single and medium presets (4x) lie within 15% of the total
         # (bench/README.md). A removed block (skip_layers) keeps none; a second MLP (parallel_mlp_blocks) keeps its
-        # own hidden before and after ReLU^2, at the same width (2 of it).
+        # own hidden before and after ReLU^2, at the same width (2 of it). A narrow V (narrow_v_blocks) halves q, k, v
+        # and the attention output (a narrow Q/K under a full V is padded to it for the kernel, so keeps its size).
         "activations": 2 * args.seq_len * ((args.num_layers - len(args.skip_layers))
                                            * (8 * args.model_dim + 2 * model.cfg.mlp_hidden)
-                                           + 2 * model.cfg.mlp_hidden * len(args.parallel_mlp_blocks)),
+                                           + 2 * model.cfg.mlp_hidden * len(args.parallel_mlp_blocks)
+                                           - 2 * args.num_heads * args.head_dim * len(args.narrow_v_blocks)),
     }
 
 
@@ -4000,7 +4060,8 @@ class WeightAverage:
     @staticmethod
     def averaged(model: GPT) -> list[nn.Parameter]:
         groups = param_groups_by_role(model)
-        matrices = [p for name, p in model.blocks.named_parameters() if name.endswith(("qkvo_w", "fc_w", "proj_w"))]
+        matrices = [p for name, p in model.blocks.named_parameters()
+                    if name.endswith(("qkvo_w", "qk_w", "vo_w", "fc_w", "proj_w"))]
         return [*groups["token embedding"], *groups["value embeddings"], *groups["LM head"], *matrices]
 
     def _span(self, n: int) -> tuple[int, int, int]:
