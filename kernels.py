@@ -906,8 +906,8 @@ def flash_attention_op(name: str, forward, backward):
         return out.contiguous(), lse.contiguous()
 
     @attend.register_fake
-    def _(q, k, v, cu_seqlens, max_seqlen, window, scale):
-        return q.new_empty(q.shape), q.new_empty(q.size(1), q.size(0), dtype=torch.float32)
+    def _(q, k, v, cu_seqlens, max_seqlen, window, scale):  # (T, H, V's width): Q/K may be narrower (MIXED_WIDTHS)
+        return q.new_empty(*q.shape[:-1], v.size(-1)), q.new_empty(q.size(1), q.size(0), dtype=torch.float32)
 
     @torch.library.custom_op(f"speedrun::{name}_backward", mutates_args=())
     def attend_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -1015,6 +1015,11 @@ def _importable(module: str) -> bool:
 ATTENTION_BACKENDS = {"fa3": flash_attention_op("fa3", _fa3_forward, _fa3_backward),
                       "fa4": flash_attention_op("fa4", _fa4_forward, _fa4_backward), "varlen": _attention_varlen,
                       "reference": attention_reference}
+# Backends that take Q/K heads narrower than V's as they are (the model pads Q/K to V's width for the others): FA4
+# tiles d_qk and d_v apart on sm90 (bench/results/attention_head_widths.md; its (64,128) untested upstream, checked
+# against the reference by tests/test_attention_gpu.py where it is installed), SDPA's math path does the reference's.
+# PyTorch's varlen wants equal widths; the FA3 build of xformers 0.0.34 has no (64,128) kernel (it would run (64,256))
+MIXED_WIDTHS = {"fa4", "reference"}
 
 
 def available_attention_backends(device: torch.device) -> list[str]:

@@ -51,8 +51,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import kernels  # kernels and custom ops (kernels.py, next to this file; logged with it)
-from kernels import (ATTENTION_BACKENDS, E4M3_MAX, HEAD_GRAD_SCALE, HEAD_W_SCALE, ModelKernels, attention_reference,
-                     choose_kernels, document_ids, head_x_scale)
+from kernels import (ATTENTION_BACKENDS, E4M3_MAX, HEAD_GRAD_SCALE, HEAD_W_SCALE, MIXED_WIDTHS, ModelKernels,
+                     attention_reference, choose_kernels, document_ids, head_x_scale)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1218,10 +1218,12 @@ class BlockWeights(NamedTuple):
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn, ve_gate: bool, key_offset: bool, paired: bool,
-                 widths: tuple[int, int] | None = None):
-        """widths: the heads' (d_qk, d_v) (ModelConfig.head_widths; default head_dim both)."""
+                 widths: tuple[int, int] | None = None, native_widths: bool = False):
+        """widths: the heads' (d_qk, d_v) (ModelConfig.head_widths; default head_dim both); native_widths: attn_fn
+        takes Q/K narrower than V as they are (kernels.MIXED_WIDTHS), else they are zero-padded to V's width."""
         super().__init__()
         self.attn_fn, self.key_offset, self.paired = attn_fn, key_offset, paired  # attn_fn: chosen by build()
+        self.native_widths = native_widths
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qk_dim, self.v_dim = widths or (cfg.head_dim, cfg.head_dim)
         self.scale = cfg.narrow_attn_scale if self.qk_dim < cfg.head_dim else cfg.attn_scale
@@ -1271,10 +1273,10 @@ class CausalSelfAttention(nn.Module):
         q, k = rotate(norm(q), rope_qk), rotate(norm(k), rope_qk)  # QK-norm (@Grad62304977), then rotary
         if self.key_offset:
             k = offset_keys(k, cu_seqlens)
-        if dq < dv:  # one head width for every backend: Q and K zero-padded to V's, exact (zeros add nothing to q.k),
-            # at this block's own scale (passed: never a kernel's default 1/sqrt(dv)); the padding's gradient is dropped
-            # FA4 could run (dq, dv) natively (it tiles d_qk, d_v apart): not wired here, untested on our GPUs
-            q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))  # bench/results/attention_head_widths.md
+        if dq < dv and not self.native_widths:  # a backend of one head width: Q and K zero-padded to V's, exact
+            # (zeros add nothing to q.k), at this block's own scale (passed: never a kernel's default 1/sqrt(dv)); the
+            # padding's gradient is dropped (bench/results/attention_head_widths.md). FA4 takes (dq, dv) as they are
+            q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
         y = self.attn_fn(q, k, v, cu_seqlens, max_seqlen, window, self.scale * rope[2])  # rope[2]: YaRN's
         y = y.reshape(T, H, dv)  # paired heads back in place (otherwise already this shape)
         if w.dc is not None:  # before XSA and the output weights, as in the 2026-05-27 record
@@ -1340,10 +1342,11 @@ def residual_in(x: Tensor, x0: Tensor, w: BlockWeights) -> Tensor:
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn, has_attn: bool, ve_gate: bool, long_window: bool, paired: bool,
-                 fused_mlp: bool = False, fp8_mlp: bool = False, widths: tuple[int, int] | None = None):
+                 fused_mlp: bool = False, fp8_mlp: bool = False, widths: tuple[int, int] | None = None,
+                 native_widths: bool = False):
         super().__init__()
-        self.attn = CausalSelfAttention(cfg, attn_fn, ve_gate=ve_gate, key_offset=long_window,
-                                        paired=paired, widths=widths) if has_attn else None
+        self.attn = CausalSelfAttention(cfg, attn_fn, ve_gate=ve_gate, key_offset=long_window, paired=paired,
+                                        widths=widths, native_widths=native_widths) if has_attn else None
         self.mlp = MLP(cfg, fused=fused_mlp, fp8=fp8_mlp)
         # parallel_mlp_blocks: a second MLP of the same kind, set by GPT after every other weight is drawn
         self.parallel_mlp: MLP | None = None
@@ -1419,7 +1422,8 @@ class GPT(nn.Module):
             SkippedBlock() if i in cfg.skip_layers else
             Block(cfg, kernels.attn_fn, has_attn=i not in cfg.no_attn_layers, ve_gate=ve is not None and i < L - 1,
                   long_window=cfg.window_pattern[i] == "L", paired=i in cfg.paired_head_blocks,
-                  fused_mlp=kernels.fused_mlp, fp8_mlp=kernels.fp8_mlp, widths=cfg.head_widths(i))
+                  fused_mlp=kernels.fused_mlp, fp8_mlp=kernels.fp8_mlp, widths=cfg.head_widths(i),
+                  native_widths=kernels.attention in MIXED_WIDTHS)
             for i, ve in enumerate(self.value_embed_layers()))
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)

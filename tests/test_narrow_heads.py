@@ -4,8 +4,9 @@ characters in): "the long-window carriers {3,10} keep the full d_qk=128 head, ev
 fully-rotating 64-dim rotary" at QK_NARROW_ATTN_SCALE = 0.13, and _DV64_LAYERS "carry d_v = 64 end to end" (1 and 8
 among its live layers). Here: Q/K of head_dim/2, QK-normed over it and rotated whole at the wide heads' nonzero
 frequencies; V (and the output projection's input) of head_dim/2 too where listed, taking each head's first half of
-the value embedding. A narrow Q/K under a full V is zero-padded to V's width before the kernel, at its own scale, so
-every backend (and the CPU's reference) runs one head width. Off, the model is the one built before the fields."""
+the value embedding. A narrow Q/K under a full V is zero-padded to V's width before a kernel of one head width
+(PyTorch's varlen, FA3), at its own scale; FA4 and the reference take it as it is (kernels.MIXED_WIDTHS). Off, the model
+is the one built before the fields."""
 import dataclasses
 import math
 
@@ -115,9 +116,10 @@ def by_hand(attn, x, ve, w, window, rope, min_freq):
 WIDE_CFG = tg.ModelConfig.from_args(tg.Hyperparameters(**WIDE))
 
 
-def module_and_inputs(widths, paired, seed=0):
-    """A CausalSelfAttention of WIDE's heads at `widths` in float64 over DOCS, its attention function recording
-    what reaches it, weights and a value embedding with signal, XSA per token."""
+def module_and_inputs(widths, paired, seed=0, native=False):
+    """A CausalSelfAttention of WIDE's heads at `widths` in float64 over DOCS (`native`: its kernel takes Q/K narrower
+    than V), its attention function recording what reaches it, weights and a value embedding with signal, XSA per
+    token."""
     torch.manual_seed(seed)
     seen = []
 
@@ -125,7 +127,7 @@ def module_and_inputs(widths, paired, seed=0):
         seen.append((q, k, v, rest))
         return tg.attention_reference(q, k, v, *rest)
     attn = tg.CausalSelfAttention(WIDE_CFG, recording, ve_gate=True, key_offset=False, paired=paired,
-                                  widths=widths).double()
+                                  widths=widths, native_widths=native).double()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         attn.ve_gate_w.normal_(0, 0.5, generator=g)
@@ -195,15 +197,16 @@ def test_off_the_model_computes_what_it_did_before_bit_for_bit(config, monkeypat
         torch.testing.assert_close(now[1][name], before[1][name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["padded", "native"])
 @pytest.mark.parametrize("paired", [False, True], ids=["plain", "paired"])
 @pytest.mark.parametrize("widths", [(64, 128), (64, 64)])
-def test_narrow_attention_equals_plain_softmax_attention_at_its_widths_by_hand(widths, paired):
+def test_narrow_attention_equals_plain_softmax_attention_at_its_widths_by_hand(widths, paired, native):
     """(64,128) and (64,64) heads at the record's head_dim 128, varlen (three documents and padding), causal, a
     window of 7 positions, value embeddings and XSA: the block's output and the gradients of its weights equal
     by_hand's (attention computed unpadded at d_qk = 64, d_v as given) in float64, to rotate()'s float32 rounding.
-    What reaches the kernel: one head width, V's; a narrow Q/K zero-padded to it; the scale narrow_attn_scale x
-    YaRN's multiplier."""
-    attn, x, ve, w, rope, seen = module_and_inputs(widths, paired)
+    What reaches the kernel: for a kernel of one head width, V's, a narrow Q/K zero-padded to it; for one that takes
+    mixed widths (native), Q/K as they are; the scale narrow_attn_scale x YaRN's multiplier either way."""
+    attn, x, ve, w, rope, seen = module_and_inputs(widths, paired, native=native)
     out = attn(x, ve, w, DOCS, 27, 7, rope)
     r = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=out.dtype)
     grads = torch.autograd.grad((out * r).sum(), list(attn.parameters()))
@@ -215,10 +218,10 @@ def test_narrow_attention_equals_plain_softmax_attention_at_its_widths_by_hand(w
         assert b.abs().sum() > 0, name
     (q, k, v, (cu, max_seqlen, window, scale)), = seen
     dv, pairs = widths[1], 2 if paired else 1
-    assert q.shape == k.shape == v.shape == (40 * pairs, 2 // pairs, dv)
+    assert v.shape == (40 * pairs, 2 // pairs, dv) and q.shape == k.shape == (40 * pairs, 2 // pairs, 64 if native else dv)
     assert torch.equal(cu, pairs * DOCS) and (max_seqlen, window) == (27 * pairs, 7)
     assert scale == pytest.approx(0.13 * 1.3) and WIDE_CFG.attn_scale != 0.13
-    if widths == (64, 128):  # the padding: exact zeros over Q's and K's last 64 columns, signal in the first 64
+    if widths == (64, 128) and not native:  # the padding: exact zeros over Q's and K's last 64 columns, signal in the first 64
         assert torch.count_nonzero(q[..., 64:]) == torch.count_nonzero(k[..., 64:]) == 0
         assert (q[..., :64].abs().sum(-1) > 0).all() and (k[..., :64].abs().sum(-1) > 0).all()
 
@@ -380,8 +383,9 @@ def test_the_model_with_narrow_heads_compiles_whole_and_computes_the_same():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast attention kernels need a CUDA GPU")
 @pytest.mark.parametrize("widths", [(64, 128), (64, 64)])
 def test_each_gpu_backend_runs_the_narrow_widths_as_the_reference_does(widths):
-    """On a GPU, each installed backend (fa4, fa3, varlen) under the block's route, bf16, against the reference path
-    in float32 on the same weights: output and weight gradients within bf16 rounding (relative error < 2e-2)."""
+    """On a GPU, each installed backend (fa4, fa3, varlen) under the block's route (FA4 takes (64,128) as it is, the
+    others padded), bf16, against the reference path in float32 on the same weights: output and weight gradients
+    within bf16 rounding (relative error < 2e-2)."""
     import kernels
     device = torch.device("cuda")
     names = [b for b in kernels.available_attention_backends(device) if b != "reference"]
@@ -390,8 +394,9 @@ def test_each_gpu_backend_runs_the_narrow_widths_as_the_reference_does(widths):
         results = []
         for fn, dtype in ((tg.ATTENTION_BACKENDS[name], torch.bfloat16), (tg.attention_reference, torch.float32)):
             torch.manual_seed(0)
-            attn = tg.CausalSelfAttention(WIDE_CFG, fn, ve_gate=False, key_offset=False, paired=True,
-                                          widths=widths).to(device)
+            attn = tg.CausalSelfAttention(WIDE_CFG, fn, ve_gate=False, key_offset=False, paired=True, widths=widths,
+                                          native_widths=fn is tg.attention_reference or name in kernels.MIXED_WIDTHS
+                                          ).to(device)
             g = torch.Generator(device=device).manual_seed(1)  # the same bf16 inputs for both
             x = torch.randn(T, WIDE_CFG.model_dim, device=device, generator=g).bfloat16().to(dtype)
             one = torch.ones((), device=device)
@@ -404,3 +409,29 @@ def test_each_gpu_backend_runs_the_narrow_widths_as_the_reference_does(widths):
         rel = lambda a, b: float((a - b).norm() / b.norm())
         errors = [rel(out, ref)] + [rel(a, b) for a, b in zip(grads, ref_grads)]
         assert max(errors) < 2e-2, f"{name} {widths}: {errors}"
+
+
+def test_the_flash_ops_fake_output_has_vs_width_and_the_model_leaves_qk_unpadded_only_for_mixed_width_backends():
+    """The compiler's view of the FA3/FA4 ops: out (T, H, d_v) and the gradients each of its input's shape, for
+    (64,128) as for equal widths; the model pads Q/K for the backends not in MIXED_WIDTHS, and its loss and gradients
+    are the same either way (the reference path, float64)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q, k, v = torch.empty(40, 2, 64), torch.empty(40, 2, 64), torch.empty(40, 2, 128)
+        cu = torch.zeros(5, dtype=torch.int32)
+        for name in ("fa3", "fa4"):
+            out, lse = getattr(torch.ops.speedrun, name)(q, k, v, cu, 27, 7, 0.1)
+            assert out.shape == (40, 2, 128) and lse.shape == (2, 40)
+            grads = getattr(torch.ops.speedrun, f"{name}_backward")(out, q, k, v, out, lse, cu, 27, 7, 0.1)
+            assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert "fa4" in tg.MIXED_WIDTHS and not {"fa3", "varlen"} & tg.MIXED_WIDTHS
+    results = []
+    for native in (False, True):
+        attn, x, ve, w, rope, seen = module_and_inputs((64, 128), paired=True, native=native)
+        out = attn(x, ve, w, DOCS, 27, 7, rope)
+        results.append((out, torch.autograd.grad(out.square().sum(), list(attn.parameters()))))
+        assert seen[0][0].size(-1) == (64 if native else 128)
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for x1, x2 in zip(ga, gb):
+        torch.testing.assert_close(x1, x2, rtol=1e-10, atol=1e-12)
