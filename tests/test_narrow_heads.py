@@ -59,10 +59,11 @@ def old_attention_forward(self, x, ve, w, cu_seqlens, max_seqlen, window, rope):
     return y.reshape(T, H * D) @ self.qkvo_w[3].type_as(y)
 
 
-def loss_and_grads(model: tg.GPT) -> tuple[torch.Tensor, dict]:
+def loss_and_grads(model: tg.GPT, fn=None) -> tuple[torch.Tensor, dict]:
+    """The loss of one tiny batch and every weight's gradient, through `fn` (the model itself, or a compiled one)."""
     x, y, cu = batch()
     model.zero_grad(set_to_none=True)
-    loss = model(x, y, cu, 128, W3)
+    loss = (fn or model)(x, y, cu, 128, W3)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -366,14 +367,7 @@ def test_the_model_with_narrow_heads_compiles_whole_and_computes_the_same():
     and the sliced rotary tables trace); AOT's eager backend, so the same arithmetic as the eager model."""
     model = model_of(ANVIL2_WIDTHS, randomize=True)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)
-    results = []
-    for fn in (model, compiled):
-        x, y, cu = batch()
-        model.zero_grad(set_to_none=True)
-        loss = fn(x, y, cu, 128, W3)
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    (l0, g0), (l1, g1) = results
+    (l0, g0), (l1, g1) = (loss_and_grads(model, fn) for fn in (model, compiled))
     torch.testing.assert_close(l1, l0, rtol=1e-6, atol=0)
     assert g0.keys() == g1.keys() and "blocks.0.attn.qk_w" in g0 and "blocks.8.attn.qkvo_w" in g0
     for name in g0:
