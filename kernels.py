@@ -1017,7 +1017,7 @@ ATTENTION_BACKENDS = {"fa3": flash_attention_op("fa3", _fa3_forward, _fa3_backwa
                       "reference": attention_reference}
 # Backends that take Q/K heads narrower than V's as they are (the model pads Q/K to V's width for the others): FA4
 # tiles d_qk and d_v apart on sm90 (bench/results/attention_head_widths.md; its (64,128) untested upstream, checked
-# against the reference by tests/test_attention_gpu.py where it is installed), SDPA's math path does the reference's.
+# against the reference by tests/test_narrow_heads.py where it is installed), SDPA's math path does the reference's.
 # PyTorch's varlen wants equal widths; the FA3 build of xformers 0.0.34 has no (64,128) kernel (it would run (64,256))
 MIXED_WIDTHS = {"fa4", "reference"}
 
