@@ -63,7 +63,7 @@ def loss_and_grads(model: tg.GPT, fn=None) -> tuple[torch.Tensor, dict]:
     """The loss of one tiny batch and every weight's gradient, through `fn` (the model itself, or a compiled one)."""
     x, y, cu = batch()
     model.zero_grad(set_to_none=True)
-    loss = (fn or model)(x, y, cu, 128, W3)
+    loss = (model if fn is None else fn)(x, y, cu, 128, W3)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
