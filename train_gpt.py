@@ -2880,6 +2880,15 @@ class Schedule:
             return window_tokens(args.final_val_window, args.window_block)[0], last[1], last[0]
         return last
 
+    def validation_graphs(self) -> dict[tuple, int]:
+        """What each of the run's validations compiles, (its windows, the embedding tied), with the first step that
+        validates so: steps 0, val_every, 2 val_every, ... and the final one (as the training loop validates)."""
+        args, graphs = self.args, {}
+        steps = range(0, args.num_iterations, args.val_every) if args.val_every > 0 else ()
+        for step in (*steps, args.num_iterations):
+            graphs.setdefault((self.val_windows(step), step < self.untie), step)
+        return graphs
+
     def warmup_shapes(self) -> list[Stage]:
         """The distinct stage shapes the warm-up compiles, each as its first stage; a stage that samples the softmax
         and reaches the switch to the full one (full_softmax_from) once with its candidates, once with 0."""
@@ -3958,18 +3967,20 @@ def evaluate(model: GPT, compiled, val, windows: tuple[int, int], args: Hyperpar
 
 def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, schedule: Schedule, world_size: int,
            log=lambda msg: None):
-    """Untimed warm-up: compile the training and validation graphs of every distinct stage shape on
-    real batches (warmup_steps optimizer steps each), and the final validation's longer window if
-    any, then restore the initial weights and optimizer state exactly. The producer is a fresh one:
-    the timed run starts from the same data. Logs each shape as it is done (a cold compile takes minutes)."""
+    """Untimed warm-up: compile the training graphs of every distinct stage shape on real batches
+    (warmup_steps optimizer steps each) and the validation graphs the run will use (Schedule.validation_graphs:
+    with val_every 0 only the final one's), then restore the initial weights and optimizer state exactly. The
+    producer is a fresh one: the timed run starts from the same data. Logs each shape as it is done (a cold compile
+    takes minutes)."""
     args, untie, shapes = schedule.args, schedule.untie, schedule.warmup_shapes()
+    graphs, validated = schedule.validation_graphs(), set()
     # the initial weights, kept to restore; one that is all zeros is zeroed again rather than copied (the n-gram
     # table starts at zero: a copy of 21M rows would take another 30 GiB of the GPU)
     initial_model = {name: v.detach().clone() if v.any() else None for name, v in model.state_dict().items()}
     initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]
     loader = BatchLoader(producer, schedule.warmup_spec_at, model.lm_head_w.device)
     t0 = time.perf_counter()
-    log(f"warm-up: compiling {len(shapes)} stage shape(s){' and the final validation' if args.final_val_window else ''}"
+    log(f"warm-up: compiling {len(shapes)} stage shape(s) and {len(graphs)} validation graph(s)"
         f"{' with the C++ wrapper' if args.cpp_wrapper else ''}; minutes each on a cold compile cache")
     try:
         for n, stage in enumerate(shapes, 1):
@@ -3977,12 +3988,16 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, sched
             for i in range(args.warmup_steps):
                 train_step(model, compiled, optimizers, loader.next()[1], i, stage, schedule)
             model.zero_table_grads()  # gradients of steps after the shape's last Adam step: the n-gram log would grow
-            evaluate(model, compiled, val, stage.windows, args, world_size)
+            key = (stage.windows, stage.start < untie)
+            if key in graphs and key not in validated:  # a validation of the run will have this shape's graph
+                evaluate(model, compiled, val, stage.windows, args, world_size)
+                validated.add(key)
             log(f"warm-up: shape {n}/{len(shapes)} (stage from step {stage.start}: {stage.spec.batch_size:,} tokens, "
                 f"windows {stage.windows[0]}/{stage.windows[1]} tokens) done at {time.perf_counter() - t0:.0f}s")
-        if args.final_val_window:
-            tie_embedding_at(model, args.num_iterations, untie)  # the final validation: tied only if never untied
-            evaluate(model, compiled, val, schedule.val_windows(args.num_iterations), args, world_size)
+        for key, step in graphs.items():  # the others (the final window's), tied as the first such validation is
+            if key not in validated:
+                tie_embedding_at(model, step, untie)
+                evaluate(model, compiled, val, key[0], args, world_size)
     finally:
         loader.close()
         tie_embedding_at(model, 0, untie)

@@ -301,10 +301,38 @@ def test_the_final_validation_can_look_further_back_than_training_did(tiny_args,
     monkeypatch.setattr(tg, "evaluate", lambda model, compiled, val, windows, *a: seen.append(windows) or
                         evaluate(model, compiled, val, windows, *a))
     tg.train(args)
-    # warm-up: each stage's windows, then the final one; the run: steps 0 and 3, then the final (step 6)
-    assert seen == [*(st.windows for st in stages), wide, stages[0].windows, stages[1].windows, wide]
+    # warm-up: the windows of the run's validations only (steps 0 and 3: stages 1 and 2; the last stage's never
+    # validates), then the final one; the run: steps 0 and 3, then the final (step 6)
+    u = schedule.untie  # the tiny record ties the embedding for its first two stages
+    assert len(stages) == 3 and u == stages[2].start and schedule.validation_graphs() == {
+        (stages[0].windows, True): 0, (stages[1].windows, True): 3, (wide, False): 6}
+    assert seen == [stages[0].windows, stages[1].windows, wide, stages[0].windows, stages[1].windows, wide]
     with pytest.raises(ValueError, match="final_val_window=-1"):
         tiny_args(final_val_window=-1)
+
+
+def test_the_warm_up_compiles_the_validation_graphs_the_run_will_use_and_no_other(tiny_args, monkeypatch):
+    """Validations: steps 0, val_every, ... and the final one, each at its stage's windows and with the embedding
+    tied as at that step; without val_every, the final one only. The warm-up evaluates each of those once (a shape
+    without a validation compiles its training graphs only), so no validation compiles inside the timed run."""
+    seen, evaluate = [], tg.evaluate
+    monkeypatch.setattr(tg, "evaluate", lambda model, compiled, val, windows, *a: seen.append(
+        (windows, model.tied_embed)) or evaluate(model, compiled, val, windows, *a))
+    for val_every, tied_stages in ((0, 1), (4, 1), (4, 0)):
+        args = tiny_args(**FAST, num_iterations=12, val_every=val_every, tied_embed_stages=tied_stages,
+                         extension_steps=2, extension_window=4, final_val_window=0, warmup_steps=1)
+        schedule = tg.Schedule(args)
+        stages, untie = schedule.stages, schedule.untie
+        seen.clear()
+        tg.train(args)
+        steps = sorted({*range(0, 12, val_every or 12), 12} - ({0} if not val_every else set()))
+        run = [(schedule.val_windows(s), s < untie) for s in steps]
+        assert seen[-len(run):] == run  # the run's own validations
+        warm = seen[:-len(run)]
+        assert len(warm) == len(set(warm)) and set(warm) == set(run) == set(schedule.validation_graphs())
+        assert len(stages) == 4 and len(set(st.windows for st in stages)) == 4
+    assert schedule.validation_graphs() == {(stages[0].windows, False): 0, (stages[1].windows, False): 4,
+                                            (stages[2].windows, False): 8, (stages[3].windows, False): 12}
 
 
 def test_the_model_is_compiled_with_inductors_fusions_capped(tiny_args, monkeypatch):
