@@ -3486,7 +3486,8 @@ def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[
         # measured on H100 for the record, single and medium presets (4x) lie within 15% of the total
         # (bench/README.md). A removed block (skip_layers) keeps none; a second MLP (parallel_mlp_blocks) keeps its
         # own hidden before and after ReLU^2, at the same width (2 of it). A narrow V (narrow_v_blocks) halves q, k, v
-        # and the attention output (a narrow Q/K under a full V is padded to it for the kernel, so keeps its size).
+        # and the attention output; a narrow Q/K under a full V is counted at V's width (padded to it for a kernel of
+        # one width; FA4's native route keeps less, an upper bound here).
         "activations": 2 * args.seq_len * ((args.num_layers - len(args.skip_layers))
                                            * (8 * args.model_dim + 2 * model.cfg.mlp_hidden)
                                            + 2 * model.cfg.mlp_hidden * len(args.parallel_mlp_blocks)
@@ -3973,7 +3974,7 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, sched
     producer is a fresh one: the timed run starts from the same data. Logs each shape as it is done (a cold compile
     takes minutes)."""
     args, untie, shapes = schedule.args, schedule.untie, schedule.warmup_shapes()
-    graphs, validated = schedule.validation_graphs(), set()
+    graphs = schedule.validation_graphs()
     # the initial weights, kept to restore; one that is all zeros is zeroed again rather than copied (the n-gram
     # table starts at zero: a copy of 21M rows would take another 30 GiB of the GPU)
     initial_model = {name: v.detach().clone() if v.any() else None for name, v in model.state_dict().items()}
@@ -3988,16 +3989,11 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, sched
             for i in range(args.warmup_steps):
                 train_step(model, compiled, optimizers, loader.next()[1], i, stage, schedule)
             model.zero_table_grads()  # gradients of steps after the shape's last Adam step: the n-gram log would grow
-            key = (stage.windows, stage.start < untie)
-            if key in graphs and key not in validated:  # a validation of the run will have this shape's graph
-                evaluate(model, compiled, val, stage.windows, args, world_size)
-                validated.add(key)
             log(f"warm-up: shape {n}/{len(shapes)} (stage from step {stage.start}: {stage.spec.batch_size:,} tokens, "
                 f"windows {stage.windows[0]}/{stage.windows[1]} tokens) done at {time.perf_counter() - t0:.0f}s")
-        for key, step in graphs.items():  # the others (the final window's), tied as the first such validation is
-            if key not in validated:
-                tie_embedding_at(model, step, untie)
-                evaluate(model, compiled, val, key[0], args, world_size)
+        for (windows, _), step in graphs.items():  # each tied as the first validation that uses it
+            tie_embedding_at(model, step, untie)
+            evaluate(model, compiled, val, windows, args, world_size)
     finally:
         loader.close()
         tie_embedding_at(model, 0, untie)
