@@ -262,21 +262,20 @@ class Hyperparameters:
     # of 3 paired seeds; the setting nearer its four ships (0.25,0.55,0.085,1): -0.0002 (bench/results/
     # one_model_h200x4_20261128.md)
     weight_average: tuple[float, ...] = (0.25, 0.65)  # endgame weight average: window,blend[,tail[,renorm]], window and tail as fractions of num_iterations (WeightAverage); () = off
-    # NorMuon (beta2 0.9) with cautious decay 1.2 and Polar Express, momentum 0.85 -> 0.95 over 300 steps and back over
-    # the last 50 (the public master's)
+    # ANVIL, the update rule of the public record ANVIL2 (modded-nanogpt record #92, 08/30/26, PR 360, @devenpzak), with
+    # its decay 2.25 and momentum 0.85 -> 0.93 over 240 steps (back over the last 50), NorMuon's neuron normalization
+    # (beta2 0.9) kept. Its README prices the rule at 4.9 millinats against record #89's NorMuon + Polar Express. On
+    # the proxy at 840 steps, 3 paired seeds against NorMuon at decay 1.2 and 0.95 over 300: -0.0051 +- 0.0060, lower
+    # in every seed; ANVIL2's decay and momentum alone -0.0014 +- 0.0030. Muon's step on one H200 8.8 against 9.2 ms
+    # (bench/results/anvil_rule_h200_20261129i.md)
     muon_lr: float = 0.023  # Muon's learning rate (block matrices; 09/03/25: 0.05)
-    muon_momentum: float = 0.95  # Muon's peak momentum (Nesterov)
+    muon_momentum: float = 0.93  # Muon's peak momentum (Nesterov; ANVIL2's; the public master's 0.95)
     muon_momentum_start: float = 0.85  # Muon's momentum at step 0, warmed up linearly to muon_momentum
-    muon_momentum_warmup: int = 300  # steps of that momentum warm-up
+    muon_momentum_warmup: int = 240  # steps of that momentum warm-up (ANVIL2's; the public master's 300)
     muon_momentum_cooldown: int = 50  # last steps: momentum back down to muon_momentum_start, linearly; 0 = none
     muon_beta2: float = 0.9  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off
-    muon_weight_decay: float = 1.2  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25)
-    # ANVIL, the update rule of the public record ANVIL2 (modded-nanogpt record #92, 08/30/26, PR 360, @devenpzak): its
-    # README prices it at 4.9 millinats of final loss against record #89's Muon (NorMuon, Polar Express, cautious
-    # decay; removal ablation). ANVIL2 runs it at weight decay 2.25 (--muon_weight_decay) and momentum 0.85 -> 0.93
-    # over 240 steps and back over the last 50 (here the muon_momentum fields': 0.95 over 300 at the defaults). Off
-    # until GPU runs decide it (tests/test_presets.py, PENDING_ADOPTION)
-    muon_rule: str = "normuon"  # Muon's update rule: normuon (Polar Express, one momentum, decay where the update has p's sign) or anvil (ANVIL2's: six trace-normed quintic maps, twin momentum rails, decay where the slow rail has p's sign)
+    muon_weight_decay: float = 2.25  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25; ANVIL2's 2.25, the public master's 1.2)
+    muon_rule: str = "anvil"  # Muon's update rule: anvil (ANVIL2's: six trace-normed quintic maps, twin momentum rails, decay where the slow rail has p's sign) or normuon (the public master's: Polar Express, one momentum, decay where the update has p's sign)
     anvil_rails: tuple[float, ...] = (0.98, 0.4385, 0.85, 0.43)  # muon_rule anvil's rails: the slow rail's beta, the fast rail's weight and beta once engaged, and from what fraction of num_iterations (ANVIL2's 0.98, 0.4385, 0.85 from its step 514 of 1194); before it, weight 1 at Muon's momentum
     # the public master's NorMuon rates: 0.023 x 2 on the MLP's input (its shape factor), x 4 on its output (10/27/25)
     mlp_muon_lr_mults: tuple[float, ...] = (2.0, 4.0)  # Muon lr multipliers of the MLP's input and output matrices; () = 1, 1
@@ -573,7 +572,8 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "Adam, sharded over the GPUs by owner), "
                "MUDD with its gates, XSA and DC attention, YaRN, smear and value-embedding gates, paired heads, "
                "partial key offset, four untied value tables, parallel attention inputs, backout, per-sublayer "
-               "residual weights and one gated skip, NorMuon with cautious decay, Adam every second step, "
+               "residual weights and one gated skip, ANVIL2's update rule (twin momentum rails, six trace-normed quintic "
+               "maps, NorMuon's neuron normalization, cautious decay 2.25), Adam every second step, "
                "multi-token and prefix-token losses, the embedding tied for two stages, 840 steps (776 x 1.082: "
                "ANVIL2's architecture's equal loss on the proxy priced at ~835-838, confirmed at 840) with a 20-step "
                "extension, ANVIL2's cooldown over 0.8 of the steps to 0.2; plus "

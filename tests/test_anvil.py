@@ -250,13 +250,13 @@ def test_the_rails_schedule_engages_at_its_fraction_of_the_run(tiny_args):
 def test_the_rule_and_rails_are_fields_with_cli_flags_built_into_muon_and_checked(tiny_args):
     args = tg.parse_args(["--muon_rule", "anvil", "--muon_weight_decay", "2.25", "--anvil_rails", "0.97,0.5,0.8,0.4"])
     assert (args.muon_rule, args.muon_weight_decay, args.anvil_rails) == ("anvil", 2.25, (0.97, 0.5, 0.8, 0.4))
-    assert tg.parse_args([]).muon_rule == "normuon"  # off in the record preset
-    assert all(tg.parse_args(["--preset", name]).muon_rule == "normuon" for name in tg.PRESETS)
+    assert tg.parse_args([]).muon_rule == "anvil"  # the record preset's rule
+    assert all(tg.parse_args(["--preset", name]).muon_rule == "anvil" for name in tg.PRESETS)
     model = tg.GPT(tg.ModelConfig.from_args(tiny_args()))
     _, muon = tg.build_optimizers(model, tiny_args(muon_rule="anvil"), 0, 1)
     assert muon.rule == "anvil" and muon.orthogonalize is tg.anvil_orthogonalize
     assert all(g["slow_beta"] == 0.98 and g["fast_weight"] == 1.0 for g in muon.param_groups)
-    _, muon = tg.build_optimizers(model, tiny_args(), 0, 1)
+    _, muon = tg.build_optimizers(model, tiny_args(muon_rule="normuon"), 0, 1)
     assert muon.rule == "normuon" and muon.orthogonalize is tg.polar_express and "slow_beta" not in muon.defaults
     with pytest.raises(ValueError, match="muon_rule='adamw': choose one of normuon, anvil"):
         tiny_args(muon_rule="adamw")
@@ -281,7 +281,7 @@ def test_a_tiny_model_learns_with_anvil_and_the_loop_engages_the_rails(tiny_args
     assert run.val_losses[-1][1] < run.train_losses[0] - 0.4, (run.train_losses[0], run.val_losses)
     weights = sorted({w for _, w in seen})
     assert weights == [FAST_WEIGHT, 1.0] and seen[-1] == (FAST_BETA, FAST_WEIGHT)
-    normuon = tg.train(tiny_args(**FAST, muon_weight_decay=2.25, val_every=0, run_id="normuon"))
+    normuon = tg.train(tiny_args(**FAST, muon_rule="normuon", muon_weight_decay=2.25, val_every=0, run_id="normuon"))
     assert normuon.train_losses[:1] == run.train_losses[:1] and normuon.train_losses != run.train_losses
 
 

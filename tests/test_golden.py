@@ -5,7 +5,9 @@ refactored (issue: one model in the house), and rewritten at ff18072 when the re
 (x0 and the n-gram term after a block's attention: 17 of the 25 losses moved by 1-3 in the last digit; with the old
 order the model still reproduced ba25215's file; that order is no longer built), and rewritten when the record took
 ANVIL2's cooldown shape (over 0.8 of the steps to 0.2 instead of 0.7 to 0.15; with the old shape the model still
-reproduced ff18072's file, checked before the rewrite); a change meant to keep the
+reproduced ff18072's file, checked before the rewrite), and rewritten when the record took ANVIL2's update rule,
+decay and momentum (with the old rule and settings the model still reproduced the file before, checked before the
+rewrite); a change meant to keep the
 arithmetic must reproduce it to the last printed digit. Rewrite it only for a change that is meant to alter
 learning, and say so in its commit:
     python tests/test_golden.py --write
