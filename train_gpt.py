@@ -267,7 +267,8 @@ class Hyperparameters:
     # (beta2 0.9) kept. Its README prices the rule at 4.9 millinats against record #89's NorMuon + Polar Express. On
     # the proxy at 840 steps, 3 paired seeds against NorMuon at decay 1.2 and 0.95 over 300: -0.0051 +- 0.0060, lower
     # in every seed; ANVIL2's decay and momentum alone -0.0014 +- 0.0030. Muon's step on one H200 8.8 against 9.2 ms
-    # (bench/results/anvil_rule_h200_20261129i.md)
+    # (bench/results/anvil_rule_h200_20261129i.md). The public master's rule (Polar Express, one momentum, decay where
+    # the update has p's sign) was deleted with it: git has it (muon_rule before 11/29/26)
     muon_lr: float = 0.023  # Muon's learning rate (block matrices; 09/03/25: 0.05)
     muon_momentum: float = 0.93  # Muon's peak momentum (Nesterov; ANVIL2's; the public master's 0.95)
     muon_momentum_start: float = 0.85  # Muon's momentum at step 0, warmed up linearly to muon_momentum
@@ -275,8 +276,7 @@ class Hyperparameters:
     muon_momentum_cooldown: int = 50  # last steps: momentum back down to muon_momentum_start, linearly; 0 = none
     muon_beta2: float = 0.9  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off
     muon_weight_decay: float = 2.25  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25; ANVIL2's 2.25, the public master's 1.2)
-    muon_rule: str = "anvil"  # Muon's update rule: anvil (ANVIL2's: six trace-normed quintic maps, twin momentum rails, decay where the slow rail has p's sign) or normuon (the public master's: Polar Express, one momentum, decay where the update has p's sign)
-    anvil_rails: tuple[float, ...] = (0.98, 0.4385, 0.85, 0.43)  # muon_rule anvil's rails: the slow rail's beta, the fast rail's weight and beta once engaged, and from what fraction of num_iterations (ANVIL2's 0.98, 0.4385, 0.85 from its step 514 of 1194); before it, weight 1 at Muon's momentum
+    anvil_rails: tuple[float, ...] = (0.98, 0.4385, 0.85, 0.43)  # Muon's rails (ANVIL): the slow rail's beta, the fast rail's weight and beta once engaged, and from what fraction of num_iterations (ANVIL2's 0.98, 0.4385, 0.85 from its step 514 of 1194); before it, weight 1 at Muon's momentum
     # the public master's NorMuon rates: 0.023 x 2 on the MLP's input (its shape factor), x 4 on its output (10/27/25)
     mlp_muon_lr_mults: tuple[float, ...] = (2.0, 4.0)  # Muon lr multipliers of the MLP's input and output matrices; () = 1, 1
     adam_lr: float = 0.008  # Adam's base learning rate (embeddings, head and scalars: times their *_lr_mult)
@@ -401,8 +401,6 @@ class Hyperparameters:
         h.check_softmax()
         if not 0 <= h.muon_beta2 < 1:
             raise ValueError(f"muon_beta2={h.muon_beta2}: 0 (plain Muon) or an EMA factor in (0, 1) for NorMuon")
-        if h.muon_rule not in MUON_RULES:
-            raise ValueError(f"muon_rule={h.muon_rule!r}: choose one of {', '.join(MUON_RULES)}")
         if len(h.anvil_rails) != 4 or not (0 < h.anvil_rails[0] < 1 and all(0 <= x <= 1 for x in h.anvil_rails[1:])):
             raise ValueError(f"anvil_rails={h.anvil_rails}: four numbers: the slow rail's beta in (0, 1), then the fast "
                              "rail's weight, its beta and the fraction of the run they engage at, each in [0, 1]")
@@ -1995,23 +1993,9 @@ def quintic_orthogonalize(G: Tensor, coefficients, safety: float = 0.0, dtype: t
     return X.mT if transposed else X
 
 
-# Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932; the 2025-09-29 record, @varunneal,
-# PR 134): a different (a, b, c) at each step, chosen for the fastest worst-case convergence,
-# and the input scaled 2% below norm 1. These are the public record's coefficients for 5 steps
-# (safety factor 2e-2, cushion 2). Muon's first form, the 09/03 record's quintic Newton-Schulz (Keller Jordan), used
-# (3.4445, -4.7750, 2.0315) at every step.
-POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
-                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
-
-
-def polar_express(G: Tensor) -> Tensor:
-    """Polar Express orthogonalization (POLAR_EXPRESS): closer to orthogonal than Newton-Schulz in as many steps."""
-    return quintic_orthogonalize(G, POLAR_EXPRESS, safety=2e-2)
-
-
+# Muon's orthogonalization, in order of the public line: the 09/03/25 record's quintic Newton-Schulz (Keller Jordan)
+# used (3.4445, -4.7750, 2.0315) at every step; Polar Express (arXiv 2505.16932; the 2025-09-29 record, PR 134) a
+# different (a, b, c) at each of 5 steps, the public master's; ANVIL2's maps (below) replaced it here on 11/29/26.
 # ANVIL's maps, from the public record ANVIL2 (modded-nanogpt record #92, 08/30/26, PR 360, @devenpzak; ANVIL_MAPS in
 # its train_gpt.py, printed at the start of records/track_1_short/2026-08-30_ANVIL2/this_pr/*.txt): six quintics
 # re-derived for its trace-normed input, which together take every singular value in [3e-3, 1/1.05] into
@@ -2036,15 +2020,10 @@ def anvil_orthogonalize(G: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     return quintic_orthogonalize(G, ANVIL_MAPS, safety=ANVIL_SAFETY, dtype=dtype)
 
 
-# Muon's update rules by name (muon_rule), each with its orthogonalization: NorMuon with Polar Express (the public
-# line's since 10/24/25), and ANVIL (ANVIL2's, record #92: six trace-normed quintic maps, twin momentum rails, decay
-# gated on the slow rail)
-MUON_RULES = {"normuon": polar_express, "anvil": anvil_orthogonalize}
-
-
 class Muon(torch.optim.Optimizer):
     """MomentUm Orthogonalized by Newton-Schulz (Keller Jordan): SGD-Nesterov whose update is
-    replaced by its nearest semi-orthogonal matrix, scaled by max(1, rows/cols)^0.5; here by Polar Express.
+    replaced by its nearest semi-orthogonal matrix, scaled by max(1, rows/cols)^0.5; here by ANVIL2's rule (record
+    #92): ANVIL_MAPS (orthogonalize's default), and two momentum rails for one (`anvil_rails`).
 
     Parameters are grouped by shape. Per group, the stacked gradients are reduce-scattered, so rank r
     owns a contiguous share of the matrices: it keeps their momentum, orthogonalizes them in one
@@ -2053,29 +2032,26 @@ class Muon(torch.optim.Optimizer):
 
     With beta2 > 0 it is NorMuon (arXiv 2510.05491, public record of 2025-10-24): see
     `normalize_neurons`. With weight_decay > 0, cautious weight decay (arXiv 2510.12402; public record
-    of 2025-11-10): lr x weight_decay x p joins the update u only where u has p's sign, i.e. where the
-    step already moves the entry toward zero; lr is the group's current (scheduled) lr, so the decay
-    per step falls as lr^2. lr_mults: a learning-rate multiplier by parameter (default 1), applied as the
-    shape scale is (matrices of one shape and multiplier share a group).
-
-    rule="anvil" is ANVIL2's rule instead (see `anvil_rails`): ANVIL_MAPS for Polar Express (orthogonalize's
-    default), two momentum rails for one, and the decay gated on the slow rail's sign instead of the update's."""
+    of 2025-11-10) as ANVIL2 gates it: lr x weight_decay x p joins the update only where the slow rail has p's
+    sign (the public master's: where the update has), i.e. where the gradient's long average already moves the
+    entry toward zero; lr is the group's current (scheduled) lr, so the decay per step falls as lr^2. lr_mults: a
+    learning-rate multiplier by parameter (default 1), applied as the shape scale is (matrices of one shape and
+    multiplier share a group)."""
 
     def __init__(self, params, lr: float, momentum: float, rank: int = 0, world_size: int = 1,
                  orthogonalize=None, beta2: float = 0.0, weight_decay: float = 0.0,
-                 lr_mults: dict[nn.Parameter, float] | None = None, rule: str = "normuon", slow_beta: float = 0.0):
-        if rule not in MUON_RULES or (rule == "anvil" and not 0 < slow_beta < 1):
-            raise ValueError(f"Muon: rule={rule!r}, slow_beta={slow_beta}: a rule of {', '.join(MUON_RULES)}; anvil's "
-                             "slow rail needs a beta in (0, 1)")
+                 lr_mults: dict[nn.Parameter, float] | None = None, slow_beta: float = 0.98):
+        if not 0 < slow_beta < 1:
+            raise ValueError(f"Muon: slow_beta={slow_beta}: the slow rail needs a beta in (0, 1)")
         params, mult = list(params), (lr_mults or {}).get
         keys = sorted({(tuple(p.shape), mult(p, 1.0)) for p in params}, key=lambda k: (-math.prod(k[0]), k))
         groups = [{"params": [p for p in params if (tuple(p.shape), mult(p, 1.0)) == k], "lr_mult": k[1]} for k in keys]
-        defaults = dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay)
-        if rule == "anvil":  # the rails before they engage: the fast one is Muon's momentum (train_step sets both)
-            defaults.update(fast_beta=momentum, fast_weight=1.0, slow_beta=slow_beta)
+        # the rails before they engage: the fast one is Muon's momentum (train_step sets both)
+        defaults = dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay, fast_beta=momentum,
+                        fast_weight=1.0, slow_beta=slow_beta)
         super().__init__(groups, defaults)
-        self.rank, self.world_size, self.rule = rank, world_size, rule
-        self.orthogonalize = MUON_RULES[rule] if orthogonalize is None else orthogonalize
+        self.rank, self.world_size = rank, world_size
+        self.orthogonalize = anvil_orthogonalize if orthogonalize is None else orthogonalize
 
     def anvil_rails(self, group, owned: list[Tensor], fast: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
         """ANVIL's twin momentum rails (ANVIL2, record #92: `anvil_cascade` in its train_gpt.py): a fast rail (the
@@ -2162,7 +2138,6 @@ class Muon(torch.optim.Optimizer):
             params = group["params"]
             per_rank, first = self._owned(group)
             owned = params[first: first + per_rank]
-            momentum = group["momentum"]
             bufs = []
             for p in owned:
                 state = self.state[p]
@@ -2174,11 +2149,7 @@ class Muon(torch.optim.Optimizer):
                 # Multi-tensor (foreach) ops: one pass over all of the group's matrices, not one kernel per
                 # matrix plus a stacked copy of the buffers
                 grads = list(grad.unbind(0))
-                if self.rule == "anvil":
-                    slow = self.anvil_rails(group, owned, bufs, grads)
-                else:
-                    torch._foreach_lerp_(bufs, grads, 1 - momentum)  # momentum
-                    torch._foreach_lerp_(grads, bufs, momentum)  # Nesterov, in place in the stacked grad
+                slow = self.anvil_rails(group, owned, bufs, grads)  # the look-ahead, in place in the stacked grad
                 update = self.orthogonalize(grad)
                 if group["beta2"]:
                     update = self.normalize_neurons(update, owned, group["beta2"])
@@ -2186,9 +2157,8 @@ class Muon(torch.optim.Optimizer):
                 scale = max(1, shape[-2] / shape[-1]) ** 0.5 * group["lr_mult"]
                 lr, decay = group["lr"], group["lr"] * group["weight_decay"]
                 updates = list(update.to(owned[0].dtype).unbind(0))
-                if decay:  # cautious: where the update has p's sign (ANVIL: where its slow rail has)
-                    gates = slow if self.rule == "anvil" else updates
-                    updates = [u + decay * p * (s * p >= 0) for p, u, s in zip(owned, updates, gates)]
+                if decay:  # cautious: where the slow rail has p's sign
+                    updates = [u + decay * p * (s * p >= 0) for p, u, s in zip(owned, updates, slow)]
                 torch._foreach_add_(owned, updates, alpha=-lr * scale)
             if W > 1:
                 out = torch.empty(per_rank * W, *params[0].shape, dtype=params[0].dtype, device=params[0].device)
@@ -2853,7 +2823,7 @@ class Schedule:
         return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum
 
     def anvil_rails(self, step: int) -> tuple[float, float]:
-        """muon_rule anvil's fast rail at a step: its beta and its weight in the blend with the slow rail. Muon's
+        """Muon's fast rail at a step: its beta and its weight in the blend with the slow rail. Muon's
         momentum and weight 1 (the slow rail unread) until anvil_rails' fraction of num_iterations, then the fixed
         ones (ANVIL2's train_gpt.py: `step_optimizers`, `_RAIL_ENGAGE_STEP`)."""
         _, weight, beta, engage = self.args.anvil_rails
@@ -3315,7 +3285,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     mults = {p: m for mlp in mlps for p, m in ((mlp.fc_w, fc), (mlp.proj_w, proj))}
     muon = Muon(groups["block matrices"], lr=args.muon_lr, momentum=args.muon_momentum, rank=rank,
                 world_size=world_size, orthogonalize=orthogonalize, beta2=args.muon_beta2,
-                weight_decay=args.muon_weight_decay, lr_mults=mults, rule=args.muon_rule, slow_beta=args.anvil_rails[0])
+                weight_decay=args.muon_weight_decay, lr_mults=mults, slow_beta=args.anvil_rails[0])
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
@@ -3477,8 +3447,8 @@ def memory_estimate(model: GPT, args: Hyperparameters, world_size: int) -> dict[
     return sums | {
         "weights + grads": 2 * sum(p.numel() * p.element_size() for p in model.parameters()
                                    if all(p is not q for q in table)),
-        # fp32 Adam moments, fp32 Muon momentum (ANVIL: two rails)
-        "optimizer shards": (8 * adam + (8 if args.muon_rule == "anvil" else 4) * muon) // world_size,
+        # fp32 Adam moments, Muon's two fp32 momentum rails
+        "optimizer shards": (8 * adam + 8 * muon) // world_size,
         # bf16 logits, then a fp32 soft-capped copy and a bf16 gradient, or (fused) two FP8 gradients
         "logits": (4 if model.kernels.fused_ce else 8) * args.seq_len * args.vocab_size,
         # Tensors kept for the backward, bf16 per token per block: ~8 of model_dim (norms, q, k, v, attention
@@ -3700,6 +3670,9 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
     if meta["args"].get("inject_after_attn") is False:  # the field deleted: its True is the one order built now
         diff.append("inject_after_attn: checkpoint False (x0 and the n-gram term before a block's attention), now "
                     "always after it")
+    if meta["args"].get("muon_rule", "anvil") != "anvil":  # the field deleted: ANVIL's is the one rule now
+        diff.append(f"muon_rule: checkpoint {meta['args']['muon_rule']!r} (Polar Express, one momentum: no slow rail "
+                    "to resume), now always ANVIL's")
     if diff:
         raise ValueError(f"{path} holds a different model: " + "; ".join(diff))
     if meta["code_hash"] != code_hash():
@@ -3868,7 +3841,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
             raise ValueError(f"the prefix-token loss (a stage's prefix > 0) is for GPT-2 tokens: vocab_size="
                              f"{args.vocab_size} is below GPT-2's {len(vocab)}; set the stages' prefix to 0")
         model.prefix_ids = prefix_table(vocab, args.vocab_size).to(device)
-    orthogonalize, update, compiled = MUON_RULES[args.muon_rule], adam_update, model
+    orthogonalize, update, compiled = anvil_orthogonalize, adam_update, model
     row_update, segment = row_adam_update, segment_sum
     if args.compile:
         # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final
@@ -3925,8 +3898,7 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
             group["lr"] = group["initial_lr"] * schedule.lr_factor(step, stage)
     for group in muon.param_groups:
         group["momentum"] = schedule.momentum(step)
-        if muon.rule == "anvil":
-            group["fast_beta"], group["fast_weight"] = schedule.anvil_rails(step)
+        group["fast_beta"], group["fast_weight"] = schedule.anvil_rails(step)
     stepping = (muon, adam) if schedule.adam_steps_at(step) else (muon,)
     if adam in stepping:
         model.flush_table_grads()  # the token tables' gradients summed since Adam's last step

@@ -1,5 +1,5 @@
-"""ANVIL, the opt-in Muon update rule of the public record ANVIL2 (muon_rule anvil): its maps, its two momentum rails,
-its decay gated on the slow rail, finite in bf16 on degenerate gradients, on one process and two, through a run and a
+"""ANVIL, Muon's update rule, the public record ANVIL2's: its maps, its two momentum rails, its decay gated on the
+slow rail, finite in bf16 on degenerate gradients, on one process and two, through a run and a
 resume. The references here are written from the formulas, in float64."""
 import functools
 import math
@@ -58,7 +58,7 @@ def test_anvil_orthogonalize_is_the_float64_reference_and_near_orthogonal(shape)
     torch.testing.assert_close(out.double(), reference_orthogonalize(G), rtol=0, atol=2e-5)
     s = torch.linalg.svdvals(out.double())
     assert 0.99 < s.min() and s.max() < 1.001, (s.min().item(), s.max().item())
-    assert tg.MUON_RULES["anvil"] is tg.anvil_orthogonalize
+    assert tg.Muon([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.1, momentum=0.9).orthogonalize is tg.anvil_orthogonalize
 
 
 def degenerate_matrices():
@@ -98,7 +98,7 @@ def test_degenerate_gradients_orthogonalize_to_finite_matrices_in_bf16_where_anv
 
 
 def anvil_muon(params, **kw):
-    kw = {"lr": 0.1, "momentum": 0.9, "rule": "anvil", "slow_beta": SLOW_BETA, **kw}
+    kw = {"lr": 0.1, "momentum": 0.9, "slow_beta": SLOW_BETA, **kw}
     return tg.Muon(params, **kw)
 
 
@@ -194,29 +194,26 @@ def test_the_decay_is_lr_squared_wd_p_exactly_where_the_slow_rail_has_ps_sign():
     assert torch.equal(decayed[~gate], plain[~gate])
 
 
-def test_before_the_rails_engage_anvils_momentum_is_muons_and_after_it_is_not():
-    """With fast weight 1 and the fast beta at the momentum, the blend is the fast rail: the same orthogonalizer
-    gives NorMuon's steps bit for bit (the slow rail accumulates, unread); engaged, the steps differ."""
-    shape = (48, 16)
+def test_before_the_rails_engage_the_step_is_nesterov_momentum_and_after_it_is_not():
+    """With fast weight 1 and the fast beta at the momentum, the blend is the fast rail: through an identity
+    orthogonalizer the step is Muon's Nesterov momentum, g lerped toward buf <- lerp(buf, g, 1 - mu) by mu, to the
+    last bits (the slow rail accumulates, unread); engaged, the steps differ from it."""
+    shape, scale = (48, 16), 3**0.5
     grads = gradients(shape, 4)
-    runs = []
-    for rule in ("normuon", "anvil"):
-        p = torch.nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(3)))
-        muon = tg.Muon([p], lr=0.05, momentum=0.9, beta2=0.9, orthogonalize=tg.polar_express, rule=rule,
-                       slow_beta=SLOW_BETA)
-        path = []
-        for g, rails in zip(grads, RAILS):
-            if rule == "anvil":
-                set_rails(muon, *rails)
-            else:
-                muon.param_groups[0]["momentum"] = rails[0]
-            p.grad = g.clone()
-            muon.step()
-            path.append(p.detach().clone())
-        runs.append(path)
-    normuon, anvil = runs
-    assert torch.equal(normuon[0], anvil[0]) and torch.equal(normuon[1], anvil[1])
-    assert (normuon[2] - anvil[2]).abs().max() > 1e-4
+    p0 = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+    p = torch.nn.Parameter(p0.clone())
+    muon = anvil_muon([p], lr=1.0, orthogonalize=lambda g: g)
+    buf, plain = torch.zeros(shape), p0.clone()
+    for step, (g, rails) in enumerate(zip(grads, RAILS)):
+        set_rails(muon, *rails)
+        p.grad = g.clone()
+        muon.step()
+        buf = buf.lerp(g, 1 - rails[0])
+        plain = plain - scale * g.lerp(buf, rails[0])
+        if step < 2:
+            torch.testing.assert_close(p.detach(), plain, rtol=0, atol=1e-6)
+    assert (p.detach() - plain).abs().max() > 1e-2
+    assert muon.state[p]["slow_rail"].abs().sum() > 0
 
 
 def test_an_anvil_muon_stays_finite_on_degenerate_gradients_in_bf16():
@@ -240,55 +237,62 @@ def test_an_anvil_muon_stays_finite_on_degenerate_gradients_in_bf16():
 
 
 def test_the_rails_schedule_engages_at_its_fraction_of_the_run(tiny_args):
-    args = tiny_args(muon_rule="anvil", num_iterations=20)  # engaged from 0.43 x 20 = 8.6: step 9
+    args = tiny_args(num_iterations=20)  # engaged from 0.43 x 20 = 8.6: step 9
     schedule = tg.Schedule(args)
     assert [schedule.anvil_rails(s) for s in (0, 8)] == [(schedule.momentum(0), 1.0), (schedule.momentum(8), 1.0)]
     assert schedule.anvil_rails(9) == schedule.anvil_rails(19) == (FAST_BETA, FAST_WEIGHT) == (0.85, 0.4385)
     assert SLOW_BETA == 0.98
 
 
-def test_the_rule_and_rails_are_fields_with_cli_flags_built_into_muon_and_checked(tiny_args):
-    args = tg.parse_args(["--muon_rule", "anvil", "--muon_weight_decay", "2.25", "--anvil_rails", "0.97,0.5,0.8,0.4"])
-    assert (args.muon_rule, args.muon_weight_decay, args.anvil_rails) == ("anvil", 2.25, (0.97, 0.5, 0.8, 0.4))
-    assert tg.parse_args([]).muon_rule == "anvil"  # the record preset's rule
-    assert all(tg.parse_args(["--preset", name]).muon_rule == "anvil" for name in tg.PRESETS)
+def test_the_rails_are_a_field_with_a_cli_flag_built_into_muon_and_checked(tiny_args, tmp_path):
+    args = tg.parse_args(["--muon_weight_decay", "2.25", "--anvil_rails", "0.97,0.5,0.8,0.4"])
+    assert (args.muon_weight_decay, args.anvil_rails) == (2.25, (0.97, 0.5, 0.8, 0.4))
     model = tg.GPT(tg.ModelConfig.from_args(tiny_args()))
-    _, muon = tg.build_optimizers(model, tiny_args(muon_rule="anvil"), 0, 1)
-    assert muon.rule == "anvil" and muon.orthogonalize is tg.anvil_orthogonalize
+    _, muon = tg.build_optimizers(model, tiny_args(), 0, 1)
+    assert muon.orthogonalize is tg.anvil_orthogonalize
     assert all(g["slow_beta"] == 0.98 and g["fast_weight"] == 1.0 for g in muon.param_groups)
-    _, muon = tg.build_optimizers(model, tiny_args(muon_rule="normuon"), 0, 1)
-    assert muon.rule == "normuon" and muon.orthogonalize is tg.polar_express and "slow_beta" not in muon.defaults
-    with pytest.raises(ValueError, match="muon_rule='adamw': choose one of normuon, anvil"):
-        tiny_args(muon_rule="adamw")
+    _, muon = tg.build_optimizers(model, tiny_args(anvil_rails=(0.97, 0.5, 0.8, 0.4)), 0, 1)
+    assert all(g["slow_beta"] == 0.97 for g in muon.param_groups)
     for bad in [(0.98, 0.4385, 0.85), (1.0, 0.4, 0.85, 0.4), (0.98, 1.5, 0.85, 0.4), (0.98, 0.4, 0.85, -0.1)]:
         with pytest.raises(ValueError, match="anvil_rails=.*four numbers"):
             tiny_args(anvil_rails=bad)
-    with pytest.raises(ValueError, match="rule='anvil', slow_beta=0.0"):
-        tg.Muon([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.1, momentum=0.9, rule="anvil")
+    with pytest.raises(ValueError, match="slow_beta=0.0: the slow rail needs a beta in"):
+        tg.Muon([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.1, momentum=0.9, slow_beta=0.0)
+    # the public master's rule (muon_rule normuon, deleted): its checkpoints have no slow rail to resume
+    run = tg.train(tiny_args(**FAST, num_iterations=2, val_every=0, save_every=2, run_id="m",
+                             checkpoint_dir=str(tmp_path)))
+    meta = torch.load(Path(run.checkpoint) / "model.pt", weights_only=True)
+    assert "muon_rule" not in meta["args"]
+    meta["args"]["muon_rule"] = "normuon"
+    torch.save(meta, Path(run.checkpoint) / "model.pt")
+    with pytest.raises(ValueError, match="muon_rule: checkpoint 'normuon' .* now always ANVIL's"):
+        tg.load_checkpoint(Path(run.checkpoint), None, [], tiny_args(), 0, 1, print)
 
 
 def test_a_tiny_model_learns_with_anvil_and_the_loop_engages_the_rails(tiny_args, monkeypatch):
-    """20 steps of the tiny record model with --muon_rule anvil: the loss falls, the steps are ANVIL's (not
-    NorMuon's losses), and train_step hands the rails their schedule (weight 1, then engaged from step 9)."""
+    """20 steps of the tiny record model: the loss falls, train_step hands the rails their schedule (weight 1, then
+    engaged from step 9), and the engaged rails change the run: with them never engaging (fraction 1), the losses
+    are the same up to step 9 and differ after."""
     seen, rails = [], tg.Muon.anvil_rails
 
     def spy(self, group, owned, fast, grads):
         seen.append((group["fast_beta"], group["fast_weight"]))
         return rails(self, group, owned, fast, grads)
     monkeypatch.setattr(tg.Muon, "anvil_rails", spy)
-    run = tg.train(tiny_args(**FAST, muon_rule="anvil", muon_weight_decay=2.25, val_every=0))
+    run = tg.train(tiny_args(**FAST, muon_weight_decay=2.25, val_every=0))
     assert all(math.isfinite(x) for x in run.train_losses) and len(run.train_losses) == 20
     assert run.val_losses[-1][1] < run.train_losses[0] - 0.4, (run.train_losses[0], run.val_losses)
     weights = sorted({w for _, w in seen})
     assert weights == [FAST_WEIGHT, 1.0] and seen[-1] == (FAST_BETA, FAST_WEIGHT)
-    normuon = tg.train(tiny_args(**FAST, muon_rule="normuon", muon_weight_decay=2.25, val_every=0, run_id="normuon"))
-    assert normuon.train_losses[:1] == run.train_losses[:1] and normuon.train_losses != run.train_losses
+    never = tg.train(tiny_args(**FAST, muon_weight_decay=2.25, val_every=0, run_id="never",
+                               anvil_rails=(SLOW_BETA, FAST_WEIGHT, FAST_BETA, 1.0)))
+    assert never.train_losses[:10] == run.train_losses[:10] and never.train_losses[10:] != run.train_losses[10:]
 
 
 def test_a_resumed_anvil_run_matches_an_uninterrupted_one_and_its_checkpoint_holds_both_rails(tiny_args, tmp_path):
     """Checkpoint at step 4, the rails engaged from step 4 (0.43 x 8 = 3.44): the resumed run continues step for
     step, which it can only with the slow rail restored."""
-    kw = dict(FAST, num_iterations=8, val_every=4, muon_rule="anvil", muon_weight_decay=2.25)
+    kw = dict(FAST, num_iterations=8, val_every=4, muon_weight_decay=2.25)
     full = tg.train(tiny_args(**kw, save_every=4, run_id="full", checkpoint_dir=str(tmp_path / "ck")))
     step4 = tmp_path / "ck" / "full" / "step_000004"
     states = torch.load(step4 / "rank0.pt", weights_only=True)["optimizers"][1]["state"]
@@ -310,7 +314,7 @@ def _two_rank_worker(rank, world_size, out):
 def _anvil_steps(rank, world_size):
     """Four ANVIL steps (two engaged) on the tiny model's block matrices, every rank its own gradients (one process:
     their sum, as the reduce-scatter sums them); returns the parameters."""
-    args = tg.Hyperparameters(**TINY, muon_rule="anvil", muon_weight_decay=2.25)
+    args = tg.Hyperparameters(**TINY, muon_weight_decay=2.25)
     torch.manual_seed(0)
     model = tg.GPT(tg.ModelConfig.from_args(args))
     _, muon = tg.build_optimizers(model, args, rank, world_size)

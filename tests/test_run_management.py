@@ -451,7 +451,7 @@ def test_resume_on_two_processes_matches_uninterrupted(tiny_args, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("features", [{}, DECAYED_TABLES, dict(ngram_sparse_adam=True, trigram_rows=512),
-                                      dict(muon_rule="anvil", anvil_rails=(0.98, 0.4385, 0.85, 0.2))],
+                                      dict(anvil_rails=(0.98, 0.4385, 0.85, 0.2))],
                          ids=["plain", "decayed_tables", "sharded_ngram_table", "anvil_engaged_at_step_2"])
 def test_a_checkpoint_resumes_on_another_number_of_processes_as_it_would_have_gone_on(tiny_args, tmp_path, features):
     """Written on 2 processes, resumed on 1 (and back: written on 1, resumed on 2): the optimizer
