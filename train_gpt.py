@@ -3658,6 +3658,12 @@ def read_checkpoint_file(path: Path) -> dict:
     return content
 
 
+# Fields deleted since checkpoints stored them: the one value built now, what another value meant, and what is built
+RETIRED_FIELDS = {
+    "inject_after_attn": (True, "x0 and the n-gram term before a block's attention", "always after it"),
+    "muon_rule": ("anvil", "Polar Express, one momentum: no slow rail to resume", "always ANVIL's")}
+
+
 def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, rank: int, world_size: int, log):
     """Restore weights and this rank's optimizer shards; return (step, data position, training ms).
     Refuses a checkpoint of another model shape, naming what differs. A checkpoint of another world
@@ -3669,12 +3675,9 @@ def load_checkpoint(path: Path, model: GPT, optimizers, args: Hyperparameters, r
     diff = [f"{k}: checkpoint {then[k]!r}, now {now[k]!r}" if k in then else
             f"{k}: not a field when the checkpoint was written, now {now[k]!r}"
             for k in MODEL_FIELDS if then.get(k) != now[k] and (k in then or k != "mlp_hidden")]
-    if meta["args"].get("inject_after_attn") is False:  # the field deleted: its True is the one order built now
-        diff.append("inject_after_attn: checkpoint False (x0 and the n-gram term before a block's attention), now "
-                    "always after it")
-    if meta["args"].get("muon_rule", "anvil") != "anvil":  # the field deleted: ANVIL's is the one rule now
-        diff.append(f"muon_rule: checkpoint {meta['args']['muon_rule']!r} (Polar Express, one momentum: no slow rail "
-                    "to resume), now always ANVIL's")
+    for k, (kept, was, now) in RETIRED_FIELDS.items():
+        if meta["args"].get(k, kept) != kept:
+            diff.append(f"{k}: checkpoint {meta['args'][k]!r} ({was}), now {now}")
     if diff:
         raise ValueError(f"{path} holds a different model: " + "; ".join(diff))
     if meta["code_hash"] != code_hash():
