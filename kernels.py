@@ -967,8 +967,23 @@ def _fa4_forward(q, k, v, cu_seqlens, max_seqlen, window, scale):
     return out, lse
 
 
+def _fa4_sm90_tiles_by_wider_width():
+    """FA4 (4.0.0b36) picks its SM90 backward tile by Q's head width alone. For Q/K at 64 with V at 128 that is the
+    128 x 128 tile of d = 64, whose 248,832 bytes of shared memory exceed an H100/H200's 232,448: the launch fails
+    (seen on an H200). Choose the tile by the wider of the two widths, the tile FA4 uses for (128, 128)."""
+    from flash_attn.cute import interface
+    pick = getattr(interface, "_tile_size_bwd_sm90", None)  # absent in a later FA4: it then chooses on its own
+    if pick is not None and not getattr(pick, "by_wider_width", False):
+        def by_wider(head_dim, head_dim_v, *args, **kwargs):
+            return pick(max(head_dim, head_dim_v), head_dim_v, *args, **kwargs)
+        by_wider.by_wider_width = True
+        interface._tile_size_bwd_sm90 = by_wider
+
+
 def _fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, window, scale):
     from flash_attn.cute.interface import _flash_attn_bwd
+    if q.shape[-1] < v.shape[-1]:
+        _fa4_sm90_tiles_by_wider_width()
     dq, dk, dv = _flash_attn_bwd(
         q, k, v, out, grad_out, lse, softmax_scale=scale, causal=True, window_size_left=window,
         window_size_right=0, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,

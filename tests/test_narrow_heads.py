@@ -433,3 +433,34 @@ def test_the_flash_ops_fake_output_has_vs_width_and_the_model_leaves_qk_unpadded
     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     for x1, x2 in zip(ga, gb):
         torch.testing.assert_close(x1, x2, rtol=1e-10, atol=1e-12)
+
+
+def test_fa4s_sm90_backward_tile_is_chosen_by_the_wider_width_once_and_only_where_they_differ(monkeypatch):
+    """FA4 4.0.0b36 picks its SM90 backward tile by Q's width alone; for (64,128) that tile's shared memory is over an
+    H200's limit (the launch failed there). kernels wraps the picker once, so that it sees the wider width: (64,128)
+    gets (128,128)'s tile, equal widths keep theirs, a second call does not wrap again, and an FA4 without the picker is
+    left alone. Checked on a stand-in module: the choice, not the kernel."""
+    import sys
+    import types
+    import kernels
+    seen = []
+    def pick(head_dim, head_dim_v, causal, local, sparse_block_size_q=None):
+        seen.append((head_dim, head_dim_v))
+        return f"tile for {head_dim}"
+    interface = types.SimpleNamespace(_tile_size_bwd_sm90=pick)
+    cute = types.ModuleType("flash_attn.cute")
+    cute.interface = interface
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    kernels._fa4_sm90_tiles_by_wider_width()
+    wrapped = interface._tile_size_bwd_sm90
+    assert wrapped is not pick
+    assert wrapped(64, 128, True, True) == "tile for 128" and seen[-1] == (128, 128)
+    assert wrapped(64, 64, True, True, sparse_block_size_q=None) == "tile for 64" and seen[-1] == (64, 64)
+    assert wrapped(128, 128, True, False) == "tile for 128"
+    kernels._fa4_sm90_tiles_by_wider_width()
+    assert interface._tile_size_bwd_sm90 is wrapped  # not wrapped twice
+    del interface._tile_size_bwd_sm90
+    kernels._fa4_sm90_tiles_by_wider_width()  # a later FA4 without the picker: nothing to do, no error
+    assert not hasattr(interface, "_tile_size_bwd_sm90")
