@@ -3,7 +3,7 @@
 
     python bench/side_by_side.py --public PATH/TO/modded-nanogpt \\
         --train_files "DIR/fineweb_train_*.bin" --val_files "DIR/fineweb_val_*.bin" \\
-        [--public_code master|89|mudd-base|mudd-v1] [--public_commit HASH] [--public_attention fa3|varlen] \\
+        [--public_code master|89|mudd-base|mudd-v1] [--public_commit HASH] [--public_attention fa3|fa4|varlen] \\
         [--batch_div 16] [--step_div 1] [--accum N] [--val_every 125] [--seeds 0 1 2] [--public_seeds 0 1 2] \\
         [--nproc 1|2|4|8 (GPUs per run, one run at a time; at --batch_div 1 --accum defaults to 8 // nproc)] \\
         [--ours_args "FLAGS"] [--variant NAME "FLAGS" ...] [--parallel [--stagger] | --warm_first] [--alternate] \\
@@ -347,29 +347,60 @@ def _load_fa3():
 if BACKEND == "fa3":
     print(f"harness attention: FlashAttention-3 from {{_load_fa3()}}", flush=True)
 
-    @torch.library.custom_op("harness_attention::fa3", mutates_args=())
-    def _fa3(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int, window: int,
-             scale: float) -> tuple[Tensor, Tensor]:
+    def _forward(q, k, v, cu, max_seqlen, window, scale):
         out, lse, *_ = torch.ops.flash_attn_3.fwd(
             q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
             softmax_scale=scale, is_causal=True, window_size_left=window, window_size_right=0, num_splits=1)
+        return out, lse
+
+    def _backward(g, q, k, v, out, lse, cu, max_seqlen, window, scale):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        torch.ops.flash_attn_3.bwd(
+            g, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen,
+            max_seqlen_k=max_seqlen, softmax_scale=scale, is_causal=True, window_size_left=window,
+            window_size_right=0)
+        return dq, dk, dv
+elif BACKEND == "fa4":
+    try:
+        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+    except ImportError:
+        raise SystemExit("harness attention fa4: flash-attn-4 is not installed; pip install -r "
+                         "requirements-hopper.txt, or run the harness with --public_attention varlen")
+    print("harness attention: FlashAttention-4 (flash-attn-4's kernels)", flush=True)
+
+    def _forward(q, k, v, cu, max_seqlen, window, scale):
+        out, lse, *_ = _flash_attn_fwd(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+            softmax_scale=scale, causal=True, window_size_left=None if window < 0 else window, window_size_right=0,
+            return_lse=True)
+        return out, lse
+
+    def _backward(g, q, k, v, out, lse, cu, max_seqlen, window, scale):
+        return _flash_attn_bwd(
+            q, k, v, out, g, lse, softmax_scale=scale, causal=True, window_size_left=None if window < 0 else window,
+            window_size_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen,
+            max_seqlen_k=max_seqlen)[:3]
+else:
+    print("harness attention: PyTorch varlen_attn (FlashAttention-2 kernels)", flush=True)
+
+if BACKEND in ("fa3", "fa4"):  # the library's kernels as a custom op with a fake and a backward
+    @torch.library.custom_op(f"harness_attention::{{BACKEND}}", mutates_args=())
+    def _attend(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int, window: int,
+                scale: float) -> tuple[Tensor, Tensor]:
+        out, lse = _forward(q, k, v, cu, max_seqlen, window, scale)
         return out.contiguous(), lse.contiguous()
 
-    @_fa3.register_fake
+    @_attend.register_fake
     def _(q, k, v, cu, max_seqlen, window, scale):
         return q.new_empty(q.shape), q.new_empty(q.size(1), q.size(0), dtype=torch.float32)
 
-    @torch.library.custom_op("harness_attention::fa3_backward", mutates_args=())
-    def _fa3_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu: Tensor,
-                      max_seqlen: int, window: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        torch.ops.flash_attn_3.bwd(
-            g.contiguous(), q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen,
-            max_seqlen_k=max_seqlen, softmax_scale=scale, is_causal=True, window_size_left=window,
-            window_size_right=0)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    @torch.library.custom_op(f"harness_attention::{{BACKEND}}_backward", mutates_args=())
+    def _attend_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu: Tensor,
+                         max_seqlen: int, window: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        return tuple(x.contiguous() for x in _backward(g.contiguous(), q, k, v, out, lse, cu, max_seqlen, window,
+                                                       scale))
 
-    @_fa3_backward.register_fake
+    @_attend_backward.register_fake
     def _(g, q, k, v, out, lse, cu, max_seqlen, window, scale):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -380,11 +411,9 @@ if BACKEND == "fa3":
 
     def _grad(ctx, g, g_lse):
         q, k, v, cu, out, lse = ctx.saved_tensors
-        return *_fa3_backward(g, q, k, v, out, lse, cu, *ctx.static), None, None, None, None
+        return *_attend_backward(g, q, k, v, out, lse, cu, *ctx.static), None, None, None, None
 
-    _fa3.register_autograd(_grad, setup_context=_setup)
-else:
-    print("harness attention: PyTorch varlen_attn (FlashAttention-2 kernels)", flush=True)
+    _attend.register_autograd(_grad, setup_context=_setup)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
@@ -392,8 +421,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """The keyword call of the public script: causal, one cu_seqlens for queries and keys, a left window."""
     assert causal and cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k
     left = -1 if window_size[0] is None else window_size[0]
-    if BACKEND == "fa3":
-        return _fa3(q, k, v, cu_seqlens_q, max_seqlen_q, left, softmax_scale)[0]
+    if BACKEND in ("fa3", "fa4"):
+        return _attend(q, k, v, cu_seqlens_q, max_seqlen_q, left, softmax_scale)[0]
     from torch.nn.attention.varlen import varlen_attn
     return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
                        window_size=(left, 0))
@@ -406,8 +435,8 @@ PATCHES = [
      "`get_kernel('kernels-community/flash-attn3')`; in the MUDD folder's scripts the forms of MUDD_HUB_LOADERS) "
      "is replaced by harness_attention.py, a custom op over "
      "FA3 from xformers==0.0.34 (num_splits=1: the default of FA3's Python interface, whose flash_attn_varlen_func "
-     "the public code calls; the raw op's default splits the keys and adds a combine kernel) or PyTorch's "
-     "varlen_attn (--public_attention); the hub is unreachable here"),
+     "the public code calls; the raw op's default splits the keys and adds a combine kernel), FA4 (flash-attn-4) or "
+     "PyTorch's varlen_attn (--public_attention); the hub is unreachable here"),
     ("fp8_scale_alignment", "the per-layer FP8 scales that reach torch._scaled_mm (`_mlp_down_proj_scales[i:i+1]`, "
      "`_mlp_down_act_scales[i:i+1]`) are gathered into fresh one-element tensors (`[[i]]`): cuBLASLt under CUDA 13 "
      "refuses a scale whose address is not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED), which the slices "
@@ -1000,8 +1029,8 @@ def main():
     p.add_argument("--public", required=True, type=Path, help="a checkout of KellerJordan/modded-nanogpt")
     p.add_argument("--public_code", choices=["master", "89", *RECORD_MD5], default="master")
     p.add_argument("--public_commit", default=PUBLIC_MASTER, help="the commit --public_code master runs")
-    p.add_argument("--public_attention", choices=["fa3", "varlen"], default="fa3",
-                   help="the public code's attention (FA3 of xformers==0.0.34, or PyTorch's varlen); "
+    p.add_argument("--public_attention", choices=["fa3", "fa4", "varlen"], default="fa3",
+                   help="the public code's attention (FA3 of xformers==0.0.34, FA4 of flash-attn-4, or PyTorch's varlen); "
                         "ours gets --attention of the same kernels")
     p.add_argument("--train_files", required=True)
     p.add_argument("--val_files", required=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 import re
 
 import numpy as np
+import torch
 import pytest
 
 import train_gpt as tg
@@ -346,6 +347,73 @@ def test_every_patch_of_the_master_script_is_applied():
     compile(files["harness_attention.py"], "harness_attention.py", "exec")
     assert "BACKEND = 'fa3'" in files["harness_attention.py"] and "num_splits=1" in files["harness_attention.py"]
 
+
+
+def test_the_fa4_stand_in_passes_the_public_calls_arguments_to_flash_attn_4s_kernels_in_their_order(monkeypatch):
+    """--public_attention fa4: the staged harness_attention.py runs the public code's flash_attn_varlen_func through
+    FA4's own forward and backward functions. Stood in here by attention computed by hand (causal, a left window,
+    documents from cu_seqlens), so the output and the input gradients must equal that attention's under autograd;
+    a swapped argument (out for dout, window -1 for None) or a dropped document boundary would not."""
+    import types
+    def attend(q, k, v, cu, window):  # (T, H, D) per document, causal, `window` keys back (None: all)
+        out, lse = torch.zeros_like(q), torch.zeros(q.size(1), q.size(0))
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            i = torch.arange(b - a)
+            mask = (i[None, :] <= i[:, None]) & ((i[:, None] - i[None, :] <= window) if window is not None else True)
+            s = torch.einsum("thd,shd->hts", q[a:b], k[a:b]) * SCALE
+            s = s.masked_fill(~mask, float("-inf"))
+            out[a:b] = torch.einsum("hts,shd->thd", s.softmax(-1), v[a:b])
+            lse[:, a:b] = s.logsumexp(-1)
+        return out, lse
+    calls = []
+    def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+            window_size_left, window_size_right, return_lse):
+        assert cu_seqlens_q is cu_seqlens_k and causal and window_size_right == 0 and return_lse
+        assert softmax_scale == SCALE and max_seqlen_q == max_seqlen_k == 6
+        calls.append(window_size_left)
+        with torch.no_grad():
+            return attend(q, k, v, cu_seqlens_q, window_size_left)
+    def bwd(q, k, v, out, dout, lse, *, softmax_scale, causal, window_size_left, window_size_right, cu_seqlens_q,
+            cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        assert torch.equal(out, attend(q, k, v, cu_seqlens_q, window_size_left)[0])  # out, then dout
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)  # by hand: autograd is off in ops
+        for a, b in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
+            s = torch.einsum("thd,shd->hts", q[a:b], k[a:b]) * softmax_scale
+            p = (s - lse[:, a:b, None]).exp()  # masked entries: softmax of -inf rows is 0 through the mask below
+            i = torch.arange(b - a)
+            w = window_size_left
+            p = p * ((i[None, :] <= i[:, None]) & ((i[:, None] - i[None, :] <= w) if w is not None else True))
+            dv[a:b] = torch.einsum("hts,thd->shd", p, dout[a:b])
+            dp = torch.einsum("thd,shd->hts", dout[a:b], v[a:b])
+            ds = p * (dp - (dout[a:b] * out[a:b]).sum(-1).T[:, :, None])
+            dq[a:b] = torch.einsum("hts,shd->thd", ds, k[a:b]) * softmax_scale
+            dk[a:b] = torch.einsum("hts,thd->shd", ds, q[a:b]) * softmax_scale
+        return dq, dk, dv, None
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_fwd, interface._flash_attn_bwd = fwd, bwd
+    for name, module in (("flash_attn", types.ModuleType("flash_attn")),
+                         ("flash_attn.cute", types.ModuleType("flash_attn.cute")),
+                         ("flash_attn.cute.interface", interface)):
+        monkeypatch.setitem(sys.modules, name, module)
+    sys.modules["flash_attn.cute"].interface = interface
+    stand_in = {"__name__": "harness_attention_fa4_test"}
+    exec(compile(fh.ATTENTION_MODULE.format(backend="fa4"), "harness_attention.py", "exec"), stand_in)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(10, 2, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    for window, expect in ((-1, None), (3, 3)):
+        out = stand_in["flash_attn_varlen_func"](q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6,
+                                                 max_seqlen_k=6, causal=True, softmax_scale=SCALE,
+                                                 window_size=(window, 0))
+        assert calls[-1] == expect
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        ref = attend(*leaves, cu, expect)[0]
+        torch.testing.assert_close(out, ref)
+        dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, leaves, dout))
+
+
+SCALE = 0.3
 
 def test_step_div_scales_the_step_counts_and_step_constants():
     s = fh.patch_public(master_code(), accum=8, batch_div=1, step_div=16, **STAGING)["train_gpt.py"]
