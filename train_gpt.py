@@ -228,10 +228,10 @@ class Hyperparameters:
     # tokens, 0.886x the step on one H200 (bench/results/learning_decisions.md). Learning rates x 1.3 in every stage
     # (the public line's 1.52 / 1.73 at 262K / 393K tokens a step, #89 and ANVIL2; on the proxy 1.3 beat 1, 1.6, 2, 2.5)
     stages: tuple[Stage, ...] = (  # the schedule table: batch, document cut, window, lr, MTP per stage
-        #     window  documents cut at  lr     targets t+2, t+3  prefix-token weight  sampled softmax's rows
-        Stage(3,      doc_len=896,      lr=1.3, mtp=(0.5, 0.25),  prefix=0.25,         candidates=16384),
-        Stage(7,      doc_len=2048,     lr=1.3, mtp=(0.5, 0.0),   prefix=0.25,         candidates=14336),
-        Stage(11,     doc_len=2048,     lr=1.3, mtp=(0.0, 0.0),   prefix=0.0,          candidates=12288))
+        #     window  documents cut at  lr       targets t+2, t+3  prefix-token weight  sampled softmax's rows
+        Stage(3,      doc_len=896,      lr=1.3,  mtp=(0.5, 0.25),  prefix=0.25,         candidates=16384),
+        Stage(7,      doc_len=2048,     lr=1.3,  mtp=(0.5, 0.0),   prefix=0.25,         candidates=14336),
+        Stage(11,     doc_len=2048,     lr=1.3,  mtp=(0.0, 0.0),   prefix=0.0,          candidates=12288))
     extension_steps: int = 20  # last steps, after the cooldown: final learning rate, long window extension_window (09/21/25)
     extension_window: int = 13  # long window of the extension, in blocks
     # ANVIL2's terminal batch taper (record #92, 08/30/26) ends in its extension at 131,072 of 393,216 tokens a step,
