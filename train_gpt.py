@@ -214,6 +214,10 @@ class Hyperparameters:
     # moves the dims rotary leaves alone, which a narrow head has none of
     narrow_qk_blocks: tuple[int, ...] = ()  # blocks whose Q and K heads are head_dim/2 wide, all of it rotating, at narrow_attn_scale; short-window blocks with attention; ANVIL2 (#92): 0,1,2,5,8
     narrow_v_blocks: tuple[int, ...] = ()  # blocks of narrow_qk_blocks whose V heads (and the output projection's input) are head_dim/2 wide too; ANVIL2 (#92): 1,8
+    # DC attention in the last block (05/27/26 record, PR 315: DCMHA's post-composition, rank 1, 112 keys back, weights
+    # from the MUDD gates); ANVIL2 (#92) runs without it. False: judged as a removal (issue 63: ~1.5-2 ms of ~54 a
+    # 49K-token micro-batch by arithmetic, unfused fp32 scores)
+    dc_attention: bool = True  # DC attention in the last block
     narrow_attn_scale: float = 0.13  # attention logit scale in narrow_qk_blocks, QK normed over head_dim/2 (YaRN raises it as attn_scale): ANVIL2's 0.13
     # the copy-pointer mixture of public pull request 379 (not in the master): on the proxy -0.0398 +- 0.0040 at
     # equal tokens, +5.0% step (an H200)
@@ -846,6 +850,7 @@ class ModelConfig:
     narrow_qk_blocks: tuple[int, ...]
     narrow_v_blocks: tuple[int, ...]
     narrow_attn_scale: float
+    dc_attention: bool
     tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order
@@ -1554,8 +1559,8 @@ class GPT(nn.Module):
             if i < cfg.num_layers - 1 and i not in cfg.skip_layers and i not in cfg.no_ngram_blocks:
                 part.append(("bigram", i, 1, 0.05))
         parts[1].append(("skip", cfg.skip_target, 1, 0.5))
-        # DC attention's w1 (1 at the start) and w2 (0: no correction at the start)
-        parts[1].extend([("dc1", cfg.num_layers - 1, H, 1.0), ("dc2", cfg.num_layers - 1, H, 0.0)])
+        if cfg.dc_attention:  # DC attention's w1 (1 at the start) and w2 (0: no correction at the start)
+            parts[1].extend([("dc1", cfg.num_layers - 1, H, 1.0), ("dc2", cfg.num_layers - 1, H, 0.0)])
         return parts
 
     def gates(self, x: Tensor, j: int, into: dict[str, list]) -> None:
@@ -1785,7 +1790,8 @@ class GPT(nn.Module):
         ve_gate = torch.cat([c["ve_gate_first"].expand(-1, half),
                              c["ve_gate_second"].expand(-1, self.cfg.num_heads - half)], dim=-1)
         return x, BlockWeights(c["resid"], c["block_x0"], c["attn_out"], c["mlp_resid"], c["mlp_out"], value_mix,
-                               c["bigram"] * bigram, g["xsa"][i], g["out"][i], ve_gate, value, (g["dc1"][i], g["dc2"][i]))
+                               c["bigram"] * bigram, g["xsa"][i], g["out"][i], ve_gate, value,
+                               (g["dc1"][i], g["dc2"][i]) if self.cfg.dc_attention else None)
 
     def mudd_coefs(self, x: Tensor, j: int, names: dict) -> dict[str, Tensor]:
         """MUDD MLP j's per-token weights by name, (T, 1) each: MUDD_SCALE (W2 GELU(W1 x) + b2), as the public
