@@ -1030,8 +1030,8 @@ def main():
     p.add_argument("--public_code", choices=["master", "89", *RECORD_MD5], default="master")
     p.add_argument("--public_commit", default=PUBLIC_MASTER, help="the commit --public_code master runs")
     p.add_argument("--public_attention", choices=["fa3", "fa4", "varlen"], default="fa3",
-                   help="the public code's attention (FA3 of xformers==0.0.34, FA4 of flash-attn-4, or PyTorch's varlen); "
-                        "ours gets --attention of the same kernels")
+                   help="the public code's attention (FA3 of xformers==0.0.34, FA4 of flash-attn-4, or PyTorch's "
+                        "varlen); ours gets --attention of the same kernels")
     p.add_argument("--train_files", required=True)
     p.add_argument("--val_files", required=True)
     p.add_argument("--batch_div", type=int, default=16, help="divide every stage's batch by this")
