@@ -4,6 +4,7 @@ else changes."""
 import torch
 
 import train_gpt as tg
+from conftest import compiled_matches_eager
 from test_model import batch, tiny_model
 from test_skip_layers import W3
 
@@ -55,3 +56,7 @@ def test_off_computes_what_the_model_with_dc_computes_when_its_correction_is_zer
     torch.testing.assert_close(plain(x, y, cu, 128, W3), dc(x, y, cu, 128, W3), rtol=1e-6, atol=1e-6)
     assert abs(with_dc.item() - plain(x, y, cu, 128, W3).item()) > 1e-3  # and DC, on, changes the loss
 
+
+
+def test_off_the_model_compiles_whole_and_computes_the_same():
+    compiled_matches_eager(tiny_model(True, dc_attention=False), *batch(), 128, W3)
