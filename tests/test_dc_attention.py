@@ -57,6 +57,5 @@ def test_off_computes_what_the_model_with_dc_computes_when_its_correction_is_zer
     assert abs(with_dc.item() - plain(x, y, cu, 128, W3).item()) > 1e-3  # and DC, on, changes the loss
 
 
-
 def test_off_the_model_compiles_whole_and_computes_the_same():
     compiled_matches_eager(tiny_model(True, dc_attention=False), *batch(), 128, W3)

@@ -349,6 +349,9 @@ def test_every_patch_of_the_master_script_is_applied():
 
 
 
+SCALE = 0.3  # the softmax scale the FA4 stand-in test passes through
+
+
 def test_the_fa4_stand_in_passes_the_public_calls_arguments_to_flash_attn_4s_kernels_in_their_order(monkeypatch):
     """--public_attention fa4: the staged harness_attention.py runs the public code's flash_attn_varlen_func through
     FA4's own forward and backward functions. Stood in here by attention computed by hand (causal, a left window,
@@ -411,9 +414,6 @@ def test_the_fa4_stand_in_passes_the_public_calls_arguments_to_flash_attn_4s_ker
         torch.testing.assert_close(out, ref)
         dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
         torch.testing.assert_close(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, leaves, dout))
-
-
-SCALE = 0.3
 
 def test_step_div_scales_the_step_counts_and_step_constants():
     s = fh.patch_public(master_code(), accum=8, batch_div=1, step_div=16, **STAGING)["train_gpt.py"]
