@@ -1121,6 +1121,7 @@ class ModelKernels:
     fused_mlp: bool = False  # ReLU² in the MLP's matmul epilogues (relu2_mlp)
     fp8_mlp: bool = False  # with fused_mlp: its matmuls in FP8, forward and backward (relu2_mlp_all_fp8)
     pointer: bool = False  # CPLM's pointer as Triton kernels (copy_pointer), else written out in PyTorch
+    dc: bool = False  # DC attention's correction as Triton kernels (dc_attention), else written out in PyTorch
 
     @property
     def attn_fn(self):
@@ -1142,8 +1143,9 @@ def choose_kernels(device: torch.device, attention: str = "auto", compiled: bool
     if fp8_mlp and not mlp8:
         log("FP8 MLP off: it needs FP8 matmuls and the fused MLP's kernel in Hopper's TMA form (an sm90+ GPU with its "
             "shared memory); the MLP runs in bf16")
+    triton_here = triton is not None and (device.type == "cuda" or INTERPRET)
     return ModelKernels(select_attention(attention, device, compiled, log), fp8, fused_ce and fp8, fits, mlp8,
-                        triton is not None and (device.type == "cuda" or INTERPRET))
+                        pointer=triton_here, dc=triton_here)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1323,3 +1325,239 @@ def _copy_pointer_autograd(ctx, g_copy, g_sink, _g_lse):
 
 
 copy_pointer.register_autograd(_copy_pointer_autograd, setup_context=_copy_pointer_setup_context)
+
+
+# -----------------------------------------------------------------------------------------------
+# DC attention's correction (train_gpt.py's dc_correction: DCMHA's post-composition at rank 1, arXiv 2405.08553) as
+# flash-style Triton kernels. Query i's softmax over the `window` latest keys of its document, per head g: P_g(i, j);
+# one map per query mixes the heads, A(i, j) = sum_g w_g(i) P_g(i, j); each head reads its values through it:
+# o_h(i) = sum_j A(i, j) v_h(j). Written out in PyTorch (float32 scores and probabilities of every head, their
+# blocks padded and unfolded) it took 5-7.5% of a record step on an H200 (bench/results/dc_narrow_2gpu_h200_20261129k.md);
+# here the scores stay in registers and only A, one float32 map a query, goes to memory (a band of DC_LOOK + DC_BM
+# keys), for the backward. Queries go in blocks of BM, keys in blocks of BN = BM from LOOK keys before the query block.
+# Backward, with do_h the gradient of o_h, dA(i, j) = sum_h do_h(i).v_h(j) and dw_g(i) = sum_j P_g(i, j) dA(i, j):
+# dL/dv_h(j) = sum_i A(i, j) do_h(i), dL/dw_g(i) = dw_g(i), dL/ds_g(i, j) = w_g(i) P_g(i, j) (dA(i, j) - dw_g(i)).
+
+def dc_attention_reference(q: Tensor, k: Tensor, v: Tensor, doc: Tensor, w: Tensor, scale: float,
+                           window: int) -> Tensor:
+    """Plain PyTorch with a (T, T) mask, for tests: o (T, H, D) of q, k, v (T, H, D), doc (T,) and w (T, H)."""
+    i, j = torch.arange(q.size(0), device=q.device)[:, None], torch.arange(q.size(0), device=q.device)[None, :]
+    allowed = (j <= i) & (j > i - window) & (doc[:, None] == doc[None, :])
+    scores = torch.einsum("ihd,jhd->hij", q.float(), k.float()) * scale
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)  # (H, T, T)
+    mixed = torch.einsum("ih,hij->ij", w.float(), probs)
+    return torch.einsum("ij,jhd->ihd", mixed, v.float()).to(v.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _dc_scores(q, k_ptr, doc_ptr, j0, offs_m, doc_q, T, scale, window, g, H: tl.constexpr, D: tl.constexpr,
+                   BN: tl.constexpr):
+        """Head g's scores of the queries offs_m (q: their (BM, D) rows) against the BN keys from j0, and which
+        of them a query may see: its own document's, itself and the window - 1 keys before it."""
+        offs_n, offs_d = j0 + tl.arange(0, BN), tl.arange(0, D)
+        inside = (offs_n >= 0) & (offs_n < T)
+        kt = tl.load(k_ptr + offs_n[None, :] * (H * D) + g * D + offs_d[:, None], mask=inside[None, :], other=0.0)
+        s = tl.dot(q, kt) * scale
+        doc_k = tl.load(doc_ptr + offs_n, mask=inside, other=-2)
+        ok = ((offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] > offs_m[:, None] - window)
+              & (doc_k[None, :] == doc_q[:, None]))
+        return s, ok
+
+    @triton.jit
+    def _dc_fwd_kernel(q_ptr, k_ptr, v_ptr, doc_ptr, w_ptr, o_ptr, lse_ptr, a_ptr, T, scale, window,
+                       H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, LOOK: tl.constexpr):
+        i0 = tl.program_id(0) * BM
+        offs_m, offs_d, offs_b = i0 + tl.arange(0, BM), tl.arange(0, D), tl.arange(0, BM)
+        row = offs_m < T
+        doc_q = tl.load(doc_ptr + offs_m, mask=row, other=-1)
+        band = LOOK + BM
+        for g in range(H):  # each head's log-normalizer, online over the key blocks
+            q = tl.load(q_ptr + offs_m[:, None] * (H * D) + g * D + offs_d[None, :], mask=row[:, None], other=0.0)
+            m, l = tl.full([BM], -1e30, tl.float32), tl.zeros([BM], tl.float32)
+            for j0 in range(i0 - LOOK, i0 + BM, BM):
+                s, ok = _dc_scores(q, k_ptr, doc_ptr, j0, offs_m, doc_q, T, scale, window, g, H, D, BM)
+                s = tl.where(ok, s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
+                m = m_new
+            tl.store(lse_ptr + offs_m * H + g, tl.where(row, m + tl.log(l), 0.0), mask=row)
+        for j0 in range(i0 - LOOK, i0 + BM, BM):  # the heads' mixed map, block by block, to the band
+            a = tl.zeros([BM, BM], tl.float32)
+            for g in range(H):
+                q = tl.load(q_ptr + offs_m[:, None] * (H * D) + g * D + offs_d[None, :], mask=row[:, None],
+                            other=0.0)
+                lse = tl.load(lse_ptr + offs_m * H + g, mask=row, other=0.0)
+                w = tl.load(w_ptr + offs_m * H + g, mask=row, other=0.0)
+                s, ok = _dc_scores(q, k_ptr, doc_ptr, j0, offs_m, doc_q, T, scale, window, g, H, D, BM)
+                a += w[:, None] * tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+            tl.store(a_ptr + offs_m[:, None] * band + (j0 - i0 + LOOK) + offs_b[None, :], a, mask=row[:, None])
+        for h in range(H):  # each head's output through the map (A in the values' dtype, as the written-out form)
+            acc = tl.zeros([BM, D], tl.float32)
+            for j0 in range(i0 - LOOK, i0 + BM, BM):
+                offs_n = j0 + offs_b
+                a = tl.load(a_ptr + offs_m[:, None] * band + (j0 - i0 + LOOK) + offs_b[None, :], mask=row[:, None],
+                            other=0.0)
+                vv = tl.load(v_ptr + offs_n[:, None] * (H * D) + h * D + offs_d[None, :],
+                             mask=((offs_n >= 0) & (offs_n < T))[:, None], other=0.0)
+                acc += tl.dot(a.to(vv.dtype), vv)
+            tl.store(o_ptr + offs_m[:, None] * (H * D) + h * D + offs_d[None, :], acc.to(o_ptr.dtype.element_ty),
+                     mask=row[:, None])
+
+    @triton.jit
+    def _dc_bwd_query_kernel(do_ptr, q_ptr, k_ptr, v_ptr, doc_ptr, w_ptr, lse_ptr, da_ptr, dq_ptr, dw_ptr, T, scale,
+                             window, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, LOOK: tl.constexpr):
+        """dA to its band, then per head dw and dq, for one block of queries."""
+        i0 = tl.program_id(0) * BM
+        offs_m, offs_d, offs_b = i0 + tl.arange(0, BM), tl.arange(0, D), tl.arange(0, BM)
+        row = offs_m < T
+        doc_q = tl.load(doc_ptr + offs_m, mask=row, other=-1)
+        band = LOOK + BM
+        for j0 in range(i0 - LOOK, i0 + BM, BM):
+            offs_n = j0 + offs_b
+            inside = (offs_n >= 0) & (offs_n < T)
+            da = tl.zeros([BM, BM], tl.float32)
+            for h in range(H):
+                do = tl.load(do_ptr + offs_m[:, None] * (H * D) + h * D + offs_d[None, :], mask=row[:, None],
+                             other=0.0)
+                vt = tl.load(v_ptr + offs_n[None, :] * (H * D) + h * D + offs_d[:, None], mask=inside[None, :],
+                             other=0.0)
+                da += tl.dot(do, vt)
+            tl.store(da_ptr + offs_m[:, None] * band + (j0 - i0 + LOOK) + offs_b[None, :], da, mask=row[:, None])
+        for g in range(H):
+            q = tl.load(q_ptr + offs_m[:, None] * (H * D) + g * D + offs_d[None, :], mask=row[:, None], other=0.0)
+            lse = tl.load(lse_ptr + offs_m * H + g, mask=row, other=0.0)
+            w = tl.load(w_ptr + offs_m * H + g, mask=row, other=0.0)
+            dw = tl.zeros([BM], tl.float32)
+            for j0 in range(i0 - LOOK, i0 + BM, BM):
+                s, ok = _dc_scores(q, k_ptr, doc_ptr, j0, offs_m, doc_q, T, scale, window, g, H, D, BM)
+                da = tl.load(da_ptr + offs_m[:, None] * band + (j0 - i0 + LOOK) + offs_b[None, :],
+                             mask=row[:, None], other=0.0)
+                dw += tl.sum(tl.where(ok, tl.exp(s - lse[:, None]), 0.0) * da, 1)
+            tl.store(dw_ptr + offs_m * H + g, dw, mask=row)
+            dq = tl.zeros([BM, D], tl.float32)
+            for j0 in range(i0 - LOOK, i0 + BM, BM):
+                offs_n = j0 + offs_b
+                s, ok = _dc_scores(q, k_ptr, doc_ptr, j0, offs_m, doc_q, T, scale, window, g, H, D, BM)
+                da = tl.load(da_ptr + offs_m[:, None] * band + (j0 - i0 + LOOK) + offs_b[None, :],
+                             mask=row[:, None], other=0.0)
+                ds = w[:, None] * tl.where(ok, tl.exp(s - lse[:, None]), 0.0) * (da - dw[:, None])
+                kk = tl.load(k_ptr + offs_n[:, None] * (H * D) + g * D + offs_d[None, :],
+                             mask=((offs_n >= 0) & (offs_n < T))[:, None], other=0.0)
+                dq += tl.dot(ds, kk.to(tl.float32), input_precision="tf32")
+            tl.store(dq_ptr + offs_m[:, None] * (H * D) + g * D + offs_d[None, :],
+                     (dq * scale).to(dq_ptr.dtype.element_ty), mask=row[:, None])
+
+    @triton.jit
+    def _dc_bwd_key_kernel(do_ptr, q_ptr, k_ptr, doc_ptr, w_ptr, lse_ptr, a_ptr, da_ptr, dw_ptr, dk_ptr, dv_ptr, T,
+                           scale, window, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, LOOK: tl.constexpr):
+        """dk and dv of one block of BM keys, over the query blocks whose bands hold it (the one it starts and the
+        LOOK / BM after)."""
+        j0 = tl.program_id(0) * BM
+        offs_n, offs_d, offs_b = j0 + tl.arange(0, BM), tl.arange(0, D), tl.arange(0, BM)
+        col = offs_n < T
+        doc_k = tl.load(doc_ptr + offs_n, mask=col, other=-2)
+        band = LOOK + BM
+        for h in range(H):
+            dv = tl.zeros([BM, D], tl.float32)
+            for i0 in range(j0, j0 + LOOK + BM, BM):
+                offs_m = i0 + offs_b
+                row = offs_m < T
+                a = tl.load(a_ptr + offs_m[:, None] * band + (j0 - i0 + LOOK) + offs_b[None, :], mask=row[:, None],
+                            other=0.0)
+                do = tl.load(do_ptr + offs_m[:, None] * (H * D) + h * D + offs_d[None, :], mask=row[:, None],
+                             other=0.0)
+                dv += tl.dot(tl.trans(a.to(do.dtype)), do)
+            tl.store(dv_ptr + offs_n[:, None] * (H * D) + h * D + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty),
+                     mask=col[:, None])
+        for g in range(H):
+            kk = tl.load(k_ptr + offs_n[:, None] * (H * D) + g * D + offs_d[None, :], mask=col[:, None], other=0.0)
+            dk = tl.zeros([BM, D], tl.float32)
+            for i0 in range(j0, j0 + LOOK + BM, BM):
+                offs_m = i0 + offs_b
+                row = offs_m < T
+                q = tl.load(q_ptr + offs_m[:, None] * (H * D) + g * D + offs_d[None, :], mask=row[:, None],
+                            other=0.0)
+                lse = tl.load(lse_ptr + offs_m * H + g, mask=row, other=0.0)
+                w = tl.load(w_ptr + offs_m * H + g, mask=row, other=0.0)
+                dw = tl.load(dw_ptr + offs_m * H + g, mask=row, other=0.0)
+                doc_q = tl.load(doc_ptr + offs_m, mask=row, other=-1)
+                s = tl.dot(q, tl.trans(kk)) * scale
+                ok = ((offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] > offs_m[:, None] - window)
+                      & (doc_k[None, :] == doc_q[:, None]) & col[None, :])
+                da = tl.load(da_ptr + offs_m[:, None] * band + (j0 - i0 + LOOK) + offs_b[None, :],
+                             mask=row[:, None], other=0.0)
+                ds = w[:, None] * tl.where(ok, tl.exp(s - lse[:, None]), 0.0) * (da - dw[:, None])
+                dk += tl.dot(tl.trans(ds), q.to(tl.float32), input_precision="tf32")
+            tl.store(dk_ptr + offs_n[:, None] * (H * D) + g * D + offs_d[None, :], (dk * scale).to(
+                dk_ptr.dtype.element_ty), mask=col[:, None])
+
+
+# The DC kernels' tiles: BM queries (and keys) a block, warps per program. Not yet timed on a GPU.
+DC_TILES = dict(BM=64, num_warps=4, num_stages=2)
+
+
+def _dc_geometry(T: int, window: int) -> tuple[int, int, int]:
+    """(BM, LOOK, band): LOOK, the keys before a query block that its band holds, the least multiple of BM that
+    covers window - 1."""
+    BM = DC_TILES["BM"]
+    look = -(-(window - 1) // BM) * BM
+    return BM, look, look + BM
+
+
+@torch.library.custom_op("speedrun::dc_attention", mutates_args=())
+def dc_attention(q: Tensor, k: Tensor, v: Tensor, doc: Tensor, w: Tensor, scale: float,
+                 window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(o, lse, A's band) of DC attention's correction before its output weights: q, k, v (T, H, D) contiguous, doc
+    (T,) int32 document ids, w (T, H) float32 (the heads' mix, RMS-normed over heads by the caller)."""
+    T, H, D = q.shape
+    BM, look, band = _dc_geometry(T, window)
+    o = torch.empty_like(v)
+    lse = torch.empty(T, H, device=q.device, dtype=torch.float32)
+    a = torch.empty(T, band, device=q.device, dtype=torch.float32)
+    _dc_fwd_kernel[(triton.cdiv(T, BM),)](q, k, v, doc, w, o, lse, a, T, scale, window, H=H, D=D, BM=BM, LOOK=look,
+                                          num_warps=DC_TILES["num_warps"], num_stages=DC_TILES["num_stages"])
+    return o, lse, a
+
+
+@dc_attention.register_fake
+def _(q, k, v, doc, w, scale, window):
+    T, H, _ = q.shape
+    return torch.empty_like(v), q.new_empty(T, H, dtype=torch.float32), q.new_empty(
+        T, _dc_geometry(T, window)[2], dtype=torch.float32)
+
+
+@torch.library.custom_op("speedrun::dc_attention_backward", mutates_args=())
+def dc_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, doc: Tensor, w: Tensor, lse: Tensor,
+                          a: Tensor, scale: float, window: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dw) of dc_attention from its output's gradient do."""
+    T, H, D = q.shape
+    BM, look, band = _dc_geometry(T, window)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dw = torch.empty(T, H, device=q.device, dtype=torch.float32)
+    da = torch.empty(T, band, device=q.device, dtype=torch.float32)
+    meta = dict(H=H, D=D, BM=BM, LOOK=look, num_warps=DC_TILES["num_warps"], num_stages=DC_TILES["num_stages"])
+    _dc_bwd_query_kernel[(triton.cdiv(T, BM),)](do, q, k, v, doc, w, lse, da, dq, dw, T, scale, window, **meta)
+    _dc_bwd_key_kernel[(triton.cdiv(T, BM),)](do, q, k, doc, w, lse, a, da, dw, dk, dv, T, scale, window, **meta)
+    return dq, dk, dv, dw
+
+
+@dc_attention_backward.register_fake
+def _(do, q, k, v, doc, w, lse, a, scale, window):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(lse)
+
+
+def _dc_attention_setup_context(ctx, inputs, output):
+    q, k, v, doc, w, scale, window = inputs
+    _, lse, a = output
+    ctx.save_for_backward(q, k, v, doc, w, lse, a)
+    ctx.scale, ctx.window = scale, window
+
+
+def _dc_attention_autograd(ctx, do, _lse, _a):
+    q, k, v, doc, w, lse, a = ctx.saved_tensors
+    dq, dk, dv, dw = dc_attention_backward(do.contiguous(), q, k, v, doc, w, lse, a, ctx.scale, ctx.window)
+    return dq, dk, dv, None, dw, None, None
+
+
+dc_attention.register_autograd(_dc_attention_autograd, setup_context=_dc_attention_setup_context)

@@ -211,12 +211,13 @@ class Hyperparameters:
     # have no attention there). A narrow Q/K is QK-normed over its width and rotates all of it at the frequencies of
     # the wide heads' rotating half; a narrow V takes its heads' first halves of the value embedding (ANVIL2: "adding
     # only the live half") and narrows the output projection's input. Long-window blocks stay wide: their key offset
-    # moves the dims rotary leaves alone, which a narrow head has none of
-    narrow_qk_blocks: tuple[int, ...] = ()  # blocks whose Q and K heads are head_dim/2 wide, all of it rotating, at narrow_attn_scale; short-window blocks with attention; ANVIL2 (#92): 0,1,2,5,8
-    narrow_v_blocks: tuple[int, ...] = ()  # blocks of narrow_qk_blocks whose V heads (and the output projection's input) are head_dim/2 wide too; ANVIL2 (#92): 1,8
+    # moves the dims rotary leaves alone, which a narrow head has none of. On the proxy -0.0001 +- 0.0037 (3 seeds), the
+    # step 0.972x on FA4 (one H200; bench/results/dc_narrow_2gpu_h200_20261129k.md)
+    narrow_qk_blocks: tuple[int, ...] = (0, 1, 2, 5, 8)  # blocks whose Q and K heads are head_dim/2 wide, all of it rotating, at narrow_attn_scale; short-window blocks with attention: ANVIL2's (#92)
+    narrow_v_blocks: tuple[int, ...] = (1, 8)  # blocks of narrow_qk_blocks whose V heads (and the output projection's input) are head_dim/2 wide too: ANVIL2's (#92)
     # DC attention in the last block (05/27/26 record, PR 315: DCMHA's post-composition, rank 1, 112 keys back, weights
-    # from the MUDD gates); ANVIL2 (#92) runs without it. False: judged as a removal (issue 63: ~1.5-2 ms of ~54 a
-    # 49K-token micro-batch by arithmetic, unfused fp32 scores)
+    # from the MUDD gates); ANVIL2 (#92) runs without it. Removed on the proxy: +0.0080 +- 0.0048 (3 seeds, ~2% of the
+    # tokens), the step 0.925x (one H200, FA4; bench/results/dc_narrow_2gpu_h200_20261129k.md)
     dc_attention: bool = True  # DC attention in the last block
     narrow_attn_scale: float = 0.13  # attention logit scale in narrow_qk_blocks, QK normed over head_dim/2 (YaRN raises it as attn_scale): ANVIL2's 0.13
     # the copy-pointer mixture of public pull request 379 (not in the master): on the proxy -0.0398 +- 0.0040 at
@@ -554,6 +555,7 @@ SMOKE = dict(  # the record model at 4 blocks of 128 on a synthetic corpus, size
     vocab_size=136, bos_id=127,  # 128 corpus tokens, BOS the last (as GPT-2's 50,256); CPLM's copy column 128
     num_layers=4, model_dim=128, num_heads=2, head_dim=64, gate_channels=8, no_attn_layers=(2,), window_pattern="LSSL",
     value_embed_blocks=(1, 3), paired_head_blocks=(1,), xsa_blocks=(1,), backout_layer=2, skip_from=1,
+    narrow_qk_blocks=(1,), narrow_v_blocks=(1,),  # the narrow heads in its one short-window block with attention
     # the layout before ANVIL2's (its indices are the 11 blocks'): none removed, the skip into block 2, MLPs 4 x 128,
     # no second MLP, every block's injections
     skip_layers=(), skip_into=0, mlp_hidden=0, parallel_mlp_blocks=(), no_x0_blocks=(), no_ngram_blocks=(),
@@ -576,7 +578,7 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "with ANVIL2's hashed trigram channel (21.2M rows in one table, learned by a row-sparse "
                "Adam, sharded over the GPUs by owner), "
                "MUDD with its gates, XSA and DC attention, YaRN, smear and value-embedding gates, paired heads, "
-               "partial key offset, four untied value tables, parallel attention inputs, backout, per-sublayer "
+               "partial key offset, ANVIL2's narrow heads (Q and K 64 wide in blocks 0, 1, 2, 5 and 8, V too in 1 and 8), four untied value tables, parallel attention inputs, backout, per-sublayer "
                "residual weights and one gated skip, ANVIL2's update rule (twin momentum rails, six trace-normed quintic "
                "maps, NorMuon's neuron normalization, cautious decay 2.25), Adam every second step, "
                "multi-token and prefix-token losses, the embedding tied for two stages, 840 steps (776 x 1.082: "
@@ -604,7 +606,7 @@ PRESETS = {  # name: (what it is, the fields it sets)
                     xsa_blocks=(1, 7, 8, 14), seq_len=24576, num_iterations=4000,
                     # ANVIL2's layout is the 11 blocks' (its indices): the one before it, the skip into block 13
                     skip_layers=(), skip_into=0, mlp_hidden=0, parallel_mlp_blocks=(), no_x0_blocks=(),
-                    no_ngram_blocks=(), no_resid_scale_blocks=(),
+                    no_ngram_blocks=(), no_resid_scale_blocks=(), narrow_qk_blocks=(), narrow_v_blocks=(),
                     trigram_rows=4_622_720)),  # 5.0M n-gram rows at width 1024: one 80 GB GPU holds the run
 }
 
@@ -1162,14 +1164,21 @@ DC_WINDOW, DC_CHUNK = 112, 128  # DC attention's local window in tokens (the pub
 
 
 def dc_correction(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w1: Tensor, w2: Tensor, scale: float,
-                  window: int = DC_WINDOW, chunk: int = DC_CHUNK) -> Tensor:
+                  window: int = DC_WINDOW, chunk: int = DC_CHUNK, fused: bool = False) -> Tensor:
     """Dynamically composable attention, post-composition only, rank 1 (DCMHA, arXiv 2405.08553; the 2026-05-27
     record's lightweight DC, PR 315). Each head g's softmax over the `window` latest keys of the
     query's document (itself included), P_g, is recomputed; per token, one map A = sum_g w1_g P_g mixes the heads
     (w1 RMS-normed over heads) and head h adds w2_h A v_h to its output. q, k, v: (T, H, D) as attention saw them;
-    w1, w2: (T, H) per-token weights. Queries go in blocks of `chunk`, each against its keys and the window - 1
-    before them, so memory is O(T H chunk (chunk + window)), never T x T."""
+    w1, w2: (T, H) per-token weights. `fused`: kernels.dc_attention computes it (Triton; scores in registers). Else,
+    written out: queries go in blocks of `chunk`, each against its keys and the window - 1 before them, so memory is
+    O(T H chunk (chunk + window)), never T x T."""
     T, H, D = q.shape
+    w1 = w1.float() * torch.rsqrt(w1.float().square().mean(-1, keepdim=True) + 1e-6)
+    if fused:
+        doc = document_ids(cu_seqlens, T).int()
+        out = kernels.dc_attention(q.contiguous(), k.contiguous(), v.contiguous(), doc, w1.contiguous(), scale,
+                                   window)[0]
+        return (out * w2.unsqueeze(-1)).type_as(v)
     halo, pad = window - 1, -T % chunk
     # the key blocks' width rounded up to a multiple of 8 with keys that are always masked: a width of 239 (the
     # public window) left a float32 matmul on CUDA cores with 4-byte-aligned rows (5.7 ms a step in a profile)
@@ -1188,7 +1197,6 @@ def dc_correction(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w1: Tenso
     mask = near & (doc_q[:, :, None] == doc_k[:, None, :])  # (n, chunk, width)
     scores = torch.einsum("nihd,nhdj->nhij", q_blocks.float(), k_blocks.float()) * scale
     probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)  # each row has its own key
-    w1 = w1.float() * torch.rsqrt(w1.float().square().mean(-1, keepdim=True) + 1e-6)
     # the heads' mix as a broadcast sum over H = 6, which the compiler fuses into the softmax, not a K = 6 matmul
     w1_blocks = F.pad(w1, (0, 0, 0, pad)).view(n, chunk, H).transpose(1, 2)  # (n, H, chunk)
     composed = (w1_blocks[..., None] * probs).sum(1)  # (n, chunk, width)
@@ -1224,12 +1232,13 @@ class BlockWeights(NamedTuple):
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn, ve_gate: bool, key_offset: bool, paired: bool,
-                 widths: tuple[int, int] | None = None, native_widths: bool = False):
+                 widths: tuple[int, int] | None = None, native_widths: bool = False, fused_dc: bool = False):
         """widths: the heads' (d_qk, d_v) (ModelConfig.head_widths; default head_dim both); native_widths: attn_fn
-        takes Q/K narrower than V as they are (kernels.MIXED_WIDTHS), else they are zero-padded to V's width."""
+        takes Q/K narrower than V as they are (kernels.MIXED_WIDTHS), else they are zero-padded to V's width;
+        fused_dc: DC attention's correction (where BlockWeights.dc is set) in kernels.dc_attention."""
         super().__init__()
         self.attn_fn, self.key_offset, self.paired = attn_fn, key_offset, paired  # attn_fn: chosen by build()
-        self.native_widths = native_widths
+        self.native_widths, self.fused_dc = native_widths, fused_dc
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qk_dim, self.v_dim = widths or (cfg.head_dim, cfg.head_dim)
         self.scale = cfg.narrow_attn_scale if self.qk_dim < cfg.head_dim else cfg.attn_scale
@@ -1286,7 +1295,7 @@ class CausalSelfAttention(nn.Module):
         y = self.attn_fn(q, k, v, cu_seqlens, max_seqlen, window, self.scale * rope[2])  # rope[2]: YaRN's
         y = y.reshape(T, H, dv)  # paired heads back in place (otherwise already this shape)
         if w.dc is not None:  # before XSA and the output weights, as in the 2026-05-27 record
-            y = y + dc_correction(q, k, v, cu_seqlens, w.dc[0], w.dc[1], self.scale * rope[2])
+            y = y + dc_correction(q, k, v, cu_seqlens, w.dc[0], w.dc[1], self.scale * rope[2], fused=self.fused_dc)
         if w.xsa is not None:
             y = exclude_own_value(y, own_v, w.xsa)
         if w.head_out is not None:
@@ -1349,10 +1358,11 @@ def residual_in(x: Tensor, x0: Tensor, w: BlockWeights) -> Tensor:
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn, has_attn: bool, ve_gate: bool, long_window: bool, paired: bool,
                  fused_mlp: bool = False, fp8_mlp: bool = False, widths: tuple[int, int] | None = None,
-                 native_widths: bool = False):
+                 native_widths: bool = False, fused_dc: bool = False):
         super().__init__()
         self.attn = CausalSelfAttention(cfg, attn_fn, ve_gate=ve_gate, key_offset=long_window, paired=paired,
-                                        widths=widths, native_widths=native_widths) if has_attn else None
+                                        widths=widths, native_widths=native_widths,
+                                        fused_dc=fused_dc) if has_attn else None
         self.mlp = MLP(cfg, fused=fused_mlp, fp8=fp8_mlp)
         # parallel_mlp_blocks: a second MLP of the same kind, set by GPT after every other weight is drawn
         self.parallel_mlp: MLP | None = None
@@ -1429,7 +1439,7 @@ class GPT(nn.Module):
             Block(cfg, kernels.attn_fn, has_attn=i not in cfg.no_attn_layers, ve_gate=ve is not None and i < L - 1,
                   long_window=cfg.window_pattern[i] == "L", paired=i in cfg.paired_head_blocks,
                   fused_mlp=kernels.fused_mlp, fp8_mlp=kernels.fp8_mlp, widths=cfg.head_widths(i),
-                  native_widths=kernels.attention in MIXED_WIDTHS)
+                  native_widths=kernels.attention in MIXED_WIDTHS, fused_dc=kernels.dc)
             for i, ve in enumerate(self.value_embed_layers()))
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
@@ -2982,14 +2992,17 @@ SAMPLED_US_PER_TOKEN = {
 # it: the fields it had then, and its injections (x0 and the n-gram term) before a block's attention, an order no
 # longer built (not a field: every run differs in it). ANVIL2's architecture ran 0.825x its step on one H200 over 80
 # steps (bench/results/arch_h200_20261129d.md).
+# The record's model before ANVIL2's narrow heads (the eleventh session): every head 128 wide.
+BEFORE_NARROW = dict(narrow_qk_blocks=(), narrow_v_blocks=())
 BEFORE_ANVIL2 = dict(skip_layers=(), no_attn_layers=(6,), skip_into=0, xsa_blocks=(1, 3, 4, 7),
                      paired_head_blocks=(0, 2, 5, 9), value_embed_blocks=(1, 2, 8, 9, 10), parallel_mlp_blocks=(),
-                     mlp_hidden=0, no_x0_blocks=(), no_ngram_blocks=(), no_resid_scale_blocks=(),
+                     mlp_hidden=0, no_x0_blocks=(), no_ngram_blocks=(), no_resid_scale_blocks=(), **BEFORE_NARROW,
                      injections="before a block's attention")
 # The model a preset's rows of one GPU kind and count were timed on, where it is not the preset's present model, by
 # (preset, GPU kind, GPUs): the fields it had then. 1 GPU: STEP_US_PER_TOKEN's and SAMPLED_US_PER_TOKEN's rows; more:
-# MULTI_GPU_US_PER_TOKEN's. --plan names these rows as that model's. The H200 one-GPU rows are the present record's.
-MEASURED_MODEL = {("record", "H100", 1): BEFORE_ANVIL2, ("record", "H200", 4): BEFORE_ANVIL2}
+# MULTI_GPU_US_PER_TOKEN's. --plan names these rows as that model's.
+MEASURED_MODEL = {("record", "H100", 1): BEFORE_ANVIL2, ("record", "H200", 1): BEFORE_NARROW,
+                  ("record", "H200", 4): BEFORE_ANVIL2}
 # what --plan says of each kind's rows: the attention kernel they ran with, and where they come from
 STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "PyTorch varlen attention"}
 STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, main at 46b1702 "

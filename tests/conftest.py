@@ -130,7 +130,8 @@ def write_corpus(directory, train_sizes=(20_000, 20_000), val_size=10_000, seed=
 # the record's multi-token weights over three stages and an extension; no prefix-token loss (it needs GPT-2's token
 # bytes); a vocabulary of 72 leaves CPLM's copy column, 64, unused by the corpus' tokens. ANVIL2's layout names blocks
 # of 11: here the layout before it (as the smoke preset's), none removed, the skip into block 2, MLPs 4 x 64, no second
-# MLP, every block's injections (after a block's attention, the one order the model has).
+# MLP, every block's injections (after a block's attention, the one order the model has), no narrow heads (the smoke
+# preset has them; tests/test_narrow_heads.py turns them on).
 # tests/test_golden.py's golden losses are this model's, written at ba25215 and again for the record's injection
 # order (ff18072): keep this dict as it is. The n-gram table is ba25215's too: the bigram rows alone in the dense Adam's
 # group (the record's 20.8M trigram rows would be 2.7 GB here; tests/test_ngram.py and the tests that ask for it turn
@@ -139,7 +140,7 @@ TINY_RECORD = dict(vocab_size=72, bos_id=BOS, num_layers=4, model_dim=64, num_he
                    no_attn_layers=(2,), window_pattern="LSSL", value_embed_blocks=(1, 3), paired_head_blocks=(1,),
                    xsa_blocks=(1,), backout_layer=2, skip_from=1, bigram_rows=256, bigram_sign_rows=16,
                    skip_layers=(), skip_into=0, mlp_hidden=0, parallel_mlp_blocks=(), no_x0_blocks=(),
-                   no_ngram_blocks=(), no_resid_scale_blocks=(),
+                   no_ngram_blocks=(), no_resid_scale_blocks=(), narrow_qk_blocks=(), narrow_v_blocks=(),
                    trigram_rows=0, ngram_sparse_adam=False,
                    cplm_bands=(16, 32), window_block=16, batch_size=8 * 128, seq_len=128, val_seq_len=256,
                    val_tokens=4096, max_doc_len=96, max_num_docs=32,

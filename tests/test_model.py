@@ -128,10 +128,12 @@ def test_value_embeddings_and_window_pattern_follow_the_record_layout():
     n_params = sum(p.numel() for p in model.parameters())
     blocks = sum(p.numel() for p in model.blocks.parameters())
     # 11 MLPs of 768 x 2816 (10 blocks' and block 8's second) and 7 attention sublayers: 47.6M + 16.5M
-    assert blocks == 11 * 2 * 768 * 2816 + 7 * 4 * 768 * 768 + 3 * 6 * 12  # and the value-embedding gates of 1, 2, 8
-    # ~64M in blocks, 6 tables of 38.6M (token embedding, LM head, 4 value tables), the bigram rows' 290M; and the
+    # 7 attention blocks in 768 x 768 units: 3 and 10 wide (4 each), 0, 2 and 5 with Q and K half wide (3 each), 1 and
+    # 8 with V and O too (2 each): 21; and the value-embedding gates of 1, 2, 8
+    assert blocks == 11 * 2 * 768 * 2816 + 21 * 768 * 768 + 3 * 6 * 12
+    # ~60M in blocks, 6 tables of 38.6M (token embedding, LM head, 4 value tables), the bigram rows' 290M; and the
     # trigram rows' 16.0G
-    assert 585e6 < n_params - 20_773_440 * 768 < 590e6
+    assert 580e6 < n_params - 20_773_440 * 768 < 584e6
 
 
 @pytest.mark.parametrize("field,value,needle", [
@@ -186,10 +188,12 @@ def test_the_switches_of_the_deleted_0903_model_are_no_fields():
 def test_command_line_overrides_every_kind_of_field():
     args = tg.parse_args(["--preset", "single", "--num_iterations", "100", "--compile", "false",
                           "--window_schedule", "1,2", "--muon_lr", "0.1", "--window_pattern", "SLSSSSSSSSL",
+                          "--narrow_qk_blocks", "0,2,5,8", "--narrow_v_blocks", "8",
                           "--run_id", "abc", "--lr_schedule", "1,1.5", "--xsa_blocks", "1,3"])
     assert (args.num_iterations, args.compile, args.stages, args.muon_lr, args.run_id) == \
         (100, False, (tg.Stage(1, lr=1.0), tg.Stage(2, lr=1.5)), 0.1, "abc")  # a new length: new rows
     assert (args.window_pattern, args.xsa_blocks, args.seq_len, args.preset) == ("SLSSSSSSSSL", (1, 3), 16384, "single")
+    assert (args.narrow_qk_blocks, args.narrow_v_blocks) == ((0, 2, 5, 8), (8,))
     table = tg.parse_args(["--stages", "window=3,batch=131072,doc_len=896,mtp=0.5/0.25;window=7,lr=1.52,mtp=0/0,share=2"])
     assert table.stages == (tg.Stage(3, batch=131072, doc_len=896, mtp=(0.5, 0.25)), tg.Stage(7, lr=1.52, mtp=(0, 0), share=2))
     assert tg.parse_args(["--stages", tg.format_stages(table.stages)]).stages == table.stages  # the text round-trips

@@ -24,6 +24,8 @@ from test_skip_layers import batch, count
 NARROW = dict(narrow_qk_blocks=(0, 1, 2, 5, 8), narrow_v_blocks=(1, 8))
 ANVIL2_WIDTHS = dict(FULL, **NARROW)
 NARROW_FLAGS = ["--narrow_qk_blocks", "0,1,2,5,8", "--narrow_v_blocks", "1,8"]
+NO_NARROW = dict(narrow_qk_blocks=(), narrow_v_blocks=())  # the record's heads all 128 wide
+NO_NARROW_FLAGS = ["--narrow_qk_blocks", "", "--narrow_v_blocks", ""]
 # the record's head (128 wide, 2 heads here), to check (64,128) and (64,64) themselves on small inputs
 WIDE = dict(TINY, model_dim=256, num_heads=2, head_dim=128)
 DOCS = torch.tensor([0, 13, 31, 40, 40], dtype=torch.int32)  # three documents of 40 tokens, padded as the loader pads
@@ -147,9 +149,10 @@ def module_and_inputs(widths, paired, seed=0, native=False):
     return attn, x, ve, w, rope, seen
 
 
-def test_the_fields_parse_are_off_by_default_and_are_model_fields():
+def test_the_fields_parse_are_anvil2s_by_default_and_are_model_fields():
     default = tg.parse_args([])
-    assert (default.narrow_qk_blocks, default.narrow_v_blocks, default.narrow_attn_scale) == ((), (), 0.13)
+    assert (default.narrow_qk_blocks, default.narrow_v_blocks, default.narrow_attn_scale) == ((0, 1, 2, 5, 8), (1, 8), 0.13)
+    assert (tg.parse_args(NO_NARROW_FLAGS).narrow_qk_blocks, tg.parse_args(NO_NARROW_FLAGS).narrow_v_blocks) == ((), ())
     args = tg.parse_args([*RECORD_FLAGS, *SITE_FLAGS, *NARROW_FLAGS, "--narrow_attn_scale", "0.12"])
     assert (args.narrow_qk_blocks, args.narrow_v_blocks, args.narrow_attn_scale) == ((0, 1, 2, 5, 8), (1, 8), 0.12)
     cfg = tg.ModelConfig.from_args(args)
@@ -183,7 +186,7 @@ def test_off_the_model_computes_what_it_did_before_bit_for_bit(config, monkeypat
     (old_attention_forward), bit for bit, on the record's tiny model and on ANVIL2's whole layout; the weights are
     the ones drawn before (one qkvo_w of head_dim per block, the same seed's values; tests/test_golden.py pins the
     losses too)."""
-    config = {k: v for k, v in config.items() if k not in NARROW}
+    config = {**config, **NO_NARROW}
     model = model_of(config, randomize=True)
     H, D, dim = config["num_heads"], config["head_dim"], config["model_dim"]
     for block in model.blocks:
@@ -284,12 +287,13 @@ def test_parameters_flops_and_activations_are_counted_at_the_narrow_widths():
 
 
 def test_on_the_record_with_anvil2s_flags_the_widths_are_anvil2s():
-    """The record with ANVIL2's architecture flags (wt76's) and these: (64,128) in the paired blocks 0, 2, 5, (64,64)
-    in 1 (XSA, a value table) and 8 (a value table, the second MLP), (128,128) in the long-window 3 (XSA) and 10;
-    the matmul weights drop by 5 x 2 + 2 x 2 matrices of 6 x 64 x 768, as ANVIL2's live bank rows; the narrow blocks'
-    scale is 0.13, the wide ones' attn_scale."""
+    """The record with ANVIL2's architecture flags (wt76's) and these (the record's own since the eleventh session):
+    (64,128) in the paired blocks 0, 2, 5, (64,64) in 1 (XSA, a value table) and 8 (a value table, the second MLP),
+    (128,128) in the long-window 3 (XSA) and 10; the matmul weights drop by 5 x 2 + 2 x 2 matrices of 6 x 64 x 768,
+    as ANVIL2's live bank rows; the narrow blocks' scale is 0.13, the wide ones' attn_scale."""
     flags = [*RECORD_FLAGS, *SITE_FLAGS]
-    before, after = tg.parse_args(flags), tg.parse_args(flags + NARROW_FLAGS)
+    before, after = tg.parse_args(flags + NO_NARROW_FLAGS), tg.parse_args(flags + NARROW_FLAGS)
+    assert after == tg.parse_args(flags)  # the record's default
     with torch.device("meta"):
         whole, model = (tg.GPT(tg.ModelConfig.from_args(a)) for a in (before, after))
     widths = {i: (b.attn.qk_dim, b.attn.v_dim) for i, b in enumerate(model.blocks) if b.attn is not None}

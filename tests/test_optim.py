@@ -408,9 +408,10 @@ def test_dist_adam_refuses_a_parameter_that_does_not_shard():
 def test_orthogonalization_work_of_the_record_model_is_spread_over_ranks_group_by_group(world_size):
     """An orthogonalization costs ~m^2 n per m x n matrix (m <= n). The record's 11 blocks in ANVIL2's layout hold 22
     MLP matrices of 768 x 2816 (the MLPs of the 10 blocks left after block 7's removal and block 8's second one, stored
-    alike: one group at equal rates) and 7 attention stacks of 4 x 768^2 (none in blocks 4, 6, 7 and 9); each group is
-    split over the ranks on its own, so the busiest rank does ceil(22/w) MLP matrices and ceil(7/w) stacks, plus the
-    smear gate's and value-embedding gates' tiny matrices."""
+    alike: one group at equal rates) and 7 attention sublayers (none in blocks 4, 6, 7 and 9) in four shapes: stacks
+    of 4 x 768^2 (the wide blocks 3, 10), 2 x 768^2 and 2 x 384 x 768 (V/O and Q/K of the narrow-Q/K blocks 0, 2, 5),
+    4 x 384 x 768 (blocks 1, 8, narrow V too); each group is split over the ranks on its own, so the busiest rank
+    does ceil(n/w) of each group's n, plus the smear gate's and value-embedding gates' tiny matrices."""
     with torch.device("meta"):
         model = tg.GPT(tg.ModelConfig.from_args(tg.Hyperparameters()))
     params = tg.param_groups_by_role(model)["block matrices"]
@@ -424,10 +425,11 @@ def test_orthogonalization_work_of_the_record_model_is_spread_over_ranks_group_b
                 m, n = sorted(p.shape[-2:])
                 work += p.numel() // (m * n) * m * m * n
         loads.append(work)
-    mlp, attn = 768 * 768 * 2816, 4 * 768 ** 3  # one MLP matrix's work, one stack of the 4 attention matrices'
+    mlp, wide, narrow = 768 * 768 * 2816, 768 ** 3, 384 * 384 * 768  # one matrix's work, by shape
+    stacks = [(22, mlp), (2, 4 * wide), (3, 2 * wide), (3, 2 * narrow), (2, 4 * narrow)]  # (params, work of each)
     gates = 3 * 6 * 6 * 12 + 12  # the value-embedding gates of blocks 1, 2 and 8 (6 x 12 each), the smear gate (1 x 12)
-    busiest = -(-22 // world_size) * mlp - (-7 // world_size) * attn
-    assert sum(loads) == 22 * mlp + 7 * attn + gates
+    busiest = sum(-(-n // world_size) * work for n, work in stacks)
+    assert sum(loads) == sum(n * work for n, work in stacks) + gates
     assert busiest <= max(loads) <= busiest + gates  # the bound is what happens
 
 

@@ -59,11 +59,7 @@ PENDING_ADOPTION: set[str] = {
     # ANVIL2's terminal batch taper's extension (its 131,072 of 393,216 tokens after a last row at 327,680): decided by 3
     # paired seeds on the proxy under the rule (--extension_batch 8192 and a last row of 20,480 tokens at lr 0.9129
     # over 9% of the scheduled steps) and its shapes' step times
-    "extension_batch",
-    # issue 63: ANVIL2's narrow heads, Q/K half wide in its short-window attention layers and V too in two of them
-    # (bench/results/attention_head_widths.md); decided by 3 paired seeds on the proxy against the record preset and
-    # the step time at the record's shape (padded to equal widths for PyTorch's varlen and FA3)
-    "narrow_qk_blocks", "narrow_v_blocks", "narrow_attn_scale"}
+    "extension_batch"}
 
 
 def test_no_technique_is_off_in_every_preset():

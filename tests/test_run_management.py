@@ -61,7 +61,8 @@ def _hand_countable_model(**overrides):
     the skip from block 1, backout at block 2), value tables in blocks 1 and 3, no paired heads, no XSA, no CPLM, a
     bigram table of 2 rows without signs, no trigram rows, in the dense Adam; vocabulary 64, 64-token micro-batches;
     the full softmax (the record's sampled-softmax candidates exceed a 64-token vocabulary); the layout before
-    ANVIL2's (its block indices are the 11 blocks'): none removed, MLPs 4 x 32, no second MLP, every injection."""
+    ANVIL2's (its block indices are the 11 blocks'): none removed, MLPs 4 x 32, no second MLP, every injection, no
+    narrow heads."""
     args = tg.Hyperparameters(**{**dict(
         vocab_size=64, bos_id=63, num_layers=4, model_dim=32, num_heads=2, head_dim=16, gate_channels=4,
         no_attn_layers=(2,), window_pattern="LSSL", value_embed_blocks=(1, 3), paired_head_blocks=(), xsa_blocks=(),
@@ -69,7 +70,7 @@ def _hand_countable_model(**overrides):
         cplm_bands=(), window_block=8, seq_len=64, val_seq_len=64, batch_size=128,
         stages=tuple(dataclasses.replace(row, candidates=0) for row in tg.Hyperparameters.stages),
         skip_layers=(), skip_into=0, mlp_hidden=0, parallel_mlp_blocks=(), no_x0_blocks=(), no_ngram_blocks=(),
-        no_resid_scale_blocks=()), **overrides})
+        no_resid_scale_blocks=(), narrow_qk_blocks=(), narrow_v_blocks=()), **overrides})
     with torch.device("meta"):
         return args, tg.GPT(tg.ModelConfig.from_args(args))
 

@@ -18,11 +18,11 @@ SKIP3 = dict(FIVE, skip_layers=(3,))
 ANVIL2 = ["--skip_layers", "7", "--no_attn_layers", "4,6,9", "--skip_into", "6", "--xsa_blocks", "1,3",
           "--paired_head_blocks", "0,2,5", "--value_embed_blocks", "1,2,8,10"]
 # the record's layout before ANVIL2's (--plan's BEFORE_ANVIL2), and the rest of ANVIL2's architecture off: its
-# second MLP, MLP width and injection sites
+# second MLP, MLP width, injection sites and narrow heads
 BEFORE = ["--skip_layers", "", "--no_attn_layers", "6", "--skip_into", "0", "--xsa_blocks", "1,3,4,7",
           "--paired_head_blocks", "0,2,5,9", "--value_embed_blocks", "1,2,8,9,10"]
 REST_OFF = ["--parallel_mlp_blocks", "", "--mlp_hidden", "0", "--no_x0_blocks", "", "--no_ngram_blocks", "",
-            "--no_resid_scale_blocks", ""]
+            "--no_resid_scale_blocks", "", "--narrow_qk_blocks", "", "--narrow_v_blocks", ""]
 W3 = tg.window_tokens(3, TINY["window_block"])
 
 
