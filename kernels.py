@@ -1365,132 +1365,128 @@ if triton is not None:
         return s, ok
 
     @triton.jit
-    def _dc_fwd_kernel(q_ptr, k_ptr, v_ptr, doc_ptr, w_ptr, o_ptr, lse_ptr, a_ptr, T, scale, window,
-                       H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, LOOK: tl.constexpr):
-        i0 = tl.program_id(0) * BM
+    def _dc_fwd_mix_kernel(q_ptr, k_ptr, doc_ptr, w_ptr, lse_ptr, a_ptr, T, scale, window, H: tl.constexpr,
+                           D: tl.constexpr, BM: tl.constexpr, LOOK: tl.constexpr):
+        """Head g's log-normalizer (online over the key blocks), then its share w_g P_g of the mix A, added to the
+        band (zeroed before: each head adds its own)."""
+        i0, g = tl.program_id(0) * BM, tl.program_id(1)
         offs_m, offs_d, offs_b = i0 + tl.arange(0, BM), tl.arange(0, D), tl.arange(0, BM)
         row = offs_m < T
         doc_q = tl.load(doc_ptr + offs_m, mask=row, other=-1)
-        band = LOOK + BM
-        for g in range(H):  # each head's log-normalizer, online over the key blocks
-            q = tl.load(q_ptr + offs_m[:, None] * (H * D) + g * D + offs_d[None, :], mask=row[:, None], other=0.0)
-            m, l = tl.full([BM], -1e30, tl.float32), tl.zeros([BM], tl.float32)
-            for j0 in range(i0 - LOOK, i0 + BM, BM):
-                s, ok = _dc_scores(q, k_ptr, doc_ptr, j0, offs_m, doc_q, T, scale, window, g, H, D, BM)
-                s = tl.where(ok, s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))
-                l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
-                m = m_new
-            tl.store(lse_ptr + offs_m * H + g, tl.where(row, m + tl.log(l), 0.0), mask=row)
-        for j0 in range(i0 - LOOK, i0 + BM, BM):  # the heads' mixed map, block by block, to the band
-            a = tl.zeros([BM, BM], tl.float32)
-            for g in range(H):
-                q = tl.load(q_ptr + offs_m[:, None] * (H * D) + g * D + offs_d[None, :], mask=row[:, None],
-                            other=0.0)
-                lse = tl.load(lse_ptr + offs_m * H + g, mask=row, other=0.0)
-                w = tl.load(w_ptr + offs_m * H + g, mask=row, other=0.0)
-                s, ok = _dc_scores(q, k_ptr, doc_ptr, j0, offs_m, doc_q, T, scale, window, g, H, D, BM)
-                a += w[:, None] * tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
-            tl.store(a_ptr + offs_m[:, None] * band + (j0 - i0 + LOOK) + offs_b[None, :], a, mask=row[:, None])
-        for h in range(H):  # each head's output through the map (A in the values' dtype, as the written-out form)
-            acc = tl.zeros([BM, D], tl.float32)
-            for j0 in range(i0 - LOOK, i0 + BM, BM):
-                offs_n = j0 + offs_b
-                a = tl.load(a_ptr + offs_m[:, None] * band + (j0 - i0 + LOOK) + offs_b[None, :], mask=row[:, None],
-                            other=0.0)
-                vv = tl.load(v_ptr + offs_n[:, None] * (H * D) + h * D + offs_d[None, :],
-                             mask=((offs_n >= 0) & (offs_n < T))[:, None], other=0.0)
-                acc += tl.dot(a.to(vv.dtype), vv)
-            tl.store(o_ptr + offs_m[:, None] * (H * D) + h * D + offs_d[None, :], acc.to(o_ptr.dtype.element_ty),
-                     mask=row[:, None])
+        q = tl.load(q_ptr + offs_m[:, None] * (H * D) + g * D + offs_d[None, :], mask=row[:, None], other=0.0)
+        m, l = tl.full([BM], -1e30, tl.float32), tl.zeros([BM], tl.float32)
+        for j0 in range(i0 - LOOK, i0 + BM, BM):
+            s, ok = _dc_scores(q, k_ptr, doc_ptr, j0, offs_m, doc_q, T, scale, window, g, H, D, BM)
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
+            m = m_new
+        lse = tl.where(row, m + tl.log(l), 0.0)
+        tl.store(lse_ptr + offs_m * H + g, lse, mask=row)
+        w = tl.load(w_ptr + offs_m * H + g, mask=row, other=0.0)
+        for j0 in range(i0 - LOOK, i0 + BM, BM):
+            s, ok = _dc_scores(q, k_ptr, doc_ptr, j0, offs_m, doc_q, T, scale, window, g, H, D, BM)
+            tl.atomic_add(a_ptr + offs_m[:, None] * (LOOK + BM) + (j0 - i0 + LOOK) + offs_b[None, :],
+                          w[:, None] * tl.where(ok, tl.exp(s - lse[:, None]), 0.0), mask=row[:, None])
 
     @triton.jit
-    def _dc_bwd_query_kernel(do_ptr, q_ptr, k_ptr, v_ptr, doc_ptr, w_ptr, lse_ptr, da_ptr, dq_ptr, dw_ptr, T, scale,
-                             window, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, LOOK: tl.constexpr):
-        """dA to its band, then per head dw and dq, for one block of queries."""
-        i0 = tl.program_id(0) * BM
+    def _dc_fwd_out_kernel(v_ptr, a_ptr, o_ptr, T, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                           LOOK: tl.constexpr):
+        """Head h's output through the mix (A in the values' dtype, as the written-out form)."""
+        i0, h = tl.program_id(0) * BM, tl.program_id(1)
+        offs_m, offs_d, offs_b = i0 + tl.arange(0, BM), tl.arange(0, D), tl.arange(0, BM)
+        row = offs_m < T
+        acc = tl.zeros([BM, D], tl.float32)
+        for j0 in range(i0 - LOOK, i0 + BM, BM):
+            offs_n = j0 + offs_b
+            a = tl.load(a_ptr + offs_m[:, None] * (LOOK + BM) + (j0 - i0 + LOOK) + offs_b[None, :], mask=row[:, None],
+                        other=0.0)
+            vv = tl.load(v_ptr + offs_n[:, None] * (H * D) + h * D + offs_d[None, :],
+                         mask=((offs_n >= 0) & (offs_n < T))[:, None], other=0.0)
+            acc += tl.dot(a.to(vv.dtype), vv)
+        tl.store(o_ptr + offs_m[:, None] * (H * D) + h * D + offs_d[None, :], acc.to(o_ptr.dtype.element_ty),
+                 mask=row[:, None])
+
+    @triton.jit
+    def _dc_bwd_mix_kernel(do_ptr, v_ptr, da_ptr, T, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                           LOOK: tl.constexpr):
+        """Head h's share do_h.v_h of dA, added to its band (zeroed before)."""
+        i0, h = tl.program_id(0) * BM, tl.program_id(1)
+        offs_m, offs_d, offs_b = i0 + tl.arange(0, BM), tl.arange(0, D), tl.arange(0, BM)
+        row = offs_m < T
+        do = tl.load(do_ptr + offs_m[:, None] * (H * D) + h * D + offs_d[None, :], mask=row[:, None], other=0.0)
+        for j0 in range(i0 - LOOK, i0 + BM, BM):
+            offs_n = j0 + offs_b
+            vt = tl.load(v_ptr + offs_n[None, :] * (H * D) + h * D + offs_d[:, None],
+                         mask=((offs_n >= 0) & (offs_n < T))[None, :], other=0.0)
+            tl.atomic_add(da_ptr + offs_m[:, None] * (LOOK + BM) + (j0 - i0 + LOOK) + offs_b[None, :],
+                          tl.dot(do, vt), mask=row[:, None])
+
+    @triton.jit
+    def _dc_bwd_query_kernel(q_ptr, k_ptr, doc_ptr, w_ptr, lse_ptr, da_ptr, dq_ptr, dw_ptr, T, scale, window,
+                             H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, LOOK: tl.constexpr):
+        """Head g's dw and dq for one block of queries."""
+        i0, g = tl.program_id(0) * BM, tl.program_id(1)
         offs_m, offs_d, offs_b = i0 + tl.arange(0, BM), tl.arange(0, D), tl.arange(0, BM)
         row = offs_m < T
         doc_q = tl.load(doc_ptr + offs_m, mask=row, other=-1)
-        band = LOOK + BM
+        q = tl.load(q_ptr + offs_m[:, None] * (H * D) + g * D + offs_d[None, :], mask=row[:, None], other=0.0)
+        lse = tl.load(lse_ptr + offs_m * H + g, mask=row, other=0.0)
+        w = tl.load(w_ptr + offs_m * H + g, mask=row, other=0.0)
+        dw = tl.zeros([BM], tl.float32)
+        for j0 in range(i0 - LOOK, i0 + BM, BM):
+            s, ok = _dc_scores(q, k_ptr, doc_ptr, j0, offs_m, doc_q, T, scale, window, g, H, D, BM)
+            da = tl.load(da_ptr + offs_m[:, None] * (LOOK + BM) + (j0 - i0 + LOOK) + offs_b[None, :],
+                         mask=row[:, None], other=0.0)
+            dw += tl.sum(tl.where(ok, tl.exp(s - lse[:, None]), 0.0) * da, 1)
+        tl.store(dw_ptr + offs_m * H + g, dw, mask=row)
+        dq = tl.zeros([BM, D], tl.float32)
         for j0 in range(i0 - LOOK, i0 + BM, BM):
             offs_n = j0 + offs_b
-            inside = (offs_n >= 0) & (offs_n < T)
-            da = tl.zeros([BM, BM], tl.float32)
-            for h in range(H):
-                do = tl.load(do_ptr + offs_m[:, None] * (H * D) + h * D + offs_d[None, :], mask=row[:, None],
-                             other=0.0)
-                vt = tl.load(v_ptr + offs_n[None, :] * (H * D) + h * D + offs_d[:, None], mask=inside[None, :],
-                             other=0.0)
-                da += tl.dot(do, vt)
-            tl.store(da_ptr + offs_m[:, None] * band + (j0 - i0 + LOOK) + offs_b[None, :], da, mask=row[:, None])
-        for g in range(H):
-            q = tl.load(q_ptr + offs_m[:, None] * (H * D) + g * D + offs_d[None, :], mask=row[:, None], other=0.0)
-            lse = tl.load(lse_ptr + offs_m * H + g, mask=row, other=0.0)
-            w = tl.load(w_ptr + offs_m * H + g, mask=row, other=0.0)
-            dw = tl.zeros([BM], tl.float32)
-            for j0 in range(i0 - LOOK, i0 + BM, BM):
-                s, ok = _dc_scores(q, k_ptr, doc_ptr, j0, offs_m, doc_q, T, scale, window, g, H, D, BM)
-                da = tl.load(da_ptr + offs_m[:, None] * band + (j0 - i0 + LOOK) + offs_b[None, :],
-                             mask=row[:, None], other=0.0)
-                dw += tl.sum(tl.where(ok, tl.exp(s - lse[:, None]), 0.0) * da, 1)
-            tl.store(dw_ptr + offs_m * H + g, dw, mask=row)
-            dq = tl.zeros([BM, D], tl.float32)
-            for j0 in range(i0 - LOOK, i0 + BM, BM):
-                offs_n = j0 + offs_b
-                s, ok = _dc_scores(q, k_ptr, doc_ptr, j0, offs_m, doc_q, T, scale, window, g, H, D, BM)
-                da = tl.load(da_ptr + offs_m[:, None] * band + (j0 - i0 + LOOK) + offs_b[None, :],
-                             mask=row[:, None], other=0.0)
-                ds = w[:, None] * tl.where(ok, tl.exp(s - lse[:, None]), 0.0) * (da - dw[:, None])
-                kk = tl.load(k_ptr + offs_n[:, None] * (H * D) + g * D + offs_d[None, :],
-                             mask=((offs_n >= 0) & (offs_n < T))[:, None], other=0.0)
-                dq += tl.dot(ds, kk.to(tl.float32), input_precision="tf32")
-            tl.store(dq_ptr + offs_m[:, None] * (H * D) + g * D + offs_d[None, :],
-                     (dq * scale).to(dq_ptr.dtype.element_ty), mask=row[:, None])
+            s, ok = _dc_scores(q, k_ptr, doc_ptr, j0, offs_m, doc_q, T, scale, window, g, H, D, BM)
+            da = tl.load(da_ptr + offs_m[:, None] * (LOOK + BM) + (j0 - i0 + LOOK) + offs_b[None, :],
+                         mask=row[:, None], other=0.0)
+            ds = w[:, None] * tl.where(ok, tl.exp(s - lse[:, None]), 0.0) * (da - dw[:, None])
+            kk = tl.load(k_ptr + offs_n[:, None] * (H * D) + g * D + offs_d[None, :],
+                         mask=((offs_n >= 0) & (offs_n < T))[:, None], other=0.0)
+            dq += tl.dot(ds, kk.to(tl.float32), input_precision="tf32")
+        tl.store(dq_ptr + offs_m[:, None] * (H * D) + g * D + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
+                 mask=row[:, None])
 
     @triton.jit
     def _dc_bwd_key_kernel(do_ptr, q_ptr, k_ptr, doc_ptr, w_ptr, lse_ptr, a_ptr, da_ptr, dw_ptr, dk_ptr, dv_ptr, T,
                            scale, window, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, LOOK: tl.constexpr):
-        """dk and dv of one block of BM keys, over the query blocks whose bands hold it (the one it starts and the
-        LOOK / BM after)."""
-        j0 = tl.program_id(0) * BM
+        """Head h's dv and dk of one block of BM keys, over the query blocks whose bands hold it (the one it starts and
+        the LOOK / BM after)."""
+        j0, h = tl.program_id(0) * BM, tl.program_id(1)
         offs_n, offs_d, offs_b = j0 + tl.arange(0, BM), tl.arange(0, D), tl.arange(0, BM)
         col = offs_n < T
         doc_k = tl.load(doc_ptr + offs_n, mask=col, other=-2)
-        band = LOOK + BM
-        for h in range(H):
-            dv = tl.zeros([BM, D], tl.float32)
-            for i0 in range(j0, j0 + LOOK + BM, BM):
-                offs_m = i0 + offs_b
-                row = offs_m < T
-                a = tl.load(a_ptr + offs_m[:, None] * band + (j0 - i0 + LOOK) + offs_b[None, :], mask=row[:, None],
-                            other=0.0)
-                do = tl.load(do_ptr + offs_m[:, None] * (H * D) + h * D + offs_d[None, :], mask=row[:, None],
-                             other=0.0)
-                dv += tl.dot(tl.trans(a.to(do.dtype)), do)
-            tl.store(dv_ptr + offs_n[:, None] * (H * D) + h * D + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty),
-                     mask=col[:, None])
-        for g in range(H):
-            kk = tl.load(k_ptr + offs_n[:, None] * (H * D) + g * D + offs_d[None, :], mask=col[:, None], other=0.0)
-            dk = tl.zeros([BM, D], tl.float32)
-            for i0 in range(j0, j0 + LOOK + BM, BM):
-                offs_m = i0 + offs_b
-                row = offs_m < T
-                q = tl.load(q_ptr + offs_m[:, None] * (H * D) + g * D + offs_d[None, :], mask=row[:, None],
-                            other=0.0)
-                lse = tl.load(lse_ptr + offs_m * H + g, mask=row, other=0.0)
-                w = tl.load(w_ptr + offs_m * H + g, mask=row, other=0.0)
-                dw = tl.load(dw_ptr + offs_m * H + g, mask=row, other=0.0)
-                doc_q = tl.load(doc_ptr + offs_m, mask=row, other=-1)
-                s = tl.dot(q, tl.trans(kk)) * scale
-                ok = ((offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] > offs_m[:, None] - window)
-                      & (doc_k[None, :] == doc_q[:, None]) & col[None, :])
-                da = tl.load(da_ptr + offs_m[:, None] * band + (j0 - i0 + LOOK) + offs_b[None, :],
-                             mask=row[:, None], other=0.0)
-                ds = w[:, None] * tl.where(ok, tl.exp(s - lse[:, None]), 0.0) * (da - dw[:, None])
-                dk += tl.dot(tl.trans(ds), q.to(tl.float32), input_precision="tf32")
-            tl.store(dk_ptr + offs_n[:, None] * (H * D) + g * D + offs_d[None, :], (dk * scale).to(
-                dk_ptr.dtype.element_ty), mask=col[:, None])
+        kk = tl.load(k_ptr + offs_n[:, None] * (H * D) + h * D + offs_d[None, :], mask=col[:, None], other=0.0)
+        dv = tl.zeros([BM, D], tl.float32)
+        dk = tl.zeros([BM, D], tl.float32)
+        for i0 in range(j0, j0 + LOOK + BM, BM):
+            offs_m = i0 + offs_b
+            row = offs_m < T
+            band = offs_m[:, None] * (LOOK + BM) + (j0 - i0 + LOOK) + offs_b[None, :]
+            a = tl.load(a_ptr + band, mask=row[:, None], other=0.0)
+            do = tl.load(do_ptr + offs_m[:, None] * (H * D) + h * D + offs_d[None, :], mask=row[:, None], other=0.0)
+            dv += tl.dot(tl.trans(a.to(do.dtype)), do)
+            q = tl.load(q_ptr + offs_m[:, None] * (H * D) + h * D + offs_d[None, :], mask=row[:, None], other=0.0)
+            lse = tl.load(lse_ptr + offs_m * H + h, mask=row, other=0.0)
+            w = tl.load(w_ptr + offs_m * H + h, mask=row, other=0.0)
+            dw = tl.load(dw_ptr + offs_m * H + h, mask=row, other=0.0)
+            doc_q = tl.load(doc_ptr + offs_m, mask=row, other=-1)
+            s = tl.dot(q, tl.trans(kk)) * scale
+            ok = ((offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] > offs_m[:, None] - window)
+                  & (doc_k[None, :] == doc_q[:, None]) & col[None, :])
+            da = tl.load(da_ptr + band, mask=row[:, None], other=0.0)
+            ds = w[:, None] * tl.where(ok, tl.exp(s - lse[:, None]), 0.0) * (da - dw[:, None])
+            dk += tl.dot(tl.trans(ds), q.to(tl.float32), input_precision="tf32")
+        tl.store(dv_ptr + offs_n[:, None] * (H * D) + h * D + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty),
+                 mask=col[:, None])
+        tl.store(dk_ptr + offs_n[:, None] * (H * D) + h * D + offs_d[None, :], (dk * scale).to(dk_ptr.dtype.element_ty),
+                 mask=col[:, None])
 
 
 # The DC kernels' tiles: BM queries (and keys) a block, warps per program. Not yet timed on a GPU.
@@ -1514,9 +1510,11 @@ def dc_attention(q: Tensor, k: Tensor, v: Tensor, doc: Tensor, w: Tensor, scale:
     BM, look, band = _dc_geometry(T, window)
     o = torch.empty_like(v)
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32)
-    a = torch.empty(T, band, device=q.device, dtype=torch.float32)
-    _dc_fwd_kernel[(triton.cdiv(T, BM),)](q, k, v, doc, w, o, lse, a, T, scale, window, H=H, D=D, BM=BM, LOOK=look,
-                                          num_warps=DC_TILES["num_warps"], num_stages=DC_TILES["num_stages"])
+    a = torch.zeros(T, band, device=q.device, dtype=torch.float32)  # each head adds its share
+    meta = dict(H=H, D=D, BM=BM, LOOK=look, num_warps=DC_TILES["num_warps"], num_stages=DC_TILES["num_stages"])
+    grid = (triton.cdiv(T, BM), H)  # a program per block and head
+    _dc_fwd_mix_kernel[grid](q, k, doc, w, lse, a, T, scale, window, **meta)
+    _dc_fwd_out_kernel[grid](v, a, o, T, **meta)
     return o, lse, a
 
 
@@ -1535,10 +1533,12 @@ def dc_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, doc: Tens
     BM, look, band = _dc_geometry(T, window)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dw = torch.empty(T, H, device=q.device, dtype=torch.float32)
-    da = torch.empty(T, band, device=q.device, dtype=torch.float32)
+    da = torch.zeros(T, band, device=q.device, dtype=torch.float32)  # each head adds its share
     meta = dict(H=H, D=D, BM=BM, LOOK=look, num_warps=DC_TILES["num_warps"], num_stages=DC_TILES["num_stages"])
-    _dc_bwd_query_kernel[(triton.cdiv(T, BM),)](do, q, k, v, doc, w, lse, da, dq, dw, T, scale, window, **meta)
-    _dc_bwd_key_kernel[(triton.cdiv(T, BM),)](do, q, k, doc, w, lse, a, da, dw, dk, dv, T, scale, window, **meta)
+    grid = (triton.cdiv(T, BM), H)
+    _dc_bwd_mix_kernel[grid](do, v, da, T, **meta)
+    _dc_bwd_query_kernel[grid](q, k, doc, w, lse, da, dq, dw, T, scale, window, **meta)
+    _dc_bwd_key_kernel[grid](do, q, k, doc, w, lse, a, da, dw, dk, dv, T, scale, window, **meta)
     return dq, dk, dv, dw
 
 

@@ -79,7 +79,7 @@ def test_the_model_runs_dc_through_the_kernels_where_triton_runs():
 
 
 def test_dc_kernels_compile_for_an_h100_without_one():
-    """The three kernels with kernels.DC_TILES at the record's shape (6 heads of 128, bf16, window 112), compiled
+    """The five kernels with kernels.DC_TILES at the record's shape (6 heads of 128, bf16, window 112), compiled
     for sm_90 down to a cubin (no GPU needed): what only the compiler rejects, shared memory over 227 KiB included."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -87,7 +87,8 @@ def test_dc_kernels_compile_for_an_h100_without_one():
     BM, look, _ = kernels._dc_geometry(49152, tg.DC_WINDOW)
     constexprs = dict(H=6, D=128, BM=BM, LOOK=look)
     f32 = ("w_ptr", "lse_ptr", "a_ptr", "da_ptr", "dw_ptr")
-    for fn in (kernels._dc_fwd_kernel, kernels._dc_bwd_query_kernel, kernels._dc_bwd_key_kernel):
+    for fn in (kernels._dc_fwd_mix_kernel, kernels._dc_fwd_out_kernel, kernels._dc_bwd_mix_kernel,
+               kernels._dc_bwd_query_kernel, kernels._dc_bwd_key_kernel):
         signature = {n: "constexpr" if n in constexprs else "fp32" if n == "scale" else
                      ("*i32" if n == "doc_ptr" else "*fp32" if n in f32 else "*bf16") if n.endswith("_ptr") else "i32"
                      for n in fn.arg_names}
