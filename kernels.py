@@ -1365,13 +1365,19 @@ if triton is not None:
         return s, ok
 
     @triton.jit
+    def _dc_block(T, BM: tl.constexpr, D: tl.constexpr):
+        """This program's first row, its head, the offsets of its rows, of a head's features and of a block within
+        the band, and which of its rows exist."""
+        i0 = tl.program_id(0) * BM
+        offs_m = i0 + tl.arange(0, BM)
+        return i0, tl.program_id(1), offs_m, tl.arange(0, D), tl.arange(0, BM), offs_m < T
+
+    @triton.jit
     def _dc_fwd_mix_kernel(q_ptr, k_ptr, doc_ptr, w_ptr, lse_ptr, a_ptr, T, scale, window, H: tl.constexpr,
                            D: tl.constexpr, BM: tl.constexpr, LOOK: tl.constexpr):
         """Head g's log-normalizer (online over the key blocks), then its share w_g P_g of the mix A, added to the
         band (zeroed before: each head adds its own)."""
-        i0, g = tl.program_id(0) * BM, tl.program_id(1)
-        offs_m, offs_d, offs_b = i0 + tl.arange(0, BM), tl.arange(0, D), tl.arange(0, BM)
-        row = offs_m < T
+        i0, g, offs_m, offs_d, offs_b, row = _dc_block(T, BM, D)
         doc_q = tl.load(doc_ptr + offs_m, mask=row, other=-1)
         q = tl.load(q_ptr + offs_m[:, None] * (H * D) + g * D + offs_d[None, :], mask=row[:, None], other=0.0)
         m, l = tl.full([BM], -1e30, tl.float32), tl.zeros([BM], tl.float32)
@@ -1393,9 +1399,7 @@ if triton is not None:
     def _dc_fwd_out_kernel(v_ptr, a_ptr, o_ptr, T, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                            LOOK: tl.constexpr):
         """Head h's output through the mix (A in the values' dtype, as the written-out form)."""
-        i0, h = tl.program_id(0) * BM, tl.program_id(1)
-        offs_m, offs_d, offs_b = i0 + tl.arange(0, BM), tl.arange(0, D), tl.arange(0, BM)
-        row = offs_m < T
+        i0, h, offs_m, offs_d, offs_b, row = _dc_block(T, BM, D)
         acc = tl.zeros([BM, D], tl.float32)
         for j0 in range(i0 - LOOK, i0 + BM, BM):
             offs_n = j0 + offs_b
@@ -1411,9 +1415,7 @@ if triton is not None:
     def _dc_bwd_mix_kernel(do_ptr, v_ptr, da_ptr, T, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                            LOOK: tl.constexpr):
         """Head h's share do_h.v_h of dA, added to its band (zeroed before)."""
-        i0, h = tl.program_id(0) * BM, tl.program_id(1)
-        offs_m, offs_d, offs_b = i0 + tl.arange(0, BM), tl.arange(0, D), tl.arange(0, BM)
-        row = offs_m < T
+        i0, h, offs_m, offs_d, offs_b, row = _dc_block(T, BM, D)
         do = tl.load(do_ptr + offs_m[:, None] * (H * D) + h * D + offs_d[None, :], mask=row[:, None], other=0.0)
         for j0 in range(i0 - LOOK, i0 + BM, BM):
             offs_n = j0 + offs_b
@@ -1426,9 +1428,7 @@ if triton is not None:
     def _dc_bwd_query_kernel(q_ptr, k_ptr, doc_ptr, w_ptr, lse_ptr, da_ptr, dq_ptr, dw_ptr, T, scale, window,
                              H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, LOOK: tl.constexpr):
         """Head g's dw and dq for one block of queries."""
-        i0, g = tl.program_id(0) * BM, tl.program_id(1)
-        offs_m, offs_d, offs_b = i0 + tl.arange(0, BM), tl.arange(0, D), tl.arange(0, BM)
-        row = offs_m < T
+        i0, g, offs_m, offs_d, offs_b, row = _dc_block(T, BM, D)
         doc_q = tl.load(doc_ptr + offs_m, mask=row, other=-1)
         q = tl.load(q_ptr + offs_m[:, None] * (H * D) + g * D + offs_d[None, :], mask=row[:, None], other=0.0)
         lse = tl.load(lse_ptr + offs_m * H + g, mask=row, other=0.0)
@@ -1458,9 +1458,7 @@ if triton is not None:
                            scale, window, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, LOOK: tl.constexpr):
         """Head h's dv and dk of one block of BM keys, over the query blocks whose bands hold it (the one it starts and
         the LOOK / BM after)."""
-        j0, h = tl.program_id(0) * BM, tl.program_id(1)
-        offs_n, offs_d, offs_b = j0 + tl.arange(0, BM), tl.arange(0, D), tl.arange(0, BM)
-        col = offs_n < T
+        j0, h, offs_n, offs_d, offs_b, col = _dc_block(T, BM, D)  # a block of keys
         doc_k = tl.load(doc_ptr + offs_n, mask=col, other=-2)
         kk = tl.load(k_ptr + offs_n[:, None] * (H * D) + h * D + offs_d[None, :], mask=col[:, None], other=0.0)
         dv = tl.zeros([BM, D], tl.float32)
@@ -1489,7 +1487,9 @@ if triton is not None:
                  mask=col[:, None])
 
 
-# The DC kernels' tiles: BM queries (and keys) a block, warps per program. Not yet timed on a GPU.
+# The DC kernels' tiles: BM queries (and keys) a block, warps and pipeline stages per program. The first form (a program
+# per block, the heads in turn; 715ca25) took 2.80 ms forward + backward with these on one H200 (2.66 at one stage,
+# the written-out form 3.36; bench/dc_kernel.py); this form, a program per block and head, is not yet timed.
 DC_TILES = dict(BM=64, num_warps=4, num_stages=2)
 
 
