@@ -1129,7 +1129,8 @@ class ModelKernels:
 
 
 def choose_kernels(device: torch.device, attention: str = "auto", compiled: bool = False, fp8_head: bool = True,
-                   fused_ce: bool = True, fused_mlp: bool = True, fp8_mlp: bool = True, log=print) -> ModelKernels:
+                   fused_ce: bool = True, fused_mlp: bool = True, fp8_mlp: bool = True, fused_dc: bool = True,
+                   log=print) -> ModelKernels:
     """The whole model's kernels on `device`: each one asked for where it runs here (the log says why one is off)."""
     fp8 = fp8_head and device.type == "cuda" and fp8_supported(device)  # elsewhere the head is a plain matmul
     if fused_ce and not fp8:
@@ -1145,7 +1146,7 @@ def choose_kernels(device: torch.device, attention: str = "auto", compiled: bool
             "shared memory); the MLP runs in bf16")
     triton_here = triton is not None and (device.type == "cuda" or INTERPRET)
     return ModelKernels(select_attention(attention, device, compiled, log), fp8, fused_ce and fp8, fits, mlp8,
-                        pointer=triton_here, dc=triton_here)
+                        pointer=triton_here, dc=fused_dc and triton_here)
 
 
 # -----------------------------------------------------------------------------------------------

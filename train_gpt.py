@@ -332,6 +332,7 @@ class Hyperparameters:
     fused_mlp: bool = True  # ReLU² inside the MLP's matmul epilogues (kernels.py), where the GPU has the shared memory
     fp8_mlp: bool = True  # the fused MLP's matmuls in FP8, forward and backward (kernels.py), on Hopper's TMA kernel
     fused_ce: bool = True  # the FP8 head's soft-capped cross-entropy in Triton kernels, its gradient written in FP8
+    fused_dc: bool = True  # DC attention's correction in Triton kernels (kernels.dc_attention) where Triton runs, else written out
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
     log_dir: str = "logs"  # logs go to log_dir/<run_id>.txt (rank 0 writes)
@@ -3847,7 +3848,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     attention backend and LM-head kind chosen for this device; for the run's schedule (default: args')."""
     schedule = Schedule(args) if schedule is None else schedule
     chosen = choose_kernels(device, args.attention, args.compile, args.fp8_head, args.fused_ce, args.fused_mlp,
-                            args.fp8_mlp, log)
+                            args.fp8_mlp, args.fused_dc, log)
     if chosen.fp8_head:
         check_fp8_head_shapes(args.vocab_size, args.model_dim, tuple(row.candidates for row in args.stages))
     if chosen.fp8_mlp:

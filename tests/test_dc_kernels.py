@@ -67,10 +67,17 @@ def test_dc_kernels_match_the_reference_and_the_written_out_correction_in_the_in
     assert len(errors) == 16 and max(errors) < 2e-5, errors
 
 
-def test_the_model_runs_dc_through_the_kernels_where_triton_runs():
-    """choose_kernels turns the kernels on where Triton runs (a CUDA GPU, the interpreter), off on a plain CPU; the
-    last block's attention carries the choice, which its other blocks never use (no DC weights there)."""
-    assert tg.choose_kernels(torch.device("cpu"), log=lambda m: None).dc == kernels.INTERPRET
+def test_the_model_runs_dc_through_the_kernels_where_triton_runs(monkeypatch):
+    """choose_kernels turns the kernels on where Triton runs (a CUDA GPU, the interpreter), off on a plain CPU and
+    under --fused_dc false; the last block's attention carries the choice, which its other blocks never use (no DC
+    weights there)."""
+    quiet = dict(log=lambda m: None)
+    assert tg.choose_kernels(torch.device("cpu"), **quiet).dc == kernels.INTERPRET
+    monkeypatch.setattr(kernels, "INTERPRET", True)  # as in Triton's interpreter
+    assert tg.choose_kernels(torch.device("cpu"), **quiet).dc
+    assert not tg.choose_kernels(torch.device("cpu"), fused_dc=False, **quiet).dc
+    assert not tg.parse_args(["--fused_dc", "false"]).fused_dc and tg.parse_args([]).fused_dc
+    monkeypatch.undo()
     from conftest import TINY
     cfg = tg.ModelConfig.from_args(tg.Hyperparameters(**TINY))
     model = tg.GPT(cfg, tg.ModelKernels(dc=True))
