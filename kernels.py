@@ -4,7 +4,9 @@
 - the FP8 LM head: its matmul (mm_fp8) and its soft-capped cross-entropy fused with it (fp8_head_ce, --fused_ce;
   the loss in Triton), custom ops with their backward;
 - varlen attention: the backends (FlashAttention-3 and -4 as custom ops, PyTorch's varlen, the reference), their
-  registry and the start-up check that picks one.
+  registry and the start-up check that picks one;
+- CPLM's pointer (copy_pointer) and DC attention's correction (dc_attention, --fused_dc): flash-style Triton kernels
+  whose scores stay in registers, custom ops with their backward.
 train_gpt.py logs this file's source with its own.
 
 Set TRITON_INTERPRET=1 before the first import of triton to run the kernels on the CPU (slowly, in
