@@ -579,7 +579,8 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "with ANVIL2's hashed trigram channel (21.2M rows in one table, learned by a row-sparse "
                "Adam, sharded over the GPUs by owner), "
                "MUDD with its gates, XSA and DC attention, YaRN, smear and value-embedding gates, paired heads, "
-               "partial key offset, ANVIL2's narrow heads (Q and K 64 wide in blocks 0, 1, 2, 5 and 8, V too in 1 and 8), four untied value tables, parallel attention inputs, backout, per-sublayer "
+               "partial key offset, ANVIL2's narrow heads (Q and K 64 wide in blocks 0, 1, 2, 5 and 8, V too in 1 "
+               "and 8), four untied value tables, parallel attention inputs, backout, per-sublayer "
                "residual weights and one gated skip, ANVIL2's update rule (twin momentum rails, six trace-normed quintic "
                "maps, NorMuon's neuron normalization, cautious decay 2.25), Adam every second step, "
                "multi-token and prefix-token losses, the embedding tied for two stages, 840 steps (776 x 1.082: "
@@ -2993,7 +2994,7 @@ SAMPLED_US_PER_TOKEN = {
 # it: the fields it had then, and its injections (x0 and the n-gram term) before a block's attention, an order no
 # longer built (not a field: every run differs in it). ANVIL2's architecture ran 0.825x its step on one H200 over 80
 # steps (bench/results/arch_h200_20261129d.md).
-# The record's model before ANVIL2's narrow heads (the eleventh session): every head 128 wide.
+# The record's model before ANVIL2's narrow heads (adopted 2026-11-29): every head 128 wide.
 BEFORE_NARROW = dict(narrow_qk_blocks=(), narrow_v_blocks=())
 BEFORE_ANVIL2 = dict(skip_layers=(), no_attn_layers=(6,), skip_into=0, xsa_blocks=(1, 3, 4, 7),
                      paired_head_blocks=(0, 2, 5, 9), value_embed_blocks=(1, 2, 8, 9, 10), parallel_mlp_blocks=(),
@@ -3507,6 +3508,7 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
             f"LM head: {'fp8' if k.fp8_head else 'bf16' if device.type == 'cuda' else 'float32'}, "
             f"MLP: {'fused' if k.fused_mlp else 'unfused'}{' fp8' if k.fp8_mlp else ''}, "
             f"cross-entropy: {'fused' if k.fused_ce else 'unfused'}, "
+            f"DC attention: {('kernels' if k.dc else 'written out') if args.dc_attention else 'off'}, "
             f"compile: {args.compile}, "
             f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device),
             *sampled_softmax_report(Schedule(args))]

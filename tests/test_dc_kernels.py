@@ -1,6 +1,8 @@
 """kernels.dc_attention: DC attention's correction (train_gpt.dc_correction, in the record's last block) as Triton
 kernels, in Triton's CPU interpreter against a (T, T)-mask reference and against the model's written-out form,
 gradients included; compiled for an H100 without one; on a GPU, the compiled kernels."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -83,6 +85,10 @@ def test_the_model_runs_dc_through_the_kernels_where_triton_runs(monkeypatch):
     model = tg.GPT(cfg, tg.ModelKernels(dc=True))
     assert all(b.attn.fused_dc for b in model.blocks if b.attn is not None)
     assert not any(b.attn.fused_dc for b in tg.GPT(cfg).blocks if b.attn is not None)
+    args, cpu = tg.Hyperparameters(**TINY), torch.device("cpu")  # the start-of-run line says which form runs
+    assert "DC attention: kernels, " in tg.run_report(model, args, cpu, 1)[0]
+    assert "DC attention: written out, " in tg.run_report(tg.GPT(cfg), args, cpu, 1)[0]
+    assert "DC attention: off, " in tg.run_report(tg.GPT(cfg), dataclasses.replace(args, dc_attention=False), cpu, 1)[0]
 
 
 def test_dc_kernels_compile_for_an_h100_without_one():

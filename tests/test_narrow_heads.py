@@ -287,7 +287,7 @@ def test_parameters_flops_and_activations_are_counted_at_the_narrow_widths():
 
 
 def test_on_the_record_with_anvil2s_flags_the_widths_are_anvil2s():
-    """The record with ANVIL2's architecture flags (wt76's) and these (the record's own since the eleventh session):
+    """The record with ANVIL2's architecture flags (wt76's) and these (the record's own since 2026-11-29):
     (64,128) in the paired blocks 0, 2, 5, (64,64) in 1 (XSA, a value table) and 8 (a value table, the second MLP),
     (128,128) in the long-window 3 (XSA) and 10; the matmul weights drop by 5 x 2 + 2 x 2 matrices of 6 x 64 x 768,
     as ANVIL2's live bank rows; the narrow blocks' scale is 0.13, the wide ones' attn_scale."""
