@@ -1452,7 +1452,7 @@ if triton is not None:
             ds = w[:, None] * tl.where(ok, tl.exp(s - lse[:, None]), 0.0) * (da - dw[:, None])
             kk = tl.load(k_ptr + offs_n[:, None] * (H * D) + g * D + offs_d[None, :],
                          mask=((offs_n >= 0) & (offs_n < T))[:, None], other=0.0)
-            dq += tl.dot(ds, kk.to(tl.float32), input_precision="tf32")
+            dq += tl.dot(ds.to(kk.dtype), kk)  # ds in the inputs' dtype, as FlashAttention's backward
         tl.store(dq_ptr + offs_m[:, None] * (H * D) + g * D + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
                  mask=row[:, None])
 
@@ -1483,7 +1483,7 @@ if triton is not None:
                   & (doc_k[None, :] == doc_q[:, None]) & col[None, :])
             da = tl.load(da_ptr + band, mask=row[:, None], other=0.0)
             ds = w[:, None] * tl.where(ok, tl.exp(s - lse[:, None]), 0.0) * (da - dw[:, None])
-            dk += tl.dot(tl.trans(ds), q.to(tl.float32), input_precision="tf32")
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
         tl.store(dv_ptr + offs_n[:, None] * (H * D) + h * D + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty),
                  mask=col[:, None])
         tl.store(dk_ptr + offs_n[:, None] * (H * D) + h * D + offs_d[None, :], (dk * scale).to(dk_ptr.dtype.element_ty),
