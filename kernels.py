@@ -1336,8 +1336,9 @@ copy_pointer.register_autograd(_copy_pointer_autograd, setup_context=_copy_point
 # one map per query mixes the heads, A(i, j) = sum_g w_g(i) P_g(i, j); each head reads its values through it:
 # o_h(i) = sum_j A(i, j) v_h(j). Written out in PyTorch (float32 scores and probabilities of every head, their
 # blocks padded and unfolded) it took 5-7.5% of a record step on an H200 (bench/results/dc_narrow_2gpu_h200_20261129k.md);
-# here the scores stay in registers and only A, one float32 map a query, goes to memory (a band of DC_LOOK + DC_BM
-# keys), for the backward. Queries go in blocks of BM, keys in blocks of BN = BM from LOOK keys before the query block.
+# here the scores stay in registers and only A, one float32 map a query, goes to memory (a band of LOOK + BM keys,
+# LOOK the least multiple of BM that covers window - 1), for the output and the backward. A program takes one head of
+# a block of BM queries (or, for dk and dv, of BM keys); the heads' shares of A and of dA are added into the band.
 # Backward, with do_h the gradient of o_h, dA(i, j) = sum_h do_h(i).v_h(j) and dw_g(i) = sum_j P_g(i, j) dA(i, j):
 # dL/dv_h(j) = sum_i A(i, j) do_h(i), dL/dw_g(i) = dw_g(i), dL/ds_g(i, j) = w_g(i) P_g(i, j) (dA(i, j) - dw_g(i)).
 
