@@ -40,26 +40,30 @@ def main():
     up = torch.randn_like(q)
     written = torch.compile(tg.dc_correction, dynamic=False, fullgraph=True)
 
-    def run(fused: bool):
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, w1, w2)]
+    def run(fused: bool, backward: bool = True):
+        leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v, w1, w2)]
         out = (tg.dc_correction(*leaves[:3], cu, *leaves[3:], scale, fused=True) if fused else
                written(*leaves[:3], cu, *leaves[3:], scale))
-        (out * up).sum().backward()
+        if backward:
+            (out * up).sum().backward()
         return out, *(t.grad for t in leaves)
+
+    def times(fused: bool) -> str:
+        both = timing.back_to_back_ms(lambda: run(fused), 10)
+        return f"{both:.3f} ms forward + backward ({timing.back_to_back_ms(lambda: run(fused, False), 10):.3f} forward)"
 
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {a.tokens:,} tokens, {a.heads} heads "
           f"of {a.head_dim}, window {tg.DC_WINDOW}, {len(cu) - 1} documents")
     ref = run(False)
-    print(f"written out, compiled: {timing.back_to_back_ms(lambda: run(False), 10):.3f} ms forward + backward")
+    print(f"written out, compiled: {times(False)}")
     for text in a.tiles:
         bm, warps, stages = (int(x) for x in text.split(","))
         kernels.DC_TILES = dict(BM=bm, num_warps=warps, num_stages=stages)
         got = run(True)
         errors = ", ".join(f"{name} {((x - y).abs().max() / y.abs().max()).item():.1e}" for name, x, y in
                            zip(("out", "dq", "dk", "dv", "dw1", "dw2"), got, ref))
-        ms = timing.back_to_back_ms(lambda: run(True), 10)
-        print(f"kernels BM={bm} warps={warps} stages={stages}: {ms:.3f} ms forward + backward; largest errors "
-              f"relative to the largest value: {errors}")
+        print(f"kernels BM={bm} warps={warps} stages={stages}: {times(True)}; largest errors relative to the "
+              f"largest value: {errors}")
 
 
 if __name__ == "__main__":
