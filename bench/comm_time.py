@@ -7,11 +7,13 @@ record run, so no accumulation hides the communication. Every rank times --steps
 schedule (--stage, default the last scheduled one), each between a barrier and a synchronize, then profiles --profile_steps more and reports for each
 step: its time, the NCCL kernels' time, and the exposed part: NCCL time during which no other kernel runs on the
 GPU, so the step waits on the network, split into the time a rank waits for another to arrive at the collective
-(uneven work) and the time data moves, and the bytes a rank sends a step (as a ring moves them). Under
+(uneven work) and the time data moves (that by collective: the reduce-scatters, the all-gathers, the n-gram
+table's all-to-all), and the bytes a rank sends a step (as a ring moves them). Under
 --adam_every 2 half the profiled steps are with Adam, half without."""
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -81,23 +83,51 @@ def idle_time(intervals: list[tuple[float, float, bool]]) -> float:
     return sum(g for g, _, _ in kernel_gaps(intervals))
 
 
-def peer_wait_split(nccl_by_rank: list[list[tuple[float, float]]], rank: int,
-                    compute: list[tuple[float, float]]) -> tuple[float, float] | None:
-    """This rank's exposed NCCL time split in two: (waiting for another rank to arrive, transferring). The ranks
-    launch the same collectives in the same order, so the k-th NCCL kernel of every rank is one collective; an NCCL
-    kernel starts when its rank arrives and spins until the last rank does, so before the last arrival it waits and
-    after it moves data. Times on one clock (one host). None when the ranks' NCCL kernel counts differ."""
+def arrival_split(nccl_by_rank: list[list[tuple[float, float]]], rank: int) -> list[tuple] | None:
+    """Each of this rank's NCCL kernels cut at the last rank's arrival: (waiting span or None, moving span or None).
+    The ranks launch the same collectives in the same order, so the k-th NCCL kernel of every rank is one collective;
+    an NCCL kernel starts when its rank arrives and spins until the last rank does, so before the last arrival it
+    waits and after it moves data. Times on one clock (one host). None when the ranks' NCCL kernel counts differ."""
     if len({len(k) for k in nccl_by_rank}) != 1:
         return None
-    waiting, moving = [], []
+    cuts = []
     for k, (start, end) in enumerate(nccl_by_rank[rank]):
         last_arrival = max(kernels[k][0] for kernels in nccl_by_rank)
-        if last_arrival > start:
-            waiting.append((start, min(last_arrival, end), True))
-        if end > last_arrival:
-            moving.append((max(start, last_arrival), end, True))
+        cuts.append(((start, min(last_arrival, end)) if last_arrival > start else None,
+                     (max(start, last_arrival), end) if end > last_arrival else None))
+    return cuts
+
+
+def peer_wait_split(nccl_by_rank: list[list[tuple[float, float]]], rank: int,
+                    compute: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """This rank's exposed NCCL time split in two: (waiting for another rank to arrive, transferring), by
+    arrival_split; None when the ranks' NCCL kernels do not pair up."""
+    cuts = arrival_split(nccl_by_rank, rank)
+    if cuts is None:
+        return None
     busy = [(a, b, False) for a, b in compute]
+    waiting = [(*span, True) for span, _ in cuts if span]
+    moving = [(*span, True) for _, span in cuts if span]
     return exposed_time(waiting + busy)[1], exposed_time(moving + busy)[1]
+
+
+def nccl_kind(name: str) -> str:
+    """The collective an NCCL kernel runs, from its name (ncclDevKernel_ReduceScatter_Sum_f32_RING_LL: ReduceScatter;
+    all_to_all's kernels are SendRecv)."""
+    found = re.search(r"(AllGather|ReduceScatter|AllReduce|SendRecv|Broadcast|Reduce)", name)
+    return found[1] if found else "other"
+
+
+def moving_by_kind(nccl_by_rank: list[list[tuple[float, float]]], rank: int, compute: list[tuple[float, float]],
+                   kinds: list[str]) -> dict[str, float] | None:
+    """The exposed part of the time data moves (peer_wait_split's second) per collective kind, kinds[k] the kind of
+    this rank's k-th NCCL kernel: which collectives a step waits on."""
+    cuts = arrival_split(nccl_by_rank, rank)
+    if cuts is None or len(kinds) != len(cuts):
+        return None
+    busy = [(a, b, False) for a, b in compute]
+    return {kind: exposed_time([(*moving, True) for (_, moving), k in zip(cuts, kinds) if moving and k == kind]
+                               + busy)[1] for kind in dict.fromkeys(kinds)}
 
 
 class CollectiveBytes:
@@ -182,7 +212,10 @@ def main():
     if world_size > 1:
         mine, nccl = nccl[0], [None] * world_size
         dist.all_gather_object(nccl, mine)
-    split = peer_wait_split(nccl, rank, [(base + a, base + b) for a, b, c in intervals if not c])
+    busy = [(base + a, base + b) for a, b, c in intervals if not c]
+    split = peer_wait_split(nccl, rank, busy)
+    kinds = [nccl_kind(e.get("name", "")) for e in kernel_events(trace) if "nccl" in e.get("name", "").lower()]
+    by_kind = moving_by_kind(nccl, rank, busy, kinds)
     n = own.profile_steps
     med = statistics.median(times)
     line = (f"rank {rank}/{world_size}: stage windows {stage.windows}, {stage.spec.batch_size:,} tokens a step, "
@@ -192,6 +225,8 @@ def main():
             f"({exposed / n / 1e3 / med:.1%} of the median step)" +
             (f": {split[0] / n / 1e3:.2f} ms waiting for another rank to arrive, {split[1] / n / 1e3:.2f} ms moving "
              f"data ({split[1] / n / 1e3 / med:.1%})" if split else ": the ranks' NCCL kernels do not pair up") +
+            (", by collective: " + ", ".join(f"{k} {t / n / 1e3:.2f} ms" for k, t in by_kind.items())
+             if by_kind else "") +
             f"; sent {sent.sent / n / 1e6:.1f} MB a step (ring)" +
             f"; GPU idle {idle_time(intervals) / n / 1e3:.2f} ms a step, {len(intervals)} kernels")
     lines = [line]

@@ -42,6 +42,23 @@ def test_exposed_nccl_time_splits_into_waiting_for_the_other_rank_and_moving_dat
     assert comm_time.peer_wait_split([[(0.0, 1.0)], []], 0, []) is None  # counts differ: no pairing
 
 
+def test_exposed_moving_time_splits_by_collective_kind():
+    """Which collectives the step waits on: the moving part of each NCCL kernel, exposed, summed by kind."""
+    assert [comm_time.nccl_kind(n) for n in ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL",
+                                            "ncclDevKernel_AllGather_RING_LL", "ncclDevKernel_SendRecv",
+                                            "ncclKernel_AllReduce_RING_LL_Sum_float", "ncclDevKernel_Generic")] == \
+        ["ReduceScatter", "AllGather", "SendRecv", "AllReduce", "other"]
+    # rank 0: a reduce-scatter 10-20 (rank 1 arrives at 16: 4 us moving), an all-gather 30-40 (rank 1 at 30: 10 us
+    # moving, 32-35 covered by compute), a second reduce-scatter 50-52 (both at 50)
+    nccl = [[(10.0, 20.0), (30.0, 40.0), (50.0, 52.0)], [(16.0, 20.0), (30.0, 40.0), (50.0, 52.0)]]
+    kinds = ["ReduceScatter", "AllGather", "ReduceScatter"]
+    by_kind = comm_time.moving_by_kind(nccl, 0, [(32.0, 35.0)], kinds)
+    assert by_kind == {"ReduceScatter": 4.0 + 2.0, "AllGather": 7.0}
+    assert sum(by_kind.values()) == comm_time.peer_wait_split(nccl, 0, [(32.0, 35.0)])[1]
+    assert comm_time.moving_by_kind(nccl, 0, [], kinds[:2]) is None  # a kind for each kernel, or nothing
+    assert comm_time.moving_by_kind([[(0.0, 1.0)], []], 0, [], ["AllGather"]) is None
+
+
 def test_idle_time_is_the_time_no_kernel_of_any_kind_runs():
     assert comm_time.idle_time([(0, 10, False), (5, 12, True), (20, 30, False), (25, 26, True), (31, 40, True)]) == 8 + 1
     assert comm_time.idle_time([]) == 0.0
