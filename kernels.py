@@ -1497,7 +1497,7 @@ if triton is not None:
 DC_TILES = dict(BM=64, num_warps=4, num_stages=2)
 
 
-def _dc_geometry(T: int, window: int) -> tuple[int, int, int]:
+def _dc_geometry(window: int) -> tuple[int, int, int]:
     """(BM, LOOK, band): LOOK, the keys before a query block that its band holds, the least multiple of BM that
     covers window - 1."""
     BM = DC_TILES["BM"]
@@ -1505,18 +1505,24 @@ def _dc_geometry(T: int, window: int) -> tuple[int, int, int]:
     return BM, look, look + BM
 
 
+def _dc_launch(q: Tensor, window: int) -> tuple[int, tuple[int, int], dict]:
+    """The band's width, the grid (a program per block and head) and the kernels' shared arguments for q (T, H, D)."""
+    T, H, D = q.shape
+    BM, look, band = _dc_geometry(window)
+    return band, (triton.cdiv(T, BM), H), dict(H=H, D=D, BM=BM, LOOK=look, num_warps=DC_TILES["num_warps"],
+                                                num_stages=DC_TILES["num_stages"])
+
+
 @torch.library.custom_op("speedrun::dc_attention", mutates_args=())
 def dc_attention(q: Tensor, k: Tensor, v: Tensor, doc: Tensor, w: Tensor, scale: float,
                  window: int) -> tuple[Tensor, Tensor, Tensor]:
     """(o, lse, A's band) of DC attention's correction before its output weights: q, k, v (T, H, D) contiguous, doc
     (T,) int32 document ids, w (T, H) float32 (the heads' mix, RMS-normed over heads by the caller)."""
-    T, H, D = q.shape
-    BM, look, band = _dc_geometry(T, window)
+    T, H, _ = q.shape
+    band, grid, meta = _dc_launch(q, window)
     o = torch.empty_like(v)
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32)
     a = torch.zeros(T, band, device=q.device, dtype=torch.float32)  # each head adds its share
-    meta = dict(H=H, D=D, BM=BM, LOOK=look, num_warps=DC_TILES["num_warps"], num_stages=DC_TILES["num_stages"])
-    grid = (triton.cdiv(T, BM), H)  # a program per block and head
     _dc_fwd_mix_kernel[grid](q, k, doc, w, lse, a, T, scale, window, **meta)
     _dc_fwd_out_kernel[grid](v, a, o, T, **meta)
     return o, lse, a
@@ -1526,20 +1532,18 @@ def dc_attention(q: Tensor, k: Tensor, v: Tensor, doc: Tensor, w: Tensor, scale:
 def _(q, k, v, doc, w, scale, window):
     T, H, _ = q.shape
     return torch.empty_like(v), q.new_empty(T, H, dtype=torch.float32), q.new_empty(
-        T, _dc_geometry(T, window)[2], dtype=torch.float32)
+        T, _dc_geometry(window)[2], dtype=torch.float32)
 
 
 @torch.library.custom_op("speedrun::dc_attention_backward", mutates_args=())
 def dc_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, doc: Tensor, w: Tensor, lse: Tensor,
                           a: Tensor, scale: float, window: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dw) of dc_attention from its output's gradient do."""
-    T, H, D = q.shape
-    BM, look, band = _dc_geometry(T, window)
+    T, H, _ = q.shape
+    band, grid, meta = _dc_launch(q, window)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dw = torch.empty(T, H, device=q.device, dtype=torch.float32)
     da = torch.zeros(T, band, device=q.device, dtype=torch.float32)  # each head adds its share
-    meta = dict(H=H, D=D, BM=BM, LOOK=look, num_warps=DC_TILES["num_warps"], num_stages=DC_TILES["num_stages"])
-    grid = (triton.cdiv(T, BM), H)
     _dc_bwd_mix_kernel[grid](do, v, da, T, **meta)
     _dc_bwd_query_kernel[grid](q, k, doc, w, lse, da, dq, dw, T, scale, window, **meta)
     _dc_bwd_key_kernel[grid](do, q, k, doc, w, lse, a, da, dw, dk, dv, T, scale, window, **meta)

@@ -97,7 +97,7 @@ def test_dc_kernels_compile_for_an_h100_without_one():
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    BM, look, _ = kernels._dc_geometry(49152, tg.DC_WINDOW)
+    BM, look, _ = kernels._dc_geometry(tg.DC_WINDOW)
     constexprs = dict(H=6, D=128, BM=BM, LOOK=look)
     f32 = ("w_ptr", "lse_ptr", "a_ptr", "da_ptr", "dw_ptr")
     for fn in (kernels._dc_fwd_mix_kernel, kernels._dc_fwd_out_kernel, kernels._dc_bwd_mix_kernel,
