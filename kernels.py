@@ -6,7 +6,8 @@
 - varlen attention: the backends (FlashAttention-3 and -4 as custom ops, PyTorch's varlen, the reference), their
   registry and the start-up check that picks one;
 - CPLM's pointer (copy_pointer) and DC attention's correction (dc_attention, --fused_dc): flash-style Triton kernels
-  whose scores stay in registers, custom ops with their backward.
+  whose scores stay in registers, custom ops with their backward;
+- the attention's QK-norm, rotary and key offset (qk_norm_rope, --fused_qk_rope): one Triton kernel each way.
 train_gpt.py logs this file's source with its own.
 
 Set TRITON_INTERPRET=1 before the first import of triton to run the kernels on the CPU (slowly, in
@@ -1124,6 +1125,7 @@ class ModelKernels:
     fp8_mlp: bool = False  # with fused_mlp: its matmuls in FP8, forward and backward (relu2_mlp_all_fp8)
     pointer: bool = False  # CPLM's pointer as Triton kernels (copy_pointer), else written out in PyTorch
     dc: bool = False  # DC attention's correction as Triton kernels (dc_attention), else written out in PyTorch
+    qk_rope: bool = False  # QK-norm, rotary and the key offset as Triton kernels (qk_norm_rope), else Inductor's
 
     @property
     def attn_fn(self):
@@ -1132,7 +1134,7 @@ class ModelKernels:
 
 def choose_kernels(device: torch.device, attention: str = "auto", compiled: bool = False, fp8_head: bool = True,
                    fused_ce: bool = True, fused_mlp: bool = True, fp8_mlp: bool = True, fused_dc: bool = True,
-                   log=print) -> ModelKernels:
+                   fused_qk_rope: bool = True, log=print) -> ModelKernels:
     """The whole model's kernels on `device`: each one asked for where it runs here (the log says why one is off)."""
     fp8 = fp8_head and device.type == "cuda" and fp8_supported(device)  # elsewhere the head is a plain matmul
     if fused_ce and not fp8:
@@ -1148,7 +1150,7 @@ def choose_kernels(device: torch.device, attention: str = "auto", compiled: bool
             "shared memory); the MLP runs in bf16")
     triton_here = triton is not None and (device.type == "cuda" or INTERPRET)
     return ModelKernels(select_attention(attention, device, compiled, log), fp8, fused_ce and fp8, fits, mlp8,
-                        pointer=triton_here, dc=fused_dc and triton_here)
+                        pointer=triton_here, dc=fused_dc and triton_here, qk_rope=fused_qk_rope and triton_here)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1569,3 +1571,224 @@ def _dc_attention_autograd(ctx, do, _lse, _a):
 
 
 dc_attention.register_autograd(_dc_attention_autograd, setup_context=_dc_attention_setup_context)
+
+
+# -----------------------------------------------------------------------------------------------
+# The attention's QK-norm and rotary (train_gpt.py's CausalSelfAttention: rotate(norm(q)), the same for k, then the
+# long-window blocks' partial key offset) as one Triton kernel each way, reading the QKV projection's output as it
+# is and writing the whole projection's gradient in one pass (ANVIL2, record #92, fuses these with its FP8 QKV;
+# bench/qk_rope.py measured Inductor's form of this pass at ~63% of a copy's bandwidth on an H100). A program
+# takes BT tokens of one head of q, of k or of v (v is copied, so no output aliases the input). Per head vector x
+# of width D: n = x / sqrt(mean(x²) + eps) (F.rms_norm's eps for bf16 input: float32's), then halves (n1, n2)
+# rotate by the token's table row, y1 = n1 cos + n2 sin, y2 = n2 cos - n1 sin. Backward: dn1 = g1 cos - g2 sin,
+# dn2 = g1 sin + g2 cos, dx = (dn - n mean(dn n)) / sqrt(mean(x²) + eps). Paired heads (pair_heads) read table row
+# 2t + (h >= H/2), the output's memory being the (2T, H/2, D) view. Key offset (offset_keys): a key's unrotated dims
+# (the second quarter of each half) are the previous token's, but at a document's start; its backward hands those
+# dims' gradient to the token before.
+
+RMS_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's default for bf16 and float32 input (float32's epsilon)
+QK_ROPE_TILES = dict(BT=64, num_warps=4)
+
+
+def qk_norm_rope_reference(qkv: Tensor, cos: Tensor, sin: Tensor, starts: Tensor | None, heads: int, qk_dim: int,
+                           v_dim: int, paired: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(q, k, v) of qk_norm_rope in PyTorch, float32 arithmetic, rounded once: qkv (T, 2 H qk_dim + H v_dim);
+    cos, sin (rows, qk_dim / 2) with a row per token (two with paired); starts (T,) bool or None (no key offset)."""
+    if paired and starts is not None:
+        raise ValueError("qk_norm_rope: the key offset of paired heads is not written (no preset has both)")
+    T, H, D = qkv.size(0), heads, qk_dim
+    q, k, v = qkv.float().split((H * D, H * D, H * v_dim), dim=-1)
+    rows = torch.arange(T, device=qkv.device)[:, None] * (2 if paired else 1) + (
+        torch.arange(H, device=qkv.device) // (H // 2) if paired else 0)  # (T, H) or (T, 1): each head's table row
+    c, s = cos.float()[rows], sin.float()[rows]
+
+    def one(x):
+        x = x.view(T, H, D)
+        n = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + RMS_EPS)
+        n1, n2 = n.chunk(2, dim=-1)
+        return torch.cat((n1 * c + n2 * s, n2 * c - n1 * s), dim=-1)
+
+    q, k = one(q), one(k)
+    if starts is not None:
+        unrotated = torch.arange(D, device=qkv.device) % (D // 2) >= D // 4
+        prev = torch.where(starts[:, None, None], k, k.roll(1, dims=0))
+        k = torch.where(unrotated, prev, k)
+    return q.to(qkv.dtype), k.to(qkv.dtype), v.reshape(T, H, v_dim).to(qkv.dtype).clone()
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_halves(x_ptr, rows, live, half, stride_x, D: tl.constexpr, eps):
+        """(n1, n2, r): the RMS-normed halves of the head vectors at x_ptr + rows * stride_x and 1/rms, float32."""
+        x1 = tl.load(x_ptr + rows[:, None] * stride_x + half[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + rows[:, None] * stride_x + D // 2 + half[None, :], mask=live[:, None],
+                     other=0.0).to(tl.float32)
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)
+        return x1 * r[:, None], x2 * r[:, None], r
+
+    @triton.jit
+    def _table_rows(cos_ptr, sin_ptr, tab, live, half, stride_tab):
+        """(cos, sin) at the table rows tab, float32."""
+        c = tl.load(cos_ptr + tab[:, None] * stride_tab + half[None, :], mask=live[:, None], other=1.0)
+        s = tl.load(sin_ptr + tab[:, None] * stride_tab + half[None, :], mask=live[:, None], other=0.0)
+        return c, s
+
+    @triton.jit
+    def _qk_norm_rope_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, k_ptr, v_ptr, T, stride_qkv,
+                                 stride_tab, eps, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                                 PAIRED: tl.constexpr, KEY_OFFSET: tl.constexpr, BT: tl.constexpr):
+        j = tl.program_id(1)  # q's heads, then k's, then v's
+        rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        live = rows < T
+        if j < 2 * H:
+            h = j % H
+            half = tl.arange(0, D // 2)
+            if PAIRED:
+                tab = rows * 2 + h // (H // 2)
+            else:
+                tab = rows
+            n1, n2, _ = _rms_halves(qkv_ptr + j * D, rows, live, half, stride_qkv, D, eps)
+            c, s = _table_rows(cos_ptr, sin_ptr, tab, live, half, stride_tab)
+            y1, y2 = n1 * c + n2 * s, n2 * c - n1 * s
+            out = rows[:, None] * (H * D) + h * D + half[None, :]
+            if j < H:
+                tl.store(q_ptr + out, y1.to(q_ptr.dtype.element_ty), mask=live[:, None])
+                tl.store(q_ptr + out + D // 2, y2.to(q_ptr.dtype.element_ty), mask=live[:, None])
+            else:
+                if KEY_OFFSET:  # the unrotated dims from the token before, but at a document's start
+                    prev = tl.maximum(rows - 1, 0)
+                    p1, p2, _ = _rms_halves(qkv_ptr + j * D, prev, live, half, stride_qkv, D, eps)
+                    pc, ps = _table_rows(cos_ptr, sin_ptr, prev, live, half, stride_tab)
+                    start = tl.load(start_ptr + rows, mask=live, other=1) != 0
+                    take = (half[None, :] >= D // 4) & ~start[:, None]
+                    y1 = tl.where(take, p1 * pc + p2 * ps, y1)
+                    y2 = tl.where(take, p2 * pc - p1 * ps, y2)
+                tl.store(k_ptr + out, y1.to(k_ptr.dtype.element_ty), mask=live[:, None])
+                tl.store(k_ptr + out + D // 2, y2.to(k_ptr.dtype.element_ty), mask=live[:, None])
+        else:
+            h = j - 2 * H
+            d = tl.arange(0, DV)
+            x = tl.load(qkv_ptr + rows[:, None] * stride_qkv + 2 * H * D + h * DV + d[None, :], mask=live[:, None])
+            tl.store(v_ptr + rows[:, None] * (H * DV) + h * DV + d[None, :], x, mask=live[:, None])
+
+    @triton.jit
+    def _qk_norm_rope_bwd_kernel(qkv_ptr, cos_ptr, sin_ptr, start_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, T,
+                                 stride_qkv, stride_tab, eps, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                                 PAIRED: tl.constexpr, KEY_OFFSET: tl.constexpr, BT: tl.constexpr):
+        j = tl.program_id(1)
+        rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        live = rows < T
+        if j < 2 * H:
+            h = j % H
+            half = tl.arange(0, D // 2)
+            if PAIRED:
+                tab = rows * 2 + h // (H // 2)
+            else:
+                tab = rows
+            at = rows[:, None] * (H * D) + h * D + half[None, :]
+            if j < H:
+                g1 = tl.load(dq_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
+                g2 = tl.load(dq_ptr + at + D // 2, mask=live[:, None], other=0.0).to(tl.float32)
+            else:
+                g1 = tl.load(dk_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
+                g2 = tl.load(dk_ptr + at + D // 2, mask=live[:, None], other=0.0).to(tl.float32)
+                if KEY_OFFSET:  # unrotated dims: the own gradient at a document's start, plus the next token's
+                    unrotated = half[None, :] >= D // 4
+                    start = tl.load(start_ptr + rows, mask=live, other=1) != 0
+                    nxt = live & (rows + 1 < T)
+                    start_next = tl.load(start_ptr + rows + 1, mask=nxt, other=1) != 0
+                    own = ~unrotated | start[:, None]
+                    handed = unrotated & ~start_next[:, None]
+                    f1 = tl.load(dk_ptr + at + H * D, mask=nxt[:, None], other=0.0).to(tl.float32)
+                    f2 = tl.load(dk_ptr + at + H * D + D // 2, mask=nxt[:, None], other=0.0).to(tl.float32)
+                    g1 = tl.where(own, g1, 0.0) + tl.where(handed, f1, 0.0)
+                    g2 = tl.where(own, g2, 0.0) + tl.where(handed, f2, 0.0)
+            n1, n2, r = _rms_halves(qkv_ptr + j * D, rows, live, half, stride_qkv, D, eps)
+            c, s = _table_rows(cos_ptr, sin_ptr, tab, live, half, stride_tab)
+            d1, d2 = g1 * c - g2 * s, g1 * s + g2 * c
+            dot = (tl.sum(d1 * n1, 1) + tl.sum(d2 * n2, 1)) / D
+            out = dqkv_ptr + rows[:, None] * stride_qkv + j * D + half[None, :]
+            tl.store(out, ((d1 - n1 * dot[:, None]) * r[:, None]).to(dqkv_ptr.dtype.element_ty), mask=live[:, None])
+            tl.store(out + D // 2, ((d2 - n2 * dot[:, None]) * r[:, None]).to(dqkv_ptr.dtype.element_ty),
+                     mask=live[:, None])
+        else:
+            h = j - 2 * H
+            d = tl.arange(0, DV)
+            g = tl.load(dv_ptr + rows[:, None] * (H * DV) + h * DV + d[None, :], mask=live[:, None])
+            tl.store(dqkv_ptr + rows[:, None] * stride_qkv + 2 * H * D + h * DV + d[None, :], g, mask=live[:, None])
+
+
+def _qk_rope_launch(qkv: Tensor, cos: Tensor, heads: int, qk_dim: int, v_dim: int, paired: bool,
+                    starts: Tensor | None) -> tuple[tuple[int, int], dict]:
+    """The grid (a program per BT tokens and head of q, k and v) and the kernels' shared arguments."""
+    if qkv.stride(1) != 1 or cos.stride(1) != 1 or qkv.size(1) != heads * (2 * qk_dim + v_dim):
+        raise ValueError(f"qk_norm_rope: qkv (T, {heads * (2 * qk_dim + v_dim)}) and tables with unit column stride")
+    if paired and starts is not None:
+        raise ValueError("qk_norm_rope: the key offset of paired heads is not written (no preset has both)")
+    BT = QK_ROPE_TILES["BT"]
+    return (triton.cdiv(qkv.size(0), BT), 3 * heads), dict(
+        stride_qkv=qkv.stride(0), stride_tab=cos.stride(0), eps=RMS_EPS, H=heads, D=qk_dim, DV=v_dim, PAIRED=paired,
+        KEY_OFFSET=starts is not None, BT=BT, num_warps=QK_ROPE_TILES["num_warps"])
+
+
+@torch.library.custom_op("speedrun::qk_norm_rope", mutates_args=())
+def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor, starts: Tensor | None, heads: int, qk_dim: int,
+                 v_dim: int, paired: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(q, k, v), (T, H, qk_dim) twice and (T, H, v_dim), from the QKV projection qkv (T, H (2 qk_dim + v_dim)): q
+    and k RMS-normed and rotated by the tables cos, sin (a row per token, two with paired; qk_dim / 2 columns),
+    k's unrotated dims offset by a token where starts (T,) bool is given; v a copy. qk_norm_rope_reference where
+    Triton does not run."""
+    if not triton_runs_on(qkv):
+        return qk_norm_rope_reference(qkv, cos, sin, starts, heads, qk_dim, v_dim, paired)
+    T = qkv.size(0)
+    grid, meta = _qk_rope_launch(qkv, cos, heads, qk_dim, v_dim, paired, starts)
+    q, k = (qkv.new_empty(T, heads, qk_dim) for _ in range(2))
+    v = qkv.new_empty(T, heads, v_dim)
+    _qk_norm_rope_fwd_kernel[grid](qkv, cos, sin, qkv if starts is None else starts.view(torch.uint8), q, k, v, T,
+                                   **meta)
+    return q, k, v
+
+
+@qk_norm_rope.register_fake
+def _(qkv, cos, sin, starts, heads, qk_dim, v_dim, paired):
+    T = qkv.size(0)
+    return qkv.new_empty(T, heads, qk_dim), qkv.new_empty(T, heads, qk_dim), qkv.new_empty(T, heads, v_dim)
+
+
+@torch.library.custom_op("speedrun::qk_norm_rope_backward", mutates_args=())
+def qk_norm_rope_backward(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor,
+                          starts: Tensor | None, heads: int, qk_dim: int, v_dim: int, paired: bool) -> Tensor:
+    """The projection's gradient (T, H (2 qk_dim + v_dim)) from those of q, k, v (contiguous)."""
+    T = qkv.size(0)
+    grid, meta = _qk_rope_launch(qkv, cos, heads, qk_dim, v_dim, paired, starts)
+    dqkv = torch.empty_like(qkv)
+    _qk_norm_rope_bwd_kernel[grid](qkv, cos, sin, qkv if starts is None else starts.view(torch.uint8), dq, dk, dv,
+                                   dqkv, T, **meta)
+    return dqkv
+
+
+@qk_norm_rope_backward.register_fake
+def _(dq, dk, dv, qkv, cos, sin, starts, heads, qk_dim, v_dim, paired):
+    return torch.empty_like(qkv)
+
+
+def _qk_norm_rope_setup_context(ctx, inputs, output):
+    qkv, cos, sin, starts, heads, qk_dim, v_dim, paired = inputs
+    ctx.save_for_backward(qkv, cos, sin, starts)
+    ctx.shape = heads, qk_dim, v_dim, paired
+
+
+def _qk_norm_rope_autograd(ctx, dq, dk, dv):
+    qkv, cos, sin, starts = ctx.saved_tensors
+    if triton_runs_on(qkv):
+        dqkv = qk_norm_rope_backward(dq.contiguous(), dk.contiguous(), dv.contiguous(), qkv, cos, sin, starts,
+                                     *ctx.shape)
+    else:  # the reference's gradient, by autograd through it
+        with torch.enable_grad():
+            leaf = qkv.detach().requires_grad_()
+            dqkv, = torch.autograd.grad(qk_norm_rope_reference(leaf, cos, sin, starts, *ctx.shape), leaf,
+                                        (dq, dk, dv))
+    return dqkv, None, None, None, None, None, None, None
+
+
+qk_norm_rope.register_autograd(_qk_norm_rope_autograd, setup_context=_qk_norm_rope_setup_context)

@@ -333,6 +333,9 @@ class Hyperparameters:
     fp8_mlp: bool = True  # the fused MLP's matmuls in FP8, forward and backward (kernels.py), on Hopper's TMA kernel
     fused_ce: bool = True  # the FP8 head's soft-capped cross-entropy in Triton kernels, its gradient written in FP8
     fused_dc: bool = True  # DC attention's correction in Triton kernels (kernels.dc_attention) where Triton runs, else written out
+    # QK-norm, rotary and the key offset in one Triton kernel each way (kernels.qk_norm_rope) where Triton runs, else
+    # Inductor's kernels: interpreter-tested, not yet timed on a GPU (tests/test_presets.py's PENDING_ADOPTION)
+    fused_qk_rope: bool = False
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
     log_dir: str = "logs"  # logs go to log_dir/<run_id>.txt (rank 0 writes)
@@ -1234,13 +1237,16 @@ class BlockWeights(NamedTuple):
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn, ve_gate: bool, key_offset: bool, paired: bool,
-                 widths: tuple[int, int] | None = None, native_widths: bool = False, fused_dc: bool = False):
+                 widths: tuple[int, int] | None = None, native_widths: bool = False, fused_dc: bool = False,
+                 fused_qk_rope: bool = False):
         """widths: the heads' (d_qk, d_v) (ModelConfig.head_widths; default head_dim both); native_widths: attn_fn
         takes Q/K narrower than V as they are (kernels.MIXED_WIDTHS), else they are zero-padded to V's width;
-        fused_dc: DC attention's correction (where BlockWeights.dc is set) in kernels.dc_attention."""
+        fused_dc: DC attention's correction (where BlockWeights.dc is set) in kernels.dc_attention; fused_qk_rope:
+        QK-norm, rotary and the key offset in kernels.qk_norm_rope (not written for paired heads with a key offset)."""
         super().__init__()
         self.attn_fn, self.key_offset, self.paired = attn_fn, key_offset, paired  # attn_fn: chosen by build()
         self.native_widths, self.fused_dc = native_widths, fused_dc
+        self.fused_qk_rope = fused_qk_rope and not (paired and key_offset)
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qk_dim, self.v_dim = widths or (cfg.head_dim, cfg.head_dim)
         self.scale = cfg.narrow_attn_scale if self.qk_dim < cfg.head_dim else cfg.attn_scale
@@ -1265,8 +1271,15 @@ class CausalSelfAttention(nn.Module):
             w_qkv, w_out = self.qkvo_w[:3].flatten(0, 1), self.qkvo_w[3]
         else:
             w_qkv, w_out = torch.cat([self.qk_w.flatten(0, 1), self.vo_w[0]]), self.vo_w[1]
-        qkv = F.linear(x, w_qkv.type_as(x)).split((H * dq, H * dq, H * dv), dim=-1)
-        q, k, v = (t.view(T, H, -1) for t in qkv)
+        qkv = F.linear(x, w_qkv.type_as(x))
+        # a narrow Q/K (narrow_qk_blocks) rotates all of its dq dims: the tables' first dq/2 columns, the wide heads'
+        # nonzero frequencies (ANVIL2's 64-dim rotary: the same 32 frequencies as its 128-dim one's rotating half)
+        rope_qk = rope if dq == self.head_dim else (rope[0][:, : dq // 2], rope[1][:, : dq // 2], rope[2])
+        if self.fused_qk_rope:  # q and k normed, rotated (at paired rows where paired) and offset; v a copy
+            starts = document_starts(cu_seqlens, T) if self.key_offset else None
+            q, k, v = torch.ops.speedrun.qk_norm_rope(qkv, rope_qk[0], rope_qk[1], starts, H, dq, dv, self.paired)
+        else:
+            q, k, v = (t.view(T, H, -1) for t in qkv.split((H * dq, H * dq, H * dv), dim=-1))
         # per token (T, model_dim) -> (T, H, dv): each head's first dv dims of a value-width vector (a narrow V's
         # share, narrow_v_blocks: "adding only the live half equals adding at full width and dropping the top", ANVIL2)
         heads = (lambda t: t.view(T, H, -1)) if dv == self.head_dim else (lambda t: t.view(T, H, -1)[..., :dv])
@@ -1284,12 +1297,10 @@ class CausalSelfAttention(nn.Module):
         if self.paired:
             q, k, v = pair_heads(q), pair_heads(k), pair_heads(v)
             cu_seqlens, max_seqlen = 2 * cu_seqlens, 2 * max_seqlen
-        # a narrow Q/K (narrow_qk_blocks) rotates all of its dq dims: the tables' first dq/2 columns, the wide heads'
-        # nonzero frequencies (ANVIL2's 64-dim rotary: the same 32 frequencies as its 128-dim one's rotating half)
-        rope_qk = rope if dq == self.head_dim else (rope[0][:, : dq // 2], rope[1][:, : dq // 2], rope[2])
-        q, k = rotate(norm(q), rope_qk), rotate(norm(k), rope_qk)  # QK-norm (@Grad62304977), then rotary
-        if self.key_offset:
-            k = offset_keys(k, cu_seqlens)
+        if not self.fused_qk_rope:
+            q, k = rotate(norm(q), rope_qk), rotate(norm(k), rope_qk)  # QK-norm (@Grad62304977), then rotary
+            if self.key_offset:
+                k = offset_keys(k, cu_seqlens)
         if dq < dv and not self.native_widths:  # a backend of one head width: Q and K zero-padded to V's, exact
             # (zeros add nothing to q.k), at this block's own scale (passed: never a kernel's default 1/sqrt(dv)); the
             # padding's gradient is dropped (bench/results/attention_head_widths.md). FA4 takes (dq, dv) as they are
@@ -1360,11 +1371,11 @@ def residual_in(x: Tensor, x0: Tensor, w: BlockWeights) -> Tensor:
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn, has_attn: bool, ve_gate: bool, long_window: bool, paired: bool,
                  fused_mlp: bool = False, fp8_mlp: bool = False, widths: tuple[int, int] | None = None,
-                 native_widths: bool = False, fused_dc: bool = False):
+                 native_widths: bool = False, fused_dc: bool = False, fused_qk_rope: bool = False):
         super().__init__()
         self.attn = CausalSelfAttention(cfg, attn_fn, ve_gate=ve_gate, key_offset=long_window, paired=paired,
-                                        widths=widths, native_widths=native_widths,
-                                        fused_dc=fused_dc) if has_attn else None
+                                        widths=widths, native_widths=native_widths, fused_dc=fused_dc,
+                                        fused_qk_rope=fused_qk_rope) if has_attn else None
         self.mlp = MLP(cfg, fused=fused_mlp, fp8=fp8_mlp)
         # parallel_mlp_blocks: a second MLP of the same kind, set by GPT after every other weight is drawn
         self.parallel_mlp: MLP | None = None
@@ -1441,7 +1452,8 @@ class GPT(nn.Module):
             Block(cfg, kernels.attn_fn, has_attn=i not in cfg.no_attn_layers, ve_gate=ve is not None and i < L - 1,
                   long_window=cfg.window_pattern[i] == "L", paired=i in cfg.paired_head_blocks,
                   fused_mlp=kernels.fused_mlp, fp8_mlp=kernels.fp8_mlp, widths=cfg.head_widths(i),
-                  native_widths=kernels.attention in MIXED_WIDTHS, fused_dc=kernels.dc)
+                  native_widths=kernels.attention in MIXED_WIDTHS, fused_dc=kernels.dc,
+                  fused_qk_rope=kernels.qk_rope)
             for i, ve in enumerate(self.value_embed_layers()))
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
@@ -3509,6 +3521,7 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
             f"MLP: {'fused' if k.fused_mlp else 'unfused'}{' fp8' if k.fp8_mlp else ''}, "
             f"cross-entropy: {'fused' if k.fused_ce else 'unfused'}, "
             f"DC attention: {('kernels' if k.dc else 'written out') if args.dc_attention else 'off'}, "
+            f"QK-norm and rotary: {'kernels' if k.qk_rope else 'compiled'}, "
             f"compile: {args.compile}, "
             f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device),
             *sampled_softmax_report(Schedule(args))]
@@ -3850,7 +3863,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     attention backend and LM-head kind chosen for this device; for the run's schedule (default: args')."""
     schedule = Schedule(args) if schedule is None else schedule
     chosen = choose_kernels(device, args.attention, args.compile, args.fp8_head, args.fused_ce, args.fused_mlp,
-                            args.fp8_mlp, args.fused_dc, log)
+                            args.fp8_mlp, args.fused_dc, args.fused_qk_rope, log)
     if chosen.fp8_head:
         check_fp8_head_shapes(args.vocab_size, args.model_dim, tuple(row.candidates for row in args.stages))
     if chosen.fp8_mlp:

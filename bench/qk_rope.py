@@ -7,8 +7,11 @@ projection through train_gpt.norm and train_gpt.rotate, and v scaled by its lamb
 projection's whole gradient as the model's does. The copy row times a compiled copy of the projection's bytes: the
 bandwidth one pass over memory reaches on this GPU. "at copy speed" is the pass's least bytes at that bandwidth;
 the last line scales the difference to a record step (the attention blocks x the micro-batches of one step).
+Then the same lines for kernels.qk_norm_rope, the pass as one Triton kernel each way (v copied, not scaled: the same
+bytes), and, with --key_offset, the compiled form with offset_keys and the kernels with theirs.
 
     python bench/qk_rope.py [--tokens 49152] [--heads 6] [--head_dim 128] [--iters 50] [--blocks 10 --micro 8]
+                            [--key_offset]
 """
 import argparse
 import sys
@@ -17,6 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels  # noqa: E402
 import timing  # noqa: E402  (bench/timing.py)
 import train_gpt as tg  # noqa: E402
 
@@ -79,6 +83,8 @@ def main():
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--blocks", type=int, default=10, help="blocks with attention (the record: 11 blocks, one without)")
     p.add_argument("--micro", type=int, default=8, help="micro-batches a step (the record on one GPU: 8)")
+    p.add_argument("--key_offset", action="store_true", help="keys offset (the long-window blocks'), documents of "
+                   "2,048 tokens")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("qk_rope.py: error: needs a CUDA GPU (it times kernels)")
@@ -88,7 +94,14 @@ def main():
     lam = torch.tensor(0.5, device="cuda", requires_grad=True)
     cos, sin, _ = tg.Rotary(D, T, a.min_freq).cuda().at(0)
     grads = [torch.randn(T, H, D, device="cuda", generator=g).bfloat16() for _ in range(3)]
-    compiled = torch.compile(qk_rope, fullgraph=True, dynamic=False)
+    cu = torch.arange(0, T + 1, 2048, device="cuda", dtype=torch.int32)
+    starts = tg.document_starts(cu, T) if a.key_offset else None
+
+    def written(qkv, lam, cos, sin):
+        q, k, v = qk_rope(qkv, lam, cos, sin)
+        return q, tg.offset_keys(k, cu) if a.key_offset else k, v
+    compiled = torch.compile(written, fullgraph=True, dynamic=False)
+    flat = qkv.detach().view(T, 3 * H * D).requires_grad_()
 
     def fwd():
         return compiled(qkv, lam, cos, sin)
@@ -97,15 +110,27 @@ def main():
         qkv.grad = lam.grad = None
         torch.autograd.backward(compiled(qkv, lam, cos, sin), grads)
 
+    def op():
+        return kernels.qk_norm_rope(flat, cos, sin, starts, H, D, D, False)
+
+    def op_bwd():
+        flat.grad = None
+        torch.autograd.backward(op(), grads)
+
     copy = torch.compile(lambda t: t.clone())
     src = qkv.detach().clone()
     ms_copy = kernel_ms(lambda: copy(src), a.iters)
     ms_fwd = kernel_ms(fwd, a.iters)  # the training forward (saving what the backward needs)
     ms_all = kernel_ms(fwd_bwd, a.iters)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; q, k, v of {T} tokens x {H} heads x "
-          f"{D}, bf16, GPU kernel time per call over {a.iters} calls (torch.profiler)")
+          f"{D}, bf16{', keys offset' if a.key_offset else ''}, GPU kernel time per call over {a.iters} calls "
+          "(torch.profiler)")
+    print("compiled by Inductor:")
     print(*report(ms_fwd, ms_all, ms_copy, 2 * src.numel() * src.element_size(), least_bytes(T, H, D),
                   a.blocks * a.micro), sep="\n")
+    print("kernels.qk_norm_rope:")
+    print(*report(kernel_ms(op, a.iters), kernel_ms(op_bwd, a.iters), ms_copy, 2 * src.numel() * src.element_size(),
+                  least_bytes(T, H, D), a.blocks * a.micro), sep="\n")
 
 
 if __name__ == "__main__":
