@@ -1493,10 +1493,10 @@ if triton is not None:
                  mask=col[:, None])
 
 
-# The DC kernels' tiles: BM queries (and keys) a block, warps and pipeline stages per program. The first form (a program
-# per block, the heads in turn; 715ca25) took 2.80 ms forward + backward with these on one H200 (2.66 at one stage,
-# the written-out form 3.36; bench/dc_kernel.py); this form, a program per block and head, is not yet timed.
-DC_TILES = dict(BM=64, num_warps=4, num_stages=2)
+# The DC kernels' tiles: BM queries (and keys) a block, warps and pipeline stages per program. One H200, 49,152 tokens
+# x 6 heads of 128 (bench/dc_kernel.py, 2026-11-30): 2.342 ms forward + backward with these, 2.606 at two stages,
+# 2.314 at BM 32 with two warps, against 3.418 written out and compiled.
+DC_TILES = dict(BM=64, num_warps=4, num_stages=1)
 
 
 def _dc_geometry(window: int) -> tuple[int, int, int]:

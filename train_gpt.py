@@ -230,13 +230,15 @@ class Hyperparameters:
     # Three equal stages at batch_size with 3 / 7 / 11-block windows, short documents in the first (02/10/26),
     # multi-token prediction (12/22/25), the prefix-token loss (07/13/26) and ANVIL2's sampled softmax (08/30/26: the
     # head's rows a micro-batch of 49,152 tokens; full from full_softmax_from); on the proxy +0.0090 +- 0.0073 at equal
-    # tokens, 0.886x the step on one H200 (bench/results/learning_decisions.md). Learning rates x 1.3 in every stage
-    # (the public line's 1.52 / 1.73 at 262K / 393K tokens a step, #89 and ANVIL2; on the proxy 1.3 beat 1, 1.6, 2, 2.5)
+    # tokens, 0.886x the step on one H200 (bench/results/learning_decisions.md). Learning rates x 1 in every stage:
+    # x 1.3 (the public line's 1.52 / 1.73 at 262K / 393K tokens a step) beat 1 on the proxy with full-width heads,
+    # but with the narrow heads at 840 steps it ended +0.016 above full heads at 1.3 (3 seeds, 2026-11-30), where the
+    # narrow heads at 1 had equalled full heads at 1
     stages: tuple[Stage, ...] = (  # the schedule table: batch, document cut, window, lr, MTP per stage
         #     window  documents cut at  lr       targets t+2, t+3  prefix-token weight  sampled softmax's rows
-        Stage(3,      doc_len=896,      lr=1.3,  mtp=(0.5, 0.25),  prefix=0.25,         candidates=16384),
-        Stage(7,      doc_len=2048,     lr=1.3,  mtp=(0.5, 0.0),   prefix=0.25,         candidates=14336),
-        Stage(11,     doc_len=2048,     lr=1.3,  mtp=(0.0, 0.0),   prefix=0.0,          candidates=12288))
+        Stage(3,      doc_len=896,      lr=1.0,  mtp=(0.5, 0.25),  prefix=0.25,         candidates=16384),
+        Stage(7,      doc_len=2048,     lr=1.0,  mtp=(0.5, 0.0),   prefix=0.25,         candidates=14336),
+        Stage(11,     doc_len=2048,     lr=1.0,  mtp=(0.0, 0.0),   prefix=0.0,          candidates=12288))
     extension_steps: int = 20  # last steps, after the cooldown: final learning rate, long window extension_window (09/21/25)
     extension_window: int = 13  # long window of the extension, in blocks
     # ANVIL2's terminal batch taper (record #92, 08/30/26) ends in its extension at 131,072 of 393,216 tokens a step,
@@ -333,9 +335,8 @@ class Hyperparameters:
     fp8_mlp: bool = True  # the fused MLP's matmuls in FP8, forward and backward (kernels.py), on Hopper's TMA kernel
     fused_ce: bool = True  # the FP8 head's soft-capped cross-entropy in Triton kernels, its gradient written in FP8
     fused_dc: bool = True  # DC attention's correction in Triton kernels (kernels.dc_attention) where Triton runs, else written out
-    # QK-norm, rotary and the key offset in one Triton kernel each way (kernels.qk_norm_rope) where Triton runs, else
-    # Inductor's kernels: interpreter-tested, not yet timed on a GPU (tests/test_presets.py's PENDING_ADOPTION)
-    fused_qk_rope: bool = False
+    # interpreter-tested, not yet timed on a GPU (tests/test_presets.py's PENDING_ADOPTION)
+    fused_qk_rope: bool = False  # QK-norm, rotary and the key offset in one Triton kernel each way (kernels.qk_norm_rope) where Triton runs, else Inductor's
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
     log_dir: str = "logs"  # logs go to log_dir/<run_id>.txt (rank 0 writes)
@@ -588,7 +589,7 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "maps, NorMuon's neuron normalization, cautious decay 2.25), Adam every second step, "
                "multi-token and prefix-token losses, the embedding tied for two stages, 840 steps (776 x 1.082: "
                "ANVIL2's architecture's equal loss on the proxy priced at ~835-838, confirmed at 840) with a 20-step "
-               "extension, ANVIL2's cooldown over 0.8 of the steps to 0.2, learning rates x 1.3 in every stage; plus "
+               "extension, ANVIL2's cooldown over 0.8 of the steps to 0.2; plus "
                "the copy-pointer mixture of public pull request 379 (CPLM); with our fused ReLU² MLP (FP8 forward "
                "and backward) and soft-capped cross-entropy kernels: the dataclass defaults", {}),
     "smoke": ("the record model at a tiny size (4 blocks of 128, a vocabulary of 128 tokens) on a built-in synthetic "

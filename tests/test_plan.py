@@ -46,7 +46,7 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     rows = stage_rows(out)
     assert list(rows) == ["1", "2", "3", "ext"]
     # steps, batch, micro-batches on 1 / 8 GPUs, micro tokens, document cut, windows, lr, tokens
-    assert rows["1"][1:11] == ["0-273", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1.3", "107,741,184"]
+    assert rows["1"][1:11] == ["0-273", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "107,741,184"]
     assert rows["3"][1] == "548-819" and rows["3"][8] == "1408/640"
     assert rows["ext"][1] == "820-839" and rows["ext"][8] == "1664/768"  # step 840 is the final validation only
     assert f"trained tokens: {840 * 393216:,}" in out
