@@ -7,7 +7,8 @@
   registry and the start-up check that picks one;
 - CPLM's pointer (copy_pointer) and DC attention's correction (dc_attention, --fused_dc): flash-style Triton kernels
   whose scores stay in registers, custom ops with their backward;
-- the attention's QK-norm, rotary and key offset (qk_norm_rope, --fused_qk_rope): one Triton kernel each way.
+- the attention's QK-norm, rotary and key offset (qk_norm_rope, --fused_qk_rope): one Triton kernel each way;
+- a tiled 2-D transpose (transpose, --fp8_transpose) for the FP8 MLP's transposed operands.
 train_gpt.py logs this file's source with its own.
 
 Set TRITON_INTERPRET=1 before the first import of triton to run the kernels on the CPU (slowly, in
@@ -340,6 +341,47 @@ relu2_mlp.register_autograd(_relu2_mlp_autograd, setup_context=_relu2_mlp_setup_
 # left the GPU idle ~20 ms a step at window 11, bench/results/fp8_mlp_backward_h100_20261127.md).
 
 
+# The FP8 operands' transposed copies (the weight gradients' matmuls read x and the output's gradient T-major) as a
+# kernel of their own, tiles of 128 x 128 read along rows and written along columns. Traced as `t.T.contiguous()`,
+# Inductor writes them inside the RMS norm's (or the row norms') reduction kernel that quantizes them, a few tokens'
+# bytes at a time into rows 49,152 bytes apart: those kernels ran at 1.5-2.6 TB/s against a 4.1 TB/s copy on an
+# H200, ~1.5 ms over their bytes per 49,152-token micro-batch (bench/results/dc_kernels_2gpu_h200_20261130.md).
+TRANSPOSE_TILES = dict(BM=128, BN=128, num_warps=4)
+
+if triton is not None:
+    @triton.jit
+    def _transpose_kernel(x_ptr, out_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        inside = (rm[:, None] < M) & (rn[None, :] < N)
+        tile = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=inside)
+        tl.store(out_ptr + rn[:, None] * M + rm[None, :], tl.trans(tile), mask=tl.trans(inside))
+
+
+@torch.library.custom_op("speedrun::transpose", mutates_args=())
+def transpose(x: Tensor) -> Tensor:
+    """x.T.contiguous() of a 2-D x of 1- or 2-byte elements (FP8, bf16), as one tiled kernel where Triton runs."""
+    if not triton_runs_on(x) or x.element_size() not in (1, 2):
+        return x.T.contiguous()
+    M, N = x.shape
+    raw = torch.uint8 if x.element_size() == 1 else torch.int16  # moved as bytes, whatever they encode
+    out = torch.empty(N, M, device=x.device, dtype=raw)
+    t = TRANSPOSE_TILES
+    _transpose_kernel[(triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]))](x.contiguous().view(raw), out, M, N,
+                                                                      BM=t["BM"], BN=t["BN"], num_warps=t["num_warps"])
+    return out.view(x.dtype)
+
+
+@transpose.register_fake
+def _(x):
+    return x.new_empty(x.size(1), x.size(0))
+
+
+def transposed(t: Tensor, kernel: bool) -> Tensor:
+    """t's transpose, contiguous: by the transpose op (kernel) or as traced PyTorch."""
+    return torch.ops.speedrun.transpose(t) if kernel else t.T.contiguous()
+
+
 def _mm_f8(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
            fast_accum: bool = False) -> Tensor:
     """a @ b * scale_a * scale_b from FP8 operands (a row-major, b column-major): _scaled_mm on a GPU, float32
@@ -362,13 +404,13 @@ def pre_grad_scale(g_row_norm: Tensor, proj_col_norm: Tensor, post_amax: Tensor)
     return (PRE_GRAD_MARGIN * g_row_norm * proj_col_norm * 2 * post_amax.sqrt() / E4M3_MAX).clamp_min(1e-30)
 
 
-def _grad_operands(grad: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _grad_operands(grad: Tensor, transpose_kernel: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(scale, largest row norm, e4m3 copy, its transpose) of the output's gradient: reductions and casts that the
-    compiled backward fuses into two passes over grad."""
+    compiled backward fuses into two passes over grad (the transpose in a third with transpose_kernel)."""
     g = grad.float()
     g_s = (g.abs().amax() / E4M3_MAX).clamp_min(1e-30).reshape(1)
     g_f8 = (g / g_s).to(torch.float8_e4m3fn)
-    return g_s, g.square().sum(1).amax().sqrt().reshape(1), g_f8, g_f8.T.contiguous()
+    return g_s, g.square().sum(1).amax().sqrt().reshape(1), g_f8, transposed(g_f8, transpose_kernel)
 
 
 def fp8_scale_rows(*scales: Tensor) -> Tensor:
@@ -395,13 +437,13 @@ def _(g_f8, proj_f8_t, post_f8, scales):
 
 def relu2_mlp_fp8_backward(grad: Tensor, x_f8_t: Tensor, x_s: Tensor, fc_f8: Tensor, fc_s: Tensor, proj_f8_t: Tensor,
                            proj_s: Tensor, proj_col_norm: Tensor, post_f8: Tensor, post_f8_t: Tensor, post_s: Tensor,
-                           post_amax: Tensor,
-                           weight_grad_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                           post_amax: Tensor, weight_grad_dtype: torch.dtype = torch.float32,
+                           transpose_kernel: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad_x, grad_W_fc, grad_W_proj, grad_pre's amax slots) of out = relu(x W_fc)² W_projᵀ from FP8 operands:
     grad (T, dim) bf16; x_f8_t (dim, T), fc_f8 (dim, hidden) and proj_f8_t (hidden, dim) in e4m3; post_f8
     (T, hidden) and post_f8_t (hidden, T) in e4m3; each with its scale (x_s, fc_s, proj_s, post_s);
     proj_col_norm and post_amax (the forward's largest post) for pre_grad_scale. Scales: float32, one entry."""
-    g_s, g_row_norm, g_f8, g_f8_t = _grad_operands(grad)
+    g_s, g_row_norm, g_f8, g_f8_t = _grad_operands(grad, transpose_kernel)
     rows = fp8_scale_rows(g_s * proj_s, post_s, pre_grad_scale(g_row_norm, proj_col_norm, post_amax), g_s)
     pre_f8, pre_f8_t, amax = torch.ops.speedrun.relu2_fp8_grad_pre(g_f8, proj_f8_t, post_f8, rows)
     # the matmuls' scales read from the 16-byte rows: cuBLAS refuses a scale that is not 16-byte aligned, and
@@ -434,15 +476,16 @@ def _fp8_mlp_runs_on(t: Tensor) -> bool:
 
 @torch.library.custom_op("speedrun::relu2_mlp_all_fp8", mutates_args=())
 def relu2_mlp_all_fp8(x: Tensor, x_f8: Tensor, x_f8_t: Tensor, fc_w: Tensor, fc_f8: Tensor, fc_f8_t: Tensor,
-                      proj_w: Tensor, proj_f8: Tensor, proj_f8_t: Tensor, scales: Tensor,
-                      parts: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      proj_w: Tensor, proj_f8: Tensor, proj_f8_t: Tensor, scales: Tensor, parts: Tensor,
+                      transpose_kernel: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, post_f8, post_f8_t, post_amax): the MLP's forward with FP8 matmuls, keeping its e4m3 post in both
     layouts (no bf16 post) and post's largest value (as amax slots, whose maximum it is), for
     relu2_mlp_fp8_backward. Operands (train_gpt.fp8_mlp_operands): x_f8 (T, dim) and x_f8_t (dim, T), fc_f8 (dim,
     hidden) and fc_f8_t (hidden, dim), proj_f8 (dim, hidden) and proj_f8_t (hidden, dim), in e4m3; scales (3,
     FP8_SCALE_ROW): x's times W_fc's, W_proj's, post's (relu2_mlp_fp8_reference); parts (3, FP8_SCALE_ROW): x's
     scale, W_fc's, W_proj's largest column norm. x, fc_w and proj_w are there for their gradients' shapes and
-    dtypes. Where Hopper's kernel does not run (the CPU tests), the float32 references."""
+    dtypes. transpose_kernel: the backward transposes the output's gradient by the transpose op. Where Hopper's
+    kernel does not run (the CPU tests), the float32 references."""
     if not _fp8_mlp_runs_on(x):
         out, post, post_f8 = relu2_mlp_fp8_reference(x_f8, fc_f8_t, proj_f8, scales, x.dtype)
         return out, post_f8, post_f8.T.contiguous(), post.float().amax().reshape(1)
@@ -452,7 +495,7 @@ def relu2_mlp_all_fp8(x: Tensor, x_f8: Tensor, x_f8_t: Tensor, fc_w: Tensor, fc_
 
 
 @relu2_mlp_all_fp8.register_fake
-def _(x, x_f8, x_f8_t, fc_w, fc_f8, fc_f8_t, proj_w, proj_f8, proj_f8_t, scales, parts):
+def _(x, x_f8, x_f8_t, fc_w, fc_f8, fc_f8_t, proj_w, proj_f8, proj_f8_t, scales, parts, transpose_kernel=False):
     T, hidden = x.size(0), fc_w.size(1)
     post = x.new_empty(T, hidden, dtype=torch.float8_e4m3fn)
     slots = relu2_tma_programs(x.device) if _fp8_mlp_runs_on(x) else 1
@@ -461,9 +504,9 @@ def _(x, x_f8, x_f8_t, fc_w, fc_f8, fc_f8_t, proj_w, proj_f8, proj_f8_t, scales,
 
 
 def _relu2_mlp_all_fp8_setup_context(ctx, inputs, output):
-    x, _, x_f8_t, fc_w, fc_f8, _, _, _, proj_f8_t, scales, parts = inputs
+    x, _, x_f8_t, fc_w, fc_f8, _, _, _, proj_f8_t, scales, parts, transpose_kernel = inputs
     ctx.save_for_backward(x_f8_t, fc_f8, proj_f8_t, output[1], output[2], output[3], scales, parts)
-    ctx.weight_dtype = fc_w.dtype
+    ctx.weight_dtype, ctx.transpose_kernel = fc_w.dtype, transpose_kernel
 
 
 def _relu2_mlp_all_fp8_autograd(ctx, grad_out, _grad_post, _grad_post_t, _grad_post_amax):
@@ -474,11 +517,12 @@ def _relu2_mlp_all_fp8_autograd(ctx, grad_out, _grad_post, _grad_post_t, _grad_p
     args = (x_f8_t, parts[0, :1], fc_f8, parts[1, :1], proj_f8_t, scales[1, :1], parts[2, :1], post_f8)
     if _fp8_mlp_runs_on(grad):
         grad_x, grad_fc, grad_proj, _ = relu2_mlp_fp8_backward(grad, *args, post_f8_t, scales[2, :1],
-                                                               post_amax.amax().reshape(1), ctx.weight_dtype)
+                                                               post_amax.amax().reshape(1), ctx.weight_dtype,
+                                                               ctx.transpose_kernel)
     else:
         grad_x, grad_fc, grad_proj, _ = relu2_mlp_fp8_backward_reference(grad, *args, scales[2, :1], post_amax)
     return (grad_x.to(grad.dtype), None, None, grad_fc.to(ctx.weight_dtype), None, None,
-            grad_proj.to(ctx.weight_dtype), None, None, None, None)
+            grad_proj.to(ctx.weight_dtype), None, None, None, None, None)
 
 
 relu2_mlp_all_fp8.register_autograd(_relu2_mlp_all_fp8_autograd, setup_context=_relu2_mlp_all_fp8_setup_context)
@@ -1126,6 +1170,7 @@ class ModelKernels:
     pointer: bool = False  # CPLM's pointer as Triton kernels (copy_pointer), else written out in PyTorch
     dc: bool = False  # DC attention's correction as Triton kernels (dc_attention), else written out in PyTorch
     qk_rope: bool = False  # QK-norm, rotary and the key offset as Triton kernels (qk_norm_rope), else Inductor's
+    transpose: bool = False  # with fp8_mlp: its operands' transposed copies by the transpose op, else Inductor's
 
     @property
     def attn_fn(self):
@@ -1134,7 +1179,7 @@ class ModelKernels:
 
 def choose_kernels(device: torch.device, attention: str = "auto", compiled: bool = False, fp8_head: bool = True,
                    fused_ce: bool = True, fused_mlp: bool = True, fp8_mlp: bool = True, fused_dc: bool = True,
-                   fused_qk_rope: bool = True, log=print) -> ModelKernels:
+                   fused_qk_rope: bool = True, fp8_transpose: bool = True, log=print) -> ModelKernels:
     """The whole model's kernels on `device`: each one asked for where it runs here (the log says why one is off)."""
     fp8 = fp8_head and device.type == "cuda" and fp8_supported(device)  # elsewhere the head is a plain matmul
     if fused_ce and not fp8:
@@ -1150,7 +1195,8 @@ def choose_kernels(device: torch.device, attention: str = "auto", compiled: bool
             "shared memory); the MLP runs in bf16")
     triton_here = triton is not None and (device.type == "cuda" or INTERPRET)
     return ModelKernels(select_attention(attention, device, compiled, log), fp8, fused_ce and fp8, fits, mlp8,
-                        pointer=triton_here, dc=fused_dc and triton_here, qk_rope=fused_qk_rope and triton_here)
+                        pointer=triton_here, dc=fused_dc and triton_here, qk_rope=fused_qk_rope and triton_here,
+                        transpose=fp8_transpose and mlp8)
 
 
 # -----------------------------------------------------------------------------------------------

@@ -335,7 +335,8 @@ class Hyperparameters:
     fp8_mlp: bool = True  # the fused MLP's matmuls in FP8, forward and backward (kernels.py), on Hopper's TMA kernel
     fused_ce: bool = True  # the FP8 head's soft-capped cross-entropy in Triton kernels, its gradient written in FP8
     fused_dc: bool = True  # DC attention's correction in Triton kernels (kernels.dc_attention) where Triton runs, else written out
-    # interpreter-tested, not yet timed on a GPU (tests/test_presets.py's PENDING_ADOPTION)
+    # these two: interpreter-tested, not yet timed on a GPU (tests/test_presets.py's PENDING_ADOPTION)
+    fp8_transpose: bool = False  # the FP8 MLP's transposed input and output gradient by a tiled Triton transpose (kernels.transpose), not inside Inductor's norm kernels
     fused_qk_rope: bool = False  # QK-norm, rotary and the key offset in one Triton kernel each way (kernels.qk_norm_rope) where Triton runs, else Inductor's
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
@@ -1318,7 +1319,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, fused: bool = False, fp8: bool = False):
+    def __init__(self, cfg: ModelConfig, fused: bool = False, fp8: bool = False, fp8_transpose: bool = False):
         super().__init__()
         hidden = cfg.mlp_hidden  # mlp_hidden, or mlp_ratio x model_dim
         # Both matrices are stored (dim, hidden), as in the 2025-09-03 record: one Muon group of
@@ -1328,26 +1329,29 @@ class MLP(nn.Module):
         self.proj_w = nn.Parameter(torch.zeros(cfg.model_dim, hidden))  # zero init (@Grad62304977)
         self.fused = fused  # kernels.py's relu2_mlp (ModelKernels.fused_mlp)
         self.fp8 = fp8  # kernels.py's relu2_mlp_all_fp8 in training (ModelKernels.fp8_mlp)
+        self.fp8_transpose = fp8_transpose  # its transposed operands by kernels.transpose (ModelKernels.transpose)
 
     def forward(self, x: Tensor) -> Tensor:
         # ReLU^2 (arXiv 2109.08668; @SKYLINEZ007, @Grad62304977): ~1-2% better than GELU in the speedrun.
         fc_w, proj_w = self.fc_w.type_as(x), self.proj_w.type_as(x)
         if self.fp8 and self.training:
-            return torch.ops.speedrun.relu2_mlp_all_fp8(x, *fp8_mlp_operands(x, fc_w, proj_w))[0]
+            return torch.ops.speedrun.relu2_mlp_all_fp8(x, *fp8_mlp_operands(x, fc_w, proj_w, self.fp8_transpose),
+                                                        self.fp8_transpose)[0]
         if self.fused:
             return torch.ops.speedrun.relu2_mlp(x, fc_w, proj_w)[0]
         return F.linear(F.relu(x @ fc_w).square(), proj_w)
 
 
 @torch.no_grad()
-def fp8_mlp_operands(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, ...]:
+def fp8_mlp_operands(x: Tensor, fc_w: Tensor, proj_w: Tensor, transpose_kernel: bool = False) -> tuple[Tensor, ...]:
     """relu2_mlp_all_fp8's operands after x: (x_f8, x_f8_t, fc_w, fc_f8, fc_f8_t, proj_w, proj_f8, proj_f8_t,
     scales, parts), e4m3 copies in the layouts the matmuls read, with scales from bounds (traced, so the compiler
     fuses them with the norm before). x is RMS-normed, so |x| <= sqrt(dim), as for the FP8 head; each weight matrix
     by its absolute maximum; post = relu(x w_j)² <= dim * max_j |w_j|² over W_fc's columns w_j (Cauchy-Schwarz),
     times 1.3 for the operands' rounding (up to 1/16 each), so post never saturates. scales: x's times W_fc's,
     W_proj's, post's; parts: x's, W_fc's, and W_proj's largest column norm (for grad_pre's scale,
-    kernels.pre_grad_scale); a 16-byte row each (kernels.fp8_scale_rows)."""
+    kernels.pre_grad_scale); a 16-byte row each (kernels.fp8_scale_rows). transpose_kernel: x_f8_t by the
+    transpose op, a kernel of its own (kernels.transposed), not inside the norm's."""
     x_s = math.sqrt(x.size(-1)) / E4M3_MAX
     fc_s, proj_s = (w.detach().abs().amax().float().clamp_min(1e-30) / E4M3_MAX for w in (fc_w, proj_w))
     post_s = (1.3 * x.size(-1) * fc_w.float().square().sum(0).amax() / E4M3_MAX).clamp_min(1e-30)
@@ -1356,8 +1360,8 @@ def fp8_mlp_operands(x: Tensor, fc_w: Tensor, proj_w: Tensor) -> tuple[Tensor, .
     one = lambda t: t.reshape(1)
     scales = kernels.fp8_scale_rows(one(x_s * fc_s), one(proj_s), one(post_s))
     parts = kernels.fp8_scale_rows(one(torch.full_like(fc_s, x_s)), one(fc_s), one(proj_w.float().norm(dim=0).amax()))
-    return (x_f8, x_f8.T.contiguous(), fc_w, fc_f8, fc_f8.T.contiguous(), proj_w, proj_f8, proj_f8.T.contiguous(),
-            scales, parts)
+    return (x_f8, kernels.transposed(x_f8, transpose_kernel), fc_w, fc_f8, fc_f8.T.contiguous(), proj_w, proj_f8,
+            proj_f8.T.contiguous(), scales, parts)
 
 
 def residual_in(x: Tensor, x0: Tensor, w: BlockWeights) -> Tensor:
@@ -1372,12 +1376,13 @@ def residual_in(x: Tensor, x0: Tensor, w: BlockWeights) -> Tensor:
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn, has_attn: bool, ve_gate: bool, long_window: bool, paired: bool,
                  fused_mlp: bool = False, fp8_mlp: bool = False, widths: tuple[int, int] | None = None,
-                 native_widths: bool = False, fused_dc: bool = False, fused_qk_rope: bool = False):
+                 native_widths: bool = False, fused_dc: bool = False, fused_qk_rope: bool = False,
+                 fp8_transpose: bool = False):
         super().__init__()
         self.attn = CausalSelfAttention(cfg, attn_fn, ve_gate=ve_gate, key_offset=long_window, paired=paired,
                                         widths=widths, native_widths=native_widths, fused_dc=fused_dc,
                                         fused_qk_rope=fused_qk_rope) if has_attn else None
-        self.mlp = MLP(cfg, fused=fused_mlp, fp8=fp8_mlp)
+        self.mlp = MLP(cfg, fused=fused_mlp, fp8=fp8_mlp, fp8_transpose=fp8_transpose)
         # parallel_mlp_blocks: a second MLP of the same kind, set by GPT after every other weight is drawn
         self.parallel_mlp: MLP | None = None
 
@@ -1454,7 +1459,7 @@ class GPT(nn.Module):
                   long_window=cfg.window_pattern[i] == "L", paired=i in cfg.paired_head_blocks,
                   fused_mlp=kernels.fused_mlp, fp8_mlp=kernels.fp8_mlp, widths=cfg.head_widths(i),
                   native_widths=kernels.attention in MIXED_WIDTHS, fused_dc=kernels.dc,
-                  fused_qk_rope=kernels.qk_rope)
+                  fused_qk_rope=kernels.qk_rope, fp8_transpose=kernels.transpose)
             for i, ve in enumerate(self.value_embed_layers()))
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
@@ -1531,7 +1536,8 @@ class GPT(nn.Module):
         # matrix drawn as theirs and its output matrix zero, so the block computes what it did without it until the
         # first update. Drawn after everything else: every other weight is the one drawn without it at that seed.
         for i in cfg.parallel_mlp_blocks:
-            self.blocks[i].parallel_mlp = MLP(cfg, fused=kernels.fused_mlp, fp8=kernels.fp8_mlp)
+            self.blocks[i].parallel_mlp = MLP(cfg, fused=kernels.fused_mlp, fp8=kernels.fp8_mlp,
+                                              fp8_transpose=kernels.transpose)
 
     def make_mudd_gates(self):
         """MUDD gates (the 2026-05-27 record, PR 315): two more small MLPs of MUDD's form, one from x0 and one from the
@@ -3864,7 +3870,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     attention backend and LM-head kind chosen for this device; for the run's schedule (default: args')."""
     schedule = Schedule(args) if schedule is None else schedule
     chosen = choose_kernels(device, args.attention, args.compile, args.fp8_head, args.fused_ce, args.fused_mlp,
-                            args.fp8_mlp, args.fused_dc, args.fused_qk_rope, log)
+                            args.fp8_mlp, args.fused_dc, args.fused_qk_rope, args.fp8_transpose, log)
     if chosen.fp8_head:
         check_fp8_head_shapes(args.vocab_size, args.model_dim, tuple(row.candidates for row in args.stages))
     if chosen.fp8_mlp:

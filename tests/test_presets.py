@@ -62,7 +62,10 @@ PENDING_ADOPTION: set[str] = {
     "extension_batch",
     # the attention's QK-norm and rotary as Triton kernels (kernels.qk_norm_rope): decided by its GPU test, the record
     # step at window 11 alternated with and without it, and 80 same-seed steps' losses equal within bf16 rounding
-    "fused_qk_rope"}
+    "fused_qk_rope",
+    # the FP8 MLP's transposed operands by a tiled Triton kernel (kernels.transpose): bit for bit the same, decided by
+    # its GPU test and the record step at window 11 alternated with and without it
+    "fp8_transpose"}
 
 
 def test_no_technique_is_off_in_every_preset():
