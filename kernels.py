@@ -1680,19 +1680,24 @@ if triton is not None:
         return c, s
 
     @triton.jit
+    def _qk_program(T, H: tl.constexpr, D: tl.constexpr, PAIRED: tl.constexpr, BT: tl.constexpr):
+        """(j, rows, live, h, half, tab): this program's head among q's, k's then v's, its tokens and which of them
+        exist, the head's index within its tensor, half a q/k head's columns, and each token's table row."""
+        j = tl.program_id(1)
+        rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        h = j % H
+        if PAIRED:
+            tab = rows * 2 + h // (H // 2)
+        else:
+            tab = rows
+        return j, rows, rows < T, h, tl.arange(0, D // 2), tab
+
+    @triton.jit
     def _qk_norm_rope_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, start_ptr, q_ptr, k_ptr, v_ptr, T, stride_qkv,
                                  stride_tab, eps, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                                  PAIRED: tl.constexpr, KEY_OFFSET: tl.constexpr, BT: tl.constexpr):
-        j = tl.program_id(1)  # q's heads, then k's, then v's
-        rows = tl.program_id(0) * BT + tl.arange(0, BT)
-        live = rows < T
+        j, rows, live, h, half, tab = _qk_program(T, H, D, PAIRED, BT)
         if j < 2 * H:
-            h = j % H
-            half = tl.arange(0, D // 2)
-            if PAIRED:
-                tab = rows * 2 + h // (H // 2)
-            else:
-                tab = rows
             n1, n2, _ = _rms_halves(qkv_ptr + j * D, rows, live, half, stride_qkv, D, eps)
             c, s = _table_rows(cos_ptr, sin_ptr, tab, live, half, stride_tab)
             y1, y2 = n1 * c + n2 * s, n2 * c - n1 * s
@@ -1712,7 +1717,6 @@ if triton is not None:
                 tl.store(k_ptr + out, y1.to(k_ptr.dtype.element_ty), mask=live[:, None])
                 tl.store(k_ptr + out + D // 2, y2.to(k_ptr.dtype.element_ty), mask=live[:, None])
         else:
-            h = j - 2 * H
             d = tl.arange(0, DV)
             x = tl.load(qkv_ptr + rows[:, None] * stride_qkv + 2 * H * D + h * DV + d[None, :], mask=live[:, None])
             tl.store(v_ptr + rows[:, None] * (H * DV) + h * DV + d[None, :], x, mask=live[:, None])
@@ -1721,16 +1725,8 @@ if triton is not None:
     def _qk_norm_rope_bwd_kernel(qkv_ptr, cos_ptr, sin_ptr, start_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, T,
                                  stride_qkv, stride_tab, eps, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                                  PAIRED: tl.constexpr, KEY_OFFSET: tl.constexpr, BT: tl.constexpr):
-        j = tl.program_id(1)
-        rows = tl.program_id(0) * BT + tl.arange(0, BT)
-        live = rows < T
+        j, rows, live, h, half, tab = _qk_program(T, H, D, PAIRED, BT)
         if j < 2 * H:
-            h = j % H
-            half = tl.arange(0, D // 2)
-            if PAIRED:
-                tab = rows * 2 + h // (H // 2)
-            else:
-                tab = rows
             at = rows[:, None] * (H * D) + h * D + half[None, :]
             if j < H:
                 g1 = tl.load(dq_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
@@ -1758,7 +1754,6 @@ if triton is not None:
             tl.store(out + D // 2, ((d2 - n2 * dot[:, None]) * r[:, None]).to(dqkv_ptr.dtype.element_ty),
                      mask=live[:, None])
         else:
-            h = j - 2 * H
             d = tl.arange(0, DV)
             g = tl.load(dv_ptr + rows[:, None] * (H * DV) + h * DV + d[None, :], mask=live[:, None])
             tl.store(dqkv_ptr + rows[:, None] * stride_qkv + 2 * H * D + h * DV + d[None, :], g, mask=live[:, None])
