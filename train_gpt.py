@@ -324,8 +324,10 @@ class Hyperparameters:
     # Python's launches left the GPU waiting: 8 x 16K tokens at window 3, 283-332 -> 245-246 ms a step on an H100; at
     # 49K no change (660.5 against 659.9 ms at window 11), and g++ builds each graph's wrapper, a longer compile: the
     # warm-up of 4 stage shapes took 775 s cold (beside another compile) and 157 s warm on an H100
-    # (bench/results/cpp_wrapper_fp8_grad_h100_20261127.md, one_session_h100_20261127.md). On in the single preset
-    cpp_wrapper: bool = False  # compiled graphs launch their kernels from C++ (quicker steps at small micro-batches)
+    # (bench/results/cpp_wrapper_fp8_grad_h100_20261127.md, one_session_h100_20261127.md). At the 8-GPU record's
+    # per-GPU shape (one 49,152-token micro-batch a GPU) Python's launches leave the GPU waiting too: on two H200s
+    # 86.9 -> 63.5 ms a step at window 11 (0.73x), +20 GiB peak on one (bench/results/dc_kernels_2gpu_h200_20261130.md)
+    cpp_wrapper: str = "auto"  # auto | true | false: compiled graphs launch their kernels from C++; auto: where several GPUs run one micro-batch a step
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     # our kernels: ReLU² in the matmul epilogues (-12 ms a step at stage 3 on an H100), its forward in FP8 (-16 ms,
     # final loss -0.0014 +- 0.0021) and then its backward too (-26 ms, final loss -0.0008 +- 0.0023;
@@ -438,6 +440,8 @@ class Hyperparameters:
             raise ValueError(f"device={h.device!r}: choose cuda, cpu or auto")
         if h.attention not in ("auto", *ATTENTION_BACKENDS):
             raise ValueError(f"attention={h.attention!r}: choose one of auto, {', '.join(ATTENTION_BACKENDS)}")
+        if h.cpp_wrapper not in ("auto", "true", "false"):
+            raise ValueError(f"cpp_wrapper={h.cpp_wrapper!r}: choose auto, true or false")
 
 
     def check_softmax(self):
@@ -592,7 +596,8 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "ANVIL2's architecture's equal loss on the proxy priced at ~835-838, confirmed at 840) with a 20-step "
                "extension, ANVIL2's cooldown over 0.8 of the steps to 0.2; plus "
                "the copy-pointer mixture of public pull request 379 (CPLM); with our fused ReLU² MLP (FP8 forward "
-               "and backward) and soft-capped cross-entropy kernels: the dataclass defaults", {}),
+               "and backward) and soft-capped cross-entropy kernels, and Inductor's C++ wrapper where several GPUs "
+               "each run one micro-batch a step (8 GPUs): the dataclass defaults", {}),
     "smoke": ("the record model at a tiny size (4 blocks of 128, a vocabulary of 128 tokens) on a built-in synthetic "
               "corpus (a random Markov chain whose entropy per token, the lowest loss possible, is known): about 3 "
               "minutes on a 2-core CPU; every technique of the record but the prefix-token loss (over GPT-2's "
@@ -602,7 +607,7 @@ PRESETS = {  # name: (what it is, the fields it sets)
     "single": ("the record on one GPU with 32-80 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
                "global batch; Inductor's C++ wrapper, as Python's launches would leave the GPU waiting; the n-gram "
                "table at 5.0M rows (trigram_rows 4,622,720, the size of the proxy runs): 14.0 GiB (--plan) of the "
-               "~25 GiB the run estimates at start", dict(seq_len=16384, cpp_wrapper=True, trigram_rows=4_622_720)),
+               "~25 GiB the run estimates at start", dict(seq_len=16384, cpp_wrapper="true", trigram_rows=4_622_720)),
     "medium": ("the record model at GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the "
                "record's learning rates, its block layout before ANVIL2's stretched to 24 blocks (one attention-less "
                "block, none removed, no second MLP, every block's injections, MLPs 4 x 1024), the injections after "
@@ -3864,6 +3869,15 @@ def check_fp8_mlp_shapes(hidden: int):
                          "2816 is 176 x 16) or pass --fp8_mlp false")
 
 
+def cpp_wrapper_on(args: Hyperparameters, world_size: int) -> bool:
+    """--cpp_wrapper: true, false, or auto: on where several GPUs each run one micro-batch a step (the 8-GPU
+    record's shape), whose steps Python's launches leave host-bound; off on one GPU, where a step's micro-batches
+    keep the GPU busy and the C++ wrapper's longer compile would buy nothing."""
+    if args.cpp_wrapper != "auto":
+        return args.cpp_wrapper == "true"
+    return world_size > 1 and args.batch_size // args.seq_len // world_size <= 1
+
+
 def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int, log=print,
           schedule: Schedule | None = None):
     """The model (seeded, identical on every rank), its compiled twin, the optimizers, and the
@@ -3901,7 +3915,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         # ~2.7 ms per 49K-token micro-batch on an H100; capped, the stage-3 step is ~10 ms faster (bench/README)
         # set globally, not as the model's compile option: the backward compiles lazily, after the option's
         # scope has closed, and fails without it (pytorch/pytorch#178845); the optimizers' graphs take it too
-        torch._inductor.config.cpp_wrapper = args.cpp_wrapper and device.type == "cuda"
+        torch._inductor.config.cpp_wrapper = cpp_wrapper_on(args, world_size) and device.type == "cuda"
         compiled = torch.compile(model, dynamic=False, fullgraph=True, options=dict(max_fusion_unique_io_buffers=32))
         orthogonalize = torch.compile(orthogonalize, dynamic=False, fullgraph=True)
         # dynamic=True: shapes, step sizes, decay rates and betas are arguments of one graph per dtype and
@@ -4002,7 +4016,8 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, sched
     loader = BatchLoader(producer, schedule.warmup_spec_at, model.lm_head_w.device)
     t0 = time.perf_counter()
     log(f"warm-up: compiling {len(shapes)} stage shape(s) and {len(graphs)} validation graph(s)"
-        f"{' with the C++ wrapper' if args.cpp_wrapper else ''}; minutes each on a cold compile cache")
+        f"{' with the C++ wrapper' if torch._inductor.config.cpp_wrapper else ''}; minutes each on a cold compile "
+        "cache")
     try:
         for n, stage in enumerate(shapes, 1):
             tie_embedding_at(model, stage.start, untie)  # its graphs are compiled with the embedding it trains with
