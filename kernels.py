@@ -124,7 +124,8 @@ if triton is not None:
     def _matmul_relu2_tma_kernel(a_desc, b_desc, out_desc, side_desc, side_t_desc, scale_ptr, amax_ptr, M, N, K,
                                  BACKWARD: tl.constexpr, FP8: tl.constexpr, B_NK: tl.constexpr,
                                  Q_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+                                 STORE_T: tl.constexpr):
         """_matmul_relu2_kernel's arithmetic: a (M, K); b (K, N), or (N, K) if B_NK; out (M, N); side: the
         backward's aux (post) or the FP8 forward's e4m3 post (M, N); descriptors of (BLOCK_M, BLOCK_N / 2) blocks
         for out and side. FP8: the FP8 result is also stored transposed, side_t (N, M) in (BLOCK_N / 2, BLOCK_M)
@@ -133,7 +134,8 @@ if triton is not None:
         largest post of its tiles at amax_ptr[program]. The FP8 backward (BACKWARD and FP8): a and b in FP8, acc *=
         scale[0, 0], post = side * scale[1, 0], and out = the gradient / scale[2, 0] in FP8 (at most Q_MAX), with
         the largest |gradient| of its tiles at amax_ptr[program]. A slot a program (plain stores, no atomics), so
-        the slots need no zeroing before the launch."""
+        the slots need no zeroing before the launch. STORE_T False leaves side_t unwritten: bench/relu2_kernels.py
+        times what the transposed store costs."""
         grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         group = GROUP_M * grid_n  # tiles in groups of GROUP_M rows, as in _matmul_relu2_kernel
         run_max = tl.full((1,), 0.0, tl.float32)  # the amax slot's value (FP8)
@@ -165,7 +167,8 @@ if triton is not None:
                         run_max = tl.maximum(run_max, tl.max(tl.max(tl.abs(c), 1), 0))
                         q = tl.minimum(tl.maximum(c * inv_q_s, -Q_MAX), Q_MAX).to(out_desc.dtype)
                         out_desc.store([m0, n], q)
-                        side_t_desc.store([n, m0], tl.trans(q))
+                        if STORE_T:
+                            side_t_desc.store([n, m0], tl.trans(q))
                     else:
                         out_desc.store([m0, n], c.to(out_desc.dtype))
                 else:
@@ -175,7 +178,8 @@ if triton is not None:
                         c = c.to(out_desc.dtype).to(tl.float32)  # post as stored: what bf16 matmuls see
                         q = tl.minimum(c * inv_q_s, Q_MAX).to(side_desc.dtype)
                         side_desc.store([m0, n], q)
-                        side_t_desc.store([n, m0], tl.trans(q))
+                        if STORE_T:
+                            side_t_desc.store([n, m0], tl.trans(q))
                         run_max = tl.maximum(run_max, tl.max(tl.max(c, 1), 0))
                     else:
                         out_desc.store([m0, n], c.to(out_desc.dtype))
@@ -233,8 +237,8 @@ def tma_ready(*tensors: Tensor) -> bool:
                for t in tensors)
 
 
-def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dtype,
-                  scales: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dtype, scales: Tensor | None = None,
+                  store_t: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Forward (aux None): relu(a @ b)². Backward: (a @ b) * 2 sqrt(aux). With scales (Hopper's kernel only), FP8:
     the forward from e4m3 a and b writes post in e4m3 (and no bf16 post: out is left unwritten); the backward from
     FP8 a and b and the e4m3 post (aux) writes the gradient in out_dtype (FP8).
@@ -271,7 +275,8 @@ def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dty
             half(out), half(side if side is not None else out),
             TensorDescriptor.from_tensor(side_t, [BN // 2, BM]) if side_t is not None else half(out),
             scales if fp8 else out, amax if fp8 else out, M, N, K,
-            BACKWARD=aux is not None, FP8=fp8, B_NK=b_nk, Q_MAX=torch.finfo(q_dtype).max, NUM_SMS=programs, **t)
+            BACKWARD=aux is not None, FP8=fp8, B_NK=b_nk, Q_MAX=torch.finfo(q_dtype).max, NUM_SMS=programs,
+            STORE_T=store_t, **t)
     elif fp8:  # train_gpt.check_fp8_mlp_shapes refuses a width that breaks TMA's rule before a run starts
         raise RuntimeError(f"the FP8 MLP's matmuls run in Hopper's TMA kernel only: here none, or operands a "
                            f"{tuple(a.shape)}, b {tuple(b.shape)} not in TMA's layout (rows of 16-byte multiples: the "

@@ -3,8 +3,9 @@ kernels.py's pointer kernel (_matmul_relu2_kernel) and Hopper's TMA kernel (_mat
 FP8 forward (relu(x W_fc)² in e4m3, both layouts) and the backward's (grad W_projᵀ) * 2 sqrt(post); optionally the
 public line's linear_relu_square (from its triton_kernels.py, given by path, run as it is) on the same operands.
 Each row: median µs per call (triton.testing.do_bench), TFLOP/s, and the largest error against float32 torch
-relative to the largest reference value. Then, on Hopper, the FP8 forward's parts apart: cuBLAS's matmul alone and
-the transposed copy of its e4m3 post by kernels.transpose (the TFLOP/s column counts the matmul's FLOPs for both). bench/mlp_kernel.py times the whole op (with its cuBLAS matmuls) instead.
+relative to the largest reference value. Then, on Hopper, the FP8 forward's parts apart: the kernel without its
+transposed store, cuBLAS's matmul alone and the transposed copy of its e4m3 post by kernels.transpose (the TFLOP/s
+column counts the matmul's FLOPs for each). bench/mlp_kernel.py times the whole op (with its cuBLAS matmuls) instead.
 
     python bench/relu2_kernels.py [--tokens 49152] [--public_kernels PATH/triton_kernels.py]
         [--fp8_tiles 128,256,64,8,7 ...] [--tiles 128,256,64,8,3 ...] [--input_grad]
@@ -100,6 +101,8 @@ def main():
         one = lambda v: v.reshape(()).float()
         row("cuBLAS _scaled_mm: the FP8 forward's matmul alone, bf16 out", lambda: torch._scaled_mm(
             x_f8, fc_f8_t.T, scale_a=one(x_s), scale_b=one(w_s), out_dtype=torch.bfloat16, use_fast_accum=True), pre_ref)
+        row("_matmul_relu2_tma_kernel: FP8 forward without its transposed store", lambda: kernels._matmul_relu2(
+            x_f8, fc_f8_t.T, None, torch.bfloat16, scales, store_t=False)[1], post_ref / post_s)
         post_f8 = kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales)[1]
         row("kernels.transpose: the e4m3 post's transposed copy", lambda: torch.ops.speedrun.transpose(post_f8),
             post_f8.float().T)

@@ -555,7 +555,8 @@ def test_hopper_tma_kernel_compiles_for_an_h100_without_one():
                          scale_ptr="*fp32" if fp8 else "*bf16", amax_ptr="*fp32" if fp8 else "*bf16",
                          M="i32", N="i32", K="i32")
         q_max = 448.0
-        constexprs = {"BACKWARD": backward, "FP8": fp8, "B_NK": b_nk, "Q_MAX": q_max, "NUM_SMS": 132, **tiles}
+        constexprs = {"BACKWARD": backward, "FP8": fp8, "B_NK": b_nk, "Q_MAX": q_max, "NUM_SMS": 132, "STORE_T": True,
+                      **tiles}
         signature.update({n: "constexpr" for n in constexprs})
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32),
