@@ -3530,7 +3530,8 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
     return [f"device: {device} x {world_size}, grad accumulation {args.batch_size // args.seq_len // world_size}, "
             f"attention backend: {k.attention}, "
             f"LM head: {'fp8' if k.fp8_head else 'bf16' if device.type == 'cuda' else 'float32'}, "
-            f"MLP: {'fused' if k.fused_mlp else 'unfused'}{' fp8' if k.fp8_mlp else ''}, "
+            f"MLP: {'fused' if k.fused_mlp else 'unfused'}{' fp8' if k.fp8_mlp else ''}"
+            f"{' (its transposes by kernel)' if k.transpose else ''}, "
             f"cross-entropy: {'fused' if k.fused_ce else 'unfused'}, "
             f"DC attention: {('kernels' if k.dc else 'written out') if args.dc_attention else 'off'}, "
             f"QK-norm and rotary: {'kernels' if k.qk_rope else 'compiled'}, "
@@ -3871,8 +3872,8 @@ def check_fp8_mlp_shapes(hidden: int):
 
 def cpp_wrapper_on(args: Hyperparameters, world_size: int) -> bool:
     """--cpp_wrapper: true, false, or auto: on where several GPUs each run one micro-batch a step (the 8-GPU
-    record's shape), whose steps Python's launches leave host-bound; off on one GPU, where a step's micro-batches
-    keep the GPU busy and the C++ wrapper's longer compile would buy nothing."""
+    record's shape), whose steps Python's launches leave host-bound; off on one GPU (the record's eight micro-batches
+    a step keep it busy; a one-GPU run of one micro-batch a step, as the proxy runs, keeps the quicker compile)."""
     if args.cpp_wrapper != "auto":
         return args.cpp_wrapper == "true"
     return world_size > 1 and args.batch_size // args.seq_len // world_size <= 1

@@ -63,6 +63,8 @@ def test_the_fp8_mlp_takes_it_where_chosen_and_nowhere_else(monkeypatch):
     assert model.blocks[8].parallel_mlp in mlps and len(mlps) == 11 and all(m.fp8_transpose for m in mlps)
     assert not any(m.fp8_transpose for m in tg.GPT(cfg, tg.ModelKernels(fused_mlp=True, fp8_mlp=True)).modules()
                    if isinstance(m, tg.MLP))
+    args, cpu = tg.Hyperparameters(**FULL), torch.device("cpu")  # the start-of-run line says so
+    assert "MLP: fused fp8 (its transposes by kernel), " in tg.run_report(model, args, cpu, 1)[0]
     assert check_equal()[3:] == [True, True]  # plain CPU: both ways are PyTorch's transpose
 
 
