@@ -703,8 +703,10 @@ def set_stage_columns(rows: tuple[Stage, ...], columns: dict[str, tuple]) -> tup
 
 def stored_args(saved: dict) -> dict:
     """A checkpoint's hyperparameters as fields: its stages rows made Stage again (their table columns), list values
-    made tuples."""
+    made tuples, an older checkpoint's cpp_wrapper true/false as the field now writes them."""
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
+    if isinstance(saved.get("cpp_wrapper"), bool):  # written before --cpp_wrapper took auto (2026-11-30)
+        saved["cpp_wrapper"] = str(saved["cpp_wrapper"]).lower()
     saved["stages"] = tuple(Stage(**{**{k: row[k] for k in STAGE_TEXT if k in row}, "mtp": tuple(row["mtp"])})
                             for row in saved["stages"])
     return saved

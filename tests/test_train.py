@@ -365,6 +365,10 @@ def test_the_cpp_wrapper_is_on_where_several_gpus_each_run_one_micro_batch():
     assert tg.cpp_wrapper_on(tg.parse_args(["--cpp_wrapper", "true"]), 1)
     with pytest.raises(ValueError, match="cpp_wrapper='yes': choose auto, true or false"):
         tg.Hyperparameters(cpp_wrapper="yes")
+    # a checkpoint written while the field was a bool resumes (and samples) with its setting
+    stored = {**dataclasses.asdict(record), "stages": [dataclasses.asdict(row) for row in record.stages]}
+    for old, now in ((False, "false"), (True, "true")):
+        assert tg.Hyperparameters(**tg.stored_args({**stored, "cpp_wrapper": old})).cpp_wrapper == now
     with pytest.raises(RuntimeError, match="max_fusion_unique_io_bufers"):  # a misspelt option is refused
         torch.compile(torch.nn.Linear(2, 2), options={"max_fusion_unique_io_bufers": 32})
 
