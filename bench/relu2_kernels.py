@@ -100,7 +100,8 @@ def main():
         pre_ref = (x_f8.float() @ fc_f8_t.float().T) * (x_s * w_s)
         one = lambda v: v.reshape(()).float()
         row("cuBLAS _scaled_mm: the FP8 forward's matmul alone, bf16 out", lambda: torch._scaled_mm(
-            x_f8, fc_f8_t.T, scale_a=one(x_s), scale_b=one(w_s), out_dtype=torch.bfloat16, use_fast_accum=True), pre_ref)
+            x_f8, fc_f8_t.T, scale_a=one(x_s), scale_b=one(w_s), out_dtype=torch.bfloat16, use_fast_accum=True),
+            pre_ref)
         row("_matmul_relu2_tma_kernel: FP8 forward without its transposed store", lambda: kernels._matmul_relu2(
             x_f8, fc_f8_t.T, None, torch.bfloat16, scales, store_t=False)[1], post_ref / post_s)
         post_f8 = kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales)[1]

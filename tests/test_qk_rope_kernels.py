@@ -105,8 +105,8 @@ def test_qk_rope_kernels_match_the_reference_and_the_model_in_the_interpreter(tm
 
 def test_the_model_runs_the_kernels_where_triton_runs_and_says_so(monkeypatch):
     """choose_kernels turns them on where Triton runs (a CUDA GPU, the interpreter), off on a plain CPU and under
-    fused_qk_rope=False (the default until GPU runs adopt it); every attention block takes the choice but one with paired heads and a key offset (not
-    written); the start-of-run line says which form runs. On a plain CPU the op is its reference, gradient included:
+    fused_qk_rope=False (the default until GPU runs adopt it); every attention block takes the choice but one with
+    paired heads and a key offset (not written); the start-of-run line says which form runs. On a plain CPU the op is its reference, gradient included:
     the model through it equals the compiled functions' form."""
     quiet = dict(log=lambda m: None)
     assert tg.choose_kernels(torch.device("cpu"), **quiet).qk_rope == kernels.INTERPRET

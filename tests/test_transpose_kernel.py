@@ -13,7 +13,7 @@ from test_kernels import run_in_triton_interpreter
 def operands(T=200, dim=48, hidden=80, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     x = tg.norm(torch.randn(T, dim, generator=g)).bfloat16().to(device)
-    fc_w, proj_w = (0.2 * torch.randn(dim, hidden, generator=g)).to(device), (0.2 * torch.randn(dim, hidden, generator=g)).to(device)
+    fc_w, proj_w = ((0.2 * torch.randn(dim, hidden, generator=g)).to(device) for _ in range(2))
     grad = torch.randn(T, dim, generator=g).bfloat16().to(device)
     return x, fc_w, proj_w, grad
 
