@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.library import triton_op, wrap_triton
 
 try:
     import triton
@@ -363,7 +364,9 @@ if triton is not None:
         tl.store(out_ptr + rn[:, None] * M + rm[None, :], tl.trans(tile), mask=tl.trans(inside))
 
 
-@torch.library.custom_op("speedrun::transpose", mutates_args=())
+# A `triton_op`, not a `custom_op`: Inductor traces into it and launches the kernel from its own generated code, as
+# it launches its kernels (a custom op's call costs the host far more: bench/results/host_overhead_h100_20261127.md)
+@triton_op("speedrun::transpose", mutates_args=())
 def transpose(x: Tensor) -> Tensor:
     """x.T.contiguous() of a 2-D x of 1- or 2-byte elements (FP8, bf16), as one tiled kernel where Triton runs."""
     if not triton_runs_on(x) or x.element_size() not in (1, 2):
@@ -372,14 +375,9 @@ def transpose(x: Tensor) -> Tensor:
     raw = torch.uint8 if x.element_size() == 1 else torch.int16  # moved as bytes, whatever they encode
     out = torch.empty(N, M, device=x.device, dtype=raw)
     t = TRANSPOSE_TILES
-    _transpose_kernel[(triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]))](x.contiguous().view(raw), out, M, N,
-                                                                      BM=t["BM"], BN=t["BN"], num_warps=t["num_warps"])
+    wrap_triton(_transpose_kernel)[(triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]))](
+        x.contiguous().view(raw), out, M, N, BM=t["BM"], BN=t["BN"], num_warps=t["num_warps"])
     return out.view(x.dtype)
-
-
-@transpose.register_fake
-def _(x):
-    return x.new_empty(x.size(1), x.size(0))
 
 
 def transposed(t: Tensor, kernel: bool) -> Tensor:
@@ -1777,7 +1775,7 @@ def _qk_rope_launch(qkv: Tensor, cos: Tensor, heads: int, qk_dim: int, v_dim: in
         KEY_OFFSET=starts is not None, BT=BT, num_warps=QK_ROPE_TILES["num_warps"])
 
 
-@torch.library.custom_op("speedrun::qk_norm_rope", mutates_args=())
+@triton_op("speedrun::qk_norm_rope", mutates_args=())  # a triton_op, as transpose is: Inductor launches its kernels
 def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor, starts: Tensor | None, heads: int, qk_dim: int,
                  v_dim: int, paired: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(q, k, v), (T, H, qk_dim) twice and (T, H, v_dim), from the QKV projection qkv (T, H (2 qk_dim + v_dim)): q
@@ -1790,32 +1788,21 @@ def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor, starts: Tensor | None, h
     grid, meta = _qk_rope_launch(qkv, cos, heads, qk_dim, v_dim, paired, starts)
     q, k = (qkv.new_empty(T, heads, qk_dim) for _ in range(2))
     v = qkv.new_empty(T, heads, v_dim)
-    _qk_norm_rope_fwd_kernel[grid](qkv, cos, sin, qkv if starts is None else starts.view(torch.uint8), q, k, v, T,
-                                   **meta)
+    wrap_triton(_qk_norm_rope_fwd_kernel)[grid](qkv, cos, sin, qkv if starts is None else starts.view(torch.uint8),
+                                                q, k, v, T, **meta)
     return q, k, v
 
 
-@qk_norm_rope.register_fake
-def _(qkv, cos, sin, starts, heads, qk_dim, v_dim, paired):
-    T = qkv.size(0)
-    return qkv.new_empty(T, heads, qk_dim), qkv.new_empty(T, heads, qk_dim), qkv.new_empty(T, heads, v_dim)
-
-
-@torch.library.custom_op("speedrun::qk_norm_rope_backward", mutates_args=())
+@triton_op("speedrun::qk_norm_rope_backward", mutates_args=())
 def qk_norm_rope_backward(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor,
                           starts: Tensor | None, heads: int, qk_dim: int, v_dim: int, paired: bool) -> Tensor:
     """The projection's gradient (T, H (2 qk_dim + v_dim)) from those of q, k, v (contiguous)."""
     T = qkv.size(0)
     grid, meta = _qk_rope_launch(qkv, cos, heads, qk_dim, v_dim, paired, starts)
     dqkv = torch.empty_like(qkv)
-    _qk_norm_rope_bwd_kernel[grid](qkv, cos, sin, qkv if starts is None else starts.view(torch.uint8), dq, dk, dv,
-                                   dqkv, T, **meta)
+    wrap_triton(_qk_norm_rope_bwd_kernel)[grid](qkv, cos, sin, qkv if starts is None else starts.view(torch.uint8),
+                                                dq, dk, dv, dqkv, T, **meta)
     return dqkv
-
-
-@qk_norm_rope_backward.register_fake
-def _(dq, dk, dv, qkv, cos, sin, starts, heads, qk_dim, v_dim, paired):
-    return torch.empty_like(qkv)
 
 
 def _qk_norm_rope_setup_context(ctx, inputs, output):

@@ -3,6 +3,9 @@ call before the host has issued the next: what a micro-batch pays on the CPU for
 
     python bench/op_overhead.py [--calls 2000] [--tokens 256]
 
+Also kernels.transpose and kernels.qk_norm_rope (triton_ops) beside the same kernels behind a custom_op and
+Inductor's own form of the work.
+
 Each op is called --calls times in a row without a synchronize (then one), eagerly and from inside a compiled
 function (the way the model's compiled graph calls it: Inductor's generated code calling the op), and the wall time
 per call is reported. At 16K-token micro-batches a step's GPU work is about 32 ms per micro-batch on an H100 and the
@@ -46,6 +49,20 @@ def main():
         "relu2_mlp_backward": lambda: torch.ops.speedrun.relu2_mlp_backward(grad, x, fc_w, proj_w, post),
         "a bare matmul (aten::mm)": lambda: x @ fc_w,
     }
+    # kernels.transpose and kernels.qk_norm_rope are triton_ops (Inductor launches their kernels); the same kernels
+    # behind a custom_op (how they first ran) and Inductor's own form of the work, for comparison
+    x_f8 = (x.float() * 8).to(torch.float8_e4m3fn)
+    H, D = 6, 128
+    qkv = make(T, 3 * H * D)
+    cos, sin = (make(T, D // 2).float() for _ in range(2))
+    ops.update({
+        "transpose (triton_op)": lambda: torch.ops.speedrun.transpose(x_f8),
+        "transpose (custom_op)": lambda: torch.ops.op_overhead.transpose(x_f8),
+        "transpose (Inductor's)": lambda: x_f8.T.contiguous(),
+        "qk_norm_rope (triton_op)": lambda: torch.ops.speedrun.qk_norm_rope(qkv, cos, sin, None, H, D, D, False),
+        "qk_norm_rope (custom_op)": lambda: torch.ops.op_overhead.qk_norm_rope(qkv, cos, sin, H, D),
+        "qk_norm_rope (Inductor's)": lambda: kernels.qk_norm_rope_reference(qkv, cos, sin, None, H, D, D, False),
+    })
     if kernels._load_fa3():
         q = make(T, 6, 128)
         cu = torch.tensor([0, T // 2, T], dtype=torch.int32, device="cuda")
@@ -60,6 +77,35 @@ def main():
         eager = per_call_us(op, args.calls)
         inside = per_call_us(torch.compile(lambda op=op: op(), fullgraph=True, dynamic=False), args.calls)
         print(f"{name:28s} eager {eager:7.1f}   inside a compiled function {inside - entry:7.1f} (+ entry)", flush=True)
+
+
+@torch.library.custom_op("op_overhead::transpose", mutates_args=())
+def transpose_custom(x: torch.Tensor) -> torch.Tensor:
+    """kernels.transpose's kernel behind a custom_op (the op's first form), for x of 1-byte elements."""
+    M, N = x.shape
+    out = torch.empty(N, M, device=x.device, dtype=torch.uint8)
+    t = kernels.TRANSPOSE_TILES
+    kernels._transpose_kernel[(-(-M // t["BM"]), -(-N // t["BN"]))](x.view(torch.uint8), out, M, N, BM=t["BM"],
+                                                                   BN=t["BN"], num_warps=t["num_warps"])
+    return out.view(x.dtype)
+
+
+transpose_custom.register_fake(lambda x: x.new_empty(x.size(1), x.size(0)))
+
+
+@torch.library.custom_op("op_overhead::qk_norm_rope", mutates_args=())
+def qk_custom(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+              dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels.qk_norm_rope's forward kernel behind a custom_op (the op's first form): no key offset, not paired."""
+    T = qkv.size(0)
+    grid, meta = kernels._qk_rope_launch(qkv, cos, heads, dim, dim, False, None)
+    q, k, v = (qkv.new_empty(T, heads, dim) for _ in range(3))
+    kernels._qk_norm_rope_fwd_kernel[grid](qkv, cos, sin, qkv, q, k, v, T, **meta)
+    return q, k, v
+
+
+qk_custom.register_fake(lambda qkv, cos, sin, heads, dim: tuple(qkv.new_empty(qkv.size(0), heads, dim)
+                                                                 for _ in range(3)))
 
 
 if __name__ == "__main__":

@@ -155,3 +155,22 @@ def test_qk_rope_kernels_on_the_gpu_match_the_reference_in_bf16(D, DV, paired, k
     """The record's widths, 6 heads, 3,000 tokens in bf16 against the float32 reference on the same inputs."""
     errors = check_qk_op(3000, 6, D, DV, paired, key_offset, dtype=torch.bfloat16, device="cuda")
     assert max(errors) < 0.01, errors  # bf16 outputs: one rounding (the reference's float32 rounded once too)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_qk_rope_kernels_inside_a_compiled_graph_equal_their_eager_calls():
+    """The op is a triton_op: inside torch.compile Inductor launches its kernels from its own code. Forward and
+    backward there give the eager call's bits (the same kernels on the same inputs), with and without the offset."""
+    for key_offset in (False, True):
+        qkv, cos, sin, starts, ups = qk_case(3000, 6, 128, 128, key_offset, dtype=torch.bfloat16, device="cuda")
+
+        def f(x):
+            outs = kernels.qk_norm_rope(x, cos, sin, starts, 6, 128, 128, False)
+            return list(outs), sum((o.float() * u.float()).sum() for o, u in zip(outs, ups))
+        results = []
+        for fn in (f, torch.compile(f, fullgraph=True, dynamic=False)):
+            leaf = qkv.detach().clone().requires_grad_()
+            outs, loss = fn(leaf)
+            loss.backward()
+            results.append(outs + [leaf.grad])
+        assert all(torch.equal(a, b) for a, b in zip(*results)), key_offset

@@ -95,3 +95,16 @@ def test_on_the_gpu_the_fp8_mlp_computes_the_same_bits_with_the_transpose_kernel
         results.append([out, *(t.grad for t in leaves)])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_transpose_kernel_inside_a_compiled_graph_gives_the_same_bits():
+    """The op is a triton_op: inside torch.compile Inductor launches its kernel from its own code; the FP8 MLP's
+    operands and gradient operands compiled with it equal those compiled without it, bit for bit."""
+    x, fc_w, proj_w, grad = operands(T=4096, dim=768, hidden=2816, device="cuda")
+    for fn, args in ((tg.fp8_mlp_operands, (x, fc_w, proj_w)), (kernels._grad_operands, (grad,))):
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+        with_kernel, without = (compiled(*args, kernel) for kernel in (True, False))
+        for p, q in zip(with_kernel, without):
+            assert torch.equal(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p,
+                               q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q), fn.__name__
