@@ -75,6 +75,7 @@ def main():
     print(f"{'entry + one Inductor kernel':28s} {entry:7.1f}")
     for name, op in ops.items():
         eager = per_call_us(op, args.calls)
+        torch._dynamo.reset()  # each op's lambda compiles afresh (they share one code object)
         inside = per_call_us(torch.compile(lambda op=op: op(), fullgraph=True, dynamic=False), args.calls)
         print(f"{name:28s} eager {eager:7.1f}   inside a compiled function {inside - entry:7.1f} (+ entry)", flush=True)
 
