@@ -1788,7 +1788,7 @@ def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor, starts: Tensor | None, h
     grid, meta = _qk_rope_launch(qkv, cos, heads, qk_dim, v_dim, paired, starts)
     q, k = (qkv.new_empty(T, heads, qk_dim) for _ in range(2))
     v = qkv.new_empty(T, heads, v_dim)
-    wrap_triton(_qk_norm_rope_fwd_kernel)[grid](qkv, cos, sin, qkv if starts is None else starts.view(torch.uint8),
+    wrap_triton(_qk_norm_rope_fwd_kernel)[grid](qkv, cos, sin, qkv if starts is None else starts.to(torch.uint8),
                                                 q, k, v, T, **meta)
     return q, k, v
 
@@ -1800,7 +1800,7 @@ def qk_norm_rope_backward(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tensor, cos: 
     T = qkv.size(0)
     grid, meta = _qk_rope_launch(qkv, cos, heads, qk_dim, v_dim, paired, starts)
     dqkv = torch.empty_like(qkv)
-    wrap_triton(_qk_norm_rope_bwd_kernel)[grid](qkv, cos, sin, qkv if starts is None else starts.view(torch.uint8),
+    wrap_triton(_qk_norm_rope_bwd_kernel)[grid](qkv, cos, sin, qkv if starts is None else starts.to(torch.uint8),
                                                 dq, dk, dv, dqkv, T, **meta)
     return dqkv
 
