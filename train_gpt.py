@@ -337,8 +337,8 @@ class Hyperparameters:
     fp8_mlp: bool = True  # the fused MLP's matmuls in FP8, forward and backward (kernels.py), on Hopper's TMA kernel
     fused_ce: bool = True  # the FP8 head's soft-capped cross-entropy in Triton kernels, its gradient written in FP8
     fused_dc: bool = True  # DC attention's correction in Triton kernels (kernels.dc_attention) where Triton runs, else written out
-    # these two: faster kernels, but the record step took longer with them (host time a call; tests/test_presets.py's
-    # PENDING_ADOPTION; bench/results/qk_transpose_2gpu_h200_20261130b.md)
+    # these two: faster kernels; as custom ops the record step took longer with them (host time a call), now
+    # triton_ops, to be timed again (tests/test_presets.py's PENDING_ADOPTION; qk_transpose_2gpu_h200_20261130b.md)
     fp8_transpose: bool = False  # the FP8 MLP's transposed input and output gradient by a tiled Triton transpose (kernels.transpose), not inside Inductor's norm kernels
     fused_qk_rope: bool = False  # QK-norm, rotary and the key offset in one Triton kernel each way (kernels.qk_norm_rope) where Triton runs, else Inductor's
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
