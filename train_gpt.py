@@ -3875,8 +3875,9 @@ def check_fp8_mlp_shapes(hidden: int):
 
 def cpp_wrapper_on(args: Hyperparameters, world_size: int) -> bool:
     """--cpp_wrapper: true, false, or auto: on where several GPUs each run one micro-batch a step (the 8-GPU
-    record's shape), whose steps Python's launches leave host-bound; off on one GPU (the record's eight micro-batches
-    a step keep it busy; a one-GPU run of one micro-batch a step, as the proxy runs, keeps the quicker compile)."""
+    record's shape), whose steps Python's launches leave host-bound; off on one GPU, for the quicker compile (a
+    one-GPU run of one micro-batch a step, as the proxy runs). The record's eight micro-batches a step fill one
+    GPU with work, yet host time added there showed in the step (bench/results/qk_transpose_2gpu_h200_20261130b.md)."""
     if args.cpp_wrapper != "auto":
         return args.cpp_wrapper == "true"
     return world_size > 1 and args.batch_size // args.seq_len // world_size <= 1
