@@ -8,7 +8,8 @@
 - CPLM's pointer (copy_pointer) and DC attention's correction (dc_attention, --fused_dc): flash-style Triton kernels
   whose scores stay in registers, custom ops with their backward;
 - the attention's QK-norm, rotary and key offset (qk_norm_rope, --fused_qk_rope): one Triton kernel each way;
-- a tiled 2-D transpose (transpose, --fp8_transpose) for the FP8 MLP's transposed operands.
+- a tiled 2-D transpose (transpose, --fp8_transpose) for the FP8 MLP's transposed operands;
+  these two are triton_ops (torch.library): Inductor traces into them and launches their kernels itself.
 train_gpt.py logs this file's source with its own.
 
 Set TRITON_INTERPRET=1 before the first import of triton to run the kernels on the CPU (slowly, in
