@@ -182,7 +182,8 @@ def main():
         spec = stage.spec
         candidates = timed_candidates(schedule, stage, step + own.warmup, own.steps)
         # cuda_times collects the compile's garbage after the warm-up: not in a timed step (as train_gpt.py does)
-        times = timing.cuda_times(run_step, own.steps, own.warmup)
+        host = []  # each step's host time until its last launch: near the step's, the GPU waited on the host
+        times = timing.cuda_times(run_step, own.steps, own.warmup, host=host)
         med, mean = statistics.median(times), statistics.fmean(times)
         whole_ms += (stage.end - stage.start) * mean
         tokens += (stage.end - stage.start) * spec.batch_size
@@ -191,7 +192,8 @@ def main():
         rows = "sampled and full" if candidates is None else f"{candidates:,} rows" if candidates else "full"
         print(f"{name}: step of {spec.batch_size:,} tokens, windows {stage.windows}, softmax {rows}: "
               f"median {med:.1f} ms, mean {mean:.1f} (min {min(times):.1f}, max {max(times):.1f}) over {own.steps} "
-              f"steps; {spec.batch_size / mean * 1e3:,.0f} tokens/s; "
+              f"steps; host {statistics.median(host):.1f} ms of it launching (median); "
+              f"{spec.batch_size / mean * 1e3:,.0f} tokens/s; "
               f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; loss per micro-batch over them "
               f"{torch.stack(losses[-own.steps:]).mean().item() / (spec.batch_size // spec.seq_len):.4f}", flush=True)
     if per_stage:

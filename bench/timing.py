@@ -42,27 +42,34 @@ def _run(phases: Sequence[Callable], events: list | None = None):
             events[i + 1].record()
 
 
-def phase_times(phases: Sequence[Callable], iters: int, warmup: int = 3,
-                before: Callable | None = None) -> list[list[float]]:
+def phase_times(phases: Sequence[Callable], iters: int, warmup: int = 3, before: Callable | None = None,
+                host: list | None = None) -> list[list[float]]:
     """For each of `iters` runs of the phases (the first called without arguments, each later one with what the
     one before returned), the milliseconds of each phase between CUDA events: the GPU's time from the phase's
-    first launch to its last kernel's end. before(), if given, runs ahead of every run, untimed."""
+    first launch to its last kernel's end. before(), if given, runs ahead of every run, untimed. host, if given,
+    gets each run's milliseconds on the host's clock until its last launch returned: near the GPU's time, the run
+    waits on the host (the GPU idles between launches); well under it, the host runs ahead."""
     warm_up(lambda: _run(phases), warmup, before)
     out = []
     for _ in range(iters):
         events = [torch.cuda.Event(enable_timing=True) for _ in range(len(phases) + 1)]
         if before is not None:
             before()
+        start = time.perf_counter()
         events[0].record()
         _run(phases, events)
+        if host is not None:
+            host.append(1000 * (time.perf_counter() - start))
         events[-1].synchronize()
         out.append([a.elapsed_time(b) for a, b in zip(events, events[1:])])
     return out
 
 
-def cuda_times(fn: Callable, iters: int, warmup: int = 3, before: Callable | None = None) -> list[float]:
-    """Milliseconds of each of `iters` calls of fn() between two CUDA events, after `warmup` untimed calls."""
-    return [t[0] for t in phase_times([fn], iters, warmup, before)]
+def cuda_times(fn: Callable, iters: int, warmup: int = 3, before: Callable | None = None,
+               host: list | None = None) -> list[float]:
+    """Milliseconds of each of `iters` calls of fn() between two CUDA events, after `warmup` untimed calls (host:
+    as phase_times')."""
+    return [t[0] for t in phase_times([fn], iters, warmup, before, host)]
 
 
 def median_ms(fn: Callable, iters: int, warmup: int = 3, before: Callable | None = None) -> float:

@@ -118,3 +118,24 @@ def test_the_mlp_bench_times_forward_and_backward_with_fresh_gradients(clock):
         return x * 2
     assert mlp_kernel.time_fwd_bwd(fn, [x], torch.ones(4, 3), 3) == 5
     assert fresh == [True] * 6 and x.grad is not None
+
+
+def test_host_times_are_the_hosts_share_of_each_timed_call(clock, monkeypatch):
+    """host= gets each timed call's host time until its last launch returned; the GPU's time runs on past it by what
+    the GPU still had queued (here a 5 ms tail after each call's 3 ms of launching): a host-bound step shows host ~
+    GPU, a GPU-bound one host well under it."""
+    make = clock.event
+
+    def event(enable_timing=False):
+        e = make(enable_timing)
+
+        def synchronize():  # the GPU finishes 5 ms after the host's last launch
+            clock.spend(5)
+            e.t = clock.now
+        e.synchronize = synchronize
+        return e
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    host = []
+    assert timing.cuda_times(lambda: clock.spend(3), 4, warmup=1, host=host) == [8, 8, 8, 8]
+    assert host == pytest.approx([3, 3, 3, 3])
+    assert timing.cuda_times(lambda: clock.spend(3), 2, warmup=1) == [8, 8]  # host= is optional
