@@ -86,8 +86,8 @@ def transpose_custom(x: torch.Tensor) -> torch.Tensor:
     M, N = x.shape
     out = torch.empty(N, M, device=x.device, dtype=torch.uint8)
     t = kernels.TRANSPOSE_TILES
-    kernels._transpose_kernel[(-(-M // t["BM"]), -(-N // t["BN"]))](x.view(torch.uint8), out, M, N, BM=t["BM"],
-                                                                   BN=t["BN"], num_warps=t["num_warps"])
+    kernels._transpose_kernel[(kernels.triton.cdiv(M, t["BM"]), kernels.triton.cdiv(N, t["BN"]))](
+        x.view(torch.uint8), out, M, N, BM=t["BM"], BN=t["BN"], num_warps=t["num_warps"])
     return out.view(x.dtype)
 
 
