@@ -182,7 +182,7 @@ def main():
         spec = stage.spec
         candidates = timed_candidates(schedule, stage, step + own.warmup, own.steps)
         # cuda_times collects the compile's garbage after the warm-up: not in a timed step (as train_gpt.py does)
-        host = []  # each step's host time until its last launch: near the step's, the GPU waited on the host
+        host = []  # each step's host time until its last launch: near the step's, the host bound it or a full launch queue
         times = timing.cuda_times(run_step, own.steps, own.warmup, host=host)
         med, mean = statistics.median(times), statistics.fmean(times)
         whole_ms += (stage.end - stage.start) * mean
