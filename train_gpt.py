@@ -326,8 +326,10 @@ class Hyperparameters:
     # warm-up of 4 stage shapes took 775 s cold (beside another compile) and 157 s warm on an H100
     # (bench/results/cpp_wrapper_fp8_grad_h100_20261127.md, one_session_h100_20261127.md). At the 8-GPU record's
     # per-GPU shape (one 49,152-token micro-batch a GPU) Python's launches leave the GPU waiting too: on two H200s
-    # 86.9 -> 63.5 ms a step at window 11 (0.73x), +20 GiB peak on one (bench/results/dc_kernels_2gpu_h200_20261130.md)
-    cpp_wrapper: str = "auto"  # auto | true | false: compiled graphs launch their kernels from C++; auto: where several GPUs run one micro-batch a step
+    # 86.9 -> 63.5 ms a step at window 11 (0.73x), +20 GiB peak on one (bench/results/dc_kernels_2gpu_h200_20261130.md);
+    # on one H200 at the record's eight 49K micro-batches 386 against 395.5-481 ms, about 150 s more of cold compile
+    # (bench/results/host_ops_h200_20261130c.md)
+    cpp_wrapper: bool = True  # the compiled training graphs launch their kernels from C++, not Python (false: a quicker compile)
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     # our kernels: ReLU² in the matmul epilogues (-12 ms a step at stage 3 on an H100), its forward in FP8 (-16 ms,
     # final loss -0.0014 +- 0.0021) and then its backward too (-26 ms, final loss -0.0008 +- 0.0023;
@@ -337,8 +339,9 @@ class Hyperparameters:
     fp8_mlp: bool = True  # the fused MLP's matmuls in FP8, forward and backward (kernels.py), on Hopper's TMA kernel
     fused_ce: bool = True  # the FP8 head's soft-capped cross-entropy in Triton kernels, its gradient written in FP8
     fused_dc: bool = True  # DC attention's correction in Triton kernels (kernels.dc_attention) where Triton runs, else written out
-    # these two: faster kernels; as custom ops the record step took longer with them (host time a call), now
-    # triton_ops, to be timed again (tests/test_presets.py's PENDING_ADOPTION; qk_transpose_2gpu_h200_20261130b.md)
+    # these two: faster kernels; as custom ops the record step took longer with them (host time a call), as
+    # triton_ops both together 0.975-0.988x (bench/results/host_ops_h200_20261130c.md); each waits on what
+    # tests/test_presets.py's PENDING_ADOPTION names
     fp8_transpose: bool = False  # the FP8 MLP's transposed input and output gradient by a tiled Triton transpose (kernels.transpose), not inside Inductor's norm kernels
     fused_qk_rope: bool = False  # QK-norm, rotary and the key offset in one Triton kernel each way (kernels.qk_norm_rope) where Triton runs, else Inductor's
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
@@ -441,8 +444,6 @@ class Hyperparameters:
             raise ValueError(f"device={h.device!r}: choose cuda, cpu or auto")
         if h.attention not in ("auto", *ATTENTION_BACKENDS):
             raise ValueError(f"attention={h.attention!r}: choose one of auto, {', '.join(ATTENTION_BACKENDS)}")
-        if h.cpp_wrapper not in ("auto", "true", "false"):
-            raise ValueError(f"cpp_wrapper={h.cpp_wrapper!r}: choose auto, true or false")
 
 
     def check_softmax(self):
@@ -597,8 +598,7 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "ANVIL2's architecture's equal loss on the proxy priced at ~835-838, confirmed at 840) with a 20-step "
                "extension, ANVIL2's cooldown over 0.8 of the steps to 0.2; plus "
                "the copy-pointer mixture of public pull request 379 (CPLM); with our fused ReLU² MLP (FP8 forward "
-               "and backward) and soft-capped cross-entropy kernels, and Inductor's C++ wrapper where several GPUs "
-               "each run one micro-batch a step (8 GPUs): the dataclass defaults", {}),
+               "and backward) and soft-capped cross-entropy kernels, and Inductor's C++ wrapper: the dataclass defaults", {}),
     "smoke": ("the record model at a tiny size (4 blocks of 128, a vocabulary of 128 tokens) on a built-in synthetic "
               "corpus (a random Markov chain whose entropy per token, the lowest loss possible, is known): about 3 "
               "minutes on a 2-core CPU; every technique of the record but the prefix-token loss (over GPT-2's "
@@ -606,9 +606,8 @@ PRESETS = {  # name: (what it is, the fields it sets)
               "every block's injections, after its attention as the record's); a checkpoint every 50 steps, for "
               "`python sample.py latest`", SMOKE),
     "single": ("the record on one GPU with 32-80 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
-               "global batch; Inductor's C++ wrapper, as Python's launches would leave the GPU waiting; the n-gram "
-               "table at 5.0M rows (trigram_rows 4,622,720, the size of the proxy runs): 14.0 GiB (--plan) of the "
-               "~25 GiB the run estimates at start", dict(seq_len=16384, cpp_wrapper="true", trigram_rows=4_622_720)),
+               "global batch; the n-gram table at 5.0M rows (trigram_rows 4,622,720, the size of the proxy runs): 14.0 GiB (--plan) of the "
+               "~25 GiB the run estimates at start", dict(seq_len=16384, trigram_rows=4_622_720)),
     "medium": ("the record model at GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the "
                "record's learning rates, its block layout before ANVIL2's stretched to 24 blocks (one attention-less "
                "block, none removed, no second MLP, every block's injections, MLPs 4 x 1024), the injections after "
@@ -704,10 +703,10 @@ def set_stage_columns(rows: tuple[Stage, ...], columns: dict[str, tuple]) -> tup
 
 def stored_args(saved: dict) -> dict:
     """A checkpoint's hyperparameters as fields: its stages rows made Stage again (their table columns), list values
-    made tuples, an older checkpoint's cpp_wrapper true/false as the field now writes them."""
+    made tuples, a checkpoint's cpp_wrapper of auto/true/false (2026-11-30) as the bool the field is again."""
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
-    if isinstance(saved.get("cpp_wrapper"), bool):  # written before --cpp_wrapper took auto (2026-11-30)
-        saved["cpp_wrapper"] = str(saved["cpp_wrapper"]).lower()
+    if isinstance(saved.get("cpp_wrapper"), str):  # auto was on at one micro-batch a GPU; it is on everywhere now
+        saved["cpp_wrapper"] = saved["cpp_wrapper"] != "false"
     saved["stages"] = tuple(Stage(**{**{k: row[k] for k in STAGE_TEXT if k in row}, "mtp": tuple(row["mtp"])})
                             for row in saved["stages"])
     return saved
@@ -3873,16 +3872,6 @@ def check_fp8_mlp_shapes(hidden: int):
                          "2816 is 176 x 16) or pass --fp8_mlp false")
 
 
-def cpp_wrapper_on(args: Hyperparameters, world_size: int) -> bool:
-    """--cpp_wrapper: true, false, or auto: on where several GPUs each run one micro-batch a step (the 8-GPU
-    record's shape), whose steps Python's launches leave host-bound; off on one GPU, for the quicker compile (a
-    one-GPU run of one micro-batch a step, as the proxy runs). The record's eight micro-batches a step fill one
-    GPU with work, yet host time added there showed in the step (bench/results/qk_transpose_2gpu_h200_20261130b.md)."""
-    if args.cpp_wrapper != "auto":
-        return args.cpp_wrapper == "true"
-    return world_size > 1 and args.batch_size // args.seq_len // world_size <= 1
-
-
 def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int, log=print,
           schedule: Schedule | None = None):
     """The model (seeded, identical on every rank), its compiled twin, the optimizers, and the
@@ -3920,7 +3909,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         # ~2.7 ms per 49K-token micro-batch on an H100; capped, the stage-3 step is ~10 ms faster (bench/README)
         # set globally, not as the model's compile option: the backward compiles lazily, after the option's
         # scope has closed, and fails without it (pytorch/pytorch#178845); the optimizers' graphs take it too
-        torch._inductor.config.cpp_wrapper = cpp_wrapper_on(args, world_size) and device.type == "cuda"
+        torch._inductor.config.cpp_wrapper = args.cpp_wrapper and device.type == "cuda"
         compiled = torch.compile(model, dynamic=False, fullgraph=True, options=dict(max_fusion_unique_io_buffers=32))
         orthogonalize = torch.compile(orthogonalize, dynamic=False, fullgraph=True)
         # dynamic=True: shapes, step sizes, decay rates and betas are arguments of one graph per dtype and

@@ -28,7 +28,7 @@ def test_presets_set_their_configuration_and_fields_still_override():
     single = tg.parse_args(["--preset", "single"])
     assert single.batch_size == tg.Hyperparameters().batch_size and single.batch_size // single.seq_len == 24
     # and a quarter of the record's n-gram table: 5.0M rows (the proxy's size), ~25 GiB in all on one GPU
-    assert single == dataclasses.replace(record, preset="single", seq_len=16384, cpp_wrapper="true", trigram_rows=4_622_720)
+    assert single == dataclasses.replace(record, preset="single", seq_len=16384, trigram_rows=4_622_720)
     medium = tg.parse_args(["--preset", "medium", "--num_iterations", "700"])  # above the record's 20 extension steps
     assert (medium.num_layers, medium.model_dim, medium.num_heads, medium.num_iterations) == (24, 1024, 16, 700)
     smoke = tg.parse_args(["--preset", "smoke"])

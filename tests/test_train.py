@@ -343,7 +343,7 @@ def test_the_model_is_compiled_with_inductors_fusions_capped(tiny_args, monkeypa
     monkeypatch.setattr(tg.torch, "compile", lambda fn, **kw: seen.append((fn, kw)) or fn)
     # torch's config.patch, not monkeypatch: pytest 9.2's undo deletes an attribute of torch's config module
     with torch._inductor.config.patch(cpp_wrapper=True):  # as a former build on a GPU leaves it
-        model, *_ = tg.build(tiny_args(compile=True, cpp_wrapper="true"), torch.device("cpu"), 0, 1,
+        model, *_ = tg.build(tiny_args(compile=True, cpp_wrapper=True), torch.device("cpu"), 0, 1,
                              log=lambda *a, **k: None)
         assert torch._inductor.config.cpp_wrapper is False  # the C++ wrapper (--cpp_wrapper) only on a CUDA device
     options = [kw.get("options") for fn, kw in seen if fn is model]
@@ -352,23 +352,15 @@ def test_the_model_is_compiled_with_inductors_fusions_capped(tiny_args, monkeypa
     torch.compile(torch.nn.Linear(2, 2), options=options[0])
 
 
-def test_the_cpp_wrapper_is_on_where_several_gpus_each_run_one_micro_batch():
-    """--cpp_wrapper auto (the default): on at the 8-GPU record's shape and the two-GPU measurement of it (one
-    49,152-token micro-batch a GPU), off on one GPU or two at the record's batch (8 and 4 micro-batches a GPU);
-    true and false as they say, the single preset's true on one GPU; anything else refused naming the field."""
+def test_the_cpp_wrapper_is_on_by_default_and_old_checkpoints_keep_their_setting():
+    """--cpp_wrapper is on by default (every preset) and off by --cpp_wrapper false; a checkpoint written while
+    the field took auto/true/false (2026-11-30) or was a bool resumes with a bool: auto on, as it is everywhere now."""
+    assert all(tg.parse_args(["--preset", name]).cpp_wrapper is True for name in tg.PRESETS)
+    assert tg.parse_args(["--cpp_wrapper", "false"]).cpp_wrapper is False
     record = tg.parse_args([])
-    assert record.cpp_wrapper == "auto" and tg.cpp_wrapper_on(record, 8)
-    assert not tg.cpp_wrapper_on(record, 1) and not tg.cpp_wrapper_on(record, 2)
-    assert tg.cpp_wrapper_on(tg.parse_args(["--batch_size", "98304"]), 2)
-    assert tg.cpp_wrapper_on(tg.parse_args(["--preset", "single"]), 1)
-    assert not tg.cpp_wrapper_on(tg.parse_args(["--cpp_wrapper", "false"]), 8)
-    assert tg.cpp_wrapper_on(tg.parse_args(["--cpp_wrapper", "true"]), 1)
-    with pytest.raises(ValueError, match="cpp_wrapper='yes': choose auto, true or false"):
-        tg.Hyperparameters(cpp_wrapper="yes")
-    # a checkpoint written while the field was a bool resumes (and samples) with its setting
     stored = {**dataclasses.asdict(record), "stages": [dataclasses.asdict(row) for row in record.stages]}
-    for old, now in ((False, "false"), (True, "true")):
-        assert tg.Hyperparameters(**tg.stored_args({**stored, "cpp_wrapper": old})).cpp_wrapper == now
+    for old, now in ((False, False), (True, True), ("false", False), ("true", True), ("auto", True)):
+        assert tg.Hyperparameters(**tg.stored_args({**stored, "cpp_wrapper": old})).cpp_wrapper is now
     with pytest.raises(RuntimeError, match="max_fusion_unique_io_bufers"):  # a misspelt option is refused
         torch.compile(torch.nn.Linear(2, 2), options={"max_fusion_unique_io_bufers": 32})
 
