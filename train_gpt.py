@@ -598,7 +598,8 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "ANVIL2's architecture's equal loss on the proxy priced at ~835-838, confirmed at 840) with a 20-step "
                "extension, ANVIL2's cooldown over 0.8 of the steps to 0.2; plus "
                "the copy-pointer mixture of public pull request 379 (CPLM); with our fused ReLU² MLP (FP8 forward "
-               "and backward) and soft-capped cross-entropy kernels, and Inductor's C++ wrapper: the dataclass defaults", {}),
+               "and backward) and soft-capped cross-entropy kernels, and Inductor's C++ wrapper: the dataclass "
+               "defaults", {}),
     "smoke": ("the record model at a tiny size (4 blocks of 128, a vocabulary of 128 tokens) on a built-in synthetic "
               "corpus (a random Markov chain whose entropy per token, the lowest loss possible, is known): about 3 "
               "minutes on a 2-core CPU; every technique of the record but the prefix-token loss (over GPT-2's "
@@ -606,8 +607,8 @@ PRESETS = {  # name: (what it is, the fields it sets)
               "every block's injections, after its attention as the record's); a checkpoint every 50 steps, for "
               "`python sample.py latest`", SMOKE),
     "single": ("the record on one GPU with 32-80 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
-               "global batch; the n-gram table at 5.0M rows (trigram_rows 4,622,720, the size of the proxy runs): 14.0 GiB (--plan) of the "
-               "~25 GiB the run estimates at start", dict(seq_len=16384, trigram_rows=4_622_720)),
+               "global batch; the n-gram table at 5.0M rows (trigram_rows 4,622,720, the size of the proxy runs): "
+               "14.0 GiB (--plan) of the ~25 GiB the run estimates at start", dict(seq_len=16384, trigram_rows=4_622_720)),
     "medium": ("the record model at GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the "
                "record's learning rates, its block layout before ANVIL2's stretched to 24 blocks (one attention-less "
                "block, none removed, no second MLP, every block's injections, MLPs 4 x 1024), the injections after "
