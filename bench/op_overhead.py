@@ -44,8 +44,12 @@ def main():
     operands = tg.fp8_mlp_operands(x, fc_w, proj_w)
     post = torch.relu(x @ fc_w).square()
     grad = make(T, dim)
+    f8 = lambda t: (t.float() / t.float().abs().max() * 200).to(torch.float8_e4m3fn)
+    g_f8, proj_f8_t, post_f8 = f8(make(T, dim)), f8(proj_w.T.contiguous()), f8(post)
+    rows = kernels.fp8_scale_rows(*(torch.ones(1, device="cuda") for _ in range(4)))
     ops = {
         "relu2_mlp_all_fp8 (forward)": lambda: torch.ops.speedrun.relu2_mlp_all_fp8(x, *operands),
+        "relu2_fp8_grad_pre (its bwd)": lambda: torch.ops.speedrun.relu2_fp8_grad_pre(g_f8, proj_f8_t, post_f8, rows),
         "relu2_mlp_backward": lambda: torch.ops.speedrun.relu2_mlp_backward(grad, x, fc_w, proj_w, post),
         "a bare matmul (aten::mm)": lambda: x @ fc_w,
     }
