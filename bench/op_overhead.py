@@ -4,7 +4,7 @@ call before the host has issued the next: what a micro-batch pays on the CPU for
     python bench/op_overhead.py [--calls 2000] [--tokens 256]
 
 Also kernels.transpose and kernels.qk_norm_rope (triton_ops) beside the same kernels behind a custom_op and
-Inductor's own form of the work.
+Inductor's own form of the work, and FlashAttention-3's and -4's ops where they are installed.
 
 Each op is called --calls times in a row without a synchronize (then one), eagerly and from inside a compiled
 function (the way the model's compiled graph calls it: Inductor's generated code calling the op), and the wall time
@@ -72,6 +72,12 @@ def main():
         cu = torch.tensor([0, T // 2, T], dtype=torch.int32, device="cuda")
         fa3 = kernels.flash_attention_op("fa3_overhead", kernels._fa3_forward, kernels._fa3_backward)
         ops["fa3 (forward)"] = lambda: fa3(q, q, q, cu, T, 128, 0.1)
+    if "fa4" in kernels.available_attention_backends(torch.device("cuda")):  # its CuTe DSL front end, per call
+        q4 = make(T, 6, 128)
+        cu4 = torch.tensor([0, T // 2, T], dtype=torch.int32, device="cuda")
+        out4, lse4 = torch.ops.speedrun.fa4(q4, q4, q4, cu4, T, 128, 0.1)
+        ops["fa4 (forward)"] = lambda: torch.ops.speedrun.fa4(q4, q4, q4, cu4, T, 128, 0.1)
+        ops["fa4_backward"] = lambda: torch.ops.speedrun.fa4_backward(out4, q4, q4, q4, out4, lse4, cu4, T, 128, 0.1)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {T} tokens a call, "
           f"{args.calls} calls; microseconds per call, host-bound")
     # entering a compiled function (guards, wrappers) and one small kernel of Inductor's, taken off each op's figure
