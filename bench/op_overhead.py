@@ -67,17 +67,15 @@ def main():
         "qk_norm_rope (custom_op)": lambda: torch.ops.op_overhead.qk_norm_rope(qkv, cos, sin, H, D),
         "qk_norm_rope (Inductor's)": lambda: kernels.qk_norm_rope_reference(qkv, cos, sin, None, H, D, D, False),
     })
+    q = make(T, 6, 128)  # FlashAttention's operands: two documents
+    cu = torch.tensor([0, T // 2, T], dtype=torch.int32, device="cuda")
     if kernels._load_fa3():
-        q = make(T, 6, 128)
-        cu = torch.tensor([0, T // 2, T], dtype=torch.int32, device="cuda")
         fa3 = kernels.flash_attention_op("fa3_overhead", kernels._fa3_forward, kernels._fa3_backward)
         ops["fa3 (forward)"] = lambda: fa3(q, q, q, cu, T, 128, 0.1)
     if "fa4" in kernels.available_attention_backends(torch.device("cuda")):  # its CuTe DSL front end, per call
-        q4 = make(T, 6, 128)
-        cu4 = torch.tensor([0, T // 2, T], dtype=torch.int32, device="cuda")
-        out4, lse4 = torch.ops.speedrun.fa4(q4, q4, q4, cu4, T, 128, 0.1)
-        ops["fa4 (forward)"] = lambda: torch.ops.speedrun.fa4(q4, q4, q4, cu4, T, 128, 0.1)
-        ops["fa4_backward"] = lambda: torch.ops.speedrun.fa4_backward(out4, q4, q4, q4, out4, lse4, cu4, T, 128, 0.1)
+        out, lse = torch.ops.speedrun.fa4(q, q, q, cu, T, 128, 0.1)
+        ops["fa4 (forward)"] = lambda: torch.ops.speedrun.fa4(q, q, q, cu, T, 128, 0.1)
+        ops["fa4_backward"] = lambda: torch.ops.speedrun.fa4_backward(out, q, q, q, out, lse, cu, T, 128, 0.1)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {T} tokens a call, "
           f"{args.calls} calls; microseconds per call, host-bound")
     # entering a compiled function (guards, wrappers) and one small kernel of Inductor's, taken off each op's figure
