@@ -339,11 +339,11 @@ class Hyperparameters:
     fp8_mlp: bool = True  # the fused MLP's matmuls in FP8, forward and backward (kernels.py), on Hopper's TMA kernel
     fused_ce: bool = True  # the FP8 head's soft-capped cross-entropy in Triton kernels, its gradient written in FP8
     fused_dc: bool = True  # DC attention's correction in Triton kernels (kernels.dc_attention) where Triton runs, else written out
-    # these two: faster kernels; as custom ops the record step took longer with them (host time a call), as
-    # triton_ops both together 0.975-0.988x (bench/results/host_ops_h200_20261130c.md); each waits on what
-    # tests/test_presets.py's PENDING_ADOPTION names
-    fp8_transpose: bool = False  # the FP8 MLP's transposed input and output gradient by a tiled Triton transpose (kernels.transpose), not inside Inductor's norm kernels
-    fused_qk_rope: bool = False  # QK-norm, rotary and the key offset in one Triton kernel each way (kernels.qk_norm_rope) where Triton runs, else Inductor's
+    # these two as triton_ops (custom ops cost more host time a call than their kernels saved): together the record
+    # step at 0.974-0.988x main's in four runs on one H200, 80 same-seed steps' loss sum 0.05% under main's
+    # (bench/results/host_ops_h200_20261130c.md, triton_ops_h200_20261130d.md); apart not yet timed
+    fp8_transpose: bool = True  # the FP8 MLP's transposed input and output gradient by a tiled Triton transpose (kernels.transpose), not inside Inductor's norm kernels
+    fused_qk_rope: bool = True  # QK-norm, rotary and the key offset in one Triton kernel each way (kernels.qk_norm_rope) where Triton runs, else Inductor's
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
     log_dir: str = "logs"  # logs go to log_dir/<run_id>.txt (rank 0 writes)

@@ -59,13 +59,7 @@ PENDING_ADOPTION: set[str] = {
     # ANVIL2's terminal batch taper's extension (its 131,072 of 393,216 tokens after a last row at 327,680): decided by 3
     # paired seeds on the proxy under the rule (--extension_batch 8192 and a last row of 20,480 tokens at lr 0.9129
     # over 9% of the scheduled steps) and its shapes' step times
-    "extension_batch",
-    # the attention's QK-norm and rotary as Triton kernels (kernels.qk_norm_rope): decided by its GPU test, the record
-    # step at window 11 alternated with and without it, and 80 same-seed steps' losses equal within bf16 rounding
-    "fused_qk_rope",
-    # the FP8 MLP's transposed operands by a tiled Triton kernel (kernels.transpose): bit for bit the same, decided by
-    # its GPU test and the record step at window 11 alternated with and without it
-    "fp8_transpose"}
+    "extension_batch"}
 
 
 def test_no_technique_is_off_in_every_preset():

@@ -105,7 +105,7 @@ def test_qk_rope_kernels_match_the_reference_and_the_model_in_the_interpreter(tm
 
 def test_the_model_runs_the_kernels_where_triton_runs_and_says_so(monkeypatch):
     """choose_kernels turns them on where Triton runs (a CUDA GPU, the interpreter), off on a plain CPU and under
-    fused_qk_rope=False (the default until GPU runs adopt it); every attention block takes the choice but one with
+    fused_qk_rope=False (on by default since 2026-11-30's GPU runs); every attention block takes the choice but one with
     paired heads and a key offset (not written); the start-of-run line says which form runs. On a plain CPU the op is its reference, gradient included:
     the model through it equals the compiled functions' form."""
     quiet = dict(log=lambda m: None)
@@ -113,7 +113,7 @@ def test_the_model_runs_the_kernels_where_triton_runs_and_says_so(monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRET", True)
     assert tg.choose_kernels(torch.device("cpu"), **quiet).qk_rope
     assert not tg.choose_kernels(torch.device("cpu"), fused_qk_rope=False, **quiet).qk_rope
-    assert tg.parse_args(["--fused_qk_rope", "true"]).fused_qk_rope and not tg.parse_args([]).fused_qk_rope
+    assert tg.parse_args([]).fused_qk_rope and not tg.parse_args(["--fused_qk_rope", "false"]).fused_qk_rope
     monkeypatch.undo()
     from conftest import TINY
     cfg = tg.ModelConfig.from_args(tg.Hyperparameters(**TINY))

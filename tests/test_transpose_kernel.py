@@ -51,10 +51,10 @@ def test_the_transpose_kernel_moves_every_byte_in_the_interpreter(tmp_path):
 
 
 def test_the_fp8_mlp_takes_it_where_chosen_and_nowhere_else(monkeypatch):
-    """Off by default (PENDING_ADOPTION) and on a plain CPU; on with the FP8 MLP only; every MLP of the record's
+    """On by default (2026-11-30's GPU runs), off on a plain CPU; on with the FP8 MLP only; every MLP of the record's
     layout, the parallel one included, carries the choice into the op."""
     quiet = dict(log=lambda m: None)
-    assert not tg.parse_args([]).fp8_transpose and tg.parse_args(["--fp8_transpose", "true"]).fp8_transpose
+    assert tg.parse_args([]).fp8_transpose and not tg.parse_args(["--fp8_transpose", "false"]).fp8_transpose
     assert not tg.choose_kernels(torch.device("cpu"), **quiet).transpose  # no FP8 MLP on a CPU
     from test_injection_sites import FULL
     cfg = tg.ModelConfig.from_args(tg.Hyperparameters(**FULL))  # its second MLP in block 8
