@@ -9,7 +9,8 @@ step: its time, the NCCL kernels' time, and the exposed part: NCCL time during w
 GPU, so the step waits on the network, split into the time a rank waits for another to arrive at the collective
 (uneven work) and the time data moves (that by collective: the reduce-scatters, the all-gathers, the n-gram
 table's all-to-all), and the bytes a rank sends a step (as a ring moves them). Under
---adam_every 2 half the profiled steps are with Adam, half without."""
+--adam_every 2 half the profiled steps are with Adam, half without. Last, the losses of every step run (warm-up,
+timed and profiled) summed over the ranks: two versions that should compute alike show it at the same seed."""
 import argparse
 import json
 import os
@@ -184,11 +185,11 @@ def main():
                                                                + tg.LOADER_READ_AHEAD)])
     stage = stage.with_slots(slots)
     loader = tg.BatchLoader(producer, lambda s: stage.spec, device)
-    step = stage.start
+    step, losses = stage.start, []
 
     def run_step():
         nonlocal step
-        tg.train_step(model, compiled, optimizers, loader.next()[1], step, stage, schedule)
+        losses.append(tg.train_step(model, compiled, optimizers, loader.next()[1], step, stage, schedule))
         step += 1
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # the CPU: a plumbing check only
@@ -218,6 +219,9 @@ def main():
     by_kind = moving_by_kind(nccl, rank, busy, kinds)
     n = own.profile_steps
     med = statistics.median(times)
+    total = torch.stack(losses).sum()  # every step's loss on every rank: the same seed gives the same sum, but for
+    if world_size > 1:                 # nondeterministic reductions
+        dist.all_reduce(total)
     line = (f"rank {rank}/{world_size}: stage windows {stage.windows}, {stage.spec.batch_size:,} tokens a step, "
             f"{stage.spec.batch_size // stage.spec.seq_len // world_size} micro-batch(es) a GPU, attention {attention}: "
             f"step median {med:.1f} ms (min {min(times):.1f}, max {max(times):.1f}, {own.steps} steps); "
@@ -228,7 +232,8 @@ def main():
             (", by collective: " + ", ".join(f"{k} {t / n / 1e3:.2f} ms" for k, t in by_kind.items())
              if by_kind else "") +
             f"; sent {sent.sent / n / 1e6:.1f} MB a step (ring)" +
-            f"; GPU idle {idle_time(intervals) / n / 1e3:.2f} ms a step, {len(intervals)} kernels")
+            f"; GPU idle {idle_time(intervals) / n / 1e3:.2f} ms a step, {len(intervals)} kernels"
+            f"; loss sum {total.item():.4f} over {len(losses)} steps, all ranks")
     lines = [line]
     if world_size > 1:
         lines = [None] * world_size
