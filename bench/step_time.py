@@ -4,8 +4,9 @@ optionally show where the time goes (torch.profiler, top kernels by GPU time).
     python bench/step_time.py --ws 3 7 11 --steps 20 [--profile] [any train_gpt.py --field value ...]
     python bench/step_time.py --stages --steps 20 [--preset record ...]   # each stage of the schedule
     python bench/step_time.py --stages "window=3,share=1;window=11,share=1" ... # each stage of that stage table
-    python bench/step_time.py --ws 3 --profile --trace ws3.json.gz ...        # + the GPU's idle gaps, step by step,
-                                                                              # and each kernel against the ceilings
+    python bench/step_time.py --ws 3 --profile --trace ws3.json.gz ...        # + the GPU's idle gaps (and what the
+                                                                              # host did in them), step by step, and
+                                                                              # each kernel against the ceilings
 
 A step is the whole optimizer step of the configured global batch (8 micro-batches of 49,152
 tokens by default, accumulated on one GPU): forward, backward, Muon and Adam. Times are CUDA-event
@@ -19,6 +20,7 @@ import argparse
 import dataclasses
 import statistics
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -39,18 +41,64 @@ def spans(events: list[dict]) -> list[tuple[float, float, str]]:
 def idle_report(trace: dict, steps: int, top: int = 12) -> str:
     """Where the GPU waited on the host in a torch.profiler Chrome trace: the span from the first kernel's start
     to the last one's end, the part of it no kernel covers, and the longest such gaps with the kernels around
-    them (a gap before a kernel is host time: Python, launches, or a wait on the CPU)."""
-    kernels = spans(kernel_events(trace))
-    if not kernels:
+    them (a gap before a kernel is host time: Python, launches, or a wait on the CPU), each with what the host did
+    meanwhile (host_during)."""
+    events = kernel_events(trace)
+    if not events:
         return "trace: no GPU kernels"
-    gaps = kernel_gaps(kernels)
+    kernels = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), i) for i, e in enumerate(events)]  # i: sortable
+    gaps = [(g, events[i], events[j]) for g, i, j in kernel_gaps(kernels)]
     span = max(b for _, b, _ in kernels) - min(a for a, _, _ in kernels)
     idle = sum(g for g, _, _ in gaps)
     lines = [f"trace: {len(kernels)} kernels over {span / 1e3 / steps:.1f} ms a step; GPU idle {idle / 1e3 / steps:.1f} "
              f"ms a step ({idle / span:.1%}) in {len(gaps)} gaps; longest:"]
-    for g, a, b in sorted(gaps, reverse=True)[:top]:
-        lines.append(f"  {g / 1e3:8.3f} ms after {a[:70]} / before {b[:70]}")
+    explain = host_during(trace)
+    for g, a, b in sorted(gaps, key=lambda gap: -gap[0])[:top]:
+        lines.append(f"  {g / 1e3:8.3f} ms after {a.get('name', '')[:70]} / before {b.get('name', '')[:70]}")
+        lines.append(f"           {explain(a, b)}")
     return "\n".join(lines)
+
+
+BLOCKING = ("Synchronize", "Memcpy")  # CUDA runtime calls in which the host may wait for the GPU (.item(), unique)
+
+
+def host_during(trace: dict):
+    """explain(kernel before a gap, kernel after it) -> one line: when the host launched the kernel after the gap,
+    relative to the gap's start (late: the GPU waited for that launch), from which operator (the innermost
+    profiled op around the launch, and the innermost record_function range), and the CUDA calls that held the host
+    during the gap (synchronizations, copies to the host: a sync drains the GPU's queue, then the host must refill
+    it), with their operators. From the trace's CPU events ("cpu_op", "user_annotation", "cuda_runtime"), which
+    name a kernel's launch by its "correlation" argument."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
+    launches = {e["args"]["correlation"]: e for e in runtime if "correlation" in e.get("args", {})}
+    ops = defaultdict(list)  # (thread, category) -> its operators and ranges
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation"):
+            ops[e.get("tid"), e["cat"]].append(e)
+    waits = [e for e in runtime if any(word in e.get("name", "") for word in BLOCKING)]
+    start, end = (lambda e: float(e["ts"])), (lambda e: float(e["ts"]) + float(e["dur"]))
+
+    def around(e: dict, cat: str) -> str:
+        """The shortest event of category cat on e's thread that contains e's start: the innermost."""
+        inside = [o for o in ops[e.get("tid"), cat] if start(o) <= start(e) <= end(o)]
+        return min(inside, key=lambda o: float(o["dur"]))["name"] if inside else "-"
+
+    def where(e: dict) -> str:
+        op, annotation = around(e, "cpu_op"), around(e, "user_annotation")
+        return op if annotation == "-" else f"{op} in {annotation}"
+
+    def explain(before: dict, after: dict) -> str:
+        a, b = end(before), start(after)
+        parts = []
+        launch = launches.get(after.get("args", {}).get("correlation"))
+        if launch is not None:
+            parts.append(f"launched {(start(launch) - a) / 1e3:+.3f} ms from the gap's start by {where(launch)}")
+        held = sorted(((min(end(w), b) - max(start(w), a), w) for w in waits if start(w) < b and end(w) > a),
+                      key=lambda hw: -hw[0])
+        parts += [f"host in {w['name']} {t / 1e3:.3f} ms ({where(w)})" for t, w in held[:2]]
+        return "; ".join(parts) or "no host events around it"
+    return explain
 
 
 def step_report(trace: dict, top: int = 5) -> str:

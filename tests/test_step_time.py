@@ -26,7 +26,31 @@ def test_idle_report_counts_only_time_no_kernel_covers_and_names_the_longest_gap
     # span 0-200 = 0.1 ms a step over 2 steps; idle 15 + 100 = 115 us of 200
     assert report[0] == "trace: 5 kernels over 0.1 ms a step; GPU idle 0.1 ms a step (57.5%) in 2 gaps; longest:"
     assert report[1].split() == ["0.100", "ms", "after", "copy", "/", "before", "adam"]
-    assert report[2].split() == ["0.015", "ms", "after", "relu", "/", "before", "softmax"]
+    assert report[2].strip() == "no host events around it"  # no launches in this trace (see the next test)
+    assert report[3].split() == ["0.015", "ms", "after", "relu", "/", "before", "softmax"]
+
+
+def test_idle_report_says_what_the_host_did_in_a_gap_its_late_launch_and_the_sync_that_held_it():
+    """The kernel after a gap was launched (cuda_runtime event of its correlation id) 80 us into the gap from
+    aten::mm inside the record_function `step 3 (Adam)`; the host sat in cudaStreamSynchronize for 70 us of the gap
+    inside aten::item (a .item()), and a short cudaLaunchKernel elsewhere is no wait."""
+    def host(cat, ts, dur, name, tid=1, **args):
+        return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "name": name, "tid": tid, "pid": 1,
+                **({"args": args} if args else {})}
+    after = dict(kernel(120, 10, "triton_poi_fused_adam"), args={"correlation": 7})
+    trace = {"traceEvents": [
+        kernel(0, 20, "gemm"), after,  # gap 20-120
+        host("user_annotation", 0, 200, "step 3 (Adam)"),
+        host("cpu_op", 10, 85, "aten::item"), host("cuda_runtime", 15, 75, "cudaStreamSynchronize"),  # 20-90 in gap
+        host("cpu_op", 95, 20, "aten::mm"), host("cpu_op", 90, 30, "Optimizer.step"),  # mm innermost at 100
+        host("cuda_runtime", 100, 5, "cudaLaunchKernel", correlation=7),
+        host("cuda_runtime", 96, 2, "cudaLaunchKernel", correlation=3),  # not a wait
+        host("cpu_op", 0, 500, "aten::mm", tid=2)]}  # another thread's op does not enclose the launch
+    report = step_time.idle_report(trace, steps=1).splitlines()
+    assert report[1].split() == ["0.100", "ms", "after", "gemm", "/", "before", "triton_poi_fused_adam"]
+    assert report[2].strip() == ("launched +0.080 ms from the gap's start by aten::mm in step 3 (Adam); "
+                                 "host in cudaStreamSynchronize 0.070 ms (aten::item in step 3 (Adam))")
+    assert len(report) == 3
 
 
 def test_idle_report_of_a_trace_without_kernels():
