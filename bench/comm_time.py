@@ -160,6 +160,19 @@ class CollectiveBytes:
             setattr(dist, name, original)
 
 
+def ring_factor(world_size: int, to: int = 8) -> float:
+    """How many times the bytes a GPU sends in a ring collective grow from world_size GPUs to `to`: (n - 1) / n of
+    the data each (x1.75 from two to eight, x7/6 from four)."""
+    return ((to - 1) / to) / ((world_size - 1) / world_size)
+
+
+def at_eight(share: float, world_size: int) -> str:
+    """The exposed share of the step scaled to eight GPUs by the ring's bytes, for the line (the figure that says
+    whether an 8-GPU step would wait on moving data); nothing on one GPU or on eight."""
+    return f"; {share * ring_factor(world_size):.1%} at eight GPUs, the ring's bytes x{ring_factor(world_size):.2f}" \
+        if 1 < world_size < 8 else ""
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup untimed ones)")
@@ -228,7 +241,8 @@ def main():
             f"profiled {n} steps: NCCL {comm / n / 1e3:.2f} ms a step, exposed {exposed / n / 1e3:.2f} ms a step "
             f"({exposed / n / 1e3 / med:.1%} of the median step)" +
             (f": {split[0] / n / 1e3:.2f} ms waiting for another rank to arrive, {split[1] / n / 1e3:.2f} ms moving "
-             f"data ({split[1] / n / 1e3 / med:.1%})" if split else ": the ranks' NCCL kernels do not pair up") +
+             f"data ({split[1] / n / 1e3 / med:.1%}{at_eight(split[1] / n / 1e3 / med, world_size)})" if split
+             else ": the ranks' NCCL kernels do not pair up") +
             (", by collective: " + ", ".join(f"{k} {t / n / 1e3:.2f} ms" for k, t in by_kind.items())
              if by_kind else "") +
             f"; sent {sent.sent / n / 1e6:.1f} MB a step (ring)" +

@@ -3,6 +3,8 @@ computing kernel covers (the GPU run itself is a bench, not a test)."""
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import comm_time  # noqa: E402
 
@@ -83,3 +85,9 @@ def test_collective_bytes_counts_what_each_rank_sends_in_a_ring_and_restores_tor
     finally:
         for name, fn in before.items():
             setattr(dist, name, fn)
+
+
+def test_the_exposed_share_is_scaled_to_eight_gpus_by_a_rings_bytes():
+    assert comm_time.ring_factor(2) == pytest.approx(1.75) and comm_time.ring_factor(4) == pytest.approx(7 / 6)
+    assert comm_time.at_eight(0.02, 2) == "; 3.5% at eight GPUs, the ring's bytes x1.75"
+    assert comm_time.at_eight(0.02, 1) == "" and comm_time.at_eight(0.02, 8) == ""
