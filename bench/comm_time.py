@@ -169,8 +169,10 @@ def ring_factor(world_size: int, to: int = 8) -> float:
 def at_eight(share: float, world_size: int) -> str:
     """The exposed share of the step scaled to eight GPUs by the ring's bytes, for the line (the figure that says
     whether an 8-GPU step would wait on moving data); nothing on one GPU or on eight."""
-    return f"; {share * ring_factor(world_size):.1%} at eight GPUs, the ring's bytes x{ring_factor(world_size):.2f}" \
-        if 1 < world_size < 8 else ""
+    if not 1 < world_size < 8:
+        return ""
+    factor = ring_factor(world_size)
+    return f"; {share * factor:.1%} at eight GPUs, the ring's bytes x{factor:.2f}"
 
 
 def main():
