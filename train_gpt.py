@@ -2998,46 +2998,46 @@ STEP_US_PER_TOKEN = {
     ("H100", "record", 49152, 2048, 7): 1.565,
     ("H100", "record", 49152, 2048, 11): 1.589,
     ("H100", "record", 49152, 2048, 13): 1.576,
-    # one H200 of a one-GPU machine, alone, 2026-11-29, PyTorch 2.11.0+cu130, PyTorch's varlen attention, the record
-    # preset at main 8f7b24c, between two runs of the public master (A B A; bench/side_by_side.py --alternate): `python
-    # train_gpt.py --preset record --num_iterations 80 --full_softmax_from 0.65 --attention varlen ...`, each stage's
-    # mean step from the log's stage lines: stage 3's full-softmax steps 518.9 ms, the extension's 526.0 ms per
-    # 393,216-token step (bench/results/abab_h200_20261129h.md; before it 527.3 / 535.5 on another machine,
-    # arch_h200_20261129f.md). Stages 1-2 have no full-softmax row on it
-    ("H200", "record", 49152, 2048, 11): 1.320,
-    ("H200", "record", 49152, 2048, 13): 1.338,
+    # one H200 of a one-GPU machine, alone, 2026-11-30, PyTorch 2.11.0+cu130, FlashAttention-4 (flash-attn-4
+    # 4.0.0b36), the record preset at main 62480d4 with the Python wrapper (--cpp_wrapper false: the C++ one's cold
+    # compile did not fit the session), between two runs of the public master (A B A; bench/side_by_side.py
+    # --alternate): `python train_gpt.py --preset record --num_iterations 80 --full_softmax_from 0.65 --attention fa4
+    # --cpp_wrapper false ...`, each stage's mean step from the log's stage lines: stage 3's full-softmax steps 450.6
+    # ms, the extension's 454.8 ms per 393,216-token step (bench/results/abab_fa4_h200_20261130e.md; varlen on
+    # 2026-11-29, the model before the narrow heads: 518.9 / 526.0, abab_h200_20261129h.md). Stages 1-2 have no
+    # full-softmax row on it
+    ("H200", "record", 49152, 2048, 11): 1.146,
+    ("H200", "record", 49152, 2048, 13): 1.157,
 }
 # The sampled softmax's steps (those before Schedule.full_softmax in a stage with candidates): time per token as
 # STEP_US_PER_TOKEN's, keyed as it is plus the stage's candidates (the head's rows a micro-batch); a stage's full
 # softmax steps are priced at its STEP_US_PER_TOKEN row.
 SAMPLED_US_PER_TOKEN = {
-    # the run of STEP_US_PER_TOKEN's H200 rows (2026-11-29, main 8f7b24c, A B A with the master): stages 1-3's sampled
-    # steps, 415.1 / 436.6 / 443.0 ms per 393,216-token step (bench/results/abab_h200_20261129h.md)
-    ("H200", "record", 49152, 896, 3, 16384): 1.056,
-    ("H200", "record", 49152, 2048, 7, 14336): 1.110,
-    ("H200", "record", 49152, 2048, 11, 12288): 1.127,
+    # the run of STEP_US_PER_TOKEN's H200 rows (2026-11-30, main 62480d4, FA4, A B A with the master): stages 1-3's
+    # sampled steps, 367.1 / 387.6 / 397.7 ms per 393,216-token step (bench/results/abab_fa4_h200_20261130e.md)
+    ("H200", "record", 49152, 896, 3, 16384): 0.934,
+    ("H200", "record", 49152, 2048, 7, 14336): 0.986,
+    ("H200", "record", 49152, 2048, 11, 12288): 1.011,
 }
 # The record's model before ANVIL2's architecture (record #92's layout, MLP width, injection sites and order) became
 # it: the fields it had then, and its injections (x0 and the n-gram term) before a block's attention, an order no
 # longer built (not a field: every run differs in it). ANVIL2's architecture ran 0.825x its step on one H200 over 80
 # steps (bench/results/arch_h200_20261129d.md).
-# The record's model before ANVIL2's narrow heads (adopted 2026-11-29): every head 128 wide.
-BEFORE_NARROW = dict(narrow_qk_blocks=(), narrow_v_blocks=())
 BEFORE_ANVIL2 = dict(skip_layers=(), no_attn_layers=(6,), skip_into=0, xsa_blocks=(1, 3, 4, 7),
                      paired_head_blocks=(0, 2, 5, 9), value_embed_blocks=(1, 2, 8, 9, 10), parallel_mlp_blocks=(),
-                     mlp_hidden=0, no_x0_blocks=(), no_ngram_blocks=(), no_resid_scale_blocks=(), **BEFORE_NARROW,
-                     injections="before a block's attention")
+                     mlp_hidden=0, no_x0_blocks=(), no_ngram_blocks=(), no_resid_scale_blocks=(), narrow_qk_blocks=(),
+                     narrow_v_blocks=(), injections="before a block's attention")
 # The model a preset's rows of one GPU kind and count were timed on, where it is not the preset's present model, by
 # (preset, GPU kind, GPUs): the fields it had then. 1 GPU: STEP_US_PER_TOKEN's and SAMPLED_US_PER_TOKEN's rows; more:
 # MULTI_GPU_US_PER_TOKEN's. --plan names these rows as that model's.
-MEASURED_MODEL = {("record", "H100", 1): BEFORE_ANVIL2, ("record", "H200", 1): BEFORE_NARROW,
-                  ("record", "H200", 4): BEFORE_ANVIL2}
+MEASURED_MODEL = {("record", "H100", 1): BEFORE_ANVIL2, ("record", "H200", 4): BEFORE_ANVIL2}
 # what --plan says of each kind's rows: the attention kernel they ran with, and where they come from
-STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "PyTorch varlen attention"}
+STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "FlashAttention-4"}
 STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, main at 46b1702 "
                           "(bench/results/one_session_h100_20261127c.md)",
-                  "H200": "one H200 of a one-GPU machine, alone, 2026-11-29, PyTorch 2.11.0+cu130: the record preset "
-                          "at main 8f7b24c, 80 steps between two of the master's (bench/results/abab_h200_20261129h.md)"}
+                  "H200": "one H200 of a one-GPU machine, alone, 2026-11-30, PyTorch 2.11.0+cu130: the record preset "
+                          "at main 62480d4 with the Python wrapper (--cpp_wrapper false), 80 steps between two of the "
+                          "master's (bench/results/abab_fa4_h200_20261130e.md)"}
 # The public master (f411b3d3, record #89's code) on its own schedule: steps and tokens per step of each stage,
 # 423 / 424 / 423 steps at 131,072 / 262,144 / 393,216 tokens, then the 15-step extension at 393,216: 338,821,120
 # tokens (bench/results/public_master_comparison.md rows 32-34 and 47; bench/side_by_side.py's public_stages
@@ -3053,15 +3053,16 @@ PUBLIC_MASTER_STEP_MS = {
                  source="its own logs, one H100 80GB HBM3, PyTorch 2.10 / CUDA 12.8, mean of five runs "
                         "(bench/results/public_line.md)",
                  paired="not timed with ours: another machine, another PyTorch"),
-    # one H200 of a one-GPU machine, 2026-11-29, PyTorch 2.11.0+cu130, PyTorch's varlen attention, before and after the
-    # run of STEP_US_PER_TOKEN's H200 rows on the same machine (A B A, bench/side_by_side.py --alternate; the second B
-    # ran out of device time): each stage's median step, the mean of its two runs (280 / 289, 430 / 430, 642 / 642,
-    # 645 / 657 ms; its stage-3 rate, 1.633 us per token, within 0.5% of its stage 2's 1.640)
-    # (bench/results/abab_h200_20261129h.md). Before it: 232 / 435 / 650 / 657 ms (one A B pair, another machine,
-    # arch_h200_20261129f.md), 254.0 / 439.0 / 658.5 / 661.0 on 2026-11-28 (bench/results/public_line_history.md)
-    "H200": dict(ms=(284.5, 430.0, 642.0, 651.0), attention="PyTorch varlen attention",
-                 source="one H200 of a one-GPU machine, 2026-11-29, PyTorch 2.11.0+cu130, stage medians, mean of two "
-                        "runs (bench/results/abab_h200_20261129h.md)",
+    # one H200 of a one-GPU machine, 2026-11-30, PyTorch 2.11.0+cu130, FlashAttention-4 (flash-attn-4 4.0.0b36, in
+    # place of its attention by the harness's patch), before and after the run of STEP_US_PER_TOKEN's H200 rows on the same machine (A B A,
+    # bench/side_by_side.py --alternate --public_attention fa4; the second B ran out of device time): each stage's
+    # median step, the mean of its two runs (220.0 / 221.0, 415.0 / 414.0, 611.5 / 610.5, 615.0 / 616.0 ms; its
+    # stage-3 rate, 1.554 us per token, within 1.7% of its stage 2's 1.581) (bench/results/abab_fa4_h200_20261130e.md).
+    # With PyTorch's varlen attention: 284.5 / 430.0 / 642.0 / 651.0 ms on 2026-11-29 (abab_h200_20261129h.md), 254.0 /
+    # 439.0 / 658.5 / 661.0 on 2026-11-28 (bench/results/public_line_history.md)
+    "H200": dict(ms=(220.5, 414.5, 611.0, 615.5), attention="FlashAttention-4",
+                 source="one H200 of a one-GPU machine, 2026-11-30, PyTorch 2.11.0+cu130, stage medians, mean of two "
+                        "runs (bench/results/abab_fa4_h200_20261130e.md)",
                  paired="the master timed before and after ours on the same one-GPU machine, same PyTorch and "
                         "attention: A B A"),
 }

@@ -52,11 +52,8 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     assert f"trained tokens: {840 * 393216:,}" in out
     assert 840 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
     assert not list(tmp_path.iterdir())  # no log, no checkpoint folder
-    # the H200 rows (--plan_gpu's default) are of the record's model before its narrow heads: the plan says so
-    assert line_of(out.splitlines(), "step times of another model:") == (
-        "step times of another model: the times above are --preset record's model's before its present one "
-        "(MEASURED_MODEL); this run's model is not measured (it differs in narrow_qk_blocks, narrow_v_blocks: the model "
-        "line gives the measured model's values)")
+    # the H200 rows (--plan_gpu's default) are of the record's present model: no line says otherwise
+    assert "step times of another model:" not in out and "before its present one" not in out
     # the H100 rows are of the record's model before ANVIL2's architecture: the plan says so, naming what differs
     assert tg.main(["--plan", "--plan_gpu", "H100"]) == 0
     assert line_of(capsys.readouterr().out.splitlines(), "step times of another model:") == (
@@ -109,24 +106,20 @@ def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measur
                    "no_x0_blocks (), no_ngram_blocks (), no_resid_scale_blocks (), narrow_qk_blocks (), narrow_v_blocks ()")
     assert line.endswith("; the step times above are --preset record's model's before its present one "
                          f"(MEASURED_MODEL), {record_then}, injections before a block's attention")
-    # on H200 the measured model is the record's before its narrow heads; the model before ANVIL2's differs from it in
-    # ANVIL2's architecture, named by the values the measured model had (the narrow heads off in both)
+    # on H200 the measured model is the record's present one; the model before ANVIL2's differs from it in ANVIL2's
+    # architecture and the narrow heads: the plan says the times are not its (the measured model's values named)
     assert tg.main(["--plan"]) == 0
-    assert line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden").endswith(
-        "; the step times above are --preset record's model's before its present one (MEASURED_MODEL), "
-        "narrow_qk_blocks (), narrow_v_blocks ()")
+    assert line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden").endswith("(flops_per_token: MFU's count)")
     assert tg.main(["--plan", *MEASURED]) == 0
     assert line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden").endswith(
-        "; the step times above are --preset record's model's before its present one (MEASURED_MODEL), MLP hidden "
-        "2,816, no_attn_layers (4, 6, 9), "
+        "; the step times above are --preset record's model's, MLP hidden 2,816, no_attn_layers (4, 6, 9), "
         "value_embed_blocks (1, 2, 8, 10), paired_head_blocks (0, 2, 5), xsa_blocks (1, 3), skip_into 6, skip_layers "
         "(7,), parallel_mlp_blocks (8,), no_x0_blocks (3, 6, 8, 9), no_ngram_blocks (2, 3, 6, 8), "
-        "no_resid_scale_blocks (6,)")
+        "no_resid_scale_blocks (6,), narrow_qk_blocks (0, 1, 2, 5, 8), narrow_v_blocks (1, 8)")
     # MEASURED is that model, field for field (its injection order aside), and the rows of it are H100's and 4 x H200's
     fields = {k: v for k, v in tg.BEFORE_ANVIL2.items() if k != "injections"}
     assert tg.parse_args(MEASURED) == tg.Hyperparameters(**fields, num_iterations=776)
-    assert tg.MEASURED_MODEL == {("record", "H100", 1): tg.BEFORE_ANVIL2, ("record", "H200", 1): tg.BEFORE_NARROW,
-                                 ("record", "H200", 4): tg.BEFORE_ANVIL2}
+    assert tg.MEASURED_MODEL == {("record", "H100", 1): tg.BEFORE_ANVIL2, ("record", "H200", 4): tg.BEFORE_ANVIL2}
 
 
 def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, capsys, monkeypatch):
@@ -182,15 +175,15 @@ def test_plan_follows_the_schedule_flags_with_staged_batches_and_an_extension(no
     assert tapered["ext"][2] == "131,072" and tapered["ext"][6] == "16,384" and tapered["ext"][-3] == "-"
 
 
-# Ours alone on one H200 of a one-GPU machine, 2026-11-29, PyTorch varlen attention, 80 steps of the record preset
-# at main 8f7b24c (--full_softmax_from 0.65): ms per 393,216-token step, each stage's mean from the log's stage lines
-# (bench/results/abab_h200_20261129h.md). The full softmax in stage 3 and the extension; the sampled one at
-# 16,384 / 14,336 / 12,288 rows in stages 1-3
-OURS_H200_MS = (518.9, 526.0)
-OURS_H200_SAMPLED_MS = (415.1, 436.6, 443.0)
+# Ours alone on one H200 of a one-GPU machine, 2026-11-30, FlashAttention-4, 80 steps of the record preset at main
+# 62480d4 (--full_softmax_from 0.65 --cpp_wrapper false): ms per 393,216-token step, each stage's mean from the log's
+# stage lines (bench/results/abab_fa4_h200_20261130e.md). The full softmax in stage 3 and the extension; the sampled
+# one at 16,384 / 14,336 / 12,288 rows in stages 1-3
+OURS_H200_MS = (450.6, 454.8)
+OURS_H200_SAMPLED_MS = (367.1, 387.6, 397.7)
 # The public master on the same machine before and after ours (A B A), each stage's median, the mean of its two runs,
 # at its own stages' batches
-MASTER_H200_MS = (284.5, 430.0, 642.0, 651.0)
+MASTER_H200_MS = (220.5, 414.5, 611.0, 615.5)
 
 
 def test_the_record_presets_stages_split_at_the_switch_to_the_full_softmax():
@@ -203,7 +196,7 @@ def test_the_record_presets_stages_split_at_the_switch_to_the_full_softmax():
     assert [tg.softmax_steps(tg.Schedule(tg.parse_args(FULL)), st)[0] for st in schedule.stages] == [0, 0, 0, 0]
 
 
-def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_584_s_and_ours_065(no_gpu):
+def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_537_s_and_ours_062(no_gpu):
     ours = [tg.STEP_US_PER_TOKEN[("H200", "record", *shape)] for shape in RECORD_SHAPES[2:]]
     assert ours == pytest.approx([ms * 1000 / 393216 for ms in OURS_H200_MS], abs=5e-4)  # rounded to 3 decimals
     # stages 1-2's full softmax was timed on the model before ANVIL2's only: no row (unmeasured, not interpolated)
@@ -217,20 +210,20 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_584_s
     assert tg.PUBLIC_MASTER_STAGES == tuple(zip(master_steps, master_batches))
     master_s = sum(n * ms for n, ms in zip(master_steps, MASTER_H200_MS)) / 1000
     master_tokens = sum(n * b for n, b in zip(master_steps, master_batches))
-    assert master_tokens == 338_821_120 and master_s == pytest.approx(584.0, abs=0.05)
+    assert master_tokens == 338_821_120 and master_s == pytest.approx(536.7, abs=0.05)
     assert tg.public_master_time("H200") == (pytest.approx(master_s), master_tokens)
     # ours: 274 / 274 / 226 sampled steps in stages 1-3, then 46 full ones in stage 3 and the 20 of the extension
-    ours_s = (274 * 415.1 + 274 * 436.6 + 226 * 443.0 + 46 * 518.9 + 20 * 526.0) / 1000
+    ours_s = (274 * 367.1 + 274 * 387.6 + 226 * 397.7 + 46 * 450.6 + 20 * 454.8) / 1000
     ours_tokens = 840 * 393216
     r, t = (ours_s / ours_tokens) / (master_s / master_tokens), ours_s / master_s * 73.8
-    assert ours_tokens == 330_301_440 and ours_s == pytest.approx(367.9, abs=0.05)
-    assert r == pytest.approx(0.646, abs=1e-3) and t == pytest.approx(46.5, abs=0.05)
+    assert ours_tokens == 330_301_440 and ours_s == pytest.approx(326.5, abs=0.05)
+    assert r == pytest.approx(0.624, abs=1e-3) and t == pytest.approx(44.9, abs=0.05)
     lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))  # the record; H200: --plan_gpu's default
     m = re.match(r"vs public master \(H200, .*\): per-token (\d\.\d\d)x, projected 8xH100 (\d+\.\d) s \(ours "
                  r"(\d+\.\d) s / its (\d+\.\d) s", line_of(lines, "vs public master"))
     assert m, line_of(lines, "vs public master")
     assert float(m[1]) == pytest.approx(r, abs=5e-3) and float(m[2]) == pytest.approx(t, abs=0.1)
-    assert float(m[3]) == pytest.approx(ours_s, abs=0.2) and float(m[4]) == pytest.approx(584.0, abs=0.05)
+    assert float(m[3]) == pytest.approx(ours_s, abs=0.2) and float(m[4]) == pytest.approx(536.7, abs=0.05)
     # R itself, unrounded, against the raw ms figures (the tables' 3 decimals move it by less than 1e-3)
     table_s = 393216e-6 * (274 * sampled[0] + 274 * sampled[1] + 226 * sampled[2] + 46 * ours[0] + 20 * ours[1])
     assert (table_s / ours_tokens) / (master_s / master_tokens) == pytest.approx(r, abs=1e-3)
@@ -239,28 +232,29 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_584_s
     assert float(stage_rows("\n".join(lines))["3"][-3]) == pytest.approx((226 * sampled[2] + 46 * ours[0]) / 272,
                                                                          abs=5e-4)
     # labelled: the kind, the attention kernel and the sources; no 8-GPU figure without a measured H200 ratio
-    assert "projected seconds on H200 (PyTorch varlen attention)" in lines[0]
-    assert line_of(lines, "ours on H200 (PyTorch varlen attention): one H200 of a one-GPU machine, alone, 2026-11-29, "
-                          "PyTorch 2.11.0+cu130: the record preset at main 8f7b24c, 80 steps between two of the "
-                          "master's (bench/results/abab_h200_20261129h.md); times as measured for --preset record's "
-                          "model before its present one (MEASURED_MODEL), ")
-    assert "PyTorch varlen attention" in line_of(lines, "public master on H200")
+    assert "projected seconds on H200 (FlashAttention-4)" in lines[0]
+    assert line_of(lines, "ours on H200 (FlashAttention-4): one H200 of a one-GPU machine, alone, 2026-11-30, "
+                          "PyTorch 2.11.0+cu130: the record preset at main 62480d4 with the Python wrapper "
+                          "(--cpp_wrapper false), 80 steps between two of the master's "
+                          "(bench/results/abab_fa4_h200_20261130e.md); times as measured for --preset record's "
+                          "model, ")
+    assert "FlashAttention-4" in line_of(lines, "public master on H200")
     assert "the master timed before and after ours on the same one-GPU machine" in line_of(lines, "vs public master")
     assert "A B A" in line_of(lines, "vs public master")
     assert "8 GPUs not projected: no measured 8/1-GPU step-time ratio on H200" in line_of(lines, "projected time:")
     assert all(row[-1] == "-" for row in stage_rows("\n".join(lines)).values())
-    # the rows are of the record before its narrow heads (MEASURED_MODEL): said so, naming the fields
-    assert line_of(lines, "step times of another model").endswith(
+    # the rows are of the record's present model: nothing said; without its narrow heads, said so, naming the fields
+    assert not [line for line in lines if line.startswith("step times of another model")]
+    assert line_of(tg.schedule_plan(tg.Schedule(tg.parse_args(["--narrow_qk_blocks", "", "--narrow_v_blocks", ""]))),
+                   "step times of another model").endswith(
         "(it differs in narrow_qk_blocks, narrow_v_blocks: the model line gives the measured model's values)")
-    assert not [line for line in tg.schedule_plan(tg.Schedule(tg.parse_args(["--narrow_qk_blocks", "",
-                "--narrow_v_blocks", ""]))) if line.startswith("step times of another model")]  # the model measured
     # the model before ANVIL2's architecture (776 steps): priced at those rows, and said to be another model's
     before = tg.schedule_plan(tg.Schedule(tg.parse_args(MEASURED)))
     before_s = 393216e-6 * (253 * sampled[0] + 252 * sampled[1] + 210 * sampled[2] + 41 * ours[0] + 20 * ours[1])
     assert line_of(before, "projected time:").startswith(f"projected time: 1 x H200 {before_s:.1f} s")
     assert line_of(before, "step times of another model:").startswith(
-        "step times of another model: the times above are --preset record's model's before its present one "
-        "(MEASURED_MODEL); this run's model is not measured (it differs in mlp_hidden, no_attn_layers, ")
+        "step times of another model: the times above are --preset record's model's; this run's model is not "
+        "measured (it differs in mlp_hidden, no_attn_layers, ")
     # the full softmax throughout: stages 1-2 have no H200 row, so no projection and no ratio
     full = tg.schedule_plan(tg.Schedule(tg.parse_args(FULL)))
     assert line_of(full, "projected time:").startswith("projected time: incomplete, stage(s) 1, 2 not in")
