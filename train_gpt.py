@@ -3054,12 +3054,13 @@ PUBLIC_MASTER_STEP_MS = {
                         "(bench/results/public_line.md)",
                  paired="not timed with ours: another machine, another PyTorch"),
     # one H200 of a one-GPU machine, 2026-11-30, PyTorch 2.11.0+cu130, FlashAttention-4 (flash-attn-4 4.0.0b36, in
-    # place of its attention by the harness's patch), before and after the run of STEP_US_PER_TOKEN's H200 rows on the same machine (A B A,
-    # bench/side_by_side.py --alternate --public_attention fa4; the second B ran out of device time): each stage's
-    # median step, the mean of its two runs (220.0 / 221.0, 415.0 / 414.0, 611.5 / 610.5, 615.0 / 616.0 ms; its
-    # stage-3 rate, 1.554 us per token, within 1.7% of its stage 2's 1.581) (bench/results/abab_fa4_h200_20261130e.md).
-    # With PyTorch's varlen attention: 284.5 / 430.0 / 642.0 / 651.0 ms on 2026-11-29 (abab_h200_20261129h.md), 254.0 /
-    # 439.0 / 658.5 / 661.0 on 2026-11-28 (bench/results/public_line_history.md)
+    # place of its attention by the harness's patch), before and after the run of STEP_US_PER_TOKEN's H200 rows on
+    # the same machine (A B A, bench/side_by_side.py --alternate --public_attention fa4; the second B ran out of
+    # device time): each stage's median step, the mean of its two runs (220.0 / 221.0, 415.0 / 414.0, 611.5 / 610.5,
+    # 615.0 / 616.0 ms; its stage-3 rate, 1.554 us per token, within 1.7% of its stage 2's 1.581)
+    # (bench/results/abab_fa4_h200_20261130e.md). With PyTorch's varlen attention: 284.5 / 430.0 / 642.0 / 651.0 ms
+    # on 2026-11-29 (abab_h200_20261129h.md), 254.0 / 439.0 / 658.5 / 661.0 on 2026-11-28
+    # (bench/results/public_line_history.md)
     "H200": dict(ms=(220.5, 414.5, 611.0, 615.5), attention="FlashAttention-4",
                  source="one H200 of a one-GPU machine, 2026-11-30, PyTorch 2.11.0+cu130, stage medians, mean of two "
                         "runs (bench/results/abab_fa4_h200_20261130e.md)",
