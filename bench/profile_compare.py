@@ -31,6 +31,7 @@ KINDS = [
 ]
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 TABLE_ROW = re.compile(r"^(.*\S)" + r"\s+(\S+)" * 10 + r"\s*$")
+STEP_RANGE = re.compile(r"^step \d+")  # the scripts' record_function ranges, which the profiler also shows on the GPU
 
 
 def kind_of(name: str) -> str:
@@ -79,9 +80,16 @@ def kernels_from_table(text: str) -> dict[str, tuple[float, int]]:
             continue
         name, fields = row.group(1).strip(), row.groups()[1:]
         cpu_total, self_cuda, calls = _ms(fields[3]), _ms(fields[5]), int(fields[9])
-        if cpu_total == 0 and self_cuda > 0:
+        if cpu_total == 0 and self_cuda > 0 and not STEP_RANGE.match(name):
             out[name] = (out.get(name, (0.0, 0))[0] + self_cuda, out.get(name, (0.0, 0))[1] + calls)
     return out
+
+
+def kernels_from_averages(averages) -> dict[str, tuple[float, int]]:
+    """{kernel name: (total ms, calls)} from a profile's key_averages() itself: every GPU kernel (its rows with GPU
+    time and no CPU time), not only the rows a table prints; the record_function ranges shown on the GPU are not."""
+    return {e.key: (e.self_device_time_total / 1e3, e.count) for e in averages
+            if e.cpu_time_total == 0 and e.self_device_time_total > 0 and not e.is_user_annotation}
 
 
 def load_trace(path: str) -> dict:
@@ -109,6 +117,19 @@ def largest(kernels: dict[str, tuple[float, int]], steps: int, kind: str, top: i
     """The `top` largest kernels of one kind of work: (ms per step, calls per step, name), largest first."""
     mine = sorted(((ms, calls, name) for name, (ms, calls) in kernels.items() if kind_of(name) == kind), reverse=True)
     return [(ms / steps, calls / steps, name) for ms, calls, name in mine[:top]]
+
+
+def kinds_report(kernels: dict[str, tuple[float, int]], steps: int, top: int = 6) -> str:
+    """Kernel time by kind of work, ms a step, largest first, each kind's `top` largest kernels under it; the total."""
+    kinds = by_kind(kernels, steps)
+    lines = ["kernel time by kind of work, ms a step (bench/profile_compare.py compares two profiles), each kind's "
+             "largest kernels under it (ms a step, calls a step):"]
+    for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {ms:8.2f}  {kind}")
+        lines += [f"      {k_ms:8.2f}  {calls:4g}x  {name[:110]}"
+                  for k_ms, calls, name in largest(kernels, steps, kind, top)]
+    lines.append(f"  {sum(kinds.values()):8.2f}  all kernels")
+    return "\n".join(lines)
 
 
 def compare(a: dict, b: dict, names: tuple[str, str], steps: tuple[int, int], top: int = 3) -> str:

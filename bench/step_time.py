@@ -1,5 +1,5 @@
 """Time full training steps of train_gpt.py on one GPU at one or more attention window sizes, and
-optionally show where the time goes (torch.profiler, top kernels by GPU time).
+optionally show where the time goes (torch.profiler: top kernels by GPU time, kernel time by kind of work).
 
     python bench/step_time.py --ws 3 7 11 --steps 20 [--profile] [any train_gpt.py --field value ...]
     python bench/step_time.py --stages --steps 20 [--preset record ...]   # each stage of the schedule
@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import timing  # noqa: E402  (bench/timing.py)
 import train_gpt as tg  # noqa: E402
 from comm_time import kernel_gaps  # noqa: E402
-from profile_compare import by_kind, kernel_events, kernels_from_trace, largest, load_trace  # noqa: E402
+from profile_compare import (by_kind, kernel_events, kernels_from_averages, kernels_from_trace,  # noqa: E402
+                             kinds_report, load_trace)
 import roofline  # noqa: E402
 
 
@@ -165,7 +166,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tg.Hyperpa
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
     parser.add_argument("--profile", action="store_true", help="profile two extra steps at the last ws and print "
-                        "the top kernels")
+                        "the top kernels and every kernel's time by kind of work")
     parser.add_argument("--trace", default="", help="with --profile: also write the profile's Chrome trace here "
                         "(.json.gz) and print where the GPU sat idle between kernels, its kernel time by kind of work, and each "
                         "kernel's bytes and FLOPs against this GPU's copy and matmul rates (bench/roofline.py)")
@@ -257,19 +258,17 @@ def main():
                 with record_function(f"step {step}" + (" (Adam)" if schedule.adam_steps_at(step) else "")):
                     run_step()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90))
+        averages = prof.key_averages()
+        print(averages.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90))
+        trace = None
         if own.trace:
             prof.export_chrome_trace(own.trace)
             trace = load_trace(own.trace)
             print(idle_report(trace, 2))
             print(step_report(trace))
-            print("kernel time by kind of work, ms a step (bench/profile_compare.py compares two profiles), each "
-                  "kind's largest kernels under it (ms a step, calls a step):")
-            kernels = kernels_from_trace(trace)
-            for kind, ms in sorted(by_kind(kernels, 2).items(), key=lambda kv: -kv[1]):
-                print(f"  {ms:8.2f}  {kind}")
-                for k_ms, calls, name in largest(kernels, 2, kind, 6):
-                    print(f"      {k_ms:8.2f}  {calls:4g}x  {name[:110]}")
+        # every kernel by kind of work, not only the table's rows
+        print(kinds_report(kernels_from_trace(trace) if trace else kernels_from_averages(averages), 2), flush=True)
+        if trace:
             ceilings = roofline.measure_ceilings(device)
             print("each kernel against this GPU's ceilings (bench/roofline.py): the bytes and FLOPs it moves, its time at "
                   "those rates, and how far over it runs", roofline.report(roofline.roofline(trace, ceilings), 2, ceilings),

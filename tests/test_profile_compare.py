@@ -123,3 +123,40 @@ def test_largest_kernels_of_a_kind_per_step_largest_first():
     assert [name for _, _, name in pc.largest(kernels, 1, inductor, 10)] == [
         "triton_poi_fused_b", "triton_red_fused_a", "triton_per_fused_c"]  # the matmul is another kind
     assert pc.largest(kernels, 1, "communication (NCCL)", 3) == []
+
+
+def test_the_step_ranges_the_profiler_shows_on_the_gpu_are_not_kernels():
+    text = table([row("step 9 (Adam)", "0.000us", "395.339ms", 1), row("step 10", "0.000us", "371.430ms", 1),
+                  row("_matmul_relu2_tma_kernel", "0.000us", "112.674ms", 352)])
+    assert pc.kernels_from_table(text) == {"_matmul_relu2_tma_kernel": pytest.approx((112.674, 352))}
+
+
+def test_kernels_from_a_profiles_own_averages_every_row_not_only_the_printed_ones():
+    from types import SimpleNamespace as Row
+    averages = [Row(key="_softcap_ce_bwd_kernel", cpu_time_total=0, self_device_time_total=14025.0, count=16,
+                    is_user_annotation=False)]  # µs
+    averages += [Row(key=f"triton_poi_fused_{i}", cpu_time_total=0, self_device_time_total=10.0, count=2,
+                     is_user_annotation=False) for i in range(60)]  # more rows than a printed table holds
+    averages += [Row(key="aten::mm", cpu_time_total=500.0, self_device_time_total=0.0, count=4,
+                     is_user_annotation=False),
+                 Row(key="step 10", cpu_time_total=0, self_device_time_total=371430.0, count=1,
+                     is_user_annotation=True)]
+    kernels = pc.kernels_from_averages(averages)
+    assert len(kernels) == 61 and "step 10" not in kernels and "aten::mm" not in kernels
+    assert kernels["_softcap_ce_bwd_kernel"] == pytest.approx((14.025, 16))
+    report = pc.kinds_report(kernels, 2, top=1).splitlines()
+    assert report[1].split() == ["7.01", "cross-entropy", "(Triton)"]  # the largest kind first
+    assert report[2].split() == ["7.01", "8x", "_softcap_ce_bwd_kernel"]
+    assert report[3].split()[0] == "0.30" and "Inductor-generated" in report[3]  # 60 x 10 µs over 2 steps
+    assert report[-1].split() == ["7.31", "all", "kernels"]
+
+
+def test_a_real_cpu_profiles_averages_have_the_fields_read():
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("step 1"):
+            torch.ones(8).add_(1)
+    averages = prof.key_averages()
+    assert any(e.is_user_annotation for e in averages)
+    assert pc.kernels_from_averages(averages) == {}  # no GPU: no kernels, and the step range is none
