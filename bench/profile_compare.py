@@ -19,7 +19,7 @@ KINDS = [
     ("communication (NCCL)", r"nccl"),
     ("attention backward (FlashAttention)", r"flash.*bwd|flashattnbwd|flash_bwd|fmha.*bwd"),
     ("attention forward (FlashAttention)", r"flash|fmha"),
-    ("fused ReLU² MLP matmul (Triton)", r"matmul_relu2|linear_relu_square"),
+    ("fused ReLU² MLP matmul (Triton)", r"matmul_relu2|linear_relu_square|relu2_fp8_gluon"),
     ("cross-entropy (Triton)", r"softcap_ce|ce_fwd_bwd|cross_?entropy"),
     ("copy pointer, CPLM (Triton)", r"pointer_|copy_pointer"),
     ("DC attention (Triton)", r"_dc_|dc_corr"),
@@ -27,6 +27,8 @@ KINDS = [
     ("bf16/fp32 matmuls (cuBLAS, CUTLASS)", r"nvjet|gemm|xmma|cutlass|sm\d+_.*mma"),
     ("Inductor-generated (fused elementwise, norms, reductions)", r"^triton_"),
     ("PyTorch's own kernels (elementwise, copies, fills, scatters)", r"at::native|^void at::|memcpy|memset"),
+    ("QK-norm and rotary (Triton)", r"qk_norm_rope"),
+    ("FP8 transposes (Triton)", r"^_transpose"),
     ("other Triton kernels", r"_kernel(_\d+)?$"),
 ]
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}

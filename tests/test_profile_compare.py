@@ -75,7 +75,11 @@ def test_only_the_last_table_of_a_log_counts():
     ("triton_per_fused__to_copy_pow_sum_28", "Inductor-generated (fused elementwise, norms, reductions)"),
     ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFlo...",
      "PyTorch's own kernels (elementwise, copies, fills, scatters)"),
-    ("_transpose_copy_kernel_5", "other Triton kernels"),
+    ("_transpose_copy_kernel_5", "FP8 transposes (Triton)"),
+    ("_qk_norm_rope_bwd_kernel", "QK-norm and rotary (Triton)"),
+    ("_relu2_fp8_gluon_kernel", "fused ReLU² MLP matmul (Triton)"),
+    ("_pointer_dq_kernel", "copy pointer, CPLM (Triton)"),
+    ("_some_new_kernel", "other Triton kernels"),
     ("Memcpy HtoD (Pinned -> Device)", "PyTorch's own kernels (elementwise, copies, fills, scatters)"),
     ("some_unknown_thing", "other"),
 ])
