@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import statistics
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from comm_time import kernel_gaps  # noqa: E402
 from profile_compare import (by_kind, kernel_events, kernels_from_averages, kernels_from_trace,  # noqa: E402
                              kinds_report, load_trace)
 import roofline  # noqa: E402
+
+START = time.perf_counter()  # after the imports: the script's own clock, where a run's minutes go before its steps
 
 
 def spans(events: list[dict]) -> list[tuple[float, float, str]]:
@@ -191,7 +194,9 @@ def main():
     if own.trace:  # Inductor's kernels carry the bytes they move into the profile (bench/roofline.py): set before
         torch._inductor.config.benchmark_kernel = True  # the first compile (it changes the compile cache's key)
     schedule = tg.Schedule(args)
+    built = time.perf_counter()
     model, compiled, optimizers, chosen = tg.build(args, device, 0, 1, schedule=schedule)
+    print(f"clock: {built - START:.1f} s to the build, the build {time.perf_counter() - built:.1f} s", flush=True)
     attention, fp8 = chosen.attention, chosen.fp8_head
     files = tg.shard_files(args.train_files, "training")
     producer = tg.BatchProducer(files, 0, 1, args.bos_id)
@@ -232,7 +237,10 @@ def main():
         candidates = timed_candidates(schedule, stage, step + own.warmup, own.steps)
         # cuda_times collects the compile's garbage after the warm-up: not in a timed step (as train_gpt.py does)
         host = []  # each step's host time until its last launch: near the step's, the host bound it or a full launch queue
+        began = time.perf_counter()
         times = timing.cuda_times(run_step, own.steps, own.warmup, host=host)
+        print(f"clock: {name}: {own.warmup} warm-up steps (the compile's) and {own.steps} timed steps in "
+              f"{time.perf_counter() - began:.1f} s, {time.perf_counter() - START:.1f} s since the start", flush=True)
         med, mean = statistics.median(times), statistics.fmean(times)
         whole_ms += (stage.end - stage.start) * mean
         tokens += (stage.end - stage.start) * spec.batch_size
