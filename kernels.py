@@ -189,9 +189,13 @@ if triton is not None:
             tl.store(amax_ptr + tl.program_id(0) + tl.arange(0, 1), run_max)
 
 # Tile sizes of the fused matmul: the fastest of five on an H100 (bench/mlp_kernel.py, bench/README.md);
-# the interpreter tests shrink them. FP8 tiles take twice the K per byte of shared memory.
+# the interpreter tests shrink them. FP8 tiles take twice the K per byte of shared memory. The FP8 forward and
+# backward have their own. PER_SM: persistent programs of the TMA kernel on each SM; two whose shared memory and
+# registers fit side by side overlap one's epilogue with the other's matmul (bench/relu2_kernels.py).
 RELU2_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
-RELU2_FP8_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+RELU2_FP8_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, PER_SM=1)
+RELU2_FP8_BACKWARD_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3,
+                                PER_SM=1)
 
 
 def relu2_tiles_shared_memory(tiles: dict = RELU2_TILES) -> int:
@@ -233,6 +237,16 @@ def _cuda_tma_programs(index: int) -> int:  # cached: the op runs this on every 
     return torch.cuda.get_device_properties(index).multi_processor_count if hopper and fits else 0
 
 
+def relu2_tiles(fp8: bool, backward: bool) -> dict:
+    """The tile table _matmul_relu2 launches with."""
+    return (RELU2_FP8_BACKWARD_TILES if backward else RELU2_FP8_TILES) if fp8 else RELU2_TILES
+
+
+def relu2_amax_slots(device: torch.device, backward: bool) -> int:
+    """How many amax slots the FP8 TMA kernel writes, one a program: SMs x the tiles' PER_SM."""
+    return relu2_tma_programs(device) * relu2_tiles(True, backward).get("PER_SM", 1)
+
+
 def tma_ready(*tensors: Tensor) -> bool:
     """TMA's layout rules: 2-D, rows contiguous, the start and each row's stride a multiple of 16 bytes."""
     return all(t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
@@ -245,7 +259,7 @@ def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dty
     the forward from e4m3 a and b writes post in e4m3 (and no bf16 post: out is left unwritten); the backward from
     FP8 a and b and the e4m3 post (aux) writes the gradient in out_dtype (FP8).
     Returns (out, the forward's e4m3 post or None, the FP8 result transposed (N, M) or None, amax or None); amax,
-    FP8 only: float32 slots, one a program (relu2_tma_programs), whose maximum is the largest post or |gradient|."""
+    FP8 only: float32 slots, one a program (relu2_amax_slots), whose maximum is the largest post or |gradient|."""
     M, K = a.shape
     N = b.size(1)
     fp8 = scales is not None
@@ -259,11 +273,13 @@ def _matmul_relu2(a: Tensor, b: Tensor, aux: Tensor | None, out_dtype: torch.dty
         post_f8 = torch.empty(M, N, device=a.device, dtype=stored(torch.float8_e4m3fn))
     q_dtype = out_dtype if fp8_backward else torch.float8_e4m3fn  # what the FP8 result is stored as
     side_t = torch.empty(N, M, device=a.device, dtype=stored(q_dtype)) if fp8 else None
-    t = RELU2_FP8_TILES if fp8 else RELU2_TILES
+    t = relu2_tiles(fp8, aux is not None)
+    per_sm = t.get("PER_SM", 1)
+    t = {k: v for k, v in t.items() if k != "PER_SM"}
     tiles = triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"])
     side = post_f8 if post_f8 is not None else aux  # the epilogue's second tensor: the e4m3 post it writes, or reads
     b_nk = b.stride(0) == 1 and b.stride(1) != 1  # b as the transpose of a contiguous (N, K): the FP8 W_fc
-    programs = relu2_tma_programs(a.device)
+    programs = relu2_tma_programs(a.device) * per_sm
     amax = None
     if programs and tma_ready(a, b.T if b_nk else b, out, *([side] if side is not None else []),
                               *([side_t] if side_t is not None else [])):
@@ -436,7 +452,7 @@ def relu2_fp8_grad_pre(g_f8: Tensor, proj_f8_t: Tensor, post_f8: Tensor,
 def _(g_f8, proj_f8_t, post_f8, scales):
     T, hidden = post_f8.shape
     return (torch.empty_like(post_f8), post_f8.new_empty(hidden, T), g_f8.new_empty(
-        relu2_tma_programs(g_f8.device), dtype=torch.float32))
+        relu2_amax_slots(g_f8.device, backward=True), dtype=torch.float32))
 
 
 def relu2_mlp_fp8_backward(grad: Tensor, x_f8_t: Tensor, x_s: Tensor, fc_f8: Tensor, fc_s: Tensor, proj_f8_t: Tensor,
@@ -502,7 +518,7 @@ def relu2_mlp_all_fp8(x: Tensor, x_f8: Tensor, x_f8_t: Tensor, fc_w: Tensor, fc_
 def _(x, x_f8, x_f8_t, fc_w, fc_f8, fc_f8_t, proj_w, proj_f8, proj_f8_t, scales, parts, transpose_kernel=False):
     T, hidden = x.size(0), fc_w.size(1)
     post = x.new_empty(T, hidden, dtype=torch.float8_e4m3fn)
-    slots = relu2_tma_programs(x.device) if _fp8_mlp_runs_on(x) else 1
+    slots = relu2_amax_slots(x.device, backward=False) if _fp8_mlp_runs_on(x) else 1
     return (x.new_empty(T, proj_w.size(0)), post, x.new_empty(hidden, T, dtype=torch.float8_e4m3fn),
             x.new_empty(slots, dtype=torch.float32))
 

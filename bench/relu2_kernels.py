@@ -10,8 +10,11 @@ column counts the matmul's FLOPs for each). bench/mlp_kernel.py times the whole 
     python bench/relu2_kernels.py [--tokens 49152] [--public_kernels PATH/triton_kernels.py]
         [--fp8_tiles 128,256,64,8,7 ...] [--tiles 128,256,64,8,3 ...] [--input_grad]
 
---fp8_tiles / --tiles: more tile configurations to time for the FP8 forward / the backward, each
-BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages (GROUP_M 8), after kernels.py's own (RELU2_FP8_TILES, RELU2_TILES).
+--fp8_tiles / --tiles: more tile configurations to time for the FP8 forward and backward / the bf16 backward,
+each BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages[,programs per SM] (GROUP_M 8), after kernels.py's own
+(RELU2_FP8_TILES, RELU2_TILES). Programs per SM (default 1) sets how many persistent programs the TMA kernel runs
+on each SM: two whose shared memory and registers fit beside each other let one's epilogue run while the other's
+matmul does (the overlap cuBLAS gets from its two "ping-pong" warp groups).
 """
 import argparse
 import importlib.util
@@ -23,7 +26,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
-from mlp_kernel import parse_tiles  # noqa: E402
+import mlp_kernel  # noqa: E402
+
+
+def parse_tiles(text: str) -> dict:
+    """"BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages[,programs per SM]" as kernels.py's tile tables hold it."""
+    fields = text.split(",")
+    return dict(mlp_kernel.parse_tiles(",".join(fields[:5])), PER_SM=int(fields[5]) if len(fields) > 5 else 1)
 
 
 def main():
@@ -62,6 +71,16 @@ def main():
     scales[0, 0], scales[1, 0], scales[2, 0] = x_s * w_s, 1.0, post_s
     post = post_ref.bfloat16()
     grad_pre_ref = (grad.float() @ proj_w.float()) * 2 * post.float().sqrt()
+    # the FP8 backward's operands as relu2_fp8_grad_pre takes them: the output's gradient and W_proj in e4m3, post
+    # in e4m3 from the forward's scale; its result, grad_pre, in e4m3 at a scale of its largest value x 1.25
+    g_s, p_s = grad.float().abs().max() / kernels.E4M3_MAX, proj_w.float().abs().max() / kernels.E4M3_MAX
+    g_f8 = (grad.float() / g_s).to(torch.float8_e4m3fn)
+    proj_f8_t = (proj_w.float().T / p_s).to(torch.float8_e4m3fn).contiguous()  # (hidden, dim)
+    post_f8 = (post_ref / post_s).clamp(max=kernels.E4M3_MAX).to(torch.float8_e4m3fn)
+    pre_f8_ref = (g_f8.float() @ proj_f8_t.float().T) * (g_s * p_s) * 2 * (post_f8.float() * post_s).sqrt()
+    pre_s = pre_f8_ref.abs().max() * 1.25 / kernels.E4M3_MAX
+    bwd_scales = torch.zeros(3, kernels.FP8_SCALE_ROW, device="cuda")
+    bwd_scales[0, 0], bwd_scales[1, 0], bwd_scales[2, 0] = g_s * p_s, post_s, pre_s
     flops = 2 * M * K * N
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; {M} x {K} -> {N}, {flops / 1e9:.0f} "
           f"GFLOP a call; median of do_bench")
@@ -77,6 +96,8 @@ def main():
     # the FP8 forward writes post in e4m3 (both layouts) and no bf16 post: compared in e4m3 units; Hopper only
     calls = [("FP8 forward", "RELU2_FP8_TILES", args.fp8_tiles, post_ref / post_s,
               lambda: kernels._matmul_relu2(x_f8, fc_f8_t.T, None, torch.bfloat16, scales)[1]),
+             ("FP8 backward", "RELU2_FP8_BACKWARD_TILES", args.fp8_tiles, pre_f8_ref / pre_s,
+              lambda: kernels._matmul_relu2(g_f8, proj_f8_t.T, post_f8, torch.float8_e4m3fn, bwd_scales)[0]),
              ("backward", "RELU2_TILES", args.tiles, grad_pre_ref,
               lambda: kernels._matmul_relu2(grad, proj_w, post, torch.bfloat16))]
     for kernel in ["_matmul_relu2_kernel"] + (["_matmul_relu2_tma_kernel"] if tma else []):
@@ -87,7 +108,8 @@ def main():
             own = getattr(kernels, table)
             for tiles in [own] + [parse_tiles(t) for t in extra]:
                 setattr(kernels, table, tiles)
-                label = "" if tiles is own else " " + ",".join(str(v) for k, v in tiles.items() if k != "GROUP_M")
+                label = "" if tiles is own else " " + ",".join(
+                    [str(v) for k, v in tiles.items() if k not in ("GROUP_M", "PER_SM")]) + f" {tiles['PER_SM']}/SM"
                 try:
                     row(f"{kernel}: {what}{label}", fn, reference)
                 except Exception as e:  # e.g. more shared memory than the GPU has: say so, go on

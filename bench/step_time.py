@@ -4,6 +4,8 @@ optionally show where the time goes (torch.profiler: top kernels by GPU time, ke
     python bench/step_time.py --ws 3 7 11 --steps 20 [--profile] [any train_gpt.py --field value ...]
     python bench/step_time.py --stages --steps 20 [--preset record ...]   # each stage of the schedule
     python bench/step_time.py --stages "window=3,share=1;window=11,share=1" ... # each stage of that stage table
+    python bench/step_time.py --ws 11 --swap 'RELU2_FP8_TILES={...}' --rounds 3 ... # kernels.py's table against
+                                                                              # another, in turns, in one process
     python bench/step_time.py --ws 3 --profile --trace ws3.json.gz ...        # + the GPU's idle gaps (and what the
                                                                               # host did in them), step by step, and
                                                                               # each kernel against the ceilings
@@ -15,8 +17,11 @@ times the first stage's targets at each window; --stages times every stage of th
 its own batch, windows, extra targets and tied or untied embedding, then sums the schedule's training time at
 those mean step times (`--num_iterations 840`: that schedule's one-GPU time, beside bench/side_by_side.py's
 public schedule time measured in the same session) and prints them as train_gpt.py's STEP_US_PER_TOKEN entries
-(SAMPLED_US_PER_TOKEN's for a stage whose timed steps sample the softmax)."""
+(SAMPLED_US_PER_TOKEN's for a stage whose timed steps sample the softmax). --swap times kernels.py as it is (A)
+and with some of its module-level settings replaced (B: tile tables its custom ops read at each call, not compiled
+into the model's graphs), A B B A ... over --rounds rounds after one compile, and prints B / A with its interval."""
 import argparse
+import ast
 import dataclasses
 import statistics
 import sys
@@ -151,6 +156,19 @@ def timed_candidates(schedule: tg.Schedule, stage: tg.Stage, first: int, steps: 
     return rows.pop() if len(rows) == 1 else None
 
 
+def swap_summary(window: str, a: list[float], b: list[float], swap: list[str]) -> str:
+    """--swap's line for one window: each run's median step (ms) of A and B, and B / A from their paired runs (the
+    i-th B against the i-th A) as a mean with a 95% t interval where there are two pairs or more."""
+    ratios = [y / x for x, y in zip(a, b)]
+    line = (f"swap {window}: A {' '.join(f'{x:.1f}' for x in a)} ms; B {' '.join(f'{y:.1f}' for y in b)} ms; "
+            f"B / A {statistics.fmean(ratios):.4f}")
+    if len(ratios) > 1:
+        from scipy import stats
+        half = stats.t.ppf(0.975, len(ratios) - 1) * statistics.stdev(ratios) / len(ratios) ** 0.5
+        line += f" +- {half:.4f} (95% t, {len(ratios)} pairs)"
+    return line + f"; B: {' '.join(swap)}"
+
+
 def memory_fraction(gib: float, total_bytes: int) -> float:
     """--memory_gib as the fraction of the GPU's memory that set_per_process_memory_fraction takes."""
     if not 0 < gib * 2**30 <= total_bytes:
@@ -179,7 +197,22 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tg.Hyperpa
     parser.add_argument("--stages", nargs="?", const="", default=None, metavar="TABLE",
                         help="time each stage of the resolved schedule (its batch, windows, extra targets, embedding "
                         "tied or not) instead of --ws; with TABLE, of that stage table (train_gpt.py's --stages)")
+    parser.add_argument("--swap", nargs="+", default=[], metavar="NAME=VALUE",
+                        help="kernels.py settings to time against its own (a Python literal each, e.g. "
+                        "'RELU2_FP8_BACKWARD_TILES={\"BLOCK_M\": 128, ...}'): runs in turns A B B A ..., each with its "
+                        "own warm-up steps")
+    parser.add_argument("--rounds", type=int, default=2, help="with --swap: rounds of A B (or B A) at each window")
     own, rest = parser.parse_known_args(argv)
+    for item in own.swap:
+        name, _, value = item.partition("=")
+        if not hasattr(tg.kernels, name):
+            parser.error(f"--swap {item!r}: kernels.py has no setting {name!r}")
+        try:
+            ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            parser.error(f"--swap {item!r}: the value is not a Python literal")
+    if own.swap and (own.stages is not None or own.profile):
+        parser.error("--swap times --ws runs; leave out --stages and --profile")
     return own, tg.parse_args(rest + (["--stages", own.stages] if own.stages else []))
 
 
@@ -218,6 +251,15 @@ def main():
     else:  # --ws: the first stage's extra targets at each long window
         runs = [(f"ws={ws}", dataclasses.replace(schedule.stages[0], spec=spec,
                                                  windows=tg.window_tokens(ws, args.window_block))) for ws in own.ws]
+    # --swap: each window's run in turns A B B A A B ..., B with the swapped settings (variants[name])
+    own_settings = {item.partition("=")[0]: getattr(tg.kernels, item.partition("=")[0]) for item in own.swap}
+    swapped = {item.partition("=")[0]: ast.literal_eval(item.partition("=")[2]) for item in own.swap}
+    variants = {}
+    if own.swap:
+        turns = [v for r in range(own.rounds) for v in (("A", "B") if r % 2 == 0 else ("B", "A"))]
+        runs = [(f"{name} {v}{i // 2 + 1}", stage) for name, stage in runs for i, v in enumerate(turns)]
+        variants = {name: name.split()[-1][0] for name, _ in runs}
+    times_of = defaultdict(list)  # --swap: (window, variant) -> each run's median ms
     per_run = own.warmup + own.steps  # batches each timed run reads; the loader prefetches, so its plan is fixed here
     reads = per_run * len(runs) + 2 * own.profile + tg.LOADER_READ_AHEAD  # --profile: two steps more
     plan = [runs[min(i // per_run, len(runs) - 1)][1].spec for i in range(reads)]
@@ -234,6 +276,9 @@ def main():
                 tg.untie_embedding(model, optimizers[0])
             tg.tie_embedding_at(model, stage.start, schedule.untie)
         spec = stage.spec
+        if own.swap:
+            for key, value in (swapped if variants[name] == "B" else own_settings).items():
+                setattr(tg.kernels, key, value)
         candidates = timed_candidates(schedule, stage, step + own.warmup, own.steps)
         # cuda_times collects the compile's garbage after the warm-up: not in a timed step (as train_gpt.py does)
         host = []  # each step's host time until its last launch: near the step's, the host bound it or a full launch queue
@@ -242,6 +287,8 @@ def main():
         print(f"clock: {name}: {own.warmup} warm-up steps (the compile's) and {own.steps} timed steps in "
               f"{time.perf_counter() - began:.1f} s, {time.perf_counter() - START:.1f} s since the start", flush=True)
         med, mean = statistics.median(times), statistics.fmean(times)
+        if own.swap:
+            times_of[name.rsplit(" ", 1)[0], variants[name]].append(med)
         whole_ms += (stage.end - stage.start) * mean
         tokens += (stage.end - stage.start) * spec.batch_size
         plan_rows.append((spec.seq_len, spec.max_doc_len, stage.windows[0] // args.window_block, candidates,
@@ -253,6 +300,10 @@ def main():
               f"{spec.batch_size / mean * 1e3:,.0f} tokens/s; "
               f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; loss per micro-batch over them "
               f"{torch.stack(losses[-own.steps:]).mean().item() / (spec.batch_size // spec.seq_len):.4f}", flush=True)
+    for item in own.swap:  # kernels.py as it was
+        setattr(tg.kernels, item.partition("=")[0], own_settings[item.partition("=")[0]])
+    for window in dict.fromkeys(w for w, _ in times_of):
+        print(swap_summary(window, times_of[window, "A"], times_of[window, "B"], own.swap), flush=True)
     if per_stage:
         print(f"schedule: {schedule.stages[-1].end} steps, {tokens:,} tokens: {whole_ms / 1000:.1f} s of training "
               f"steps on this GPU at these mean step times", flush=True)

@@ -539,8 +539,8 @@ def test_hopper_tma_kernel_compiles_for_an_h100_without_one():
     # (backward, fp8): the bf16 forward and backward, the FP8 forward writing its e4m3 post both ways, the FP8
     # backward (e4m3 gradient x e4m3 W_proj, e4m3 post read) writing e4m3 both ways
     for backward, fp8 in ((False, False), (True, False), (False, True), (True, True)):
-        all_tiles = kernels.RELU2_FP8_TILES if fp8 else kernels.RELU2_TILES
-        tiles = {k: v for k, v in all_tiles.items() if k.isupper()}
+        all_tiles = kernels.relu2_tiles(fp8, backward)
+        tiles = {k: v for k, v in all_tiles.items() if k.isupper() and k != "PER_SM"}
         BM, BN, BK = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
         b_nk = fp8  # FP8 reads B K-major: the forward's W_fc and the FP8 backward's W_proj as (N, K)
         a = "fp8e4nv" if fp8 else "bf16"  # the FP8 backward: g in e4m3
@@ -574,6 +574,8 @@ import kernels
 assert kernels.triton_runs_on(torch.zeros(1)), "the Triton interpreter is not in use"
 kernels.RELU2_TMA_INTERPRET = True
 kernels.RELU2_FP8_TILES = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
+# the backward at two programs an SM (PER_SM): twice the programs, each taking every 8th tile
+kernels.RELU2_FP8_BACKWARD_TILES = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, PER_SM=2)
 T, dim, hidden = 80, 48, 96  # FP8 rows of 16-byte multiples (TMA), both ways; edge tiles in T
 g = torch.Generator().manual_seed(0)
 x = torch.nn.functional.rms_norm(torch.randn(T, dim, generator=g), (dim,))
@@ -598,6 +600,7 @@ ref = kernels.relu2_mlp_fp8_backward_reference(grad, x_f8.T.contiguous(), x_s, f
 *got, slots = kernels.relu2_mlp_fp8_backward(grad, x_f8.T.contiguous(), x_s, fc_f8, fc_s, proj_f8_t, proj_s, col,
                                              post_f8, post_f8_t, post_s, post_amax)
 amax = slots.amax()
+same_t &= slots.numel() == 8  # a slot a program: 4 SMs x PER_SM 2
 errors = [((a.float() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref[:3])]
 # the model's op (relu2_mlp_all_fp8, autograd included) through the kernels
 import test_kernels as t
@@ -613,7 +616,8 @@ print(json.dumps([same_t, (amax / ref[3].abs().max()).item(), *errors, *op_error
                     "persistent loop on the H100, as above); the GPU test below covers the compiled kernel")
 def test_fp8_mlp_backward_in_the_interpreter_matches_float32_arithmetic_on_its_fp8_operands(interpreted):
     """kernels.relu2_mlp_fp8_backward through Hopper's kernel in Triton's interpreter: the forward's transposed e4m3
-    post is its post, transposed, byte for byte, and post's largest value is taken; so is grad_pre's; the three gradients match float32
+    post is its post, transposed, byte for byte, and post's largest value is taken; so is grad_pre's, with two
+    programs an SM (RELU2_FP8_BACKWARD_TILES' PER_SM, a slot each); the three gradients match float32
     arithmetic on the same FP8 operands (relu2_mlp_fp8_backward_reference); the op at hidden 96 and at 80, a width
     that is not 4 x dim and leaves edge tiles in N (--mlp_hidden), the same."""
     same_t, amax_ratio, *errors = interpreted["fp8_backward"]

@@ -124,3 +124,20 @@ def test_memory_cap_is_the_fraction_of_the_gpu_and_refuses_more_than_it_has():
             step_time.memory_fraction(bad, h200)
     own, _ = step_time.parse(["--memory_gib", "80", "--preset", "single"])
     assert own.memory_gib == 80
+
+
+def test_swap_takes_kernels_settings_as_literals_and_refuses_a_name_kernels_lacks():
+    own, _ = step_time.parse(["--ws", "11", "--swap", 'RELU2_FP8_BACKWARD_TILES={"BLOCK_M": 128, "PER_SM": 2}',
+                              "--rounds", "3"])
+    assert own.rounds == 3 and own.swap[0].startswith("RELU2_FP8_BACKWARD_TILES=")
+    for bad in (["--swap", "NO_SUCH_TABLE=1"], ["--swap", "RELU2_FP8_TILES=dict(BLOCK_M=1)"],
+                ["--swap", "RELU2_FP8_TILES={}", "--profile"]):
+        with pytest.raises(SystemExit):
+            step_time.parse(bad)
+
+
+def test_swap_summary_pairs_each_b_run_with_its_a_run():
+    line = step_time.swap_summary("ws=11", [100.0, 102.0], [99.0, 99.96], ["X={}"])
+    # ratios 0.99 and 0.98: mean 0.985, half-width t(0.975, 1) x 0.00707 / sqrt(2) = 12.706 x 0.005 = 0.0635
+    assert line.startswith("swap ws=11: A 100.0 102.0 ms; B 99.0 100.0 ms; B / A 0.9850 +- 0.0635 (95% t, 2 pairs)")
+    assert step_time.swap_summary("ws=3", [10.0], [11.0], []).startswith("swap ws=3: A 10.0 ms; B 11.0 ms; B / A 1.1000;")
