@@ -330,6 +330,9 @@ class Hyperparameters:
     # on one H200 at the record's eight 49K micro-batches 386 against 395.5-481 ms, about 150 s more of cold compile
     # (bench/results/host_ops_h200_20261130c.md)
     cpp_wrapper: bool = True  # the compiled training graphs launch their kernels from C++, not Python (false: a quicker compile)
+    # ANVIL2's forward/backward CUDA-graph runners (record #92; its README prices them at 3.0 s of 39.9 on 8xH100):
+    # each training shape's forward and backward captured as one CUDA graph and replayed for every micro-batch
+    cuda_graphs: bool = False  # GraphRunner: one launch a micro-batch instead of the compiled graphs' kernels
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     # our kernels: ReLU² in the matmul epilogues (-12 ms a step at stage 3 on an H100), its forward in FP8 (-16 ms,
     # final loss -0.0014 +- 0.0021) and then its backward too (-26 ms, final loss -0.0008 +- 0.0023;
@@ -1501,6 +1504,7 @@ class GPT(nn.Module):
         shard = rows // self.ngram_world
         self.bigram_embed = nn.Embedding(shard, dim, _weight=torch.zeros(shard, dim, dtype=torch.bfloat16))
         self.ngram_cache = None  # with W > 1: the micro-batch's (rows, each position's row in them), pull_ngram_rows
+        self.ngram_train_cache = None  # the trainer's, refilled in place (pull_ngram_rows)
         signs = None
         if cfg.bigram_sign_rows:  # drawn from the seeded RNG: the same on every rank, and saved in checkpoints
             signs = (torch.randint(0, 2, (cfg.bigram_sign_rows, dim)) * 2 - 1).bfloat16()
@@ -1737,20 +1741,28 @@ class GPT(nn.Module):
         return ngram[: inputs.size(0)] + ngram[inputs.size(0):] if self.cfg.trigram_rows else ngram
 
     @torch.no_grad()
-    def pull_ngram_rows(self, inputs: Tensor, cu_seqlens: Tensor):
+    def pull_ngram_rows(self, inputs: Tensor, cu_seqlens: Tensor, training: bool = False):
         """Before a forward (the trainer's and evaluate's, outside the compiled graph; a collective: every rank pulls
         once per micro-batch): with a sharded table, its rows for this micro-batch from their owners into a compact
         cache, ngram_cache = (rows, each position's row in them). The cache has a row per position (the distinct
-        rows first, the rest unused), so the compiled graph sees one shape per stage. Nothing to do on one GPU."""
+        rows first, the rest unused), so the compiled graph sees one shape per stage. Nothing to do on one GPU.
+        training: the trainer's micro-batches refill one cache in place while their shape holds, so that a captured
+        graph (GraphRunner) reads it where it was; evaluate's is made for its buffer and dropped after."""
         if self.ngram_world == 1:
             return
+        kept = self.ngram_train_cache if training else None
         self.ngram_cache = None  # the last micro-batch's cache is freed before this one is made
         wanted, slots = torch.unique(self.ngram_indices(inputs, cu_seqlens)[0], return_inverse=True)
         w = self.bigram_embed.weight
-        cache = w.new_empty(slots.numel(), w.size(1))
+        if kept is None or kept[1].shape != slots.shape:
+            # a leaf that asks for a gradient, as the table does: the lookup's backward (RowGradLog) then runs and logs
+            kept = (w.new_empty(slots.numel(), w.size(1)).requires_grad_(), torch.empty_like(slots))
+            if training:
+                self.ngram_train_cache = kept
+        cache, places = kept
+        places.copy_(slots)
         pull_rows(w, wanted, cache[: wanted.numel()], self.ngram_rank, self.ngram_world)
-        # a leaf that asks for a gradient, as the table does: the lookup's backward (RowGradLog) then runs and logs it
-        self.ngram_cache = (cache.requires_grad_(), slots)
+        self.ngram_cache = kept
 
     @torch.no_grad()
     def serve_ngram_pulls(self, pulls: int):
@@ -3924,8 +3936,121 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     # the token tables' gradients summed sparsely (TableLookup), flushed on Adam's steps; with ngram_sparse_adam the
     # n-gram table's logged, room for an Adam step's lookups on this rank at the largest batch
     model.keep_table_grads(ngram_positions(schedule, world_size) if args.ngram_sparse_adam else 0, segment)
+    if args.cuda_graphs and args.compile and device.type == "cuda":
+        compiled = GraphRunner(model, compiled)
     return model, compiled, build_optimizers(model, args, rank, world_size, orthogonalize, update, row_update,
                                              segment), chosen
+
+
+class GraphRunner:
+    """--cuda_graphs: each training shape's forward and backward as one CUDA graph, replayed for every micro-batch
+    of that shape (ANVIL2's forward/backward graph runners, record #92): the host launches one graph a micro-batch
+    instead of the compiled graphs' hundreds of kernels. A shape's first micro-batch runs as usual (its compile,
+    which also shows which parameters its backward gives gradients); its second is captured (torch.cuda.graph) and
+    then replayed, as is every one after. What a replay reads and writes stays where it was at the capture:
+    - the batch, the loss weights and the sweep offset: copied into the graph's own tensors before each replay;
+    - the gradients: autograd adds into an existing .grad in place, so each parameter's gradient is a tensor the
+      runner keeps, attached as .grad before each replay where something took it off (an optimizer's zero_grad:
+      then it is zeroed first, one launch for all) and copied in where something put another there;
+    - the n-gram log and a sharded table's row cache are fixed buffers (keep_table_grads, pull_ngram_rows); if one
+      moves (the log grows), the graphs captured with it are dropped and their shapes captured again.
+    All graphs share one memory pool. Evaluation calls the compiled model as usual (__call__). capture=False (the
+    CPU tests): the same tensors and bookkeeping, the compiled model run on them instead of a replay."""
+
+    def __init__(self, model: "GPT", compiled, capture: bool = True):
+        self.model, self.compiled, self.capture = model, compiled, capture
+        self.graphs: dict[tuple, tuple] = {}  # key -> (graph or None, its input tensors, its loss)
+        self.touched: dict[tuple, list[nn.Parameter]] = {}  # shape -> the parameters its backward gives gradients
+        self.grads: dict[nn.Parameter, Tensor] = {}  # parameter -> the tensor its gradient accumulates in
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.captures = 0  # graphs captured so far (a test reads it)
+
+    def __call__(self, *args, **kwargs):
+        return self.compiled(*args, **kwargs)
+
+    def fixed(self) -> tuple[int, ...]:
+        """The addresses a graph holds beyond its own tensors: the n-gram log's and the row cache's."""
+        log, cache = self.model.ngram_log, self.model.ngram_cache
+        return tuple(t.data_ptr() for t in (*log.values(), *(cache or ())))
+
+    def attach(self, params: list[nn.Parameter]):
+        """Each parameter's kept gradient tensor as its .grad, holding what .grad held (zero where it was None)."""
+        cleared = []
+        for p in params:
+            kept = self.grads.get(p)
+            if kept is None:  # the first: what autograd made becomes the kept tensor
+                kept = self.grads[p] = p.grad if p.grad is not None else torch.zeros_like(p)
+            elif p.grad is None:
+                cleared.append(kept)
+            elif p.grad is not kept:
+                kept.copy_(p.grad)
+            p.grad = kept
+        if cleared:
+            torch._foreach_zero_(cleared)
+
+    def train_micro(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, max_doc_len: int,
+                    windows: tuple[int, int], mtp: Tensor | None, prefix: Tensor | None, sampled) -> Tensor:
+        """One training micro-batch's forward and backward (train_step's); returns its loss (the graph's tensor,
+        overwritten by the next replay of that graph)."""
+        count, offset = sampled if sampled else (0, None)
+        shape = (tuple(inputs.shape), tuple(cu_seqlens.shape), max_doc_len, tuple(windows), count,
+                 None if mtp is None else mtp.numel(), None if prefix is None else prefix.numel(),
+                 self.model.tied_embed)
+        if shape not in self.touched:  # compile: with every .grad held aside, to see which ones the backward makes
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            held = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            loss = self.compiled(inputs, targets, cu_seqlens, max_doc_len, windows, mtp_weights=mtp,
+                                 prefix_weight=prefix, sampled=sampled)
+            loss.backward()
+            self.touched[shape] = [p for p in params if p.grad is not None]
+            for p, before in zip(params, held):  # autograd's accumulation: added in place into what was there
+                if before is not None:
+                    p.grad = before if p.grad is None else before.add_(p.grad)
+            return loss
+        fixed = self.fixed()
+        key = shape + (fixed,)
+        if key not in self.graphs:
+            self.graphs = {k: v for k, v in self.graphs.items() if k[-1] == fixed}  # moved buffers: recapture
+            self.graphs[key] = self.record(shape, inputs, targets, cu_seqlens, mtp, prefix, offset)
+        graph, static, loss = self.graphs[key]
+        for name, t in (("inputs", inputs), ("targets", targets), ("cu_seqlens", cu_seqlens), ("mtp", mtp),
+                        ("prefix", prefix), ("offset", offset)):
+            if t is not None:
+                static[name].copy_(t, non_blocking=True)
+        self.attach(self.touched[shape])
+        if graph is not None:
+            graph.replay()
+            return loss
+        loss = self.compiled(static["inputs"], static["targets"], static["cu_seqlens"], max_doc_len, windows,
+                             mtp_weights=static["mtp"], prefix_weight=static["prefix"],
+                             sampled=(count, static["offset"]) if count else None)
+        loss.backward()
+        return loss
+
+    def record(self, shape: tuple, inputs, targets, cu_seqlens, mtp, prefix, offset) -> tuple:
+        """A shape's graph (captured, not run: the replay that follows runs it), its input tensors and its loss."""
+        static = dict(inputs=inputs.clone(), targets=targets.clone(), cu_seqlens=cu_seqlens.clone(),
+                      mtp=None if mtp is None else mtp.clone(), prefix=None if prefix is None else prefix.clone(),
+                      offset=None if offset is None else offset.clone())
+        if not self.capture:
+            return None, static, None
+        max_doc_len, windows, count = shape[2], shape[3], shape[4]
+        touched = self.touched[shape]
+        self.attach(touched)
+        others = [p for p in self.model.parameters() if p.requires_grad and p.grad is None]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            loss = self.compiled(static["inputs"], static["targets"], static["cu_seqlens"], max_doc_len, windows,
+                                 mtp_weights=static["mtp"], prefix_weight=static["prefix"],
+                                 sampled=(count, static["offset"]) if count else None)
+            loss.backward()
+        if any(p.grad is not self.grads[p] for p in touched) or any(p.grad is not None for p in others):
+            raise RuntimeError("--cuda_graphs: the captured backward did not add into the kept gradients as the "
+                               "compile's run did; run with --cuda_graphs false")
+        self.captures += 1
+        return graph, static, loss
 
 
 def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage, schedule: Schedule) -> Tensor:
@@ -3946,10 +4071,15 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
     model.note_token_lookups()
     for m, (inputs, targets, cu_seqlens) in enumerate(micro):
         model.reserve_ngram_log(inputs.numel())
-        model.pull_ngram_rows(inputs, cu_seqlens)  # a sharded n-gram table: this micro-batch's rows, as last updated
-        micro_loss = compiled(inputs, targets, cu_seqlens, stage.spec.max_doc_len, stage.windows, mtp_weights=mtp,
-                              prefix_weight=prefix, sampled=(count, offsets[m]) if count else None)
-        micro_loss.backward()
+        # a sharded n-gram table: this micro-batch's rows, as last updated
+        model.pull_ngram_rows(inputs, cu_seqlens, training=True)
+        batch = (inputs, targets, cu_seqlens, stage.spec.max_doc_len, stage.windows)
+        sampled = (count, offsets[m]) if count else None
+        if isinstance(compiled, GraphRunner):  # --cuda_graphs: forward and backward in one replay
+            micro_loss = compiled.train_micro(*batch, mtp, prefix, sampled)
+        else:
+            micro_loss = compiled(*batch, mtp_weights=mtp, prefix_weight=prefix, sampled=sampled)
+            micro_loss.backward()
         loss += micro_loss.detach()
     adam, muon = optimizers
     for opt in optimizers:

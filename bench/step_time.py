@@ -19,7 +19,8 @@ those mean step times (`--num_iterations 840`: that schedule's one-GPU time, bes
 public schedule time measured in the same session) and prints them as train_gpt.py's STEP_US_PER_TOKEN entries
 (SAMPLED_US_PER_TOKEN's for a stage whose timed steps sample the softmax). --swap times kernels.py as it is (A)
 and with some of its module-level settings replaced (B: tile tables its custom ops read at each call, not compiled
-into the model's graphs), A B B A ... over --rounds rounds after one compile, and prints B / A with its interval."""
+into the model's graphs), A B B A ... over --rounds rounds after one compile, and prints B / A with its interval;
+--graphs_ab does the same with the usual launch (A) and train_gpt.GraphRunner's replays (B, --cuda_graphs)."""
 import argparse
 import ast
 import dataclasses
@@ -201,7 +202,11 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tg.Hyperpa
                         help="kernels.py settings to time against its own (a Python literal each, e.g. "
                         "'RELU2_FP8_BACKWARD_TILES={\"BLOCK_M\": 128, ...}'): runs in turns A B B A ..., each with its "
                         "own warm-up steps")
-    parser.add_argument("--rounds", type=int, default=2, help="with --swap: rounds of A B (or B A) at each window")
+    parser.add_argument("--graphs_ab", action="store_true",
+                        help="time the compiled model's usual launch (A) against train_gpt.GraphRunner's replays (B, "
+                        "--cuda_graphs) in turns, as --swap does")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="with --swap or --graphs_ab: rounds of A B (or B A) at each window")
     own, rest = parser.parse_known_args(argv)
     for item in own.swap:
         name, _, value = item.partition("=")
@@ -211,8 +216,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tg.Hyperpa
             ast.literal_eval(value)
         except (ValueError, SyntaxError):
             parser.error(f"--swap {item!r}: the value is not a Python literal")
-    if own.swap and (own.stages is not None or own.profile):
-        parser.error("--swap times --ws runs; leave out --stages and --profile")
+    if (own.swap or own.graphs_ab) and (own.stages is not None or own.profile):
+        parser.error("--swap and --graphs_ab time --ws runs; leave out --stages and --profile")
     return own, tg.parse_args(rest + (["--stages", own.stages] if own.stages else []))
 
 
@@ -237,11 +242,15 @@ def main():
     step, stage = 0, None
 
     losses = []
+    # --graphs_ab: the runner around the same compiled model (its replays and the usual launch share the compile)
+    usual = compiled.compiled if isinstance(compiled, tg.GraphRunner) else compiled
+    launch = {"A": usual if own.graphs_ab else compiled, "B": tg.GraphRunner(model, usual) if own.graphs_ab else compiled}
+    variant = "A"
 
     def run_step():
         nonlocal step
         _, micro = loader.next()
-        losses.append(tg.train_step(model, compiled, optimizers, micro, step, stage, schedule))
+        losses.append(tg.train_step(model, launch[variant], optimizers, micro, step, stage, schedule))
         step += 1
 
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, attention: {attention}, "
@@ -255,7 +264,7 @@ def main():
     own_settings = {item.partition("=")[0]: getattr(tg.kernels, item.partition("=")[0]) for item in own.swap}
     swapped = {item.partition("=")[0]: ast.literal_eval(item.partition("=")[2]) for item in own.swap}
     variants = {}
-    if own.swap:
+    if own.swap or own.graphs_ab:
         turns = [v for r in range(own.rounds) for v in (("A", "B") if r % 2 == 0 else ("B", "A"))]
         runs = [(f"{name} {v}{i // 2 + 1}", stage) for name, stage in runs for i, v in enumerate(turns)]
         variants = {name: name.split()[-1][0] for name, _ in runs}
@@ -276,8 +285,9 @@ def main():
                 tg.untie_embedding(model, optimizers[0])
             tg.tie_embedding_at(model, stage.start, schedule.untie)
         spec = stage.spec
-        if own.swap:
-            for key, value in (swapped if variants[name] == "B" else own_settings).items():
+        if variants:
+            variant = variants[name]
+            for key, value in (swapped if variant == "B" else own_settings).items():
                 setattr(tg.kernels, key, value)
         candidates = timed_candidates(schedule, stage, step + own.warmup, own.steps)
         # cuda_times collects the compile's garbage after the warm-up: not in a timed step (as train_gpt.py does)
@@ -287,7 +297,7 @@ def main():
         print(f"clock: {name}: {own.warmup} warm-up steps (the compile's) and {own.steps} timed steps in "
               f"{time.perf_counter() - began:.1f} s, {time.perf_counter() - START:.1f} s since the start", flush=True)
         med, mean = statistics.median(times), statistics.fmean(times)
-        if own.swap:
+        if variants:
             times_of[name.rsplit(" ", 1)[0], variants[name]].append(med)
         whole_ms += (stage.end - stage.start) * mean
         tokens += (stage.end - stage.start) * spec.batch_size
@@ -299,11 +309,13 @@ def main():
               f"steps; host {statistics.median(host):.1f} ms of it launching (median); "
               f"{spec.batch_size / mean * 1e3:,.0f} tokens/s; "
               f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; loss per micro-batch over them "
-              f"{torch.stack(losses[-own.steps:]).mean().item() / (spec.batch_size // spec.seq_len):.4f}", flush=True)
+              f"{torch.stack(losses[-own.steps:]).mean().item() / (spec.batch_size // spec.seq_len):.4f}, the "
+              f"steps' losses summed since the start {torch.stack(losses).sum().item():,.3f}", flush=True)
     for item in own.swap:  # kernels.py as it was
         setattr(tg.kernels, item.partition("=")[0], own_settings[item.partition("=")[0]])
     for window in dict.fromkeys(w for w, _ in times_of):
-        print(swap_summary(window, times_of[window, "A"], times_of[window, "B"], own.swap), flush=True)
+        print(swap_summary(window, times_of[window, "A"], times_of[window, "B"],
+                           own.swap + (["the graph runner (--cuda_graphs)"] if own.graphs_ab else [])), flush=True)
     if per_stage:
         print(f"schedule: {schedule.stages[-1].end} steps, {tokens:,} tokens: {whole_ms / 1000:.1f} s of training "
               f"steps on this GPU at these mean step times", flush=True)

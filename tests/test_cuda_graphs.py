@@ -1,0 +1,121 @@
+"""--cuda_graphs (GraphRunner): the runner's tensors and bookkeeping give the usual launch's arithmetic bit for bit.
+On the CPU the runner runs with capture=False: everything but the capture itself (the graphs' input tensors, the
+kept gradients attached and zeroed, the shapes' compile runs, the n-gram log and row cache at fixed addresses). The
+GPU test captures and replays."""
+import dataclasses
+
+import pytest
+import torch
+
+import train_gpt as tg
+from conftest import FAST, TINY_RECORD
+
+
+def with_runner(capture: bool, seen: list):
+    """tg.build wrapped: its compiled model behind a GraphRunner (kept in seen)."""
+    build = tg.build
+
+    def wrapped(*args, **kwargs):
+        model, compiled, optimizers, chosen = build(*args, **kwargs)
+        runner = tg.GraphRunner(model, compiled, capture=capture)
+        seen.append(runner)
+        return model, runner, optimizers, chosen
+    return wrapped
+
+
+# the record's moving parts at a tiny size: extra targets over three stages and an extension, the embedding tied
+# for the first stage, Adam every second step, the n-gram log (trigram channel, row-sparse Adam), the sampled
+# softmax (every row a candidate) switched to the full one at step 10
+RECORD_PARTS = dict(TINY_RECORD, **FAST, num_iterations=12, extension_steps=2, val_every=6, ngram_sparse_adam=True,
+                    trigram_rows=512, tied_embed_stages=1, full_softmax_from=0.8,
+                    stages=tuple(dataclasses.replace(row, candidates=TINY_RECORD["vocab_size"])
+                                 for row in TINY_RECORD["stages"]))
+
+
+def test_the_runner_trains_as_the_usual_launch_bit_for_bit(corpus, tmp_path, monkeypatch):
+    train, val = corpus
+    common = dict(RECORD_PARTS, train_files=train, val_files=val, log_dir=str(tmp_path / "logs"),
+                  checkpoint_dir=str(tmp_path / "checkpoints"))
+    plain = tg.train(tg.Hyperparameters(**common, run_id="plain"))
+    seen = []
+    monkeypatch.setattr(tg, "build", with_runner(False, seen))
+    graphed = tg.train(tg.Hyperparameters(**common, run_id="graphed"))
+    assert graphed.train_losses == plain.train_losses and graphed.val_losses == plain.val_losses
+    runner, = seen
+    model = runner.model
+    # a shape for each stage and the extension (full softmax from step 10, the extension's start), the embedding tied
+    # in stage 1 only: each compiled once, then given its graph's tensors
+    shapes = list(runner.touched)
+    assert len(shapes) == len(runner.graphs) == 4
+    assert [s[-1] for s in shapes] == [True, False, False, False] and [s[4] for s in shapes] == [72, 72, 72, 0]
+    for shape, params in runner.touched.items():
+        # the token tables' gradients are summed aside (TableLookup), never autograd's: the embedding is in no set
+        ids = {id(p) for p in params}
+        assert id(model.embed.weight) not in ids and {id(model.lm_head_w), id(model.blocks[0].mlp.fc_w)} <= ids
+    assert all(graph is None and loss is None for graph, _, loss in runner.graphs.values())  # capture=False
+
+
+def test_a_grown_ngram_log_retires_the_graphs_that_read_the_old_one(tiny_args):
+    """The log's addresses are part of a graph's key: when reserve_ngram_log grows it (a third step without Adam's
+    flush: the log has room for two), the graphs made with the old log are dropped and the shape gets new ones."""
+    args = tiny_args(**FAST, ngram_sparse_adam=True, trigram_rows=512)
+    model, compiled, optimizers, _ = tg.build(args, torch.device("cpu"), 0, 1)
+    runner = tg.GraphRunner(model, compiled, capture=False)
+    files = tg.shard_files(args.train_files, "training")
+    schedule = tg.Schedule(args)
+    stage = schedule.stages[0].with_slots(tg.doc_slots(schedule, files))
+    loader = tg.BatchLoader(tg.BatchProducer(files, 0, 1, args.bos_id), lambda i: stage.spec, torch.device("cpu"))
+    keys, room = [], model.ngram_log["rows"].numel()
+    for _ in range(3):  # step 0 each time: not an Adam step (adam_every 2), so no flush
+        tg.train_step(model, runner, optimizers, loader.next()[1], 0, stage, schedule)
+        keys.append([key[-1] for key in runner.graphs])
+    loader.close()
+    assert model.ngram_log["rows"].numel() > room, "the third step grew the log"
+    assert keys[0] == keys[1] == [keys[0][0]] and keys[2] == [runner.fixed()] and keys[2] != keys[0]
+
+
+def _graph_worker(rank, world_size, args, out, use_runner):
+    if use_runner:
+        tg.build = with_runner(False, [])
+    run = tg.train(args)
+    if rank == 0:
+        torch.save((run.train_losses, run.val_losses), out)
+
+
+@pytest.mark.slow
+def test_the_runner_on_two_gloo_processes_trains_as_the_usual_launch(tiny_args, tmp_path):
+    """Two processes and the sharded n-gram table: the trainer's row cache refilled in place (pull_ngram_rows), the
+    graphs' tensors and kept gradients through the reduce-scatters; the same losses as the usual launch's."""
+    from distributed import spawn
+    common = dict(RECORD_PARTS, batch_size=4 * 128, num_iterations=6, extension_steps=0, extension_window=0, val_every=3)
+    results = []
+    for use_runner in (False, True):
+        out = str(tmp_path / f"{use_runner}.pt")
+        spawn(_graph_worker, 2, tiny_args(**common, run_id=f"runner{use_runner}"), out, use_runner)
+        results.append(torch.load(out))
+    assert results[0] == results[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_captured_graphs_train_as_the_usual_launch_on_the_gpu(tiny_args):
+    """The tiny record model on the GPU (eager, PyTorch's kernels), 8 steps with graphs captured and replayed against
+    the usual launch from the same weights: the same losses to float32 rounding (other kernels may be chosen inside
+    a capture), graphs captured for each shape."""
+    losses = []
+    for capture in (False, True):
+        args = tiny_args(**dict(RECORD_PARTS, device="cuda"))
+        model, compiled, optimizers, _ = tg.build(args, torch.device("cuda"), 0, 1)
+        runner = tg.GraphRunner(model, compiled) if capture else compiled
+        files = tg.shard_files(args.train_files, "training")
+        schedule = tg.Schedule(args)
+        schedule = schedule.with_slots(tg.doc_slots(schedule, files))
+        loader = tg.BatchLoader(tg.BatchProducer(files, 0, 1, args.bos_id), schedule.spec_at, torch.device("cuda"))
+        run = []
+        for step in range(8):
+            run.append(tg.train_step(model, runner, optimizers, loader.next()[1], step, schedule.stage_at(step),
+                                     schedule).item())
+        loader.close()
+        losses.append(run)
+        if capture:
+            assert runner.captures >= 1
+    torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=0)
