@@ -190,12 +190,15 @@ if triton is not None:
 
 # Tile sizes of the fused matmul: the fastest of five on an H100 (bench/mlp_kernel.py, bench/README.md);
 # the interpreter tests shrink them. FP8 tiles take twice the K per byte of shared memory. The FP8 forward and
-# backward have their own. PER_SM: persistent programs of the TMA kernel on each SM; two whose shared memory and
-# registers fit side by side overlap one's epilogue with the other's matmul (bench/relu2_kernels.py).
+# backward have their own. PER_SM: persistent programs of the TMA kernel on each SM; two whose shared memory (88 KiB
+# each here) and registers (127 a thread at 8 warps) fit side by side overlap one's epilogue, which reads post, with
+# the other's matmul. One H200 at the record's 49,152 x 768 -> 2,816 (bench/relu2_kernels.py): the backward 333.4
+# against 360.4 us a call at 128x256x128, 3 stages, one program an SM; no tile of twelve beat the forward's 254.1
+# (bench/results/graphs_tiles_h200_20261130h.md).
 RELU2_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 RELU2_FP8_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, PER_SM=1)
-RELU2_FP8_BACKWARD_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3,
-                                PER_SM=1)
+RELU2_FP8_BACKWARD_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=2,
+                                PER_SM=2)
 
 
 def relu2_tiles_shared_memory(tiles: dict = RELU2_TILES) -> int:

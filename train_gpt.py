@@ -331,8 +331,10 @@ class Hyperparameters:
     # (bench/results/host_ops_h200_20261130c.md)
     cpp_wrapper: bool = True  # the compiled training graphs launch their kernels from C++, not Python (false: a quicker compile)
     # ANVIL2's forward/backward CUDA-graph runners (record #92; its README prices them at 3.0 s of 39.9 on 8xH100):
-    # each training shape's forward and backward captured as one CUDA graph and replayed for every micro-batch
-    cuda_graphs: bool = False  # GraphRunner: one launch a micro-batch instead of the compiled graphs' kernels
+    # each training shape's forward and backward captured as one CUDA graph and replayed for every micro-batch. One
+    # H200, the record step at window 11 with the Python wrapper: 0.953x (368 against 387 ms, 3 pairs in turns), 2 GiB
+    # less peak memory (bench/results/graphs_tiles_h200_20261130h.md)
+    cuda_graphs: bool = True  # GraphRunner: one launch a micro-batch instead of the compiled graphs' kernels
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     # our kernels: ReLU² in the matmul epilogues (-12 ms a step at stage 3 on an H100), its forward in FP8 (-16 ms,
     # final loss -0.0014 +- 0.0021) and then its backward too (-26 ms, final loss -0.0008 +- 0.0023;
@@ -3552,7 +3554,7 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
             f"cross-entropy: {'fused' if k.fused_ce else 'unfused'}, "
             f"DC attention: {('kernels' if k.dc else 'written out') if args.dc_attention else 'off'}, "
             f"QK-norm and rotary: {'kernels' if k.qk_rope else 'compiled'}, "
-            f"compile: {args.compile}, "
+            f"compile: {args.compile}, CUDA graphs: {args.cuda_graphs and device.type == 'cuda'}, "
             f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device),
             *sampled_softmax_report(Schedule(args))]
 
@@ -4008,7 +4010,9 @@ class GraphRunner:
             for p, before in zip(params, held):  # autograd's accumulation: added in place into what was there
                 if before is not None:
                     p.grad = before if p.grad is None else before.add_(p.grad)
-            return loss
+            # detached: no autograd graph may outlive its backward, or the capture's forward would find its
+            # parameters' AccumulateGrad nodes (made on another stream) alive and fail on their stream
+            return loss.detach()
         fixed = self.fixed()
         key = shape + (fixed,)
         if key not in self.graphs:
@@ -4027,7 +4031,7 @@ class GraphRunner:
                              mtp_weights=static["mtp"], prefix_weight=static["prefix"],
                              sampled=(count, static["offset"]) if count else None)
         loss.backward()
-        return loss
+        return loss.detach()
 
     def record(self, shape: tuple, inputs, targets, cu_seqlens, mtp, prefix, offset) -> tuple:
         """A shape's graph (captured, not run: the replay that follows runs it), its input tensors and its loss."""
@@ -4046,6 +4050,7 @@ class GraphRunner:
                                  mtp_weights=static["mtp"], prefix_weight=static["prefix"],
                                  sampled=(count, static["offset"]) if count else None)
             loss.backward()
+        loss = loss.detach()  # (the captured autograd graph freed: see train_micro)
         if any(p.grad is not self.grads[p] for p in touched) or any(p.grad is not None for p in others):
             raise RuntimeError("--cuda_graphs: the captured backward did not add into the kept gradients as the "
                                "compile's run did; run with --cuda_graphs false")

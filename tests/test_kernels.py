@@ -565,6 +565,9 @@ def test_hopper_tma_kernel_compiles_for_an_h100_without_one():
         assert "cp.async.bulk.tensor" in compiled.asm["ptx"] and "wgmma" in compiled.asm["ptx"], case
         assert len(compiled.asm["cubin"]) > 1000, case
         assert compiled.metadata.shared <= kernels.RELU2_TMA_SHARED_MEMORY, (case, compiled.metadata.shared)
+        # PER_SM programs side by side on one SM: 228 KiB of shared memory an SM, 1 KiB of it reserved a program
+        per_sm = all_tiles.get("PER_SM", 1)
+        assert per_sm * (compiled.metadata.shared + 1024) <= 228 * 1024, (case, per_sm, compiled.metadata.shared)
 
 
 FP8_BACKWARD_SCRIPT = """
@@ -1053,7 +1056,8 @@ def test_model_with_fused_ce_trains_on_the_fp8_heads_losses_and_gradients(cplm):
     if not tg.kernels.fp8_supported(DEVICE):
         pytest.skip(f"_scaled_mm FP8 does not run on {DEVICE}")
     from conftest import TINY
-    extra = dict(vocab_size=80, cplm_bands=(32, 64)) if cplm else {}  # FP8 matmuls need multiples of 16
+    # FP8 matmuls need multiples of 16 (TINY's 72 failed here on an H200, 2026-11-30)
+    extra = dict(vocab_size=80, cplm_bands=(32, 64)) if cplm else dict(vocab_size=80)
     args = tg.Hyperparameters(**{**TINY, "logit_softcap": CAP, "softcap_shift": SHIFT, **extra})
     results = []
     for fp8, fused in ((False, False), (True, False), (True, True)):

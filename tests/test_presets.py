@@ -59,10 +59,7 @@ PENDING_ADOPTION: set[str] = {
     # ANVIL2's terminal batch taper's extension (its 131,072 of 393,216 tokens after a last row at 327,680): decided by 3
     # paired seeds on the proxy under the rule (--extension_batch 8192 and a last row of 20,480 tokens at lr 0.9129
     # over 9% of the scheduled steps) and its shapes' step times
-    "extension_batch",
-    # ANVIL2's forward/backward CUDA-graph runners (GraphRunner): decided by the record step on one H200 with them
-    # against without (bench/step_time.py --cuda_graphs true / false) and 80 same-seed steps' losses
-    "cuda_graphs"}
+    "extension_batch"}
 
 
 def test_no_technique_is_off_in_every_preset():
