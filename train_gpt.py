@@ -334,7 +334,7 @@ class Hyperparameters:
     # each training shape's forward and backward captured as one CUDA graph and replayed for every micro-batch. One
     # H200, the record step at window 11 with the Python wrapper: 0.953x (368 against 387 ms, 3 pairs in turns), 2 GiB
     # less peak memory (bench/results/graphs_tiles_h200_20261130h.md)
-    cuda_graphs: bool = True  # GraphRunner: one launch a micro-batch instead of the compiled graphs' kernels
+    cuda_graphs: bool = True  # GraphRunner (compiled runs on a GPU): one launch a micro-batch, not the graphs' kernels
     fp8_head: bool = True  # FP8 LM head in training where the GPU supports it
     # our kernels: ReLU² in the matmul epilogues (-12 ms a step at stage 3 on an H100), its forward in FP8 (-16 ms,
     # final loss -0.0014 +- 0.0021) and then its backward too (-26 ms, final loss -0.0008 +- 0.0023;
@@ -3554,7 +3554,7 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
             f"cross-entropy: {'fused' if k.fused_ce else 'unfused'}, "
             f"DC attention: {('kernels' if k.dc else 'written out') if args.dc_attention else 'off'}, "
             f"QK-norm and rotary: {'kernels' if k.qk_rope else 'compiled'}, "
-            f"compile: {args.compile}, CUDA graphs: {args.cuda_graphs and device.type == 'cuda'}, "
+            f"compile: {args.compile}, CUDA graphs: {args.cuda_graphs and args.compile and device.type == 'cuda'}, "
             f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device),
             *sampled_softmax_report(Schedule(args))]
 
