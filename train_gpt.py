@@ -54,7 +54,7 @@ from torch import Tensor
 
 import kernels  # kernels and custom ops (kernels.py, next to this file; logged with it)
 from kernels import (ATTENTION_BACKENDS, E4M3_MAX, HEAD_GRAD_SCALE, HEAD_W_SCALE, MIXED_WIDTHS, ModelKernels,
-                     attention_reference, choose_kernels, document_ids, head_x_scale)
+                     FP8Linear, attention_reference, choose_kernels, document_ids, head_x_scale)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -349,6 +349,9 @@ class Hyperparameters:
     # (bench/results/host_ops_h200_20261130c.md, triton_ops_h200_20261130d.md); apart not yet timed
     fp8_transpose: bool = True  # the FP8 MLP's transposed input and output gradient by a tiled Triton transpose (kernels.transpose), not inside Inductor's norm kernels
     fused_qk_rope: bool = True  # QK-norm, rotary and the key offset in one Triton kernel each way (kernels.qk_norm_rope) where Triton runs, else Inductor's
+    # ANVIL2's FP8 QKV (record #92; public PR #344's idea): one H200, the 7 QKV projections' matmuls of a record step 23.7
+    # against 35.9 ms in bf16, before their casts (bench/results/fp8_qkv_probe_h200_20261130g.md)
+    fp8_qkv: bool = False  # the attention's QKV projection in FP8 in training (kernels.FP8Linear), with the FP8 head
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
     log_dir: str = "logs"  # logs go to log_dir/<run_id>.txt (rank 0 writes)
@@ -1253,12 +1256,14 @@ class BlockWeights(NamedTuple):
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn, ve_gate: bool, key_offset: bool, paired: bool,
                  widths: tuple[int, int] | None = None, native_widths: bool = False, fused_dc: bool = False,
-                 fused_qk_rope: bool = False):
+                 fused_qk_rope: bool = False, fp8_qkv: bool = False):
         """widths: the heads' (d_qk, d_v) (ModelConfig.head_widths; default head_dim both); native_widths: attn_fn
         takes Q/K narrower than V as they are (kernels.MIXED_WIDTHS), else they are zero-padded to V's width;
         fused_dc: DC attention's correction (where BlockWeights.dc is set) in kernels.dc_attention; fused_qk_rope:
-        QK-norm, rotary and the key offset in kernels.qk_norm_rope (not written for paired heads with a key offset)."""
+        QK-norm, rotary and the key offset in kernels.qk_norm_rope (not written for paired heads with a key offset);
+        fp8_qkv: the QKV projection in FP8 in training (kernels.FP8Linear)."""
         super().__init__()
+        self.fp8_qkv = fp8_qkv
         self.attn_fn, self.key_offset, self.paired = attn_fn, key_offset, paired  # attn_fn: chosen by build()
         self.native_widths, self.fused_dc = native_widths, fused_dc
         self.fused_qk_rope = fused_qk_rope and not (paired and key_offset)
@@ -1286,7 +1291,8 @@ class CausalSelfAttention(nn.Module):
             w_qkv, w_out = self.qkvo_w[:3].flatten(0, 1), self.qkvo_w[3]
         else:
             w_qkv, w_out = torch.cat([self.qk_w.flatten(0, 1), self.vo_w[0]]), self.vo_w[1]
-        qkv = F.linear(x, w_qkv.type_as(x))
+        # FP8 in training (its input RMS-normed: the bound of its scale); evaluation in bf16
+        qkv = FP8Linear.apply(x, w_qkv) if self.fp8_qkv and torch.is_grad_enabled() else F.linear(x, w_qkv.type_as(x))
         # a narrow Q/K (narrow_qk_blocks) rotates all of its dq dims: the tables' first dq/2 columns, the wide heads'
         # nonzero frequencies (ANVIL2's 64-dim rotary: the same 32 frequencies as its 128-dim one's rotating half)
         rope_qk = rope if dq == self.head_dim else (rope[0][:, : dq // 2], rope[1][:, : dq // 2], rope[2])
@@ -1390,11 +1396,11 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn, has_attn: bool, ve_gate: bool, long_window: bool, paired: bool,
                  fused_mlp: bool = False, fp8_mlp: bool = False, widths: tuple[int, int] | None = None,
                  native_widths: bool = False, fused_dc: bool = False, fused_qk_rope: bool = False,
-                 fp8_transpose: bool = False):
+                 fp8_transpose: bool = False, fp8_qkv: bool = False):
         super().__init__()
         self.attn = CausalSelfAttention(cfg, attn_fn, ve_gate=ve_gate, key_offset=long_window, paired=paired,
                                         widths=widths, native_widths=native_widths, fused_dc=fused_dc,
-                                        fused_qk_rope=fused_qk_rope) if has_attn else None
+                                        fused_qk_rope=fused_qk_rope, fp8_qkv=fp8_qkv) if has_attn else None
         self.mlp = MLP(cfg, fused=fused_mlp, fp8=fp8_mlp, fp8_transpose=fp8_transpose)
         # parallel_mlp_blocks: a second MLP of the same kind, set by GPT after every other weight is drawn
         self.parallel_mlp: MLP | None = None
@@ -1472,7 +1478,7 @@ class GPT(nn.Module):
                   long_window=cfg.window_pattern[i] == "L", paired=i in cfg.paired_head_blocks,
                   fused_mlp=kernels.fused_mlp, fp8_mlp=kernels.fp8_mlp, widths=cfg.head_widths(i),
                   native_widths=kernels.attention in MIXED_WIDTHS, fused_dc=kernels.dc,
-                  fused_qk_rope=kernels.qk_rope, fp8_transpose=kernels.transpose)
+                  fused_qk_rope=kernels.qk_rope, fp8_transpose=kernels.transpose, fp8_qkv=kernels.fp8_qkv)
             for i, ve in enumerate(self.value_embed_layers()))
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
@@ -3553,7 +3559,7 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
             f"{' (its transposes by kernel)' if k.transpose else ''}, "
             f"cross-entropy: {'fused' if k.fused_ce else 'unfused'}, "
             f"DC attention: {('kernels' if k.dc else 'written out') if args.dc_attention else 'off'}, "
-            f"QK-norm and rotary: {'kernels' if k.qk_rope else 'compiled'}, "
+            f"QK-norm and rotary: {'kernels' if k.qk_rope else 'compiled'}, QKV: {'fp8' if k.fp8_qkv else 'bf16'}, "
             f"compile: {args.compile}, CUDA graphs: {args.cuda_graphs and args.compile and device.type == 'cuda'}, "
             f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device),
             *sampled_softmax_report(Schedule(args))]
@@ -3889,17 +3895,30 @@ def check_fp8_mlp_shapes(hidden: int):
                          "2816 is 176 x 16) or pass --fp8_mlp false")
 
 
+def check_fp8_qkv_shapes(cfg: ModelConfig, micro_tokens: set[int]):
+    """The FP8 QKV projection (--fp8_qkv): cuBLAS' FP8 matmuls take only dimensions divisible by 16, here each
+    attention block's QKV width (heads x (2 d_qk + d_v)) and each stage's micro-batch tokens (the weight gradient's K)."""
+    widths = {cfg.num_heads * (2 * dq + dv) for dq, dv in (cfg.head_widths(i) for i in range(cfg.num_layers))}
+    bad = sorted(n for n in widths | micro_tokens if n % 16)
+    if bad:
+        raise ValueError(f"--fp8_qkv: the FP8 QKV projection's matmuls need its widths (num_heads x (2 d_qk + d_v)) "
+                         f"and the micro-batches' tokens (seq_len, each stage's) divisible by 16, not {bad}: pass "
+                         "--fp8_qkv false")
+
+
 def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int, log=print,
           schedule: Schedule | None = None):
     """The model (seeded, identical on every rank), its compiled twin, the optimizers, and the
     attention backend and LM-head kind chosen for this device; for the run's schedule (default: args')."""
     schedule = Schedule(args) if schedule is None else schedule
     chosen = choose_kernels(device, args.attention, args.compile, args.fp8_head, args.fused_ce, args.fused_mlp,
-                            args.fp8_mlp, args.fused_dc, args.fused_qk_rope, args.fp8_transpose, log)
+                            args.fp8_mlp, args.fused_dc, args.fused_qk_rope, args.fp8_transpose, args.fp8_qkv, log)
     if chosen.fp8_head:
         check_fp8_head_shapes(args.vocab_size, args.model_dim, tuple(row.candidates for row in args.stages))
     if chosen.fp8_mlp:
         check_fp8_mlp_shapes(mlp_width(vars(args)))
+    if chosen.fp8_qkv:
+        check_fp8_qkv_shapes(ModelConfig.from_args(args), {st.spec.seq_len for st in schedule.stages})
     # TF32 tensor cores for the float32 matmuls: DC attention's and CPLM's scores (their bf16 inputs are exact in
     # TF32's 10-bit mantissa; the pointer's query and the DC mix round at 2^-11), no longer on CUDA cores
     if device.type == "cuda":
