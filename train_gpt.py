@@ -4064,7 +4064,10 @@ class GraphRunner:
         self.attach(touched)
         others = [p for p in self.model.parameters() if p.requires_grad and p.grad is None]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: other threads may call CUDA while this one captures (the loader's pins its next batches, NCCL's
+        # watchdog queries events); "global" would make their potentially unsafe calls fail (CUDA's stream capture
+        # modes). The backward, issued from autograd's thread onto the capturing stream, is captured either way.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             loss = self.compiled(static["inputs"], static["targets"], static["cu_seqlens"], max_doc_len, windows,
                                  mtp_weights=static["mtp"], prefix_weight=static["prefix"],
                                  sampled=(count, static["offset"]) if count else None)
