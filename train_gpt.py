@@ -329,6 +329,7 @@ class Hyperparameters:
     # 86.9 -> 63.5 ms a step at window 11 (0.73x), +20 GiB peak on one (bench/results/dc_kernels_2gpu_h200_20261130.md);
     # on one H200 at the record's eight 49K micro-batches 386 against 395.5-481 ms, about 150 s more of cold compile
     # (bench/results/host_ops_h200_20261130c.md)
+    # With --cuda_graphs the forward and backward graphs keep the Python wrapper (GraphRunner: replays launch none)
     cpp_wrapper: bool = True  # the compiled training graphs launch their kernels from C++, not Python (false: a quicker compile)
     # ANVIL2's forward/backward CUDA-graph runners (record #92; its README prices them at 3.0 s of 39.9 on 8xH100):
     # each training shape's forward and backward captured as one CUDA graph and replayed for every micro-batch. One
@@ -4022,9 +4023,12 @@ class GraphRunner:
             held = [p.grad for p in params]
             for p in params:
                 p.grad = None
-            loss = self.compiled(inputs, targets, cu_seqlens, max_doc_len, windows, mtp_weights=mtp,
-                                 prefix_weight=prefix, sampled=sampled)
-            loss.backward()
+            # the Python wrapper: a replay launches no wrapper, and it compiles quicker than the C++ one, which
+            # --cpp_wrapper keeps for the optimizers' graphs (called every step)
+            with torch._inductor.config.patch(cpp_wrapper=False):
+                loss = self.compiled(inputs, targets, cu_seqlens, max_doc_len, windows, mtp_weights=mtp,
+                                     prefix_weight=prefix, sampled=sampled)
+                loss.backward()
             self.touched[shape] = [p for p in params if p.grad is not None]
             for p, before in zip(params, held):  # autograd's accumulation: added in place into what was there
                 if before is not None:
@@ -4170,7 +4174,8 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, sched
     loader = BatchLoader(producer, schedule.warmup_spec_at, model.lm_head_w.device)
     t0 = time.perf_counter()
     log(f"warm-up: compiling {len(shapes)} stage shape(s) and {len(graphs)} validation graph(s)"
-        f"{' with the C++ wrapper' if torch._inductor.config.cpp_wrapper else ''}; minutes each on a cold compile "
+        f"{' with the C++ wrapper' if torch._inductor.config.cpp_wrapper and not isinstance(compiled, GraphRunner) else ''}"
+        f"; minutes each on a cold compile "
         "cache")
     try:
         for n, stage in enumerate(shapes, 1):
