@@ -4071,11 +4071,15 @@ class GraphRunner:
         # thread_local: other threads may call CUDA while this one captures (the loader's pins its next batches, NCCL's
         # watchdog queries events); "global" would make their potentially unsafe calls fail (CUDA's stream capture
         # modes). The backward, issued from autograd's thread onto the capturing stream, is captured either way.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            loss = self.compiled(static["inputs"], static["targets"], static["cu_seqlens"], max_doc_len, windows,
-                                 mtp_weights=static["mtp"], prefix_weight=static["prefix"],
-                                 sampled=(count, static["offset"]) if count else None)
-            loss.backward()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                loss = self.compiled(static["inputs"], static["targets"], static["cu_seqlens"], max_doc_len, windows,
+                                     mtp_weights=static["mtp"], prefix_weight=static["prefix"],
+                                     sampled=(count, static["offset"]) if count else None)
+                loss.backward()
+        except RuntimeError as e:  # CUDA's capture errors included (torch.AcceleratorError)
+            raise RuntimeError(f"--cuda_graphs: capturing the forward and backward of a {inputs.numel():,}-token "
+                               f"micro-batch failed ({str(e).splitlines()[0]}); run with --cuda_graphs false") from e
         loss = loss.detach()  # (the captured autograd graph freed: see train_micro)
         if any(p.grad is not self.grads[p] for p in touched) or any(p.grad is not None for p in others):
             raise RuntimeError("--cuda_graphs: the captured backward did not add into the kept gradients as the "

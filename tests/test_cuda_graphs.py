@@ -119,3 +119,28 @@ def test_captured_graphs_train_as_the_usual_launch_on_the_gpu(tiny_args):
         if capture:
             assert runner.captures >= 1
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=0)
+
+
+def test_a_failed_capture_stops_with_one_line_naming_the_flag(tiny_args, monkeypatch):
+    """A capture CUDA refuses (here a stand-in for torch.cuda.graph that raises as CUDA does) stops the run with the
+    micro-batch's size and the way around it, --cuda_graphs false."""
+    import contextlib
+    args = tiny_args(**FAST)
+    model, compiled, optimizers, _ = tg.build(args, torch.device("cpu"), 0, 1)
+    runner = tg.GraphRunner(model, compiled, capture=False)
+    runner.capture = True  # as on a GPU, from here on
+
+    @contextlib.contextmanager
+    def refusing(*a, **k):
+        raise torch.AcceleratorError("CUDA error: operation not permitted when stream is capturing")
+        yield
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph", refusing)
+    files = tg.shard_files(args.train_files, "training")
+    schedule = tg.Schedule(args)
+    stage = schedule.stages[0].with_slots(tg.doc_slots(schedule, files))
+    loader = tg.BatchLoader(tg.BatchProducer(files, 0, 1, args.bos_id), lambda i: stage.spec, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=r"--cuda_graphs: capturing the forward and backward of a 128-token "
+                                           r"micro-batch failed \(CUDA error: .*\); run with --cuda_graphs false"):
+        tg.train_step(model, runner, optimizers, loader.next()[1], 0, stage, schedule)  # 2 micro-batches: the 2nd
+    loader.close()
