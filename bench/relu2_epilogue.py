@@ -8,7 +8,8 @@ Forward rows: cuBLAS's _scaled_mm alone (bf16 out, no epilogue); the persistent 
 _matmul_relu2_tma_kernel's form) over tiles BMxBNxBK, warps, pipeline stages, the epilogue in one piece or two halves
 (split), with or without the transposed store (T), Triton's warp specialization (ws; Hopper's pass) and the tile
 loop flattened into the K loop (flat); then the two-kernel route: cuBLAS's bf16 pre and one elementwise kernel.
-Backward rows: the same kernel with post read in the epilogue or loaded before the K loop (prefetch).
+Backward rows: the same kernel with post read in the epilogue or loaded before the K loop (prefetch), at one or
+two programs an SM.
 Each row: median µs a call (triton.testing.do_bench), TFLOP/s of the matmul, and the largest error of both stored
 layouts against float32 (the backward's also the max slot against the true largest value)."""
 import argparse
@@ -134,21 +135,25 @@ def backward_rows(report, M, K, N, sms):
         a, b.T, scale_a=one(g_s), scale_b=one(w_s), out_dtype=torch.bfloat16, use_fast_accum=True))
     q = torch.empty(M, N, device="cuda", dtype=torch.float8_e4m3fn)
     qt = torch.empty(N, M, device="cuda", dtype=torch.float8_e4m3fn)
-    amax = torch.zeros(sms, device="cuda")
+    amax = torch.zeros(2 * sms, device="cuda")
     err = lambda: max(((q.float() * q_s - ref).abs().max() / ref.abs().max()).item(),
                       ((qt.float().T * q_s - ref).abs().max() / ref.abs().max()).item(),
                       abs(amax.max().item() / ref.abs().max().item() - 1))
-    for (BM, BN, BK, warps, stages), store_t, pre, flat in itertools.product(
-            [(128, 256, 128, 8, 3), (128, 256, 128, 8, 2), (128, 256, 64, 8, 3)], (True, False), (False, True),
-            (True, False)):
+    # (tiles, warps, stages, programs an SM): 128x128 at two an SM is kernels.py's RELU2_FP8_BACKWARD_TILES
+    for (BM, BN, BK, warps, stages, per_sm), store_t, pre, flat in itertools.product(
+            [(128, 256, 128, 8, 3, 1), (128, 256, 128, 8, 2, 1), (128, 256, 64, 8, 3, 1), (128, 128, 128, 8, 2, 2),
+             (128, 128, 128, 8, 2, 1), (128, 128, 128, 8, 3, 1)], (True, False), (False, True), (True, False)):
         if not store_t and not flat:
             continue
         descs = (TensorDescriptor.from_tensor(a, [BM, BK]), TensorDescriptor.from_tensor(b, [BN, BK]),
                  TensorDescriptor.from_tensor(p8, [BM, BN // 2]), TensorDescriptor.from_tensor(q, [BM, BN // 2]),
                  TensorDescriptor.from_tensor(qt, [BN // 2, BM]))
-        report(f"bwd {BM}x{BN}x{BK} w{warps} s{stages} T{int(store_t)} prefetch{int(pre)} flat{int(flat)}",
-               lambda: bwd[(sms,)](*descs, scales, amax, M, N, K, BM=BM, BN=BN, BK=BK, GROUP_M=8, NUM_SMS=sms,
-                                   STORE_T=store_t, PREFETCH=pre, FLATTEN=flat, num_warps=warps, num_stages=stages),
+        programs = sms * per_sm
+        amax.zero_()
+        report(f"bwd {BM}x{BN}x{BK} w{warps} s{stages} {per_sm}/SM T{int(store_t)} prefetch{int(pre)} flat{int(flat)}",
+               lambda: bwd[(programs,)](*descs, scales, amax, M, N, K, BM=BM, BN=BN, BK=BK, GROUP_M=8,
+                                        NUM_SMS=programs, STORE_T=store_t, PREFETCH=pre, FLATTEN=flat,
+                                        num_warps=warps, num_stages=stages),
                err if store_t else None)
 
 
