@@ -4050,6 +4050,12 @@ class GraphRunner:
         if graph is not None:
             graph.replay()
             return loss
+        return self.forward_backward(static, shape)
+
+    def forward_backward(self, static: dict, shape: tuple) -> Tensor:
+        """The compiled model's forward and backward on a graph's input tensors (what a capture records); its loss,
+        detached (see train_micro)."""
+        max_doc_len, windows, count = shape[2], shape[3], shape[4]
         loss = self.compiled(static["inputs"], static["targets"], static["cu_seqlens"], max_doc_len, windows,
                              mtp_weights=static["mtp"], prefix_weight=static["prefix"],
                              sampled=(count, static["offset"]) if count else None)
@@ -4063,7 +4069,6 @@ class GraphRunner:
                       offset=None if offset is None else offset.clone())
         if not self.capture:
             return None, static, None
-        max_doc_len, windows, count = shape[2], shape[3], shape[4]
         touched = self.touched[shape]
         self.attach(touched)
         others = [p for p in self.model.parameters() if p.requires_grad and p.grad is None]
@@ -4073,14 +4078,10 @@ class GraphRunner:
         # modes). The backward, issued from autograd's thread onto the capturing stream, is captured either way.
         try:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                loss = self.compiled(static["inputs"], static["targets"], static["cu_seqlens"], max_doc_len, windows,
-                                     mtp_weights=static["mtp"], prefix_weight=static["prefix"],
-                                     sampled=(count, static["offset"]) if count else None)
-                loss.backward()
+                loss = self.forward_backward(static, shape)
         except RuntimeError as e:  # CUDA's capture errors included (torch.AcceleratorError)
             raise RuntimeError(f"--cuda_graphs: capturing the forward and backward of a {inputs.numel():,}-token "
                                f"micro-batch failed ({str(e).splitlines()[0]}); run with --cuda_graphs false") from e
-        loss = loss.detach()  # (the captured autograd graph freed: see train_micro)
         if any(p.grad is not self.grads[p] for p in touched) or any(p.grad is not None for p in others):
             raise RuntimeError("--cuda_graphs: the captured backward did not add into the kept gradients as the "
                                "compile's run did; run with --cuda_graphs false")

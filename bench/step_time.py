@@ -38,6 +38,7 @@ import train_gpt as tg  # noqa: E402
 from comm_time import kernel_gaps  # noqa: E402
 from profile_compare import (by_kind, kernel_events, kernels_from_averages, kernels_from_trace,  # noqa: E402
                              kinds_report, load_trace)
+from side_by_side import interval95  # noqa: E402
 import roofline  # noqa: E402
 
 START = time.perf_counter()  # after the imports: the script's own clock, where a run's minutes go before its steps
@@ -161,11 +162,10 @@ def swap_summary(window: str, a: list[float], b: list[float], swap: list[str]) -
     """--swap's line for one window: each run's median step (ms) of A and B, and B / A from their paired runs (the
     i-th B against the i-th A) as a mean with a 95% t interval where there are two pairs or more."""
     ratios = [y / x for x, y in zip(a, b)]
+    mean, half = interval95(ratios)
     line = (f"swap {window}: A {' '.join(f'{x:.1f}' for x in a)} ms; B {' '.join(f'{y:.1f}' for y in b)} ms; "
-            f"B / A {statistics.fmean(ratios):.4f}")
+            f"B / A {mean:.4f}")
     if len(ratios) > 1:
-        from scipy import stats
-        half = stats.t.ppf(0.975, len(ratios) - 1) * statistics.stdev(ratios) / len(ratios) ** 0.5
         line += f" +- {half:.4f} (95% t, {len(ratios)} pairs)"
     return line + f"; B: {' '.join(swap)}"
 
@@ -208,12 +208,13 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tg.Hyperpa
     parser.add_argument("--rounds", type=int, default=2,
                         help="with --swap or --graphs_ab: rounds of A B (or B A) at each window")
     own, rest = parser.parse_known_args(argv)
+    own.swapped = {}  # --swap as {kernels.py setting: its value in B}
     for item in own.swap:
         name, _, value = item.partition("=")
         if not hasattr(tg.kernels, name):
             parser.error(f"--swap {item!r}: kernels.py has no setting {name!r}")
         try:
-            ast.literal_eval(value)
+            own.swapped[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             parser.error(f"--swap {item!r}: the value is not a Python literal")
     if (own.swap or own.graphs_ab) and (own.stages is not None or own.profile):
@@ -243,8 +244,11 @@ def main():
 
     losses = []
     # --graphs_ab: the runner around the same compiled model (its replays and the usual launch share the compile)
-    usual = compiled.compiled if isinstance(compiled, tg.GraphRunner) else compiled
-    launch = {"A": usual if own.graphs_ab else compiled, "B": tg.GraphRunner(model, usual) if own.graphs_ab else compiled}
+    if own.graphs_ab:
+        usual = compiled.compiled if isinstance(compiled, tg.GraphRunner) else compiled
+        launch = {"A": usual, "B": tg.GraphRunner(model, usual)}
+    else:
+        launch = {"A": compiled, "B": compiled}
     variant = "A"
 
     def run_step():
@@ -261,8 +265,7 @@ def main():
         runs = [(f"ws={ws}", dataclasses.replace(schedule.stages[0], spec=spec,
                                                  windows=tg.window_tokens(ws, args.window_block))) for ws in own.ws]
     # --swap: each window's run in turns A B B A A B ..., B with the swapped settings (variants[name])
-    own_settings = {item.partition("=")[0]: getattr(tg.kernels, item.partition("=")[0]) for item in own.swap}
-    swapped = {item.partition("=")[0]: ast.literal_eval(item.partition("=")[2]) for item in own.swap}
+    own_settings = {name: getattr(tg.kernels, name) for name in own.swapped}
     variants = {}
     if own.swap or own.graphs_ab:
         turns = [v for r in range(own.rounds) for v in (("A", "B") if r % 2 == 0 else ("B", "A"))]
@@ -287,7 +290,7 @@ def main():
         spec = stage.spec
         if variants:
             variant = variants[name]
-            for key, value in (swapped if variant == "B" else own_settings).items():
+            for key, value in (own.swapped if variant == "B" else own_settings).items():
                 setattr(tg.kernels, key, value)
         candidates = timed_candidates(schedule, stage, step + own.warmup, own.steps)
         # cuda_times collects the compile's garbage after the warm-up: not in a timed step (as train_gpt.py does)
@@ -311,8 +314,8 @@ def main():
               f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; loss per micro-batch over them "
               f"{torch.stack(losses[-own.steps:]).mean().item() / (spec.batch_size // spec.seq_len):.4f}, the "
               f"steps' losses summed since the start {torch.stack(losses).sum().item():,.3f}", flush=True)
-    for item in own.swap:  # kernels.py as it was
-        setattr(tg.kernels, item.partition("=")[0], own_settings[item.partition("=")[0]])
+    for key, value in own_settings.items():  # kernels.py as it was
+        setattr(tg.kernels, key, value)
     for window in dict.fromkeys(w for w, _ in times_of):
         print(swap_summary(window, times_of[window, "A"], times_of[window, "B"],
                            own.swap + (["the graph runner (--cuda_graphs)"] if own.graphs_ab else [])), flush=True)

@@ -23,6 +23,15 @@ def with_runner(capture: bool, seen: list):
     return wrapped
 
 
+def first_stage(args):
+    """(schedule, its first stage with cu_seqlens sized, a CPU loader of that stage's batches)."""
+    files = tg.shard_files(args.train_files, "training")
+    schedule = tg.Schedule(args)
+    stage = schedule.stages[0].with_slots(tg.doc_slots(schedule, files))
+    return schedule, stage, tg.BatchLoader(tg.BatchProducer(files, 0, 1, args.bos_id), lambda i: stage.spec,
+                                           torch.device("cpu"))
+
+
 # the record's moving parts at a tiny size: extra targets over three stages and an extension, the embedding tied
 # for the first stage, Adam every second step, the n-gram log (trigram channel, row-sparse Adam), the sampled
 # softmax (every row a candidate) switched to the full one at step 10
@@ -61,10 +70,7 @@ def test_a_grown_ngram_log_retires_the_graphs_that_read_the_old_one(tiny_args):
     args = tiny_args(**FAST, ngram_sparse_adam=True, trigram_rows=512)
     model, compiled, optimizers, _ = tg.build(args, torch.device("cpu"), 0, 1)
     runner = tg.GraphRunner(model, compiled, capture=False)
-    files = tg.shard_files(args.train_files, "training")
-    schedule = tg.Schedule(args)
-    stage = schedule.stages[0].with_slots(tg.doc_slots(schedule, files))
-    loader = tg.BatchLoader(tg.BatchProducer(files, 0, 1, args.bos_id), lambda i: stage.spec, torch.device("cpu"))
+    schedule, stage, loader = first_stage(args)
     keys, room = [], model.ngram_log["rows"].numel()
     for _ in range(3):  # step 0 each time: not an Adam step (adam_every 2), so no flush
         tg.train_step(model, runner, optimizers, loader.next()[1], 0, stage, schedule)
@@ -136,10 +142,7 @@ def test_a_failed_capture_stops_with_one_line_naming_the_flag(tiny_args, monkeyp
         yield
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
     monkeypatch.setattr(torch.cuda, "graph", refusing)
-    files = tg.shard_files(args.train_files, "training")
-    schedule = tg.Schedule(args)
-    stage = schedule.stages[0].with_slots(tg.doc_slots(schedule, files))
-    loader = tg.BatchLoader(tg.BatchProducer(files, 0, 1, args.bos_id), lambda i: stage.spec, torch.device("cpu"))
+    schedule, stage, loader = first_stage(args)
     with pytest.raises(RuntimeError, match=r"--cuda_graphs: capturing the forward and backward of a 128-token "
                                            r"micro-batch failed \(CUDA error: .*\); run with --cuda_graphs false"):
         tg.train_step(model, runner, optimizers, loader.next()[1], 0, stage, schedule)  # 2 micro-batches: the 2nd
