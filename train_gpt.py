@@ -4023,19 +4023,13 @@ class GraphRunner:
             held = [p.grad for p in params]
             for p in params:
                 p.grad = None
-            # the Python wrapper: a replay launches no wrapper, and it compiles quicker than the C++ one, which
-            # --cpp_wrapper keeps for the optimizers' graphs (called every step)
-            with torch._inductor.config.patch(cpp_wrapper=False):
-                loss = self.compiled(inputs, targets, cu_seqlens, max_doc_len, windows, mtp_weights=mtp,
-                                     prefix_weight=prefix, sampled=sampled)
-                loss.backward()
+            loss = self.forward_backward(dict(inputs=inputs, targets=targets, cu_seqlens=cu_seqlens, mtp=mtp,
+                                              prefix=prefix, offset=offset), shape)
             self.touched[shape] = [p for p in params if p.grad is not None]
             for p, before in zip(params, held):  # autograd's accumulation: added in place into what was there
                 if before is not None:
                     p.grad = before if p.grad is None else before.add_(p.grad)
-            # detached: no autograd graph may outlive its backward, or the capture's forward would find its
-            # parameters' AccumulateGrad nodes (made on another stream) alive and fail on their stream
-            return loss.detach()
+            return loss
         fixed = self.fixed()
         key = shape + (fixed,)
         if key not in self.graphs:
@@ -4052,14 +4046,21 @@ class GraphRunner:
             return loss
         return self.forward_backward(static, shape)
 
-    def forward_backward(self, static: dict, shape: tuple) -> Tensor:
-        """The compiled model's forward and backward on a graph's input tensors (what a capture records); its loss,
-        detached (see train_micro)."""
+    def forward_backward(self, batch: dict, shape: tuple) -> Tensor:
+        """The compiled model's forward and backward on one micro-batch's tensors (a shape's compile run, or a graph's
+        own tensors: what a capture records); its loss, detached: no autograd graph may outlive its backward, or the
+        capture's forward would find its parameters' AccumulateGrad nodes (made on another stream) alive and fail on
+        their stream."""
         max_doc_len, windows, count = shape[2], shape[3], shape[4]
-        loss = self.compiled(static["inputs"], static["targets"], static["cu_seqlens"], max_doc_len, windows,
-                             mtp_weights=static["mtp"], prefix_weight=static["prefix"],
-                             sampled=(count, static["offset"]) if count else None)
-        loss.backward()
+        # The Python wrapper, for the compile run and the capture alike: a replay launches no wrapper, the Python one
+        # compiles quicker than the C++ one (which --cpp_wrapper keeps for the optimizers' graphs, called every
+        # step), and a graph compiled during a capture must not be the C++ wrapper's, whose compile runs its kernels'
+        # autotuning on the GPU (a capture refuses that: the record preset's first stage failed so on an H200)
+        with torch._inductor.config.patch(cpp_wrapper=False):
+            loss = self.compiled(batch["inputs"], batch["targets"], batch["cu_seqlens"], max_doc_len, windows,
+                                 mtp_weights=batch["mtp"], prefix_weight=batch["prefix"],
+                                 sampled=(count, batch["offset"]) if count else None)
+            loss.backward()
         return loss.detach()
 
     def record(self, shape: tuple, inputs, targets, cu_seqlens, mtp, prefix, offset) -> tuple:

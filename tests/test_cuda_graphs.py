@@ -80,6 +80,26 @@ def test_a_grown_ngram_log_retires_the_graphs_that_read_the_old_one(tiny_args):
     assert keys[0] == keys[1] == [keys[0][0]] and keys[2] == [runner.fixed()] and keys[2] != keys[0]
 
 
+def test_every_forward_and_backward_compiles_with_the_python_wrapper(tiny_args, monkeypatch):
+    """With --cpp_wrapper on, the runner still calls the compiled model under Inductor's Python wrapper: at a shape's
+    compile run and at its capture (here the capture's stand-in), so that a graph compiled during a capture is never
+    the C++ wrapper's, whose compile autotunes on the GPU (an H200's capture refused it)."""
+    monkeypatch.setattr(torch._inductor.config, "cpp_wrapper", True)
+    args = tiny_args(**FAST)
+    model, compiled, optimizers, _ = tg.build(args, torch.device("cpu"), 0, 1)
+    seen = []
+
+    def spy(*a, **k):
+        seen.append(torch._inductor.config.cpp_wrapper)
+        return compiled(*a, **k)
+    runner = tg.GraphRunner(model, spy, capture=False)
+    schedule, stage, loader = first_stage(args)
+    for step in range(2):  # 2 micro-batches a step: the compile run, the capture, then a replay's stand-in
+        tg.train_step(model, runner, optimizers, loader.next()[1], step, stage, schedule)
+    loader.close()
+    assert len(seen) == 4 and not any(seen) and torch._inductor.config.cpp_wrapper
+
+
 def _graph_worker(rank, world_size, args, out, use_runner):
     if use_runner:
         tg.build = with_runner(False, [])
