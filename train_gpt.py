@@ -3989,6 +3989,7 @@ class GraphRunner:
         self.grads: dict[nn.Parameter, Tensor] = {}  # parameter -> the tensor its gradient accumulates in
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = 0  # graphs captured so far (a test reads it)
+        self.compiled_in_capture = 0  # captures during which dynamo compiled a graph anew (the warm-up logs it)
 
     def __call__(self, *args, **kwargs):
         return self.compiled(*args, **kwargs)
@@ -4080,6 +4081,7 @@ class GraphRunner:
         # thread_local: other threads may call CUDA while this one captures (the loader's pins its next batches, NCCL's
         # watchdog queries events); "global" would make their potentially unsafe calls fail (CUDA's stream capture
         # modes). The backward, issued from autograd's thread onto the capturing stream, is captured either way.
+        graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         try:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 loss = self.forward_backward(static, shape)
@@ -4090,6 +4092,8 @@ class GraphRunner:
             raise RuntimeError("--cuda_graphs: the captured backward did not add into the kept gradients as the "
                                "compile's run did; run with --cuda_graphs false")
         self.captures += 1
+        # a guard that failed on the graph's own tensors: a second compile of the shape (TORCH_LOGS=recompiles)
+        self.compiled_in_capture += torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs_before
         return graph, static, loss
 
 
@@ -4192,8 +4196,10 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, sched
             for i in range(args.warmup_steps):
                 train_step(model, compiled, optimizers, loader.next()[1], i, stage, schedule)
             model.zero_table_grads()  # gradients of steps after the shape's last Adam step: the n-gram log would grow
+            anew = compiled.compiled_in_capture if isinstance(compiled, GraphRunner) else 0
             log(f"warm-up: shape {n}/{len(shapes)} (stage from step {stage.start}: {stage.spec.batch_size:,} tokens, "
-                f"windows {stage.windows[0]}/{stage.windows[1]} tokens) done at {time.perf_counter() - t0:.0f}s")
+                f"windows {stage.windows[0]}/{stage.windows[1]} tokens) done at {time.perf_counter() - t0:.0f}s"
+                + (f"; {anew} capture(s) so far compiled anew (TORCH_LOGS=recompiles names why)" if anew else ""))
         for (windows, _), step in graphs.items():  # each tied as the first validation that uses it
             tie_embedding_at(model, step, untie)
             evaluate(model, compiled, val, windows, args, world_size)

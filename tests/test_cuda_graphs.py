@@ -100,6 +100,31 @@ def test_every_forward_and_backward_compiles_with_the_python_wrapper(tiny_args, 
     assert len(seen) == 4 and not any(seen) and torch._inductor.config.cpp_wrapper
 
 
+def test_a_capture_that_compiles_anew_is_counted(tiny_args, monkeypatch):
+    """A capture during which dynamo compiles a graph (a guard failed on the graph's own tensors: here a stand-in
+    compiled model that counts one at its second call, inside a stand-in capture) is counted for the warm-up's log;
+    the capture without one is not."""
+    import contextlib
+    from torch._dynamo.utils import counters
+    args = tiny_args(**FAST)
+    model, compiled, optimizers, _ = tg.build(args, torch.device("cpu"), 0, 1)
+    calls = []
+
+    def recompiling(*a, **k):
+        calls.append(1)
+        counters["stats"]["unique_graphs"] += len(calls) == 2  # the capture's call: the second
+        return compiled(*a, **k)
+    for fn, expected in ((compiled, 0), (recompiling, 1)):
+        runner = tg.GraphRunner(model, fn, capture=False)
+        runner.capture = True  # as on a GPU, from here on
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: type("Graph", (), {"replay": lambda self: None})())
+        monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+        schedule, stage, loader = first_stage(args)
+        tg.train_step(model, runner, optimizers, loader.next()[1], 0, stage, schedule)  # compile run, then capture
+        loader.close()
+        assert runner.captures == 1 and runner.compiled_in_capture == expected
+
+
 def _graph_worker(rank, world_size, args, out, use_runner):
     if use_runner:
         tg.build = with_runner(False, [])
