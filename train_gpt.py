@@ -3298,7 +3298,7 @@ def vs_public_master(kind: str, seconds: float | None, tokens: int, missing: lis
     ratio = seconds / master[0]
     per_token = (seconds / tokens) / (master[0] / master[1])
     return (f"vs public master ({kind}, {PUBLIC_MASTER_STEP_MS[kind]['paired']}): per-token "
-            f"{per_token:.2f}x, projected 8xH100 {ratio * RECORD_89_SECONDS:.1f} s (ours {seconds:.1f} s / its "
+            f"{per_token:.3f}x, projected 8xH100 {ratio * RECORD_89_SECONDS:.1f} s (ours {seconds:.1f} s / its "
             f"{master[0]:.1f} s over each schedule on one {kind}, x record #89's {RECORD_89_SECONDS} s: assumes both "
             "codes scale to 8 GPUs alike)")
 
