@@ -286,6 +286,7 @@ class Hyperparameters:
     muon_momentum_cooldown: int = 50  # last steps: momentum back down to muon_momentum_start, linearly; 0 = none
     muon_beta2: float = 0.9  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off
     muon_weight_decay: float = 2.25  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25; ANVIL2's 2.25, the public master's 1.2)
+    muon_bf16_comm: bool = False  # block matrices at bf16 values on every rank, the float32 ones kept by their owner's Muon: reduce-scatters and all-gathers in bf16, half the bytes (the public master's bf16 banks and their mantissa state)
     anvil_rails: tuple[float, ...] = (0.98, 0.4385, 0.85, 0.43)  # Muon's rails (ANVIL): the slow rail's beta, the fast rail's weight and beta once engaged, and from what fraction of num_iterations (ANVIL2's 0.98, 0.4385, 0.85 from its step 514 of 1194); before it, weight 1 at Muon's momentum
     # the public master's NorMuon rates: 0.023 x 2 on the MLP's input (its shape factor), x 4 on its output (10/27/25)
     mlp_muon_lr_mults: tuple[float, ...] = (2.0, 4.0)  # Muon lr multipliers of the MLP's input and output matrices; () = 1, 1
@@ -2109,7 +2110,7 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float, momentum: float, rank: int = 0, world_size: int = 1,
                  orthogonalize=None, beta2: float = 0.0, weight_decay: float = 0.0,
-                 lr_mults: dict[nn.Parameter, float] | None = None, slow_beta: float = 0.98):
+                 lr_mults: dict[nn.Parameter, float] | None = None, slow_beta: float = 0.98, bf16_comm: bool = False):
         if not 0 < slow_beta < 1:
             raise ValueError(f"Muon: slow_beta={slow_beta}: the slow rail needs a beta in (0, 1)")
         params, mult = list(params), (lr_mults or {}).get
@@ -2119,7 +2120,7 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay, fast_beta=momentum,
                         fast_weight=1.0, slow_beta=slow_beta)
         super().__init__(groups, defaults)
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.bf16_comm = rank, world_size, bf16_comm
         self.orthogonalize = anvil_orthogonalize if orthogonalize is None else orthogonalize
 
     def anvil_rails(self, group, owned: list[Tensor], fast: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
@@ -2186,6 +2187,8 @@ class Muon(torch.optim.Optimizer):
             params = group["params"]
             per_rank, _ = self._owned(group)
             grads = torch.stack([p.grad for p in params])
+            if self.bf16_comm:  # summed in bf16 on the wire, as the public master's bf16 gradients are
+                grads = grads.bfloat16()
             if per_rank * W > len(params):  # pad so every rank gets the same share
                 grads = torch.cat([grads, grads.new_zeros(per_rank * W - len(params), *grads.shape[1:])])
             if W > 1:
@@ -2213,7 +2216,10 @@ class Muon(torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
                 bufs.append(state["momentum_buffer"])
-            grad = grad[: len(owned)]
+            grad = grad[: len(owned)].to(params[0].dtype)  # (bf16_comm: from bf16)
+            # bf16_comm: the float32 matrices this rank owns, updated here; the parameters hold their bf16 values
+            exact = [self.state[p].setdefault("exact", p.detach().float().clone()) for p in owned] if self.bf16_comm \
+                else owned
             if owned:
                 # Multi-tensor (foreach) ops: one pass over all of the group's matrices, not one kernel per
                 # matrix plus a stacked copy of the buffers
@@ -2227,11 +2233,14 @@ class Muon(torch.optim.Optimizer):
                 lr, decay = group["lr"], group["lr"] * group["weight_decay"]
                 updates = list(update.to(owned[0].dtype).unbind(0))
                 if decay:  # cautious: where the slow rail has p's sign
-                    updates = [u + decay * p * (s * p >= 0) for p, u, s in zip(owned, updates, slow)]
-                torch._foreach_add_(owned, updates, alpha=-lr * scale)
+                    updates = [u + decay * p * (s * p >= 0) for p, u, s in zip(exact, updates, slow)]
+                torch._foreach_add_(exact, updates, alpha=-lr * scale)
+                if self.bf16_comm:  # every rank's copy, the owner's too: the bf16 value the all-gather sends
+                    torch._foreach_copy_(owned, [e.bfloat16() for e in exact])
             if W > 1:
-                out = torch.empty(per_rank * W, *params[0].shape, dtype=params[0].dtype, device=params[0].device)
-                local = torch.stack(owned) if owned else out.new_empty(0, *params[0].shape)
+                dtype = torch.bfloat16 if self.bf16_comm else params[0].dtype
+                out = torch.empty(per_rank * W, *params[0].shape, dtype=dtype, device=params[0].device)
+                local = torch.stack(owned).to(dtype) if owned else out.new_empty(0, *params[0].shape)
                 local = torch.cat([local, out.new_zeros(per_rank - len(owned), *params[0].shape)])
                 gathers.append((params, out, dist.all_gather_into_tensor(out, local, async_op=True)))
         return gathers
@@ -3362,7 +3371,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     mults = {p: m for mlp in mlps for p, m in ((mlp.fc_w, fc), (mlp.proj_w, proj))}
     muon = Muon(groups["block matrices"], lr=args.muon_lr, momentum=args.muon_momentum, rank=rank,
                 world_size=world_size, orthogonalize=orthogonalize, beta2=args.muon_beta2,
-                weight_decay=args.muon_weight_decay, lr_mults=mults, slow_beta=args.anvil_rails[0])
+                weight_decay=args.muon_weight_decay, lr_mults=mults, slow_beta=args.anvil_rails[0],
+                bf16_comm=args.muon_bf16_comm)
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]

@@ -75,6 +75,29 @@ def test_untying_copies_the_head_and_its_moments_into_the_token_embedding(tiny_a
     assert torch.equal(adam.state[model.embed.weight]["exp_avg_sq"], adam.state[model.lm_head_w]["exp_avg_sq"])
 
 
+def test_muon_bf16_comm_keeps_the_float32_matrices_in_its_state_and_their_bf16_values_in_the_parameters():
+    """One process: with bf16_comm, Muon's float32 trajectory (state "exact") is the one without it, bit for bit, when
+    the gradients are bf16 values (the cast it adds is then exact), with the cautious decay and NorMuon on; the
+    parameters hold its bf16 rounding; and the field builds it."""
+    torch.manual_seed(0)
+    plain = [torch.nn.Parameter(torch.randn(8, 4)) for _ in range(3)] + [torch.nn.Parameter(torch.randn(4, 4))]
+    rounded = [torch.nn.Parameter(p.detach().clone()) for p in plain]
+    a = tg.Muon(plain, lr=0.02, momentum=0.9, weight_decay=1.0, beta2=0.9)
+    b = tg.Muon(rounded, lr=0.02, momentum=0.9, weight_decay=1.0, beta2=0.9, bf16_comm=True)
+    for _ in range(4):
+        for p, q in zip(plain, rounded):
+            p.grad = torch.randn_like(p).bfloat16().float()
+            q.grad = p.grad.clone()
+        a.step()
+        b.step()
+    for p, q in zip(plain, rounded):
+        assert torch.equal(b.state[q]["exact"], p.detach()) and torch.equal(q.detach(), p.detach().bfloat16().float())
+    assert not torch.equal(rounded[0].detach(), plain[0].detach()), "the parameters are rounded"
+    model = tg.GPT(tg.ModelConfig.from_args(tg.Hyperparameters(**TINY)))
+    _, muon = tg.build_optimizers(model, tg.Hyperparameters(**TINY, muon_bf16_comm=True), 0, 1)
+    assert muon.bf16_comm and not tg.build_optimizers(model, tg.Hyperparameters(**TINY), 0, 1)[1].bf16_comm
+
+
 def test_muon_weight_decay_is_built_from_its_field_and_checked(tiny_args):
     model = tg.GPT(tg.ModelConfig.from_args(tiny_args()))
     _, muon = tg.build_optimizers(model, tiny_args(muon_weight_decay=1.2), 0, 1)
@@ -168,6 +191,57 @@ def test_distributed_muon_and_adam_on_two_processes_equal_one_process_with_summe
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=0, atol=0, msg=k)
     assert any((one[k] != tg.GPT(tg.ModelConfig.from_args(args)).state_dict()[k]).any() for k in one)
+
+
+def _bf16_comm_worker(rank, world_size, out, bf16_comm):
+    """Both ranks with the same gradients (bf16 values: their bf16 sum over two ranks is exact), recording the dtype of
+    every stack of matrices (Muon's: 3-d) the optimizers put on the wire."""
+    dist.init_process_group("gloo")
+    args, model, grads = _model_and_grads(0, {"muon_bf16_comm": bf16_comm})
+    optimizers = tg.build_optimizers(model, args, rank, world_size)
+    wire = set()
+    for name in ("reduce_scatter_tensor", "all_gather_into_tensor"):
+        def spy(output, tensor, *a, real=getattr(dist, name), name=name, **k):
+            if tensor.dim() == 3:
+                wire.add((name, tensor.dtype))
+            return real(output, tensor, *a, **k)
+        setattr(dist, name, spy)
+    for step_grads in grads:
+        for p, g in zip(model.parameters(), step_grads):
+            p.grad = g.bfloat16().to(p.dtype)
+        for opt in optimizers:
+            opt.step()
+    torch.save((model.state_dict(), wire), f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_muon_bf16_comm_sends_bf16_and_every_rank_holds_the_owners_rounding(tmp_path):
+    """--muon_bf16_comm on two processes: Muon's reduce-scatters and all-gathers carry bf16 (without it, none does);
+    both ranks end with the same parameters, the block matrices at bf16 values; and they equal one process with the
+    summed gradients, whose Muon keeps the float32 matrices (state "exact") that the parameters round."""
+    runs = {}
+    for bf16_comm in (False, True):
+        out = str(tmp_path / f"{bf16_comm}.pt")
+        spawn(_bf16_comm_worker, 2, out, bf16_comm)
+        runs[bf16_comm] = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    (state0, wire0), (state1, wire1) = runs[True]
+    assert wire0 == {("reduce_scatter_tensor", torch.bfloat16), ("all_gather_into_tensor", torch.bfloat16)}
+    assert runs[False][0][1] == {("reduce_scatter_tensor", torch.float32), ("all_gather_into_tensor", torch.float32)}
+    args, model, grads = _model_and_grads(0, {"muon_bf16_comm": True})
+    adam, muon = tg.build_optimizers(model, args, 0, 1)
+    for step_grads in grads:
+        for p, g in zip(model.parameters(), step_grads):
+            p.grad = 2 * g.bfloat16().to(p.dtype)
+        adam.step()
+        muon.step()
+    one = model.state_dict()
+    matrices = {id(p) for group in muon.param_groups for p in group["params"]}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(state0[name], one[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(state1[name], one[name], rtol=0, atol=0, msg=name)
+        if id(p) in matrices:
+            assert torch.equal(p, p.bfloat16().float()) and torch.equal(p, muon.state[p]["exact"].bfloat16().float())
 
 
 def _adam_reference(p, grads, lrs, betas, eps, wd):

@@ -62,7 +62,10 @@ PENDING_ADOPTION: set[str] = {
     "extension_batch",
     # ANVIL2's FP8 QKV (kernels.FP8Linear): decided by the record step on one H200 with it and without
     # (bench/step_time.py --fp8_qkv true / false, graph runners on) and 3 paired seeds on the proxy at 840 steps
-    "fp8_qkv"}
+    "fp8_qkv",
+    # Muon's collectives in bf16 (the float32 matrices kept by their owner): decided on two GPUs at the 8-GPU record's
+    # per-GPU shape (bench/comm_time.py, exposed moving data with it and without) and 80 same-seed steps there
+    "muon_bf16_comm"}
 
 
 def test_no_technique_is_off_in_every_preset():
