@@ -1527,6 +1527,7 @@ class GPT(nn.Module):
         for m in self.tables():
             m.register_buffer("grad_sum", None, persistent=False)
         self.ngram_log, self.ngram_logged = {}, 0  # the n-gram table's gradient log with ngram_sparse_adam (keep_table_grads)
+        self.ngram_flush_plan = None  # the next flush's distinct rows, made before the step's last forward (plan_ngram_flush)
         self.bigram_embed.weight.sparse_grad = None  # its row-sparse gradient (flush_ngram_log)
         # the smear gate's weights on the embedding's first gate_channels channels: zero, as the record
         self.smear_w = nn.Parameter(torch.zeros(1, cfg.gate_channels))
@@ -1660,13 +1661,29 @@ class GPT(nn.Module):
             log["rows"] = torch.cat([log["rows"], log["rows"].new_zeros(n - log["rows"].numel())])
             log["grads"] = torch.cat([log["grads"], log["grads"].new_zeros(n - log["grads"].size(0), log["grads"].size(1))])
 
+    def plan_ngram_flush(self, inputs: Tensor, cu_seqlens: Tensor):
+        """Before an Adam step's last training micro-batch (the trainer's, after reserve_ngram_log for it): the
+        flush's distinct rows and each logged position's place among them, from the log so far and this micro-batch's
+        rows, which its forward appends as they are. torch.unique waits for the GPU (its output size): here it waits
+        for the micro-batches before this one, and the host then queues this one's forward and backward and the
+        optimizers' work while the GPU runs it; at the flush it would wait for all of them and leave the GPU idle while
+        the host queues the optimizers. The same rows and order as the flush's own unique."""
+        if not self.ngram_log:
+            return
+        rows = self.ngram_indices(inputs, cu_seqlens)[0]
+        n = self.ngram_logged
+        logged = torch.cat([self.ngram_log["rows"][: n - rows.numel()], rows])
+        self.ngram_flush_plan = (n, *torch.unique(logged, return_inverse=True))
+
     def flush_ngram_log(self):
         """The log since the last flush as the n-gram table's row-sparse gradient, p.sparse_grad = (rows, float32
-        gradient sums): its distinct looked-up rows, ascending, each with the sum of its positions' gradients."""
+        gradient sums): its distinct looked-up rows, ascending, each with the sum of its positions' gradients (the
+        rows found before the last forward where plan_ngram_flush ran for this log)."""
         log, p = self.ngram_log, self.bigram_embed.weight
         n, self.ngram_logged = self.ngram_logged, 0
+        plan, self.ngram_flush_plan = self.ngram_flush_plan, None
         log["used"].zero_()
-        rows, inverse = torch.unique(log["rows"][:n], return_inverse=True)
+        rows, inverse = plan[1:] if plan and plan[0] == n else torch.unique(log["rows"][:n], return_inverse=True)
         p.sparse_grad = (rows, self.ngram_segment_sum(inverse, log["grads"][:n], rows.numel()))
         self.token_lookups = set()  # which of lm_head_w and embed.weight served the token lookups since the flush
 
@@ -1681,6 +1698,7 @@ class GPT(nn.Module):
         if self.ngram_log:
             self.ngram_log["used"].zero_()
             self.ngram_logged = 0
+        self.ngram_flush_plan = None
         self.bigram_embed.weight.sparse_grad = None
         self.token_lookups = set()
 
@@ -4125,6 +4143,8 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
     model.note_token_lookups()
     for m, (inputs, targets, cu_seqlens) in enumerate(micro):
         model.reserve_ngram_log(inputs.numel())
+        if m == len(micro) - 1 and schedule.adam_steps_at(step):  # the flush's host sync, before the last forward
+            model.plan_ngram_flush(inputs, cu_seqlens)
         # a sharded n-gram table: this micro-batch's rows, as last updated
         model.pull_ngram_rows(inputs, cu_seqlens, training=True)
         batch = (inputs, targets, cu_seqlens, stage.spec.max_doc_len, stage.windows)

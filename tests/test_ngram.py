@@ -213,6 +213,44 @@ def test_the_ngram_log_gives_the_tables_gradient_on_its_looked_up_rows():
     assert grads[False][others].abs().max() == 0
 
 
+def test_the_flush_planned_before_the_last_forward_is_the_flushs_own():
+    """plan_ngram_flush before a step's last micro-batch (after its reserve_ngram_log): the flush then takes the rows
+    found from the log so far and that micro-batch's rows, the same rows and sums as its own unique after the last
+    backward; a plan made for another log length (a micro-batch more) is not used; zero_table_grads drops it."""
+    x, cu = stream(T=128, starts=(0, 60))
+    y = torch.randint(0, BOS, (128,), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    x2 = torch.randint(0, BOS, (128,), generator=torch.Generator().manual_seed(6), dtype=torch.int32)
+    windows = tg.window_tokens(3, TINY["window_block"])
+    flushed = {}
+    for planned in ("no", "yes", "stale"):
+        model = tiny_model(randomize=True, trigram_rows=128)
+        model.keep_table_grads(64)  # grows at the first micro-batch's reserve, as a warm-up's would
+        model.note_token_lookups()
+        for i, inputs in enumerate((x, x2)):
+            model.reserve_ngram_log(inputs.numel())
+            if i == 1 and planned == "yes":
+                model.plan_ngram_flush(inputs, cu)
+            if i == 0 and planned == "stale":
+                model.plan_ngram_flush(inputs, cu)
+            model(inputs, y, cu, 128, windows).backward()
+        unique, calls = torch.unique, []
+        if planned == "yes":
+            n, rows, _ = model.ngram_flush_plan
+            assert n == model.ngram_logged == 2 * 2 * 128
+            torch.unique = lambda *a, **k: calls.append(1) or unique(*a, **k)  # the flush must not need its own
+        try:
+            model.flush_table_grads()
+        finally:
+            torch.unique = unique
+        assert model.ngram_flush_plan is None and not calls
+        flushed[planned] = model.bigram_embed.weight.sparse_grad
+    for planned in ("yes", "stale"):
+        assert torch.equal(flushed[planned][0], flushed["no"][0]) and torch.equal(flushed[planned][1], flushed["no"][1])
+    model.plan_ngram_flush(x, cu)
+    model.zero_table_grads()
+    assert model.ngram_flush_plan is None
+
+
 def test_dist_adam_steps_the_sparse_group_by_row_sparse_adam():
     args = tg.Hyperparameters(**{**TINY, "ngram_sparse_adam": True, "trigram_rows": 64})
     model = tiny_model(randomize=True, ngram_sparse_adam=True, trigram_rows=64)
