@@ -4561,6 +4561,8 @@ def name_run(args: Hyperparameters, world_size: int) -> tuple[Hyperparameters, P
         raise ValueError(f"--run_id {args.run_id}: {log_file} already holds another run's log; leave --run_id out "
                          "for a new id, or name another (a log goes on only when --resume continues its run from "
                          "the run's newest checkpoint)")
+    if world_size > 1:  # every rank checks before rank 0 goes on to write the log and checkpoints (it may be first)
+        dist.barrier()
     return args, resume, branch
 
 
