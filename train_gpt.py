@@ -1529,6 +1529,7 @@ class GPT(nn.Module):
         self.ngram_log, self.ngram_logged = {}, 0  # the n-gram table's gradient log with ngram_sparse_adam (keep_table_grads)
         self.ngram_flush_plan = None  # the next flush's distinct rows, made before the step's last forward (plan_ngram_flush)
         self.bigram_embed.weight.sparse_grad = None  # its row-sparse gradient (flush_ngram_log)
+        self.bigram_embed.weight.sparse_route = None  # a sharded table's push, planned (plan_row_push)
         # the smear gate's weights on the embedding's first gate_channels channels: zero, as the record
         self.smear_w = nn.Parameter(torch.zeros(1, cfg.gate_channels))
         # Tied embedding (2025-12-22 record, @varunneal, PR 178): while tied_embed is set, token embeddings
@@ -1667,13 +1668,17 @@ class GPT(nn.Module):
         rows, which its forward appends as they are. torch.unique waits for the GPU (its output size): here it waits
         for the micro-batches before this one, and the host then queues this one's forward and backward and the
         optimizers' work while the GPU runs it; at the flush it would wait for all of them and leave the GPU idle while
-        the host queues the optimizers. The same rows and order as the flush's own unique."""
+        the host queues the optimizers. The same rows and order as the flush's own unique. A sharded table's push to
+        the owners is planned here too (plan_row_push), with its own syncs."""
         if not self.ngram_log:
             return
         rows = self.ngram_indices(inputs, cu_seqlens)[0]
         n = self.ngram_logged
         logged = torch.cat([self.ngram_log["rows"][: n - rows.numel()], rows])
-        self.ngram_flush_plan = (n, *torch.unique(logged, return_inverse=True))
+        distinct, inverse = torch.unique(logged, return_inverse=True)
+        route = None if self.ngram_world == 1 else plan_row_push(distinct, self.bigram_embed.weight.size(0),
+                                                                 self.ngram_rank, self.ngram_world)
+        self.ngram_flush_plan = (n, distinct, inverse, route)
 
     def flush_ngram_log(self):
         """The log since the last flush as the n-gram table's row-sparse gradient, p.sparse_grad = (rows, float32
@@ -1683,7 +1688,8 @@ class GPT(nn.Module):
         n, self.ngram_logged = self.ngram_logged, 0
         plan, self.ngram_flush_plan = self.ngram_flush_plan, None
         log["used"].zero_()
-        rows, inverse = plan[1:] if plan and plan[0] == n else torch.unique(log["rows"][:n], return_inverse=True)
+        rows, inverse, p.sparse_route = (plan[1:] if plan and plan[0] == n else
+                                         (*torch.unique(log["rows"][:n], return_inverse=True), None))
         p.sparse_grad = (rows, self.ngram_segment_sum(inverse, log["grads"][:n], rows.numel()))
         self.token_lookups = set()  # which of lm_head_w and embed.weight served the token lookups since the flush
 
@@ -1699,7 +1705,7 @@ class GPT(nn.Module):
             self.ngram_log["used"].zero_()
             self.ngram_logged = 0
         self.ngram_flush_plan = None
-        self.bigram_embed.weight.sparse_grad = None
+        self.bigram_embed.weight.sparse_grad = self.bigram_embed.weight.sparse_route = None
         self.token_lookups = set()
 
     def flush_table_grads(self):
@@ -2394,6 +2400,18 @@ def push_row_grads(rows: Tensor, grads: Tensor, shard_rows: int, world_size: int
     return (got_rows, got), works
 
 
+def plan_row_push(rows: Tensor, shard_rows: int, rank: int, world_size: int) -> tuple:
+    """push_row_grads' exchange and sum_owned_rows' unique ahead of the gradients (GPT.plan_ngram_flush, before the
+    step's last forward, where their host syncs find less of the GPU's queue to wait for): (sent, received, the
+    distinct rows this owner receives, minus its first row, and each received position's place among them). After
+    the backward only the gradients go over the wire, by these split sizes, and are summed by these places."""
+    sent, received = exchange_counts(owner_counts(rows, shard_rows, world_size))
+    got_rows = rows.new_empty(sum(received))
+    dist.all_to_all_single(got_rows, rows, received, sent)
+    owned, inverse = torch.unique(got_rows - rank * shard_rows, return_inverse=True)
+    return sent, received, owned, inverse
+
+
 def sum_owned_rows(rows: Tensor, grads: Tensor, first_row: int, segment=segment_sum) -> tuple[Tensor, Tensor]:
     """The pushed gradients an owner received (rows of the whole table, one list per sending rank) summed per row:
     its own rows (minus first_row: rows of its shard), distinct and ascending, and their float32 sums (segment)."""
@@ -2471,8 +2489,16 @@ class DistAdam(torch.optim.Optimizer):
                 if group.get("sparse_rows"):  # the sharded n-gram table: its rows' gradients to their owners
                     if getattr(p, "sparse_grad", None) is not None:  # in the table's dtype, as the dense .grad
                         rows, grads = p.sparse_grad
-                        pending.append((group, p, *push_row_grads(rows, grads.to(p.dtype) if W > 1 else grads,
-                                                                  p.size(0), W)))
+                        route = getattr(p, "sparse_route", None) if W > 1 else None
+                        if route is not None:  # planned (plan_row_push): only the gradients to send
+                            sent, received, owned, places = route
+                            g = grads.to(p.dtype)
+                            got = g.new_empty(sum(received), g.size(1))
+                            work = dist.all_to_all_single(got, g, received, sent, async_op=True)
+                            pending.append((group, p, (owned, places, got), [work]))
+                        else:
+                            pending.append((group, p, *push_row_grads(rows, grads.to(p.dtype) if W > 1 else grads,
+                                                                      p.size(0), W)))
                     continue
                 if p.grad is None:  # unused this step on every rank (a tied token embedding): no update
                     continue
@@ -2493,8 +2519,13 @@ class DistAdam(torch.optim.Optimizer):
             if group.get("sparse_rows"):  # sharded: each owner updates its rows, nothing to gather
                 for w in work:
                     w.wait()
-                p.sparse_grad = None
-                rows, grads = sum_owned_rows(*g, r * p.size(0), self.segment) if W > 1 else g  # one GPU: the flush's
+                planned, p.sparse_grad, p.sparse_route = getattr(p, "sparse_route", None), None, None
+                if W == 1:  # one GPU: the flush's
+                    rows, grads = g
+                elif planned is not None:  # the owner's rows and places from plan_row_push
+                    rows, grads = g[0], self.segment(g[1], g[2], g[0].numel())
+                else:
+                    rows, grads = sum_owned_rows(*g, r * p.size(0), self.segment)
                 row_sparse_adam(p.data, rows, grads, self.state[p], group["lr"], group["betas"][1],
                                 group["eps"], group["weight_decay"], self.row_update)
                 continue

@@ -235,8 +235,8 @@ def test_the_flush_planned_before_the_last_forward_is_the_flushs_own():
             model(inputs, y, cu, 128, windows).backward()
         unique, calls = torch.unique, []
         if planned == "yes":
-            n, rows, _ = model.ngram_flush_plan
-            assert n == model.ngram_logged == 2 * 2 * 128
+            n, route = model.ngram_flush_plan[0], model.ngram_flush_plan[-1]
+            assert n == model.ngram_logged == 2 * 2 * 128 and route is None  # one GPU: nothing to push
             torch.unique = lambda *a, **k: calls.append(1) or unique(*a, **k)  # the flush must not need its own
         try:
             model.flush_table_grads()
@@ -343,9 +343,15 @@ def test_gloo_ranks_push_their_row_gradients_to_the_owners_which_sum_and_update_
 
 
 def _train_worker(rank, world_size, args, out):
+    pushes = {"planned": 0, "unplanned": 0}  # how each Adam step's row push found its split sizes and owners' rows
+    for name, kind in (("plan_row_push", "planned"), ("push_row_grads", "unplanned")):
+        def counted(*a, real=getattr(tg, name), kind=kind, **k):
+            pushes[kind] += 1
+            return real(*a, **k)
+        setattr(tg, name, counted)
     run = tg.train(args)
     if rank == 0:
-        torch.save((run.train_losses, run.val_losses, run.checkpoint), out)
+        torch.save((run.train_losses, run.val_losses, run.checkpoint, pushes), out)
 
 
 @pytest.mark.slow
@@ -355,7 +361,8 @@ def test_the_sharded_table_trains_on_2_and_4_gloo_processes_as_on_one(tiny_args,
     agree to float32 rounding (the micro-batches' gradients summed in another order); each rank's checkpoint file
     holds its block of rows / world_size rows, model.pt none. Through the sampled softmax's path too, switched to
     the full softmax at step 5, as the record preset runs them together: with every row a candidate (the sweep's
-    rows differ by rank and world size, so fewer rows would not give equal losses)."""
+    rows differ by rank and world size, so fewer rows would not give equal losses). Every Adam step's push to the
+    owners planned before the step's last forward (plan_row_push)."""
     from distributed import spawn
     sampled = tuple(dataclasses.replace(row, candidates=TINY["vocab_size"]) for row in TINY["stages"])
     common = dict(batch_size=4 * 128, num_iterations=6, val_every=3, save_every=6, ngram_sparse_adam=True,
@@ -366,7 +373,8 @@ def test_the_sharded_table_trains_on_2_and_4_gloo_processes_as_on_one(tiny_args,
     for world in (2, 4):
         out = str(tmp_path / f"{world}.pt")
         spawn(_train_worker, world, tiny_args(**common, run_id=f"on{world}"), out)
-        train, val, checkpoint = torch.load(out)
+        train, val, checkpoint, pushes = torch.load(out)
+        assert pushes["planned"] > 0 and pushes["unplanned"] == 0, pushes  # every push planned before its last forward
         torch.testing.assert_close(torch.tensor(train), torch.tensor(one.train_losses), rtol=1e-4, atol=0)
         torch.testing.assert_close(torch.tensor([v for _, v in val]), torch.tensor([v for _, v in one.val_losses]),
                                    rtol=1e-4, atol=0)
