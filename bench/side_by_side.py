@@ -33,7 +33,8 @@ repeat data is refused with an error.
 Validation is the same for both codes: the first --val_tokens tokens of the val shard in buffers of
 --val_seq_len (the public val_batch_size becomes nproc x accum x val_seq_len: val_seq_len per rank).
 
-Runs go one after the other (step times then compare; the per-stage table is printed), or with
+Runs go one after the other (step times then compare; the per-stage table is printed; a run that fails leaves
+the later ones unstarted), or with
 --parallel all at once sharing the GPU (losses only; the tables say so). --warm_first runs each code's first run
 once beforehand, all at the same time and untimed, so that the timed runs compile from warm caches; --alternate
 takes the codes in turns (A B A B) instead of each code's runs together. Prints and
@@ -792,13 +793,20 @@ def launch_all(runs, at_once: int, stagger: bool, poll: float = 2.0, journal: Pa
     """Start the runs, at most `at_once` at a time, in order; with `stagger`, the other runs of a code wait
     until its first run has logged a training step, so that they find its compiled graphs in the shared
     Inductor cache instead of compiling the same graphs at once. Each start is appended to `journal` (its time,
-    a tab, the run's name), for --report. Returns the processes in run order."""
+    a tab, the run's name), for --report. One at a time (at_once 1), a run that fails stops the ones after it: a
+    timing's pairs need every run, and its code would fail again on the machine's time. Returns the processes in run
+    order (None: not started)."""
     procs: dict[int, subprocess.Popen] = {}
     leader: dict[str, int] = {}
     while len(procs) < len(runs):
         for i, (name, log, cmd, cwd, env, *_) in enumerate(runs):
             if i in procs or sum(p.poll() is None for p in procs.values()) >= at_once:
                 continue
+            failed = [runs[j][0] for j, p in procs.items() if p.poll()]  # finished with a nonzero exit
+            if at_once == 1 and failed:
+                left = [r[0] for j, r in enumerate(runs) if j not in procs]
+                print(f"{failed[0]} failed: not starting {', '.join(left)}", flush=True)
+                return [procs.get(j) for j in range(len(runs))]
             g = group_of(name)
             if stagger and g in leader:
                 first = leader[g]
@@ -1206,10 +1214,10 @@ def main():
     monitor = GpuMonitor(path=a.work / f"gpu_monitor_{stamp}.csv")  # written as it goes, as is the journal
     procs = launch_all(runs, at_once, a.parallel and a.stagger, journal=a.work / f"runs_{stamp}.tsv")
     for (name, log, *_), proc in zip(runs, procs):
-        if proc.wait() != 0:
+        if proc is not None and proc.wait() != 0:
             print(f"{name} exited with {proc.returncode}; its output: {log.with_suffix('.out')}", flush=True)
     monitor.stop()
-    conditions = runs_conditions(runs, monitor.samples, {r[0]: p.started_at for r, p in zip(runs, procs)}, a.nproc)
+    conditions = runs_conditions(runs, monitor.samples, {r[0]: p.started_at for r, p in zip(runs, procs) if p}, a.nproc)
     report(a, runs, code, [label for label, _ in variants], plans, conditions_table(conditions, monitor.error))
 
 

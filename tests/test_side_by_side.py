@@ -682,6 +682,25 @@ def test_staggered_runs_wait_for_their_code_s_first_run_to_train(monkeypatch, tm
 
 
 
+def test_runs_one_at_a_time_stop_at_the_first_that_fails(monkeypatch, tmp_path, capsys):
+    """One run at a time (a timing's A B A B), a run that exits nonzero leaves the runs after it unstarted (None),
+    said in one line; runs that succeed all start; several at once, a failure stops nothing."""
+    runs = [(f"{code} seed {i}", tmp_path / f"{code}{i}.txt", ["x"], tmp_path, {}, i, [])
+            for i in (0, 1) for code in ("public master", "ours")]
+    for fails, at_once, started in (("ours seed 0", 1, 2), (None, 1, 4), ("ours seed 0", 4, 4)):
+        order = []
+
+        def fake_launch(cmd, cwd, out, env):
+            order.append(out.stem)
+            code = 1 if fails and out.stem == fails.replace(" seed ", "") else 0
+            return SimpleNamespace(poll=lambda: code)
+        monkeypatch.setattr(fh, "launch", fake_launch)
+        monkeypatch.setattr(fh.time, "sleep", lambda _: None)
+        procs = fh.launch_all(runs, at_once=at_once, stagger=False)
+        assert len(order) == started and sum(p is not None for p in procs) == started
+    assert "ours seed 0 failed: not starting public master seed 1, ours seed 1" in capsys.readouterr().out
+
+
 # ---- --nproc: every run on N GPUs, one run at a time, the public micro-batch shapes kept
 
 
