@@ -2260,11 +2260,13 @@ class Muon(torch.optim.Optimizer):
                     updates = [u + decay * p * (s * p >= 0) for p, u, s in zip(exact, updates, slow)]
                 torch._foreach_add_(exact, updates, alpha=-lr * scale)
                 if self.bf16_comm:  # every rank's copy, the owner's too: the bf16 value the all-gather sends
-                    torch._foreach_copy_(owned, [e.bfloat16() for e in exact])
+                    rounded = torch.stack(exact).bfloat16()
+                    torch._foreach_copy_(owned, list(rounded.unbind(0)))
             if W > 1:
                 dtype = torch.bfloat16 if self.bf16_comm else params[0].dtype
                 out = torch.empty(per_rank * W, *params[0].shape, dtype=dtype, device=params[0].device)
-                local = torch.stack(owned).to(dtype) if owned else out.new_empty(0, *params[0].shape)
+                local = (rounded if self.bf16_comm else torch.stack(owned)) if owned else \
+                    out.new_empty(0, *params[0].shape)
                 local = torch.cat([local, out.new_zeros(per_rank - len(owned), *params[0].shape)])
                 gathers.append((params, out, dist.all_gather_into_tensor(out, local, async_op=True)))
         return gathers
@@ -2385,18 +2387,20 @@ def pull_rows(table: Tensor, wanted: Tensor, out: Tensor, rank: int, world_size:
     dist.all_to_all_single(out, served, sent, received)
 
 
-def push_row_grads(rows: Tensor, grads: Tensor, shard_rows: int, world_size: int) -> tuple[tuple, list]:
+def push_row_grads(rows: Tensor, grads: Tensor, shard_rows: int, world_size: int,
+                   route: tuple | None = None) -> tuple[tuple, list]:
     """An Adam step's gradient sums of this rank's looked-up rows (ascending, distinct, of the whole table; in the
     table's dtype, bf16 on the wire as the dense table's reduce-scatter sends) to their owners, by all-to-all after
     the counts' (the row-sparse reduce-scatter of ANVIL2, 08/30/26). Returns (the received rows, their gradients)
     and the all-to-alls to wait for; on one GPU the rows themselves and nothing to wait for. Received per rank:
-    about its share of the ranks' rows, each 8 + 2 x dim bytes."""
+    about its share of the ranks' rows, each 8 + 2 x dim bytes. With a route (plan_row_push) the counts and rows
+    went over before: only the gradients go, and the received rows are None (the route has the owner's)."""
     if world_size == 1:
         return (rows, grads), []
-    sent, received = exchange_counts(owner_counts(rows, shard_rows, world_size))
-    got_rows, got = rows.new_empty(sum(received)), grads.new_empty(sum(received), grads.size(1))
-    works = [dist.all_to_all_single(got_rows, rows, received, sent, async_op=True),
-             dist.all_to_all_single(got, grads, received, sent, async_op=True)]
+    sent, received = route[:2] if route else exchange_counts(owner_counts(rows, shard_rows, world_size))
+    got_rows, got = None if route else rows.new_empty(sum(received)), grads.new_empty(sum(received), grads.size(1))
+    works = [] if route else [dist.all_to_all_single(got_rows, rows, received, sent, async_op=True)]
+    works.append(dist.all_to_all_single(got, grads, received, sent, async_op=True))
     return (got_rows, got), works
 
 
@@ -2408,14 +2412,15 @@ def plan_row_push(rows: Tensor, shard_rows: int, rank: int, world_size: int) -> 
     sent, received = exchange_counts(owner_counts(rows, shard_rows, world_size))
     got_rows = rows.new_empty(sum(received))
     dist.all_to_all_single(got_rows, rows, received, sent)
-    owned, inverse = torch.unique(got_rows - rank * shard_rows, return_inverse=True)
-    return sent, received, owned, inverse
+    return sent, received, *torch.unique(got_rows - rank * shard_rows, return_inverse=True)
 
 
-def sum_owned_rows(rows: Tensor, grads: Tensor, first_row: int, segment=segment_sum) -> tuple[Tensor, Tensor]:
+def sum_owned_rows(rows: Tensor | None, grads: Tensor, first_row: int, segment=segment_sum,
+                   route: tuple | None = None) -> tuple[Tensor, Tensor]:
     """The pushed gradients an owner received (rows of the whole table, one list per sending rank) summed per row:
-    its own rows (minus first_row: rows of its shard), distinct and ascending, and their float32 sums (segment)."""
-    owned, inverse = torch.unique(rows - first_row, return_inverse=True)
+    its own rows (minus first_row: rows of its shard), distinct and ascending, and their float32 sums (segment);
+    with a route (plan_row_push), its rows and places found before."""
+    owned, inverse = route[2:] if route else torch.unique(rows - first_row, return_inverse=True)
     return owned, segment(inverse, grads, owned.numel())
 
 
@@ -2489,16 +2494,8 @@ class DistAdam(torch.optim.Optimizer):
                 if group.get("sparse_rows"):  # the sharded n-gram table: its rows' gradients to their owners
                     if getattr(p, "sparse_grad", None) is not None:  # in the table's dtype, as the dense .grad
                         rows, grads = p.sparse_grad
-                        route = getattr(p, "sparse_route", None) if W > 1 else None
-                        if route is not None:  # planned (plan_row_push): only the gradients to send
-                            sent, received, owned, places = route
-                            g = grads.to(p.dtype)
-                            got = g.new_empty(sum(received), g.size(1))
-                            work = dist.all_to_all_single(got, g, received, sent, async_op=True)
-                            pending.append((group, p, (owned, places, got), [work]))
-                        else:
-                            pending.append((group, p, *push_row_grads(rows, grads.to(p.dtype) if W > 1 else grads,
-                                                                      p.size(0), W)))
+                        pending.append((group, p, *push_row_grads(rows, grads.to(p.dtype) if W > 1 else grads,
+                                                                  p.size(0), W, getattr(p, "sparse_route", None))))
                     continue
                 if p.grad is None:  # unused this step on every rank (a tied token embedding): no update
                     continue
@@ -2519,13 +2516,9 @@ class DistAdam(torch.optim.Optimizer):
             if group.get("sparse_rows"):  # sharded: each owner updates its rows, nothing to gather
                 for w in work:
                     w.wait()
-                planned, p.sparse_grad, p.sparse_route = getattr(p, "sparse_route", None), None, None
-                if W == 1:  # one GPU: the flush's
-                    rows, grads = g
-                elif planned is not None:  # the owner's rows and places from plan_row_push
-                    rows, grads = g[0], self.segment(g[1], g[2], g[0].numel())
-                else:
-                    rows, grads = sum_owned_rows(*g, r * p.size(0), self.segment)
+                route, p.sparse_grad, p.sparse_route = getattr(p, "sparse_route", None), None, None
+                # one GPU: the flush's; else the owner's sums, by the route's places where the push was planned
+                rows, grads = sum_owned_rows(*g, r * p.size(0), self.segment, route) if W > 1 else g
                 row_sparse_adam(p.data, rows, grads, self.state[p], group["lr"], group["betas"][1],
                                 group["eps"], group["weight_decay"], self.row_update)
                 continue
