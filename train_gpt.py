@@ -315,6 +315,11 @@ class Hyperparameters:
     scalar_adam_betas: tuple[float, ...] = (0.9, 0.99)  # the scalars' Adam betas; empty = Adam's (12/21/25)
     # (2025-09-30 record, PR 136); checkpoints and signal stops fall on Adam's steps
     adam_every: int = 2  # Adam steps every Nth step, on its gradients summed over those N steps; Muon every step
+    # ANVIL2's embedding cadence (record #92: period 4 from its step 336 of 1194, from every second step): the
+    # value-embedding and n-gram tables' Adam steps every Nth step from a fraction of the run on, on their gradients
+    # summed since their last step, with the per-update equivalents of their betas and decay (betas to the power
+    # N / adam_every, decay times it: ANVIL2's squared betas and doubled decay); their communication and updates halve
+    table_adam_every: tuple[float, ...] = ()  # period,from: the tables' Adam every period-th step from that fraction of num_iterations on; () = adam_every's
     # run
     val_every: int = 125  # validate every N steps (and at the end); 0 = only at the end
     warmup_steps: int = 3  # untimed compile warm-up steps per window size (weights restored after)
@@ -422,6 +427,12 @@ class Hyperparameters:
         if h.adam_every < 1 or h.save_every % h.adam_every:
             raise ValueError(f"adam_every={h.adam_every}, save_every={h.save_every}: adam_every >= 1, and checkpoints "
                              "fall on Adam's steps, so save_every must be a multiple of it")
+        if h.table_adam_every and (len(h.table_adam_every) != 2 or h.table_adam_every[0] != int(h.table_adam_every[0])
+                                   or h.table_adam_every[0] < h.adam_every or h.table_adam_every[0] % h.adam_every
+                                   or not 0 <= h.table_adam_every[1] < 1 or h.save_every % h.table_adam_every[0]):
+            raise ValueError(f"table_adam_every={h.table_adam_every}: a period (a multiple of adam_every={h.adam_every}) "
+                             f"and the fraction of num_iterations it starts from, in [0, 1); checkpoints fall on the "
+                             f"tables' steps, so save_every={h.save_every} must be a multiple of the period")
         if not 0 <= h.tied_embed_stages <= len(h.stages) + (h.extension_steps > 0):
             raise ValueError(f"tied_embed_stages={h.tied_embed_stages}: 0 (untied) up to the number of stages "
                              f"({len(h.stages)} + the extension if any)")
@@ -1708,15 +1719,16 @@ class GPT(nn.Module):
         self.bigram_embed.weight.sparse_grad = self.bigram_embed.weight.sparse_route = None
         self.token_lookups = set()
 
-    def flush_table_grads(self):
+    def flush_table_grads(self, tables: bool = True):
         """The sums since the last flush into the tables' .grad (added to what autograd left there: the LM head's
         own gradient), then zeroed. A table not looked up since (the token embedding while tied, the head once
-        untied) gets none from here, as with autograd."""
+        untied) gets none from here, as with autograd. tables False (an Adam step without the tables' step,
+        table_adam_every): the value-embedding and n-gram tables' sums and log keep summing, and get no .grad."""
         used = [(self.lm_head_w, self.lm_head_grad_sum)] if "lm_head_w" in self.token_lookups else []
         used += [(self.embed.weight, self.embed.grad_sum)] if "embed" in self.token_lookups else []
-        used += [(m.weight, m.grad_sum) for m in self.tables()[1:]]
+        used += [(m.weight, m.grad_sum) for m in self.tables()[1:]] if tables else []
         self.token_lookups = set()
-        if self.ngram_log:
+        if self.ngram_log and tables:
             self.flush_ngram_log()
         for p, grad_sum in used:
             if grad_sum is None:
@@ -2954,6 +2966,17 @@ class Schedule:
         last); Muon steps every step."""
         return (step + 1) % self.args.adam_every == 0
 
+    def tables_step_at(self, step: int) -> bool:
+        """Whether the value-embedding and n-gram tables' Adam steps at the end of this step (table_adam_every);
+        always a step of Adam's."""
+        return (step + 1) % table_adam_period(self.args, step) == 0
+
+    def table_adam_settings(self, step: int, group: dict) -> tuple[tuple[float, float], float]:
+        """A table group's Adam betas and weight decay at a step: per update of table_adam_period's, the
+        equivalents of its settings per adam_every steps."""
+        k = table_adam_period(self.args, step) // self.args.adam_every
+        return tuple(b ** k for b in group["initial_betas"]), group["initial_weight_decay"] * k
+
     def candidates_at(self, step: int, stage: Stage) -> int:
         """The sampled softmax's rows at a step of a stage (or a warm-up shape): the stage's candidates before the
         step full_softmax_from of the run, 0 (the full softmax) from it on."""
@@ -3391,7 +3414,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     token = head if args.tied_embed_stages else dict(lr=args.adam_lr * args.embed_lr_mult)
     adam_groups = [dict(params=groups["token embedding"], **token),
                    dict(params=tables, lr=args.adam_lr * args.embed_lr_mult, weight_decay=args.embed_weight_decay,
-                        betas=tuple(args.embed_adam_betas) or betas),
+                        betas=tuple(args.embed_adam_betas) or betas, tables=True),
                    dict(params=groups["LM head"], **head),
                    dict(params=groups["scalars"], lr=args.adam_lr * args.scalar_lr_mult,
                         betas=tuple(args.scalar_adam_betas) or betas),
@@ -3404,7 +3427,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     if args.ngram_sparse_adam:  # ANVIL2's n-gram table Adam: beta1 0, the tables' beta2, lr and decay
         adam_groups.append(dict(params=groups["bigram embedding"], sparse_rows=True, lr=args.adam_lr * args.embed_lr_mult,
                                 weight_decay=args.embed_weight_decay,
-                                betas=(0.0, (tuple(args.embed_adam_betas) or betas)[1])))
+                                betas=(0.0, (tuple(args.embed_adam_betas) or betas)[1]), tables=True))
     adam = DistAdam([g for g in adam_groups if g["params"]], lr=args.adam_lr, betas=betas, eps=args.adam_eps,
                     rank=rank, world_size=world_size, update=update, row_update=row_update, segment=segment)
     fc, proj = args.mlp_muon_lr_mults or (1.0, 1.0)
@@ -3419,6 +3442,9 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
+    for group in adam.param_groups:  # the tables' betas and decay per update change with table_adam_every
+        if group.get("tables"):
+            group["initial_betas"], group["initial_weight_decay"] = tuple(group["betas"]), group["weight_decay"]
     return adam, muon
 
 
@@ -3460,12 +3486,21 @@ def ngram_shard(args: Hyperparameters, rank: int, world_size: int) -> tuple[int,
     return (rank, world_size) if args.ngram_sparse_adam else (0, 1)
 
 
+def table_adam_period(args: Hyperparameters, step: int) -> int:
+    """The value-embedding and n-gram tables' Adam period at a step: table_adam_every's from its fraction of
+    num_iterations on, adam_every before."""
+    t = args.table_adam_every
+    return int(t[0]) if t and step >= t[1] * args.num_iterations else args.adam_every
+
+
 def ngram_positions(schedule: Schedule, world_size: int) -> int:
-    """The n-gram table's lookups on one rank between two Adam steps at the schedule's largest batch (its gradient
-    log's room, ngram_sparse_adam): tokens per rank x adam_every x channels (2 with the trigram channel)."""
+    """The n-gram table's lookups on one rank between two of its Adam steps at the schedule's largest batch (its
+    gradient log's room, ngram_sparse_adam, made once: a log that grew would move under the captured graphs): tokens
+    per rank x the tables' longest period x channels (2 with the trigram channel)."""
     args = schedule.args
     batch = max(st.spec.batch_size for st in schedule.stages)
-    return batch // world_size * args.adam_every * (2 if args.trigram_rows else 1)
+    period = max(args.adam_every, int(args.table_adam_every[0]) if args.table_adam_every else 0)
+    return batch // world_size * period * (2 if args.trigram_rows else 1)
 
 
 def ngram_cache_positions(schedule: Schedule) -> int:
@@ -4168,7 +4203,7 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
     model.note_token_lookups()
     for m, (inputs, targets, cu_seqlens) in enumerate(micro):
         model.reserve_ngram_log(inputs.numel())
-        if m == len(micro) - 1 and schedule.adam_steps_at(step):  # the flush's host sync, before the last forward
+        if m == len(micro) - 1 and schedule.tables_step_at(step):  # the flush's host sync, before the last forward
             model.plan_ngram_flush(inputs, cu_seqlens)
         # a sharded n-gram table: this micro-batch's rows, as last updated
         model.pull_ngram_rows(inputs, cu_seqlens, training=True)
@@ -4184,12 +4219,14 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * schedule.lr_factor(step, stage)
+            if group.get("tables"):
+                group["betas"], group["weight_decay"] = schedule.table_adam_settings(step, group)
     for group in muon.param_groups:
         group["momentum"] = schedule.momentum(step)
         group["fast_beta"], group["fast_weight"] = schedule.anvil_rails(step)
     stepping = (muon, adam) if schedule.adam_steps_at(step) else (muon,)
     if adam in stepping:
-        model.flush_table_grads()  # the token tables' gradients summed since Adam's last step
+        model.flush_table_grads(schedule.tables_step_at(step))  # the token tables' gradients summed since their last step
     # Communication overlapped with the optimizers' math: every reduce-scatter is launched before any update
     # (Muon's first: its orthogonalization is the longest math, so it can start soonest), each update waits
     # only on its own parameters' reduce, and the all-gathers are waited on last (as the public code orders
@@ -4743,8 +4780,8 @@ class RunControl:
                 raise ShardError(f"{e}. No checkpoint of step {step} (no room: see the line above)") from e
             raise ShardError(f"{e}. Saved {self.checkpoint}; once the data is fixed, continue with: "
                              f"{resume_command(self.checkpoint, self.world_size)}") from e
-        if stop and step % args.adam_every and step < N:  # Adam's summed gradient is not checkpointed:
-            stop = False  # stop after Adam's next step (every rank defers alike: the flag is agreed)
+        if stop and step % table_adam_period(args, step - 1) and step < N:  # summed gradients are not checkpointed:
+            stop = False  # stop after Adam's (and the tables') next step (every rank defers alike: the flag is agreed)
         if step > self.first_step and (stop or (args.save_every > 0 and step % args.save_every == 0 and step < N)):
             self.clock.stop()  # checkpoints are not timed
             if saved := self.save(step, data_state):

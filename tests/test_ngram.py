@@ -386,6 +386,27 @@ def test_the_sharded_table_trains_on_2_and_4_gloo_processes_as_on_one(tiny_args,
         torch.testing.assert_close(table, one_table, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_the_tables_longer_adam_period_trains_on_2_gloo_processes_as_on_one(tiny_args, tmp_path):
+    """table_adam_every (4, 0.3) over 8 steps, Adam every second step: the value-embedding and sharded n-gram tables
+    step at steps 1, 3 and 7 only, their gradients summed since their last step (on two processes the n-gram rows'
+    pushes too, planned before the table step's last forward, none on Adam's step 5). The losses agree with one
+    process to float32 rounding, and differ from the run without the period (so the period was in effect)."""
+    from distributed import spawn
+    common = dict(batch_size=4 * 128, num_iterations=8, val_every=4, save_every=8, ngram_sparse_adam=True,
+                  trigram_rows=512)
+    one = tg.train(tiny_args(**common, table_adam_every=(4, 0.3), run_id="one"))
+    plain = tg.train(tiny_args(**common, run_id="plain"))
+    assert one.train_losses[:4] == plain.train_losses[:4] and one.train_losses[-1] != plain.train_losses[-1]
+    out = str(tmp_path / "2.pt")
+    spawn(_train_worker, 2, tiny_args(**common, table_adam_every=(4, 0.3), run_id="on2"), out)
+    train, val, _, pushes = torch.load(out)
+    assert pushes == {"planned": 3, "unplanned": 0}, pushes  # the table's steps 1, 3 and 7
+    torch.testing.assert_close(torch.tensor(train), torch.tensor(one.train_losses), rtol=1e-4, atol=0)
+    torch.testing.assert_close(torch.tensor([v for _, v in val]), torch.tensor([v for _, v in one.val_losses]),
+                               rtol=1e-4, atol=0)
+
+
 # -- 4. the memory table and the start-up refusal
 
 def test_the_ngram_memory_table_is_its_parts_arithmetic():

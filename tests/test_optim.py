@@ -444,6 +444,68 @@ def test_adam_every_is_checked_against_the_checkpoint_cadence(tiny_args):
             tiny_args(**bad)
 
 
+def test_the_tables_adam_period_starts_at_its_fraction_with_betas_and_decay_per_update(tiny_args):
+    """table_adam_every (4, 0.5) at 16 steps, Adam every second step: the tables step with Adam (steps 1, 3, 5, 7)
+    until step 8, then every fourth step (11, 15), their betas squared and decay doubled there; checkpoints wait for
+    the tables' step. Bad settings are refused with the rule."""
+    schedule = tg.Schedule(tiny_args(num_iterations=16, adam_every=2, table_adam_every=(4, 0.5)))
+    assert [s for s in range(16) if schedule.adam_steps_at(s)] == [1, 3, 5, 7, 9, 11, 13, 15]
+    assert [s for s in range(16) if schedule.tables_step_at(s)] == [1, 3, 5, 7, 11, 15]
+    group = dict(initial_betas=(0.75, 0.95), initial_weight_decay=0.025)
+    assert schedule.table_adam_settings(7, group) == ((0.75, 0.95), 0.025)
+    assert schedule.table_adam_settings(8, group) == ((0.75 ** 2, 0.95 ** 2), 0.05)
+    # a stop after `step` steps waits while a sum is pending: after 10 steps the tables' is (their last step was 7)
+    pending = [step for step in range(1, 16) if step % tg.table_adam_period(schedule.args, step - 1)]
+    assert pending == [1, 3, 5, 7, 9, 10, 11, 13, 14, 15]
+    assert tg.Schedule(tiny_args(num_iterations=16)).tables_step_at(9)  # off: with Adam
+    for bad in (dict(table_adam_every=(3, 0.5)), dict(table_adam_every=(4,)), dict(table_adam_every=(4, 1.0)),
+                dict(table_adam_every=(4.5, 0.5)), dict(table_adam_every=(4, 0.5), save_every=2)):
+        with pytest.raises(ValueError, match="a multiple of adam_every=2"):
+            tiny_args(adam_every=2, **bad)
+
+
+def test_with_a_longer_table_period_the_tables_sums_keep_summing_over_adams_other_steps(tiny_args, monkeypatch):
+    """table_adam_every (4, 0.5) over 8 steps: at Adam's step 5 the value-embedding tables get no gradient and their
+    sums go on; at step 7 their gradient is the sum over steps 4-7 and their group's betas are squared. The n-gram
+    table's log (row-sparse Adam) flushes on the tables' steps only. At (2, 0) the run equals the default's exactly."""
+    seen, build, flush = {}, tg.build, tg.GPT.flush_table_grads
+
+    def capturing(*a, **k):
+        out = build(*a, **k)
+        seen["model"], seen["adam"] = out[0], out[2][0]
+        return out
+
+    def recording(self, tables=True):
+        ve = self.value_embeds[0]
+        before, logged = ve.grad_sum.clone(), self.ngram_logged
+        flush(self, tables)
+        group = next(g for g in seen["adam"].param_groups if g.get("tables") and not g.get("sparse_rows"))
+        seen.setdefault("flushes", []).append(dict(
+            tables=tables, before=before.to(ve.weight.dtype), grad=None if ve.weight.grad is None else ve.weight.grad.clone(),
+            after=ve.grad_sum.clone(), logged=logged, sparse=self.bigram_embed.weight.sparse_grad is not None,
+            betas=group["betas"]))
+    monkeypatch.setattr(tg, "build", capturing)
+    monkeypatch.setattr(tg.GPT, "flush_table_grads", recording)
+    kw = dict(FAST, num_iterations=8, val_every=8, adam_every=2, trigram_rows=256, ngram_sparse_adam=True)
+    run = tg.train(tiny_args(**kw, table_adam_every=(4, 0.5)))
+    flushes = seen["flushes"]  # Adam's steps 1, 3, 5, 7
+    assert [f["tables"] for f in flushes] == [True, True, False, True]
+    assert [f["sparse"] for f in flushes] == [True, True, False, True]
+    step5, step7 = flushes[2], flushes[3]
+    assert step5["grad"] is None and torch.equal(step5["after"].to(step5["before"].dtype), step5["before"])
+    assert step5["before"].abs().sum() > 0
+    assert step7["logged"] == 2 * step5["logged"]  # the n-gram log held four steps' lookups, not two
+    assert torch.equal(step7["grad"], step7["before"])  # the sum since step 4, in the table's dtype
+    assert not step7["after"].any()
+    assert flushes[1]["betas"] == (0.75, 0.95) and step7["betas"] == (0.75 ** 2, 0.95 ** 2)
+    assert run.val_losses[-1][1] < run.val_losses[0][1]
+    seen.clear()
+    monkeypatch.setattr(tg.GPT, "flush_table_grads", flush)
+    same = tg.train(tiny_args(**kw, table_adam_every=(2, 0.0)))
+    plain = tg.train(tiny_args(**kw))
+    assert same.train_losses == plain.train_losses and same.val_losses == plain.val_losses
+
+
 def test_muon_lr_mults_scale_a_matrix_update_as_the_shape_factor_does_and_split_its_group():
     g = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
     a, b, c = (torch.nn.Parameter(torch.zeros(64, 32)) for _ in range(3))

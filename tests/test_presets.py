@@ -65,7 +65,11 @@ PENDING_ADOPTION: set[str] = {
     "fp8_qkv",
     # Muon's collectives in bf16 (the float32 matrices kept by their owner): decided on two GPUs at the 8-GPU record's
     # per-GPU shape (bench/comm_time.py, exposed moving data with it and without) and 80 same-seed steps there
-    "muon_bf16_comm"}
+    "muon_bf16_comm",
+    # ANVIL2's period-4 cadence of the value-embedding and n-gram tables (4 from 0.28 of the run, its step 336 of
+    # 1194): decided by 3 paired seeds on the proxy at 840 steps (--table_adam_every 4,0.28) and the exposed moving
+    # data on two GPUs at the 8-GPU record's per-GPU shape (bench/comm_time.py)
+    "table_adam_every"}
 
 
 def test_no_technique_is_off_in_every_preset():
