@@ -5,7 +5,8 @@
 # the pair twice to see it); the usual launch against the runners in turns in one process (bench/step_time.py
 # --graphs_ab), with the Python and with the C++ wrapper; on two GPUs, one 49,152-token micro-batch each (the 8-GPU
 # record's per-GPU shape), the step and its exposed communication with and without the runners
-# (bench/comm_time.py), and with them and Muon's collectives in bf16 (--muon_bf16_comm). Shards in DATA_DIR
+# (bench/comm_time.py), with them and Muon's collectives in bf16 (--muon_bf16_comm), and with both and the tables'
+# Adam every fourth step (--table_adam_every 4,0.28; the profiled 8 steps hold two of the tables'). Shards in DATA_DIR
 # (bench/gpu_env.sh); the printed lines are the results. PARTS picks parts (default all: tests twin turns comm); the
 # twin's four runs take about 10 minutes on one H200 with a warm compile cache, the C++ wrapper's first compile
 # about 5 more.
@@ -34,7 +35,8 @@ done
     | grep -E "^swap"
 done
 if [[ $PARTS == *" comm "* ]] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  for flags in "--cuda_graphs false" "--cuda_graphs true" "--cuda_graphs true --muon_bf16_comm true"; do
+  for flags in "--cuda_graphs false" "--cuda_graphs true" "--cuda_graphs true --muon_bf16_comm true" \
+               "--cuda_graphs true --muon_bf16_comm true --table_adam_every 4,0.28"; do
     echo "two GPUs, one micro-batch each, $flags:"
     # shellcheck disable=SC2086  # the flags split into words on purpose
     torchrun --standalone --nproc_per_node=2 bench/comm_time.py --steps 10 --stage -1 --batch_size 98304 \
