@@ -427,9 +427,9 @@ class Hyperparameters:
         if h.adam_every < 1 or h.save_every % h.adam_every:
             raise ValueError(f"adam_every={h.adam_every}, save_every={h.save_every}: adam_every >= 1, and checkpoints "
                              "fall on Adam's steps, so save_every must be a multiple of it")
-        if h.table_adam_every and (len(h.table_adam_every) != 2 or h.table_adam_every[0] != int(h.table_adam_every[0])
-                                   or h.table_adam_every[0] < h.adam_every or h.table_adam_every[0] % h.adam_every
-                                   or not 0 <= h.table_adam_every[1] < 1 or h.save_every % h.table_adam_every[0]):
+        period, start = (*h.table_adam_every, None)[:2] if h.table_adam_every else (h.adam_every, 0.0)
+        if (len(h.table_adam_every) > 2 or start is None or period != int(period) or period < h.adam_every
+                or period % h.adam_every or not 0 <= start < 1 or h.save_every % period):
             raise ValueError(f"table_adam_every={h.table_adam_every}: a period (a multiple of adam_every={h.adam_every}) "
                              f"and the fraction of num_iterations it starts from, in [0, 1); checkpoints fall on the "
                              f"tables' steps, so save_every={h.save_every} must be a multiple of the period")
@@ -3442,9 +3442,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
-    for group in adam.param_groups:  # the tables' betas and decay per update change with table_adam_every
-        if group.get("tables"):
-            group["initial_betas"], group["initial_weight_decay"] = tuple(group["betas"]), group["weight_decay"]
+            if group.get("tables"):  # the tables' betas and decay per update change with table_adam_every
+                group["initial_betas"], group["initial_weight_decay"] = tuple(group["betas"]), group["weight_decay"]
     return adam, muon
 
 
