@@ -8,10 +8,13 @@ schedule (--stage, default the last scheduled one), each between a barrier and a
 step: its time, the NCCL kernels' time, and the exposed part: NCCL time during which no other kernel runs on the
 GPU, so the step waits on the network, split into the time a rank waits for another to arrive at the collective
 (uneven work) and the time data moves (that by collective: the reduce-scatters, the all-gathers, the n-gram
-table's all-to-all), and the bytes a rank sends a step (as a ring moves them). Under
+table's all-to-all), and the bytes a rank sends a step (as a ring moves them); then the --places places of the step
+where data moves exposed the longest, each by its collective and the kernels the GPU ran before and after it,
+and the places where the GPU sits idle the longest (--trace DIR keeps each rank's trace for a timeline viewer). Under
 --adam_every 2 half the profiled steps are with Adam, half without. Last, the losses of every step run (warm-up,
 timed and profiled) summed over the ranks: two versions that should compute alike show it at the same seed."""
 import argparse
+import gzip
 import json
 import os
 import re
@@ -84,6 +87,16 @@ def idle_time(intervals: list[tuple[float, float, bool]]) -> float:
     return sum(g for g, _, _ in kernel_gaps(intervals))
 
 
+def idle_places(kernels: list[tuple[float, float, str]]) -> list[tuple[float, str, str]]:
+    """Where the GPU sits idle: kernel_gaps' stretches summed by the kernel before and the kernel after, largest first,
+    as (microseconds, before, after) for kernels (start, end, name). A gap before an NCCL kernel or a forward's first
+    kernel is the host late with its launches (a host sync, the optimizers' Python)."""
+    sums: dict[tuple[str, str], float] = {}
+    for length, before, after in kernel_gaps(kernels):
+        sums[(before, after)] = sums.get((before, after), 0.0) + length
+    return sorted(((t, *key) for key, t in sums.items()), key=lambda x: -x[0])
+
+
 def arrival_split(nccl_by_rank: list[list[tuple[float, float]]], rank: int) -> list[tuple] | None:
     """Each of this rank's NCCL kernels cut at the last rank's arrival: (waiting span or None, moving span or None).
     The ranks launch the same collectives in the same order, so the k-th NCCL kernel of every rank is one collective;
@@ -129,6 +142,32 @@ def moving_by_kind(nccl_by_rank: list[list[tuple[float, float]]], rank: int, com
     busy = [(a, b, False) for a, b in compute]
     return {kind: exposed_time([(*moving, True) for (_, moving), k in zip(cuts, kinds) if moving and k == kind]
                                + busy)[1] for kind in dict.fromkeys(kinds)}
+
+
+def exposed_places(nccl_by_rank: list[list[tuple[float, float]]], rank: int, compute: list[tuple[float, float, str]],
+                   kinds: list[str]) -> list[tuple[float, str, str, str]] | None:
+    """Where in the step data moves exposed: for each of this rank's NCCL kernels the moving part (arrival_split's
+    second) that no computing kernel covers, summed by (collective kind, the computing kernel the GPU ran last
+    before it, the one it runs next), largest first: (microseconds, kind, before, after). compute holds (start,
+    end, name). The neighbours' names say which phase of the step waits: the optimizers' math, the all-gathers'
+    tail before the next forward, the n-gram rows' exchange. None when the ranks' NCCL kernels do not pair up."""
+    cuts = arrival_split(nccl_by_rank, rank)
+    if cuts is None or len(kinds) != len(cuts):
+        return None
+    spans = sorted(compute)
+    busy = [(a, b, False) for a, b, _ in spans]
+    sums: dict[tuple[str, str, str], float] = {}
+    for (_, moving), kind in zip(cuts, kinds):
+        if not moving:
+            continue
+        length = exposed_time([(*moving, True)] + busy)[1]
+        if length <= 0:
+            continue
+        before = max((s for s in spans if s[1] <= moving[0]), key=lambda s: s[1], default=None)
+        after = next((s for s in spans if s[0] >= moving[0]), None)
+        key = (kind, before[2] if before else "(none)", after[2] if after else "(none)")
+        sums[key] = sums.get(key, 0.0) + length
+    return sorted(((t, *key) for key, t in sums.items()), key=lambda x: -x[0])
 
 
 class CollectiveBytes:
@@ -183,6 +222,11 @@ def main():
                         "as many with Adam as without under --adam_every 2)")
     parser.add_argument("--stage", type=int, default=-1, help="which stage of the schedule (0-based; default: "
                         "the last scheduled stage, the one with the longest windows)")
+    parser.add_argument("--places", type=int, default=5, help="print the N places of the step where data moves "
+                        "exposed the longest, each by its collective and the kernels around it (exposed_places), and "
+                        "the N where the GPU sits idle the longest (idle_places)")
+    parser.add_argument("--trace", default="", help="a folder: write each rank's profiled steps there as a Chrome "
+                        "trace (comm_trace_rank{R}.json.gz), to read the timeline in Perfetto")
     own, rest = parser.parse_known_args()
     args = tg.parse_args(rest)
     rank, world_size, device = tg.start_processes(args)
@@ -221,6 +265,10 @@ def main():
         path = os.path.join(tmp, f"trace{rank}.json")
         prof.export_chrome_trace(path)
         trace = json.loads(Path(path).read_text())
+        if own.trace:
+            Path(own.trace).mkdir(parents=True, exist_ok=True)
+            with gzip.open(Path(own.trace) / f"comm_trace_rank{rank}.json.gz", "wt") as f:
+                f.write(Path(path).read_text())
     intervals = kernel_intervals(trace)
     comm, exposed = exposed_time(intervals)
     base = trace.get("baseTimeNanoseconds", 0) / 1e3  # the ranks' traces on one clock (microseconds)
@@ -232,6 +280,11 @@ def main():
     split = peer_wait_split(nccl, rank, busy)
     kinds = [nccl_kind(e.get("name", "")) for e in kernel_events(trace) if "nccl" in e.get("name", "").lower()]
     by_kind = moving_by_kind(nccl, rank, busy, kinds)
+    named = [(base + float(e["ts"]), base + float(e["ts"]) + float(e["dur"]), e.get("name", "")[:70])
+             for e in kernel_events(trace) if "nccl" not in e.get("name", "").lower()]
+    places = exposed_places(nccl, rank, named, kinds) or []
+    idle = idle_places([(base + float(e["ts"]), base + float(e["ts"]) + float(e["dur"]), e.get("name", "")[:70])
+                        for e in kernel_events(trace)])
     n = own.profile_steps
     med = statistics.median(times)
     total = torch.stack(losses).sum()  # every step's loss on every rank: the same seed gives the same sum, but for
@@ -250,6 +303,10 @@ def main():
             f"; sent {sent.sent / n / 1e6:.1f} MB a step (ring)" +
             f"; GPU idle {idle_time(intervals) / n / 1e3:.2f} ms a step, {len(intervals)} kernels"
             f"; loss sum {total.item():.4f} over {len(losses)} steps, all ranks")
+    line += "".join(f"\n  {t / n / 1e3:.3f} ms a step: {kind} after {before} / before {after}"
+                    for t, kind, before, after in places[:own.places])
+    line += "".join(f"\n  {t / n / 1e3:.3f} ms a step: GPU idle after {before} / before {after}"
+                    for t, before, after in idle[:own.places])
     lines = [line]
     if world_size > 1:
         lines = [None] * world_size

@@ -41,6 +41,6 @@ if [[ $PARTS == *" comm "* ]] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     # shellcheck disable=SC2086  # the flags split into words on purpose
     torchrun --standalone --nproc_per_node=2 bench/comm_time.py --steps 10 --stage -1 --batch_size 98304 \
       $flags --preset record --train_files "$DATA_DIR/fineweb_train_*.bin" "${EXTRA[@]}" 2>&1 \
-      | grep -v -i warn | tail -12
+      | grep -E "^(device|rank|  [0-9])"
   done
 fi

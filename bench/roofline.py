@@ -11,6 +11,8 @@ prints this report itself, at ceilings it measures on the same GPU. The sizes co
 - cuBLAS matmuls (aten::mm, addmm, bmm, _scaled_mm): 2·M·N·K FLOPs, and the bytes of both inputs and the output,
   from their operator's input shapes and types.
 - The rest (FlashAttention, our own Triton kernels, PyTorch's elementwise kernels) is listed by time alone.
+Kernels replayed from CUDA graphs (the graph runners) have no operator in the trace: `step_time.py` sizes them by name
+from two more steps launched as usual (borrow_sizes).
 
 A kernel's ceiling time is max(bytes / copy rate, FLOPs / matmul rate), the matmul rate being that of its input type
 (FP8, bf16, or TF32 for float32 inputs at half the bf16 rate). "over" is its time minus that: the most that fusing or
@@ -19,6 +21,7 @@ retuning it could save, if it still had to move those bytes. A kernel deleted sa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -143,6 +146,23 @@ def roofline(trace: dict, ceilings: Ceilings) -> list[Row]:
         row.tflop += tflop
         row.ceiling_ms += max(gb / ceilings.copy_tbs, tflop / rate * 1e3 if rate else 0.0)  # GB / (TB/s) = ms
     return list(rows.values())
+
+
+def borrow_sizes(rows: list[Row], sizing: list[Row]) -> list[Row]:
+    """Rows of a trace whose kernels no operator owns (CUDA-graph replays: train_gpt.GraphRunner) sized from another
+    trace of the same work launched as usual (its operators known): a kernel's bytes, FLOPs and ceiling time per call
+    there, times its calls here. A kernel this trace sized itself, or the other did not size, is left as it is."""
+    by_name = {r.name: r for r in sizing if r.sized}
+    out = []
+    for r in rows:
+        twin = by_name.get(r.name)
+        if r.sized or twin is None:
+            out.append(r)
+            continue
+        per_call = r.calls / twin.calls
+        out.append(dataclasses.replace(r, gb=twin.gb * per_call, tflop=twin.tflop * per_call,
+                                       ceiling_ms=twin.ceiling_ms * per_call, sized=r.calls))
+    return out
 
 
 def report(rows: list[Row], steps: int, ceilings: Ceilings, top: int = 25) -> str:

@@ -273,7 +273,9 @@ def main():
         variants = {name: name.split()[-1][0] for name, _ in runs}
     times_of = defaultdict(list)  # --swap: (window, variant) -> each run's median ms
     per_run = own.warmup + own.steps  # batches each timed run reads; the loader prefetches, so its plan is fixed here
-    reads = per_run * len(runs) + 2 * own.profile + tg.LOADER_READ_AHEAD  # --profile: two steps more
+    # the graph runners' replays launch kernels the trace ties to no operator: two steps more, launched as usual, size them
+    sizing = bool(own.profile and own.trace) and isinstance(compiled, tg.GraphRunner)
+    reads = per_run * len(runs) + 2 * own.profile + 2 * sizing + tg.LOADER_READ_AHEAD  # --profile: two steps more
     plan = [runs[min(i // per_run, len(runs) - 1)][1].spec for i in range(reads)]
     # cu_seqlens as long as the training run's for the same shapes (and long enough for the batches read here)
     slots = tg.doc_slots(schedule, files, print, plans=[plan])
@@ -327,6 +329,18 @@ def main():
             torch.cuda.get_device_name(), args.preset, plan_rows), sep="\n", flush=True)
     if own.profile:
         from torch.profiler import ProfilerActivity, profile, record_function
+        sizes = None
+        if sizing:  # the same compiled model on the runner's path with no capture: its compile run's launches
+            graphs, launch = launch, {"A": tg.GraphRunner(model, compiled.compiled, capture=False)}
+            variant = "A"
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as usual:
+                for _ in range(2):
+                    run_step()
+                torch.cuda.synchronize()
+            twin = Path(own.trace).with_name("usual_" + Path(own.trace).name)  # kept beside the trace
+            usual.export_chrome_trace(str(twin))
+            sizes = load_trace(str(twin))
+            launch = graphs
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=bool(own.trace)) as prof:
             for _ in range(2):  # (counted in `reads`); one of them an Adam step where adam_every is 2
                 with record_function(f"step {step}" + (" (Adam)" if schedule.adam_steps_at(step) else "")):
@@ -345,8 +359,10 @@ def main():
         if trace:
             ceilings = roofline.measure_ceilings(device)
             print("each kernel against this GPU's ceilings (bench/roofline.py): the bytes and FLOPs it moves, its time at "
-                  "those rates, and how far over it runs", roofline.report(roofline.roofline(trace, ceilings), 2, ceilings),
-                  sep="\n", flush=True)
+                  "those rates, and how far over it runs" + (" (the graph runners' kernels sized by name from two steps "
+                  "launched as usual)" if sizes else ""), roofline.report(roofline.borrow_sizes(
+                      roofline.roofline(trace, ceilings), roofline.roofline(sizes, ceilings) if sizes else []), 2,
+                      ceilings), sep="\n", flush=True)
     loader.close()
 
 

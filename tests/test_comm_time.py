@@ -61,6 +61,36 @@ def test_exposed_moving_time_splits_by_collective_kind():
     assert comm_time.moving_by_kind([[(0.0, 1.0)], []], 0, [], ["AllGather"]) is None
 
 
+def test_exposed_places_name_the_kernels_around_each_exposed_transfer_and_sum_repeats():
+    """Where the step waits on moving data: each collective's exposed moving part, summed over the steps by its kind
+    and the computing kernels around it, largest first."""
+    # rank 0, two steps: an all-gather after the optimizer's kernel "ns" before the forward's "fwd" (rank 1 arrives at
+    # once: 10 us moving, none covered), a reduce-scatter under "bwd" (covered), and a SendRecv 2 us after "ns"
+    # with "ns2" covering half of it
+    compute = [(0.0, 10.0, "bwd"), (12.0, 20.0, "ns"), (30.0, 40.0, "fwd"), (100.0, 110.0, "bwd"),
+               (112.0, 120.0, "ns"), (130.0, 140.0, "fwd"), (61.0, 62.0, "ns2"), (58.0, 59.0, "ns")]
+    nccl = [[(2.0, 8.0), (20.0, 30.0), (60.0, 62.0), (102.0, 108.0), (120.0, 130.0)],
+            [(2.0, 8.0), (20.0, 30.0), (60.0, 62.0), (102.0, 108.0), (120.0, 130.0)]]
+    kinds = ["ReduceScatter", "AllGather", "SendRecv", "ReduceScatter", "AllGather"]
+    places = comm_time.exposed_places(nccl, 0, compute, kinds)
+    assert places == [(20.0, "AllGather", "ns", "fwd"), (1.0, "SendRecv", "ns", "ns2")]
+    # their sum is the exposed moving time (no two NCCL kernels overlap here)
+    spans = [(a, b) for a, b, _ in compute]
+    assert sum(t for t, *_ in places) == comm_time.peer_wait_split(nccl, 0, spans)[1]
+    # a rank that arrives first waits, and waiting is not a place: rank 1 arrives at 20 for rank 0's 25 below
+    late = [[(2.0, 8.0), (25.0, 30.0)], [(2.0, 8.0), (20.0, 30.0)]]
+    assert comm_time.exposed_places(late, 1, compute[:3], kinds[:2]) == [(5.0, "AllGather", "ns", "fwd")]
+    assert comm_time.exposed_places(nccl, 0, compute, kinds[:2]) is None  # a kind for each kernel, or nothing
+
+
+def test_idle_places_sum_the_gaps_between_the_same_two_kernels_largest_first():
+    kernels = [(0, 10, "opt"), (12, 20, "nccl_ag"), (25, 30, "fwd"), (100, 110, "opt"), (111, 120, "nccl_ag"),
+               (126, 130, "fwd"), (130, 131, "bwd"), (140, 150, "bwd")]
+    assert comm_time.idle_places(kernels) == [(70, "fwd", "opt"), (11, "nccl_ag", "fwd"), (9, "bwd", "bwd"),
+                                              (3, "opt", "nccl_ag")]
+    assert sum(t for t, *_ in comm_time.idle_places(kernels)) == comm_time.idle_time(kernels)
+
+
 def test_idle_time_is_the_time_no_kernel_of_any_kind_runs():
     assert comm_time.idle_time([(0, 10, False), (5, 12, True), (20, 30, False), (25, 26, True), (31, 40, True)]) == 8 + 1
     assert comm_time.idle_time([]) == 0.0

@@ -75,3 +75,23 @@ def test_the_report_ranks_kernels_by_time_over_their_ceiling_per_step():
     assert names[0] == "nvjet_sm90_tst_192x192_splitK"  # 0.300 ms against 0.172 at the ceilings: furthest over
     assert "flash_fwd_kernel" in text.split("does not size")[1]
     assert "| **all** |" in text and "per step (2 profiled)" in text
+
+
+def test_graph_replayed_kernels_borrow_their_sizes_by_name_from_a_usual_launch():
+    """Kernels a CUDA graph replays have no operator in the trace: their bytes, FLOPs and ceiling time per call come
+    from a trace of the same work launched as usual, scaled by their own calls; what neither sizes stays unsized."""
+    usual = {r.name: r for r in rf.roofline(trace(), CEIL)}
+    # the same kernels replayed from a graph: no operator events, External ids that match none; the norm kernel
+    # launched three times here against two there
+    replayed = {"traceEvents": [kernel("triton_red_fused_rms_norm_0", 100 + i, 100 * i, 90) for i in range(3)] +
+                [kernel("nvjet_sm90_tst_192x192_splitK", 200, 1000, 280), kernel("flash_fwd_kernel", 201, 3000, 380),
+                 kernel("never_seen_kernel", 202, 4000, 5)]}
+    alone = rf.roofline(replayed, CEIL)
+    assert not any(r.sized for r in alone)
+    rows = {r.name: r for r in rf.borrow_sizes(alone, list(usual.values()))}
+    norm = rows["triton_red_fused_rms_norm_0"]
+    assert (norm.calls, norm.sized) == (3, 3) and norm.ms == pytest.approx(0.27)  # its own times
+    assert norm.gb == pytest.approx(0.6) and norm.ceiling_ms == pytest.approx(usual[norm.name].ceiling_ms * 1.5)
+    mm = rows["nvjet_sm90_tst_192x192_splitK"]
+    assert mm.tflop == pytest.approx(usual[mm.name].tflop) and mm.over_ms() == pytest.approx(0.28 - mm.ceiling_ms)
+    assert rows["flash_fwd_kernel"].sized == 0 and rows["never_seen_kernel"].sized == 0  # the usual launch had no size
