@@ -286,6 +286,7 @@ class Hyperparameters:
     muon_momentum_cooldown: int = 50  # last steps: momentum back down to muon_momentum_start, linearly; 0 = none
     muon_beta2: float = 0.9  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off
     muon_weight_decay: float = 2.25  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25; ANVIL2's 2.25, the public master's 1.2)
+    adam_after_groups: int = -1  # on Adam's steps, its reduce-scatters and updates after Muon's first N groups (largest first), so that Adam's all-gathers overlap Muon's later orthogonalizations; -1 = after all of Muon's (the public master's order)
     muon_bf16_comm: bool = False  # block matrices at bf16 values on every rank, the float32 ones kept by their owner's Muon: reduce-scatters and all-gathers in bf16, half the bytes (the public master's bf16 banks and their mantissa state)
     anvil_rails: tuple[float, ...] = (0.98, 0.4385, 0.85, 0.43)  # Muon's rails (ANVIL): the slow rail's beta, the fast rail's weight and beta once engaged, and from what fraction of num_iterations (ANVIL2's 0.98, 0.4385, 0.85 from its step 514 of 1194); before it, weight 1 at Muon's momentum
     # the public master's NorMuon rates: 0.023 x 2 on the MLP's input (its shape factor), x 4 on its output (10/27/25)
@@ -427,6 +428,9 @@ class Hyperparameters:
         if h.adam_every < 1 or h.save_every % h.adam_every:
             raise ValueError(f"adam_every={h.adam_every}, save_every={h.save_every}: adam_every >= 1, and checkpoints "
                              "fall on Adam's steps, so save_every must be a multiple of it")
+        if h.adam_after_groups < -1:
+            raise ValueError(f"adam_after_groups={h.adam_after_groups}: how many of Muon's groups step before Adam's "
+                             f"collectives (0 or more), or -1 for after all of them")
         period, start = (*h.table_adam_every, None)[:2] if h.table_adam_every else (h.adam_every, 0.0)
         if (len(h.table_adam_every) > 2 or start is None or period != int(period) or period < h.adam_every
                 or period % h.adam_every or not 0 <= start < 1 or h.save_every % period):
@@ -2215,11 +2219,12 @@ class Muon(torch.optim.Optimizer):
     # updates anything: launch_reduce -> apply_updates (waits on one group's reduce at a time) -> finish
 
     @torch.no_grad()
-    def launch_reduce(self) -> list:
-        """Launch every group's reduce-scatter (asynchronously); returns what `apply_updates` takes."""
+    def launch_reduce(self, groups: list[dict] | None = None) -> list:
+        """Launch the reduce-scatter of every group, or of `groups` (asynchronously); returns what `apply_updates`
+        takes."""
         W = self.world_size
         pending = []
-        for group in self.param_groups:
+        for group in self.param_groups if groups is None else groups:
             params = group["params"]
             per_rank, _ = self._owned(group)
             grads = torch.stack([p.grad for p in params])
@@ -2497,11 +2502,12 @@ class DistAdam(torch.optim.Optimizer):
     # the three phases of step(), as Muon's (train_step interleaves the two optimizers' phases)
 
     @torch.no_grad()
-    def launch_reduce(self) -> list:
-        """Launch every parameter's reduce-scatter (asynchronously); returns what `apply_updates` takes."""
+    def launch_reduce(self, groups: list[dict] | None = None) -> list:
+        """Launch every parameter's reduce-scatter, or those of `groups`' (asynchronously); returns what
+        `apply_updates` takes."""
         W = self.world_size
         pending = []
-        for group in self.param_groups:
+        for group in self.param_groups if groups is None else groups:
             for p in group["params"]:
                 if group.get("sparse_rows"):  # the sharded n-gram table: its rows' gradients to their owners
                     if getattr(p, "sparse_grad", None) is not None:  # in the table's dtype, as the dense .grad
@@ -4229,10 +4235,17 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
     # Communication overlapped with the optimizers' math: every reduce-scatter is launched before any update
     # (Muon's first: its orthogonalization is the longest math, so it can start soonest), each update waits
     # only on its own parameters' reduce, and the all-gathers are waited on last (as the public code orders
-    # its reduces and updates since its record of 2026-01-18)
-    reduces = [opt.launch_reduce() for opt in stepping]
-    gathers = [opt.apply_updates(pending) for opt, pending in zip(stepping, reduces)]
-    for opt, launched in zip(stepping, gathers):
+    # its reduces and updates since its record of 2026-01-18). One NCCL stream runs them in launch order: with
+    # adam_after_groups N, Adam's go after Muon's first N groups, so its all-gathers run beside Muon's later math
+    # instead of after all of it
+    after = schedule.args.adam_after_groups
+    first = len(muon.param_groups) if after < 0 else after
+    parts = [(muon, muon.param_groups[:first]), (adam, None), (muon, muon.param_groups[first:])] \
+        if adam in stepping else [(muon, None)]
+    parts = [(opt, groups) for opt, groups in parts if groups is None or groups]
+    reduces = [opt.launch_reduce(groups) for opt, groups in parts]
+    gathers = [opt.apply_updates(pending) for (opt, _), pending in zip(parts, reduces)]
+    for (opt, _), launched in zip(parts, gathers):
         opt.finish(launched)
     for opt in stepping:  # Adam's gradients otherwise wait for its step
         opt.zero_grad(set_to_none=True)
