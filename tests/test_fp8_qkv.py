@@ -120,11 +120,14 @@ def test_fp8_linear_on_the_gpu_matches_its_float32_arithmetic():
     assert rel(exact["cuda"], exact["cpu"]) < 2e-3, "exact accumulation"
     # the backward's parts: the gradient's e4m3 copy and its transpose, then each of its two matmuls on those
     # operands and the forward's transposed copies
+    # CUDA divides by a Python number as a product with its reciprocal (on H200s, 2026-11-30, the scale differed
+    # from the CPU's): the scale within a float32 rounding, so a few e4m3 codes may round to their neighbour
     g_parts = {d: kernels._grad_operands(grad.to(d)) for d in ("cpu", "cuda")}
-    for i, name in ((0, "scale"), (2, "e4m3 copy"), (3, "transposed copy")):
-        got, want = g_parts["cuda"][i].cpu(), g_parts["cpu"][i]
-        same = torch.equal(got.view(torch.uint8), want.view(torch.uint8)) if i else torch.equal(got, want)
-        assert same, f"the gradient's {name} differs"
+    torch.testing.assert_close(g_parts["cuda"][0].cpu(), g_parts["cpu"][0], rtol=2.5e-7, atol=0)
+    for i, name in ((2, "e4m3 copy"), (3, "transposed copy")):
+        codes = [t.cpu().view(torch.uint8).int() for t in (g_parts["cuda"][i], g_parts["cpu"][i])]
+        moved = (codes[0] - codes[1]).abs()
+        assert moved.max() <= 1 and (moved > 0).float().mean() < 1e-3, f"the gradient's {name} differs"
     col_major = lambda t: t.T.contiguous().T  # _scaled_mm's second operand: the same values, column-major
     for name, g_at, op, dtype in (("grad x", 2, 1, torch.bfloat16), ("grad w", 3, 0, torch.float32)):
         parts = {d: kernels._mm_f8(g_parts[d][g_at], col_major(operands[d][op]),
