@@ -280,11 +280,10 @@ def main():
     split = peer_wait_split(nccl, rank, busy)
     kinds = [nccl_kind(e.get("name", "")) for e in kernel_events(trace) if "nccl" in e.get("name", "").lower()]
     by_kind = moving_by_kind(nccl, rank, busy, kinds)
-    named = [(base + float(e["ts"]), base + float(e["ts"]) + float(e["dur"]), e.get("name", "")[:70])
-             for e in kernel_events(trace) if "nccl" not in e.get("name", "").lower()]
-    places = exposed_places(nccl, rank, named, kinds) or []
-    idle = idle_places([(base + float(e["ts"]), base + float(e["ts"]) + float(e["dur"]), e.get("name", "")[:70])
-                        for e in kernel_events(trace)])
+    spans = [(base + float(e["ts"]), base + float(e["ts"]) + float(e["dur"]), e.get("name", "")[:70])
+             for e in kernel_events(trace)]  # every kernel, named (NCCL's begin "nccl")
+    places = exposed_places(nccl, rank, [s for s in spans if "nccl" not in s[2].lower()], kinds) or []
+    idle = idle_places(spans)
     n = own.profile_steps
     med = statistics.median(times)
     total = torch.stack(losses).sum()  # every step's loss on every rank: the same seed gives the same sum, but for
