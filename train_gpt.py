@@ -2130,6 +2130,20 @@ def anvil_orthogonalize(G: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     return quintic_orthogonalize(G, ANVIL_MAPS, safety=ANVIL_SAFETY, dtype=dtype)
 
 
+def cautious_decay(updates: list[Tensor], params: list[Tensor], slow: list[Tensor], decay: float) -> list[Tensor]:
+    """Each update plus decay x p where the slow rail s has p's sign (s p >= 0; ANVIL2's gate of Muon's cautious
+    decay), as multi-tensor (foreach) ops: a handful of launches for a group instead of five per matrix. The mask is
+    sign(s p) + 1 clamped to 1, exactly 1 where s p >= 0 and 0 where it is negative, so the sums are those of
+    u + decay p (s p >= 0) bit for bit (a float32 p promotes a bf16 u as there)."""
+    mask = torch._foreach_mul(slow, params)
+    torch._foreach_sign_(mask)
+    torch._foreach_add_(mask, 1.0)
+    torch._foreach_clamp_max_(mask, 1.0)
+    decayed = torch._foreach_mul(params, decay)
+    torch._foreach_mul_(decayed, mask)
+    return torch._foreach_add(updates, decayed)
+
+
 class Muon(torch.optim.Optimizer):
     """MomentUm Orthogonalized by Newton-Schulz (Keller Jordan): SGD-Nesterov whose update is
     replaced by its nearest semi-orthogonal matrix, scaled by max(1, rows/cols)^0.5; here by ANVIL2's rule (record
@@ -2163,13 +2177,21 @@ class Muon(torch.optim.Optimizer):
         self.rank, self.world_size, self.bf16_comm = rank, world_size, bf16_comm
         self.orthogonalize = anvil_orthogonalize if orthogonalize is None else orthogonalize
 
+    def kept(self, p: Tensor, key: str, make) -> Tensor:
+        """p's state tensor `key`, made by make(p) the first time (dict.setdefault would build, and the GPU fill, a
+        new one at every step only to drop it)."""
+        state = self.state[p]
+        if key not in state:
+            state[key] = make(p)
+        return state[key]
+
     def anvil_rails(self, group, owned: list[Tensor], fast: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
         """ANVIL's twin momentum rails (ANVIL2, record #92: `anvil_cascade` in its train_gpt.py): a fast rail (the
         momentum buffer) and a slow rail, EMAs of the gradient from zero at fast_beta and slow_beta, and their blend
         fast_weight x fast + (1 - fast_weight) x slow as the Nesterov look-ahead: the gradient lerped toward it by
         momentum, in place. Until the rails engage (fast_weight 1, fast_beta the momentum) that is Muon's momentum
         exactly, the slow rail accumulating unread. Returns the slow rails, which gate the decay."""
-        slow = [self.state[p].setdefault("slow_rail", torch.zeros_like(p)) for p in owned]
+        slow = [self.kept(p, "slow_rail", torch.zeros_like) for p in owned]
         torch._foreach_lerp_(fast, grads, 1 - group["fast_beta"])
         torch._foreach_lerp_(slow, grads, 1 - group["slow_beta"])
         w = group["fast_weight"]
@@ -2186,11 +2208,10 @@ class Muon(torch.optim.Optimizer):
         u = update.float()
         side = -1 if u.size(-2) >= u.size(-1) else -2  # averaged over: the shorter side
         mean_square = u.square().mean(dim=side, keepdim=True)
-        moments = [self.state[p].setdefault("neuron_second_moment", torch.zeros_like(m))
+        moments = [self.kept(p, "neuron_second_moment", lambda _, m=m: torch.zeros_like(m))
                    for p, m in zip(owned, mean_square)]
         ema = torch.stack(moments).lerp_(mean_square, 1 - beta2)
-        for old, new in zip(moments, ema):
-            old.copy_(new)
+        torch._foreach_copy_(moments, list(ema.unbind(0)))
         scaled = u * ema.clamp_min(1e-10).rsqrt()
         frobenius = lambda t: t.square().sum(dim=(-2, -1), keepdim=True).sqrt()
         return scaled * (frobenius(u) / frobenius(scaled).clamp_min(1e-10))
@@ -2259,7 +2280,7 @@ class Muon(torch.optim.Optimizer):
                 bufs.append(state["momentum_buffer"])
             grad = grad[: len(owned)].to(params[0].dtype)  # (bf16_comm: from bf16)
             # bf16_comm: the float32 matrices this rank owns, updated here; the parameters hold their bf16 values
-            exact = [self.state[p].setdefault("exact", p.detach().float().clone()) for p in owned] if self.bf16_comm \
+            exact = [self.kept(p, "exact", lambda q: q.detach().float().clone()) for p in owned] if self.bf16_comm \
                 else owned
             if owned:
                 # Multi-tensor (foreach) ops: one pass over all of the group's matrices, not one kernel per
@@ -2274,7 +2295,7 @@ class Muon(torch.optim.Optimizer):
                 lr, decay = group["lr"], group["lr"] * group["weight_decay"]
                 updates = list(update.to(owned[0].dtype).unbind(0))
                 if decay:  # cautious: where the slow rail has p's sign
-                    updates = [u + decay * p * (s * p >= 0) for p, u, s in zip(exact, updates, slow)]
+                    updates = cautious_decay(updates, exact, slow, decay)
                 torch._foreach_add_(exact, updates, alpha=-lr * scale)
                 if self.bf16_comm:  # every rank's copy, the owner's too: the bf16 value the all-gather sends
                     rounded = torch.stack(exact).bfloat16()
@@ -2293,8 +2314,7 @@ class Muon(torch.optim.Optimizer):
         """Wait for the all-gathers: every rank gets every updated matrix."""
         for params, out, work in gathers:
             work.wait()
-            for p, new in zip(params, out):
-                p.copy_(new)
+            torch._foreach_copy_(params, list(out[: len(params)].unbind(0)))
 
 
 def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_size: float, decay_rate: float,

@@ -610,3 +610,22 @@ def test_adam_after_groups_moves_adams_collectives_between_muons_groups_and_keep
     assert moved.train_losses == plain.train_losses and moved.val_losses == plain.val_losses
     with pytest.raises(ValueError, match="adam_after_groups=-2"):
         tiny_args(adam_after_groups=-2)
+
+
+@pytest.mark.parametrize("update_dtype", [torch.float32, torch.bfloat16])
+def test_cautious_decay_in_foreach_ops_equals_the_per_matrix_expression_bit_for_bit(update_dtype):
+    """Muon's cautious decay, u + decay p (s p >= 0), as a group's multi-tensor ops: equal bit for bit, where s p is
+    negative, zero (a zero slow rail, a zero weight) and positive, for float32 and bf16 updates (float32 weights,
+    as --muon_bf16_comm keeps them)."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(6, 5, generator=g) for _ in range(3)]
+    slow = [torch.randn(6, 5, generator=g) for _ in range(3)]
+    slow[0][0] = 0.0
+    params[1][1] = 0.0
+    params[2][2] = -0.0
+    updates = [torch.randn(6, 5, generator=g).to(update_dtype) for _ in range(3)]
+    want = [u + 0.037 * p * (s * p >= 0) for p, u, s in zip(params, updates, slow)]
+    got = tg.cautious_decay(updates, params, slow, 0.037)
+    for w, o in zip(want, got):
+        assert o.dtype == w.dtype and torch.equal(o.view(torch.int32), w.view(torch.int32))
+    assert any(((s * p) < 0).any() and ((s * p) > 0).any() for s, p in zip(slow, params))
