@@ -306,6 +306,7 @@ class Hyperparameters:
     # holds rows / world_size of it (bigram_rows + trigram_rows must split), rows and gradients go to and from their
     # owners by all-to-all (GPT.pull_ngram_rows, push_row_grads). Off: the table is in the embedding tables' dense
     # Adam group, whole on every rank.
+    ngram_host_plan: bool = False  # a sharded n-gram table's pulls planned on the host: each micro-batch's distinct rows, places and owners' counts found by the loader's thread on its CPU copy, the counts swapped on a CPU (gloo) group, so a pull waits for no GPU (ANVIL2 swaps its counts on the CPU); where the table is not sharded (one GPU), nothing to plan
     ngram_sparse_adam: bool = True  # the n-gram table's row-sparse Adam (beta1 0, a moment per row; ANVIL2, 08/30/26)
     head_lr_mult: float = 1.0  # LM head: adam_lr times this
     # The 2026 records' LM head: betas 0.5,0.95 and cautious decay 0.005 x 150 = 0.75 per Adam step (Adam stepping
@@ -1530,6 +1531,7 @@ class GPT(nn.Module):
         self.bigram_embed = nn.Embedding(shard, dim, _weight=torch.zeros(shard, dim, dtype=torch.bfloat16))
         self.ngram_cache = None  # with W > 1: the micro-batch's (rows, each position's row in them), pull_ngram_rows
         self.ngram_train_cache = None  # the trainer's, refilled in place (pull_ngram_rows)
+        self.ngram_host_group = None  # ngram_host_plan: the CPU group its counts go over (build makes it)
         signs = None
         if cfg.bigram_sign_rows:  # drawn from the seeded RNG: the same on every rank, and saved in checkpoints
             signs = (torch.randint(0, 2, (cfg.bigram_sign_rows, dim)) * 2 - 1).bfloat16()
@@ -1791,18 +1793,31 @@ class GPT(nn.Module):
         return ngram[: inputs.size(0)] + ngram[inputs.size(0):] if self.cfg.trigram_rows else ngram
 
     @torch.no_grad()
-    def pull_ngram_rows(self, inputs: Tensor, cu_seqlens: Tensor, training: bool = False):
+    def host_ngram_plan(self, inputs: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+        """A micro-batch's pull planned on its CPU copy (ngram_host_plan; the loader's thread, ahead of the step): the
+        distinct rows it reads, ascending, each position's place among them, and how many of them each rank owns --
+        what pull_ngram_rows otherwise finds on the GPU, waiting for it twice (the rows' count, the counts)."""
+        wanted, slots = torch.unique(self.ngram_indices(inputs, cu_seqlens)[0], return_inverse=True)
+        return wanted, slots, owner_counts(wanted, self.bigram_embed.weight.size(0), self.ngram_world).tolist()
+
+    def pull_ngram_rows(self, inputs: Tensor, cu_seqlens: Tensor, training: bool = False, plan: tuple | None = None):
         """Before a forward (the trainer's and evaluate's, outside the compiled graph; a collective: every rank pulls
         once per micro-batch): with a sharded table, its rows for this micro-batch from their owners into a compact
         cache, ngram_cache = (rows, each position's row in them). The cache has a row per position (the distinct
         rows first, the rest unused), so the compiled graph sees one shape per stage. Nothing to do on one GPU.
         training: the trainer's micro-batches refill one cache in place while their shape holds, so that a captured
-        graph (GraphRunner) reads it where it was; evaluate's is made for its buffer and dropped after."""
+        graph (GraphRunner) reads it where it was; evaluate's is made for its buffer and dropped after. plan: the
+        micro-batch's host_ngram_plan, on the device but its counts (ngram_host_plan): no host sync."""
         if self.ngram_world == 1:
             return
         kept = self.ngram_train_cache if training else None
         self.ngram_cache = None  # the last micro-batch's cache is freed before this one is made
-        wanted, slots = torch.unique(self.ngram_indices(inputs, cu_seqlens)[0], return_inverse=True)
+        if plan is None:
+            wanted, slots = torch.unique(self.ngram_indices(inputs, cu_seqlens)[0], return_inverse=True)
+            counts = None
+        else:
+            wanted, slots, sent = plan
+            counts = exchange_counts(sent, self.ngram_host_group)
         w = self.bigram_embed.weight
         if kept is None or kept[1].shape != slots.shape:
             # a leaf that asks for a gradient, as the table does: the lookup's backward (RowGradLog) then runs and logs
@@ -1811,7 +1826,7 @@ class GPT(nn.Module):
                 self.ngram_train_cache = kept
         cache, places = kept
         places.copy_(slots)
-        pull_rows(w, wanted, cache[: wanted.numel()], self.ngram_rank, self.ngram_world)
+        pull_rows(w, wanted, cache[: wanted.numel()], self.ngram_rank, self.ngram_world, counts)
         self.ngram_cache = kept
 
     @torch.no_grad()
@@ -2405,19 +2420,27 @@ def owner_counts(rows: Tensor, shard_rows: int, world_size: int) -> Tensor:
     return torch.bincount(rows // shard_rows, minlength=world_size)
 
 
-def exchange_counts(send: Tensor) -> tuple[list[int], list[int]]:
-    """Each rank's counts for every other rank swapped (one small all-to-all, one host sync): (sent, received)
-    split sizes for the all-to-alls that follow."""
+def exchange_counts(send: Tensor | list[int], group=None) -> tuple[list[int], list[int]]:
+    """Each rank's counts for every other rank swapped (one small all-to-all): (sent, received) split sizes for the
+    all-to-alls that follow. Counts on the device: one host sync. Counts already on the host (a list) with a CPU
+    group (ngram_host_plan): swapped over it, waiting for the other ranks' hosts only, not for a GPU."""
+    if group is not None:
+        send = torch.tensor(send)
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        return send.tolist(), received.tolist()
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send)
     return send.tolist(), received.tolist()
 
 
-def pull_rows(table: Tensor, wanted: Tensor, out: Tensor, rank: int, world_size: int):
+def pull_rows(table: Tensor, wanted: Tensor, out: Tensor, rank: int, world_size: int,
+              counts: tuple[list[int], list[int]] | None = None):
     """The rows `wanted` (ascending, distinct, of the whole table) of a sharded table into `out`, in order: each rank
     asks every owner for its rows (ids by all-to-all), the owners read them from their shards (index_select) and
-    send them back (all-to-all). Rows received per rank: the distinct rows its micro-batch reads (ANVIL2, 08/30/26)."""
-    sent, received = exchange_counts(owner_counts(wanted, table.size(0), world_size))
+    send them back (all-to-all). Rows received per rank: the distinct rows its micro-batch reads (ANVIL2, 08/30/26).
+    counts: the (sent, received) split sizes swapped before (ngram_host_plan), else swapped here."""
+    sent, received = counts or exchange_counts(owner_counts(wanted, table.size(0), world_size))
     asked = wanted.new_empty(sum(received))
     dist.all_to_all_single(asked, wanted, received, sent)
     served = table.index_select(0, asked - rank * table.size(0))
@@ -2738,13 +2761,22 @@ class BatchProducer:
 LOADER_READ_AHEAD = 4  # steps a BatchLoader may have cut past the last one taken: its queue's 3 and one in hand
 
 
+def _each_tensor(x, fn):
+    """fn(x) for a tensor; for a tuple (BatchLoader's annotation), fn of each tensor in it, the rest as it is."""
+    if isinstance(x, tuple):
+        return tuple(fn(t) if torch.is_tensor(t) else t for t in x)
+    return fn(x)
+
+
 class BatchLoader:
     """A BatchProducer run ahead by a background thread: batches are pinned and copied to the device
-    without blocking. `plan(step)` gives each step's BatchSpec."""
+    without blocking. `plan(step)` gives each step's BatchSpec. `annotate(inputs, cu_seqlens)`, if given, adds a
+    fourth entry to each micro-batch, found in the thread from its CPU copy: a tuple whose tensors go to the device
+    with the batch and whose other entries stay on the host (ngram_host_plan: GPT.host_ngram_plan)."""
 
     def __init__(self, producer: BatchProducer, plan, device: torch.device, start_step: int = 0,
-                 prefetch: int = LOADER_READ_AHEAD - 1):
-        self.producer, self.plan, self.device = producer, plan, device
+                 prefetch: int = LOADER_READ_AHEAD - 1, annotate=None):
+        self.producer, self.plan, self.device, self.annotate = producer, plan, device, annotate
         self.state = producer.stream.state()  # stream position at the start of the next step handed out
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
@@ -2757,8 +2789,10 @@ class BatchLoader:
             while not self._stop.is_set():
                 spec = self.plan(step)
                 micro = [tuple(torch.from_numpy(a) for a in arrays) for arrays in self.producer.step(spec)]
+                if self.annotate is not None:
+                    micro = [m + (self.annotate(m[0], m[2]),) for m in micro]
                 if pin:
-                    micro = [tuple(t.pin_memory() for t in m) for m in micro]
+                    micro = [tuple(_each_tensor(t, Tensor.pin_memory) for t in m) for m in micro]
                 item = (step, spec, micro, self.producer.stream.state())
                 while not self._stop.is_set():
                     try:
@@ -2776,11 +2810,18 @@ class BatchLoader:
         if isinstance(item, BaseException):
             raise item
         _, spec, micro, self.state = item
-        return spec, [tuple(t.to(self.device, non_blocking=True) for t in m) for m in micro]
+        moved = lambda t: t.to(self.device, non_blocking=True)
+        return spec, [tuple(_each_tensor(t, moved) for t in m) for m in micro]
 
     def close(self):
         self._stop.set()
         self._thread.join()
+
+
+def host_plan(model: "GPT"):
+    """What BatchLoader's thread adds to each micro-batch: the n-gram pull's plan where the table is sharded and
+    ngram_host_plan asks for it (build made its CPU group), else nothing."""
+    return model.host_ngram_plan if model.ngram_host_group is not None else None
 
 
 def validation_batches(pattern: str, val_tokens: int, seq_len: int, bos_id: int, rank: int, world_size: int):
@@ -4044,6 +4085,9 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         check_memory_fits(args, world_size, torch.cuda.get_device_properties(device).total_memory, chosen)
     torch.manual_seed(args.seed)
     model = to_device(GPT(ModelConfig.from_args(args), chosen, ngram_shard(args, rank, world_size)), device)
+    if args.ngram_host_plan and model.ngram_world > 1:  # every rank makes it, in the same order: a collective
+        model.ngram_host_group = dist.new_group(backend="gloo",
+                                                timeout=timedelta(seconds=args.collective_timeout_s))
     if any(any(st.prefix_ramp) for st in schedule.stages):  # the prefix-token loss' table (untimed; the record
         vocab = gpt2_token_bytes()                            # builds it in its timed region, ~0.1 s)
         if args.vocab_size < len(vocab):
@@ -4226,12 +4270,12 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
     offsets = torch.tensor(sweep_offsets(step, len(micro), count, model.cfg.vocab_size), pin_memory=device.type ==
                            "cuda").to(device, non_blocking=True) if count else None
     model.note_token_lookups()
-    for m, (inputs, targets, cu_seqlens) in enumerate(micro):
+    for m, (inputs, targets, cu_seqlens, *plan) in enumerate(micro):  # plan: the loader's host_ngram_plan, if any
         model.reserve_ngram_log(inputs.numel())
         if m == len(micro) - 1 and schedule.tables_step_at(step):  # the flush's host sync, before the last forward
             model.plan_ngram_flush(inputs, cu_seqlens)
         # a sharded n-gram table: this micro-batch's rows, as last updated
-        model.pull_ngram_rows(inputs, cu_seqlens, training=True)
+        model.pull_ngram_rows(inputs, cu_seqlens, training=True, plan=plan[0] if plan else None)
         batch = (inputs, targets, cu_seqlens, stage.spec.max_doc_len, stage.windows)
         sampled = (count, offsets[m]) if count else None
         if isinstance(compiled, GraphRunner):  # --cuda_graphs: forward and backward in one replay
@@ -4308,7 +4352,7 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, sched
     # table starts at zero: a copy of 21M rows would take another 30 GiB of the GPU)
     initial_model = {name: v.detach().clone() if v.any() else None for name, v in model.state_dict().items()}
     initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]
-    loader = BatchLoader(producer, schedule.warmup_spec_at, model.lm_head_w.device)
+    loader = BatchLoader(producer, schedule.warmup_spec_at, model.lm_head_w.device, annotate=host_plan(model))
     t0 = time.perf_counter()
     log(f"warm-up: compiling {len(shapes)} stage shape(s) and {len(graphs)} validation graph(s)"
         f"{' with the C++ wrapper' if torch._inductor.config.cpp_wrapper and not isinstance(compiled, GraphRunner) else ''}"
@@ -4903,7 +4947,8 @@ def train(args: Hyperparameters) -> RunResult:
             t = time.perf_counter()
             warmup(model, compiled, optimizers, producer(), val, schedule, world_size, log)
             log(f"warm-up (compile) done in {time.perf_counter() - t:.1f}s")
-        loader = BatchLoader(producer(data_state), schedule.spec_at, device, start_step=first_step)
+        loader = BatchLoader(producer(data_state), schedule.spec_at, device, start_step=first_step,
+                             annotate=host_plan(model))
         figures = Figures(model, device, peak_tflops(device, args.peak_tflops), world_size, first_step)
         watch, losses, tokens, val_losses = LossWatch(device), [], [], []
         run = RunControl(args, model, kept, loader, clock, watch, figures, rank, world_size, first_step, log)

@@ -243,7 +243,7 @@ def main():
     slots = tg.doc_slots(schedule, files, plans=[[stage.spec] * (own.warmup + own.steps + own.profile_steps
                                                                + tg.LOADER_READ_AHEAD)])
     stage = stage.with_slots(slots)
-    loader = tg.BatchLoader(producer, lambda s: stage.spec, device)
+    loader = tg.BatchLoader(producer, lambda s: stage.spec, device, annotate=tg.host_plan(model))
     step, losses = stage.start, []
 
     def run_step():

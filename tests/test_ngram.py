@@ -291,6 +291,21 @@ def test_each_rank_holds_its_block_of_the_table_and_the_rows_must_split_evenly()
         tg.check_ngram_shards(256, 3, 8)  # rounding down would leave fewer than 2 rows: rounded up
 
 
+def test_a_pull_planned_on_the_host_reads_the_rows_the_gpus_pull_would():
+    """host_ngram_plan (ngram_host_plan; the loader's thread, on the CPU copy): the distinct rows a micro-batch reads,
+    ascending, each position's place among them, and each owner's count, for a table sharded over 4 ranks."""
+    cfg = tg.ModelConfig.from_args(tg.Hyperparameters(**{**TINY, "trigram_rows": 512}))
+    model = tg.GPT(cfg, tg.ModelKernels(), (1, 4))
+    inputs, cu_seqlens = stream(T=400, starts=(0, 17, 18, 100, 199, 250))
+    wanted, slots, counts = model.host_ngram_plan(inputs, cu_seqlens)
+    rows = model.ngram_indices(inputs, cu_seqlens)[0]
+    assert torch.equal(wanted[slots], rows) and rows.numel() == 2 * 400  # both channels' rows, every position
+    assert bool((wanted[1:] > wanted[:-1]).all())  # ascending and distinct: the order pull_rows answers in
+    shard = (TINY["bigram_rows"] + 512) // 4
+    assert counts == [int(((wanted >= r * shard) & (wanted < (r + 1) * shard)).sum()) for r in range(4)]
+    assert all(counts) and sum(counts) == wanted.numel()  # every owner asked, here
+
+
 def _push_worker(rank, world_size, out, drop_received):
     import torch.distributed as dist
     dist.init_process_group("gloo")
@@ -349,6 +364,14 @@ def _train_worker(rank, world_size, args, out):
             pushes[kind] += kind == "planned" or a[-1] is None  # a push without a route: unplanned
             return real(*a, **k)
         setattr(tg, name, counted)
+    pushes.update({"host pulls": 0, "device pulls": 0})  # the training pulls' counts: host-planned or found on the GPU
+    pull = tg.GPT.pull_ngram_rows
+
+    def pulled(self, *a, training=False, plan=None, **k):
+        if training:
+            pushes["host pulls" if plan is not None else "device pulls"] += 1
+        return pull(self, *a, training=training, plan=plan, **k)
+    tg.GPT.pull_ngram_rows = pulled
     run = tg.train(args)
     if rank == 0:
         torch.save((run.train_losses, run.val_losses, run.checkpoint, pushes), out)
@@ -362,7 +385,8 @@ def test_the_sharded_table_trains_on_2_and_4_gloo_processes_as_on_one(tiny_args,
     holds its block of rows / world_size rows, model.pt none. Through the sampled softmax's path too, switched to
     the full softmax at step 5, as the record preset runs them together: with every row a candidate (the sweep's
     rows differ by rank and world size, so fewer rows would not give equal losses). Every Adam step's push to the
-    owners planned before the step's last forward (plan_row_push)."""
+    owners planned before the step's last forward (plan_row_push). On 2 processes with ngram_host_plan too: every
+    training pull planned on the host (its counts over the CPU group), and the same losses as without it, exactly."""
     from distributed import spawn
     sampled = tuple(dataclasses.replace(row, candidates=TINY["vocab_size"]) for row in TINY["stages"])
     common = dict(batch_size=4 * 128, num_iterations=6, val_every=3, save_every=6, ngram_sparse_adam=True,
@@ -370,11 +394,14 @@ def test_the_sharded_table_trains_on_2_and_4_gloo_processes_as_on_one(tiny_args,
     one = tg.train(tiny_args(**common, run_id="one"))
     one_table = torch.load(Path(one.checkpoint) / "model.pt", weights_only=True)["model"]["bigram_embed.weight"]
     assert one_table.shape == (768, 64) and one_table.abs().sum(1).count_nonzero() > 100, "the table learned"
-    for world in (2, 4):
-        out = str(tmp_path / f"{world}.pt")
-        spawn(_train_worker, world, tiny_args(**common, run_id=f"on{world}"), out)
-        train, val, checkpoint, pushes = torch.load(out)
+    runs = {}
+    for world, host in ((2, False), (4, False), (2, True)):
+        out = str(tmp_path / f"{world}{host}.pt")
+        spawn(_train_worker, world, tiny_args(**common, run_id=f"on{world}{host}", ngram_host_plan=host), out)
+        train, val, checkpoint, pushes = runs[world, host] = torch.load(out)
         assert pushes["planned"] > 0 and pushes["unplanned"] == 0, pushes  # every push planned before its last forward
+        # ngram_host_plan: every training pull's counts swapped over the CPU group (none found on the device)
+        assert (pushes["host pulls"] > 0 and pushes["device pulls"] == 0) if host else pushes["host pulls"] == 0, pushes
         torch.testing.assert_close(torch.tensor(train), torch.tensor(one.train_losses), rtol=1e-4, atol=0)
         torch.testing.assert_close(torch.tensor([v for _, v in val]), torch.tensor([v for _, v in one.val_losses]),
                                    rtol=1e-4, atol=0)
@@ -384,6 +411,7 @@ def test_the_sharded_table_trains_on_2_and_4_gloo_processes_as_on_one(tiny_args,
         assert [s.shape for s in shards] == [(768 // world, 64)] * world
         table = tg.ngram_table_rows(Path(checkpoint), meta, 0, 1)  # joined whole, as sample.py reads it
         torch.testing.assert_close(table, one_table, rtol=1e-3, atol=1e-4)
+    assert runs[2, True][:2] == runs[2, False][:2]  # the host's plan pulls the same rows: the same losses exactly
 
 
 @pytest.mark.slow
@@ -401,7 +429,7 @@ def test_the_tables_longer_adam_period_trains_on_2_gloo_processes_as_on_one(tiny
     out = str(tmp_path / "2.pt")
     spawn(_train_worker, 2, tiny_args(**common, table_adam_every=(4, 0.3), run_id="on2"), out)
     train, val, _, pushes = torch.load(out)
-    assert pushes == {"planned": 3, "unplanned": 0}, pushes  # the table's steps 1, 3 and 7
+    assert (pushes["planned"], pushes["unplanned"]) == (3, 0), pushes  # the table's steps 1, 3 and 7
     torch.testing.assert_close(torch.tensor(train), torch.tensor(one.train_losses), rtol=1e-4, atol=0)
     torch.testing.assert_close(torch.tensor([v for _, v in val]), torch.tensor([v for _, v in one.val_losses]),
                                rtol=1e-4, atol=0)
