@@ -306,7 +306,7 @@ class Hyperparameters:
     # holds rows / world_size of it (bigram_rows + trigram_rows must split), rows and gradients go to and from their
     # owners by all-to-all (GPT.pull_ngram_rows, push_row_grads). Off: the table is in the embedding tables' dense
     # Adam group, whole on every rank.
-    ngram_host_plan: bool = False  # a sharded n-gram table's pulls planned on the host: each micro-batch's distinct rows, places and owners' counts found by the loader's thread on its CPU copy, the counts swapped on a CPU (gloo) group, so a pull waits for no GPU (ANVIL2 swaps its counts on the CPU); where the table is not sharded (one GPU), nothing to plan
+    ngram_host_plan: bool = False  # the n-gram table's pulls and flush planned on the host (NgramHostPlanner): each micro-batch's distinct rows, places and owners' counts, and a table step's union of them, found by the loader's thread on the CPU copies, the counts swapped on a CPU (gloo) group, so neither waits for the GPU (ANVIL2 finds and swaps its counts on the CPU)
     ngram_sparse_adam: bool = True  # the n-gram table's row-sparse Adam (beta1 0, a moment per row; ANVIL2, 08/30/26)
     head_lr_mult: float = 1.0  # LM head: adam_lr times this
     # The 2026 records' LM head: betas 0.5,0.95 and cautious decay 0.005 x 150 = 0.75 per Adam step (Adam stepping
@@ -1679,20 +1679,25 @@ class GPT(nn.Module):
             log["rows"] = torch.cat([log["rows"], log["rows"].new_zeros(n - log["rows"].numel())])
             log["grads"] = torch.cat([log["grads"], log["grads"].new_zeros(n - log["grads"].size(0), log["grads"].size(1))])
 
-    def plan_ngram_flush(self, inputs: Tensor, cu_seqlens: Tensor):
+    def plan_ngram_flush(self, inputs: Tensor, cu_seqlens: Tensor, host: tuple | None = None):
         """Before an Adam step's last training micro-batch (the trainer's, after reserve_ngram_log for it): the
         flush's distinct rows and each logged position's place among them, from the log so far and this micro-batch's
         rows, which its forward appends as they are. torch.unique waits for the GPU (its output size): here it waits
         for the micro-batches before this one, and the host then queues this one's forward and backward and the
         optimizers' work while the GPU runs it; at the flush it would wait for all of them and leave the GPU idle while
         the host queues the optimizers. The same rows and order as the flush's own unique. A sharded table's push to
-        the owners is planned here too (plan_row_push), with its own syncs."""
+        the owners is planned here too (plan_row_push), with its own syncs. host: (positions, distinct rows, places)
+        found by the loader's thread (NgramHostPlanner, ngram_host_plan) from the CPU copies of the micro-batches since
+        the last flush: no unique on the GPU; taken only where its count of positions is the log's."""
         if not self.ngram_log:
             return
-        rows = self.ngram_indices(inputs, cu_seqlens)[0]
         n = self.ngram_logged
-        logged = torch.cat([self.ngram_log["rows"][: n - rows.numel()], rows])
-        distinct, inverse = torch.unique(logged, return_inverse=True)
+        if host is not None and host[0] == n:
+            distinct, inverse = host[1:]
+        else:
+            rows = self.ngram_indices(inputs, cu_seqlens)[0]
+            logged = torch.cat([self.ngram_log["rows"][: n - rows.numel()], rows])
+            distinct, inverse = torch.unique(logged, return_inverse=True)
         route = None if self.ngram_world == 1 else plan_row_push(distinct, self.bigram_embed.weight.size(0),
                                                                  self.ngram_rank, self.ngram_world)
         self.ngram_flush_plan = (n, distinct, inverse, route)
@@ -1793,13 +1798,6 @@ class GPT(nn.Module):
         return ngram[: inputs.size(0)] + ngram[inputs.size(0):] if self.cfg.trigram_rows else ngram
 
     @torch.no_grad()
-    def host_ngram_plan(self, inputs: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor, list[int]]:
-        """A micro-batch's pull planned on its CPU copy (ngram_host_plan; the loader's thread, ahead of the step): the
-        distinct rows it reads, ascending, each position's place among them, and how many of them each rank owns --
-        what pull_ngram_rows otherwise finds on the GPU, waiting for it twice (the rows' count, the counts)."""
-        wanted, slots = torch.unique(self.ngram_indices(inputs, cu_seqlens)[0], return_inverse=True)
-        return wanted, slots, owner_counts(wanted, self.bigram_embed.weight.size(0), self.ngram_world).tolist()
-
     def pull_ngram_rows(self, inputs: Tensor, cu_seqlens: Tensor, training: bool = False, plan: tuple | None = None):
         """Before a forward (the trainer's and evaluate's, outside the compiled graph; a collective: every rank pulls
         once per micro-batch): with a sharded table, its rows for this micro-batch from their owners into a compact
@@ -1807,7 +1805,7 @@ class GPT(nn.Module):
         rows first, the rest unused), so the compiled graph sees one shape per stage. Nothing to do on one GPU.
         training: the trainer's micro-batches refill one cache in place while their shape holds, so that a captured
         graph (GraphRunner) reads it where it was; evaluate's is made for its buffer and dropped after. plan: the
-        micro-batch's host_ngram_plan, on the device but its counts (ngram_host_plan): no host sync."""
+        micro-batch's pull planned by NgramHostPlanner, on the device but its counts (ngram_host_plan): no host sync."""
         if self.ngram_world == 1:
             return
         kept = self.ngram_train_cache if training else None
@@ -2762,17 +2760,17 @@ LOADER_READ_AHEAD = 4  # steps a BatchLoader may have cut past the last one take
 
 
 def _each_tensor(x, fn):
-    """fn(x) for a tensor; for a tuple (BatchLoader's annotation), fn of each tensor in it, the rest as it is."""
+    """fn of every tensor in x (a tensor, or BatchLoader's annotation: nested tuples), the rest as it is."""
     if isinstance(x, tuple):
-        return tuple(fn(t) if torch.is_tensor(t) else t for t in x)
-    return fn(x)
+        return tuple(_each_tensor(t, fn) for t in x)
+    return fn(x) if torch.is_tensor(x) else x
 
 
 class BatchLoader:
     """A BatchProducer run ahead by a background thread: batches are pinned and copied to the device
-    without blocking. `plan(step)` gives each step's BatchSpec. `annotate(inputs, cu_seqlens)`, if given, adds a
-    fourth entry to each micro-batch, found in the thread from its CPU copy: a tuple whose tensors go to the device
-    with the batch and whose other entries stay on the host (ngram_host_plan: GPT.host_ngram_plan)."""
+    without blocking. `plan(step)` gives each step's BatchSpec. `annotate(step, micro)`, if given, adds a fourth
+    entry to each micro-batch, found in the thread from the step's CPU copies: nested tuples whose tensors go to the
+    device with the batch and whose other entries stay on the host (ngram_host_plan: NgramHostPlanner)."""
 
     def __init__(self, producer: BatchProducer, plan, device: torch.device, start_step: int = 0,
                  prefetch: int = LOADER_READ_AHEAD - 1, annotate=None):
@@ -2790,7 +2788,7 @@ class BatchLoader:
                 spec = self.plan(step)
                 micro = [tuple(torch.from_numpy(a) for a in arrays) for arrays in self.producer.step(spec)]
                 if self.annotate is not None:
-                    micro = [m + (self.annotate(m[0], m[2]),) for m in micro]
+                    micro = [m + (extra,) for m, extra in zip(micro, self.annotate(step, micro))]
                 if pin:
                     micro = [tuple(_each_tensor(t, Tensor.pin_memory) for t in m) for m in micro]
                 item = (step, spec, micro, self.producer.stream.state())
@@ -2818,10 +2816,41 @@ class BatchLoader:
         self._thread.join()
 
 
-def host_plan(model: "GPT"):
-    """What BatchLoader's thread adds to each micro-batch: the n-gram pull's plan where the table is sharded and
-    ngram_host_plan asks for it (build made its CPU group), else nothing."""
-    return model.host_ngram_plan if model.ngram_host_group is not None else None
+class NgramHostPlanner:
+    """ngram_host_plan: the n-gram table's plans found by BatchLoader's thread on the CPU copy of each step's
+    micro-batches, ahead of the step, where the GPU would otherwise be waited for (torch.unique's size, the counts'
+    tolist). For each micro-batch, a sharded table's pull: the distinct rows it reads (ascending), each position's
+    place among them and how many of them each rank owns (pull_ngram_rows). On the last micro-batch of a step where
+    the table steps (tables_step_at; None: never, as in the warm-up, whose steps do not follow each other), the
+    flush's: the step, the count of positions logged since the last flush, their distinct rows and each one's place
+    (plan_ngram_flush), the union of the micro-batches' rows. ANVIL2 finds and swaps its counts on the CPU too."""
+
+    def __init__(self, model: "GPT", tables_step_at=None):
+        self.model, self.tables_step_at = model, tables_step_at
+        self.window: list[tuple[Tensor, Tensor]] = []  # each micro-batch's (distinct rows, places) since the flush
+
+    def __call__(self, step: int, micro: list[tuple]) -> list[tuple]:
+        model, plans = self.model, []
+        for inputs, _, cu_seqlens in micro:
+            wanted, slots = torch.unique(model.ngram_indices(inputs, cu_seqlens)[0], return_inverse=True)
+            self.window.append((wanted, slots))
+            pull = None if model.ngram_world == 1 else (
+                wanted, slots, owner_counts(wanted, model.bigram_embed.weight.size(0), model.ngram_world).tolist())
+            plans.append((pull, None))
+        if self.tables_step_at is not None and self.tables_step_at(step) and model.ngram_log:
+            distinct = torch.unique(torch.cat([w for w, _ in self.window]))
+            places = torch.cat([torch.searchsorted(distinct, w)[slots] for w, slots in self.window])
+            plans[-1] = (plans[-1][0], (step, places.numel(), distinct, places))
+            self.window = []
+        return plans
+
+
+def host_plan(model: "GPT", args: Hyperparameters, tables_step_at=None) -> NgramHostPlanner | None:
+    """What BatchLoader's thread adds to each micro-batch (ngram_host_plan): NgramHostPlanner's plans where the
+    n-gram table has a log to flush or shards to pull from, else nothing."""
+    if not args.ngram_host_plan or not (model.ngram_log or model.ngram_world > 1):
+        return None
+    return NgramHostPlanner(model, tables_step_at)
 
 
 def validation_batches(pattern: str, val_tokens: int, seq_len: int, bos_id: int, rank: int, world_size: int):
@@ -4270,12 +4299,13 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
     offsets = torch.tensor(sweep_offsets(step, len(micro), count, model.cfg.vocab_size), pin_memory=device.type ==
                            "cuda").to(device, non_blocking=True) if count else None
     model.note_token_lookups()
-    for m, (inputs, targets, cu_seqlens, *plan) in enumerate(micro):  # plan: the loader's host_ngram_plan, if any
+    for m, (inputs, targets, cu_seqlens, *plan) in enumerate(micro):
+        pull, flush = plan[0] if plan else (None, None)  # NgramHostPlanner's, found by the loader (ngram_host_plan)
         model.reserve_ngram_log(inputs.numel())
         if m == len(micro) - 1 and schedule.tables_step_at(step):  # the flush's host sync, before the last forward
-            model.plan_ngram_flush(inputs, cu_seqlens)
+            model.plan_ngram_flush(inputs, cu_seqlens, host=flush[1:] if flush and flush[0] == step else None)
         # a sharded n-gram table: this micro-batch's rows, as last updated
-        model.pull_ngram_rows(inputs, cu_seqlens, training=True, plan=plan[0] if plan else None)
+        model.pull_ngram_rows(inputs, cu_seqlens, training=True, plan=pull)
         batch = (inputs, targets, cu_seqlens, stage.spec.max_doc_len, stage.windows)
         sampled = (count, offsets[m]) if count else None
         if isinstance(compiled, GraphRunner):  # --cuda_graphs: forward and backward in one replay
@@ -4352,7 +4382,8 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, sched
     # table starts at zero: a copy of 21M rows would take another 30 GiB of the GPU)
     initial_model = {name: v.detach().clone() if v.any() else None for name, v in model.state_dict().items()}
     initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]
-    loader = BatchLoader(producer, schedule.warmup_spec_at, model.lm_head_w.device, annotate=host_plan(model))
+    # the warm-up's steps do not follow each other: no flush planned on the host
+    loader = BatchLoader(producer, schedule.warmup_spec_at, model.lm_head_w.device, annotate=host_plan(model, schedule.args))
     t0 = time.perf_counter()
     log(f"warm-up: compiling {len(shapes)} stage shape(s) and {len(graphs)} validation graph(s)"
         f"{' with the C++ wrapper' if torch._inductor.config.cpp_wrapper and not isinstance(compiled, GraphRunner) else ''}"
@@ -4948,7 +4979,7 @@ def train(args: Hyperparameters) -> RunResult:
             warmup(model, compiled, optimizers, producer(), val, schedule, world_size, log)
             log(f"warm-up (compile) done in {time.perf_counter() - t:.1f}s")
         loader = BatchLoader(producer(data_state), schedule.spec_at, device, start_step=first_step,
-                             annotate=host_plan(model))
+                             annotate=host_plan(model, args, schedule.tables_step_at))
         figures = Figures(model, device, peak_tflops(device, args.peak_tflops), world_size, first_step)
         watch, losses, tokens, val_losses = LossWatch(device), [], [], []
         run = RunControl(args, model, kept, loader, clock, watch, figures, rank, world_size, first_step, log)

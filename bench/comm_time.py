@@ -243,7 +243,8 @@ def main():
     slots = tg.doc_slots(schedule, files, plans=[[stage.spec] * (own.warmup + own.steps + own.profile_steps
                                                                + tg.LOADER_READ_AHEAD)])
     stage = stage.with_slots(slots)
-    loader = tg.BatchLoader(producer, lambda s: stage.spec, device, annotate=tg.host_plan(model))
+    loader = tg.BatchLoader(producer, lambda s: stage.spec, device, start_step=stage.start,  # the steps run_step runs
+                            annotate=tg.host_plan(model, args, schedule.tables_step_at))
     step, losses = stage.start, []
 
     def run_step():

@@ -291,19 +291,69 @@ def test_each_rank_holds_its_block_of_the_table_and_the_rows_must_split_evenly()
         tg.check_ngram_shards(256, 3, 8)  # rounding down would leave fewer than 2 rows: rounded up
 
 
-def test_a_pull_planned_on_the_host_reads_the_rows_the_gpus_pull_would():
-    """host_ngram_plan (ngram_host_plan; the loader's thread, on the CPU copy): the distinct rows a micro-batch reads,
-    ascending, each position's place among them, and each owner's count, for a table sharded over 4 ranks."""
+def test_the_host_plans_each_pull_and_a_table_steps_flush_from_the_cpu_copies():
+    """NgramHostPlanner (ngram_host_plan; the loader's thread): for each micro-batch of a table sharded over 4 ranks,
+    the distinct rows it reads (ascending), each position's place and each owner's count; on the last micro-batch of
+    a table step, the positions logged since the last flush, their distinct rows and places (what plan_ngram_flush
+    finds with torch.unique on the GPU); on one GPU no pulls, the flush all the same; in the warm-up no flush."""
     cfg = tg.ModelConfig.from_args(tg.Hyperparameters(**{**TINY, "trigram_rows": 512}))
     model = tg.GPT(cfg, tg.ModelKernels(), (1, 4))
-    inputs, cu_seqlens = stream(T=400, starts=(0, 17, 18, 100, 199, 250))
-    wanted, slots, counts = model.host_ngram_plan(inputs, cu_seqlens)
-    rows = model.ngram_indices(inputs, cu_seqlens)[0]
-    assert torch.equal(wanted[slots], rows) and rows.numel() == 2 * 400  # both channels' rows, every position
-    assert bool((wanted[1:] > wanted[:-1]).all())  # ascending and distinct: the order pull_rows answers in
+    model.ngram_log = {"rows": torch.zeros(1)}  # what keep_table_grads makes with the row-sparse Adam (a log)
+    batches = [stream(T=400, starts=(0, 17, 18, 100, 199, 250)), stream(T=400, starts=(0, 50, 300))]
+    micro = [(x, None, cu) for x, cu in batches]
+    planner = tg.NgramHostPlanner(model, tables_step_at=lambda step: step % 2 == 1)
     shard = (TINY["bigram_rows"] + 512) // 4
-    assert counts == [int(((wanted >= r * shard) & (wanted < (r + 1) * shard)).sum()) for r in range(4)]
-    assert all(counts) and sum(counts) == wanted.numel()  # every owner asked, here
+    logged = []
+    for step in range(4):
+        plans = planner(step, micro)
+        for (x, _, cu), (pull, flush) in zip(micro, plans):
+            wanted, slots, counts = pull
+            rows = model.ngram_indices(x, cu)[0]
+            logged.append(rows)
+            assert torch.equal(wanted[slots], rows) and rows.numel() == 2 * 400  # both channels, every position
+            assert bool((wanted[1:] > wanted[:-1]).all())  # ascending and distinct: the order pull_rows answers in
+            assert counts == [int(((wanted >= r * shard) & (wanted < (r + 1) * shard)).sum()) for r in range(4)]
+            assert sum(counts) == wanted.numel()
+        assert plans[0][1] is None and (plans[1][1] is None) == (step % 2 == 0)  # a flush on a table step's last
+        if step % 2:
+            at, n, distinct, places = plans[1][1]
+            assert at == step
+            window = torch.cat(logged)  # two steps of two micro-batches since the last flush, in the log's order
+            want_distinct, want_places = torch.unique(window, return_inverse=True)
+            assert n == window.numel() == 4 * 800
+            assert torch.equal(distinct, want_distinct) and torch.equal(places, want_places)
+            logged = []
+    one_gpu = tg.NgramHostPlanner(tg.GPT(cfg, tg.ModelKernels(), (0, 1)), tables_step_at=lambda step: True)
+    one_gpu.model.ngram_log = {"rows": torch.zeros(1)}
+    plans = one_gpu(0, micro)
+    assert [pull for pull, _ in plans] == [None, None] and plans[1][1][:2] == (0, 2 * 800)
+    warmup = tg.NgramHostPlanner(model)
+    assert all(flush is None for _, flush in warmup(1, micro))
+    args = tg.Hyperparameters(**{**TINY, "trigram_rows": 512, "ngram_host_plan": True})
+    assert isinstance(tg.host_plan(model, args), tg.NgramHostPlanner)
+    assert tg.host_plan(model, dataclasses.replace(args, ngram_host_plan=False)) is None
+    assert tg.host_plan(tg.GPT(cfg, tg.ModelKernels(), (0, 1)), args) is None  # one GPU, no log: nothing to plan
+
+
+@pytest.mark.parametrize("period", [None, (4, 0.3)], ids=["adam_every", "table_period_4"])
+def test_a_run_with_its_flushes_planned_on_the_host_equals_the_run_without(tiny_args, monkeypatch, period):
+    """ngram_host_plan on one process: every table step's flush takes the host's plan (none falls back to the GPU's
+    unique), and the run's losses equal those of the run without it exactly; with the tables' longer period the
+    host's window spans four steps."""
+    flush, taken = tg.GPT.plan_ngram_flush, []
+
+    def recording(self, inputs, cu_seqlens, host=None):
+        taken.append(host is not None and host[0] == self.ngram_logged)
+        return flush(self, inputs, cu_seqlens, host=host)
+    monkeypatch.setattr(tg.GPT, "plan_ngram_flush", recording)
+    kw = dict(batch_size=2 * 128, val_tokens=1024, num_iterations=8, val_every=8, adam_every=2, trigram_rows=256,
+              ngram_sparse_adam=True, **({"table_adam_every": period} if period else {}))
+    host = tg.train(tiny_args(**kw, ngram_host_plan=True))
+    assert taken and all(taken) and len(taken) == (4 if period is None else 3)  # the table's steps
+    taken.clear()
+    plain = tg.train(tiny_args(**kw))
+    assert taken and not any(taken)
+    assert host.train_losses == plain.train_losses and host.val_losses == plain.val_losses
 
 
 def _push_worker(rank, world_size, out, drop_received):
@@ -364,7 +414,7 @@ def _train_worker(rank, world_size, args, out):
             pushes[kind] += kind == "planned" or a[-1] is None  # a push without a route: unplanned
             return real(*a, **k)
         setattr(tg, name, counted)
-    pushes.update({"host pulls": 0, "device pulls": 0})  # the training pulls' counts: host-planned or found on the GPU
+    pushes.update({"host pulls": 0, "device pulls": 0, "host flushes": 0})  # planned on the host, or on the GPU
     pull = tg.GPT.pull_ngram_rows
 
     def pulled(self, *a, training=False, plan=None, **k):
@@ -372,6 +422,12 @@ def _train_worker(rank, world_size, args, out):
             pushes["host pulls" if plan is not None else "device pulls"] += 1
         return pull(self, *a, training=training, plan=plan, **k)
     tg.GPT.pull_ngram_rows = pulled
+    plan_flush = tg.GPT.plan_ngram_flush
+
+    def planned(self, inputs, cu_seqlens, host=None):
+        pushes["host flushes"] += host is not None and host[0] == self.ngram_logged
+        return plan_flush(self, inputs, cu_seqlens, host=host)
+    tg.GPT.plan_ngram_flush = planned
     run = tg.train(args)
     if rank == 0:
         torch.save((run.train_losses, run.val_losses, run.checkpoint, pushes), out)
@@ -401,7 +457,8 @@ def test_the_sharded_table_trains_on_2_and_4_gloo_processes_as_on_one(tiny_args,
         train, val, checkpoint, pushes = runs[world, host] = torch.load(out)
         assert pushes["planned"] > 0 and pushes["unplanned"] == 0, pushes  # every push planned before its last forward
         # ngram_host_plan: every training pull's counts swapped over the CPU group (none found on the device)
-        assert (pushes["host pulls"] > 0 and pushes["device pulls"] == 0) if host else pushes["host pulls"] == 0, pushes
+        assert (pushes["host pulls"] > 0 and pushes["device pulls"] == 0 and pushes["host flushes"] == pushes["planned"]
+                if host else pushes["host pulls"] == pushes["host flushes"] == 0), pushes
         torch.testing.assert_close(torch.tensor(train), torch.tensor(one.train_losses), rtol=1e-4, atol=0)
         torch.testing.assert_close(torch.tensor([v for _, v in val]), torch.tensor([v for _, v in one.val_losses]),
                                    rtol=1e-4, atol=0)
