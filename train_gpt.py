@@ -1688,18 +1688,27 @@ class GPT(nn.Module):
         the host queues the optimizers. The same rows and order as the flush's own unique. A sharded table's push to
         the owners is planned here too (plan_row_push), with its own syncs. host: (positions, distinct rows, places)
         found by the loader's thread (NgramHostPlanner, ngram_host_plan) from the CPU copies of the micro-batches since
-        the last flush: no unique on the GPU; taken only where its count of positions is the log's."""
+        the last flush, and those rows as a numpy array for the owners' route: no unique on the GPU; taken only where
+        its count of positions is the log's."""
         if not self.ngram_log:
             return
         n = self.ngram_logged
         if host is not None and host[0] == n:
-            distinct, inverse = host[1:]
+            distinct, inverse = host[1:3]
         else:
             rows = self.ngram_indices(inputs, cu_seqlens)[0]
             logged = torch.cat([self.ngram_log["rows"][: n - rows.numel()], rows])
             distinct, inverse = torch.unique(logged, return_inverse=True)
-        route = None if self.ngram_world == 1 else plan_row_push(distinct, self.bigram_embed.weight.size(0),
-                                                                 self.ngram_rank, self.ngram_world)
+        shard_rows, device = self.bigram_embed.weight.size(0), self.bigram_embed.weight.device
+        if self.ngram_world == 1:
+            route = None
+        elif host is not None and host[0] == n and self.ngram_host_group is not None:  # the rows on the host too
+            route = plan_row_push(torch.from_numpy(host[3]), shard_rows, self.ngram_rank, self.ngram_world,
+                                  self.ngram_host_group)
+            route = (*route[:2], *(t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+                                   for t in route[2:]))
+        else:
+            route = plan_row_push(distinct, shard_rows, self.ngram_rank, self.ngram_world)
         self.ngram_flush_plan = (n, distinct, inverse, route)
 
     def flush_ngram_log(self):
@@ -2462,14 +2471,17 @@ def push_row_grads(rows: Tensor, grads: Tensor, shard_rows: int, world_size: int
     return (got_rows, got), works
 
 
-def plan_row_push(rows: Tensor, shard_rows: int, rank: int, world_size: int) -> tuple:
+def plan_row_push(rows: Tensor, shard_rows: int, rank: int, world_size: int, group=None) -> tuple:
     """push_row_grads' exchange and sum_owned_rows' unique ahead of the gradients (GPT.plan_ngram_flush, before the
     step's last forward, where their host syncs find less of the GPU's queue to wait for): (sent, received, the
     distinct rows this owner receives, minus its first row, and each received position's place among them). After
-    the backward only the gradients go over the wire, by these split sizes, and are summed by these places."""
-    sent, received = exchange_counts(owner_counts(rows, shard_rows, world_size))
+    the backward only the gradients go over the wire, by these split sizes, and are summed by these places. With
+    rows on the CPU and a CPU group (ngram_host_plan): the counts and rows go over that group and the unique runs on
+    the host, so nothing waits for the GPU (the caller moves the owner's rows and places to the device)."""
+    counts = owner_counts(rows, shard_rows, world_size)
+    sent, received = exchange_counts(counts if group is None else counts.tolist(), group)
     got_rows = rows.new_empty(sum(received))
-    dist.all_to_all_single(got_rows, rows, received, sent)
+    dist.all_to_all_single(got_rows, rows, received, sent, group=group)
     return sent, received, *torch.unique(got_rows - rank * shard_rows, return_inverse=True)
 
 
@@ -2826,7 +2838,8 @@ class NgramHostPlanner:
     place among them and how many of them each rank owns (pull_ngram_rows). On the last micro-batch of a step where
     the table steps (tables_step_at; None: never, as in the warm-up, whose steps do not follow each other), the
     flush's: the step, the count of positions logged since the last flush, their distinct rows and each one's place
-    (plan_ngram_flush), the union of the micro-batches' rows. ANVIL2 finds and swaps its counts on the CPU too."""
+    (plan_ngram_flush), the union of the micro-batches' rows, and the rows again as a numpy array, which stays on the
+    host for the owners' route (plan_row_push over the CPU group). ANVIL2 finds and swaps its counts on the CPU too."""
 
     def __init__(self, model: "GPT", tables_step_at=None):
         self.model, self.tables_step_at = model, tables_step_at
@@ -2843,7 +2856,7 @@ class NgramHostPlanner:
         if self.tables_step_at is not None and self.tables_step_at(step) and model.ngram_log:
             distinct = torch.unique(torch.cat([w for w, _ in self.window]))
             places = torch.cat([torch.searchsorted(distinct, w)[slots] for w, slots in self.window])
-            plans[-1] = (plans[-1][0], (step, places.numel(), distinct, places))
+            plans[-1] = (plans[-1][0], (step, places.numel(), distinct, places, distinct.numpy()))
             self.window = []
         return plans
 

@@ -3,6 +3,7 @@ exchange between ranks, the memory table and the start-up refusal."""
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -316,8 +317,8 @@ def test_the_host_plans_each_pull_and_a_table_steps_flush_from_the_cpu_copies():
             assert sum(counts) == wanted.numel()
         assert plans[0][1] is None and (plans[1][1] is None) == (step % 2 == 0)  # a flush on a table step's last
         if step % 2:
-            at, n, distinct, places = plans[1][1]
-            assert at == step
+            at, n, distinct, places, rows = plans[1][1]
+            assert at == step and isinstance(rows, np.ndarray) and np.array_equal(rows, distinct.numpy())  # stays
             window = torch.cat(logged)  # two steps of two micro-batches since the last flush, in the log's order
             want_distinct, want_places = torch.unique(window, return_inverse=True)
             assert n == window.numel() == 4 * 800
@@ -408,10 +409,11 @@ def test_gloo_ranks_push_their_row_gradients_to_the_owners_which_sum_and_update_
 
 
 def _train_worker(rank, world_size, args, out):
-    pushes = {"planned": 0, "unplanned": 0}  # how each Adam step's row push found its split sizes and owners' rows
+    pushes = {"planned": 0, "unplanned": 0, "host routes": 0}  # how each Adam step's push found its sizes and rows
     for name, kind in (("plan_row_push", "planned"), ("push_row_grads", "unplanned")):
         def counted(*a, real=getattr(tg, name), kind=kind, **k):
             pushes[kind] += kind == "planned" or a[-1] is None  # a push without a route: unplanned
+            pushes["host routes"] += kind == "planned" and len(a) == 5 and a[4] is not None  # over the CPU group
             return real(*a, **k)
         setattr(tg, name, counted)
     pushes.update({"host pulls": 0, "device pulls": 0, "host flushes": 0})  # planned on the host, or on the GPU
@@ -457,8 +459,9 @@ def test_the_sharded_table_trains_on_2_and_4_gloo_processes_as_on_one(tiny_args,
         train, val, checkpoint, pushes = runs[world, host] = torch.load(out)
         assert pushes["planned"] > 0 and pushes["unplanned"] == 0, pushes  # every push planned before its last forward
         # ngram_host_plan: every training pull's counts swapped over the CPU group (none found on the device)
-        assert (pushes["host pulls"] > 0 and pushes["device pulls"] == 0 and pushes["host flushes"] == pushes["planned"]
-                if host else pushes["host pulls"] == pushes["host flushes"] == 0), pushes
+        assert (pushes["host pulls"] > 0 and pushes["device pulls"] == 0
+                and pushes["host flushes"] == pushes["host routes"] == pushes["planned"]
+                if host else pushes["host pulls"] == pushes["host flushes"] == pushes["host routes"] == 0), pushes
         torch.testing.assert_close(torch.tensor(train), torch.tensor(one.train_losses), rtol=1e-4, atol=0)
         torch.testing.assert_close(torch.tensor([v for _, v in val]), torch.tensor([v for _, v in one.val_losses]),
                                    rtol=1e-4, atol=0)
