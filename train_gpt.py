@@ -2794,9 +2794,10 @@ class BatchLoader:
         self._thread.start()
 
     def _produce(self, step: int):
-        # this thread's torch work (annotate) on one core: an OpenMP team of its own spins against the main thread's
-        # (the smoke preset on 2 CPU cores with ngram_host_plan: 699 ms a step, 385 with this; omp's setting is per thread)
-        torch.set_num_threads(1)
+        if self.annotate is not None:  # its torch work on one core: an OpenMP team of its own spins against the main
+            # thread's (the smoke preset on 2 CPU cores with ngram_host_plan: 699 ms a step, 385 with this; OpenMP's
+            # setting is per thread, so the main thread keeps its own)
+            torch.set_num_threads(1)
         pin = self.device.type == "cuda"
         try:
             while not self._stop.is_set():
