@@ -1693,7 +1693,8 @@ class GPT(nn.Module):
         if not self.ngram_log:
             return
         n = self.ngram_logged
-        if host is not None and host[0] == n:
+        host = host if host is not None and host[0] == n else None  # a plan of another log is not this one's
+        if host is not None:
             distinct, inverse = host[1:3]
         else:
             rows = self.ngram_indices(inputs, cu_seqlens)[0]
@@ -1702,7 +1703,7 @@ class GPT(nn.Module):
         shard_rows, device = self.bigram_embed.weight.size(0), self.bigram_embed.weight.device
         if self.ngram_world == 1:
             route = None
-        elif host is not None and host[0] == n and self.ngram_host_group is not None:  # the rows on the host too
+        elif host is not None:  # the rows on the host too: the route over the CPU group (build made it)
             route = plan_row_push(torch.from_numpy(host[3]), shard_rows, self.ngram_rank, self.ngram_world,
                                   self.ngram_host_group)
             route = (*route[:2], *(t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
@@ -2429,15 +2430,11 @@ def owner_counts(rows: Tensor, shard_rows: int, world_size: int) -> Tensor:
 
 def exchange_counts(send: Tensor | list[int], group=None) -> tuple[list[int], list[int]]:
     """Each rank's counts for every other rank swapped (one small all-to-all): (sent, received) split sizes for the
-    all-to-alls that follow. Counts on the device: one host sync. Counts already on the host (a list) with a CPU
+    all-to-alls that follow. Counts on the device: one host sync. Counts on the host (a list, a CPU tensor) with a CPU
     group (ngram_host_plan): swapped over it, waiting for the other ranks' hosts only, not for a GPU."""
-    if group is not None:
-        send = torch.tensor(send)
-        received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=group)
-        return send.tolist(), received.tolist()
+    send = torch.as_tensor(send)
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send)
+    dist.all_to_all_single(received, send, group=group)
     return send.tolist(), received.tolist()
 
 
@@ -2478,8 +2475,7 @@ def plan_row_push(rows: Tensor, shard_rows: int, rank: int, world_size: int, gro
     the backward only the gradients go over the wire, by these split sizes, and are summed by these places. With
     rows on the CPU and a CPU group (ngram_host_plan): the counts and rows go over that group and the unique runs on
     the host, so nothing waits for the GPU (the caller moves the owner's rows and places to the device)."""
-    counts = owner_counts(rows, shard_rows, world_size)
-    sent, received = exchange_counts(counts if group is None else counts.tolist(), group)
+    sent, received = exchange_counts(owner_counts(rows, shard_rows, world_size), group)
     got_rows = rows.new_empty(sum(received))
     dist.all_to_all_single(got_rows, rows, received, sent, group=group)
     return sent, received, *torch.unique(got_rows - rank * shard_rows, return_inverse=True)
