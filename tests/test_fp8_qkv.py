@@ -103,8 +103,8 @@ def test_fp8_linear_on_the_gpu_matches_its_float32_arithmetic():
     micro-batch of 4,096 tokens, part by part: the e4m3 operands, the same bytes on both devices; a matmul with exact
     accumulation, the CPU's result to bf16's rounding; FP8Linear's backward (exact accumulation) likewise; its forward
     (fast accumulation, whose sums keep fewer bits on Hopper: DeepSeek-V3's report) nearer the CPU's than half FP8's
-    own distance from the bf16 projection. On H200s (2026-11-30) FP8Linear was 1.54% from the CPU's, over the 2e-3
-    this test asks; the forward's operands and exact matmul agreed, its backward did not: these parts say where."""
+    own distance from the bf16 projection. On H200s (2026-11-30) FP8Linear's backward was 1.54% from the CPU's: the
+    gradient's e4m3 copy differed at ties (below), so the backward is checked on the GPU's own operands."""
     rel = lambda got, want: ((got.float().cpu() - want.float()).norm() / want.float().norm()).item()
     x, w, grad = case(T=4096, dim=768, N=1536)
     x_s, w_s = math.sqrt(768) / 448, w.detach().abs().amax() / 448
@@ -118,22 +118,30 @@ def test_fp8_linear_on_the_gpu_matches_its_float32_arithmetic():
     exact = {d: kernels._mm_f8(x_f8, w_f8.T, scales[0, :1].to(d), scales[1, :1].to(d), torch.bfloat16)
              for d, (x_f8, w_f8) in operands.items()}
     assert rel(exact["cuda"], exact["cpu"]) < 2e-3, "exact accumulation"
-    # the backward's parts: the gradient's e4m3 copy and its transpose, then each of its two matmuls on those
-    # operands and the forward's transposed copies
-    # CUDA divides by a Python number as a product with its reciprocal (on H200s, 2026-11-30, the scale differed
-    # from the CPU's): the scale within a float32 rounding, so a few e4m3 codes may round to their neighbour
+    # the backward's parts. CUDA divides by a Python number as a product with its reciprocal, so the gradient's scale
+    # may differ from the CPU's by a float32 rounding; a bf16 gradient over it often lands exactly on a midpoint of
+    # e4m3's grid (on H200s, 2026-11-30, 3.4% of codes moved by one), which that rounding tips either way. So: the
+    # scale within a rounding, every moved code a tie between its two neighbours, and the matmuls on the GPU's own
+    # e4m3 bytes against the CPU's arithmetic on those same bytes
     g_parts = {d: kernels._grad_operands(grad.to(d)) for d in ("cpu", "cuda")}
     torch.testing.assert_close(g_parts["cuda"][0].cpu(), g_parts["cpu"][0], rtol=2.5e-7, atol=0)
-    for i, name in ((2, "e4m3 copy"), (3, "transposed copy")):
-        codes = [t.cpu().view(torch.uint8).int() for t in (g_parts["cuda"][i], g_parts["cpu"][i])]
-        moved = (codes[0] - codes[1]).abs()
-        assert moved.max() <= 1 and (moved > 0).float().mean() < 1e-3, f"the gradient's {name} differs"
+    quotient = grad.float() / g_parts["cpu"][0]
+    for i, name, q in ((2, "e4m3 copy", quotient), (3, "transposed copy", quotient.T)):
+        got, want = g_parts["cuda"][i].cpu(), g_parts["cpu"][i]
+        moved = (got.view(torch.uint8).int() - want.view(torch.uint8).int()).abs()
+        assert moved.max() <= 1, f"the gradient's {name}: a code moved further than its neighbour"
+        at = moved > 0
+        midpoint = (got[at].float() + want[at].float()) / 2
+        assert torch.allclose(q[at], midpoint, rtol=1e-6, atol=0), f"the gradient's {name}: a moved code was no tie"
+    gpu_bytes = [t.cpu() for t in g_parts["cuda"]]  # the GPU's scale and e4m3 copies, on the CPU
     col_major = lambda t: t.T.contiguous().T  # _scaled_mm's second operand: the same values, column-major
+    refs = {}
     for name, g_at, op, dtype in (("grad x", 2, 1, torch.bfloat16), ("grad w", 3, 0, torch.float32)):
-        parts = {d: kernels._mm_f8(g_parts[d][g_at], col_major(operands[d][op]),
-                                   kernels.fp8_scale_rows(g_parts[d][0])[0, :1], scales[op, :1].to(d), dtype)
+        parts = {d: kernels._mm_f8(gpu_bytes[g_at].to(d), col_major(operands[d][op]),
+                                   kernels.fp8_scale_rows(gpu_bytes[0])[0, :1].to(d), scales[op, :1].to(d), dtype)
                  for d in ("cpu", "cuda")}
         assert rel(parts["cuda"], parts["cpu"]) < 2e-3, f"{name}'s matmul (exact accumulation)"
+        refs[name] = parts["cpu"]
     outs = []
     for device in ("cpu", "cuda"):
         xd, wd = x.detach().to(device).requires_grad_(), w.detach().to(device).requires_grad_()
@@ -141,6 +149,9 @@ def test_fp8_linear_on_the_gpu_matches_its_float32_arithmetic():
         out.backward(grad.to(device))
         outs.append((out.detach(), xd.grad, wd.grad))
     (out_cpu, gx_cpu, gw_cpu), (out_gpu, gx_gpu, gw_gpu) = outs
-    assert rel(gx_gpu, gx_cpu) < 2e-3 and rel(gw_gpu, gw_cpu) < 2e-3, "the backward (exact accumulation)"
+    # FP8Linear's backward on the GPU: the CPU's arithmetic on the GPU's operands (the CPU's own backward rounds the
+    # ties above the other way: its distance from the GPU's is that rounding, ~1.5%, not the kernels')
+    assert rel(gx_gpu, refs["grad x"]) < 2e-3 and rel(gw_gpu, refs["grad w"]) < 2e-3, "the backward (exact accumulation)"
+    assert rel(gx_gpu, gx_cpu) < 0.05 and rel(gw_gpu, gw_cpu) < 0.05, "the backward (the ties' rounding)"
     bf16 = torch.nn.functional.linear(x.detach(), w.detach().bfloat16())
     assert rel(out_gpu, out_cpu) < 0.5 * rel(out_cpu, bf16), (rel(out_gpu, out_cpu), rel(out_cpu, bf16))
