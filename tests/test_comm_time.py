@@ -121,3 +121,26 @@ def test_the_exposed_share_is_scaled_to_eight_gpus_by_a_rings_bytes():
     assert comm_time.ring_factor(2) == pytest.approx(1.75) and comm_time.ring_factor(4) == pytest.approx(7 / 6)
     assert comm_time.at_eight(0.02, 2) == "; 3.5% at eight GPUs, the ring's bytes x1.75"
     assert comm_time.at_eight(0.02, 1) == "" and comm_time.at_eight(0.02, 8) == ""
+
+
+def test_a_sweep_takes_only_fields_read_at_every_step_and_parses_their_values_by_type():
+    import train_gpt as tg
+    args = tg.parse_args(["--preset", "smoke"])
+    assert comm_time.sweep_values("", args) == ("", [None])
+    assert comm_time.sweep_values("adam_after_groups=-1,3,1", args) == ("adam_after_groups", [-1, 3, 1])
+    with pytest.raises(SystemExit, match="'model_dim' is not read at every step"):
+        comm_time.sweep_values("model_dim=64,128", args)
+    with pytest.raises(SystemExit, match="no values"):
+        comm_time.sweep_values("adam_after_groups=", args)
+
+
+def test_the_split_reads_only_the_durations_of_other_ranks_kernels_not_their_clocks():
+    """Each rank's GPU clock reaches the host's through its own process: shifting one rank's timestamps, as a
+    different clock offset would, changes no rank's split. Rank 0 arrives at 10, rank 1 at 16; both end at 20."""
+    nccl = [[(10.0, 20.0), (30.0, 35.0)], [(16.0, 20.0), (25.0, 35.0)]]
+    shifted = [nccl[0], [(a + 3.0, b + 3.0) for a, b in nccl[1]]]  # rank 1's clock 3 us ahead
+    assert comm_time.arrival_split(shifted, 0) == comm_time.arrival_split(nccl, 0)
+    back = lambda span: span and (span[0] - 3.0, span[1] - 3.0)  # rank 1's own spans, on its own clock
+    assert [tuple(map(back, cut)) for cut in comm_time.arrival_split(shifted, 1)] == comm_time.arrival_split(nccl, 1)
+    assert comm_time.peer_wait_split(shifted, 0, [(8.0, 12.0)]) == (4.0, 4.0 + 5.0)
+    assert comm_time.arrival_split(nccl, 0) == [((10.0, 16.0), (16.0, 20.0)), (None, (30.0, 35.0))]
