@@ -286,7 +286,6 @@ class Hyperparameters:
     muon_momentum_cooldown: int = 50  # last steps: momentum back down to muon_momentum_start, linearly; 0 = none
     muon_beta2: float = 0.9  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off
     muon_weight_decay: float = 2.25  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25; ANVIL2's 2.25, the public master's 1.2)
-    adam_after_groups: int = -1  # on Adam's steps, its reduce-scatters and updates after Muon's first N groups (largest first), so that Adam's all-gathers overlap Muon's later orthogonalizations; -1 = after all of Muon's (the public master's order)
     muon_bf16_comm: bool = False  # block matrices at bf16 values on every rank, the float32 ones kept by their owner's Muon: reduce-scatters and all-gathers in bf16, half the bytes (the public master's bf16 banks and their mantissa state)
     anvil_rails: tuple[float, ...] = (0.98, 0.4385, 0.85, 0.43)  # Muon's rails (ANVIL): the slow rail's beta, the fast rail's weight and beta once engaged, and from what fraction of num_iterations (ANVIL2's 0.98, 0.4385, 0.85 from its step 514 of 1194); before it, weight 1 at Muon's momentum
     # the public master's NorMuon rates: 0.023 x 2 on the MLP's input (its shape factor), x 4 on its output (10/27/25)
@@ -306,7 +305,6 @@ class Hyperparameters:
     # holds rows / world_size of it (bigram_rows + trigram_rows must split), rows and gradients go to and from their
     # owners by all-to-all (GPT.pull_ngram_rows, push_row_grads). Off: the table is in the embedding tables' dense
     # Adam group, whole on every rank.
-    ngram_host_plan: bool = False  # the n-gram table's pulls and flush planned on the host (NgramHostPlanner): each micro-batch's distinct rows, places and owners' counts, and a table step's union of them, found by the loader's thread on the CPU copies, the counts swapped on a CPU (gloo) group, so neither waits for the GPU (ANVIL2 finds and swaps its counts on the CPU)
     ngram_sparse_adam: bool = True  # the n-gram table's row-sparse Adam (beta1 0, a moment per row; ANVIL2, 08/30/26)
     head_lr_mult: float = 1.0  # LM head: adam_lr times this
     # The 2026 records' LM head: betas 0.5,0.95 and cautious decay 0.005 x 150 = 0.75 per Adam step (Adam stepping
@@ -429,9 +427,6 @@ class Hyperparameters:
         if h.adam_every < 1 or h.save_every % h.adam_every:
             raise ValueError(f"adam_every={h.adam_every}, save_every={h.save_every}: adam_every >= 1, and checkpoints "
                              "fall on Adam's steps, so save_every must be a multiple of it")
-        if h.adam_after_groups < -1:
-            raise ValueError(f"adam_after_groups={h.adam_after_groups}: how many of Muon's groups step before Adam's "
-                             f"collectives (0 or more), or -1 for after all of them")
         period, start = (*h.table_adam_every, None)[:2] if h.table_adam_every else (h.adam_every, 0.0)
         if (len(h.table_adam_every) > 2 or start is None or period != int(period) or period < h.adam_every
                 or period % h.adam_every or not 0 <= start < 1 or h.save_every % period):
@@ -1531,7 +1526,6 @@ class GPT(nn.Module):
         self.bigram_embed = nn.Embedding(shard, dim, _weight=torch.zeros(shard, dim, dtype=torch.bfloat16))
         self.ngram_cache = None  # with W > 1: the micro-batch's (rows, each position's row in them), pull_ngram_rows
         self.ngram_train_cache = None  # the trainer's, refilled in place (pull_ngram_rows)
-        self.ngram_host_group = None  # ngram_host_plan: the CPU group its counts go over (build makes it)
         signs = None
         if cfg.bigram_sign_rows:  # drawn from the seeded RNG: the same on every rank, and saved in checkpoints
             signs = (torch.randint(0, 2, (cfg.bigram_sign_rows, dim)) * 2 - 1).bfloat16()
@@ -1679,37 +1673,22 @@ class GPT(nn.Module):
             log["rows"] = torch.cat([log["rows"], log["rows"].new_zeros(n - log["rows"].numel())])
             log["grads"] = torch.cat([log["grads"], log["grads"].new_zeros(n - log["grads"].size(0), log["grads"].size(1))])
 
-    def plan_ngram_flush(self, inputs: Tensor, cu_seqlens: Tensor, host: tuple | None = None):
+    def plan_ngram_flush(self, inputs: Tensor, cu_seqlens: Tensor):
         """Before an Adam step's last training micro-batch (the trainer's, after reserve_ngram_log for it): the
         flush's distinct rows and each logged position's place among them, from the log so far and this micro-batch's
         rows, which its forward appends as they are. torch.unique waits for the GPU (its output size): here it waits
         for the micro-batches before this one, and the host then queues this one's forward and backward and the
         optimizers' work while the GPU runs it; at the flush it would wait for all of them and leave the GPU idle while
         the host queues the optimizers. The same rows and order as the flush's own unique. A sharded table's push to
-        the owners is planned here too (plan_row_push), with its own syncs. host: (positions, distinct rows, places)
-        found by the loader's thread (NgramHostPlanner, ngram_host_plan) from the CPU copies of the micro-batches since
-        the last flush, and those rows as a numpy array for the owners' route: no unique on the GPU; taken only where
-        its count of positions is the log's."""
+        the owners is planned here too (plan_row_push), with its own syncs."""
         if not self.ngram_log:
             return
+        rows = self.ngram_indices(inputs, cu_seqlens)[0]
         n = self.ngram_logged
-        host = host if host is not None and host[0] == n else None  # a plan of another log is not this one's
-        if host is not None:
-            distinct, inverse = host[1:3]
-        else:
-            rows = self.ngram_indices(inputs, cu_seqlens)[0]
-            logged = torch.cat([self.ngram_log["rows"][: n - rows.numel()], rows])
-            distinct, inverse = torch.unique(logged, return_inverse=True)
-        shard_rows, device = self.bigram_embed.weight.size(0), self.bigram_embed.weight.device
-        if self.ngram_world == 1:
-            route = None
-        elif host is not None:  # the rows on the host too: the route over the CPU group (build made it)
-            route = plan_row_push(torch.from_numpy(host[3]), shard_rows, self.ngram_rank, self.ngram_world,
-                                  self.ngram_host_group)
-            route = (*route[:2], *(t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-                                   for t in route[2:]))
-        else:
-            route = plan_row_push(distinct, shard_rows, self.ngram_rank, self.ngram_world)
+        logged = torch.cat([self.ngram_log["rows"][: n - rows.numel()], rows])
+        distinct, inverse = torch.unique(logged, return_inverse=True)
+        route = None if self.ngram_world == 1 else plan_row_push(distinct, self.bigram_embed.weight.size(0),
+                                                                 self.ngram_rank, self.ngram_world)
         self.ngram_flush_plan = (n, distinct, inverse, route)
 
     def flush_ngram_log(self):
@@ -1808,24 +1787,18 @@ class GPT(nn.Module):
         return ngram[: inputs.size(0)] + ngram[inputs.size(0):] if self.cfg.trigram_rows else ngram
 
     @torch.no_grad()
-    def pull_ngram_rows(self, inputs: Tensor, cu_seqlens: Tensor, training: bool = False, plan: tuple | None = None):
+    def pull_ngram_rows(self, inputs: Tensor, cu_seqlens: Tensor, training: bool = False):
         """Before a forward (the trainer's and evaluate's, outside the compiled graph; a collective: every rank pulls
         once per micro-batch): with a sharded table, its rows for this micro-batch from their owners into a compact
         cache, ngram_cache = (rows, each position's row in them). The cache has a row per position (the distinct
         rows first, the rest unused), so the compiled graph sees one shape per stage. Nothing to do on one GPU.
         training: the trainer's micro-batches refill one cache in place while their shape holds, so that a captured
-        graph (GraphRunner) reads it where it was; evaluate's is made for its buffer and dropped after. plan: the
-        micro-batch's pull planned by NgramHostPlanner, on the device but its counts (ngram_host_plan): no host sync."""
+        graph (GraphRunner) reads it where it was; evaluate's is made for its buffer and dropped after."""
         if self.ngram_world == 1:
             return
         kept = self.ngram_train_cache if training else None
         self.ngram_cache = None  # the last micro-batch's cache is freed before this one is made
-        if plan is None:
-            wanted, slots = torch.unique(self.ngram_indices(inputs, cu_seqlens)[0], return_inverse=True)
-            counts = None
-        else:
-            wanted, slots, sent = plan
-            counts = exchange_counts(sent, self.ngram_host_group)
+        wanted, slots = torch.unique(self.ngram_indices(inputs, cu_seqlens)[0], return_inverse=True)
         w = self.bigram_embed.weight
         if kept is None or kept[1].shape != slots.shape:
             # a leaf that asks for a gradient, as the table does: the lookup's backward (RowGradLog) then runs and logs
@@ -1834,7 +1807,7 @@ class GPT(nn.Module):
                 self.ngram_train_cache = kept
         cache, places = kept
         places.copy_(slots)
-        pull_rows(w, wanted, cache[: wanted.numel()], self.ngram_rank, self.ngram_world, counts)
+        pull_rows(w, wanted, cache[: wanted.numel()], self.ngram_rank, self.ngram_world)
         self.ngram_cache = kept
 
     @torch.no_grad()
@@ -2263,12 +2236,11 @@ class Muon(torch.optim.Optimizer):
     # updates anything: launch_reduce -> apply_updates (waits on one group's reduce at a time) -> finish
 
     @torch.no_grad()
-    def launch_reduce(self, groups: list[dict] | None = None) -> list:
-        """Launch the reduce-scatter of every group, or of `groups` (asynchronously); returns what `apply_updates`
-        takes."""
+    def launch_reduce(self) -> list:
+        """Launch every group's reduce-scatter (asynchronously); returns what `apply_updates` takes."""
         W = self.world_size
         pending = []
-        for group in self.param_groups if groups is None else groups:
+        for group in self.param_groups:
             params = group["params"]
             per_rank, _ = self._owned(group)
             grads = torch.stack([p.grad for p in params])
@@ -2428,23 +2400,19 @@ def owner_counts(rows: Tensor, shard_rows: int, world_size: int) -> Tensor:
     return torch.bincount(rows // shard_rows, minlength=world_size)
 
 
-def exchange_counts(send: Tensor | list[int], group=None) -> tuple[list[int], list[int]]:
-    """Each rank's counts for every other rank swapped (one small all-to-all): (sent, received) split sizes for the
-    all-to-alls that follow. Counts on the device: one host sync. Counts on the host (a list, a CPU tensor) with a CPU
-    group (ngram_host_plan): swapped over it, waiting for the other ranks' hosts only, not for a GPU."""
-    send = torch.as_tensor(send)
+def exchange_counts(send: Tensor) -> tuple[list[int], list[int]]:
+    """Each rank's counts for every other rank swapped (one small all-to-all, one host sync): (sent, received)
+    split sizes for the all-to-alls that follow."""
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
+    dist.all_to_all_single(received, send)
     return send.tolist(), received.tolist()
 
 
-def pull_rows(table: Tensor, wanted: Tensor, out: Tensor, rank: int, world_size: int,
-              counts: tuple[list[int], list[int]] | None = None):
+def pull_rows(table: Tensor, wanted: Tensor, out: Tensor, rank: int, world_size: int):
     """The rows `wanted` (ascending, distinct, of the whole table) of a sharded table into `out`, in order: each rank
     asks every owner for its rows (ids by all-to-all), the owners read them from their shards (index_select) and
-    send them back (all-to-all). Rows received per rank: the distinct rows its micro-batch reads (ANVIL2, 08/30/26).
-    counts: the (sent, received) split sizes swapped before (ngram_host_plan), else swapped here."""
-    sent, received = counts or exchange_counts(owner_counts(wanted, table.size(0), world_size))
+    send them back (all-to-all). Rows received per rank: the distinct rows its micro-batch reads (ANVIL2, 08/30/26)."""
+    sent, received = exchange_counts(owner_counts(wanted, table.size(0), world_size))
     asked = wanted.new_empty(sum(received))
     dist.all_to_all_single(asked, wanted, received, sent)
     served = table.index_select(0, asked - rank * table.size(0))
@@ -2468,16 +2436,14 @@ def push_row_grads(rows: Tensor, grads: Tensor, shard_rows: int, world_size: int
     return (got_rows, got), works
 
 
-def plan_row_push(rows: Tensor, shard_rows: int, rank: int, world_size: int, group=None) -> tuple:
+def plan_row_push(rows: Tensor, shard_rows: int, rank: int, world_size: int) -> tuple:
     """push_row_grads' exchange and sum_owned_rows' unique ahead of the gradients (GPT.plan_ngram_flush, before the
     step's last forward, where their host syncs find less of the GPU's queue to wait for): (sent, received, the
     distinct rows this owner receives, minus its first row, and each received position's place among them). After
-    the backward only the gradients go over the wire, by these split sizes, and are summed by these places. With
-    rows on the CPU and a CPU group (ngram_host_plan): the counts and rows go over that group and the unique runs on
-    the host, so nothing waits for the GPU (the caller moves the owner's rows and places to the device)."""
-    sent, received = exchange_counts(owner_counts(rows, shard_rows, world_size), group)
+    the backward only the gradients go over the wire, by these split sizes, and are summed by these places."""
+    sent, received = exchange_counts(owner_counts(rows, shard_rows, world_size))
     got_rows = rows.new_empty(sum(received))
-    dist.all_to_all_single(got_rows, rows, received, sent, group=group)
+    dist.all_to_all_single(got_rows, rows, received, sent)
     return sent, received, *torch.unique(got_rows - rank * shard_rows, return_inverse=True)
 
 
@@ -2551,12 +2517,11 @@ class DistAdam(torch.optim.Optimizer):
     # the three phases of step(), as Muon's (train_step interleaves the two optimizers' phases)
 
     @torch.no_grad()
-    def launch_reduce(self, groups: list[dict] | None = None) -> list:
-        """Launch every parameter's reduce-scatter, or those of `groups`' (asynchronously); returns what
-        `apply_updates` takes."""
+    def launch_reduce(self) -> list:
+        """Launch every parameter's reduce-scatter (asynchronously); returns what `apply_updates` takes."""
         W = self.world_size
         pending = []
-        for group in self.param_groups if groups is None else groups:
+        for group in self.param_groups:
             for p in group["params"]:
                 if group.get("sparse_rows"):  # the sharded n-gram table: its rows' gradients to their owners
                     if getattr(p, "sparse_grad", None) is not None:  # in the table's dtype, as the dense .grad
@@ -2767,22 +2732,13 @@ class BatchProducer:
 LOADER_READ_AHEAD = 4  # steps a BatchLoader may have cut past the last one taken: its queue's 3 and one in hand
 
 
-def _each_tensor(x, fn):
-    """fn of every tensor in x (a tensor, or BatchLoader's annotation: nested tuples), the rest as it is."""
-    if isinstance(x, tuple):
-        return tuple(_each_tensor(t, fn) for t in x)
-    return fn(x) if torch.is_tensor(x) else x
-
-
 class BatchLoader:
     """A BatchProducer run ahead by a background thread: batches are pinned and copied to the device
-    without blocking. `plan(step)` gives each step's BatchSpec. `annotate(step, micro)`, if given, adds a fourth
-    entry to each micro-batch, found in the thread from the step's CPU copies: nested tuples whose tensors go to the
-    device with the batch and whose other entries stay on the host (ngram_host_plan: NgramHostPlanner)."""
+    without blocking. `plan(step)` gives each step's BatchSpec."""
 
     def __init__(self, producer: BatchProducer, plan, device: torch.device, start_step: int = 0,
-                 prefetch: int = LOADER_READ_AHEAD - 1, annotate=None):
-        self.producer, self.plan, self.device, self.annotate = producer, plan, device, annotate
+                 prefetch: int = LOADER_READ_AHEAD - 1):
+        self.producer, self.plan, self.device = producer, plan, device
         self.state = producer.stream.state()  # stream position at the start of the next step handed out
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
@@ -2790,19 +2746,13 @@ class BatchLoader:
         self._thread.start()
 
     def _produce(self, step: int):
-        if self.annotate is not None:  # its torch work on one core: an OpenMP team of its own spins against the main
-            # thread's (the smoke preset on 2 CPU cores with ngram_host_plan: 699 ms a step, 385 with this; OpenMP's
-            # setting is per thread, so the main thread keeps its own)
-            torch.set_num_threads(1)
         pin = self.device.type == "cuda"
         try:
             while not self._stop.is_set():
                 spec = self.plan(step)
                 micro = [tuple(torch.from_numpy(a) for a in arrays) for arrays in self.producer.step(spec)]
-                if self.annotate is not None:
-                    micro = [m + (extra,) for m, extra in zip(micro, self.annotate(step, micro))]
                 if pin:
-                    micro = [tuple(_each_tensor(t, Tensor.pin_memory) for t in m) for m in micro]
+                    micro = [tuple(t.pin_memory() for t in m) for m in micro]
                 item = (step, spec, micro, self.producer.stream.state())
                 while not self._stop.is_set():
                     try:
@@ -2820,50 +2770,11 @@ class BatchLoader:
         if isinstance(item, BaseException):
             raise item
         _, spec, micro, self.state = item
-        moved = lambda t: t.to(self.device, non_blocking=True)
-        return spec, [tuple(_each_tensor(t, moved) for t in m) for m in micro]
+        return spec, [tuple(t.to(self.device, non_blocking=True) for t in m) for m in micro]
 
     def close(self):
         self._stop.set()
         self._thread.join()
-
-
-class NgramHostPlanner:
-    """ngram_host_plan: the n-gram table's plans found by BatchLoader's thread on the CPU copy of each step's
-    micro-batches, ahead of the step, where the GPU would otherwise be waited for (torch.unique's size, the counts'
-    tolist). For each micro-batch, a sharded table's pull: the distinct rows it reads (ascending), each position's
-    place among them and how many of them each rank owns (pull_ngram_rows). On the last micro-batch of a step where
-    the table steps (tables_step_at; None: never, as in the warm-up, whose steps do not follow each other), the
-    flush's: the step, the count of positions logged since the last flush, their distinct rows and each one's place
-    (plan_ngram_flush), the union of the micro-batches' rows, and the rows again as a numpy array, which stays on the
-    host for the owners' route (plan_row_push over the CPU group). ANVIL2 finds and swaps its counts on the CPU too."""
-
-    def __init__(self, model: "GPT", tables_step_at=None):
-        self.model, self.tables_step_at = model, tables_step_at
-        self.window: list[tuple[Tensor, Tensor]] = []  # each micro-batch's (distinct rows, places) since the flush
-
-    def __call__(self, step: int, micro: list[tuple]) -> list[tuple]:
-        model, plans = self.model, []
-        for inputs, _, cu_seqlens in micro:
-            wanted, slots = torch.unique(model.ngram_indices(inputs, cu_seqlens)[0], return_inverse=True)
-            self.window.append((wanted, slots))
-            pull = None if model.ngram_world == 1 else (
-                wanted, slots, owner_counts(wanted, model.bigram_embed.weight.size(0), model.ngram_world).tolist())
-            plans.append((pull, None))
-        if self.tables_step_at is not None and self.tables_step_at(step) and model.ngram_log:
-            distinct = torch.unique(torch.cat([w for w, _ in self.window]))
-            places = torch.cat([torch.searchsorted(distinct, w)[slots] for w, slots in self.window])
-            plans[-1] = (plans[-1][0], (step, places.numel(), distinct, places, distinct.numpy()))
-            self.window = []
-        return plans
-
-
-def host_plan(model: "GPT", args: Hyperparameters, tables_step_at=None) -> NgramHostPlanner | None:
-    """What BatchLoader's thread adds to each micro-batch (ngram_host_plan): NgramHostPlanner's plans where the
-    n-gram table has a log to flush or shards to pull from, else nothing."""
-    if not args.ngram_host_plan or not (model.ngram_log or model.ngram_world > 1):
-        return None
-    return NgramHostPlanner(model, tables_step_at)
 
 
 def validation_batches(pattern: str, val_tokens: int, seq_len: int, bos_id: int, rank: int, world_size: int):
@@ -4127,9 +4038,6 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         check_memory_fits(args, world_size, torch.cuda.get_device_properties(device).total_memory, chosen)
     torch.manual_seed(args.seed)
     model = to_device(GPT(ModelConfig.from_args(args), chosen, ngram_shard(args, rank, world_size)), device)
-    if args.ngram_host_plan and model.ngram_world > 1:  # every rank makes it, in the same order: a collective
-        model.ngram_host_group = dist.new_group(backend="gloo",
-                                                timeout=timedelta(seconds=args.collective_timeout_s))
     if any(any(st.prefix_ramp) for st in schedule.stages):  # the prefix-token loss' table (untimed; the record
         vocab = gpt2_token_bytes()                            # builds it in its timed region, ~0.1 s)
         if args.vocab_size < len(vocab):
@@ -4312,13 +4220,12 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
     offsets = torch.tensor(sweep_offsets(step, len(micro), count, model.cfg.vocab_size), pin_memory=device.type ==
                            "cuda").to(device, non_blocking=True) if count else None
     model.note_token_lookups()
-    for m, (inputs, targets, cu_seqlens, *plan) in enumerate(micro):
-        pull, flush = plan[0] if plan else (None, None)  # NgramHostPlanner's, found by the loader (ngram_host_plan)
+    for m, (inputs, targets, cu_seqlens) in enumerate(micro):
         model.reserve_ngram_log(inputs.numel())
         if m == len(micro) - 1 and schedule.tables_step_at(step):  # the flush's host sync, before the last forward
-            model.plan_ngram_flush(inputs, cu_seqlens, host=flush[1:] if flush and flush[0] == step else None)
+            model.plan_ngram_flush(inputs, cu_seqlens)
         # a sharded n-gram table: this micro-batch's rows, as last updated
-        model.pull_ngram_rows(inputs, cu_seqlens, training=True, plan=pull)
+        model.pull_ngram_rows(inputs, cu_seqlens, training=True)
         batch = (inputs, targets, cu_seqlens, stage.spec.max_doc_len, stage.windows)
         sampled = (count, offsets[m]) if count else None
         if isinstance(compiled, GraphRunner):  # --cuda_graphs: forward and backward in one replay
@@ -4342,17 +4249,10 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
     # Communication overlapped with the optimizers' math: every reduce-scatter is launched before any update
     # (Muon's first: its orthogonalization is the longest math, so it can start soonest), each update waits
     # only on its own parameters' reduce, and the all-gathers are waited on last (as the public code orders
-    # its reduces and updates since its record of 2026-01-18). One NCCL stream runs them in launch order: with
-    # adam_after_groups N, Adam's go after Muon's first N groups, so its all-gathers run beside Muon's later math
-    # instead of after all of it
-    after = schedule.args.adam_after_groups
-    first = len(muon.param_groups) if after < 0 else after
-    parts = [(muon, muon.param_groups[:first]), (adam, None), (muon, muon.param_groups[first:])] \
-        if adam in stepping else [(muon, None)]
-    parts = [(opt, groups) for opt, groups in parts if groups is None or groups]
-    reduces = [opt.launch_reduce(groups) for opt, groups in parts]
-    gathers = [opt.apply_updates(pending) for (opt, _), pending in zip(parts, reduces)]
-    for (opt, _), launched in zip(parts, gathers):
+    # its reduces and updates since its record of 2026-01-18)
+    reduces = [opt.launch_reduce() for opt in stepping]
+    gathers = [opt.apply_updates(pending) for opt, pending in zip(stepping, reduces)]
+    for opt, launched in zip(stepping, gathers):
         opt.finish(launched)
     for opt in stepping:  # Adam's gradients otherwise wait for its step
         opt.zero_grad(set_to_none=True)
@@ -4395,8 +4295,7 @@ def warmup(model: GPT, compiled, optimizers, producer: BatchProducer, val, sched
     # table starts at zero: a copy of 21M rows would take another 30 GiB of the GPU)
     initial_model = {name: v.detach().clone() if v.any() else None for name, v in model.state_dict().items()}
     initial_opts = [copy_state_dict(opt.state_dict()) for opt in optimizers]
-    # the warm-up's steps do not follow each other: no flush planned on the host
-    loader = BatchLoader(producer, schedule.warmup_spec_at, model.lm_head_w.device, annotate=host_plan(model, schedule.args))
+    loader = BatchLoader(producer, schedule.warmup_spec_at, model.lm_head_w.device)
     t0 = time.perf_counter()
     log(f"warm-up: compiling {len(shapes)} stage shape(s) and {len(graphs)} validation graph(s)"
         f"{' with the C++ wrapper' if torch._inductor.config.cpp_wrapper and not isinstance(compiled, GraphRunner) else ''}"
@@ -4991,8 +4890,7 @@ def train(args: Hyperparameters) -> RunResult:
             t = time.perf_counter()
             warmup(model, compiled, optimizers, producer(), val, schedule, world_size, log)
             log(f"warm-up (compile) done in {time.perf_counter() - t:.1f}s")
-        loader = BatchLoader(producer(data_state), schedule.spec_at, device, start_step=first_step,
-                             annotate=host_plan(model, args, schedule.tables_step_at))
+        loader = BatchLoader(producer(data_state), schedule.spec_at, device, start_step=first_step)
         figures = Figures(model, device, peak_tflops(device, args.peak_tflops), world_size, first_step)
         watch, losses, tokens, val_losses = LossWatch(device), [], [], []
         run = RunControl(args, model, kept, loader, clock, watch, figures, rank, world_size, first_step, log)

@@ -12,12 +12,7 @@ table's all-to-all), and the bytes a rank sends a step (as a ring moves them); t
 where data moves exposed the longest, each by its collective and the kernels the GPU ran before and after it,
 and the places where the GPU sits idle the longest (--trace DIR keeps each rank's trace for a timeline viewer). Under
 --adam_every 2 half the profiled steps are with Adam, half without. Last, the losses of every step run (warm-up,
-timed and profiled) summed over the ranks: two versions that should compute alike show it at the same seed.
-
---sweep FIELD=V1,V2,... measures each value of a field the training step reads at every step (STEP_FIELDS) in turn
-in one process, --rounds times (V1 V2 V1 V2 ...): one compile for all of them, and the values alternate, so a drift
-of the machine falls on each alike. Each measurement prints its lines; its loss sum covers the steps since the last
-one (the first's includes the warm-up)."""
+timed and profiled) summed over the ranks: two versions that should compute alike show it at the same seed."""
 import argparse
 import gzip
 import json
@@ -223,27 +218,6 @@ def at_eight(share: float, world_size: int) -> str:
     return f"; {share * factor:.1%} at eight GPUs, the ring's bytes x{factor:.2f}"
 
 
-# fields train_step reads from the arguments at every step, so a sweep may change them between measurements; a field
-# read when the model, the optimizers or the loader are built would keep its first value
-STEP_FIELDS = ("adam_after_groups",)
-
-
-def sweep_values(spec: str, args) -> tuple[str, list]:
-    """--sweep FIELD=V1,V2,...: the field and its values, parsed as the field's type; ('', [None]) for no sweep."""
-    if not spec:
-        return "", [None]
-    field, _, values = spec.partition("=")
-    if field not in STEP_FIELDS:
-        raise SystemExit(f"comm_time.py: --sweep {spec}: {field!r} is not read at every step, so changing it "
-                         f"between measurements would change nothing; sweepable: {', '.join(STEP_FIELDS)} (run "
-                         f"one process per value of any other field)")
-    kind = type(getattr(args, field))
-    parsed = [kind(v) for v in values.split(",") if v]
-    if not parsed:
-        raise SystemExit(f"comm_time.py: --sweep {spec}: no values after '='")
-    return field, parsed
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup untimed ones)")
@@ -257,13 +231,8 @@ def main():
                         "the N where the GPU sits idle the longest (idle_places)")
     parser.add_argument("--trace", default="", help="a folder: write each rank's profiled steps there as a Chrome "
                         "trace (comm_trace_rank{R}.json.gz), to read the timeline in Perfetto")
-    parser.add_argument("--sweep", default="", help="FIELD=V1,V2,...: measure each value in turn in one process "
-                        f"(fields read at every step only: {', '.join(STEP_FIELDS)})")
-    parser.add_argument("--rounds", type=int, default=1, help="with --sweep: how many times to go through its values")
     own, rest = parser.parse_known_args()
     args = tg.parse_args(rest)
-    field, values = sweep_values(own.sweep, args)
-    measurements = len(values) * (own.rounds if field else 1)
     rank, world_size, device = tg.start_processes(args)
     schedule = tg.Schedule(args)
     model, compiled, optimizers, chosen = tg.build(args, device, rank, world_size, schedule=schedule)
@@ -275,11 +244,10 @@ def main():
     files = tg.shard_files(args.train_files, "training")
     producer = tg.BatchProducer(files, rank, world_size, args.bos_id)
     # cu_seqlens as long as the training run's for this shape (and long enough for the batches read here)
-    reads = measurements * (own.warmup + own.steps + own.profile_steps) + tg.LOADER_READ_AHEAD
-    slots = tg.doc_slots(schedule, files, plans=[[stage.spec] * reads])
+    slots = tg.doc_slots(schedule, files, plans=[[stage.spec] * (own.warmup + own.steps + own.profile_steps
+                                                               + tg.LOADER_READ_AHEAD)])
     stage = stage.with_slots(slots)
-    loader = tg.BatchLoader(producer, lambda s: stage.spec, device, start_step=stage.start,  # the steps run_step runs
-                            annotate=tg.host_plan(model, args, schedule.tables_step_at))
+    loader = tg.BatchLoader(producer, lambda s: stage.spec, device, start_step=stage.start)  # run_step's steps
     step, losses = stage.start, []
 
     def run_step():
@@ -288,80 +256,68 @@ def main():
         step += 1
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # the CPU: a plumbing check only
+    times = timing.wall_times(run_step, own.steps, own.warmup, world_size)  # the compile's garbage collected first
+    sync()
+    if world_size > 1:
+        dist.barrier()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-
-    def measure(label: str, tag: str):
-        """Time --steps steps, profile --profile_steps more, and print every rank's line (rank 0), each beginning
-        with label; the trace's file name ends with tag."""
-        times = timing.wall_times(run_step, own.steps, own.warmup, world_size)  # garbage collected first
+    with profile(activities=activities) as prof, CollectiveBytes(world_size) as sent:
+        for _ in range(own.profile_steps):
+            run_step()
         sync()
-        if world_size > 1:
-            dist.barrier()
-        with profile(activities=activities) as prof, CollectiveBytes(world_size) as sent:
-            for _ in range(own.profile_steps):
-                run_step()
-            sync()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, f"trace{rank}.json")
-            prof.export_chrome_trace(path)
-            trace = json.loads(Path(path).read_text())
-            if own.trace:
-                Path(own.trace).mkdir(parents=True, exist_ok=True)
-                with gzip.open(Path(own.trace) / f"comm_trace_rank{rank}{tag}.json.gz", "wt") as f:
-                    f.write(Path(path).read_text())
-        intervals = kernel_intervals(trace)
-        comm, exposed = exposed_time(intervals)
-        base = trace.get("baseTimeNanoseconds", 0) / 1e3  # microseconds since the epoch on this rank's clock
-        nccl = [[(base + a, base + b) for a, b, c in intervals if c]]  # every rank's, on rank `rank` at index `rank`
-        if world_size > 1:
-            mine, nccl = nccl[0], [None] * world_size
-            dist.all_gather_object(nccl, mine)
-        busy = [(base + a, base + b) for a, b, c in intervals if not c]
-        split = peer_wait_split(nccl, rank, busy)
-        kinds = [nccl_kind(e.get("name", "")) for e in kernel_events(trace) if "nccl" in e.get("name", "").lower()]
-        by_kind = moving_by_kind(nccl, rank, busy, kinds)
-        spans = [(base + float(e["ts"]), base + float(e["ts"]) + float(e["dur"]), e.get("name", "")[:70])
-                 for e in kernel_events(trace)]  # every kernel, named (NCCL's begin "nccl")
-        places = exposed_places(nccl, rank, [s for s in spans if "nccl" not in s[2].lower()], kinds) or []
-        idle = idle_places(spans)
-        n = own.profile_steps
-        med = statistics.median(times)
-        total = torch.stack(losses).sum()  # every step's loss since the last measurement on every rank: the same
-        if world_size > 1:                 # seed gives the same sum, but for nondeterministic reductions
-            dist.all_reduce(total)
-        line = (f"{label}rank {rank}/{world_size}: stage windows {stage.windows}, {stage.spec.batch_size:,} tokens a step, "
-                f"{stage.spec.batch_size // stage.spec.seq_len // world_size} micro-batch(es) a GPU, "
-                f"attention {attention}: "
-                f"step median {med:.1f} ms (min {min(times):.1f}, max {max(times):.1f}, {own.steps} steps); "
-                f"profiled {n} steps: NCCL {comm / n / 1e3:.2f} ms a step, exposed {exposed / n / 1e3:.2f} ms a step "
-                f"({exposed / n / 1e3 / med:.1%} of the median step)" +
-                (f": {split[0] / n / 1e3:.2f} ms waiting for another rank to arrive, {split[1] / n / 1e3:.2f} ms "
-                 f"moving data ({split[1] / n / 1e3 / med:.1%}{at_eight(split[1] / n / 1e3 / med, world_size)})" if split
-                 else ": the ranks' NCCL kernels do not pair up") +
-                (", by collective: " + ", ".join(f"{k} {t / n / 1e3:.2f} ms" for k, t in by_kind.items())
-                 if by_kind else "") +
-                f"; sent {sent.sent / n / 1e6:.1f} MB a step (ring)" +
-                f"; GPU idle {idle_time(intervals) / n / 1e3:.2f} ms a step, {len(intervals)} kernels"
-                f"; loss sum {total.item():.4f} over {len(losses)} steps, all ranks")
-        losses.clear()
-        line += "".join(f"\n  {t / n / 1e3:.3f} ms a step: {kind} after {before} / before {after}"
-                        for t, kind, before, after in places[:own.places])
-        line += "".join(f"\n  {t / n / 1e3:.3f} ms a step: GPU idle after {before} / before {after}"
-                        for t, before, after in idle[:own.places])
-        lines = [line]
-        if world_size > 1:
-            lines = [None] * world_size
-            dist.all_gather_object(lines, line)
-        if rank == 0:
-            print("\n".join(lines), flush=True)
-
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"trace{rank}.json")
+        prof.export_chrome_trace(path)
+        trace = json.loads(Path(path).read_text())
+        if own.trace:
+            Path(own.trace).mkdir(parents=True, exist_ok=True)
+            with gzip.open(Path(own.trace) / f"comm_trace_rank{rank}.json.gz", "wt") as f:
+                f.write(Path(path).read_text())
+    intervals = kernel_intervals(trace)
+    comm, exposed = exposed_time(intervals)
+    base = trace.get("baseTimeNanoseconds", 0) / 1e3  # microseconds since the epoch on this rank's clock
+    nccl = [[(base + a, base + b) for a, b, c in intervals if c]]  # every rank's, on rank `rank` at index `rank`
+    if world_size > 1:
+        mine, nccl = nccl[0], [None] * world_size
+        dist.all_gather_object(nccl, mine)
+    busy = [(base + a, base + b) for a, b, c in intervals if not c]
+    split = peer_wait_split(nccl, rank, busy)
+    kinds = [nccl_kind(e.get("name", "")) for e in kernel_events(trace) if "nccl" in e.get("name", "").lower()]
+    by_kind = moving_by_kind(nccl, rank, busy, kinds)
+    spans = [(base + float(e["ts"]), base + float(e["ts"]) + float(e["dur"]), e.get("name", "")[:70])
+             for e in kernel_events(trace)]  # every kernel, named (NCCL's begin "nccl")
+    places = exposed_places(nccl, rank, [s for s in spans if "nccl" not in s[2].lower()], kinds) or []
+    idle = idle_places(spans)
+    n = own.profile_steps
+    med = statistics.median(times)
+    total = torch.stack(losses).sum()  # every step's loss on every rank: the same seed gives the same sum, but for
+    if world_size > 1:                 # nondeterministic reductions
+        dist.all_reduce(total)
+    line = (f"rank {rank}/{world_size}: stage windows {stage.windows}, {stage.spec.batch_size:,} tokens a step, "
+            f"{stage.spec.batch_size // stage.spec.seq_len // world_size} micro-batch(es) a GPU, attention {attention}: "
+            f"step median {med:.1f} ms (min {min(times):.1f}, max {max(times):.1f}, {own.steps} steps); "
+            f"profiled {n} steps: NCCL {comm / n / 1e3:.2f} ms a step, exposed {exposed / n / 1e3:.2f} ms a step "
+            f"({exposed / n / 1e3 / med:.1%} of the median step)" +
+            (f": {split[0] / n / 1e3:.2f} ms waiting for another rank to arrive, {split[1] / n / 1e3:.2f} ms moving "
+             f"data ({split[1] / n / 1e3 / med:.1%}{at_eight(split[1] / n / 1e3 / med, world_size)})" if split
+             else ": the ranks' NCCL kernels do not pair up") +
+            (", by collective: " + ", ".join(f"{k} {t / n / 1e3:.2f} ms" for k, t in by_kind.items())
+             if by_kind else "") +
+            f"; sent {sent.sent / n / 1e6:.1f} MB a step (ring)" +
+            f"; GPU idle {idle_time(intervals) / n / 1e3:.2f} ms a step, {len(intervals)} kernels"
+            f"; loss sum {total.item():.4f} over {len(losses)} steps, all ranks")
+    line += "".join(f"\n  {t / n / 1e3:.3f} ms a step: {kind} after {before} / before {after}"
+                    for t, kind, before, after in places[:own.places])
+    line += "".join(f"\n  {t / n / 1e3:.3f} ms a step: GPU idle after {before} / before {after}"
+                    for t, before, after in idle[:own.places])
+    lines = [line]
+    if world_size > 1:
+        lines = [None] * world_size
+        dist.all_gather_object(lines, line)
     if rank == 0:
         name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
         print(f"device: {name}, torch {torch.__version__}", flush=True)
-    for k, value in enumerate((values * own.rounds)[:measurements]):
-        if field:
-            setattr(args, field, value)  # train_step reads it from schedule.args, the same object
-        measure(f"{field}={value}: " if field else "", f"_{k}" if field else "")
+        print("\n".join(lines), flush=True)
     loader.close()
     if world_size > 1:
         dist.destroy_process_group()

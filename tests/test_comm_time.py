@@ -123,17 +123,6 @@ def test_the_exposed_share_is_scaled_to_eight_gpus_by_a_rings_bytes():
     assert comm_time.at_eight(0.02, 1) == "" and comm_time.at_eight(0.02, 8) == ""
 
 
-def test_a_sweep_takes_only_fields_read_at_every_step_and_parses_their_values_by_type():
-    import train_gpt as tg
-    args = tg.parse_args(["--preset", "smoke"])
-    assert comm_time.sweep_values("", args) == ("", [None])
-    assert comm_time.sweep_values("adam_after_groups=-1,3,1", args) == ("adam_after_groups", [-1, 3, 1])
-    with pytest.raises(SystemExit, match="'model_dim' is not read at every step"):
-        comm_time.sweep_values("model_dim=64,128", args)
-    with pytest.raises(SystemExit, match="no values"):
-        comm_time.sweep_values("adam_after_groups=", args)
-
-
 def test_the_split_reads_only_the_durations_of_other_ranks_kernels_not_their_clocks():
     """Each rank's GPU clock reaches the host's through its own process: shifting one rank's timestamps, as a
     different clock offset would, changes no rank's split. Rank 0 arrives at 10, rank 1 at 16; both end at 20."""

@@ -1,7 +1,6 @@
 """Training and validation batches: BOS-aligned varlen micro-batches over pre-indexed shards, cut the
 way the public 2025-09-03 record cuts them (tails of cut documents dropped; validation as one stream)."""
 import dataclasses
-import threading
 
 import numpy as np
 import pytest
@@ -277,28 +276,3 @@ def test_validation_set_is_the_same_on_any_world_size(corpus, world_size):
     for i, batch in enumerate(single):
         for a, b in zip(batch, shares[i % world_size][i // world_size]):
             assert torch.equal(a, b)
-
-
-def test_an_annotating_loader_adds_what_its_thread_finds_for_each_micro_batch(files):
-    """BatchLoader(annotate=f): each micro-batch gets a fourth entry, f(step, micro)'s for it, found in the loader's
-    thread from the step's CPU copies; the tensors in it (nested tuples) go where the batch goes, the rest stays."""
-    spec = tg.BatchSpec(batch_size=4 * 256, seq_len=256, max_doc_len=80, num_docs=64)
-    seen = []
-
-    def annotate(step, micro):
-        seen.append((step, threading.current_thread() is not threading.main_thread()))
-        return [((inputs[:3].clone(), None), int(cu_seqlens[1]), "host") for inputs, _, cu_seqlens in micro]
-    plain = tg.BatchLoader(tg.BatchProducer(files, 0, 1, BOS), lambda s: spec, CPU)
-    noted = tg.BatchLoader(tg.BatchProducer(files, 0, 1, BOS), lambda s: spec, CPU, start_step=5, annotate=annotate)
-    try:
-        for _ in range(3):
-            (_, micro), (_, annotated) = plain.next(), noted.next()
-            assert all(len(m) == 3 for m in micro) and all(len(m) == 4 for m in annotated)
-            for m, a in zip(micro, annotated):
-                assert all(torch.equal(x, y) for x, y in zip(m, a[:3]))
-                (head, nothing), first_end, tag = a[3]
-                assert torch.equal(head, m[0][:3]) and nothing is None and first_end == int(m[2][1]) and tag == "host"
-    finally:
-        plain.close()
-        noted.close()
-    assert [step for step, _ in seen[:3]] == [5, 6, 7] and all(thread for _, thread in seen)

@@ -420,12 +420,12 @@ def test_adam_steps_every_nth_step_on_the_gradient_summed_since_its_last_step_an
         built["head"].register_hook(lambda g: arrived.append(g.detach().clone()))
         return out
 
-    def adam_recording(self, groups=None):  # train_step runs the optimizers in phases; the first one of Adam's step
+    def adam_recording(self):  # train_step runs the optimizers in phases; the first one of Adam's step
         at_adam.append((len(arrived), built["head"].grad.clone()))
-        return adam_launch(self, groups)
+        return adam_launch(self)
     monkeypatch.setattr(tg, "build", capturing)
     monkeypatch.setattr(tg.DistAdam, "launch_reduce", adam_recording)
-    monkeypatch.setattr(tg.Muon, "launch_reduce", lambda self, groups=None: (muon_steps.append(1), muon_launch(self, groups))[1])
+    monkeypatch.setattr(tg.Muon, "launch_reduce", lambda self: (muon_steps.append(1), muon_launch(self))[1])
     # untied: a tied head's token lookups reach it through the table-gradient sums, not its hook
     run = tg.train(tiny_args(**FAST, num_iterations=6, val_every=6, adam_every=every, tied_embed_stages=0))
     micro = FAST["batch_size"] // TINY["seq_len"]
@@ -584,32 +584,6 @@ def test_train_step_launches_every_reduce_scatter_before_any_update(tiny_args, m
     both = [("Muon", "launch_reduce"), ("DistAdam", "launch_reduce"), ("Muon", "apply_updates"),
             ("DistAdam", "apply_updates"), ("Muon", "finish"), ("DistAdam", "finish")]
     assert calls == muon_only + both
-
-
-def test_adam_after_groups_moves_adams_collectives_between_muons_groups_and_keeps_the_arithmetic(tiny_args,
-                                                                                              monkeypatch):
-    """adam_after_groups N: on Adam's steps the reduce-scatters launch as Muon's first N groups, Adam's, then Muon's
-    other groups (one NCCL stream runs them so), and the updates follow that order; Muon's steps without Adam are as
-    before. Only the order moves: the run equals the default's exactly."""
-    calls = []
-    for cls, name in ((tg.Muon, "muon"), (tg.DistAdam, "adam")):
-        def logged(self, groups=None, _launch=cls.launch_reduce, _name=name):
-            calls.append((_name, None if groups is None else [len(g["params"]) for g in groups]))
-            return _launch(self, groups)
-        monkeypatch.setattr(cls, "launch_reduce", logged)
-    kw = dict(FAST, num_iterations=6, val_every=6, adam_every=2)
-    moved = tg.train(tiny_args(**kw, adam_after_groups=1))
-    muon_groups = [len(g["params"]) for g in tg.build_optimizers(
-        tg.GPT(tg.ModelConfig.from_args(tiny_args(**kw))), tiny_args(**kw), 0, 1)[1].param_groups]
-    adam_step = [("muon", muon_groups[:1]), ("adam", None), ("muon", muon_groups[1:])]
-    # steps 0-5, Adam's on steps 1, 3, 5 (step + 1 a multiple of 2)
-    assert calls == [("muon", None), *adam_step] * 3
-    calls.clear()
-    plain = tg.train(tiny_args(**kw))
-    assert calls == [("muon", None), ("muon", muon_groups), ("adam", None)] * 3
-    assert moved.train_losses == plain.train_losses and moved.val_losses == plain.val_losses
-    with pytest.raises(ValueError, match="adam_after_groups=-2"):
-        tiny_args(adam_after_groups=-2)
 
 
 @pytest.mark.parametrize("update_dtype", [torch.float32, torch.bfloat16])

@@ -66,12 +66,6 @@ PENDING_ADOPTION: set[str] = {
     # Muon's collectives in bf16 (the float32 matrices kept by their owner): decided on two GPUs at the 8-GPU record's
     # per-GPU shape (bench/comm_time.py, exposed moving data with it and without) and 80 same-seed steps there
     "muon_bf16_comm",
-    # Adam's collectives and updates between Muon's groups (changes no arithmetic, only the NCCL stream's order):
-    # decided on two GPUs at the 8-GPU record's per-GPU shape (bench/comm_time.py, exposed moving data at -1, 1 and 3)
-    "adam_after_groups",
-    # the n-gram pulls planned on the host (no arithmetic changes): decided on two GPUs at the 8-GPU record's per-GPU
-    # shape (bench/comm_time.py: the step and the GPU's idle time with it and without)
-    "ngram_host_plan",
     # ANVIL2's period-4 cadence of the value-embedding and n-gram tables (4 from 0.28 of the run, its step 336 of
     # 1194): decided by 3 paired seeds on the proxy at 840 steps (--table_adam_every 4,0.28) and the exposed moving
     # data on two GPUs at the 8-GPU record's per-GPU shape (bench/comm_time.py)
