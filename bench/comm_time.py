@@ -4,15 +4,18 @@
 
 With --batch_size 98304 (2 x 49,152) each of 2 GPUs holds one micro-batch a step, as each of 8 GPUs does in the
 record run, so no accumulation hides the communication. Every rank times --steps steps of one stage of the
-schedule (--stage, default the last scheduled one), each between a barrier and a synchronize, then profiles --profile_steps more and reports for each
-step: its time, the NCCL kernels' time, and the exposed part: NCCL time during which no other kernel runs on the
-GPU, so the step waits on the network, split into the time a rank waits for another to arrive at the collective
-(uneven work) and the time data moves (that by collective: the reduce-scatters, the all-gathers, the n-gram
-table's all-to-all), and the bytes a rank sends a step (as a ring moves them); then the --places places of the step
-where data moves exposed the longest, each by its collective and the kernels the GPU ran before and after it,
-and the places where the GPU sits idle the longest (--trace DIR keeps each rank's trace for a timeline viewer). Under
---adam_every 2 half the profiled steps are with Adam, half without. Last, the losses of every step run (warm-up,
-timed and profiled) summed over the ranks: two versions that should compute alike show it at the same seed."""
+schedule (--stage, default the last scheduled one), each between a barrier and a synchronize, then profiles
+--profile_steps more and reports for each step: its time, the NCCL kernels' time, and the exposed part: NCCL time
+during which no other kernel runs on the GPU, so the step waits on the network, split into the time a rank waits
+for another to arrive at the collective (uneven work) and the time data moves (that by collective: the
+reduce-scatters, the all-gathers, the n-gram table's all-to-all), and the bytes a rank sends a step (as a ring moves
+them); where the kernel time goes (the forward and backward replayed from CUDA graphs, the kernels launched on their
+own with the operators that take longest, NCCL); then the --places places of the step where data moves exposed the
+longest, each by its collective and the kernels the GPU ran before and after it, and the places where the GPU sits
+idle the longest (--trace DIR keeps each rank's trace for a timeline viewer). Under --adam_every 2 half the
+profiled steps are with Adam, half without. Last, the losses of the steps run since the last measurement (warm-up,
+timed and profiled) summed over the ranks: two versions that should compute alike show it at the same seed.
+--repeats N measures N times in one process (one compile), to see how much a figure moves between measurements."""
 import argparse
 import gzip
 import json
@@ -218,6 +221,36 @@ def at_eight(share: float, world_size: int) -> str:
     return f"; {share * factor:.1%} at eight GPUs, the ring's bytes x{factor:.2f}"
 
 
+def graph_launched(trace: dict) -> set:
+    """The correlation ids of the CUDA-graph launches in a torch.profiler Chrome trace: a kernel with one of these
+    was replayed from a graph (train_gpt.GraphRunner's forward and backward), not launched on its own."""
+    return {e.get("args", {}).get("correlation") for e in trace.get("traceEvents", [])
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "GraphLaunch" in e.get("name", "")}
+
+
+def step_parts(trace: dict, top: int = 6) -> tuple[dict[str, float], list[tuple[float, str]]]:
+    """Where a rank's kernel time goes: {"graphs": the forward and backward replayed from CUDA graphs, "other": every
+    kernel launched on its own (the optimizers' math, the n-gram table's planning, the copies), "nccl": the
+    collectives} in microseconds, and the `top` operators whose kernels outside the graphs take longest, as
+    (microseconds, operator name; a compiled graph's name for Inductor's). At one micro-batch a GPU "other" is
+    the step's overhead over its forward and backward; the sharded optimizers' share of it shrinks with more GPUs."""
+    graphs = graph_launched(trace)
+    owner = {e["args"]["External id"]: e.get("name", "") for e in trace.get("traceEvents", [])
+             if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
+    parts, by_op = {"graphs": 0.0, "other": 0.0, "nccl": 0.0}, {}
+    for k in kernel_events(trace):
+        dur, args = float(k["dur"]), k.get("args", {})
+        if "nccl" in k.get("name", "").lower():
+            parts["nccl"] += dur
+        elif args.get("correlation") in graphs:
+            parts["graphs"] += dur
+        else:
+            parts["other"] += dur
+            op = owner.get(args.get("External id"), "(no operator)")
+            by_op[op] = by_op.get(op, 0.0) + dur
+    return parts, sorted(((t, op) for op, t in by_op.items()), reverse=True)[:top]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup untimed ones)")
@@ -231,6 +264,8 @@ def main():
                         "the N where the GPU sits idle the longest (idle_places)")
     parser.add_argument("--trace", default="", help="a folder: write each rank's profiled steps there as a Chrome "
                         "trace (comm_trace_rank{R}.json.gz), to read the timeline in Perfetto")
+    parser.add_argument("--repeats", type=int, default=1, help="measure N times in one process (one compile): the "
+                        "timed and profiled steps again, each measurement printed")
     own, rest = parser.parse_known_args()
     args = tg.parse_args(rest)
     rank, world_size, device = tg.start_processes(args)
@@ -244,8 +279,8 @@ def main():
     files = tg.shard_files(args.train_files, "training")
     producer = tg.BatchProducer(files, rank, world_size, args.bos_id)
     # cu_seqlens as long as the training run's for this shape (and long enough for the batches read here)
-    slots = tg.doc_slots(schedule, files, plans=[[stage.spec] * (own.warmup + own.steps + own.profile_steps
-                                                               + tg.LOADER_READ_AHEAD)])
+    reads = own.repeats * (own.warmup + own.steps + own.profile_steps) + tg.LOADER_READ_AHEAD
+    slots = tg.doc_slots(schedule, files, plans=[[stage.spec] * reads])
     stage = stage.with_slots(slots)
     loader = tg.BatchLoader(producer, lambda s: stage.spec, device, start_step=stage.start)  # run_step's steps
     step, losses = stage.start, []
@@ -256,68 +291,84 @@ def main():
         step += 1
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # the CPU: a plumbing check only
-    times = timing.wall_times(run_step, own.steps, own.warmup, world_size)  # the compile's garbage collected first
-    sync()
-    if world_size > 1:
-        dist.barrier()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof, CollectiveBytes(world_size) as sent:
-        for _ in range(own.profile_steps):
-            run_step()
+
+    def measure(label: str, tag: str):
+        """Time --steps steps, profile --profile_steps more, print every rank's lines (rank 0) after label; the
+        trace's file name ends with tag."""
+        times = timing.wall_times(run_step, own.steps, own.warmup, world_size)  # garbage collected first
         sync()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, f"trace{rank}.json")
-        prof.export_chrome_trace(path)
-        trace = json.loads(Path(path).read_text())
-        if own.trace:
-            Path(own.trace).mkdir(parents=True, exist_ok=True)
-            with gzip.open(Path(own.trace) / f"comm_trace_rank{rank}.json.gz", "wt") as f:
-                f.write(Path(path).read_text())
-    intervals = kernel_intervals(trace)
-    comm, exposed = exposed_time(intervals)
-    base = trace.get("baseTimeNanoseconds", 0) / 1e3  # microseconds since the epoch on this rank's clock
-    nccl = [[(base + a, base + b) for a, b, c in intervals if c]]  # every rank's, on rank `rank` at index `rank`
-    if world_size > 1:
-        mine, nccl = nccl[0], [None] * world_size
-        dist.all_gather_object(nccl, mine)
-    busy = [(base + a, base + b) for a, b, c in intervals if not c]
-    split = peer_wait_split(nccl, rank, busy)
-    kinds = [nccl_kind(e.get("name", "")) for e in kernel_events(trace) if "nccl" in e.get("name", "").lower()]
-    by_kind = moving_by_kind(nccl, rank, busy, kinds)
-    spans = [(base + float(e["ts"]), base + float(e["ts"]) + float(e["dur"]), e.get("name", "")[:70])
-             for e in kernel_events(trace)]  # every kernel, named (NCCL's begin "nccl")
-    places = exposed_places(nccl, rank, [s for s in spans if "nccl" not in s[2].lower()], kinds) or []
-    idle = idle_places(spans)
-    n = own.profile_steps
-    med = statistics.median(times)
-    total = torch.stack(losses).sum()  # every step's loss on every rank: the same seed gives the same sum, but for
-    if world_size > 1:                 # nondeterministic reductions
-        dist.all_reduce(total)
-    line = (f"rank {rank}/{world_size}: stage windows {stage.windows}, {stage.spec.batch_size:,} tokens a step, "
-            f"{stage.spec.batch_size // stage.spec.seq_len // world_size} micro-batch(es) a GPU, attention {attention}: "
-            f"step median {med:.1f} ms (min {min(times):.1f}, max {max(times):.1f}, {own.steps} steps); "
-            f"profiled {n} steps: NCCL {comm / n / 1e3:.2f} ms a step, exposed {exposed / n / 1e3:.2f} ms a step "
-            f"({exposed / n / 1e3 / med:.1%} of the median step)" +
-            (f": {split[0] / n / 1e3:.2f} ms waiting for another rank to arrive, {split[1] / n / 1e3:.2f} ms moving "
-             f"data ({split[1] / n / 1e3 / med:.1%}{at_eight(split[1] / n / 1e3 / med, world_size)})" if split
-             else ": the ranks' NCCL kernels do not pair up") +
-            (", by collective: " + ", ".join(f"{k} {t / n / 1e3:.2f} ms" for k, t in by_kind.items())
-             if by_kind else "") +
-            f"; sent {sent.sent / n / 1e6:.1f} MB a step (ring)" +
-            f"; GPU idle {idle_time(intervals) / n / 1e3:.2f} ms a step, {len(intervals)} kernels"
-            f"; loss sum {total.item():.4f} over {len(losses)} steps, all ranks")
-    line += "".join(f"\n  {t / n / 1e3:.3f} ms a step: {kind} after {before} / before {after}"
-                    for t, kind, before, after in places[:own.places])
-    line += "".join(f"\n  {t / n / 1e3:.3f} ms a step: GPU idle after {before} / before {after}"
-                    for t, before, after in idle[:own.places])
-    lines = [line]
-    if world_size > 1:
-        lines = [None] * world_size
-        dist.all_gather_object(lines, line)
+        if world_size > 1:
+            dist.barrier()
+        with profile(activities=activities) as prof, CollectiveBytes(world_size) as sent:
+            for _ in range(own.profile_steps):
+                run_step()
+            sync()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, f"trace{rank}.json")
+            prof.export_chrome_trace(path)
+            trace = json.loads(Path(path).read_text())
+            if own.trace:
+                Path(own.trace).mkdir(parents=True, exist_ok=True)
+                with gzip.open(Path(own.trace) / f"comm_trace_rank{rank}{tag}.json.gz", "wt") as f:
+                    f.write(Path(path).read_text())
+        intervals = kernel_intervals(trace)
+        comm, exposed = exposed_time(intervals)
+        base = trace.get("baseTimeNanoseconds", 0) / 1e3  # microseconds since the epoch on this rank's clock
+        nccl = [[(base + a, base + b) for a, b, c in intervals if c]]  # every rank's, on rank `rank` at index `rank`
+        if world_size > 1:
+            mine, nccl = nccl[0], [None] * world_size
+            dist.all_gather_object(nccl, mine)
+        busy = [(base + a, base + b) for a, b, c in intervals if not c]
+        split = peer_wait_split(nccl, rank, busy)
+        kinds = [nccl_kind(e.get("name", "")) for e in kernel_events(trace) if "nccl" in e.get("name", "").lower()]
+        by_kind = moving_by_kind(nccl, rank, busy, kinds)
+        spans = [(base + float(e["ts"]), base + float(e["ts"]) + float(e["dur"]), e.get("name", "")[:70])
+                 for e in kernel_events(trace)]  # every kernel, named (NCCL's begin "nccl")
+        places = exposed_places(nccl, rank, [s for s in spans if "nccl" not in s[2].lower()], kinds) or []
+        idle = idle_places(spans)
+        n = own.profile_steps
+        med = statistics.median(times)
+        total = torch.stack(losses).sum()  # every step's loss since the last measurement on every rank: the same
+        if world_size > 1:                 # seed gives the same sum, but for nondeterministic reductions
+            dist.all_reduce(total)
+        parts, outside = step_parts(trace)
+        line = (f"{label}rank {rank}/{world_size}: stage windows {stage.windows}, {stage.spec.batch_size:,} tokens a "
+                f"step, {stage.spec.batch_size // stage.spec.seq_len // world_size} micro-batch(es) a GPU, "
+                f"attention {attention}: "
+                f"step median {med:.1f} ms (min {min(times):.1f}, max {max(times):.1f}, {own.steps} steps); "
+                f"profiled {n} steps: NCCL {comm / n / 1e3:.2f} ms a step, exposed {exposed / n / 1e3:.2f} ms a step "
+                f"({exposed / n / 1e3 / med:.1%} of the median step)" +
+                (f": {split[0] / n / 1e3:.2f} ms waiting for another rank to arrive, {split[1] / n / 1e3:.2f} ms "
+                 f"moving data ({split[1] / n / 1e3 / med:.1%}{at_eight(split[1] / n / 1e3 / med, world_size)})"
+                 if split else ": the ranks' NCCL kernels do not pair up") +
+                (", by collective: " + ", ".join(f"{k} {t / n / 1e3:.2f} ms" for k, t in by_kind.items())
+                 if by_kind else "") +
+                f"; sent {sent.sent / n / 1e6:.1f} MB a step (ring)" +
+                f"; GPU idle {idle_time(intervals) / n / 1e3:.2f} ms a step, {len(intervals)} kernels"
+                f"; loss sum {total.item():.4f} over {len(losses)} steps, all ranks")
+        losses.clear()
+        line += (f"\n  kernels a step: {parts['graphs'] / n / 1e3:.2f} ms replayed from the graphs, "
+                 f"{parts['other'] / n / 1e3:.2f} ms launched on their own, {parts['nccl'] / n / 1e3:.2f} ms NCCL; "
+                 "the longest outside the graphs: " +
+                 (", ".join(f"{op[:60]} {t / n / 1e3:.3f} ms" for t, op in outside) or "none"))
+        line += "".join(f"\n  {t / n / 1e3:.3f} ms a step: {kind} after {before} / before {after}"
+                        for t, kind, before, after in places[:own.places])
+        line += "".join(f"\n  {t / n / 1e3:.3f} ms a step: GPU idle after {before} / before {after}"
+                        for t, before, after in idle[:own.places])
+        lines = [line]
+        if world_size > 1:
+            lines = [None] * world_size
+            dist.all_gather_object(lines, line)
+        if rank == 0:
+            print("\n".join(lines), flush=True)
+
     if rank == 0:
         name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
         print(f"device: {name}, torch {torch.__version__}", flush=True)
-        print("\n".join(lines), flush=True)
+    for k in range(own.repeats):
+        measure(f"measurement {k + 1}/{own.repeats}: " if own.repeats > 1 else "",
+                f"_{k + 1}" if own.repeats > 1 else "")
     loader.close()
     if world_size > 1:
         dist.destroy_process_group()

@@ -133,3 +133,25 @@ def test_the_split_reads_only_the_durations_of_other_ranks_kernels_not_their_clo
     assert [tuple(map(back, cut)) for cut in comm_time.arrival_split(shifted, 1)] == comm_time.arrival_split(nccl, 1)
     assert comm_time.peer_wait_split(shifted, 0, [(8.0, 12.0)]) == (4.0, 4.0 + 5.0)
     assert comm_time.arrival_split(nccl, 0) == [((10.0, 16.0), (16.0, 20.0)), (None, (30.0, 35.0))]
+
+
+def test_step_parts_split_kernel_time_into_graph_replays_kernels_launched_alone_and_nccl():
+    """A kernel whose launch (by correlation id) is a CUDA-graph launch counts as replayed; the others launched alone
+    are summed by the operator that launched them (External id), longest first."""
+    def kernel(name, dur, corr, ext=None):
+        args = {"correlation": corr} | ({"External id": ext} if ext is not None else {})
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": 0.0, "dur": dur, "args": args}
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "args": {"correlation": 1}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "args": {"correlation": 2}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::_foreach_lerp_", "args": {"External id": 7}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "args": {"External id": 8}},
+        kernel("triton_fwd", 30.0, 1), kernel("triton_bwd", 50.0, 1),
+        kernel("multi_tensor_apply_kernel", 4.0, 2, 7), kernel("multi_tensor_apply_kernel", 3.0, 3, 7),
+        kernel("copy_kernel", 5.0, 4, 8), kernel("fill", 1.0, 5),
+        kernel("ncclDevKernel_AllGather_RING_LL", 6.0, 6)]}
+    assert comm_time.graph_launched(trace) == {1}
+    parts, outside = comm_time.step_parts(trace)
+    assert parts == {"graphs": 80.0, "other": 13.0, "nccl": 6.0}
+    assert outside == [(7.0, "aten::_foreach_lerp_"), (5.0, "aten::copy_"), (1.0, "(no operator)")]
+    assert comm_time.step_parts(trace, top=1)[1] == [(7.0, "aten::_foreach_lerp_")]
