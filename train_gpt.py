@@ -10,6 +10,7 @@ so every result names the exact code that made it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import glob
@@ -287,6 +288,7 @@ class Hyperparameters:
     muon_beta2: float = 0.9  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off
     muon_weight_decay: float = 2.25  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25; ANVIL2's 2.25, the public master's 1.2)
     muon_bf16_comm: bool = False  # block matrices at bf16 values on every rank, the float32 ones kept by their owner's Muon: reduce-scatters and all-gathers in bf16, half the bytes (the public master's bf16 banks and their mantissa state)
+    ngram_plan_ahead: bool = False  # a sharded n-gram table's pull planned one micro-batch ahead (GPT.plan_pull_ahead): its distinct rows and owners' questions found on a side stream over a group of their own while the GPU runs the micro-batch before, so the pull itself waits on no host sync (ANVIL2 swaps its counts off the GPU's queue too)
     anvil_rails: tuple[float, ...] = (0.98, 0.4385, 0.85, 0.43)  # Muon's rails (ANVIL): the slow rail's beta, the fast rail's weight and beta once engaged, and from what fraction of num_iterations (ANVIL2's 0.98, 0.4385, 0.85 from its step 514 of 1194); before it, weight 1 at Muon's momentum
     # the public master's NorMuon rates: 0.023 x 2 on the MLP's input (its shape factor), x 4 on its output (10/27/25)
     mlp_muon_lr_mults: tuple[float, ...] = (2.0, 4.0)  # Muon lr multipliers of the MLP's input and output matrices; () = 1, 1
@@ -1526,6 +1528,9 @@ class GPT(nn.Module):
         self.bigram_embed = nn.Embedding(shard, dim, _weight=torch.zeros(shard, dim, dtype=torch.bfloat16))
         self.ngram_cache = None  # with W > 1: the micro-batch's (rows, each position's row in them), pull_ngram_rows
         self.ngram_train_cache = None  # the trainer's, refilled in place (pull_ngram_rows)
+        self.ngram_plan_group = None  # ngram_plan_ahead: the group its pulls' questions go over (build makes it)
+        self.ngram_plan_stream = None  # ... and the side stream they run on (made at the first plan)
+        self.ngram_pull_ahead = None  # the planned pull: (key, distinct rows, places, plan_pull's answer, its event)
         signs = None
         if cfg.bigram_sign_rows:  # drawn from the seeded RNG: the same on every rank, and saved in checkpoints
             signs = (torch.randint(0, 2, (cfg.bigram_sign_rows, dim)) * 2 - 1).bfloat16()
@@ -1787,18 +1792,31 @@ class GPT(nn.Module):
         return ngram[: inputs.size(0)] + ngram[inputs.size(0):] if self.cfg.trigram_rows else ngram
 
     @torch.no_grad()
-    def pull_ngram_rows(self, inputs: Tensor, cu_seqlens: Tensor, training: bool = False):
+    def pull_ngram_rows(self, inputs: Tensor, cu_seqlens: Tensor, training: bool = False, key=None):
         """Before a forward (the trainer's and evaluate's, outside the compiled graph; a collective: every rank pulls
         once per micro-batch): with a sharded table, its rows for this micro-batch from their owners into a compact
         cache, ngram_cache = (rows, each position's row in them). The cache has a row per position (the distinct
         rows first, the rest unused), so the compiled graph sees one shape per stage. Nothing to do on one GPU.
         training: the trainer's micro-batches refill one cache in place while their shape holds, so that a captured
-        graph (GraphRunner) reads it where it was; evaluate's is made for its buffer and dropped after."""
+        graph (GraphRunner) reads it where it was; evaluate's is made for its buffer and dropped after. key: the
+        micro-batch's (step, index); where plan_pull_ahead planned it, its plan is taken (no host sync)."""
         if self.ngram_world == 1:
             return
         kept = self.ngram_train_cache if training else None
         self.ngram_cache = None  # the last micro-batch's cache is freed before this one is made
-        wanted, slots = torch.unique(self.ngram_indices(inputs, cu_seqlens)[0], return_inverse=True)
+        ahead = self.ngram_pull_ahead
+        if training or (ahead is not None and ahead[0] == key):  # a training pull leaves no plan behind: one of
+            self.ngram_pull_ahead = None                            # another key is stale; evaluate's keeps it
+        if ahead is not None and ahead[0] == key:
+            _, wanted, slots, plan, done = ahead
+            if done is not None:  # made on the side stream: this stream waits for it, and the allocator knows
+                current = torch.cuda.current_stream(wanted.device)
+                current.wait_event(done)
+                for t in (wanted, slots, plan[2]):
+                    t.record_stream(current)
+        else:
+            wanted, slots = torch.unique(self.ngram_indices(inputs, cu_seqlens)[0], return_inverse=True)
+            plan = None
         w = self.bigram_embed.weight
         if kept is None or kept[1].shape != slots.shape:
             # a leaf that asks for a gradient, as the table does: the lookup's backward (RowGradLog) then runs and logs
@@ -1807,8 +1825,32 @@ class GPT(nn.Module):
                 self.ngram_train_cache = kept
         cache, places = kept
         places.copy_(slots)
-        pull_rows(w, wanted, cache[: wanted.numel()], self.ngram_rank, self.ngram_world)
+        pull_rows(w, wanted, cache[: wanted.numel()], self.ngram_rank, self.ngram_world, plan)
         self.ngram_cache = kept
+
+    @torch.no_grad()
+    def plan_pull_ahead(self, key, inputs: Tensor, cu_seqlens: Tensor, after: "torch.cuda.Event | None" = None):
+        """ngram_plan_ahead: the pull of a later micro-batch (key: its (step, index); inputs and cu_seqlens on the
+        host, pinned, or on the device) planned now, while the GPU runs this one's forward and backward: its
+        distinct rows and their owners' questions (plan_pull) on a side stream and over the planning group, so the
+        counts' host sync waits only for that small work, not for the main stream's queue. The rows themselves move
+        at the pull, after the optimizers have stepped the table. after: where inputs are already on the device, the
+        event after their copy, which the side stream waits for (not for the rest of the main stream's queue)."""
+        if self.ngram_world == 1 or self.ngram_plan_group is None:
+            return
+        cuda = self.bigram_embed.weight.device.type == "cuda"
+        side = self.ngram_plan_stream = self.ngram_plan_stream or (torch.cuda.Stream() if cuda else None)
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            device = self.bigram_embed.weight.device
+            if side is not None and inputs.device.type == "cuda" and after is not None:
+                side.wait_event(after)
+            inputs, cu_seqlens = (t.to(device, non_blocking=True) for t in (inputs, cu_seqlens))
+            wanted, slots = torch.unique(self.ngram_indices(inputs, cu_seqlens)[0], return_inverse=True)
+            plan = plan_pull(wanted, self.bigram_embed.weight.size(0), self.ngram_world, self.ngram_plan_group)
+            done = torch.cuda.Event() if cuda else None
+            if done is not None:
+                done.record(side)
+        self.ngram_pull_ahead = (key, wanted, slots, plan, done)
 
     @torch.no_grad()
     def serve_ngram_pulls(self, pulls: int):
@@ -2400,21 +2442,30 @@ def owner_counts(rows: Tensor, shard_rows: int, world_size: int) -> Tensor:
     return torch.bincount(rows // shard_rows, minlength=world_size)
 
 
-def exchange_counts(send: Tensor) -> tuple[list[int], list[int]]:
+def exchange_counts(send: Tensor, group=None) -> tuple[list[int], list[int]]:
     """Each rank's counts for every other rank swapped (one small all-to-all, one host sync): (sent, received)
     split sizes for the all-to-alls that follow."""
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send)
+    dist.all_to_all_single(received, send, group=group)
     return send.tolist(), received.tolist()
 
 
-def pull_rows(table: Tensor, wanted: Tensor, out: Tensor, rank: int, world_size: int):
+def plan_pull(wanted: Tensor, shard_rows: int, world_size: int, group=None) -> tuple:
+    """pull_rows' questions, before any row moves: (sent, received split sizes, the rows the other ranks ask of this
+    owner). Its host sync (the counts) is the pull's only one; over its own group (ngram_plan_ahead) it can run
+    ahead, beside the GPU's other work, since the rows asked do not change when the table steps."""
+    sent, received = exchange_counts(owner_counts(wanted, shard_rows, world_size), group)
+    asked = wanted.new_empty(sum(received))
+    dist.all_to_all_single(asked, wanted, received, sent, group=group)
+    return sent, received, asked
+
+
+def pull_rows(table: Tensor, wanted: Tensor, out: Tensor, rank: int, world_size: int, plan: tuple | None = None):
     """The rows `wanted` (ascending, distinct, of the whole table) of a sharded table into `out`, in order: each rank
     asks every owner for its rows (ids by all-to-all), the owners read them from their shards (index_select) and
-    send them back (all-to-all). Rows received per rank: the distinct rows its micro-batch reads (ANVIL2, 08/30/26)."""
-    sent, received = exchange_counts(owner_counts(wanted, table.size(0), world_size))
-    asked = wanted.new_empty(sum(received))
-    dist.all_to_all_single(asked, wanted, received, sent)
+    send them back (all-to-all). Rows received per rank: the distinct rows its micro-batch reads (ANVIL2, 08/30/26).
+    plan: plan_pull's answer, made before (then no host sync here)."""
+    sent, received, asked = plan or plan_pull(wanted, table.size(0), world_size)
     served = table.index_select(0, asked - rank * table.size(0))
     dist.all_to_all_single(out, served, sent, received)
 
@@ -2741,6 +2792,7 @@ class BatchLoader:
         self.producer, self.plan, self.device = producer, plan, device
         self.state = producer.stream.state()  # stream position at the start of the next step handed out
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._ahead = None  # an item peek took from the queue, which next hands out
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, args=(start_step,), daemon=True)
         self._thread.start()
@@ -2764,13 +2816,23 @@ class BatchLoader:
         except BaseException as e:  # hand the error to the training loop, which raises it
             self._queue.put(e)
 
-    def next(self) -> tuple[BatchSpec, list[tuple[Tensor, Tensor, Tensor]]]:
-        """This rank's micro-batches (inputs, targets, cu_seqlens) for the next step, on the device."""
-        item = self._queue.get()
+    def _take(self):
+        item, self._ahead = (self._ahead, None) if self._ahead is not None else (self._queue.get(), None)
         if isinstance(item, BaseException):
             raise item
-        _, spec, micro, self.state = item
+        return item
+
+    def next(self) -> tuple[BatchSpec, list[tuple[Tensor, Tensor, Tensor]]]:
+        """This rank's micro-batches (inputs, targets, cu_seqlens) for the next step, on the device."""
+        _, spec, micro, self.state = self._take()
         return spec, [tuple(t.to(self.device, non_blocking=True) for t in m) for m in micro]
+
+    def peek(self) -> list[tuple[Tensor, Tensor, Tensor]] | None:
+        """The micro-batches `next` hands out next, on the host (pinned on a GPU machine), without taking them
+        (ngram_plan_ahead plans the next step's first pull from them); None where the data broke (`next` raises)."""
+        if self._ahead is None:
+            self._ahead = self._queue.get()
+        return None if isinstance(self._ahead, BaseException) else self._ahead[2]
 
     def close(self):
         self._stop.set()
@@ -4046,6 +4108,8 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         model.prefix_ids = prefix_table(vocab, args.vocab_size).to(device)
     orthogonalize, update, compiled = anvil_orthogonalize, adam_update, model
     row_update, segment = row_adam_update, segment_sum
+    if args.ngram_plan_ahead and model.ngram_world > 1:  # every rank makes it, in the same order: a collective
+        model.ngram_plan_group = dist.new_group()
     if args.compile:
         # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final
         # validation, on purpose: dynamo's default limit of 8 per function must not fail a longer schedule.
@@ -4204,13 +4268,20 @@ class GraphRunner:
         return graph, static, loss
 
 
-def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage, schedule: Schedule) -> Tensor:
+def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage, schedule: Schedule,
+               ahead: list | None = None) -> Tensor:
     """One optimizer step over this rank's micro-batches, in a stage of the schedule (the step's own, or in the
     warm-up a shape to compile); returns the summed loss (on the device), with multi-token prediction's extra
     terms when the stage has them. Muon steps every step; Adam on every adam_every-th (step + 1 a multiple of
-    it), its parameters' gradients summed until then."""
+    it), its parameters' gradients summed until then. ahead: the next step's micro-batches on the host
+    (BatchLoader.peek), whose first pull ngram_plan_ahead plans during this step's last forward and backward."""
     device = model.lm_head_w.device
     loss = torch.zeros((), device=device)
+    # ngram_plan_ahead: the event after this step's batches reached the device, which a planned pull of one of them
+    # waits for on its side stream
+    arrived = torch.cuda.Event() if model.ngram_plan_group is not None and device.type == "cuda" else None
+    if arrived is not None:
+        arrived.record()
     # multi-token prediction's and the prefix-token loss' weights as one tensor (one graph per stage whatever
     # the values), pinned: no sync
     w, n = stage.loss_weights(step), len(stage.mtp_ramp)
@@ -4225,7 +4296,7 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
         if m == len(micro) - 1 and schedule.tables_step_at(step):  # the flush's host sync, before the last forward
             model.plan_ngram_flush(inputs, cu_seqlens)
         # a sharded n-gram table: this micro-batch's rows, as last updated
-        model.pull_ngram_rows(inputs, cu_seqlens, training=True)
+        model.pull_ngram_rows(inputs, cu_seqlens, training=True, key=(step, m))
         batch = (inputs, targets, cu_seqlens, stage.spec.max_doc_len, stage.windows)
         sampled = (count, offsets[m]) if count else None
         if isinstance(compiled, GraphRunner):  # --cuda_graphs: forward and backward in one replay
@@ -4234,6 +4305,10 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
             micro_loss = compiled(*batch, mtp_weights=mtp, prefix_weight=prefix, sampled=sampled)
             micro_loss.backward()
         loss += micro_loss.detach()
+        # ngram_plan_ahead: while the GPU runs this micro-batch, the next one's pull is planned
+        nxt = micro[m + 1] if m + 1 < len(micro) else (ahead[0] if ahead else None)
+        if nxt is not None and model.ngram_plan_group is not None:
+            model.plan_pull_ahead((step, m + 1) if m + 1 < len(micro) else (step + 1, 0), nxt[0], nxt[2], arrived)
     adam, muon = optimizers
     for opt in optimizers:
         for group in opt.param_groups:
@@ -4924,7 +4999,8 @@ def train(args: Hyperparameters) -> RunResult:
                 clock.stop()
                 stage_marks.append((step, clock.ms))
                 clock.start()
-            loss = train_step(model, compiled, optimizers, micro, step, stage, schedule)
+            ahead = loader.peek() if model.ngram_plan_group is not None and step + 1 < N else None
+            loss = train_step(model, compiled, optimizers, micro, step, stage, schedule, ahead)
             if step + 1 == schedule.untie:  # the last tied step is done: the next step, and its checkpoint, are untied
                 untie_embedding(model, optimizers[0])
             losses.append(loss)

@@ -287,7 +287,9 @@ def main():
 
     def run_step():
         nonlocal step
-        losses.append(tg.train_step(model, compiled, optimizers, loader.next()[1], step, stage, schedule))
+        micro = loader.next()[1]
+        ahead = loader.peek() if model.ngram_plan_group is not None else None  # ngram_plan_ahead
+        losses.append(tg.train_step(model, compiled, optimizers, micro, step, stage, schedule, ahead))
         step += 1
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # the CPU: a plumbing check only

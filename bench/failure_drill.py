@@ -30,14 +30,14 @@ def main() -> int:
     if rank == world_size - 1:
         train_step = tg.train_step
 
-        def failing(model, compiled, optimizers, micro, step, stage, schedule):
+        def failing(model, compiled, optimizers, micro, step, stage, schedule, ahead=None):
             if step + 1 == at:
                 print(f"failure_drill: rank {rank}: {failure} at step {at}", file=sys.stderr, flush=True)
                 if failure == "exit":
                     os._exit(3)
                 if failure == "hang":
                     time.sleep(3600)
-            loss = train_step(model, compiled, optimizers, micro, step, stage, schedule)
+            loss = train_step(model, compiled, optimizers, micro, step, stage, schedule, ahead)
             return loss * float("nan") if step + 1 == at else loss
         tg.train_step = failing
     return tg.main(argv)

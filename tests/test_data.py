@@ -160,6 +160,29 @@ def test_background_loader_yields_the_producer_batches(files):
         loader.close()
 
 
+
+def test_the_loader_shows_the_next_steps_batches_without_taking_them(files):
+    """peek: the micro-batches next hands out next (ngram_plan_ahead plans from them), on the host; peeking twice
+    takes nothing more, and the loader's stream state moves only with next."""
+    spec = tg.BatchSpec(batch_size=2 * 256, seq_len=256, max_doc_len=80)
+    direct = stream_batches(files, spec, steps=3)
+    loader = tg.BatchLoader(tg.BatchProducer(files, 0, 1, BOS), lambda s: dataclasses.replace(spec, num_docs=64), CPU)
+    try:
+        loader.next()
+        state = loader.state
+        seen = loader.peek()
+        assert loader.peek() is seen and loader.state == state
+        for got, want in zip(seen, direct[1]):
+            np.testing.assert_array_equal(got[0].numpy(), want[0])
+        for step in direct[1:]:
+            _, micro = loader.next()
+            for m_direct, m_loader in zip(step, micro):
+                for a, b in zip(m_direct, m_loader):
+                    np.testing.assert_array_equal(a, b.numpy())
+        assert loader.state != state
+    finally:
+        loader.close()
+
 def test_exhausted_training_data_wraps_around_and_says_so_once_per_pass(tmp_path):
     train, _ = write_corpus(tmp_path, train_sizes=(3000,), val_size=100)
     messages = []

@@ -216,9 +216,9 @@ def test_a_run_with_multi_token_prediction_trains_on_the_scheduled_weights_and_l
 def test_warmup_compiles_each_stage_whose_number_of_extra_targets_differs(tiny_args, monkeypatch):
     seen, train_step = [], tg.train_step
 
-    def recording(model, compiled, optimizers, micro, step, stage, schedule):
+    def recording(model, compiled, optimizers, micro, step, stage, schedule, ahead=None):
         seen.append(len(stage.mtp_ramp))
-        return train_step(model, compiled, optimizers, micro, step, stage, schedule)
+        return train_step(model, compiled, optimizers, micro, step, stage, schedule, ahead)
     monkeypatch.setattr(tg, "train_step", recording)
     tg.train(tiny_args(**FAST, num_iterations=6, val_every=0, warmup_steps=1,
                        stages=table(window_schedule=(2, 2, 2), mtp_weights=RECORD)))

@@ -243,8 +243,8 @@ def _sigterm_after_step(monkeypatch, at: int):
     """The next tg.train gets a SIGTERM (as its signal handler would record it) once its step index `at` is done."""
     signals, train_step = [], tg.train_step
 
-    def signalled(model, compiled, optimizers, micro, step, stage, schedule):
-        loss = train_step(model, compiled, optimizers, micro, step, stage, schedule)
+    def signalled(model, compiled, optimizers, micro, step, stage, schedule, ahead=None):
+        loss = train_step(model, compiled, optimizers, micro, step, stage, schedule, ahead)
         if step == at:
             signals.append(signal.SIGTERM)
         return loss
@@ -544,12 +544,12 @@ def _rank_1_fails(rank, world_size, args, failure, out):
     elif rank == 1:
         train_step = tg.train_step
 
-        def failing(model, compiled, optimizers, micro, step, stage, schedule):
+        def failing(model, compiled, optimizers, micro, step, stage, schedule, ahead=None):
             if step == 3 and failure == "exits":
                 os._exit(3)
             if step == 3 and failure == "hangs":  # rank 0 waits in the optimizer's reduce-scatter
                 time.sleep(3600)
-            loss = train_step(model, compiled, optimizers, micro, step, stage, schedule)
+            loss = train_step(model, compiled, optimizers, micro, step, stage, schedule, ahead)
             return loss * float("nan") if step == 3 else loss  # "nan": the loss only, rank 0's stays finite
         tg.train_step = failing
     tg.parse_args = lambda argv: args  # main() on these fields

@@ -238,9 +238,9 @@ def test_a_staged_run_trains_each_stage_at_its_batch_and_learns(tiny_args, monke
                      muon_momentum_cooldown=4)
     seen, train_step = [], tg.train_step
 
-    def recording(model, compiled, optimizers, micro, step, stage, schedule):
+    def recording(model, compiled, optimizers, micro, step, stage, schedule, ahead=None):
         seen.append((len(micro), {len(m[0]) for m in micro}, stage.spec.max_doc_len, stage.windows))
-        return train_step(model, compiled, optimizers, micro, step, stage, schedule)
+        return train_step(model, compiled, optimizers, micro, step, stage, schedule, ahead)
     monkeypatch.setattr(tg, "train_step", recording)
     run = tg.train(args)
     assert len(run.train_losses) == 24 and run.train_losses[-1] < run.train_losses[0] - 0.5
@@ -269,9 +269,9 @@ def test_a_taper_row_and_the_extension_batch_train_at_their_own_batches(tiny_arg
     assert tg.Schedule(tiny_args(stages=taper, extension_steps=3, extension_window=4)).stages[-1].spec.batch_size == 768
     seen, train_step = [], tg.train_step
 
-    def recording(model, compiled, optimizers, micro, step, stage, schedule):
+    def recording(model, compiled, optimizers, micro, step, stage, schedule, ahead=None):
         seen.append((len(micro), {len(m[0]) for m in micro}))
-        return train_step(model, compiled, optimizers, micro, step, stage, schedule)
+        return train_step(model, compiled, optimizers, micro, step, stage, schedule, ahead)
     monkeypatch.setattr(tg, "train_step", recording)
     run = tg.train(args)
     assert seen[13] == (8, {128}) and seen[14] == seen[16] == (8, {96}) and seen[17] == seen[19] == (8, {32})
