@@ -288,7 +288,7 @@ class Hyperparameters:
     muon_beta2: float = 0.9  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off
     muon_weight_decay: float = 2.25  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25; ANVIL2's 2.25, the public master's 1.2)
     muon_bf16_comm: bool = False  # block matrices at bf16 values on every rank, the float32 ones kept by their owner's Muon: reduce-scatters and all-gathers in bf16, half the bytes (the public master's bf16 banks and their mantissa state)
-    ngram_plan_ahead: bool = False  # a sharded n-gram table's pull planned one micro-batch ahead (GPT.plan_pull_ahead): its distinct rows and owners' questions found on a side stream over a group of their own while the GPU runs the micro-batch before, so the pull itself waits on no host sync (ANVIL2 swaps its counts off the GPU's queue too)
+    ngram_plan_ahead: bool = False  # a sharded n-gram table's pulls and flushes planned one micro-batch ahead (GPT.plan_pull_ahead): the distinct rows and the owners' counts found on a side stream over a group of their own while the GPU runs the micro-batch before, so neither waits on a host sync in the step's path (ANVIL2 swaps its counts off the GPU's queue too)
     anvil_rails: tuple[float, ...] = (0.98, 0.4385, 0.85, 0.43)  # Muon's rails (ANVIL): the slow rail's beta, the fast rail's weight and beta once engaged, and from what fraction of num_iterations (ANVIL2's 0.98, 0.4385, 0.85 from its step 514 of 1194); before it, weight 1 at Muon's momentum
     # the public master's NorMuon rates: 0.023 x 2 on the MLP's input (its shape factor), x 4 on its output (10/27/25)
     mlp_muon_lr_mults: tuple[float, ...] = (2.0, 4.0)  # Muon lr multipliers of the MLP's input and output matrices; () = 1, 1
@@ -1530,7 +1530,8 @@ class GPT(nn.Module):
         self.ngram_train_cache = None  # the trainer's, refilled in place (pull_ngram_rows)
         self.ngram_plan_group = None  # ngram_plan_ahead: the group its pulls' questions go over (build makes it)
         self.ngram_plan_stream = None  # ... and the side stream they run on (made at the first plan)
-        self.ngram_pull_ahead = None  # the planned pull: (key, distinct rows, places, plan_pull's answer, its event)
+        self.ngram_pull_ahead = None  # the planned pull: (key, distinct rows, places, plan_pull's answer, its event,
+        #                               and the flush's plan where that micro-batch ends a table step, or None)
         signs = None
         if cfg.bigram_sign_rows:  # drawn from the seeded RNG: the same on every rank, and saved in checkpoints
             signs = (torch.randint(0, 2, (cfg.bigram_sign_rows, dim)) * 2 - 1).bfloat16()
@@ -1704,7 +1705,12 @@ class GPT(nn.Module):
         n, self.ngram_logged = self.ngram_logged, 0
         plan, self.ngram_flush_plan = self.ngram_flush_plan, None
         log["used"].zero_()
-        rows, inverse, p.sparse_route = (plan[1:] if plan and plan[0] == n else
+        if plan and plan[0] == n and len(plan) == 5 and plan[4] is not None:  # made on plan_pull_ahead's side stream
+            current = torch.cuda.current_stream(log["rows"].device)
+            current.wait_event(plan[4])
+            for t in (plan[1], plan[2], *plan[3][2:]):
+                t.record_stream(current)
+        rows, inverse, p.sparse_route = (plan[1:4] if plan and plan[0] == n else
                                          (*torch.unique(log["rows"][:n], return_inverse=True), None))
         p.sparse_grad = (rows, self.ngram_segment_sum(inverse, log["grads"][:n], rows.numel()))
         self.token_lookups = set()  # which of lm_head_w and embed.weight served the token lookups since the flush
@@ -1808,7 +1814,7 @@ class GPT(nn.Module):
         if training or (ahead is not None and ahead[0] == key):  # a training pull leaves no plan behind: one of
             self.ngram_pull_ahead = None                            # another key is stale; evaluate's keeps it
         if ahead is not None and ahead[0] == key:
-            _, wanted, slots, plan, done = ahead
+            _, wanted, slots, plan, done, _ = ahead
             if done is not None:  # made on the side stream: this stream waits for it, and the allocator knows
                 current = torch.cuda.current_stream(wanted.device)
                 current.wait_event(done)
@@ -1829,28 +1835,52 @@ class GPT(nn.Module):
         self.ngram_cache = kept
 
     @torch.no_grad()
-    def plan_pull_ahead(self, key, inputs: Tensor, cu_seqlens: Tensor, after: "torch.cuda.Event | None" = None):
+    def plan_pull_ahead(self, key, inputs: Tensor, cu_seqlens: Tensor, after: "torch.cuda.Event | None" = None,
+                        flush: tuple | None = None):
         """ngram_plan_ahead: the pull of a later micro-batch (key: its (step, index); inputs and cu_seqlens on the
         host, pinned, or on the device) planned now, while the GPU runs this one's forward and backward: its
         distinct rows and their owners' questions (plan_pull) on a side stream and over the planning group, so the
         counts' host sync waits only for that small work, not for the main stream's queue. The rows themselves move
-        at the pull, after the optimizers have stepped the table. after: where inputs are already on the device, the
-        event after their copy, which the side stream waits for (not for the rest of the main stream's queue)."""
+        at the pull, after the optimizers have stepped the table. after: the event before this micro-batch's forward,
+        which the side stream waits for where it reads the main stream's tensors (not for the rest of its queue).
+        flush: where that micro-batch is the last of a table step, the flush's plan too (plan_ngram_flush's, with
+        plan_row_push over the planning group): (whether the log is flushed before it, this micro-batch's inputs and
+        cu_seqlens on the device); the log so far, less this micro-batch's rows (whose forward may still be
+        running), is the earlier forwards' (before `after`)."""
         if self.ngram_world == 1 or self.ngram_plan_group is None:
             return
         cuda = self.bigram_embed.weight.device.type == "cuda"
         side = self.ngram_plan_stream = self.ngram_plan_stream or (torch.cuda.Stream() if cuda else None)
         with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
-            device = self.bigram_embed.weight.device
-            if side is not None and inputs.device.type == "cuda" and after is not None:
+            device, shard_rows = self.bigram_embed.weight.device, self.bigram_embed.weight.size(0)
+            if side is not None and after is not None:
                 side.wait_event(after)
             inputs, cu_seqlens = (t.to(device, non_blocking=True) for t in (inputs, cu_seqlens))
-            wanted, slots = torch.unique(self.ngram_indices(inputs, cu_seqlens)[0], return_inverse=True)
-            plan = plan_pull(wanted, self.bigram_embed.weight.size(0), self.ngram_world, self.ngram_plan_group)
+            rows = self.ngram_indices(inputs, cu_seqlens)[0]
+            wanted, slots = torch.unique(rows, return_inverse=True)
+            plan = plan_pull(wanted, shard_rows, self.ngram_world, self.ngram_plan_group)
+            flush_plan = None
+            if flush is not None and self.ngram_log:
+                flushed_before, now_inputs, now_cu_seqlens = flush
+                if flushed_before:  # this step's flush empties the log: the next one holds that micro-batch only
+                    logged = rows
+                else:
+                    now = self.ngram_indices(now_inputs, now_cu_seqlens)[0]
+                    logged = torch.cat([self.ngram_log["rows"][: self.ngram_logged - now.numel()], now, rows])
+                distinct, inverse = torch.unique(logged, return_inverse=True)
+                route = plan_row_push(distinct, shard_rows, self.ngram_rank, self.ngram_world, self.ngram_plan_group)
+                flush_plan = (logged.numel(), distinct, inverse, route)
             done = torch.cuda.Event() if cuda else None
             if done is not None:
                 done.record(side)
-        self.ngram_pull_ahead = (key, wanted, slots, plan, done)
+        self.ngram_pull_ahead = (key, wanted, slots, plan, done, flush_plan and (*flush_plan, done))
+
+    def take_planned_flush(self, key):
+        """The flush's plan that plan_pull_ahead made with the pull of micro-batch `key`, as the log's next flush's
+        (train_step, before that micro-batch's forward)."""
+        ahead = self.ngram_pull_ahead
+        if ahead is not None and ahead[0] == key and ahead[5] is not None:
+            self.ngram_flush_plan = ahead[5]
 
     @torch.no_grad()
     def serve_ngram_pulls(self, pulls: int):
@@ -2487,14 +2517,14 @@ def push_row_grads(rows: Tensor, grads: Tensor, shard_rows: int, world_size: int
     return (got_rows, got), works
 
 
-def plan_row_push(rows: Tensor, shard_rows: int, rank: int, world_size: int) -> tuple:
+def plan_row_push(rows: Tensor, shard_rows: int, rank: int, world_size: int, group=None) -> tuple:
     """push_row_grads' exchange and sum_owned_rows' unique ahead of the gradients (GPT.plan_ngram_flush, before the
     step's last forward, where their host syncs find less of the GPU's queue to wait for): (sent, received, the
     distinct rows this owner receives, minus its first row, and each received position's place among them). After
     the backward only the gradients go over the wire, by these split sizes, and are summed by these places."""
-    sent, received = exchange_counts(owner_counts(rows, shard_rows, world_size))
+    sent, received = exchange_counts(owner_counts(rows, shard_rows, world_size), group)
     got_rows = rows.new_empty(sum(received))
-    dist.all_to_all_single(got_rows, rows, received, sent)
+    dist.all_to_all_single(got_rows, rows, received, sent, group=group)
     return sent, received, *torch.unique(got_rows - rank * shard_rows, return_inverse=True)
 
 
@@ -4277,11 +4307,7 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
     (BatchLoader.peek), whose first pull ngram_plan_ahead plans during this step's last forward and backward."""
     device = model.lm_head_w.device
     loss = torch.zeros((), device=device)
-    # ngram_plan_ahead: the event after this step's batches reached the device, which a planned pull of one of them
-    # waits for on its side stream
-    arrived = torch.cuda.Event() if model.ngram_plan_group is not None and device.type == "cuda" else None
-    if arrived is not None:
-        arrived.record()
+    marking = model.ngram_plan_group is not None and device.type == "cuda"  # ngram_plan_ahead on a GPU
     # multi-token prediction's and the prefix-token loss' weights as one tensor (one graph per stage whatever
     # the values), pinned: no sync
     w, n = stage.loss_weights(step), len(stage.mtp_ramp)
@@ -4292,9 +4318,14 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
                            "cuda").to(device, non_blocking=True) if count else None
     model.note_token_lookups()
     for m, (inputs, targets, cu_seqlens) in enumerate(micro):
+        mark = torch.cuda.Event() if marking else None  # before this forward: what a plan made during it may read
+        if mark is not None:
+            mark.record()
         model.reserve_ngram_log(inputs.numel())
-        if m == len(micro) - 1 and schedule.tables_step_at(step):  # the flush's host sync, before the last forward
-            model.plan_ngram_flush(inputs, cu_seqlens)
+        model.take_planned_flush((step, m))
+        planned = model.ngram_flush_plan is not None and model.ngram_flush_plan[0] == model.ngram_logged
+        if m == len(micro) - 1 and schedule.tables_step_at(step) and not planned:  # the flush's host sync, before
+            model.plan_ngram_flush(inputs, cu_seqlens)                                # the last forward
         # a sharded n-gram table: this micro-batch's rows, as last updated
         model.pull_ngram_rows(inputs, cu_seqlens, training=True, key=(step, m))
         batch = (inputs, targets, cu_seqlens, stage.spec.max_doc_len, stage.windows)
@@ -4305,10 +4336,15 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
             micro_loss = compiled(*batch, mtp_weights=mtp, prefix_weight=prefix, sampled=sampled)
             micro_loss.backward()
         loss += micro_loss.detach()
-        # ngram_plan_ahead: while the GPU runs this micro-batch, the next one's pull is planned
-        nxt = micro[m + 1] if m + 1 < len(micro) else (ahead[0] if ahead else None)
-        if nxt is not None and model.ngram_plan_group is not None:
-            model.plan_pull_ahead((step, m + 1) if m + 1 < len(micro) else (step + 1, 0), nxt[0], nxt[2], arrived)
+        # ngram_plan_ahead: while the GPU runs this micro-batch, the next one's pull is planned, and the flush's
+        # where that one is the last of a table step
+        last = m + 1 == len(micro)
+        key, nxt, micros = ((step + 1, 0), ahead and ahead[0], len(ahead or ())) if last else ((step, m + 1),
+                                                                                              micro[m + 1], len(micro))
+        if nxt and model.ngram_plan_group is not None:
+            flush = (last and schedule.tables_step_at(step), inputs, cu_seqlens) \
+                if key[1] == micros - 1 and schedule.tables_step_at(key[0]) else None
+            model.plan_pull_ahead(key, nxt[0], nxt[2], mark, flush)
     adam, muon = optimizers
     for opt in optimizers:
         for group in opt.param_groups:

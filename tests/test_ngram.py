@@ -410,35 +410,46 @@ def test_the_tables_longer_adam_period_trains_on_2_gloo_processes_as_on_one(tiny
 
 def _plan_ahead_worker(rank, world_size, args, out):
     pulls = {"planned": 0, "now": 0}  # how each pull found its split sizes: planned ahead, or at the pull
-    real = tg.pull_rows
+    flushes = {"ahead": 0, "before its forward": 0}  # over which group each flush's push was planned
+    real_pull, real_push = tg.pull_rows, tg.plan_row_push
 
-    def counted(table, wanted, rows, r, w, plan=None):
+    def pull(table, wanted, rows, r, w, plan=None):
         pulls["planned" if plan is not None else "now"] += 1
-        return real(table, wanted, rows, r, w, plan)
-    tg.pull_rows = counted
+        return real_pull(table, wanted, rows, r, w, plan)
+
+    def push(rows, shard_rows, r, w, group=None):
+        flushes["ahead" if group is not None else "before its forward"] += 1
+        return real_push(rows, shard_rows, r, w, group)
+    tg.pull_rows, tg.plan_row_push = pull, push
     run = tg.train(args)
     if rank == 0:
-        torch.save((run.train_losses, run.val_losses, pulls), out)
+        torch.save((run.train_losses, run.val_losses, pulls, flushes), out)
 
 
 @pytest.mark.slow
-def test_pulls_planned_a_micro_batch_ahead_train_exactly_as_pulls_planned_at_once(tiny_args, tmp_path):
-    """ngram_plan_ahead on 2 gloo processes, 2 micro-batches a rank, Adam every second step: each pull's questions
-    go over the planning group while the micro-batch before runs (the second micro-batch's within its step, the
-    next step's first from BatchLoader.peek), the rows after the optimizers: the same losses to the bit as the pulls
-    planned at once. Only the first step's first pull and evaluate's are planned at the pull."""
+def test_pulls_and_flushes_planned_a_micro_batch_ahead_train_exactly_as_planned_at_once(tiny_args, tmp_path):
+    """ngram_plan_ahead on 2 gloo processes, Adam (and the tables) every second step: each pull's questions go over
+    the planning group while the micro-batch before runs (within a step, and the next step's first from
+    BatchLoader.peek), the rows after the optimizers; so does a table step's flush plan, with the pull of the step's
+    last micro-batch. The same losses to the bit as all planned at once, at 2 micro-batches a rank and at 1 (the
+    8-GPU record's shape, where the next flush is planned in the step before, across that step's own flush). Only
+    the first step's first pull and evaluate's are planned at the pull."""
     from distributed import spawn
-    common = dict(batch_size=4 * 128, num_iterations=6, val_every=3, ngram_sparse_adam=True, trigram_rows=512)
-    runs = {}
-    for ahead in (False, True):
-        out = str(tmp_path / f"{ahead}.pt")
-        spawn(_plan_ahead_worker, 2, tiny_args(**common, ngram_plan_ahead=ahead, run_id=f"ahead{ahead}"), out)
-        runs[ahead] = torch.load(out)
-    (train, val, pulls), (train_ahead, val_ahead, pulls_ahead) = runs[False], runs[True]
-    assert train_ahead == train and val_ahead == val
-    evaluations = pulls["now"] - 6 * 2  # 6 steps of 2 micro-batches; the rest are evaluate's
-    assert pulls["planned"] == 0 and evaluations > 0
-    assert pulls_ahead == {"planned": 6 * 2 - 1, "now": 1 + evaluations}, pulls_ahead
+    for micros in (2, 1):
+        common = dict(batch_size=2 * micros * 128, num_iterations=6, val_every=3, ngram_sparse_adam=True,
+                      trigram_rows=512)
+        runs = {}
+        for ahead in (False, True):
+            out = str(tmp_path / f"{micros}_{ahead}.pt")
+            spawn(_plan_ahead_worker, 2, tiny_args(**common, ngram_plan_ahead=ahead, run_id=f"a{micros}{ahead}"), out)
+            runs[ahead] = torch.load(out)
+        (train, val, pulls, flushes), (train_ahead, val_ahead, pulls_ahead, flushes_ahead) = runs[False], runs[True]
+        assert train_ahead == train and val_ahead == val, micros
+        evaluations = pulls["now"] - 6 * micros  # 6 steps' micro-batches; the rest are evaluate's
+        assert pulls["planned"] == 0 and evaluations > 0
+        assert pulls_ahead == {"planned": 6 * micros - 1, "now": 1 + evaluations}, pulls_ahead
+        assert flushes == {"ahead": 0, "before its forward": 3}  # the table steps 1, 3 and 5
+        assert flushes_ahead == {"ahead": 3, "before its forward": 0}, flushes_ahead
 
 # -- 4. the memory table and the start-up refusal
 

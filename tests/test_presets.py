@@ -66,9 +66,9 @@ PENDING_ADOPTION: set[str] = {
     # Muon's collectives in bf16 (the float32 matrices kept by their owner): decided on two GPUs at the 8-GPU record's
     # per-GPU shape (bench/comm_time.py, exposed moving data with it and without) and 80 same-seed steps there
     "muon_bf16_comm",
-    # a sharded n-gram table's pulls planned a micro-batch ahead (GPT.plan_pull_ahead): the same arithmetic (two gloo
-    # processes give the same losses to the bit), decided by the step at the 8-GPU record's per-GPU shape on two GPUs
-    # (bench/comm_time.py, with it and without)
+    # a sharded n-gram table's pulls and flushes planned a micro-batch ahead (GPT.plan_pull_ahead): the same arithmetic
+    # (two gloo processes give the same losses to the bit), decided by the step at the 8-GPU record's per-GPU shape on
+    # two GPUs (bench/comm_time.py, with it and without)
     "ngram_plan_ahead",
     # ANVIL2's period-4 cadence of the value-embedding and n-gram tables (4 from 0.28 of the run, its step 336 of
     # 1194): decided by 3 paired seeds on the proxy at 840 steps (--table_adam_every 4,0.28) and the exposed moving
