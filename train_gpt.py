@@ -288,6 +288,7 @@ class Hyperparameters:
     muon_beta2: float = 0.9  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off
     muon_weight_decay: float = 2.25  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25; ANVIL2's 2.25, the public master's 1.2)
     muon_bf16_comm: bool = False  # block matrices at bf16 values on every rank, the float32 ones kept by their owner's Muon: reduce-scatters and all-gathers in bf16, half the bytes (the public master's bf16 banks and their mantissa state)
+    muon_fused_normuon: bool = False  # NorMuon's neuron normalization compiled into the orthogonalization's graph (normuon_orthogonalize): a Muon group's normalization, a dozen eager launches, goes into the one graph; the same arithmetic up to the fused graph's rounding
     ngram_plan_ahead: bool = False  # a sharded n-gram table's pulls and flushes planned one micro-batch ahead (GPT.plan_pull_ahead): the distinct rows and the owners' counts found on a side stream over a group of their own while the GPU runs the micro-batch before, so neither waits on a host sync in the step's path (ANVIL2 swaps its counts off the GPU's queue too)
     anvil_rails: tuple[float, ...] = (0.98, 0.4385, 0.85, 0.43)  # Muon's rails (ANVIL): the slow rail's beta, the fast rail's weight and beta once engaged, and from what fraction of num_iterations (ANVIL2's 0.98, 0.4385, 0.85 from its step 514 of 1194); before it, weight 1 at Muon's momentum
     # the public master's NorMuon rates: 0.023 x 2 on the MLP's input (its shape factor), x 4 on its output (10/27/25)
@@ -2198,6 +2199,26 @@ def anvil_orthogonalize(G: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     return quintic_orthogonalize(G, ANVIL_MAPS, safety=ANVIL_SAFETY, dtype=dtype)
 
 
+def neuron_normalize(update: Tensor, ema: Tensor, beta2: float) -> tuple[Tensor, Tensor]:
+    """NorMuon (arXiv 2510.05491, public record of 2025-10-24): orthogonalized updates give every neuron the same step
+    size only on average; divide each neuron's slice of the update (a row, or a column when the matrix is wide: one
+    statistic per index of the longer side, as the public record does) by the root of an EMA of its mean square
+    (ema: the matrices' stacked moments, returned updated), then rescale each matrix's update back to its Frobenius
+    norm before normalization, so the learning rate keeps its meaning."""
+    u = update.float()
+    side = -1 if u.size(-2) >= u.size(-1) else -2  # averaged over: the shorter side
+    ema = ema.lerp(u.square().mean(dim=side, keepdim=True), 1 - beta2)
+    scaled = u * ema.clamp_min(1e-10).rsqrt()
+    frobenius = lambda t: t.square().sum(dim=(-2, -1), keepdim=True).sqrt()
+    return scaled * (frobenius(u) / frobenius(scaled).clamp_min(1e-10)), ema
+
+
+def normuon_orthogonalize(G: Tensor, ema: Tensor, beta2: float) -> tuple[Tensor, Tensor]:
+    """anvil_orthogonalize and neuron_normalize as one function, so that compiled (muon_fused_normuon) a Muon group's
+    orthogonalization and normalization are one graph: the normalization's dozen eager launches a group go."""
+    return neuron_normalize(anvil_orthogonalize(G), ema, beta2)
+
+
 def cautious_decay(updates: list[Tensor], params: list[Tensor], slow: list[Tensor], decay: float) -> list[Tensor]:
     """Each update plus decay x p where the slow rail s has p's sign (s p >= 0; ANVIL2's gate of Muon's cautious
     decay), as multi-tensor (foreach) ops: a handful of launches for a group instead of five per matrix. The mask is
@@ -2232,7 +2253,8 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float, momentum: float, rank: int = 0, world_size: int = 1,
                  orthogonalize=None, beta2: float = 0.0, weight_decay: float = 0.0,
-                 lr_mults: dict[nn.Parameter, float] | None = None, slow_beta: float = 0.98, bf16_comm: bool = False):
+                 lr_mults: dict[nn.Parameter, float] | None = None, slow_beta: float = 0.98, bf16_comm: bool = False,
+                 normalized=None):
         if not 0 < slow_beta < 1:
             raise ValueError(f"Muon: slow_beta={slow_beta}: the slow rail needs a beta in (0, 1)")
         params, mult = list(params), (lr_mults or {}).get
@@ -2244,6 +2266,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.rank, self.world_size, self.bf16_comm = rank, world_size, bf16_comm
         self.orthogonalize = anvil_orthogonalize if orthogonalize is None else orthogonalize
+        self.normalized = normalized  # normuon_orthogonalize, compiled (muon_fused_normuon), or None
 
     def kept(self, p: Tensor, key: str, make) -> Tensor:
         """p's state tensor `key`, made by make(p) the first time (dict.setdefault would build, and the GPU fill, a
@@ -2267,22 +2290,21 @@ class Muon(torch.optim.Optimizer):
         torch._foreach_lerp_(grads, blend, group["momentum"])
         return slow
 
-    def normalize_neurons(self, update: Tensor, owned: list[Tensor], beta2: float) -> Tensor:
-        """NorMuon: orthogonalized updates give every neuron the same step size only on average; divide
-        each neuron's slice of the update (a row, or a column when the matrix is wide: one statistic
-        per index of the longer side, as the public record does) by the root of an EMA of its mean
-        square, kept per matrix like Adam's second moment, then rescale each matrix's update back to
-        its Frobenius norm before normalization, so the learning rate keeps its meaning."""
-        u = update.float()
-        side = -1 if u.size(-2) >= u.size(-1) else -2  # averaged over: the shorter side
-        mean_square = u.square().mean(dim=side, keepdim=True)
-        moments = [self.kept(p, "neuron_second_moment", lambda _, m=m: torch.zeros_like(m))
-                   for p, m in zip(owned, mean_square)]
-        ema = torch.stack(moments).lerp_(mean_square, 1 - beta2)
+    def normalize_neurons(self, grad: Tensor, owned: list[Tensor], beta2: float) -> Tensor:
+        """The group's orthogonalized and NorMuon-normalized update (neuron_normalize) from its stacked look-ahead,
+        with the matrices' second moments kept per matrix like Adam's; one compiled graph for both where build
+        made one (muon_fused_normuon), else the orthogonalization's graph and the normalization's eager ops."""
+        side = -1 if grad.size(-2) >= grad.size(-1) else -2  # averaged over: the shorter side
+        shape = tuple(1 if d == grad.dim() + side else n for d, n in enumerate(grad.shape))[1:]
+        moments = [self.kept(p, "neuron_second_moment", lambda q: q.new_zeros(shape, dtype=torch.float32))
+                   for p in owned]
+        ema = torch.stack(moments)
+        if self.normalized is not None:
+            update, ema = self.normalized(grad, ema, beta2)
+        else:
+            update, ema = neuron_normalize(self.orthogonalize(grad), ema, beta2)
         torch._foreach_copy_(moments, list(ema.unbind(0)))
-        scaled = u * ema.clamp_min(1e-10).rsqrt()
-        frobenius = lambda t: t.square().sum(dim=(-2, -1), keepdim=True).sqrt()
-        return scaled * (frobenius(u) / frobenius(scaled).clamp_min(1e-10))
+        return update
 
     def _owned(self, group) -> tuple[int, int]:
         per_rank = -(-len(group["params"]) // self.world_size)  # ceil
@@ -2354,9 +2376,8 @@ class Muon(torch.optim.Optimizer):
                 # matrix plus a stacked copy of the buffers
                 grads = list(grad.unbind(0))
                 slow = self.anvil_rails(group, owned, bufs, grads)  # the look-ahead, in place in the stacked grad
-                update = self.orthogonalize(grad)
-                if group["beta2"]:
-                    update = self.normalize_neurons(update, owned, group["beta2"])
+                update = self.normalize_neurons(grad, owned, group["beta2"]) if group["beta2"] else \
+                    self.orthogonalize(grad)
                 shape = owned[0].shape
                 scale = max(1, shape[-2] / shape[-1]) ** 0.5 * group["lr_mult"]
                 lr, decay = group["lr"], group["lr"] * group["weight_decay"]
@@ -3507,7 +3528,7 @@ def param_groups_by_role(model: GPT) -> dict[str, list[nn.Parameter]]:
 
 
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, orthogonalize=None,
-                     update=adam_update, row_update=row_adam_update, segment=segment_sum):
+                     update=adam_update, row_update=row_adam_update, segment=segment_sum, normalized=None):
     """Muon for every matrix inside the blocks and the smear gate's (as the 2025-09-18 record); Adam for
     embeddings, LM head and scalars. The bigram table learns as the other embeddings do (the
     2026-01-19 record gave it the value embeddings' Adam settings); its per-block weights, the
@@ -3550,7 +3571,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     muon = Muon(groups["block matrices"], lr=args.muon_lr, momentum=args.muon_momentum, rank=rank,
                 world_size=world_size, orthogonalize=orthogonalize, beta2=args.muon_beta2,
                 weight_decay=args.muon_weight_decay, lr_mults=mults, slow_beta=args.anvil_rails[0],
-                bf16_comm=args.muon_bf16_comm)
+                bf16_comm=args.muon_bf16_comm, normalized=normalized)
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
@@ -4136,7 +4157,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
             raise ValueError(f"the prefix-token loss (a stage's prefix > 0) is for GPT-2 tokens: vocab_size="
                              f"{args.vocab_size} is below GPT-2's {len(vocab)}; set the stages' prefix to 0")
         model.prefix_ids = prefix_table(vocab, args.vocab_size).to(device)
-    orthogonalize, update, compiled = anvil_orthogonalize, adam_update, model
+    orthogonalize, update, compiled, normalized = anvil_orthogonalize, adam_update, model, None
     row_update, segment = row_adam_update, segment_sum
     if args.ngram_plan_ahead and model.ngram_world > 1:  # every rank makes it, in the same order: a collective
         model.ngram_plan_group = dist.new_group()
@@ -4153,6 +4174,9 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         torch._inductor.config.cpp_wrapper = args.cpp_wrapper and device.type == "cuda"
         compiled = torch.compile(model, dynamic=False, fullgraph=True, options=dict(max_fusion_unique_io_buffers=32))
         orthogonalize = torch.compile(orthogonalize, dynamic=False, fullgraph=True)
+        # muon_fused_normuon: NorMuon's normalization in the orthogonalization's graph
+        normalized = torch.compile(normuon_orthogonalize, dynamic=False, fullgraph=True) \
+            if args.muon_fused_normuon else None
         # dynamic=True: shapes, step sizes, decay rates and betas are arguments of one graph per dtype and
         # rank of parameter, not constants that recompile it for every tensor and every step
         update = torch.compile(adam_update, dynamic=True, fullgraph=True)
@@ -4165,7 +4189,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     if args.cuda_graphs and args.compile and device.type == "cuda":
         compiled = GraphRunner(model, compiled)
     return model, compiled, build_optimizers(model, args, rank, world_size, orthogonalize, update, row_update,
-                                             segment), chosen
+                                             segment, normalized), chosen
 
 
 class GraphRunner:

@@ -139,6 +139,35 @@ def test_normuon_divides_each_neurons_update_by_its_rms_ema_and_keeps_the_norm(s
     assert plain.square().mean(dim=side).max() / plain.square().mean(dim=side).min() > 1.05  # Muon's are not equal
 
 
+
+def test_normuon_in_the_orthogonalizations_function_steps_as_the_two_apart():
+    """muon_fused_normuon hands Muon normuon_orthogonalize (compiled by build): uncompiled it is the same ops as the
+    orthogonalization followed by neuron_normalize, so two steps of two groups (tall and wide) agree to the bit, the
+    second moments too."""
+    def run(normalized):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(*shape)) for shape in ((96, 32), (96, 32), (32, 96))]
+        muon = tg.Muon(params, lr=0.1, momentum=0.9, beta2=0.8, weight_decay=0.5, normalized=normalized)
+        for step in range(2):
+            for i, p in enumerate(params):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i))
+            muon.step()
+        return [p.detach() for p in params], [muon.state[p]["neuron_second_moment"] for p in params]
+    (apart, moments), (fused, fused_moments) = run(None), run(tg.normuon_orthogonalize)
+    assert all(torch.equal(a, b) for a, b in zip(apart + moments, fused + fused_moments))
+    assert moments[2].shape == (1, 96) and moments[0].shape == (96, 1)
+
+
+@pytest.mark.slow
+def test_normuon_orthogonalize_compiled_is_the_eager_arithmetic_to_float32_rounding():
+    """What build compiles for muon_fused_normuon (Inductor, on the CPU here): the update and the moments within
+    float32 rounding of the eager functions' (a fused graph sums in its own order)."""
+    g = torch.Generator().manual_seed(0)
+    G, ema = torch.randn(3, 96, 32, generator=g), torch.rand(3, 96, 1, generator=g)
+    compiled = torch.compile(tg.normuon_orthogonalize, dynamic=False, fullgraph=True)
+    for got, want in zip(compiled(G, ema, 0.8), tg.normuon_orthogonalize(G, ema, 0.8)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
 def test_normuon_is_built_from_muon_beta2_and_checked(tiny_args):
     model = tg.GPT(tg.ModelConfig.from_args(tiny_args(muon_beta2=0.9)))
     _, muon = tg.build_optimizers(model, tiny_args(muon_beta2=0.9), 0, 1)

@@ -66,6 +66,10 @@ PENDING_ADOPTION: set[str] = {
     # Muon's collectives in bf16 (the float32 matrices kept by their owner): decided on two GPUs at the 8-GPU record's
     # per-GPU shape (bench/comm_time.py, exposed moving data with it and without) and 80 same-seed steps there
     "muon_bf16_comm",
+    # NorMuon's normalization compiled into the orthogonalization's graph (normuon_orthogonalize): decided by the step
+    # at the 8-GPU record's per-GPU shape on two GPUs (bench/comm_time.py, with it and without) and 80 same-seed
+    # steps' losses within bf16 noise of main's (its graph rounds as a fused graph does)
+    "muon_fused_normuon",
     # a sharded n-gram table's pulls and flushes planned a micro-batch ahead (GPT.plan_pull_ahead): the same arithmetic
     # (two gloo processes give the same losses to the bit), decided by the step at the 8-GPU record's per-GPU shape on
     # two GPUs (bench/comm_time.py, with it and without)
