@@ -15,7 +15,11 @@ longest, each by its collective and the kernels the GPU ran before and after it,
 idle the longest (--trace DIR keeps each rank's trace for a timeline viewer). Under --adam_every 2 half the
 profiled steps are with Adam, half without. Last, the losses of the steps run since the last measurement (warm-up,
 timed and profiled) summed over the ranks: two versions that should compute alike show it at the same seed.
---repeats N measures N times in one process (one compile), to see how much a figure moves between measurements."""
+--repeats N measures N times in one process (one compile), to see how much a figure moves between measurements.
+--variants "defaults;ngram_plan_ahead;muon_fused_normuon" measures each variant in turn in one process (each repeat
+goes through them all): built with every field named on, then switched off where a variant leaves it out. Only
+fields whose switch is a plain swap of what build made are accepted (VARIANT_FIELDS); the loss sums then cover
+steps of several variants."""
 import argparse
 import gzip
 import json
@@ -251,6 +255,26 @@ def step_parts(trace: dict, top: int = 6) -> tuple[dict[str, float], list[tuple[
     return parts, sorted(((t, op) for op, t in by_op.items()), reverse=True)[:top]
 
 
+# fields a variant may switch between measurements in one process, and how: what build made for the field, kept,
+# and put back or taken away (None) on the model or an optimizer; the training step reads nothing else of them
+VARIANT_FIELDS = {"ngram_plan_ahead": (lambda model, opts: model, "ngram_plan_group"),
+                  "muon_fused_normuon": (lambda model, opts: opts[1], "normalized")}
+
+
+def parse_variants(spec: str) -> list[tuple[str, set[str]]]:
+    """--variants "defaults;a;a+b": each variant's name and the fields it switches on (defaults: none)."""
+    variants = []
+    for name in (v.strip() for v in spec.split(";") if v.strip()):
+        fields = set() if name == "defaults" else set(name.split("+"))
+        unknown = sorted(fields - set(VARIANT_FIELDS))
+        if unknown:
+            raise SystemExit(f"comm_time.py: --variants {spec!r}: {', '.join(unknown)} cannot be switched within one "
+                             f"process; switchable: {', '.join(VARIANT_FIELDS)} (run a process per value of any "
+                             f"other field)")
+        variants.append((name, fields))
+    return variants or [("", set())]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup untimed ones)")
@@ -266,11 +290,17 @@ def main():
                         "trace (comm_trace_rank{R}.json.gz), to read the timeline in Perfetto")
     parser.add_argument("--repeats", type=int, default=1, help="measure N times in one process (one compile): the "
                         "timed and profiled steps again, each measurement printed")
+    parser.add_argument("--variants", default="", help="variants measured in turn in one process, ';'-separated: "
+                        f"'defaults' or '+'-joined fields of {', '.join(VARIANT_FIELDS)}")
     own, rest = parser.parse_known_args()
     args = tg.parse_args(rest)
+    variants = parse_variants(own.variants)
+    for field in set().union(*(fields for _, fields in variants)):  # built on; switched off where left out
+        setattr(args, field, True)
     rank, world_size, device = tg.start_processes(args)
     schedule = tg.Schedule(args)
     model, compiled, optimizers, chosen = tg.build(args, device, rank, world_size, schedule=schedule)
+    built = {field: getattr(owner(model, optimizers), name) for field, (owner, name) in VARIANT_FIELDS.items()}
     attention = chosen.attention
     stage = schedule.stages[own.stage if own.stage >= 0 else len(args.stages) - 1]
     if stage.start >= schedule.untie and model.tied_embed:
@@ -279,7 +309,7 @@ def main():
     files = tg.shard_files(args.train_files, "training")
     producer = tg.BatchProducer(files, rank, world_size, args.bos_id)
     # cu_seqlens as long as the training run's for this shape (and long enough for the batches read here)
-    reads = own.repeats * (own.warmup + own.steps + own.profile_steps) + tg.LOADER_READ_AHEAD
+    reads = own.repeats * len(variants) * (own.warmup + own.steps + own.profile_steps) + tg.LOADER_READ_AHEAD
     slots = tg.doc_slots(schedule, files, plans=[[stage.spec] * reads])
     stage = stage.with_slots(slots)
     loader = tg.BatchLoader(producer, lambda s: stage.spec, device, start_step=stage.start)  # run_step's steps
@@ -369,8 +399,13 @@ def main():
         name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
         print(f"device: {name}, torch {torch.__version__}", flush=True)
     for k in range(own.repeats):
-        measure(f"measurement {k + 1}/{own.repeats}: " if own.repeats > 1 else "",
-                f"_{k + 1}" if own.repeats > 1 else "")
+        for name, fields in variants:
+            if own.variants:
+                for field, (owner, attr) in VARIANT_FIELDS.items():
+                    setattr(owner(model, optimizers), attr, built[field] if field in fields else None)
+            label = (f"measurement {k + 1}/{own.repeats}" if own.repeats > 1 else "") + (f" {name}" if name else "")
+            tag = (f"_{k + 1}" if own.repeats > 1 else "") + (f"_{name.replace('+', '_')}" if name else "")
+            measure(f"{label.strip()}: " if label.strip() else "", tag)
     loader.close()
     if world_size > 1:
         dist.destroy_process_group()

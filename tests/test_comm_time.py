@@ -1,5 +1,6 @@
 """bench/comm_time.py's arithmetic: which kernels are communication, and how much of their time no
 computing kernel covers (the GPU run itself is a bench, not a test)."""
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -155,3 +156,16 @@ def test_step_parts_split_kernel_time_into_graph_replays_kernels_launched_alone_
     assert parts == {"graphs": 80.0, "other": 13.0, "nccl": 6.0}
     assert outside == [(7.0, "aten::_foreach_lerp_"), (5.0, "aten::copy_"), (1.0, "(no operator)")]
     assert comm_time.step_parts(trace, top=1)[1] == [(7.0, "aten::_foreach_lerp_")]
+
+
+def test_variants_name_fields_a_process_can_switch_and_nothing_else():
+    assert comm_time.parse_variants("") == [("", set())]
+    assert comm_time.parse_variants("defaults; ngram_plan_ahead;ngram_plan_ahead+muon_fused_normuon") == [
+        ("defaults", set()), ("ngram_plan_ahead", {"ngram_plan_ahead"}),
+        ("ngram_plan_ahead+muon_fused_normuon", {"ngram_plan_ahead", "muon_fused_normuon"})]
+    with pytest.raises(SystemExit, match="muon_bf16_comm cannot be switched within one process"):
+        comm_time.parse_variants("defaults;muon_bf16_comm")
+    import train_gpt as tg
+    fields = {f.name for f in dataclasses.fields(tg.Hyperparameters)}
+    assert set(comm_time.VARIANT_FIELDS) <= fields  # each one a real field, off by default
+    assert not any(getattr(tg.Hyperparameters(), f) for f in comm_time.VARIANT_FIELDS)
