@@ -275,6 +275,24 @@ def parse_variants(spec: str) -> list[tuple[str, set[str]]]:
     return variants or [("", set())]
 
 
+def summary(seen: dict[str, list[list[dict]]], world_size: int) -> str:
+    """One line per variant over its measurements: rank 0's step medians (their median), and per rank the mean of
+    the exposed time, of its moving part (also at eight GPUs, in % of the step), of the GPU's idle time and of the
+    kernels launched alone, in ms a step."""
+    out = ["summary, per variant over its measurements (ms a step; per rank: rank 0 / 1 / ...):"]
+    for name, runs in seen.items():
+        steps = [r[0]["step"] for r in runs]
+        mean = lambda key, f=lambda x: x: " / ".join(f"{f(statistics.fmean(r[i][key] for r in runs)):.2f}"
+                                                      for i in range(world_size))
+        factor = ring_factor(world_size) if 1 < world_size < 8 else 1.0
+        at8 = " / ".join(f"{statistics.fmean(factor * r[i]['moving'] / r[i]['step'] for r in runs):.1%}"
+                         for i in range(world_size))
+        out.append(f"  {name or 'this run'}: step {statistics.median(steps):.1f} (medians "
+                   f"{', '.join(f'{x:.1f}' for x in steps)}); exposed {mean('exposed')}; moving {mean('moving')} "
+                   f"({at8} at eight); GPU idle {mean('idle')}; launched alone {mean('alone')}")
+    return "\n".join(out)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup untimed ones)")
@@ -388,16 +406,20 @@ def main():
                         for t, kind, before, after in places[:own.places])
         line += "".join(f"\n  {t / n / 1e3:.3f} ms a step: GPU idle after {before} / before {after}"
                         for t, before, after in idle[:own.places])
-        lines = [line]
+        figures = dict(step=med, exposed=exposed / n / 1e3, moving=split[1] / n / 1e3 if split else float("nan"),
+                       idle=idle_time(intervals) / n / 1e3, alone=parts["other"] / n / 1e3)
+        lines = [(line, figures)]
         if world_size > 1:
             lines = [None] * world_size
-            dist.all_gather_object(lines, line)
+            dist.all_gather_object(lines, (line, figures))
         if rank == 0:
-            print("\n".join(lines), flush=True)
+            print("\n".join(text for text, _ in lines), flush=True)
+        return [f for _, f in lines]
 
     if rank == 0:
         name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
         print(f"device: {name}, torch {torch.__version__}", flush=True)
+    seen: dict[str, list] = {}  # variant -> its measurements, each every rank's figures
     for k in range(own.repeats):
         for name, fields in variants:
             if own.variants:
@@ -405,7 +427,9 @@ def main():
                     setattr(owner(model, optimizers), attr, built[field] if field in fields else None)
             label = (f"measurement {k + 1}/{own.repeats}" if own.repeats > 1 else "") + (f" {name}" if name else "")
             tag = (f"_{k + 1}" if own.repeats > 1 else "") + (f"_{name.replace('+', '_')}" if name else "")
-            measure(f"{label.strip()}: " if label.strip() else "", tag)
+            seen.setdefault(name, []).append(measure(f"{label.strip()}: " if label.strip() else "", tag))
+    if rank == 0 and sum(len(v) for v in seen.values()) > 1:
+        print(summary(seen, world_size), flush=True)
     loader.close()
     if world_size > 1:
         dist.destroy_process_group()

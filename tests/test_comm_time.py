@@ -169,3 +169,16 @@ def test_variants_name_fields_a_process_can_switch_and_nothing_else():
     fields = {f.name for f in dataclasses.fields(tg.Hyperparameters)}
     assert set(comm_time.VARIANT_FIELDS) <= fields  # each one a real field, off by default
     assert not any(getattr(tg.Hyperparameters(), f) for f in comm_time.VARIANT_FIELDS)
+
+
+def test_the_summary_takes_each_variants_median_step_and_each_ranks_means():
+    fig = lambda step, moving: dict(step=step, exposed=2 * moving, moving=moving, idle=1.0, alone=7.0)
+    seen = {"defaults": [[fig(55.0, 0.5), fig(54.9, 1.0)], [fig(56.0, 0.7), fig(55.9, 1.2)],
+                         [fig(55.2, 0.6), fig(55.1, 1.1)]],
+            "ngram_plan_ahead": [[fig(54.0, 0.5), fig(53.9, 0.9)]]}
+    text = comm_time.summary(seen, 2)
+    lines = text.splitlines()
+    assert lines[1].startswith("  defaults: step 55.2 (medians 55.0, 56.0, 55.2); exposed 1.20 / 2.20; moving 0.60 / 1.10")
+    moving_at_eight = 1.75 * (0.5 / 55.0 + 0.7 / 56.0 + 0.6 / 55.2) / 3
+    assert f"({moving_at_eight:.1%} / " in lines[1] and "launched alone 7.00 / 7.00" in lines[1]
+    assert lines[2].startswith("  ngram_plan_ahead: step 54.0 (medians 54.0)")
