@@ -178,7 +178,8 @@ def test_the_summary_takes_each_variants_median_step_and_each_ranks_means():
             "ngram_plan_ahead": [[fig(54.0, 0.5), fig(53.9, 0.9)]]}
     text = comm_time.summary(seen, 2)
     lines = text.splitlines()
-    assert lines[1].startswith("  defaults: step 55.2 (medians 55.0, 56.0, 55.2); exposed 1.20 / 2.20; moving 0.60 / 1.10")
+    assert lines[1].startswith("  defaults: step 55.2 (medians 55.0, 56.0, 55.2); exposed 1.20 / 2.20; "
+                               "moving 0.60 / 1.10")
     moving_at_eight = 1.75 * (0.5 / 55.0 + 0.7 / 56.0 + 0.6 / 55.2) / 3
     assert f"({moving_at_eight:.1%} / " in lines[1] and "launched alone 7.00 / 7.00" in lines[1]
     assert lines[2].startswith("  ngram_plan_ahead: step 54.0 (medians 54.0)")
