@@ -199,6 +199,7 @@ class Hyperparameters:
     # proxy: -0.0136 +- 0.0076 at 4.6M rows (3 paired seeds), -0.0138 at 20.8M (2 seeds); 1.015x a step at 4.6M rows
     # on one H200 (bench/results/learning_decisions.md)
     trigram_rows: int = 20_773_440  # trigram hash rows summed with the bigram lookup, 0 = none: ANVIL2's ~21M-row point of its FineWeb size sweep (record #92, 08/30/26), ~31 of its 36 millinats at a quarter of its 84.6M-row table's memory
+    ngram_spread: bool = False  # the n-gram table's rows stored in a scattered order (row x NGRAM_SPREAD_MULT mod rows, a bijection: the same model, relabelled), so that each GPU's block of a sharded table holds its share of the bigram channel's rows; in row order the first GPU owns all 377,280 of them and serves about half of every micro-batch's lookups (at 8 GPUs 5x another GPU's rows)
     # backout (10/04/25): a learned multiple of this block's output is subtracted before the head; MUDD mixes it in
     # and the later blocks attend over it (parallel attention inputs, 03/06/26)
     backout_layer: int = 7  # the backout block: below the last, after the attention-less one
@@ -537,6 +538,10 @@ class Hyperparameters:
             raise ValueError(f"softcap_shift={h.softcap_shift} must be a finite number")
         if h.bigram_rows < 2:  # the MUDD gates weigh it per block
             raise ValueError(f"bigram_rows={h.bigram_rows}: at least 2 (hashed rows + a document-start row)")
+        if h.ngram_spread and (h.bigram_rows + h.trigram_rows) % NGRAM_SPREAD_MULT == 0:
+            raise ValueError(f"ngram_spread: the n-gram table's {h.bigram_rows + h.trigram_rows:,} rows are a multiple "
+                             f"of its multiplier {NGRAM_SPREAD_MULT:,}, so the scatter would not be a bijection: change "
+                             f"--trigram_rows by one shard's rounding, or --ngram_spread false")
         if h.trigram_rows == 1 or h.trigram_rows < 0:
             raise ValueError(f"trigram_rows={h.trigram_rows}: 0 (none) or at least 2 (hashed rows + a reserved row)")
         if h.bigram_sign_rows < 0:
@@ -876,6 +881,7 @@ class ModelConfig:
     bigram_rows: int
     bigram_sign_rows: int
     trigram_rows: int
+    ngram_spread: bool
     backout_layer: int
     paired_head_blocks: tuple[int, ...]
     xsa_blocks: tuple[int, ...]
@@ -1778,6 +1784,8 @@ class GPT(nn.Module):
             rows3, signs3 = trigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.trigram_rows, cfg.bigram_sign_rows)
             rows = torch.cat([rows, rows3])
             signs = None if signs is None else torch.cat([signs, signs3])
+        if cfg.ngram_spread:  # ngram_spread: each row stored at its scattered place
+            rows = rows * NGRAM_SPREAD_MULT % (cfg.bigram_rows + cfg.trigram_rows)
         return rows, signs
 
     def ngram_embedding(self, inputs: Tensor, cu_seqlens: Tensor) -> Tensor:
@@ -2476,6 +2484,10 @@ def row_sparse_adam(p: Tensor, rows: Tensor, g: Tensor, state: dict, lr: float, 
 # R = rows / world_size, rank r owning rows r R .. (r + 1) R - 1 (its parameter, its row-sparse Adam state). Rows go
 # over the wire only to or from their owner, by all-to-all: a micro-batch pulls the rows it reads (pull_rows), an
 # Adam step pushes the looked-up rows' gradients (push_row_grads). The table is never sent whole.
+
+NGRAM_SPREAD_MULT = 1_000_003  # ngram_spread's multiplier: a prime, so row -> row x it mod rows is a bijection wherever
+#                                it does not divide the row count; consecutive rows land ~1M apart, every block alike
+
 
 def check_ngram_shards(bigram_rows: int, trigram_rows: int, world_size: int):
     """The table's rows must split into world_size equal shards: else one line naming the rows to use."""

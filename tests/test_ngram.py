@@ -408,6 +408,59 @@ def test_the_tables_longer_adam_period_trains_on_2_gloo_processes_as_on_one(tiny
 
 
 
+def test_spread_rows_give_every_gpus_block_its_share_of_the_bigram_channel():
+    """ngram_spread stores row r at r x NGRAM_SPREAD_MULT mod rows, a bijection of the record's table: in row order
+    the first of 8 GPUs owns all 377,280 bigram rows; scattered, each block holds an eighth of them (to 0.1%)."""
+    record = tg.parse_args(["--preset", "record"])
+    rows = record.bigram_rows + record.trigram_rows
+    scattered = torch.arange(rows) * tg.NGRAM_SPREAD_MULT % rows
+    assert torch.equal(scattered.sort().values, torch.arange(rows))  # a bijection
+    bigram = scattered[: record.bigram_rows]
+    for world in (2, 4, 8):
+        per_gpu = torch.bincount(bigram // (rows // world), minlength=world)
+        assert (per_gpu - record.bigram_rows / world).abs().max() < 1e-3 * record.bigram_rows / world, per_gpu
+    assert torch.bincount(torch.arange(record.bigram_rows) // (rows // 8), minlength=8)[0] == record.bigram_rows
+    with pytest.raises(ValueError, match="multiple of its multiplier"):
+        tg.Hyperparameters(**{**TINY, "ngram_spread": True, "bigram_rows": 3, "trigram_rows": 2 * tg.NGRAM_SPREAD_MULT - 3})
+
+
+def test_a_spread_table_is_the_same_model_relabelled(tiny_args):
+    """The table starts at zero and every row is looked up by its scattered place alone, so a run with ngram_spread
+    trains as one without it: the same losses, and its table is the other's rows moved to their places."""
+    common = dict(num_iterations=4, val_every=2, save_every=4, ngram_sparse_adam=True, trigram_rows=512)
+    plain = tg.train(tiny_args(**common, run_id="plain"))
+    spread = tg.train(tiny_args(**common, ngram_spread=True, run_id="spread"))
+    torch.testing.assert_close(torch.tensor(spread.train_losses), torch.tensor(plain.train_losses), rtol=1e-6, atol=0)
+    assert spread.val_losses == plain.val_losses or torch.allclose(
+        torch.tensor([v for _, v in spread.val_losses]), torch.tensor([v for _, v in plain.val_losses]), rtol=1e-6)
+    table = lambda run: torch.load(Path(run.checkpoint) / "model.pt", weights_only=True)["model"]["bigram_embed.weight"]
+    rows = 256 + 512
+    moved = table(spread)[torch.arange(rows) * tg.NGRAM_SPREAD_MULT % rows]
+    assert table(plain).abs().sum(1).count_nonzero() > 50, "the table learned"
+    torch.testing.assert_close(moved, table(plain), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_a_spread_table_trains_on_2_gloo_processes_as_on_one_with_the_bigram_rows_on_both(tiny_args, tmp_path):
+    """ngram_spread on 2 gloo processes: the losses and the joined table as on one process (float32 rounding), and
+    both GPUs' blocks hold learned bigram rows (in row order the tiny table's 256 bigram rows are all in the first
+    block of 384)."""
+    from distributed import spawn
+    common = dict(batch_size=4 * 128, num_iterations=4, val_every=2, save_every=4, ngram_sparse_adam=True,
+                  trigram_rows=512, ngram_spread=True)
+    one = tg.train(tiny_args(**common, run_id="one"))
+    out = str(tmp_path / "2.pt")
+    spawn(_train_worker, 2, tiny_args(**common, run_id="on2"), out)
+    train, val, checkpoint, _ = torch.load(out)
+    torch.testing.assert_close(torch.tensor(train), torch.tensor(one.train_losses), rtol=1e-4, atol=0)
+    meta = torch.load(Path(checkpoint) / "model.pt", weights_only=True)
+    table = tg.ngram_table_rows(Path(checkpoint), meta, 0, 1)
+    one_table = torch.load(Path(one.checkpoint) / "model.pt", weights_only=True)["model"]["bigram_embed.weight"]
+    torch.testing.assert_close(table, one_table, rtol=1e-3, atol=1e-4)
+    bigram_places = torch.arange(256) * tg.NGRAM_SPREAD_MULT % 768
+    learned = bigram_places[table[bigram_places].abs().sum(1) > 0]
+    assert (learned < 384).any() and (learned >= 384).any(), "bigram rows learned in both blocks"
+
 def _plan_ahead_worker(rank, world_size, args, out):
     pulls = {"planned": 0, "now": 0}  # how each pull found its split sizes: planned ahead, or at the pull
     flushes = {"ahead": 0, "before its forward": 0}  # over which group each flush's push was planned

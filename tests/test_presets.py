@@ -74,6 +74,10 @@ PENDING_ADOPTION: set[str] = {
     # (two gloo processes give the same losses to the bit), decided by the step at the 8-GPU record's per-GPU shape on
     # two GPUs (bench/comm_time.py, with it and without)
     "ngram_plan_ahead",
+    # the n-gram table's rows stored scattered (ngram_spread), so every GPU's block holds its share of the bigram
+    # channel: the same model relabelled, decided by the per-rank owner work and the step on two GPUs (bench/
+    # comm_time.py, with it and without) and the 8-GPU projection of the balance it gives
+    "ngram_spread",
     # ANVIL2's period-4 cadence of the value-embedding and n-gram tables (4 from 0.28 of the run, its step 336 of
     # 1194): decided by 3 paired seeds on the proxy at 840 steps (--table_adam_every 4,0.28) and the exposed moving
     # data on two GPUs at the 8-GPU record's per-GPU shape (bench/comm_time.py)
