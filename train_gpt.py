@@ -733,10 +733,12 @@ def set_stage_columns(rows: tuple[Stage, ...], columns: dict[str, tuple]) -> tup
 
 def stored_args(saved: dict) -> dict:
     """A checkpoint's hyperparameters as fields: its stages rows made Stage again (their table columns), list values
-    made tuples, a checkpoint's cpp_wrapper of auto/true/false (2026-11-30) as the bool the field is again."""
+    made tuples, a checkpoint's cpp_wrapper of auto/true/false (2026-11-30) as the bool the field is again, and an
+    n-gram table stored before ngram_spread existed as the row order it was."""
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
     if isinstance(saved.get("cpp_wrapper"), str):  # auto was on at one micro-batch a GPU; it is on everywhere now
         saved["cpp_wrapper"] = saved["cpp_wrapper"] != "false"
+    saved.setdefault("ngram_spread", False)  # before the field (2026-12-01) the table was stored in row order
     saved["stages"] = tuple(Stage(**{**{k: row[k] for k in STAGE_TEXT if k in row}, "mtp": tuple(row["mtp"])})
                             for row in saved["stages"])
     return saved

@@ -440,6 +440,20 @@ def test_a_spread_table_is_the_same_model_relabelled(tiny_args):
     torch.testing.assert_close(moved, table(plain), rtol=1e-5, atol=1e-7)
 
 
+
+def test_a_checkpoint_from_before_the_spread_field_reads_as_the_row_order_it_was(tiny_args, tmp_path):
+    """A checkpoint written before ngram_spread existed stored its table in row order: it resumes as spread false
+    (the model fields match), and a spread run refuses it, naming the field."""
+    run = tg.train(tiny_args(num_iterations=2, val_every=0, save_every=2, run_id="old"))
+    meta = torch.load(Path(run.checkpoint) / "model.pt", weights_only=False)
+    del meta["args"]["ngram_spread"]
+    torch.save(meta, Path(run.checkpoint) / "model.pt")
+    assert tg.Hyperparameters(**tg.stored_args(meta["args"])).ngram_spread is False
+    again = dict(num_iterations=4, val_every=0, resume=str(run.checkpoint), checkpoint_dir=str(tmp_path / "ck2"))
+    assert tg.train(tiny_args(**again, run_id="again")).train_losses  # resumed: steps 3 and 4
+    with pytest.raises(ValueError, match="ngram_spread: checkpoint False, now True"):
+        tg.train(tiny_args(**again, ngram_spread=True, run_id="spread"))
+
 @pytest.mark.slow
 def test_a_spread_table_trains_on_2_gloo_processes_as_on_one_with_the_bigram_rows_on_both(tiny_args, tmp_path):
     """ngram_spread on 2 gloo processes: the losses and the joined table as on one process (float32 rounding), and
