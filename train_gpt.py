@@ -2403,7 +2403,8 @@ class Muon(torch.optim.Optimizer):
                 out = torch.empty(per_rank * W, *params[0].shape, dtype=dtype, device=params[0].device)
                 local = (rounded if self.bf16_comm else torch.stack(owned)) if owned else \
                     out.new_empty(0, *params[0].shape)
-                local = torch.cat([local, out.new_zeros(per_rank - len(owned), *params[0].shape)])
+                if per_rank > len(owned):  # the last ranks' shares padded to every rank's (a copy only then)
+                    local = torch.cat([local, out.new_zeros(per_rank - len(owned), *params[0].shape)])
                 gathers.append((params, out, dist.all_gather_into_tensor(out, local, async_op=True)))
         return gathers
 
