@@ -539,9 +539,10 @@ class Hyperparameters:
         if h.bigram_rows < 2:  # the MUDD gates weigh it per block
             raise ValueError(f"bigram_rows={h.bigram_rows}: at least 2 (hashed rows + a document-start row)")
         if h.ngram_spread and (h.bigram_rows + h.trigram_rows) % NGRAM_SPREAD_MULT == 0:
+            name, n = ("trigram_rows", h.trigram_rows) if h.trigram_rows else ("bigram_rows", h.bigram_rows)
             raise ValueError(f"ngram_spread: the n-gram table's {h.bigram_rows + h.trigram_rows:,} rows are a multiple "
-                             f"of its multiplier {NGRAM_SPREAD_MULT:,}, so the scatter would not be a bijection: change "
-                             f"--trigram_rows by one shard's rounding, or --ngram_spread false")
+                             f"of its multiplier {NGRAM_SPREAD_MULT:,}, so the scatter would not be a bijection: use "
+                             f"--{name} {n - 8} (8 fewer rows still split over 2, 4 or 8 GPUs)")
         if h.trigram_rows == 1 or h.trigram_rows < 0:
             raise ValueError(f"trigram_rows={h.trigram_rows}: 0 (none) or at least 2 (hashed rows + a reserved row)")
         if h.bigram_sign_rows < 0:
