@@ -1700,12 +1700,20 @@ class GPT(nn.Module):
         if not self.ngram_log:
             return
         rows = self.ngram_indices(inputs, cu_seqlens)[0]
-        n = self.ngram_logged
-        logged = torch.cat([self.ngram_log["rows"][: n - rows.numel()], rows])
+        self.ngram_flush_plan = (*self.flush_plan(self.logged_with(rows)), None)
+
+    def logged_with(self, rows: Tensor, *later: Tensor) -> Tensor:
+        """The log as it will be once the latest reserved micro-batch's forward has written its `rows` (the log before
+        them, then them), followed by `later` micro-batches' rows, not reserved yet."""
+        return torch.cat([self.ngram_log["rows"][: self.ngram_logged - rows.numel()], rows, *later])
+
+    def flush_plan(self, logged: Tensor, group=None) -> tuple:
+        """A flush's plan for a log of these rows: (its positions, distinct rows, each position's place among them,
+        the owners' route of a sharded table, plan_row_push over `group`)."""
         distinct, inverse = torch.unique(logged, return_inverse=True)
         route = None if self.ngram_world == 1 else plan_row_push(distinct, self.bigram_embed.weight.size(0),
-                                                                 self.ngram_rank, self.ngram_world)
-        self.ngram_flush_plan = (n, distinct, inverse, route)
+                                                                 self.ngram_rank, self.ngram_world, group)
+        return logged.numel(), distinct, inverse, route
 
     def flush_ngram_log(self):
         """The log since the last flush as the n-gram table's row-sparse gradient, p.sparse_grad = (rows, float32
@@ -1715,11 +1723,8 @@ class GPT(nn.Module):
         n, self.ngram_logged = self.ngram_logged, 0
         plan, self.ngram_flush_plan = self.ngram_flush_plan, None
         log["used"].zero_()
-        if plan and plan[0] == n and len(plan) == 5 and plan[4] is not None:  # made on plan_pull_ahead's side stream
-            current = torch.cuda.current_stream(log["rows"].device)
-            current.wait_event(plan[4])
-            for t in (plan[1], plan[2], *plan[3][2:]):
-                t.record_stream(current)
+        if plan and plan[0] == n:
+            take_side_work(plan[4], plan[1], plan[2], *(plan[3] or ())[2:])
         rows, inverse, p.sparse_route = (plan[1:4] if plan and plan[0] == n else
                                          (*torch.unique(log["rows"][:n], return_inverse=True), None))
         p.sparse_grad = (rows, self.ngram_segment_sum(inverse, log["grads"][:n], rows.numel()))
@@ -1827,11 +1832,7 @@ class GPT(nn.Module):
             self.ngram_pull_ahead = None                            # another key is stale; evaluate's keeps it
         if ahead is not None and ahead[0] == key:
             _, wanted, slots, plan, done, _ = ahead
-            if done is not None:  # made on the side stream: this stream waits for it, and the allocator knows
-                current = torch.cuda.current_stream(wanted.device)
-                current.wait_event(done)
-                for t in (wanted, slots, plan[2]):
-                    t.record_stream(current)
+            take_side_work(done, wanted, slots, plan[2])
         else:
             wanted, slots = torch.unique(self.ngram_indices(inputs, cu_seqlens)[0], return_inverse=True)
             plan = None
@@ -1874,14 +1875,10 @@ class GPT(nn.Module):
             flush_plan = None
             if flush is not None and self.ngram_log:
                 flushed_before, now_inputs, now_cu_seqlens = flush
-                if flushed_before:  # this step's flush empties the log: the next one holds that micro-batch only
-                    logged = rows
-                else:
-                    now = self.ngram_indices(now_inputs, now_cu_seqlens)[0]
-                    logged = torch.cat([self.ngram_log["rows"][: self.ngram_logged - now.numel()], now, rows])
-                distinct, inverse = torch.unique(logged, return_inverse=True)
-                route = plan_row_push(distinct, shard_rows, self.ngram_rank, self.ngram_world, self.ngram_plan_group)
-                flush_plan = (logged.numel(), distinct, inverse, route)
+                # this step's flush empties the log: the next one holds that micro-batch only
+                logged = rows if flushed_before else \
+                    self.logged_with(self.ngram_indices(now_inputs, now_cu_seqlens)[0], rows)
+                flush_plan = self.flush_plan(logged, self.ngram_plan_group)
             done = torch.cuda.Event() if cuda else None
             if done is not None:
                 done.record(side)
@@ -2515,6 +2512,17 @@ def exchange_counts(send: Tensor, group=None) -> tuple[list[int], list[int]]:
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
     return send.tolist(), received.tolist()
+
+
+def take_side_work(done: "torch.cuda.Event | None", *tensors: Tensor):
+    """Tensors a side stream made (ngram_plan_ahead), taken by the current stream: it waits for their event, and the
+    caching allocator learns that it uses them. Nothing to do for tensors made on this stream (done None)."""
+    if done is None:
+        return
+    current = torch.cuda.current_stream(tensors[0].device)
+    current.wait_event(done)
+    for t in tensors:
+        t.record_stream(current)
 
 
 def plan_pull(wanted: Tensor, shard_rows: int, world_size: int, group=None) -> tuple:
