@@ -4154,6 +4154,20 @@ def check_fp8_qkv_shapes(cfg: ModelConfig, micro_tokens: set[int]):
                          "--fp8_qkv false")
 
 
+def recompile_limit(schedule: Schedule) -> int:
+    """dynamo's limit of graphs per function that this run's planned compiles stay within (fullgraph turns the limit
+    into a failure; its default is 8). The model: one graph per stage and mode (training, evaluation), one for the
+    final validation, one more per sampled stage. The FP8 head's operand cast (kernels.quantize): one graph per
+    operand shape, i.e. per micro-batch token count (each stage's, validation's) and per head row count (each
+    stage's candidates, the full head, which is also a Parameter), each met in two dispatch-key sets on an H200
+    (the capture's call and the compile run's). ANVIL2's 8K / 16K / 24K batches on the proxy stopped at 13."""
+    args, stages = schedule.args, schedule.stages
+    model = 2 * len(stages) + 1 + sum(1 for st in stages if st.candidates)
+    tokens = {st.spec.seq_len for st in stages} | {args.val_seq_len}
+    rows = {st.candidates for st in stages if st.candidates} | {args.vocab_size}
+    return max(model, 2 * (len(tokens) + len(rows) + 1))
+
+
 def build(args: Hyperparameters, device: torch.device, rank: int, world_size: int, log=print,
           schedule: Schedule | None = None):
     """The model (seeded, identical on every rank), its compiled twin, the optimizers, and the
@@ -4186,10 +4200,7 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     if args.ngram_plan_ahead and model.ngram_world > 1:  # every rank makes it, in the same order: a collective
         model.ngram_plan_group = dist.new_group()
     if args.compile:
-        # The warm-up compiles one graph per stage and mode (training, evaluation) and one for the final
-        # validation, on purpose: dynamo's default limit of 8 per function must not fail a longer schedule.
-        graphs = 2 * len(schedule.stages) + 1 + sum(1 for st in schedule.stages if st.candidates)  # sampled: one more
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, recompile_limit(schedule))
         # Inductor's fusions capped at 32 input/output buffers: uncapped, the backward fuses every block's
         # scalar-gradient reductions with the bigram and embedding backward into one kernel of 80+ buffers,
         # ~2.7 ms per 49K-token micro-batch on an H100; capped, the stage-3 step is ~10 ms faster (bench/README)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kernels
 import train_gpt as tg
 from conftest import FAST, TINY, stages as table
 from distributed import spawn
@@ -363,6 +364,38 @@ def test_the_cpp_wrapper_is_on_by_default_and_old_checkpoints_keep_their_setting
     stored = {**dataclasses.asdict(record), "stages": [dataclasses.asdict(row) for row in record.stages]}
     for old, now in ((False, False), (True, True), ("false", False), ("true", True), ("auto", True)):
         assert tg.Hyperparameters(**tg.stored_args({**stored, "cpp_wrapper": old})).cpp_wrapper is now
+
+
+def test_the_recompile_limit_covers_the_fp8_casts_of_a_schedule_with_three_batch_sizes():
+    """The FP8 head's operand cast (kernels._quantize, compiled whole) meets each micro-batch token count and each head
+    row count, the full head as a Parameter, in training and evaluation: with three stage batches (ANVIL2's 8K / 16K
+    / 24K at the proxy's scale, which stopped an H200 run at dynamo's limit of 13) the run's limit holds them all,
+    where the model's count alone does not. (aot_eager: the same guards, compiled in seconds on the CPU.)"""
+    args = tg.parse_args(["--batch_size", "24576", "--seq_len", "24576", "--val_seq_len", "40960", "--stages",
+                          "window=3,candidates=16384,batch=8192;window=7,candidates=14336,batch=16384;"
+                          "window=11,candidates=12288"])
+    schedule = tg.Schedule(args)
+    model_only = 2 * len(schedule.stages) + 1 + sum(1 for st in schedule.stages if st.candidates)
+    dim = 8  # the cast's guards see the row count, not the width
+    tokens = sorted({st.spec.seq_len for st in schedule.stages} | {args.val_seq_len})
+    rows = sorted({st.candidates for st in schedule.stages} | {args.vocab_size})
+    operands = [torch.zeros(n, dim) for n in tokens + rows] + [torch.nn.Parameter(torch.zeros(args.vocab_size, dim))]
+
+    def cast_all(limit: int):
+        torch._dynamo.reset()
+        cast = torch.compile(kernels._quantize, dynamic=False, fullgraph=True, backend="aot_eager")
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            for grad in (True, False):
+                with torch.set_grad_enabled(grad):
+                    for t in operands:
+                        cast(t, 448.0, torch.float8_e4m3fn)
+
+    try:
+        cast_all(tg.recompile_limit(schedule))
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+            cast_all(model_only)
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.slow
