@@ -35,7 +35,8 @@ Validation is the same for both codes: the first --val_tokens tokens of the val 
 
 Runs go one after the other (step times then compare; the per-stage table is printed; a run that fails leaves
 the later ones unstarted), or with
---parallel all at once sharing the GPU (losses only; the tables say so). --warm_first runs each code's first run
+--parallel all at once sharing the GPU (losses only; the tables say so; a run that runs out of the GPU's memory
+starts again once, one run fewer at a time from then on). --warm_first runs each code's first run
 once beforehand, all at the same time and untimed, so that the timed runs compile from warm caches; --alternate
 takes the codes in turns (A B A B) instead of each code's runs together. Prints and
 writes markdown: val loss at each validation, tokens and training time there, the tokens and time to --target, the
@@ -789,29 +790,51 @@ def in_turns(runs: list) -> list:
     return [g[i] for i in range(max(map(len, groups.values()), default=0)) for g in groups.values() if i < len(g)]
 
 
+def ran_out_of_memory(log: Path) -> bool:
+    """The run's console output says CUDA ran out of memory."""
+    out = log.with_suffix(".out")
+    return out.exists() and "CUDA out of memory" in out.read_text(errors="replace")
+
+
 def launch_all(runs, at_once: int, stagger: bool, poll: float = 2.0, journal: Path | None = None) -> list:
     """Start the runs, at most `at_once` at a time, in order; with `stagger`, the other runs of a code wait
     until its first run has logged a training step, so that they find its compiled graphs in the shared
     Inductor cache instead of compiling the same graphs at once. Each start is appended to `journal` (its time,
     a tab, the run's name), for --report. One at a time (at_once 1), a run that fails stops the ones after it: a
-    timing's pairs need every run, and its code would fail again on the machine's time. Returns the processes in run
-    order (None: not started)."""
+    timing's pairs need every run, and its code would fail again on the machine's time. Several at once, a run that
+    ran out of GPU memory starts again, once, with one run fewer at a time from then on (seven runs sharing an H200
+    lost four so); its first logs are kept beside, as NAME.oom.txt / .oom.out. Returns the processes in run order
+    (None: not started)."""
     procs: dict[int, subprocess.Popen] = {}
     leader: dict[str, int] = {}
-    while len(procs) < len(runs):
+    retried: set[int] = set()
+    parallel = at_once > 1  # then the runs are watched to their end: one of the last may still run out of memory
+    going = lambda: parallel and any(p.poll() is None for p in procs.values())
+    while len(procs) < len(runs) or going():
+        for j, p in list(procs.items()):
+            if at_once > 1 and j not in retried and p.poll() and ran_out_of_memory(runs[j][1]):  # beside others
+                retried.add(j)
+                del procs[j]
+                at_once -= 1
+                for f in (runs[j][1], runs[j][1].with_suffix(".out")):  # a new run may not follow another's log
+                    if f.exists():
+                        f.replace(f.with_suffix(".oom" + f.suffix))
+                print(f"{runs[j][0]} ran out of GPU memory: it starts again, {at_once} run(s) at a time from now",
+                      flush=True)
         for i, (name, log, cmd, cwd, env, *_) in enumerate(runs):
             if i in procs or sum(p.poll() is None for p in procs.values()) >= at_once:
                 continue
             failed = [runs[j][0] for j, p in procs.items() if p.poll()]  # finished with a nonzero exit
-            if at_once == 1 and failed:
+            if not parallel and failed:
                 left = [r[0] for j, r in enumerate(runs) if j not in procs]
                 print(f"{failed[0]} failed: not starting {', '.join(left)}", flush=True)
                 return [procs.get(j) for j in range(len(runs))]
             g = group_of(name)
             if stagger and g in leader:
                 first = leader[g]
-                if procs[first].poll() is None and not logparse.step_times(log_text(runs[first][1])):
-                    continue
+                if first not in procs or (procs[first].poll() is None and
+                                          not logparse.step_times(log_text(runs[first][1]))):
+                    continue  # (a leader that ran out of memory starts again first: it comes first in the order)
             print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
             procs[i] = launch(cmd, cwd, log.with_suffix(".out"), env)
             procs[i].started_at = time.time()  # the run's span for run_conditions: to its logs' last write
@@ -819,7 +842,7 @@ def launch_all(runs, at_once: int, stagger: bool, poll: float = 2.0, journal: Pa
                 with journal.open("a") as f:
                     f.write(f"{procs[i].started_at}\t{name}\n")
             leader.setdefault(g, i)
-        if len(procs) < len(runs):
+        if len(procs) < len(runs) or going():
             time.sleep(poll)
     return [procs[i] for i in range(len(runs))]
 

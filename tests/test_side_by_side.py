@@ -659,14 +659,14 @@ def test_staggered_runs_wait_for_their_code_s_first_run_to_train(monkeypatch, tm
     logs = {n: tmp_path / f"{n}.txt" for n in ("p0", "p1", "o0", "o1")}
     runs = [(f"public master seed {i}", logs[f"p{i}"], ["x"], tmp_path, {}, i, []) for i in (0, 1)] + \
            [(f"ours seed {i}", logs[f"o{i}"], ["x"], tmp_path, {}, i, []) for i in (0, 1)]
-    order, clock = [], iter(range(1000))
+    order, clock, now = [], iter(range(1000)), [0]
 
     def fake_launch(cmd, cwd, out, env):
-        order.append(out.stem)
-        return SimpleNamespace(poll=lambda: None)
+        order.append((out.stem, now[0]))
+        return SimpleNamespace(poll=lambda: None if now[0] < 10 else 0)  # every run ends at tick 10
 
     def fake_sleep(_):
-        t = next(clock)
+        t = now[0] = next(clock)
         if t == 2:  # the public leader reaches its first training step
             logs["p0"].write_text("code\n" + "=" * 100 + "\nstep:1/10 train_time:5ms step_avg:5ms\n")
         if t == 4:
@@ -674,11 +674,12 @@ def test_staggered_runs_wait_for_their_code_s_first_run_to_train(monkeypatch, tm
     monkeypatch.setattr(fh, "launch", fake_launch)
     monkeypatch.setattr(fh.time, "sleep", fake_sleep)
     procs = fh.launch_all(runs, at_once=4, stagger=True)
-    assert order == ["p0", "o0", "p1", "o1"] and len(procs) == 4
-    assert next(clock) == 5  # p1 waited for step 2's log line, o1 for step 4's
+    # p1 waited for step 2's log line, o1 for step 4's; several at once, launch_all returns when all have ended
+    assert order == [("p0", 0), ("o0", 0), ("p1", 2), ("o1", 4)] and len(procs) == 4 and now[0] == 10
+    order = [name for name, _ in order]
     order.clear()
     fh.launch_all(runs, at_once=4, stagger=False)
-    assert order == ["p0", "p1", "o0", "o1"]
+    assert [name for name, _ in order] == ["p0", "p1", "o0", "o1"]
 
 
 
@@ -974,3 +975,46 @@ def test_pair_tables_reads_back_what_side_by_side_writes_and_pairs_across_files(
     assert "| var | 3 | " in out and f"{m:+.4f} +- {h:.4f} (3)" in out
     assert "| base seed 0 | 55.0 | 0.550 |" in out  # 3.00 at 50 and 2.50 at 100: 2.95 at step 55
     assert "| var seed 2 | 49.8 | 0.498 |" in out  # 10 at 0 and 2.92 at 50: between them
+
+
+def test_runs_sharing_a_gpu_start_again_once_after_running_out_of_memory_one_fewer_at_a_time(monkeypatch, tmp_path,
+                                                                                             capsys):
+    """Several at once, a run whose output says CUDA ran out of memory starts again once, its first logs kept
+    beside (train_gpt.py refuses to follow another run's log), and from then on one run fewer goes at a time; a run
+    that fails otherwise, or runs out of memory a second time, is not started again."""
+    runs = [(f"ours seed {i}", tmp_path / f"ours{i}.txt", ["x"], tmp_path, {}, i, []) for i in range(4)]
+    starts, running, most, now = [], set(), [0], [0]
+    fate = {"ours0": ["oom", "ok"], "ours1": ["fail"], "ours2": ["oom", "oom"], "ours3": ["ok"]}
+
+    def fake_launch(cmd, cwd, out, env):
+        name = out.stem
+        starts.append(name)
+        outcome = fate[name].pop(0)
+        (tmp_path / f"{name}.txt").write_text("step:0/10 val_loss:10.8\n")
+        out.write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate\n" if outcome == "oom" else "")
+        running.add(name)
+        most[0] = max(most[0], len(running))
+        end = now[0] + 2  # each run takes two ticks of the fake clock
+
+        def poll():
+            if now[0] < end:
+                return None
+            running.discard(name)
+            return {"ok": 0, "fail": 1, "oom": 1}[outcome]
+        return SimpleNamespace(poll=poll)
+
+    def fake_sleep(_):
+        now[0] += 1
+        assert now[0] < 100, "launch_all never returned"
+    monkeypatch.setattr(fh, "launch", fake_launch)
+    monkeypatch.setattr(fh.time, "sleep", fake_sleep)
+    procs = fh.launch_all(runs, at_once=3, stagger=False)
+    assert sorted(starts) == ["ours0", "ours0", "ours1", "ours2", "ours2", "ours3"]
+    assert [p.poll() for p in procs] == [0, 1, 1, 0]  # the second launch of ours0 and of ours2 are the ones returned
+    assert most[0] == 3
+    assert (tmp_path / "ours0.oom.txt").exists() and (tmp_path / "ours0.oom.out").exists()
+    assert "CUDA out of memory" not in (tmp_path / "ours0.out").read_text()  # the new run's output, not the first's
+    printed = capsys.readouterr().out
+    assert "ours seed 0 ran out of GPU memory: it starts again, 2 run(s) at a time from now" in printed
+    assert "ours seed 2 ran out of GPU memory: it starts again, 1 run(s) at a time from now" in printed
+    assert printed.count("ran out of GPU memory") == 2  # ours2's second time: not again
