@@ -970,6 +970,68 @@ def finals_table(results: dict[str, dict[int, tuple]], groups: dict[str, list[st
     return lines
 
 
+def recipe(cmd: list[str]) -> tuple[str, ...]:
+    """A run of ours' flags without its seed, run id and step count: one recipe run at several lengths shares it."""
+    argv, out = cmd[next(i for i, c in enumerate(cmd) if c.endswith(".py")) + 1:], []
+    i = 0
+    while i < len(argv):
+        if argv[i] in ("--seed", "--run_id", "--num_iterations"):
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return tuple(out)
+
+
+def tie_table(results: dict[str, dict[int, tuple]], groups: dict[str, list[str]], seeds: dict[str, int],
+              recipes: dict[str, tuple]) -> list[str]:
+    """Where one recipe of ours, run at several step counts (labels whose flags differ only in --num_iterations),
+    ends at the public code's final loss: for each seed, the trained tokens at which its final loss equals the
+    public run's of that seed, linear in tokens between the two step counts whose finals bracket it, and their
+    share of the public run's tokens (the issue "Fewer tokens than the frontier" measures tokens so). A seed whose
+    finals do not bracket it is extrapolated on the line through the two nearest step counts, and marked so. Empty
+    without such a recipe."""
+    final = {n: r[max(r)] for n, r in results.items() if r}  # (loss, ms, tokens) at the last validation
+    public = {seeds[n]: final[n] for n in groups.get("public", []) if n in final}
+    by_recipe: dict[tuple, list[str]] = {}
+    for label, key in recipes.items():
+        by_recipe.setdefault(key, []).append(label)
+    lines = []
+    for labels in by_recipe.values():
+        if len(labels) < 2 or not public:
+            continue
+        if not lines:
+            lines = ["Tokens to the public code's final loss: each seed's finals at several step counts of one recipe, "
+                     "linear in trained tokens between the two that bracket the public run's final (else through the "
+                     "two nearest, marked)", "",
+                     "| labels | seed | public final | tokens there (share of the public run's) |",
+                     "| --- | --- | --- | --- |"]
+        shares, extrapolated = [], 0
+        for seed, (target, _, public_tokens) in sorted(public.items()):
+            points = sorted((final[n][2], final[n][0]) for label in labels for n in groups[label]
+                            if n in final and seeds[n] == seed and final[n][2])
+            if len(points) < 2:
+                continue
+            line = lambda a, b: a[0] + (a[1] - target) / (a[1] - b[1]) * (b[0] - a[0]) if a[1] != b[1] else None
+            tokens = next((line(a, b) for a, b in zip(points, points[1:]) if min(a[1], b[1]) <= target <= max(a[1], b[1])),
+                          None)
+            note = ""
+            if tokens is None:  # on the line through the two nearest step counts, said so
+                below = points[0][1] < target  # the shortest run already ends below it
+                tokens = line(*points[:2]) if below else line(*points[-2:])
+                note = f", extrapolated {'below the shortest' if below else 'beyond the longest'} run"
+                extrapolated += 1
+            if tokens is None:
+                continue
+            shares.append(tokens / public_tokens)
+            lines.append(f"| {' / '.join(labels)} | {seed} | {target:.4f} | {tokens:,.0f} ({shares[-1]:.3f}{note}) |")
+        if shares:
+            m, h = interval95(shares)
+            lines.append(f"| {' / '.join(labels)} | mean of {len(shares)}{f' ({extrapolated} extrapolated)' if extrapolated else ''}"
+                         f" | - | share {m:.3f} +- {h:.3f} |")
+    return lines
+
+
 def stage_table(per_run: dict[str, list[dict]], full_steps: list[int] | None = None) -> list[str]:
     """ms/step and us/token per stage for each run (runs that did not share the GPU). With full_steps (the public
     schedule's unscaled steps per stage), also each run's time over that schedule: the sum of its stage medians
@@ -1037,6 +1099,10 @@ def report(a, runs: list, code: PublicCode, labels: list[str], plans: list[str] 
     if missing:
         lines.append("No log: " + ", ".join(missing))
     lines += ["", *format_table(results, groups), "", *finals_table(results, groups, seeds)]
+    recipes = {label: recipe(next(cmd for n, _, cmd, *_ in runs if n.startswith(f"{label} seed ")))
+               for label in labels if groups.get(label)}
+    tie = tie_table(results, groups, seeds, recipes)
+    lines += ["", *tie] if tie else []
     if a.target is not None:
         lines += ["", *target_table(results, a.target)]
     if not a.parallel:

@@ -1018,3 +1018,32 @@ def test_runs_sharing_a_gpu_start_again_once_after_running_out_of_memory_one_few
     assert "ours seed 0 ran out of GPU memory: it starts again, 2 run(s) at a time from now" in printed
     assert "ours seed 2 ran out of GPU memory: it starts again, 1 run(s) at a time from now" in printed
     assert printed.count("ran out of GPU memory") == 2  # ours2's second time: not again
+
+
+def test_the_tie_table_finds_the_tokens_at_which_one_recipe_at_several_lengths_ends_at_the_public_final():
+    """Labels whose flags differ only in --num_iterations are one recipe: per seed, the trained tokens where its finals,
+    linear in tokens, cross the public run's final (extrapolated through the two nearest lengths where none bracket it,
+    and marked); a label with other flags, or no public runs, adds nothing."""
+    cmd = lambda *flags: ["torchrun", "--standalone", "/x/train_gpt.py", "--batch_size", "24576", *flags,
+                          "--seed", "0", "--run_id", "r"]
+    assert fh.recipe(cmd("--num_iterations", "760")) == fh.recipe(cmd()) == ("--batch_size", "24576")
+    assert fh.recipe(cmd("--stages", "window=3")) != fh.recipe(cmd())
+    finals = {"public": (2.70, 2.70, 21_000_000), "n840": (2.60, 2.60, 20_000_000), "n760": (2.72, 2.68, 18_000_000),
+              "other": (2.50, 2.50, 20_000_000)}
+    results, seeds, groups = {}, {}, {}
+    for label, (loss0, loss1, tokens) in finals.items():
+        for seed, loss in ((0, loss0), (1, loss1)):
+            name = f"{label} seed {seed}"
+            results[name], seeds[name] = {100: (4.0, 0, 1), 840: (loss, 0, tokens)}, seed
+            groups.setdefault(label, []).append(name)
+    recipes = {"n840": ("a",), "n760": ("a",), "other": ("b",)}
+    lines = fh.tie_table(results, groups, seeds, recipes)
+    rows = [line for line in lines if line.startswith("| n840 / n760 |")]
+    # seed 0: 2.72 at 18M, 2.60 at 20M: 2.70 at 18M + (0.02 / 0.12) x 2M; seed 1: both below 2.70, on their line
+    assert rows[0] == f"| n840 / n760 | 0 | 2.7000 | {18_000_000 + 2_000_000 / 6:,.0f} ({(18e6 + 2e6 / 6) / 21e6:.3f}) |"
+    assert rows[1] == (f"| n840 / n760 | 1 | 2.7000 | {18_000_000 - 2_000_000 / 4:,.0f} ({17.5e6 / 21e6:.3f}, "
+                       "extrapolated below the shortest run) |")
+    assert rows[2].startswith("| n840 / n760 | mean of 2 (1 extrapolated) | - | share ")
+    assert not any("other" in line for line in lines)
+    assert fh.tie_table(results, {k: v for k, v in groups.items() if k != "public"}, seeds, recipes) == []
+    assert fh.tie_table(results, groups, seeds, {"n840": ("a",), "other": ("b",)}) == []
