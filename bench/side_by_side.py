@@ -807,13 +807,15 @@ def launch_all(runs, at_once: int, stagger: bool, poll: float = 2.0, journal: Pa
     (None: not started)."""
     procs: dict[int, subprocess.Popen] = {}
     leader: dict[str, int] = {}
-    retried: set[int] = set()
+    failed_seen: set[int] = set()  # each failure's output is read once: a run is started again at most once
     parallel = at_once > 1  # then the runs are watched to their end: one of the last may still run out of memory
     going = lambda: parallel and any(p.poll() is None for p in procs.values())
     while len(procs) < len(runs) or going():
         for j, p in list(procs.items()):
-            if at_once > 1 and j not in retried and p.poll() and ran_out_of_memory(runs[j][1]):  # beside others
-                retried.add(j)
+            if j in failed_seen or not p.poll():
+                continue
+            failed_seen.add(j)
+            if at_once > 1 and ran_out_of_memory(runs[j][1]):  # beside others
                 del procs[j]
                 at_once -= 1
                 for f in (runs[j][1], runs[j][1].with_suffix(".out")):  # a new run may not follow another's log
