@@ -243,10 +243,6 @@ class Hyperparameters:
         Stage(11,     doc_len=2048,     lr=1.0,  mtp=(0.0, 0.0),   prefix=0.0,          candidates=12288))
     extension_steps: int = 20  # last steps, after the cooldown: final learning rate, long window extension_window (09/21/25)
     extension_window: int = 13  # long window of the extension, in blocks
-    # ANVIL2's terminal batch taper (record #92, 08/30/26) ends in its extension at 131,072 of 393,216 tokens a step,
-    # after a last row at 327,680 (here a row of the stages table with its own batch and lr); the extension then
-    # runs this batch, its micro-batches shorter (batch_size / seq_len of them, as a row's)
-    extension_batch: int = 0  # the extension's global batch in tokens; 0: the last row's
     tied_embed_stages: int = 2  # embeddings read from the LM head for this many stages, then a copy learns (12/22/25)
     # the final validation raises only the long window (09/10/25: 13 blocks), without a YaRN step (the last stage's
     # rotary tables), and keeps the short window, as records #89 and ANVIL2 validate
@@ -412,11 +408,6 @@ class Hyperparameters:
         if h.extension_steps < 0 or (h.extension_steps > 0) != (h.extension_window > 0):
             raise ValueError(f"extension_steps={h.extension_steps} and extension_window={h.extension_window}: both "
                              "zero (no extension), or a number of steps and a long window in blocks")
-        if h.extension_batch and (not h.extension_steps or h.extension_batch < 0 or h.extension_batch % micro
-                                  or h.extension_batch // micro > h.seq_len):
-            raise ValueError(f"extension_batch={h.extension_batch}: the extension's batch (0: the last row's) must "
-                             f"split into batch_size/seq_len={micro} micro-batches of at most seq_len={h.seq_len} "
-                             f"tokens, and needs an extension (extension_steps={h.extension_steps})")
         if h.extension_steps >= h.num_iterations:  # the extension is the run's last steps: some must come before
             raise ValueError(f"num_iterations={h.num_iterations} leaves no step before the {h.extension_steps}-step "
                              f"extension: give --num_iterations {h.extension_steps + 1} or more, or leave the "
@@ -3055,7 +3046,7 @@ class Schedule:
         S = num_iterations - extension_steps scheduled steps in proportion to their shares (with equal shares,
         step s trains in stage floor(n * s / (S + 1)): the 2025-09-03 record's split of steps 0..S); batches and
         windows are counted in tokens; the loss weights ramp to the next row's. An extension stage, if any,
-        follows at the last row's batch (or extension_batch), loss weights and candidates, lr 1 and the longer
+        follows at the last row's batch, loss weights and candidates, lr 1 and the longer
         extension_window (the public record line's extension, from 11/2025)."""
         rows, E = list(args.stages), args.extension_steps
         S = args.num_iterations - E
@@ -3063,7 +3054,7 @@ class Schedule:
         ends = [-(-shares * (S + 1) // total) for shares in itertools.accumulate(row.share for row in rows)]
         if E:  # the extension takes over at step S and holds the last row's batch and loss weights
             last = rows[-1]
-            rows.append(Stage(args.extension_window, batch=args.extension_batch or last.batch, doc_len=last.doc_len,
+            rows.append(Stage(args.extension_window, batch=last.batch, doc_len=last.doc_len,
                               mtp=last.mtp, prefix=last.prefix, candidates=last.candidates))
             ends[-1:] = [S, S + E + 1]
         micro = args.batch_size // args.seq_len  # micro-batches per step, the same in every stage

@@ -56,10 +56,6 @@ def test_the_pin_notices_a_changed_stage(monkeypatch):
 RUN_CONTROL = {"seed", "plan", "peak_tflops", "save_every", "markov_corpus", "max_num_docs"}
 # techniques added off, waiting on GPU runs to be adopted into a preset or deleted (each names what decides it)
 PENDING_ADOPTION: set[str] = {
-    # ANVIL2's terminal batch taper's extension (its 131,072 of 393,216 tokens after a last row at 327,680): decided by 3
-    # paired seeds on the proxy under the rule (--extension_batch 8192 and a last row of 20,480 tokens at lr 0.9129
-    # over 9% of the scheduled steps) and its shapes' step times
-    "extension_batch",
     # ANVIL2's FP8 QKV (kernels.FP8Linear): decided by the record step on one H200 with it and without
     # (bench/step_time.py --fp8_qkv true / false, graph runners on) and 3 paired seeds on the proxy at 840 steps
     "fp8_qkv",
