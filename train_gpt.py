@@ -221,6 +221,12 @@ class Hyperparameters:
     # from the MUDD gates); ANVIL2 (#92) runs without it. Removed on the proxy: +0.0080 +- 0.0048 (3 seeds, ~2% of the
     # tokens), the step 0.925x (one H200, FA4; bench/results/dc_narrow_2gpu_h200_20261129k.md)
     dc_attention: bool = True  # DC attention in the last block
+    # ANVIL2's mix before the head (record #92, 08/30/26; its "post-loop MUDD", train_gpt.py ~151k characters into
+    # records/track_1_short/2026-08-30_ANVIL2/this_pr/32a48562-*.txt): ten sources instead of the public master's five
+    # (these five, the other value embeddings, the last block's MLP input and the later blocks' shared attention
+    # input), each weight per token and per 64-channel group (a zero-init delta from MUDD's hidden layer, its
+    # mudd_w2g). Its removal cost ANVIL2 +6.1 millinats on FineWeb (its README's ablation, n = 2)
+    mudd_head_ten: bool = False  # ANVIL2's ten-source, per-channel-group MUDD mix before the head (GPT.mudd_head_mix)
     narrow_attn_scale: float = 0.13  # attention logit scale in narrow_qk_blocks, QK normed over head_dim/2 (YaRN raises it as attn_scale): ANVIL2's 0.13
     # the copy-pointer mixture of public pull request 379 (not in the master): on the proxy -0.0398 +- 0.0040 at
     # equal tokens, +5.0% step (an H200)
@@ -541,6 +547,11 @@ class Hyperparameters:
         if not 0 <= h.backout_layer < h.num_layers - 1:
             raise ValueError(f"backout_layer={h.backout_layer}: a block below the last ({h.num_layers - 1}), whose "
                              "output MUDD mixes in, the later blocks attend over and the head has subtracted")
+        if h.mudd_head_ten and (h.model_dim % MUDD_GROUP or 6 + len(h.value_embed_blocks) > MUDD_COEFS):
+            raise ValueError(f"mudd_head_ten: weighs channel groups of {MUDD_GROUP} (model_dim={h.model_dim}) and "
+                             f"6 + one per value embedding sources, at most {MUDD_COEFS} (value_embed_blocks="
+                             f"{h.value_embed_blocks}): a model_dim multiple of {MUDD_GROUP} and at most "
+                             f"{MUDD_COEFS - 6} value embeddings, or --mudd_head_ten false")
         if "L" not in h.window_pattern[:-2] or skip_into <= h.window_pattern.index("L"):
             raise ValueError(f"window_pattern={h.window_pattern!r}: the MUDD gates need a long-window block (L) "
                              f"before the last two and before the attention-less block the skip goes into "
@@ -892,6 +903,7 @@ class ModelConfig:
     narrow_v_blocks: tuple[int, ...]
     narrow_attn_scale: float
     dc_attention: bool
+    mudd_head_ten: bool
     tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order
@@ -1422,8 +1434,10 @@ class Block(nn.Module):
         self.parallel_mlp: MLP | None = None
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, w: BlockWeights, attn_in: Tensor | None,
-                cu_seqlens: Tensor, max_seqlen: int, window: int, rope: tuple[Tensor, Tensor, float]) -> Tensor:
-        """attn_in: the attention's normed input when it is not this block's own (parallel attention inputs)."""
+                cu_seqlens: Tensor, max_seqlen: int, window: int, rope: tuple[Tensor, Tensor, float],
+                mlp_in: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """attn_in: the attention's normed input when it is not this block's own (parallel attention inputs).
+        mlp_in: also return the MLP's normed input (mudd_head_ten's source)."""
         # x0 and the n-gram embedding join after the attention, which reads the (weighted) residual alone: ANVIL2's
         # order (#92; its train_gpt.py in records/track_1_short/2026-08-30_ANVIL2/this_pr/32a48562-*.txt @fd1b14a5,
         # ~148k characters in), the public line's since #73 (PR 230). Without attention, before the MLP
@@ -1437,10 +1451,10 @@ class Block(nn.Module):
             x = x + w.attn_out * y
             x = x if w.x0 is None else x + w.x0 * x0
             x = x if w.bigram is None else x + w.bigram
-        if self.parallel_mlp is None:
-            return w.mlp_resid * x + w.mlp_out * self.mlp(norm(x))
-        h = norm(x)  # both MLPs read it (ANVIL2's `normed`), their outputs summed under one weight
-        return w.mlp_resid * x + w.mlp_out * (self.mlp(h) + self.parallel_mlp(h))
+        h = norm(x)  # with parallel_mlp both MLPs read it (ANVIL2's `normed`), their outputs summed under one weight
+        out = self.mlp(h) if self.parallel_mlp is None else self.mlp(h) + self.parallel_mlp(h)
+        out = w.mlp_resid * x + w.mlp_out * out
+        return (out, h) if mlp_in else out
 
 
 class SkippedBlock(nn.Module):
@@ -1467,6 +1481,10 @@ MUDD_BEFORE_LAST = dict(value_x0=0, value_backout=0, value_x=0, x0=0, backout=0,
 # MLP 1, before the head: x0, backout, the last block's input, the first value embedding, the skip's source block
 MUDD_BEFORE_HEAD = dict(x0=0, backout=0, last_input=0, value_embed=0, skip=0)
 MUDD_INIT = (tuple(MUDD_BEFORE_LAST.values()), tuple(MUDD_BEFORE_HEAD.values()))
+# mudd_head_ten (ANVIL2's): after those five, the other value embeddings (value_embed_blocks[1:]), the last block's
+# MLP input (ANVIL2's `normed`) and the attention input the blocks after backout_layer share (its `_n3_normed`),
+# each weight 0 at the start; each weight per 64-channel group: MUDD's per token plus a delta, 0 at the start
+MUDD_GROUP = 64
 MUDD_SCALE = 0.1  # the MLPs' outputs are 0.1 (W2 GELU(W1 x) + b2), the public master's
 
 
@@ -1568,6 +1586,9 @@ class GPT(nn.Module):
         self.mudd_b2 = nn.Parameter(torch.cat([F.pad(torch.tensor(b, dtype=torch.float) / MUDD_SCALE,
                                                      (0, MUDD_COEFS - len(b))) for b in MUDD_INIT]))
         self.make_mudd_gates()  # drawn after MUDD's first layer, as they were
+        if cfg.mudd_head_ten:  # the per-group deltas' second layer, rows (source, group), padded for 8 shards: zero
+            rows = len(self.head_mix_names()) * (dim // MUDD_GROUP)
+            self.mudd_w2g = nn.Parameter(torch.zeros(rows + -rows % 8, MUDD_DIM))
         # CPLM's pointer (copy_pointer): query and key projections of the final state, N(0, 1/dim) (uniform), and the
         # sink's key, N(0, 1/COPY_DIM), as in PR 379; its query gain (1 at the start) is a scalar. Drawn last.
         if cfg.cplm_bands:
@@ -1927,7 +1948,11 @@ class GPT(nn.Module):
                 else:
                     before_last = x
                     x, w = self.mudd_before_last(x, x0, backout, bigram, own[i, 2:], g, i)
-                x = block(x, x0, ves[i], w, attn_in, cu_seqlens, max_seqlen, windows[i], rope)
+                block_in = (x, x0, ves[i], w, attn_in, cu_seqlens, max_seqlen, windows[i], rope)
+                if cfg.mudd_head_ten and i == L - 1:  # the last block's MLP input is a source of the head's mix
+                    x, last_mlp_in = block(*block_in, mlp_in=True)
+                else:
+                    x = block(*block_in)
             if i == cfg.skip_from:
                 skip = x
             if i == cfg.backout_layer:
@@ -1937,10 +1962,15 @@ class GPT(nn.Module):
                 # its MLP reads the current residual; the public master's layers 8-10 read layer 7's
                 attn_in = norm(x)
         # MUDD before the head: x0, block backout_layer's output, the last block's input, the first value embedding
-        # and the skip's source block's output
-        c = self.mudd_coefs(x, 1, MUDD_BEFORE_HEAD)
-        x = (x + c["x0"] * x0 + c["backout"] * backout + c["last_input"] * before_last
-             + c["value_embed"] * ves[cfg.value_embed_blocks[0]].type_as(x) + c["skip"] * skip)
+        # and the skip's source block's output (mudd_head_ten: five more, per channel group)
+        if cfg.mudd_head_ten:
+            vb = cfg.value_embed_blocks  # in head_mix_names' order
+            x = self.mudd_head_mix(x, [x0, backout, before_last, ves[vb[0]], skip, *(ves[b] for b in vb[1:]),
+                                       last_mlp_in, attn_in])
+        else:
+            c = self.mudd_coefs(x, 1, MUDD_BEFORE_HEAD)
+            x = (x + c["x0"] * x0 + c["backout"] * backout + c["last_input"] * before_last
+                 + c["value_embed"] * ves[cfg.value_embed_blocks[0]].type_as(x) + c["skip"] * skip)
         # Backout (2025-10-04 record, @snimu, @classiclarryd; PRs 138, 140): the early blocks write much that later
         # blocks need as context but the prediction does not; a learned multiple of the residual after block
         # backout_layer is taken out before the final norm and the head: the output of the block after the
@@ -1961,6 +1991,25 @@ class GPT(nn.Module):
         return x, BlockWeights(c["resid"], c["block_x0"], c["attn_out"], c["mlp_resid"], c["mlp_out"], value_mix,
                                c["bigram"] * bigram, g["xsa"][i], g["out"][i], ve_gate, value,
                                (g["dc1"][i], g["dc2"][i]) if self.cfg.dc_attention else None)
+
+    def head_mix_names(self) -> list[str]:
+        """mudd_head_ten's sources in MUDD MLP 1's output order: MUDD_BEFORE_HEAD's, then the others."""
+        more = [f"value_embed_{b}" for b in self.cfg.value_embed_blocks[1:]]
+        return [*MUDD_BEFORE_HEAD, *more, "last_mlp_in", "attn_in"]
+
+    def mudd_head_mix(self, x: Tensor, sources: list[Tensor]) -> Tensor:
+        """mudd_head_ten: x plus each source (x0, backout, the last block's input, the value embeddings, the skip's
+        source, the last MLP's input, the shared attention input) weighed per token and per 64-channel group:
+        MUDD_SCALE (W2 h + b2 + W2g h), h = GELU(W1 x), MUDD MLP 1's layers and the zero-init per-group W2g."""
+        n, G, T = len(sources), x.size(-1) // MUDD_GROUP, x.size(0)  # sources in head_mix_names' order
+        h = F.gelu(F.linear(x, self.mudd_w1[MUDD_DIM:].type_as(x)))
+        mu = F.linear(h, self.mudd_w2[MUDD_COEFS: MUDD_COEFS + n].type_as(x)) + self.mudd_b2[MUDD_COEFS:
+                                                                                           MUDD_COEFS + n].type_as(x)
+        c = MUDD_SCALE * (mu[:, :, None] + F.linear(h, self.mudd_w2g[: n * G].type_as(x)).view(T, n, G))
+        out = x.view(T, G, MUDD_GROUP)
+        for k, src in enumerate(sources):
+            out = out + c[:, k, :, None] * src.type_as(x).view(T, G, MUDD_GROUP)
+        return out.view_as(x)
 
     def mudd_coefs(self, x: Tensor, j: int, names: dict) -> dict[str, Tensor]:
         """MUDD MLP j's per-token weights by name, (T, 1) each: MUDD_SCALE (W2 GELU(W1 x) + b2), as the public
@@ -3533,7 +3582,7 @@ def param_groups_by_role(model: GPT) -> dict[str, list[nn.Parameter]]:
     """Parameters by what they are (the optimizers and the size report split them so)."""
     groups = {"token embedding": [model.embed.weight], "value embeddings": [m.weight for m in model.value_embeds]}
     groups["bigram embedding"] = [model.bigram_embed.weight]
-    mudd = {"MUDD": [model.mudd_w1, model.mudd_w2, model.mudd_b2],
+    mudd = {"MUDD": [model.mudd_w1, model.mudd_w2, model.mudd_b2, *([model.mudd_w2g] if model.cfg.mudd_head_ten else [])],
             "MUDD gates": [model.mudd_gate_w1, model.mudd_gate_w2, model.mudd_gate_b2]}
     if model.cfg.cplm_bands:
         mudd["copy pointer"] = [model.copy_qk, model.copy_sink]

@@ -56,6 +56,9 @@ def test_the_pin_notices_a_changed_stage(monkeypatch):
 RUN_CONTROL = {"seed", "plan", "peak_tflops", "save_every", "markov_corpus", "max_num_docs"}
 # techniques added off, waiting on GPU runs to be adopted into a preset or deleted (each names what decides it)
 PENDING_ADOPTION: set[str] = {
+    # ANVIL2's ten-source, per-channel-group MUDD mix before the head: decided by 3 paired seeds on the proxy under the
+    # rule (the record preset with --mudd_head_ten true against it without) and the record step with it and without
+    "mudd_head_ten",
     # ANVIL2's FP8 QKV (kernels.FP8Linear): decided by the record step on one H200 with it and without
     # (bench/step_time.py --fp8_qkv true / false, graph runners on) and 3 paired seeds on the proxy at 840 steps
     "fp8_qkv",
