@@ -1222,6 +1222,10 @@ def main():
                    "--val_every", str(a.val_every), "--log_dir", str(a.work / "logs"), *a.ours_args.split()]
     env_public = {"PYTHONPATH": os.pathsep.join([str(stage), *filter(None, [os.environ.get("PYTHONPATH")])]),
                   "TORCHINDUCTOR_CACHE_DIR": str(a.work / f"cache_public_{code.name}"), "PYTHONUNBUFFERED": "1"}
+    # every variant of ours compiles into one Inductor cache, the caller's if set (shared across commands), else one
+    # in --work: variants that differ in a schedule or a flag share most graphs and their tuned kernels, and a later
+    # command finds them (compiling is untimed: only the warm-up shortens)
+    env_ours = {"TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(a.work / "cache_ours")}
     for label, extra in variants if a.seeds else []:  # our BatchProducer deals a step's micro-batches to the ranks
         h = tg.parse_args([*ours_common, *extra.split()])
         if h.batch_size // h.seq_len % a.nproc:
@@ -1247,8 +1251,7 @@ def main():
                 argv = [*ours_common, *extra.split(), "--seed", str(seed), "--run_id", rid]
                 runs.append((f"{label} seed {seed}", a.work / "logs" / f"{rid}.txt",
                              ["torchrun", "--standalone", f"--nproc_per_node={a.nproc}", str(a.ours.resolve()), *argv],
-                             ROOT,
-                             {"TORCHINDUCTOR_CACHE_DIR": str(a.work / f"cache_{label}")}, seed,
+                             ROOT, env_ours, seed,
                              tg.Schedule(tg.parse_args(argv)).stages))
         return runs
 

@@ -116,15 +116,17 @@ def test_parallel_runs_are_capped_by_the_gpu_memory(monkeypatch):
         assert fh.runs_that_fit() == runs
 
 
-def fake_main(monkeypatch, tmp_path, argv: list[str], rc: int = 0, launched=None, loaders=None) -> list:
+def fake_main(monkeypatch, tmp_path, argv: list[str], rc: int = 0, launched=None, loaders=None, envs=None) -> list:
     """main() against master_code() on a small corpus, nothing run: the launched (command, log name) pairs, the
     data check passed (it has its own tests) unless `loaders` gives stand-ins for its walks by name; each launched
-    run exits with rc."""
+    run exits with rc. `envs`, if given, gets each run's Inductor cache by log name."""
     train, val = write_corpus(tmp_path / "data")
     launched = [] if launched is None else launched
 
     def fake_launch(cmd, cwd, log, env):
         launched.append((cmd, log.name))
+        if envs is not None:
+            envs[log.name] = env["TORCHINDUCTOR_CACHE_DIR"]
         return SimpleNamespace(poll=lambda: 0, wait=lambda: rc, returncode=0)
     monkeypatch.setattr(fh, "launch", fake_launch)
     monkeypatch.setattr(fh, "public_source", lambda *a: master_code())
@@ -145,6 +147,24 @@ def test_ours_runs_the_record_preset_on_the_public_attention_and_each_variant_ad
     assert base.preset == lr.preset == "record" and base.attention == lr.attention == "varlen"
     assert (base.muon_lr, lr.muon_lr) == (0.05, 0.07) and (base.seed, base.val_every) == (0, 125)
     assert launched[0][0][-1].startswith("public_master_") and launched[0][0][-1].endswith("_seed0.py")
+
+
+def test_every_variant_of_ours_compiles_into_one_inductor_cache_the_caller_s_if_set(monkeypatch, tmp_path):
+    """Ours' variants share one Inductor cache (most graphs are the same), the caller's TORCHINDUCTOR_CACHE_DIR when
+    set, else one in --work; the public code keeps its own."""
+    argv = ["--public_seeds", "0", "--seeds", "0", "1", "--variant", "lr", "--muon_lr 0.07"]
+    for cache in (None, str(tmp_path / "shared")):
+        envs = {}
+        with monkeypatch.context() as m:
+            if cache:
+                m.setenv("TORCHINDUCTOR_CACHE_DIR", cache)
+            else:
+                m.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+            fake_main(m, tmp_path, argv, envs=envs)
+        ours = {v for k, v in envs.items() if not k.startswith("public")}
+        public = {v for k, v in envs.items() if k.startswith("public")}
+        assert len(envs) == 5 and ours == {cache or str(tmp_path / "w" / "cache_ours")}
+        assert len(public) == 1 and public != ours
 
 
 def test_warm_first_runs_each_code_once_at_the_same_time_before_the_timed_runs(monkeypatch, tmp_path):
