@@ -227,6 +227,12 @@ class Hyperparameters:
     # input), each weight per token and per 64-channel group (a zero-init delta from MUDD's hidden layer, its
     # mudd_w2g). Its removal cost ANVIL2 +6.1 millinats on FineWeb (its README's ablation, n = 2)
     mudd_head_ten: bool = False  # ANVIL2's ten-source, per-channel-group MUDD mix before the head (GPT.mudd_head_mix)
+    # The document-local copy feature of public pull request 378 (on ANVIL2; 1,132 against 1,194 steps with PR 375's
+    # normalized n-gram hashing, step +2.4%): each position's candidate, the token that followed the latest earlier
+    # occurrence in its document of its longest matching context (doc_copy_candidates), enters as embed(candidate) x
+    # a gain per bucket (match length x occurrences) + an embedding per bucket, both zero at the start, added to the
+    # token embedding before its norm (x 0.5 at the start) and before the final norm (x 1); here over raw token ids
+    doc_copy: bool = False  # PR 378's document-local copy candidates as an input feature (doc_copy_candidates)
     narrow_attn_scale: float = 0.13  # attention logit scale in narrow_qk_blocks, QK normed over head_dim/2 (YaRN raises it as attn_scale): ANVIL2's 0.13
     # the copy-pointer mixture of public pull request 379 (not in the master): on the proxy -0.0398 +- 0.0040 at
     # equal tokens, +5.0% step (an H200)
@@ -904,6 +910,7 @@ class ModelConfig:
     narrow_attn_scale: float
     dc_attention: bool
     mudd_head_ten: bool
+    doc_copy: bool
     tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
     yarn_windows: tuple[int, ...] = ()  # YaRN: the schedule's long windows in tokens, in order
@@ -985,6 +992,58 @@ def pointer_written_out(q: Tensor, k: Tensor, sink: Tensor, doc: Tensor, inputs:
         a_sink.append(e_sink / total)
         p_copy.append(torch.where(tokens[s, None, :] == wanted[s, :, None], e, 0).sum(-1) / total)
     return torch.cat(p_copy).flatten()[:T], torch.cat(a_sink).flatten()[:T]
+
+
+# doc_copy (public pull request 378): the context lengths matched, longest first wins, and the buckets: one per
+# (length, earlier occurrences of that context in the document: 1, 2, 3 or more), bucket 0 for no match
+DOC_COPY_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+DOC_COPY_BUCKETS = 1 + 3 * len(DOC_COPY_LENGTHS)
+DOC_COPY_HASH = (0x2545F4914F6CDD1D, 0x1B873593CC9E2D51, 0x5851F42D4C957F2D)  # odd 63-bit multipliers: window, length, doc
+
+
+def wrap64(n: int) -> int:
+    """n mod 2^64 as a signed 64-bit integer (what int64 tensor arithmetic wraps to)."""
+    n %= 1 << 64
+    return n - (1 << 64) if n >= 1 << 63 else n
+
+
+def doc_copy_candidates(inputs: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+    """Each position t's copy candidate and bucket (doc_copy; public pull request 378's matcher, written here): for
+    each length L of DOC_COPY_LENGTHS, the window of t's last L tokens (inside t's document) is hashed with L and
+    the document; one stable sort of all (length, position) keys puts each window right after its latest earlier
+    twin, and its rank counts the earlier twins. The longest L with a twin wins: the candidate is the token after
+    the twin's end (an input at or before t: nothing from the future), the bucket 1 + 3 (L's index) + min(twins,
+    3) - 1. No twin at any length: candidate -1, bucket 0. All on the device, shapes fixed (no host sync)."""
+    T, device = inputs.size(0), inputs.device
+    doc = document_ids(cu_seqlens, T)
+    pos = torch.arange(T, device=device)
+    depth = pos - cu_seqlens[doc - 1].long()  # tokens of t's document before t
+    mult, by_length, by_doc = DOC_COPY_HASH
+    h, keys, tokens = torch.zeros(T, dtype=torch.long, device=device), [], inputs.long() + 1
+    for L in range(1, DOC_COPY_LENGTHS[-1] + 1):  # h: the window t-L+1..t, one token more each time (wraps mod 2^64)
+        h = h * mult + F.pad(tokens, (L - 1, 0))[:T]
+        if L in DOC_COPY_LENGTHS:
+            k = len(keys)
+            key = h ^ wrap64(L * by_length) ^ (doc * by_doc)
+            keys.append(torch.where(depth >= L - 1, key, -1 - (k * T + pos)))  # a window leaving the document: unique
+    keys = torch.cat(keys)  # (lengths x T), in position order within each length
+    order = torch.sort(keys, stable=True).indices
+    sorted_keys = keys[order]
+    n = order.numel()
+    first = torch.ones(n, dtype=torch.bool, device=device)
+    first[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    idx = torch.arange(n, device=device)
+    rank = idx - torch.cummax(torch.where(first, idx, 0), 0).values  # earlier twins of the same window
+    twin = torch.where(first, order, torch.roll(order, 1)) % T  # the latest earlier twin's end (itself if none)
+    ranks = torch.empty_like(rank).scatter_(0, order, rank).view(-1, T)
+    twins = torch.empty_like(twin).scatter_(0, order, twin).view(-1, T)
+    found = (ranks > 0) & (twins < pos)  # (a twin is always earlier; a hash shared across lengths is not a twin)
+    level = torch.where(found, torch.arange(1, len(DOC_COPY_LENGTHS) + 1, device=device)[:, None], 0).amax(0)
+    at = (level - 1).clamp(min=0)[None]
+    end, seen = twins.gather(0, at)[0], ranks.gather(0, at)[0]
+    candidate = torch.where(level > 0, inputs.long()[(end + 1).clamp(max=T - 1)], -1)
+    bucket = torch.where(level > 0, 3 * (level - 1) + seen.clamp(max=3), 0)
+    return candidate, bucket
 
 
 def bigram_indices(inputs: Tensor, cu_seqlens: Tensor, rows: int, sign_rows: int = 0) -> tuple[Tensor, Tensor | None]:
@@ -1589,6 +1648,12 @@ class GPT(nn.Module):
         if cfg.mudd_head_ten:  # the per-group deltas' second layer, rows (source, group), padded for 8 shards: zero
             rows = len(self.head_mix_names()) * (dim // MUDD_GROUP)
             self.mudd_w2g = nn.Parameter(torch.zeros(rows + -rows % 8, MUDD_DIM))
+        if cfg.doc_copy:  # PR 378's tables, rows padded for 8 shards: an embedding per bucket (zero), and the gains:
+            # one per bucket (zero), then the two sites' (0.5 before the embedding's norm, 1 before the final norm)
+            buckets = DOC_COPY_BUCKETS + -DOC_COPY_BUCKETS % 8
+            self.doc_copy_embed = nn.Parameter(torch.zeros(buckets, dim))
+            self.doc_copy_gains = nn.Parameter(torch.cat([torch.zeros(buckets), torch.tensor([0.5, 1.0]),
+                                                          torch.zeros(6)]))
         # CPLM's pointer (copy_pointer): query and key projections of the final state, N(0, 1/dim) (uniform), and the
         # sink's key, N(0, 1/COPY_DIM), as in PR 379; its query gain (1 at the start) is a scalar. Drawn last.
         if cfg.cplm_bands:
@@ -1784,16 +1849,31 @@ class GPT(nn.Module):
         window_pattern (the record's: S,S,S,L,S,S,S,S,S,S,L)."""
         return [windows[0] if p == "L" else windows[1] for p in self.cfg.window_pattern]
 
-    def embeddings(self, inputs: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, list[Tensor | None], Tensor]:
-        """The normed token embedding x0 (smeared), each block's value embedding (or None), the bigram embedding."""
+    def embeddings(self, inputs: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, list[Tensor | None], Tensor,
+                                                                      Tensor | None]:
+        """The normed token embedding x0 (smeared), each block's value embedding (or None), the bigram embedding,
+        and doc_copy's vector for the final norm (None without it)."""
         s, at = self.scalars, self.scalar_layout()
-        x = (lookup(inputs, self.lm_head_w, self.lm_head_grad_sum).type_as(self.embed.weight) if self.tied_embed
-             else lookup(inputs, self.embed.weight, self.embed.grad_sum))
-        x0 = norm(smear(x, cu_seqlens, s[at["smear"]], self.smear_w))  # normed embedding (@Grad62304977)
+        ids, copy = inputs, None
+        if self.cfg.doc_copy:  # the candidates' embeddings in the same lookup as the tokens'
+            candidate, bucket = doc_copy_candidates(inputs, cu_seqlens)
+            ids = torch.cat([inputs, candidate.clamp(min=0).to(inputs.dtype)])
+        e = (lookup(ids, self.lm_head_w, self.lm_head_grad_sum).type_as(self.embed.weight) if self.tied_embed
+             else lookup(ids, self.embed.weight, self.embed.grad_sum))
+        T = inputs.size(0)
+        x = smear(e[:T], cu_seqlens, s[at["smear"]], self.smear_w)
+        if self.cfg.doc_copy:  # embed(candidate) x the bucket's gain + the bucket's embedding; nothing in bucket 0
+            gains, n = self.doc_copy_gains.type_as(x), self.doc_copy_embed.size(0)
+            live = (bucket > 0).to(x.dtype)[:, None]
+            copy = live * (e[T:] * gains[bucket][:, None] + F.embedding(bucket, self.doc_copy_embed).type_as(x))
+            x = x + gains[n] * copy
+            copy = gains[n + 1] * copy
+        x0 = norm(x)  # normed embedding (@Grad62304977)
         tables = {i: lookup(inputs, self.value_embeds[i].weight, self.value_embeds[i].grad_sum)  # each table once
                   for i in dict.fromkeys(self.value_embed_layers()) if i is not None}
         # one bigram lookup, added before every block with that block's weight
-        return x0, [tables.get(i) for i in self.value_embed_layers()], self.ngram_embedding(inputs, cu_seqlens)
+        return (x0, [tables.get(i) for i in self.value_embed_layers()], self.ngram_embedding(inputs, cu_seqlens),
+                copy)
 
     def ngram_indices(self, inputs: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor | None]:
         """Each position's n-gram table row (of the whole table), the bigram channel's then with trigram_rows the
@@ -1918,7 +1998,7 @@ class GPT(nn.Module):
         s, at = self.scalars, self.scalar_layout()
         own = s[at["blocks"]].view(L, 4)  # per block: the residual's weight, (unused), the value mix's two
         sub = s[at["sublayer"]].view(L, 3)  # per block: attention output, residual around the MLP, MLP output
-        x0, ves, bigram = self.embeddings(inputs, cu_seqlens)
+        x0, ves, bigram, doc_copy = self.embeddings(inputs, cu_seqlens)
         x = x0
         # the stage's rotary tables (YaRN: by its long window; the final validation's third entry names the last
         # training stage's long window, whose tables it keeps)
@@ -1975,7 +2055,8 @@ class GPT(nn.Module):
         # blocks need as context but the prediction does not; a learned multiple of the residual after block
         # backout_layer is taken out before the final norm and the head: the output of the block after the
         # attention-less one (block 8 of 12 on 10/04/25, block 7 of 11 now).
-        return norm(x - s[at["backout"]][0] * backout)
+        x = x - s[at["backout"]][0] * backout
+        return norm(x if doc_copy is None else x + doc_copy)  # doc_copy's second site: before the final norm
 
     def mudd_before_last(self, x: Tensor, x0: Tensor, backout: Tensor, bigram: Tensor, value_mix: Tensor,
                          g: dict[str, list], i: int) -> tuple[Tensor, BlockWeights]:
@@ -3586,6 +3667,8 @@ def param_groups_by_role(model: GPT) -> dict[str, list[nn.Parameter]]:
             "MUDD gates": [model.mudd_gate_w1, model.mudd_gate_w2, model.mudd_gate_b2]}
     if model.cfg.cplm_bands:
         mudd["copy pointer"] = [model.copy_qk, model.copy_sink]
+    if model.cfg.doc_copy:
+        mudd["document copy"] = [model.doc_copy_embed, model.doc_copy_gains]
     # the smear gate's matrix is Muon's, as in the 2025-09-18 record
     return {**groups, "block matrices": [p for p in model.blocks.parameters() if p.ndim >= 2] + [model.smear_w],
             "LM head": [model.lm_head_w], "scalars": [model.scalars], **mudd}
@@ -3620,7 +3703,9 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
                    # the MUDD gates' MLPs and scale: a tenth of it (the 2026-05-27 record's)
                    dict(params=groups["MUDD gates"], lr=args.adam_lr * 0.1, betas=(0.9, 0.99)),
                    # CPLM's pointer: the base rate, betas 0.9 / 0.99 (PR 379's)
-                   dict(params=groups.get("copy pointer", []), lr=args.adam_lr, betas=(0.9, 0.99))]
+                   dict(params=groups.get("copy pointer", []), lr=args.adam_lr, betas=(0.9, 0.99)),
+                   # doc_copy's tables: the base rate, betas 0.9 / 0.99, no decay (PR 378's)
+                   dict(params=groups.get("document copy", []), lr=args.adam_lr, betas=(0.9, 0.99))]
     if args.ngram_sparse_adam:  # ANVIL2's n-gram table Adam: beta1 0, the tables' beta2, lr and decay
         adam_groups.append(dict(params=groups["bigram embedding"], sparse_rows=True, lr=args.adam_lr * args.embed_lr_mult,
                                 weight_decay=args.embed_weight_decay,

@@ -99,7 +99,7 @@ def test_block_0s_ngram_term_enters_before_it_and_its_x0_after():
     inputs, _, cu = batch()
     g = defaultdict(lambda: [None] * len(model.blocks))
     with torch.no_grad():
-        x0_now, _, bigram = model.embeddings(inputs, cu)
+        x0_now, _, bigram, _ = model.embeddings(inputs, cu)
         model.gates(x0_now, 0, g)
     term = g["bigram"][0] * bigram
     assert torch.equal(x0, x0_now) and term.abs().max() > 0

@@ -311,7 +311,7 @@ def test_the_bigram_embedding_is_its_row_times_its_sign_row_and_block_0_adds_its
     seen = []
     model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(a))  # block 0's x, x0, ve and BlockWeights
     with torch.no_grad():
-        x0, _, bigram = model.embeddings(x, cu)
+        x0, _, bigram, _ = model.embeddings(x, cu)
         row, sign = tg.bigram_indices(x, cu, TINY["bigram_rows"], TINY["bigram_sign_rows"])
         assert torch.equal(bigram, model.bigram_embed.weight[row] * model.bigram_signs[sign])
         g = {what: [None] * 4 for what in ("xsa", "out", "x0", "bigram", "skip", "dc1", "dc2")}
@@ -815,6 +815,72 @@ def test_mudd_head_ten_adds_five_sources_to_the_five_and_weighs_each_channel_gro
     assert groups[id(ten.mudd_w2g)] is groups[id(ten.mudd_w1)]
     with pytest.raises(ValueError, match="mudd_head_ten: weighs channel groups of 64 .model_dim=96"):
         tg.Hyperparameters(**{**TINY, "mudd_head_ten": True, "model_dim": 96})
+
+
+def brute_force_doc_copy(x: list[int], cu: list[int]) -> tuple[list[int], list[int]]:
+    """doc_copy's candidates and buckets by direct search: for each length from the longest, the earlier windows
+    of t's document equal to t's last L tokens; the latest one's next token, and 1 + 3 (L's index) + min(count, 3) - 1."""
+    cand, bucket = [-1] * len(x), [0] * len(x)
+    for t in range(len(x)):
+        start = max(c for c in cu if c <= t)
+        for k in reversed(range(len(tg.DOC_COPY_LENGTHS))):
+            L = tg.DOC_COPY_LENGTHS[k]
+            twins = [u for u in range(start + L - 1, t) if x[u - L + 1: u + 1] == x[t - L + 1: t + 1]]
+            if t - L + 1 >= start and twins:
+                cand[t], bucket[t] = x[max(twins) + 1], 3 * k + min(len(twins), 3)
+                break
+    return cand, bucket
+
+
+@pytest.mark.parametrize("vocab", [2, 5, 50])
+def test_doc_copy_candidates_are_the_latest_earlier_twin_s_next_token_in_the_document(vocab):
+    """PR 378's matcher against a direct search, on documents with many repeats (a vocabulary of 2) and few; a
+    window that would cross into the document before matches nothing there; nothing depends on later tokens."""
+    g = torch.Generator().manual_seed(vocab)
+    for _ in range(6):
+        T = int(torch.randint(40, 160, (1,), generator=g))
+        x = torch.randint(0, vocab, (T,), generator=g, dtype=torch.int32)
+        cu = [0, *sorted(torch.randperm(T - 1, generator=g)[:2].add(1).tolist()), T, T]
+        cand, bucket = tg.doc_copy_candidates(x, torch.tensor(cu, dtype=torch.int32))
+        assert (cand.tolist(), bucket.tolist()) == brute_force_doc_copy(x.tolist(), cu)
+        assert bucket.max() < tg.DOC_COPY_BUCKETS and ((bucket > 0) == (cand >= 0)).all()
+        later = x.clone()
+        later[T // 2:] = (later[T // 2:] + 1) % vocab
+        cand2, bucket2 = tg.doc_copy_candidates(later, torch.tensor(cu, dtype=torch.int32))
+        assert torch.equal(cand2[: T // 2], cand[: T // 2]) and torch.equal(bucket2[: T // 2], bucket[: T // 2])
+    same = torch.tensor([7, 8, 9, 7, 8, 9], dtype=torch.int32)  # a second document repeating the first
+    cand, bucket = tg.doc_copy_candidates(same, torch.tensor([0, 3, 6, 6], dtype=torch.int32))
+    assert cand.tolist() == [-1] * 6 and bucket.tolist() == [0] * 6
+
+
+def test_doc_copy_starts_as_the_model_without_it_then_its_tables_change_the_output_and_learn():
+    """doc_copy's gains per bucket and embeddings per bucket start at zero: the same model as without it; each
+    then moves the output; both learn, in their own Adam group at the base rate."""
+    without = tiny_model(randomize=True)
+    model = tiny_model(doc_copy=True)
+    missing = model.load_state_dict(without.state_dict(), strict=False).missing_keys
+    assert sorted(missing) == ["doc_copy_embed", "doc_copy_gains"]
+    n = model.doc_copy_embed.size(0)
+    assert n == 32 and model.doc_copy_gains[n:n + 2].tolist() == [0.5, 1.0]
+    x, y, cu = batch()
+    with torch.no_grad():
+        base = model(x, y, cu, 128, W3, reduction="none")
+        torch.testing.assert_close(base, without(x, y, cu, 128, W3, reduction="none"))
+        bucket = tg.doc_copy_candidates(x, cu)[1]
+        assert (bucket > 0).float().mean() > 0.3  # the tiny vocabulary repeats often
+        model.doc_copy_gains[int(bucket.max())] += 1
+        assert not torch.allclose(model(x, y, cu, 128, W3, reduction="none"), base)
+        model.doc_copy_gains[int(bucket.max())] -= 1
+        model.doc_copy_embed[int(bucket.max())] += 1
+        assert not torch.allclose(model(x, y, cu, 128, W3, reduction="none"), base)
+        model.doc_copy_embed.zero_()
+    model(x, y, cu, 128, W3).backward()
+    assert model.doc_copy_embed.grad.norm() > 0 and model.doc_copy_gains.grad[:n].norm() > 0
+    assert model.doc_copy_embed.grad[0].abs().max() == 0  # bucket 0: no match, nothing added
+    args = tg.Hyperparameters(**{**TINY, "doc_copy": True})
+    groups = {id(p): g for g in tg.build_optimizers(model, args, 0, 1)[0].param_groups for p in g["params"]}
+    group = groups[id(model.doc_copy_embed)]
+    assert group is groups[id(model.doc_copy_gains)] and group["lr"] == args.adam_lr and group["betas"] == (0.9, 0.99)
 
 
 def test_mudd_gates_give_per_token_weights_in_their_layout_and_replace_the_static_ones():
