@@ -27,6 +27,7 @@ import sys
 import textwrap
 import threading
 import time
+import unicodedata
 import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -199,6 +200,11 @@ class Hyperparameters:
     # proxy: -0.0136 +- 0.0076 at 4.6M rows (3 paired seeds), -0.0138 at 20.8M (2 seeds); 1.015x a step at 4.6M rows
     # on one H200 (bench/results/learning_decisions.md)
     trigram_rows: int = 20_773_440  # trigram hash rows summed with the bigram lookup, 0 = none: ANVIL2's ~21M-row point of its FineWeb size sweep (record #92, 08/30/26), ~31 of its 36 millinats at a quarter of its 84.6M-row table's memory
+    # public pull request 375 (on ANVIL2: 1,179 against 1,194 steps; -6.2 +- 1.5 millinats over 16 seeds of its
+    # one-GPU proxy): the n-gram rows and signs hashed from normalized token ids (normalized_token_table: NFKC,
+    # accents stripped, lowercase, whitespace runs as one space), so " The" / "the" / "THE" share rows; the model
+    # reads and predicts the raw tokens
+    ngram_normalize: bool = False  # PR 375's n-gram hashing over normalized token ids (normalized_token_table)
     ngram_spread: bool = False  # the n-gram table's rows stored in a scattered order (row x NGRAM_SPREAD_MULT mod rows, a bijection: the same model, relabelled), so that each GPU's block of a sharded table holds its share of the bigram channel's rows; in row order the first GPU owns all 377,280 of them and serves about half of every micro-batch's lookups (at 8 GPUs 5x another GPU's rows)
     # backout (10/04/25): a learned multiple of this block's output is subtracted before the head; MUDD mixes it in
     # and the later blocks attend over it (parallel attention inputs, 03/06/26)
@@ -892,6 +898,7 @@ class ModelConfig:
     bigram_rows: int
     bigram_sign_rows: int
     trigram_rows: int
+    ngram_normalize: bool
     ngram_spread: bool
     backout_layer: int
     paired_head_blocks: tuple[int, ...]
@@ -1188,6 +1195,33 @@ def gpt2_token_bytes() -> list[bytes | None]:
                       "offline, set TIKTOKEN_CACHE_DIR to a folder holding tiktoken's GPT-2 files") from None
     special = {enc.encode_single_token(t) for t in enc.special_tokens_set}
     return [None if i in special else enc.decode_single_token_bytes(i) for i in range(enc.n_vocab)]
+
+
+def normalized_text(text: str) -> str:
+    """A token's text as ngram_normalize compares it (public pull request 375's normalizer chain, written with
+    unicodedata): NFKC, then NFD with the combining marks dropped (accents), lowercase, each run of spaces, tabs
+    and line breaks as one space, then stripped; a token of whitespace alone stays one space."""
+    text = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
+    text = re.sub(r"[ \t\r\n]+", " ", "".join(c for c in text if not unicodedata.combining(c)).lower())
+    return " " if text == " " else text.strip()
+
+
+def normalized_token_table(token_bytes: list[bytes | None], vocab_size: int) -> Tensor:
+    """ngram_normalize's table: each token id to the smallest id whose text normalizes the same (normalized_text);
+    special tokens, byte tokens that are not UTF-8 text, tokens that normalize to nothing and padding ids keep their
+    own. Made from the vocabulary alone, never from the data."""
+    if vocab_size < len(token_bytes):
+        raise ValueError(f"ngram_normalize is for GPT-2 tokens: vocab_size={vocab_size} is below GPT-2's "
+                         f"{len(token_bytes)}; use --ngram_normalize false")
+    table, first = list(range(vocab_size)), {}
+    for i, b in enumerate(token_bytes):
+        try:
+            key = normalized_text(b.decode("utf-8")) if b is not None else ""
+        except UnicodeDecodeError:
+            continue
+        if key:
+            table[i] = first.setdefault(key, i)
+    return torch.tensor(table, dtype=torch.int64)
 
 
 def yarn_frequencies(freqs: Tensor, old_window: int, new_window: int, alpha: float = 1.0, beta: float = 32.0) -> Tensor:
@@ -1616,6 +1650,9 @@ class GPT(nn.Module):
         self.register_buffer("bigram_signs", signs)
         # the prefix-token loss' table (prefix_table), set by the trainer when a stage has that loss
         self.register_buffer("prefix_ids", None, persistent=False)
+        # ngram_normalize's table (normalized_token_table), from the GPT-2 vocabulary
+        self.register_buffer("ngram_ids", normalized_token_table(gpt2_token_bytes(), cfg.vocab_size)
+                             if cfg.ngram_normalize else None, persistent=False)
         # the token tables' gradient sums in float32 (TableLookup), attached by the trainer: keep_table_grads
         self.register_buffer("lm_head_grad_sum", None, persistent=False)
         self.token_lookups = set()
@@ -1879,6 +1916,8 @@ class GPT(nn.Module):
         """Each position's n-gram table row (of the whole table), the bigram channel's then with trigram_rows the
         trigram channel's, and their sign rows (or None)."""
         cfg = self.cfg
+        if self.ngram_ids is not None:  # ngram_normalize: hashed from the normalized ids
+            inputs = self.ngram_ids[inputs.long()]
         rows, signs = bigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.bigram_sign_rows)
         if cfg.trigram_rows:
             rows3, signs3 = trigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.trigram_rows, cfg.bigram_sign_rows)

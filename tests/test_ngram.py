@@ -80,6 +80,36 @@ def test_trigram_rows_zero_leaves_the_model_as_it_was():
 
 # -- 2. the row-sparse gradient and Adam with exact replay
 
+def test_normalized_token_table_maps_each_token_to_the_first_of_its_normalized_text():
+    """PR 375's normalization: case, accents, NFKC forms and whitespace runs fold together, to the smallest id;
+    special tokens, bytes that are not UTF-8, tokens that normalize to nothing and padding ids keep their own."""
+    vocab = [b" The", b"the", b"THE", b"\xff", None, b"\n\n", b" ", b"caf\xc3\xa9", b"cafe", b"\xef\xac\x81",
+             b"fi", b"\xcc\x81", b"\t the  "]
+    table = tg.normalized_token_table(vocab, len(vocab) + 2).tolist()
+    assert table == [0, 0, 0, 3, 4, 5, 5, 7, 7, 9, 9, 11, 0, 13, 14]
+    assert [tg.normalized_text(t) for t in (" The", "\n\n", "caf\u00e9", "\ufb01", "\u0301")] == ["the", " ", "cafe",
+                                                                                              "fi", ""]
+    with pytest.raises(ValueError, match="ngram_normalize is for GPT-2 tokens: vocab_size=12"):
+        tg.normalized_token_table(vocab, 12)
+
+
+def test_ngram_normalize_hashes_the_normalized_ids_and_reads_the_raw_ones(monkeypatch):
+    """With ngram_normalize the n-gram rows and signs are those of the normalized stream, the model's tokens stay
+    raw: two streams that differ only in a token's case share every n-gram row."""
+    vocab = [bytes([97 + i % 26]) if i % 2 else bytes([65 + i % 26]) for i in range(BOS)]  # upper / lower letters
+    monkeypatch.setattr(tg, "gpt2_token_bytes", lambda: vocab)
+    model = tiny_model(ngram_normalize=True)
+    assert model.ngram_ids.tolist()[:BOS] == tg.normalized_token_table(vocab, TINY["vocab_size"]).tolist()[:BOS]
+    x, cu = stream()
+    rows, signs = model.ngram_indices(x, cu)
+    plain = tiny_model()
+    want = plain.ngram_indices(model.ngram_ids[x.long()].to(x.dtype), cu)
+    assert torch.equal(rows, want[0]) and torch.equal(signs, want[1])
+    folded = torch.where(x < BOS, model.ngram_ids[x.long()], x).to(x.dtype)
+    assert not torch.equal(folded, x) and torch.equal(model.ngram_indices(folded, cu)[0], rows)
+    assert not torch.equal(plain.ngram_indices(folded, cu)[0], plain.ngram_indices(x, cu)[0])
+
+
 def dense_row_adam(p, g, v, t, lr, beta2, eps, wd):
     """The rule row_sparse_adam applies to its rows, on every row of the table (untouched rows: g = 0)."""
     v = beta2 * v + (1 - beta2) * g.square().mean(1)
