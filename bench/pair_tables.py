@@ -3,9 +3,12 @@ Reads the validation-loss table (and the training-time table) of each file, grou
 columns; the public code's "public master seed N" too), and prints each group's final loss with its 95% interval and,
 for every group after the base, the mean paired difference to the base over the seeds both ran; with --target, the
 step at which each run's validation loss first reached the target, linear between validations, and that step as a
-fraction of the run's own steps.
+fraction of the run's own steps; with --tie (labels of one recipe at several step counts, repeatable), side_by_side's
+tie table across the files: each seed's trained tokens at its public run's final loss, from each table's "Data:"
+line of tokens trained.
 
-    python bench/pair_tables.py results/a_table.md results/b_table.md [...] --base record [--target 2.6709]
+    python bench/pair_tables.py results/a_table.md results/b_table.md [...] --base record [--target 2.6709] \
+        [--tie n760,n840 --tie b16n760,b16]
 
 The base defaults to the first label found. Runs of one name in two files must agree (the same run): otherwise the
 later file's runs of that name are left out, with a warning."""
@@ -15,9 +18,16 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from side_by_side import finals_table  # noqa: E402
+from side_by_side import finals_table, tie_table  # noqa: E402
 
 COLUMN = re.compile(r"^(?P<label>.+) seed (?P<seed>\d+)$")
+TRAINED = re.compile(r"(?:^|; )(?P<label>[^:;]+): \d+ steps, (?P<tokens>[\d,]+) tokens trained")
+
+
+def trained_tokens(path: Path) -> dict[str, int]:
+    """{label: tokens trained} from a side_by_side.py table's "Data:" line (none without it)."""
+    line = next((line for line in path.read_text().splitlines() if line.startswith("Data: ")), "")
+    return {m["label"]: int(m["tokens"].replace(",", "")) for m in TRAINED.finditer(line[len("Data: "):])}
 
 
 def read_table(lines: list[str], start: int) -> tuple[list[str], dict[int, list[str]], int]:
@@ -70,9 +80,15 @@ def main():
     parser.add_argument("tables", nargs="+", type=Path, help="side_by_side.py tables (--out files)")
     parser.add_argument("--base", help="the label the others are paired with (default: the first label found)")
     parser.add_argument("--target", type=float, help="also the step each run first reached this validation loss")
+    parser.add_argument("--tie", action="append", default=[], metavar="LABEL,LABEL[,...]",
+                        help="labels of one recipe at several step counts: the tokens at which each seed's finals "
+                             "reach its public run's final (repeatable; needs the public code's runs)")
     a = parser.parse_args()
     results: dict[str, dict[int, tuple]] = {}
+    tokens: dict[str, int] = {}
     for path in a.tables:
+        for label, n in trained_tokens(path).items():
+            tokens.setdefault(label, n)
         for name, by_step in parse(path).items():
             if name in results and results[name] != by_step:
                 print(f"warning: {path}: {name!r} differs from the run of that name read before; left out",
@@ -97,6 +113,16 @@ def main():
             hit, last = crossing(results[name], a.target), max(results[name])
             print(f"| {name} | {'not reached' if hit is None else f'{hit:.1f}'} | "
                   f"{'-' if hit is None else f'{hit / last:.3f}'} |")
+    if a.tie:
+        public = [g for g in groups if g.startswith("public")]
+        recipes = {label: i for i, labels in enumerate(a.tie) for label in labels.split(",")}
+        missing = [label for label in [*recipes, *public] if label not in tokens or label not in groups]
+        if not public or missing:
+            parser.error(f"--tie needs the public code's runs and each label's runs and tokens trained (a table's "
+                         f"Data: line): missing {', '.join(missing) or 'the public runs'}")
+        with_tokens = {name: {s: (*v, tokens[label]) for s, v in results[name].items()}
+                       for label in [*recipes, *public] for name in groups[label]}
+        print("\n" + "\n".join(tie_table(with_tokens, {**groups, "public": groups[public[0]]}, seeds, recipes)))
 
 
 if __name__ == "__main__":

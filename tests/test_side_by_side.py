@@ -997,6 +997,32 @@ def test_pair_tables_reads_back_what_side_by_side_writes_and_pairs_across_files(
     assert "| var seed 2 | 49.8 | 0.498 |" in out  # 10 at 0 and 2.92 at 50: between them
 
 
+def test_pair_tables_ties_one_recipe_at_two_lengths_from_two_jobs_with_the_public_runs(tmp_path, capsys):
+    """--tie: a recipe's short runs in one job beside the public code's, its long runs in another; each seed's
+    tokens where its finals reach its public run's final, from the tables' Data: lines."""
+    import pair_tables as pt
+    public = {f"public master seed {s}": {0: (10.0, 0.0), 100: (2.60 + 0.01 * s, 1.0)} for s in range(2)}
+    short = {f"short seed {s}": {0: (10.0, 0.0), 100: (2.70, 1.0)} for s in range(2)}
+    long = {f"long seed {s}": {0: (10.0, 0.0), 100: (2.50, 1.0)} for s in range(2)}
+    first, second = tmp_path / "a.md", tmp_path / "b.md"
+    first.write_text("\n".join(["Data: public master: 100 steps, 2,000 tokens trained, reads 1 of 9; short: 100 steps, "
+                                "1,000 tokens trained, reads 1 of 9", "",
+                                *fh.format_table({**public, **short}, {"public master": list(public),
+                                                                       "short": list(short)})]))
+    second.write_text("\n".join(["Data: long: 100 steps, 1,600 tokens trained, reads 1 of 9", "",
+                                 *fh.format_table(long, {"long": list(long)})]))
+    assert pt.trained_tokens(first) == {"public master": 2000, "short": 1000}
+    sys.argv = ["pair_tables.py", str(first), str(second), "--base", "short", "--tie", "short,long"]
+    pt.main()
+    out = capsys.readouterr().out
+    # seed 0: 2.60 lies at 1000 + (2.70 - 2.60) / 0.20 x 600 = 1300 tokens, 0.650 of 2000; seed 1: 2.61 at 1270
+    assert "| short / long | 0 | 2.6000 | 1,300 (0.650) |" in out and "| short / long | 1 | 2.6100 | 1,270 (0.635) |" in out
+    sys.argv = ["pair_tables.py", str(second), "--tie", "short,long"]
+    with pytest.raises(SystemExit):
+        pt.main()
+    assert "--tie needs the public code's runs" in capsys.readouterr().err
+
+
 def test_runs_sharing_a_gpu_start_again_once_after_running_out_of_memory_one_fewer_at_a_time(monkeypatch, tmp_path,
                                                                                              capsys):
     """Several at once, a run whose output says CUDA ran out of memory starts again once, its first logs kept
