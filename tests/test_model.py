@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import BOS, TINY
+from conftest import BOS, TINY, compiled_matches_eager
 
 W3, W1 = tg.window_tokens(3, TINY["window_block"]), tg.window_tokens(1, TINY["window_block"])  # (48, 16), (16, 0)
 
@@ -881,6 +881,15 @@ def test_doc_copy_starts_as_the_model_without_it_then_its_tables_change_the_outp
     groups = {id(p): g for g in tg.build_optimizers(model, args, 0, 1)[0].param_groups for p in g["params"]}
     group = groups[id(model.doc_copy_embed)]
     assert group is groups[id(model.doc_copy_gains)] and group["lr"] == args.adam_lr and group["betas"] == (0.9, 0.99)
+
+
+@pytest.mark.parametrize("flags", [dict(doc_copy=True), dict(mudd_head_ten=True, model_dim=128, num_heads=4),
+                                   dict(ngram_normalize=True)], ids=["doc_copy", "mudd_head_ten", "ngram_normalize"])
+def test_the_pending_model_fields_compile_whole_with_the_eager_arithmetic(flags, monkeypatch):
+    """torch.compile(fullgraph=True) takes the model with each pending field on (no graph break: the GPU runs
+    compile so), loss and gradients as eager."""
+    monkeypatch.setattr(tg, "gpt2_token_bytes", lambda: [bytes([65 + i % 26 + 32 * (i % 2)]) for i in range(BOS)])
+    compiled_matches_eager(tiny_model(randomize=True, **flags), *batch(), 128, W3)
 
 
 def test_mudd_gates_give_per_token_weights_in_their_layout_and_replace_the_static_ones():
