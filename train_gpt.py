@@ -2122,10 +2122,10 @@ class GPT(nn.Module):
         source, the last MLP's input, the shared attention input) weighed per token and per 64-channel group:
         MUDD_SCALE (W2 h + b2 + W2g h), h = GELU(W1 x), MUDD MLP 1's layers and the zero-init per-group W2g."""
         n, G, T = len(sources), x.size(-1) // MUDD_GROUP, x.size(0)  # sources in head_mix_names' order
-        h = F.gelu(F.linear(x, self.mudd_w1[MUDD_DIM:].type_as(x)))
-        mu = F.linear(h, self.mudd_w2[MUDD_COEFS: MUDD_COEFS + n].type_as(x)) + self.mudd_b2[MUDD_COEFS:
-                                                                                           MUDD_COEFS + n].type_as(x)
-        c = MUDD_SCALE * (mu[:, :, None] + F.linear(h, self.mudd_w2g[: n * G].type_as(x)).view(T, n, G))
+        rows = slice(MUDD_COEFS, MUDD_COEFS + n)  # MUDD MLP 1's per-token outputs, then the per-group deltas'
+        out = mudd_mlp(x, self.mudd_w1[MUDD_DIM:], torch.cat([self.mudd_w2[rows], self.mudd_w2g[: n * G]]),
+                       F.pad(self.mudd_b2[rows], (0, n * G)))
+        c = MUDD_SCALE * (out[:, :n, None] + out[:, n:].view(T, n, G))
         out = x.view(T, G, MUDD_GROUP)
         for k, src in enumerate(sources):
             out = out + c[:, k, :, None] * src.type_as(x).view(T, G, MUDD_GROUP)
@@ -3702,7 +3702,8 @@ def param_groups_by_role(model: GPT) -> dict[str, list[nn.Parameter]]:
     """Parameters by what they are (the optimizers and the size report split them so)."""
     groups = {"token embedding": [model.embed.weight], "value embeddings": [m.weight for m in model.value_embeds]}
     groups["bigram embedding"] = [model.bigram_embed.weight]
-    mudd = {"MUDD": [model.mudd_w1, model.mudd_w2, model.mudd_b2, *([model.mudd_w2g] if model.cfg.mudd_head_ten else [])],
+    mudd = {"MUDD": [model.mudd_w1, model.mudd_w2, model.mudd_b2,
+                     *([model.mudd_w2g] if model.cfg.mudd_head_ten else [])],
             "MUDD gates": [model.mudd_gate_w1, model.mudd_gate_w2, model.mudd_gate_b2]}
     if model.cfg.cplm_bands:
         mudd["copy pointer"] = [model.copy_qk, model.copy_sink]
