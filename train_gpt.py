@@ -4404,8 +4404,9 @@ class GraphRunner:
       then it is zeroed first, one launch for all) and copied in where something put another there;
     - the n-gram log and a sharded table's row cache are fixed buffers (keep_table_grads, pull_ngram_rows); if one
       moves (the log grows), the graphs captured with it are dropped and their shapes captured again.
-    All graphs share one memory pool. Evaluation calls the compiled model as usual (__call__). capture=False (the
-    CPU tests): the same tensors and bookkeeping, the compiled model run on them instead of a replay."""
+    All graphs share one memory pool (a new one once every graph of the old is dropped). Evaluation calls the
+    compiled model as usual (__call__). capture=False (the CPU tests): the same tensors and bookkeeping, the compiled
+    model run on them instead of a replay."""
 
     def __init__(self, model: "GPT", compiled, capture: bool = True):
         self.model, self.compiled, self.capture = model, compiled, capture
@@ -4462,7 +4463,10 @@ class GraphRunner:
         fixed = self.fixed()
         key = shape + (fixed,)
         if key not in self.graphs:
-            self.graphs = {k: v for k, v in self.graphs.items() if k[-1] == fixed}  # moved buffers: recapture
+            kept = {k: v for k, v in self.graphs.items() if k[-1] == fixed}  # moved buffers: recapture
+            if self.graphs and not kept and self.capture:  # the allocator refuses to capture into a pool whose
+                self.pool = torch.cuda.graph_pool_handle()  # graphs are all gone (its use_count assert): a new one
+            self.graphs = kept
             self.graphs[key] = self.record(shape, inputs, targets, cu_seqlens, mtp, prefix, offset)
         graph, static, loss = self.graphs[key]
         for name, t in (("inputs", inputs), ("targets", targets), ("cu_seqlens", cu_seqlens), ("mtp", mtp),

@@ -225,7 +225,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tg.Hyperpa
 def main():
     own, args = parse()
     per_stage = own.stages is not None  # --stages, with or without a table
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # with an index: the memory cap takes no bare "cuda"
     if own.memory_gib:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(memory_fraction(own.memory_gib, total), device)

@@ -80,6 +80,44 @@ def test_a_grown_ngram_log_retires_the_graphs_that_read_the_old_one(tiny_args):
     assert keys[0] == keys[1] == [keys[0][0]] and keys[2] == [runner.fixed()] and keys[2] != keys[0]
 
 
+def test_a_pool_whose_graphs_are_all_dropped_is_not_captured_into_again(tiny_args, monkeypatch):
+    """The caching allocator asserts (use_count > 0) when a capture names a pool that held graphs and holds none now:
+    once the grown log drops every graph (as above), the next capture takes a new pool. Here stand-ins for CUDA's
+    graphs and pools keep the allocator's rule: each pool counts its live graphs."""
+    import contextlib
+    import gc
+    import weakref
+    live, used, handles = {}, set(), iter(range(1, 100))
+
+    class Graph:
+        def replay(self):
+            pass
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, capture_error_mode=None):
+        if pool in used and not live.get(pool):
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
+        used.add(pool)
+        live[pool] = live.get(pool, 0) + 1
+        weakref.finalize(g, lambda: live.__setitem__(pool, live[pool] - 1))
+        yield
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    args = tiny_args(**FAST, ngram_sparse_adam=True, trigram_rows=512)
+    model, compiled, optimizers, _ = tg.build(args, torch.device("cpu"), 0, 1)
+    runner = tg.GraphRunner(model, compiled, capture=False)
+    runner.capture, runner.pool = True, torch.cuda.graph_pool_handle()  # as on a GPU, from here on
+    schedule, stage, loader = first_stage(args)
+    pools = []
+    for _ in range(3):  # the third step grows the log: its capture finds the first pool without graphs
+        tg.train_step(model, runner, optimizers, loader.next()[1], 0, stage, schedule)
+        gc.collect()
+        pools.append(runner.pool)
+    loader.close()
+    assert runner.captures == 2 and pools == [1, 1, 2] and live == {1: 0, 2: 1}
+
+
 def test_every_forward_and_backward_compiles_with_the_python_wrapper(tiny_args, monkeypatch):
     """With --cpp_wrapper on, the runner still calls the compiled model under Inductor's Python wrapper: at a shape's
     compile run and at its capture (here the capture's stand-in), so that a graph compiled during a capture is never
