@@ -5,7 +5,8 @@ for every group after the base, the mean paired difference to the base over the 
 step at which each run's validation loss first reached the target, linear between validations, and that step as a
 fraction of the run's own steps; with --tie (labels of one recipe at several step counts, repeatable), side_by_side's
 tie table across the files: each seed's trained tokens at its public run's final loss, from each table's "Data:"
-line of tokens trained.
+line of tokens trained. A run whose last validation comes before its label's steps on that line (a stopped run) is
+left out, with a warning.
 
     python bench/pair_tables.py results/a_table.md results/b_table.md [...] --base record [--target 2.6709] \
         [--tie n760,n840 --tie b16n760,b16]
@@ -21,13 +22,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from side_by_side import finals_table, tie_table  # noqa: E402
 
 COLUMN = re.compile(r"^(?P<label>.+) seed (?P<seed>\d+)$")
-TRAINED = re.compile(r"(?:^|; )(?P<label>[^:;]+): \d+ steps, (?P<tokens>[\d,]+) tokens trained")
+TRAINED = re.compile(r"(?:^|; )(?P<label>[^:;]+): (?P<steps>\d+) steps, (?P<tokens>[\d,]+) tokens trained")
+
+
+def data_line(path: Path) -> dict[str, tuple[int, int]]:
+    """{label: (steps, tokens trained)} from a side_by_side.py table's "Data:" line (none without it)."""
+    line = next((line for line in path.read_text().splitlines() if line.startswith("Data: ")), "")
+    return {m["label"]: (int(m["steps"]), int(m["tokens"].replace(",", "")))
+            for m in TRAINED.finditer(line[len("Data: "):])}
 
 
 def trained_tokens(path: Path) -> dict[str, int]:
-    """{label: tokens trained} from a side_by_side.py table's "Data:" line (none without it)."""
-    line = next((line for line in path.read_text().splitlines() if line.startswith("Data: ")), "")
-    return {m["label"]: int(m["tokens"].replace(",", "")) for m in TRAINED.finditer(line[len("Data: "):])}
+    """{label: tokens trained} from a table's "Data:" line."""
+    return {label: tokens for label, (_, tokens) in data_line(path).items()}
 
 
 def read_table(lines: list[str], start: int) -> tuple[list[str], dict[int, list[str]], int]:
@@ -87,9 +94,15 @@ def main():
     results: dict[str, dict[int, tuple]] = {}
     tokens: dict[str, int] = {}
     for path in a.tables:
-        for label, n in trained_tokens(path).items():
+        planned = data_line(path)
+        for label, (_, n) in planned.items():
             tokens.setdefault(label, n)
         for name, by_step in parse(path).items():
+            steps = planned.get(COLUMN.match(name)["label"], (0, 0))[0]
+            if max(by_step) < steps:  # its last validation is not a final loss
+                print(f"warning: {path}: {name!r} stopped at step {max(by_step)} of {steps}; left out",
+                      file=sys.stderr)
+                continue
             if name in results and results[name] != by_step:
                 print(f"warning: {path}: {name!r} differs from the run of that name read before; left out",
                       file=sys.stderr)

@@ -1070,10 +1070,13 @@ def report(a, runs: list, code: PublicCode, labels: list[str], plans: list[str] 
     each of our labels): validation losses and times, finals with paired differences, and (runs one at a time) each
     stage's step time; with --report, from the logs a stopped command left, a run without a log or with part of one
     shown as far as it got."""
-    results, seeds, per_stage = {}, {}, {}
+    results, seeds, per_stage, cut = {}, {}, {}, {}
     for name, log, _, _, _, seed, stages in runs:
         text = log_text(log)
         by_step = logparse.val_losses(text)
+        total = max((s.total for s in logparse.step_lines(text)), default=None)
+        if by_step and total is not None and max(by_step) < total:  # stopped before its last validation
+            cut[name] = f"{name} (last validation at step {max(by_step)} of {total})"
         if name.startswith("public"):  # the public lines lack tokens: from its schedule
             by_step = {s: (v, ms, tokens_at(stages, s)) for s, (v, ms, _) in by_step.items()}
             logged = logparse.stage_boundaries(text)
@@ -1100,10 +1103,14 @@ def report(a, runs: list, code: PublicCode, labels: list[str], plans: list[str] 
     missing = [f"{name} ({log})" for name, log, *_ in runs if not log.exists()]
     if missing:
         lines.append("No log: " + ", ".join(missing))
-    lines += ["", *format_table(results, groups), "", *finals_table(results, groups, seeds)]
+    if cut:  # a stopped run's last validation is not its final loss
+        lines.append("Stopped before their last step, left out of the finals and the tie table: "
+                     + ", ".join(cut.values()))
+    finished = {n: r for n, r in results.items() if n not in cut}
+    lines += ["", *format_table(results, groups), "", *finals_table(finished, groups, seeds)]
     recipes = {label: recipe(next(cmd for n, _, cmd, *_ in runs if n.startswith(f"{label} seed ")))
                for label in labels if groups.get(label)}
-    tie = tie_table(results, groups, seeds, recipes)
+    tie = tie_table(finished, groups, seeds, recipes)
     lines += ["", *tie] if tie else []
     if a.target is not None:
         lines += ["", *target_table(results, a.target)]

@@ -220,7 +220,8 @@ def test_report_rebuilds_the_tables_from_the_logs_of_a_stopped_command_and_runs_
     (work / "public_master" / "logs").mkdir(parents=True, exist_ok=True)
     (work / "public_master" / "logs" / f"public_master_{stamp}_seed0.txt").write_text(public_log)
     (work / "logs").mkdir(parents=True, exist_ok=True)
-    (work / "logs" / f"ours_{stamp}_seed0.txt").write_text("warm-up: shape 1/5 done at 30s\n")  # cut off
+    (work / "logs" / f"ours_{stamp}_seed0.txt").write_text(  # cut off after its first validation
+        "warm-up: shape 1/5 done at 30s\nstep:0/80 val_loss:10.9000 train_time:0ms step_avg:0ms\n")
     # the monitor's file and the runs' journal as the command leaves them: GPU 0 busy at 1980 MHz while the master's
     # first run trained, one sample under the power cap; its second run has no busy sample
     (work / f"runs_{stamp}.tsv").write_text(f"100.0\tpublic master seed 0\n150.0\tours seed 0\n")
@@ -245,6 +246,9 @@ def test_report_rebuilds_the_tables_from_the_logs_of_a_stopped_command_and_runs_
     assert f"No log: public master seed 1 ({work / 'public_master' / 'logs' / f'public_master_{stamp}_seed1.txt'}), " \
            f"ours seed 1" in out
     assert "| 80 | 3.0400 | - | - | - |" in out  # the public run's final loss; the others have none
+    assert "| 0 | - | - | 10.9000 | - | - |" in out  # the stopped run's curve as far as it went, but no final loss:
+    assert "left out of the finals and the tie table: ours seed 0 (last validation at step 0 of 80)" in out
+    assert "| ours | 0 | - | - |" in out
     row = next(line for line in out.splitlines() if line.startswith("| public master seed 0 | "))
     assert row.startswith("| public master seed 0 | 10.0 ms") and "| 30.0 ms (" in row
     assert row.endswith(f"| {(423 * 10 + 424 * 20 + 423 * 30 + 15 * 31) / 1000:.1f} s |")  # the master's own schedule
@@ -987,6 +991,15 @@ def test_pair_tables_reads_back_what_side_by_side_writes_and_pairs_across_files(
     second = tmp_path / "b.md"
     second.write_text("\n".join(fh.format_table(variant, {"var": list(variant)})))
     assert pt.parse(first) == base and pt.parse(second) == variant  # the lost run is no run
+    stopped = tmp_path / "c.md"  # a run stopped after its first validation, its label's steps on the Data: line
+    cut = {**variant, "var seed 3": {0: (10.0, 0.0)}}
+    stopped.write_text("\n".join(["Data: var: 100 steps, 1,000 tokens trained, reads 1 of 9", "",
+                                   *fh.format_table(cut, {"var": list(cut)})]))
+    assert "var seed 3" in pt.parse(stopped)
+    sys.argv = ["pair_tables.py", str(stopped), str(first), "--base", "base"]
+    pt.main()
+    out, err = capsys.readouterr()
+    assert "'var seed 3' stopped at step 0 of 100; left out" in err and "| var | 3 | " in out
     sys.argv = ["pair_tables.py", str(second), str(first), "--base", "base", "--target", "2.95"]
     pt.main()
     out = capsys.readouterr().out
