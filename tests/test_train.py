@@ -51,20 +51,26 @@ def _train_worker(rank, world_size, args, out):
         torch.save((run.train_losses, run.val_losses), out)
 
 
-@pytest.mark.slow
-def test_two_processes_one_accumulation_step_equal_one_process_two_steps(tiny_args, tmp_path):
-    args = tiny_args(batch_size=2 * 128, num_iterations=8, val_every=4)
+def two_processes_train_as_one(args, tmp_path) -> tg.RunResult:
+    """args on 2 gloo processes (one micro-batch each a step) and on 1 (two in turn): the same training and
+    validation losses; returns the one-process run. Equal to the bit with Adam every step. With Adam every second
+    step its gradient sums two steps of two micro-batches in another order on 2 processes (each rank's two steps,
+    then the ranks) than on 1 (the micro-batches in turn), and Adam's second step onwards shows that rounding:
+    2-3e-5 of the loss."""
     out = str(tmp_path / "two.pt")
     spawn(_train_worker, 2, args, out)
     two_train, two_val = torch.load(out)
     one = tg.train(args)
-    # Equal to the bit with Adam every step. With Adam every second step its gradient sums two steps of two
-    # micro-batches in another order on 2 processes (each rank's two steps, then the ranks) than on 1 (the
-    # micro-batches in turn), and Adam's second step onwards shows that rounding: 2-3e-5 of the loss.
     rtol = 1e-5 if args.adam_every == 1 else 1e-4
     torch.testing.assert_close(torch.tensor(two_train), torch.tensor(one.train_losses), rtol=rtol, atol=0)
     torch.testing.assert_close(torch.tensor([v for _, v in two_val]), torch.tensor([v for _, v in one.val_losses]),
                                rtol=rtol, atol=0)
+    return one
+
+
+@pytest.mark.slow
+def test_two_processes_one_accumulation_step_equal_one_process_two_steps(tiny_args, tmp_path):
+    two_processes_train_as_one(tiny_args(batch_size=2 * 128, num_iterations=8, val_every=4), tmp_path)
 
 
 @pytest.mark.slow
@@ -73,14 +79,8 @@ def test_a_pending_model_field_trains_on_two_processes_as_on_one(tiny_args, tmp_
     """A pending model field's tables in their optimizer's group (doc_copy's in the MUDD group's Adam, rows padded
     for 8 shards; the ten-source mix's deltas) train on 2 gloo processes as on one: the same losses to float32
     rounding (the micro-batches' gradients summed in another order), and the field's tables learned."""
-    args = tiny_args(batch_size=2 * 128, num_iterations=8, val_every=4, save_every=8, **{field: True})
-    out = str(tmp_path / "two.pt")
-    spawn(_train_worker, 2, dataclasses.replace(args, run_id="two"), out)
-    two_train, two_val = torch.load(out)
-    one = tg.train(dataclasses.replace(args, run_id="one"))
-    torch.testing.assert_close(torch.tensor(two_train), torch.tensor(one.train_losses), rtol=1e-4, atol=0)
-    torch.testing.assert_close(torch.tensor([v for _, v in two_val]), torch.tensor([v for _, v in one.val_losses]),
-                               rtol=1e-4, atol=0)
+    one = two_processes_train_as_one(tiny_args(batch_size=2 * 128, num_iterations=8, val_every=4, save_every=8,
+                                               **{field: True}), tmp_path)
     weights = torch.load(Path(one.checkpoint) / "model.pt", weights_only=True)["model"]
     table = weights["doc_copy_embed" if field == "doc_copy" else "mudd_w2g"]
     assert table.abs().sum() > 0  # zero at the start
