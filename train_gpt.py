@@ -4403,7 +4403,9 @@ class GraphRunner:
       runner keeps, attached as .grad before each replay where something took it off (an optimizer's zero_grad:
       then it is zeroed first, one launch for all) and copied in where something put another there;
     - the n-gram log and a sharded table's row cache are fixed buffers (keep_table_grads, pull_ngram_rows); if one
-      moves (the log grows), the graphs captured with it are dropped and their shapes captured again.
+      moves (the log grows), the graphs captured with it are dropped and their shapes captured again, each after one
+      micro-batch run as usual: dynamo guards the buffers' sizes, so the first call after a move compiles anew, and a
+      compile inside a capture fails (Inductor's passes call CUDA as a capture forbids: an H200, 2026-12-01).
     All graphs share one memory pool (a new one once every graph of the old is dropped). Evaluation calls the
     compiled model as usual (__call__). capture=False (the CPU tests): the same tensors and bookkeeping, the compiled
     model run on them instead of a replay."""
@@ -4411,6 +4413,7 @@ class GraphRunner:
     def __init__(self, model: "GPT", compiled, capture: bool = True):
         self.model, self.compiled, self.capture = model, compiled, capture
         self.graphs: dict[tuple, tuple] = {}  # key -> (graph or None, its input tensors, its loss)
+        self.ran: set[tuple] = set()  # keys (shape, buffer addresses) run once as usual: the next one is captured
         self.touched: dict[tuple, list[nn.Parameter]] = {}  # shape -> the parameters its backward gives gradients
         self.grads: dict[nn.Parameter, Tensor] = {}  # parameter -> the tensor its gradient accumulates in
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -4456,6 +4459,7 @@ class GraphRunner:
             loss = self.forward_backward(dict(inputs=inputs, targets=targets, cu_seqlens=cu_seqlens, mtp=mtp,
                                               prefix=prefix, offset=offset), shape)
             self.touched[shape] = [p for p in params if p.grad is not None]
+            self.ran.add(shape + (self.fixed(),))
             for p, before in zip(params, held):  # autograd's accumulation: added in place into what was there
                 if before is not None:
                     p.grad = before if p.grad is None else before.add_(p.grad)
@@ -4467,6 +4471,11 @@ class GraphRunner:
             if self.graphs and not kept and self.capture:  # the allocator refuses to capture into a pool whose
                 self.pool = torch.cuda.graph_pool_handle()  # graphs are all gone (its use_count assert): a new one
             self.graphs = kept
+            if key not in self.ran:  # moved buffers: run as usual once, where dynamo may compile for their new sizes
+                self.ran.add(key)
+                self.attach(self.touched[shape])
+                return self.forward_backward(dict(inputs=inputs, targets=targets, cu_seqlens=cu_seqlens, mtp=mtp,
+                                                  prefix=prefix, offset=offset), shape)
             self.graphs[key] = self.record(shape, inputs, targets, cu_seqlens, mtp, prefix, offset)
         graph, static, loss = self.graphs[key]
         for name, t in (("inputs", inputs), ("targets", targets), ("cu_seqlens", cu_seqlens), ("mtp", mtp),

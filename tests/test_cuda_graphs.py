@@ -66,18 +66,59 @@ def test_the_runner_trains_as_the_usual_launch_bit_for_bit(corpus, tmp_path, mon
 
 def test_a_grown_ngram_log_retires_the_graphs_that_read_the_old_one(tiny_args):
     """The log's addresses are part of a graph's key: when reserve_ngram_log grows it (a third step without Adam's
-    flush: the log has room for two), the graphs made with the old log are dropped and the shape gets new ones."""
+    flush: the log has room for two), the graphs made with the old log are dropped, the shape's next micro-batch runs
+    as usual (no graph) and the one after it gets a new graph."""
     args = tiny_args(**FAST, ngram_sparse_adam=True, trigram_rows=512)
     model, compiled, optimizers, _ = tg.build(args, torch.device("cpu"), 0, 1)
     runner = tg.GraphRunner(model, compiled, capture=False)
     schedule, stage, loader = first_stage(args)
     keys, room = [], model.ngram_log["rows"].numel()
-    for _ in range(3):  # step 0 each time: not an Adam step (adam_every 2), so no flush
+    for _ in range(4):  # step 0 each time: not an Adam step (adam_every 2), so no flush; 2 micro-batches a step
         tg.train_step(model, runner, optimizers, loader.next()[1], 0, stage, schedule)
         keys.append([key[-1] for key in runner.graphs])
     loader.close()
     assert model.ngram_log["rows"].numel() > room, "the third step grew the log"
-    assert keys[0] == keys[1] == [keys[0][0]] and keys[2] == [runner.fixed()] and keys[2] != keys[0]
+    assert keys[0] == keys[1] == [keys[0][0]] and keys[2] == keys[3] == [runner.fixed()] and keys[2] != keys[0]
+
+
+def test_no_capture_follows_a_move_of_the_ngram_log_at_once(tiny_args, monkeypatch):
+    """Dynamo guards the log's size: the compiled model's first call after the log grows compiles anew, and a compile
+    inside a CUDA capture fails (an H200: "operation not permitted when stream is capturing"). Stand-ins: a capture
+    that fails when the compiled model's call finds the log at another size than its call before (dynamo's guard)."""
+    import contextlib
+    capturing, sizes = [False], []
+
+    class Graph:
+        def replay(self):
+            pass
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, capture_error_mode=None):
+        capturing[0] = True
+        try:
+            yield
+        finally:
+            capturing[0] = False
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: 0)
+    args = tiny_args(**FAST, ngram_sparse_adam=True, trigram_rows=512)
+    model, compiled, optimizers, _ = tg.build(args, torch.device("cpu"), 0, 1)
+
+    def guarded(*a, **k):
+        sizes.append(model.ngram_log["rows"].numel())
+        if capturing[0] and sizes[-2:-1] != sizes[-1:]:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return compiled(*a, **k)
+    runner = tg.GraphRunner(model, guarded, capture=False)
+    runner.capture = True  # as on a GPU, from here on
+    schedule, stage, loader = first_stage(args)
+    for _ in range(4):  # the third step grows the log (as above)
+        tg.train_step(model, runner, optimizers, loader.next()[1], 0, stage, schedule)
+    loader.close()
+    room = sizes[0]
+    # the compile run and the capture at the first size; after the move one usual run, then the capture
+    assert sizes == [room, room, 2 * room, 2 * room] and runner.captures == 2
 
 
 def test_a_pool_whose_graphs_are_all_dropped_is_not_captured_into_again(tiny_args, monkeypatch):
@@ -110,12 +151,12 @@ def test_a_pool_whose_graphs_are_all_dropped_is_not_captured_into_again(tiny_arg
     runner.capture, runner.pool = True, torch.cuda.graph_pool_handle()  # as on a GPU, from here on
     schedule, stage, loader = first_stage(args)
     pools = []
-    for _ in range(3):  # the third step grows the log: its capture finds the first pool without graphs
+    for _ in range(4):  # the third step grows the log and drops the graphs; the fourth's capture needs a new pool
         tg.train_step(model, runner, optimizers, loader.next()[1], 0, stage, schedule)
         gc.collect()
         pools.append(runner.pool)
     loader.close()
-    assert runner.captures == 2 and pools == [1, 1, 2] and live == {1: 0, 2: 1}
+    assert runner.captures == 2 and pools == [1, 1, 2, 2] and live == {1: 0, 2: 1}
 
 
 def test_every_forward_and_backward_compiles_with_the_python_wrapper(tiny_args, monkeypatch):
