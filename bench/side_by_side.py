@@ -1262,21 +1262,9 @@ def main():
                              tg.Schedule(tg.parse_args(argv)).stages))
         return runs
 
-    stamp = a.report or time.strftime("%Y%m%d_%H%M%S")
-    runs = in_turns(make_runs(stamp)) if a.alternate else make_runs(stamp)
-    if a.report:  # the conditions from the monitor's file and the runs' journal, where the command left them
-        monitored, journal = a.work / f"gpu_monitor_{stamp}.csv", a.work / f"runs_{stamp}.tsv"
-        missing = [f.name for f in (monitored, journal) if not f.exists()]
-        conditions = ([f"Conditions: not recorded (not in --work: {', '.join(missing)})"] if missing else
-                      conditions_table(runs_conditions(runs, read_monitor_csv(monitored), read_journal(journal),
-                                                       a.nproc)))
-        report(a, runs, code, [label for label, _ in variants], conditions=conditions)
-        return
-
-    print(f"public code: {code.name}, {code.origin}; staged in {stage}", flush=True)
-    plans = []
-    # the data check, before any GPU time: no run may read a token twice
-    try:
+    def data_plans(train_files: list[str]) -> list[str]:
+        """Each code's and label's steps, tokens trained and tokens read (the loaders simulated on the host)."""
+        plans = []
         if a.public_seeds:
             pub = simulate_public_loader(train_files, pub_stages, a.accum, a.nproc)
             plans.append(f"public {code.name}: {len(step_plan(pub_stages))} steps, {pub['trained']:,} tokens "
@@ -1293,6 +1281,28 @@ def main():
                 continue
             plans.append(f"{label}: {args.num_iterations} steps, {ours['trained']:,} tokens trained, reads "
                          f"{ours['read']:,} of {ours['total']:,}")
+        return plans
+
+    stamp = a.report or time.strftime("%Y%m%d_%H%M%S")
+    runs = in_turns(make_runs(stamp)) if a.alternate else make_runs(stamp)
+    if a.report:  # the conditions from the monitor's file and the runs' journal, where the command left them
+        monitored, journal = a.work / f"gpu_monitor_{stamp}.csv", a.work / f"runs_{stamp}.tsv"
+        missing = [f.name for f in (monitored, journal) if not f.exists()]
+        conditions = ([f"Conditions: not recorded (not in --work: {', '.join(missing)})"] if missing else
+                      conditions_table(runs_conditions(runs, read_monitor_csv(monitored), read_journal(journal),
+                                                       a.nproc)))
+        # the Data: line (pair_tables' --tie reads each label's tokens from it) where the shards are here to plan
+        try:
+            plans = data_plans(tg.shard_files(a.train_files, "training"))
+        except (FileNotFoundError, DataExhausted) as e:
+            print(f"no Data: line: {e}", file=sys.stderr)
+            plans = []
+        report(a, runs, code, [label for label, _ in variants], plans, conditions=conditions)
+        return
+
+    print(f"public code: {code.name}, {code.origin}; staged in {stage}", flush=True)
+    try:  # the data check, before any GPU time: no run may read a token twice
+        plans = data_plans(train_files)
     except DataExhausted as e:
         fail(f"{e}: the shards hold too few tokens for this schedule once; use a larger --batch_div or "
              "--step_div, or more data")

@@ -202,8 +202,9 @@ def test_alternate_takes_the_codes_in_turns_after_the_warming_runs(monkeypatch, 
 
 def test_report_rebuilds_the_tables_from_the_logs_of_a_stopped_command_and_runs_nothing(monkeypatch, tmp_path, capsys):
     """--report STAMP: the tables of the runs a command with the same flags started at STAMP, from the logs it left
-    (no shards, no staging, nothing launched): a public run's stage times and loss, a run cut off in its warm-up (its
-    log without a step) and a run that never started (no log), each shown as far as it got."""
+    (no staging, nothing launched): a public run's stage times and loss, a run cut off in its warm-up (its log without
+    a step) and a run that never started (no log), each shown as far as it got; the Data: line (each label's tokens,
+    which pair_tables' --tie reads) only where the shards are there to plan from."""
     argv = ["--public_seeds", "0", "1", "--seeds", "0", "1", "--alternate", "--step_div", "16", "--batch_div", "1"]
     started = [name for _, name in fake_main(monkeypatch, tmp_path, argv)]
     stamp = started[0].split("_seed")[0].removeprefix("public_master_")
@@ -230,7 +231,7 @@ def test_report_rebuilds_the_tables_from_the_logs_of_a_stopped_command_and_runs_
     (work / f"gpu_monitor_{stamp}.csv").write_text(
         fh.MONITOR_CSV_HEADER + "\n" + "\n".join(map(fh.monitor_csv_line, samples)) + "\n1000.0,1.0,0,19")
     os.utime(work / "public_master" / "logs" / f"public_master_{stamp}_seed0.txt", (140, 140))
-    for shard in (tmp_path / "data").iterdir():  # --report reads no shard
+    for shard in (tmp_path / "data").iterdir():  # without the shards: the tables all the same
         shard.unlink()
     monkeypatch.setattr(fh, "stage_public", lambda *a: pytest.fail("--report staged the public code"))
     monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--public", str(tmp_path), "--train_files",
@@ -241,7 +242,7 @@ def test_report_rebuilds_the_tables_from_the_logs_of_a_stopped_command_and_runs_
     capsys.readouterr()
     fh.main()
     out = capsys.readouterr().out
-    assert out == (tmp_path / "table.md").read_text()
+    assert out == (tmp_path / "table.md").read_text() and "\nData: " not in out
     assert f"Tables rebuilt from the logs of the runs started at {stamp} (--report" in out
     assert f"No log: public master seed 1 ({work / 'public_master' / 'logs' / f'public_master_{stamp}_seed1.txt'}), " \
            f"ours seed 1" in out
@@ -260,6 +261,10 @@ def test_report_rebuilds_the_tables_from_the_logs_of_a_stopped_command_and_runs_
     (work / f"runs_{stamp}.tsv").unlink()  # without the journal: said, not guessed
     fh.main()
     assert f"Conditions: not recorded (not in --work: runs_{stamp}.tsv)" in capsys.readouterr().out
+    write_corpus(tmp_path / "data")  # the shards back: the data plan as the command printed it (loaders stood in)
+    fh.main()
+    assert re.search(r"^Data: public master: \d+ steps, 1 tokens trained, reads 1 of the shards' 1; ours: \d+ steps, "
+                     r"1 tokens trained, reads 1 of 1$", capsys.readouterr().out, re.M)
 
 
 # ---- the public line's current code (master) and record #89: patches, the scaling rule, the data check
