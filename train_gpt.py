@@ -4451,13 +4451,13 @@ class GraphRunner:
         shape = (tuple(inputs.shape), tuple(cu_seqlens.shape), max_doc_len, tuple(windows), count,
                  None if mtp is None else mtp.numel(), None if prefix is None else prefix.numel(),
                  self.model.tied_embed)
+        batch = dict(inputs=inputs, targets=targets, cu_seqlens=cu_seqlens, mtp=mtp, prefix=prefix, offset=offset)
         if shape not in self.touched:  # compile: with every .grad held aside, to see which ones the backward makes
             params = [p for p in self.model.parameters() if p.requires_grad]
             held = [p.grad for p in params]
             for p in params:
                 p.grad = None
-            loss = self.forward_backward(dict(inputs=inputs, targets=targets, cu_seqlens=cu_seqlens, mtp=mtp,
-                                              prefix=prefix, offset=offset), shape)
+            loss = self.forward_backward(batch, shape)
             self.touched[shape] = [p for p in params if p.grad is not None]
             self.ran.add(shape + (self.fixed(),))
             for p, before in zip(params, held):  # autograd's accumulation: added in place into what was there
@@ -4474,12 +4474,10 @@ class GraphRunner:
             if key not in self.ran:  # moved buffers: run as usual once, where dynamo may compile for their new sizes
                 self.ran.add(key)
                 self.attach(self.touched[shape])
-                return self.forward_backward(dict(inputs=inputs, targets=targets, cu_seqlens=cu_seqlens, mtp=mtp,
-                                                  prefix=prefix, offset=offset), shape)
+                return self.forward_backward(batch, shape)
             self.graphs[key] = self.record(shape, inputs, targets, cu_seqlens, mtp, prefix, offset)
         graph, static, loss = self.graphs[key]
-        for name, t in (("inputs", inputs), ("targets", targets), ("cu_seqlens", cu_seqlens), ("mtp", mtp),
-                        ("prefix", prefix), ("offset", offset)):
+        for name, t in batch.items():
             if t is not None:
                 static[name].copy_(t, non_blocking=True)
         self.attach(self.touched[shape])
