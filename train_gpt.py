@@ -4475,7 +4475,7 @@ class GraphRunner:
                 self.ran.add(key)
                 self.attach(self.touched[shape])
                 return self.forward_backward(batch, shape)
-            self.graphs[key] = self.record(shape, inputs, targets, cu_seqlens, mtp, prefix, offset)
+            self.graphs[key] = self.record(shape, **batch)
         graph, static, loss = self.graphs[key]
         for name, t in batch.items():
             if t is not None:

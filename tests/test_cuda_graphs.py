@@ -64,6 +64,13 @@ def test_the_runner_trains_as_the_usual_launch_bit_for_bit(corpus, tmp_path, mon
     assert all(graph is None and loss is None for graph, _, loss in runner.graphs.values())  # capture=False
 
 
+class StandInGraph:
+    """torch.cuda.CUDAGraph's stand-in on the CPU (the tests' captures are their own context managers)."""
+
+    def replay(self):
+        pass
+
+
 def test_a_grown_ngram_log_retires_the_graphs_that_read_the_old_one(tiny_args):
     """The log's addresses are part of a graph's key: when reserve_ngram_log grows it (a third step without Adam's
     flush: the log has room for two), the graphs made with the old log are dropped, the shape's next micro-batch runs
@@ -88,10 +95,6 @@ def test_no_capture_follows_a_move_of_the_ngram_log_at_once(tiny_args, monkeypat
     import contextlib
     capturing, sizes = [False], []
 
-    class Graph:
-        def replay(self):
-            pass
-
     @contextlib.contextmanager
     def graph(g, pool=None, capture_error_mode=None):
         capturing[0] = True
@@ -99,7 +102,7 @@ def test_no_capture_follows_a_move_of_the_ngram_log_at_once(tiny_args, monkeypat
             yield
         finally:
             capturing[0] = False
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", StandInGraph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: 0)
     args = tiny_args(**FAST, ngram_sparse_adam=True, trigram_rows=512)
@@ -130,10 +133,6 @@ def test_a_pool_whose_graphs_are_all_dropped_is_not_captured_into_again(tiny_arg
     import weakref
     live, used, handles = {}, set(), iter(range(1, 100))
 
-    class Graph:
-        def replay(self):
-            pass
-
     @contextlib.contextmanager
     def graph(g, pool=None, capture_error_mode=None):
         if pool in used and not live.get(pool):
@@ -142,7 +141,7 @@ def test_a_pool_whose_graphs_are_all_dropped_is_not_captured_into_again(tiny_arg
         live[pool] = live.get(pool, 0) + 1
         weakref.finalize(g, lambda: live.__setitem__(pool, live[pool] - 1))
         yield
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", StandInGraph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
     args = tiny_args(**FAST, ngram_sparse_adam=True, trigram_rows=512)
