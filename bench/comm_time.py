@@ -19,7 +19,8 @@ timed and profiled) summed over the ranks: two versions that should compute alik
 --variants "defaults;ngram_plan_ahead;muon_fused_normuon" measures each variant in turn in one process (each repeat
 goes through them all): built with every field named on, then switched off where a variant leaves it out. Only
 fields whose switch is a plain swap of what build made are accepted (VARIANT_FIELDS); the loss sums then cover
-steps of several variants."""
+steps of several variants. A field on by default (ngram_plan_ahead) that some variant names is off in the variants
+that leave it out, "defaults" among them: there "defaults" means without it."""
 import argparse
 import gzip
 import json
@@ -275,6 +276,14 @@ def parse_variants(spec: str) -> list[tuple[str, set[str]]]:
     return variants or [("", set())]
 
 
+def switch_variant(model, optimizers, built: dict, fields: set[str], named: set[str]) -> None:
+    """Put one variant in place: each field some variant names (named) as build made it where this variant names it
+    (fields), taken away (None) where it does not; a field no variant names keeps what build made (its flag)."""
+    for field in named:
+        owner, attr = VARIANT_FIELDS[field]
+        setattr(owner(model, optimizers), attr, built[field] if field in fields else None)
+
+
 def summary(seen: dict[str, list[list[dict]]], world_size: int) -> str:
     """One line per variant over its measurements: rank 0's step medians (their median), and per rank the mean of
     the exposed time, of its moving part (also at eight GPUs, in % of the step), of the GPU's idle time and of the
@@ -313,7 +322,8 @@ def main():
     own, rest = parser.parse_known_args()
     args = tg.parse_args(rest)
     variants = parse_variants(own.variants)
-    for field in set().union(*(fields for _, fields in variants)):  # built on; switched off where left out
+    named = set().union(*(fields for _, fields in variants))
+    for field in named:  # built on; switched off where left out
         setattr(args, field, True)
     rank, world_size, device = tg.start_processes(args)
     schedule = tg.Schedule(args)
@@ -423,8 +433,7 @@ def main():
     for k in range(own.repeats):
         for name, fields in variants:
             if own.variants:
-                for field, (owner, attr) in VARIANT_FIELDS.items():
-                    setattr(owner(model, optimizers), attr, built[field] if field in fields else None)
+                switch_variant(model, optimizers, built, fields, named)
             label = (f"measurement {k + 1}/{own.repeats}" if own.repeats > 1 else "") + (f" {name}" if name else "")
             tag = (f"_{k + 1}" if own.repeats > 1 else "") + (f"_{name.replace('+', '_')}" if name else "")
             seen.setdefault(name, []).append(measure(f"{label.strip()}: " if label.strip() else "", tag))

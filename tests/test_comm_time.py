@@ -167,8 +167,24 @@ def test_variants_name_fields_a_process_can_switch_and_nothing_else():
         comm_time.parse_variants("defaults;muon_bf16_comm")
     import train_gpt as tg
     fields = {f.name for f in dataclasses.fields(tg.Hyperparameters)}
-    assert set(comm_time.VARIANT_FIELDS) <= fields  # each one a real field, off by default
-    assert not any(getattr(tg.Hyperparameters(), f) for f in comm_time.VARIANT_FIELDS)
+    assert set(comm_time.VARIANT_FIELDS) <= fields  # each one a real field
+
+
+def test_a_variant_switches_only_the_fields_some_variant_names():
+    """ngram_plan_ahead is on by default: in "defaults;muon_fused_normuon" it stays as built in both variants, and
+    only the named field is switched; in "defaults;ngram_plan_ahead" the defaults variant runs without it."""
+    from types import SimpleNamespace
+    model, optimizers = SimpleNamespace(ngram_plan_group="group"), [None, SimpleNamespace(normalized="graph")]
+    built = {"ngram_plan_ahead": "group", "muon_fused_normuon": "graph"}
+    state = lambda: (model.ngram_plan_group, optimizers[1].normalized)
+    comm_time.switch_variant(model, optimizers, built, set(), {"muon_fused_normuon"})
+    assert state() == ("group", None)
+    comm_time.switch_variant(model, optimizers, built, {"muon_fused_normuon"}, {"muon_fused_normuon"})
+    assert state() == ("group", "graph")
+    comm_time.switch_variant(model, optimizers, built, set(), {"ngram_plan_ahead", "muon_fused_normuon"})
+    assert state() == (None, None)
+    comm_time.switch_variant(model, optimizers, built, {"ngram_plan_ahead"}, {"ngram_plan_ahead", "muon_fused_normuon"})
+    assert state() == ("group", None)
 
 
 def test_the_summary_takes_each_variants_median_step_and_each_ranks_means():
