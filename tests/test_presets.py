@@ -72,17 +72,14 @@ PENDING_ADOPTION: set[str] = {
     # Muon's collectives in bf16 (the float32 matrices kept by their owner): decided on two GPUs at the 8-GPU record's
     # per-GPU shape (bench/comm_time.py, exposed moving data with it and without) and 80 same-seed steps there
     "muon_bf16_comm",
-    # NorMuon's normalization compiled into the orthogonalization's graph (normuon_orthogonalize): decided by the step
-    # at the 8-GPU record's per-GPU shape on two GPUs (bench/comm_time.py, with it and without) and 80 same-seed
-    # steps' losses within bf16 noise of main's (its graph rounds as a fused graph does)
+    # NorMuon's normalization compiled into the orthogonalization's graph (normuon_orthogonalize): at the 8-GPU record's
+    # per-GPU shape on two H200s 53.5 against 54.4 ms a step with the pulls planned ahead (2026-12-01, bench/results/
+    # comm_gate_h200x2_20261201.md); decided by 80 same-seed steps' losses within bf16 noise of main's (its graph
+    # rounds as a fused graph does)
     "muon_fused_normuon",
-    # a sharded n-gram table's pulls and flushes planned a micro-batch ahead (GPT.plan_pull_ahead): the same arithmetic
-    # (two gloo processes give the same losses to the bit), decided by the step at the 8-GPU record's per-GPU shape on
-    # two GPUs (bench/comm_time.py, with it and without)
-    "ngram_plan_ahead",
     # the n-gram table's rows stored scattered (ngram_spread), so every GPU's block holds its share of the bigram
-    # channel: the same model relabelled, decided by the per-rank owner work and the step on two GPUs (bench/
-    # comm_time.py, with it and without) and the 8-GPU projection of the balance it gives
+    # channel: the same model relabelled; on two H200s the ranks' waiting 1.94 against 3.13 ms a step, the step within
+    # two processes' spread (2026-12-01); decided by the step on more GPUs, where the first GPU serves ~5x another's rows
     "ngram_spread",
     # ANVIL2's period-4 cadence of the value-embedding and n-gram tables (4 from 0.28 of the run, its step 336 of
     # 1194): decided by 3 paired seeds on the proxy at 840 steps (--table_adam_every 4,0.28) and the exposed moving
