@@ -1901,11 +1901,14 @@ class GPT(nn.Module):
         T = inputs.size(0)
         x = smear(e[:T], cu_seqlens, s[at["smear"]], self.smear_w)
         if self.cfg.doc_copy:  # embed(candidate) x the bucket's gain + the bucket's embedding; nothing in bucket 0
-            gains, n = self.doc_copy_gains.type_as(x), self.doc_copy_embed.size(0)
+            # the gains are looked up in float32, then cast: their gradient sums every position of a bucket, and
+            # summed in bf16 such a sum stalls (at 512 in a test; bf16 keeps 8 bits)
+            gains, n = self.doc_copy_gains, self.doc_copy_embed.size(0)
             live = (bucket > 0).to(x.dtype)[:, None]
-            copy = live * (e[T:] * gains[bucket][:, None] + F.embedding(bucket, self.doc_copy_embed).type_as(x))
-            x = x + gains[n] * copy
-            copy = gains[n + 1] * copy
+            copy = live * (e[T:] * gains[bucket].type_as(x)[:, None]
+                           + F.embedding(bucket, self.doc_copy_embed).type_as(x))
+            x = x + gains[n].type_as(x) * copy
+            copy = gains[n + 1].type_as(x) * copy
         x0 = norm(x)  # normed embedding (@Grad62304977)
         tables = {i: lookup(inputs, self.value_embeds[i].weight, self.value_embeds[i].grad_sum)  # each table once
                   for i in dict.fromkeys(self.value_embed_layers()) if i is not None}
