@@ -1692,6 +1692,9 @@ class GPT(nn.Module):
             self.doc_copy_embed = nn.Parameter(torch.zeros(buckets, dim))
             self.doc_copy_gains = nn.Parameter(torch.cat([torch.zeros(buckets), torch.tensor([0.5, 1.0]),
                                                           torch.zeros(6)]))
+        # the trainer's matches come from outside the model's graph, found a micro-batch ahead (plan_copy_ahead) by
+        # copy_matcher (build compiles it), on a side stream made at the first plan
+        self.copy_matcher, self.copy_stream, self.copy_ahead = doc_copy_candidates, None, None
         # CPLM's pointer (copy_pointer): query and key projections of the final state, N(0, 1/dim) (uniform), and the
         # sink's key, N(0, 1/COPY_DIM), as in PR 379; its query gain (1 at the start) is a scalar. Drawn last.
         if cfg.cplm_bands:
@@ -1887,14 +1890,15 @@ class GPT(nn.Module):
         window_pattern (the record's: S,S,S,L,S,S,S,S,S,S,L)."""
         return [windows[0] if p == "L" else windows[1] for p in self.cfg.window_pattern]
 
-    def embeddings(self, inputs: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, list[Tensor | None], Tensor,
-                                                                      Tensor | None]:
+    def embeddings(self, inputs: Tensor, cu_seqlens: Tensor, copy_match: tuple[Tensor, Tensor] | None = None
+                   ) -> tuple[Tensor, list[Tensor | None], Tensor, Tensor | None]:
         """The normed token embedding x0 (smeared), each block's value embedding (or None), the bigram embedding,
-        and doc_copy's vector for the final norm (None without it)."""
+        and doc_copy's vector for the final norm (None without it). copy_match: doc_copy's (candidate, bucket), found
+        outside (the trainer's, take_copy_match); None: found here."""
         s, at = self.scalars, self.scalar_layout()
         ids, copy = inputs, None
         if self.cfg.doc_copy:  # the candidates' embeddings in the same lookup as the tokens'
-            candidate, bucket = doc_copy_candidates(inputs, cu_seqlens)
+            candidate, bucket = copy_match if copy_match is not None else doc_copy_candidates(inputs, cu_seqlens)
             ids = torch.cat([inputs, candidate.clamp(min=0).to(inputs.dtype)])
         e = (lookup(ids, self.lm_head_w, self.lm_head_grad_sum).type_as(self.embed.weight) if self.tied_embed
              else lookup(ids, self.embed.weight, self.embed.grad_sum))
@@ -2019,6 +2023,39 @@ class GPT(nn.Module):
                 done.record(side)
         self.ngram_pull_ahead = (key, wanted, slots, plan, done, flush_plan and (*flush_plan, done))
 
+    def plans_ahead(self) -> bool:
+        """Whether train_step does work of the next step's first micro-batch during this step (its `ahead`):
+        ngram_plan_ahead's pull with a sharded table, doc_copy's matches."""
+        return self.ngram_plan_group is not None or self.cfg.doc_copy
+
+    @torch.no_grad()
+    def plan_copy_ahead(self, key, inputs: Tensor, cu_seqlens: Tensor, after: "torch.cuda.Event | None" = None):
+        """doc_copy: a later micro-batch's matches (key: its (step, index); inputs and cu_seqlens on the host, pinned,
+        or on the device) found now on a side stream, while the GPU runs this micro-batch's forward and backward, so
+        the matcher (a sort of ten windows a position, 1.7 ms of a 49,152-token micro-batch on an H200) leaves the
+        step's path. after: the event before this forward, which the side stream waits for where it reads the main
+        stream's tensors."""
+        device = self.lm_head_w.device
+        side = self.copy_stream = self.copy_stream or (torch.cuda.Stream(device) if device.type == "cuda" else None)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if side is not None and after is not None:
+                side.wait_event(after)
+            candidate, bucket = self.copy_matcher(*(t.to(device, non_blocking=True) for t in (inputs, cu_seqlens)))
+            done = torch.cuda.Event() if side is not None else None
+            if done is not None:
+                done.record(side)
+        self.copy_ahead = (key, candidate, bucket, done)
+
+    @torch.no_grad()
+    def take_copy_match(self, key, inputs: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+        """doc_copy: micro-batch `key`'s (candidate, bucket), plan_copy_ahead's where it found them (the stream waits
+        for them), else found now; a plan of another key is stale and dropped."""
+        ahead, self.copy_ahead = self.copy_ahead, None
+        if ahead is not None and ahead[0] == key:
+            take_side_work(ahead[3], ahead[1], ahead[2])
+            return ahead[1], ahead[2]
+        return self.copy_matcher(inputs, cu_seqlens)
+
     def take_planned_flush(self, key):
         """The flush's plan that plan_pull_ahead made with the pull of micro-batch `key`, as the log's next flush's
         (train_step, before that micro-batch's forward)."""
@@ -2035,13 +2072,14 @@ class GPT(nn.Module):
             pull_rows(w, torch.zeros(0, dtype=torch.long, device=w.device), w.new_empty(0, w.size(1)), self.ngram_rank,
                       self.ngram_world)
 
-    def hidden(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int]) -> Tensor:
-        """The final normed hidden state of every position (before the LM head)."""
+    def hidden(self, inputs: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int],
+               copy_match: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """The final normed hidden state of every position (before the LM head); copy_match: embeddings'."""
         cfg, L = self.cfg, self.cfg.num_layers
         s, at = self.scalars, self.scalar_layout()
         own = s[at["blocks"]].view(L, 4)  # per block: the residual's weight, (unused), the value mix's two
         sub = s[at["sublayer"]].view(L, 3)  # per block: attention output, residual around the MLP, MLP output
-        x0, ves, bigram, doc_copy = self.embeddings(inputs, cu_seqlens)
+        x0, ves, bigram, doc_copy = self.embeddings(inputs, cu_seqlens, copy_match)
         x = x0
         # the stage's rotary tables (YaRN: by its long window; the final validation's third entry names the last
         # training stage's long window, whose tables it keeps)
@@ -2242,12 +2280,13 @@ class GPT(nn.Module):
 
     def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, max_seqlen: int, windows: tuple[int, int],
                 reduction: str = "sum", mtp_weights: Tensor | None = None,
-                prefix_weight: Tensor | None = None, sampled: tuple[int, Tensor] | None = None) -> Tensor:
+                prefix_weight: Tensor | None = None, sampled: tuple[int, Tensor] | None = None,
+                copy_match: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Summed cross-entropy of the micro-batch (reduction="none": per token). In training, mtp_weights
         and prefix_weight add multi-token prediction's and the prefix-token loss' terms, and sampled (count,
         offset) restricts the softmax to count candidates (head_losses); evaluation is always next-token only,
-        over the full softmax."""
-        x = self.hidden(inputs, cu_seqlens, max_seqlen, windows)
+        over the full softmax. copy_match: doc_copy's matches found outside the graph (take_copy_match), or None."""
+        x = self.hidden(inputs, cu_seqlens, max_seqlen, windows, copy_match)
         copy = self.copy_pointer(x, inputs, targets, cu_seqlens) if self.cfg.cplm_bands else None
         if self.training:
             losses = self.head_losses(x, targets, mtp_weights, cu_seqlens, prefix_weight, copy, sampled)
@@ -4387,6 +4426,8 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         # the n-gram table's row-sparse Adam and per-row gradient sums: one graph each for any number of rows
         row_update = torch.compile(row_adam_update, dynamic=True, fullgraph=True)
         segment = torch.compile(segment_sum, dynamic=True, fullgraph=True)
+        if args.doc_copy:  # its matcher, run outside the model's graph in training (plan_copy_ahead)
+            model.copy_matcher = torch.compile(doc_copy_candidates, dynamic=False, fullgraph=True)
     # the token tables' gradients summed sparsely (TableLookup), flushed on Adam's steps; with ngram_sparse_adam the
     # n-gram table's logged, room for an Adam step's lookups on this rank at the largest batch
     model.keep_table_grads(ngram_positions(schedule, world_size) if args.ngram_sparse_adam else 0, segment)
@@ -4402,7 +4443,7 @@ class GraphRunner:
     instead of the compiled graphs' hundreds of kernels. A shape's first micro-batch runs as usual (its compile,
     which also shows which parameters its backward gives gradients); its second is captured (torch.cuda.graph) and
     then replayed, as is every one after. What a replay reads and writes stays where it was at the capture:
-    - the batch, the loss weights and the sweep offset: copied into the graph's own tensors before each replay;
+    - the batch (with doc_copy's matches), the loss weights and the sweep offset: copied into the graph's own tensors before each replay;
     - the gradients: autograd adds into an existing .grad in place, so each parameter's gradient is a tensor the
       runner keeps, attached as .grad before each replay where something took it off (an optimizer's zero_grad:
       then it is zeroed first, one launch for all) and copied in where something put another there;
@@ -4448,14 +4489,17 @@ class GraphRunner:
             torch._foreach_zero_(cleared)
 
     def train_micro(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, max_doc_len: int,
-                    windows: tuple[int, int], mtp: Tensor | None, prefix: Tensor | None, sampled) -> Tensor:
+                    windows: tuple[int, int], mtp: Tensor | None, prefix: Tensor | None, sampled,
+                    copy_match: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """One training micro-batch's forward and backward (train_step's); returns its loss (the graph's tensor,
-        overwritten by the next replay of that graph)."""
+        overwritten by the next replay of that graph). copy_match: doc_copy's matches (take_copy_match), or None."""
         count, offset = sampled if sampled else (0, None)
         shape = (tuple(inputs.shape), tuple(cu_seqlens.shape), max_doc_len, tuple(windows), count,
                  None if mtp is None else mtp.numel(), None if prefix is None else prefix.numel(),
                  self.model.tied_embed)
-        batch = dict(inputs=inputs, targets=targets, cu_seqlens=cu_seqlens, mtp=mtp, prefix=prefix, offset=offset)
+        candidate, bucket = copy_match if copy_match is not None else (None, None)
+        batch = dict(inputs=inputs, targets=targets, cu_seqlens=cu_seqlens, mtp=mtp, prefix=prefix, offset=offset,
+                     candidate=candidate, bucket=bucket)
         if shape not in self.touched:  # compile: with every .grad held aside, to see which ones the backward makes
             params = [p for p in self.model.parameters() if p.requires_grad]
             held = [p.grad for p in params]
@@ -4503,15 +4547,15 @@ class GraphRunner:
         with torch._inductor.config.patch(cpp_wrapper=False):
             loss = self.compiled(batch["inputs"], batch["targets"], batch["cu_seqlens"], max_doc_len, windows,
                                  mtp_weights=batch["mtp"], prefix_weight=batch["prefix"],
-                                 sampled=(count, batch["offset"]) if count else None)
+                                 sampled=(count, batch["offset"]) if count else None,
+                                 copy_match=None if batch["candidate"] is None else (batch["candidate"], batch["bucket"]))
             loss.backward()
         return loss.detach()
 
-    def record(self, shape: tuple, inputs, targets, cu_seqlens, mtp, prefix, offset) -> tuple:
+    def record(self, shape: tuple, **batch) -> tuple:
         """A shape's graph (captured, not run: the replay that follows runs it), its input tensors and its loss."""
-        static = dict(inputs=inputs.clone(), targets=targets.clone(), cu_seqlens=cu_seqlens.clone(),
-                      mtp=None if mtp is None else mtp.clone(), prefix=None if prefix is None else prefix.clone(),
-                      offset=None if offset is None else offset.clone())
+        static = {name: None if t is None else t.clone() for name, t in batch.items()}
+        inputs = batch["inputs"]
         if not self.capture:
             return None, static, None
         touched = self.touched[shape]
@@ -4543,10 +4587,12 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
     warm-up a shape to compile); returns the summed loss (on the device), with multi-token prediction's extra
     terms when the stage has them. Muon steps every step; Adam on every adam_every-th (step + 1 a multiple of
     it), its parameters' gradients summed until then. ahead: the next step's micro-batches on the host
-    (BatchLoader.peek), whose first pull ngram_plan_ahead plans during this step's last forward and backward."""
+    (BatchLoader.peek), whose first pull ngram_plan_ahead plans, and whose first matches doc_copy finds, during this
+    step's last forward and backward."""
     device = model.lm_head_w.device
     loss = torch.zeros((), device=device)
-    marking = model.ngram_plan_group is not None and device.type == "cuda"  # ngram_plan_ahead on a GPU
+    copying = model.cfg.doc_copy  # its matches found a micro-batch ahead (plan_copy_ahead)
+    marking = (model.ngram_plan_group is not None or copying) and device.type == "cuda"  # side streams' work ahead
     # multi-token prediction's and the prefix-token loss' weights as one tensor (one graph per stage whatever
     # the values), pinned: no sync
     w, n = stage.loss_weights(step), len(stage.mtp_ramp)
@@ -4569,17 +4615,21 @@ def train_step(model: GPT, compiled, optimizers, micro, step: int, stage: Stage,
         model.pull_ngram_rows(inputs, cu_seqlens, training=True, key=(step, m))
         batch = (inputs, targets, cu_seqlens, stage.spec.max_doc_len, stage.windows)
         sampled = (count, offsets[m]) if count else None
+        match = model.take_copy_match((step, m), inputs, cu_seqlens) if copying else None
         if isinstance(compiled, GraphRunner):  # --cuda_graphs: forward and backward in one replay
-            micro_loss = compiled.train_micro(*batch, mtp, prefix, sampled)
+            micro_loss = compiled.train_micro(*batch, mtp, prefix, sampled, match)
         else:
-            micro_loss = compiled(*batch, mtp_weights=mtp, prefix_weight=prefix, sampled=sampled)
+            micro_loss = compiled(*batch, mtp_weights=mtp, prefix_weight=prefix, sampled=sampled, copy_match=match)
             micro_loss.backward()
         loss += micro_loss.detach()
-        # ngram_plan_ahead: while the GPU runs this micro-batch, the next one's pull is planned, and the flush's
-        # where that one is the last of a table step
+        # while the GPU runs this micro-batch: the next one's copy matches (doc_copy), first (the pull's plan below
+        # waits on the host for its counts); ngram_plan_ahead: its pull, and the flush's where that one is the last
+        # of a table step
         last = m + 1 == len(micro)
         key, nxt, micros = ((step + 1, 0), ahead and ahead[0], len(ahead or ())) if last else ((step, m + 1),
                                                                                               micro[m + 1], len(micro))
+        if nxt and copying:
+            model.plan_copy_ahead(key, nxt[0], nxt[2], mark)
         if nxt and model.ngram_plan_group is not None:
             flush = (last and schedule.tables_step_at(step), inputs, cu_seqlens) \
                 if key[1] == micros - 1 and schedule.tables_step_at(key[0]) else None
@@ -5274,7 +5324,7 @@ def train(args: Hyperparameters) -> RunResult:
                 clock.stop()
                 stage_marks.append((step, clock.ms))
                 clock.start()
-            ahead = loader.peek() if model.ngram_plan_group is not None and step + 1 < N else None
+            ahead = loader.peek() if model.plans_ahead() and step + 1 < N else None
             loss = train_step(model, compiled, optimizers, micro, step, stage, schedule, ahead)
             if step + 1 == schedule.untie:  # the last tied step is done: the next step, and its checkpoint, are untied
                 untie_embedding(model, optimizers[0])

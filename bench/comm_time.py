@@ -346,7 +346,7 @@ def main():
     def run_step():
         nonlocal step
         micro = loader.next()[1]
-        ahead = loader.peek() if model.ngram_plan_group is not None else None  # ngram_plan_ahead
+        ahead = loader.peek() if model.plans_ahead() else None  # the next step's first micro-batch, as the trainer
         losses.append(tg.train_step(model, compiled, optimizers, micro, step, stage, schedule, ahead))
         step += 1
 

@@ -254,7 +254,8 @@ def main():
     def run_step():
         nonlocal step
         _, micro = loader.next()
-        losses.append(tg.train_step(model, launch[variant], optimizers, micro, step, stage, schedule))
+        ahead = loader.peek() if model.plans_ahead() else None  # the next step's first micro-batch, as the trainer
+        losses.append(tg.train_step(model, launch[variant], optimizers, micro, step, stage, schedule, ahead))
         step += 1
 
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, attention: {attention}, "

@@ -41,10 +41,12 @@ RECORD_PARTS = dict(TINY_RECORD, **FAST, num_iterations=12, extension_steps=2, v
                                  for row in TINY_RECORD["stages"]))
 
 
-def test_the_runner_trains_as_the_usual_launch_bit_for_bit(corpus, tmp_path, monkeypatch):
+@pytest.mark.parametrize("doc_copy", [False, True], ids=["record", "doc_copy"])
+def test_the_runner_trains_as_the_usual_launch_bit_for_bit(corpus, tmp_path, monkeypatch, doc_copy):
+    """doc_copy: its matches, found outside the graph (plan_copy_ahead), are the graph's tensors too."""
     train, val = corpus
     common = dict(RECORD_PARTS, train_files=train, val_files=val, log_dir=str(tmp_path / "logs"),
-                  checkpoint_dir=str(tmp_path / "checkpoints"))
+                  checkpoint_dir=str(tmp_path / "checkpoints"), doc_copy=doc_copy)
     plain = tg.train(tg.Hyperparameters(**common, run_id="plain"))
     seen = []
     monkeypatch.setattr(tg, "build", with_runner(False, seen))

@@ -477,6 +477,42 @@ def test_a_stage_that_switches_to_the_full_softmax_is_timed_in_two_parts(tiny_ar
         ", sampled softmax (66 rows)", ", sampled softmax (68 rows)", ", sampled softmax (70 rows)", ", full softmax"]
 
 
+def test_doc_copy_s_matches_found_a_micro_batch_ahead_are_each_forward_s_own(tiny_args):
+    """doc_copy in training: every forward gets its own micro-batch's (candidate, bucket), the matcher's on its own
+    tokens; each is found during the forward before it (plan_copy_ahead: the step's next micro-batch, and with
+    `ahead` the next step's first), but a step's first when no plan of its key was made (the run's first, a step
+    after one without `ahead`, a step numbered otherwise than planned: that plan is dropped)."""
+    args = tiny_args(**FAST, doc_copy=True)  # two micro-batches a step
+    model, compiled, optimizers, _ = tg.build(args, torch.device("cpu"), 0, 1)
+    seen, planned = [], []
+
+    def spy(inputs, targets, cu_seqlens, *rest, copy_match=None, **kwargs):
+        seen.append((inputs, cu_seqlens, copy_match))
+        return compiled(inputs, targets, cu_seqlens, *rest, copy_match=copy_match, **kwargs)
+
+    def plan(key, *a, **k):
+        plan_copy_ahead(key, *a, **k)
+        planned.append((key, model.copy_ahead[1]))
+    plan_copy_ahead, model.plan_copy_ahead = model.plan_copy_ahead, plan
+    files = tg.shard_files(args.train_files, "training")
+    schedule = tg.Schedule(args)
+    stage = schedule.stages[0].with_slots(tg.doc_slots(schedule, files))
+    loader = tg.BatchLoader(tg.BatchProducer(files, 0, 1, args.bos_id), lambda i: stage.spec, torch.device("cpu"))
+    for step, with_ahead in ((0, True), (1, True), (2, False), (3, True), (7, True)):
+        micro = loader.next()[1]
+        tg.train_step(model, spy, optimizers, micro, step, stage, schedule, loader.peek() if with_ahead else None)
+    loader.close()
+    assert [key for key, _ in planned] == [(0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 1), (4, 0), (7, 1), (8, 0)]
+    assert len(seen) == 10
+    for inputs, cu_seqlens, match in seen:
+        expected = tg.doc_copy_candidates(inputs, cu_seqlens)
+        assert match is not None and all(torch.equal(a, b) for a, b in zip(match, expected))
+    # found ahead: all but steps 0, 3 and 7's first micro-batches (the 1st, 7th and 9th forwards)
+    ahead = [any(match[0] is candidate for _, candidate in planned) for _, _, match in seen]
+    assert ahead == [False, True, True, True, True, True, False, True, False, True]
+    assert model.copy_ahead is not None and model.copy_ahead[0] == (8, 0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the host-device synchronization check needs a CUDA GPU")
 def test_a_training_step_on_the_gpu_never_waits_for_the_gpu(tiny_args):
     """A whole optimizer step of the record model (forward, backward, Muon and, at step 1, Adam) queues
