@@ -237,8 +237,10 @@ class Hyperparameters:
     # normalized n-gram hashing, step +2.4%): each position's candidate, the token that followed the latest earlier
     # occurrence in its document of its longest matching context (doc_copy_candidates), enters as embed(candidate) x
     # a gain per bucket (match length x occurrences) + an embedding per bucket, both zero at the start, added to the
-    # token embedding before its norm (x 0.5 at the start) and before the final norm (x 1); here over raw token ids
-    doc_copy: bool = False  # PR 378's document-local copy candidates as an input feature (doc_copy_candidates)
+    # token embedding before its norm (x 0.5 at the start) and before the final norm (x 1); here over raw token ids, its
+    # matches found a micro-batch ahead (plan_copy_ahead). On the proxy the master's loss at 0.832 +- 0.034 of its
+    # tokens against 0.885, step +3.7% at the 8-GPU per-GPU shape (one H200): ~0.975 of the time to that loss
+    doc_copy: bool = True  # PR 378's document-local copy candidates as an input feature (doc_copy_candidates)
     narrow_attn_scale: float = 0.13  # attention logit scale in narrow_qk_blocks, QK normed over head_dim/2 (YaRN raises it as attn_scale): ANVIL2's 0.13
     # the copy-pointer mixture of public pull request 379 (not in the master): on the proxy -0.0398 +- 0.0040 at
     # equal tokens, +5.0% step (an H200)
@@ -642,7 +644,8 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "multi-token and prefix-token losses, the embedding tied for two stages, 840 steps (776 x 1.082: "
                "ANVIL2's architecture's equal loss on the proxy priced at ~835-838, confirmed at 840) with a 20-step "
                "extension, ANVIL2's cooldown over 0.8 of the steps to 0.2; plus "
-               "the copy-pointer mixture of public pull request 379 (CPLM); with our fused ReLU² MLP (FP8 forward "
+               "the copy-pointer mixture of public pull request 379 (CPLM) and the document-local copy feature of "
+               "public pull request 378; with our fused ReLU² MLP (FP8 forward "
                "and backward) and soft-capped cross-entropy kernels, and Inductor's C++ wrapper: the dataclass "
                "defaults", {}),
     "smoke": ("the record model at a tiny size (4 blocks of 128, a vocabulary of 128 tokens) on a built-in synthetic "
@@ -3483,11 +3486,14 @@ SAMPLED_US_PER_TOKEN = {
 BEFORE_ANVIL2 = dict(skip_layers=(), no_attn_layers=(6,), skip_into=0, xsa_blocks=(1, 3, 4, 7),
                      paired_head_blocks=(0, 2, 5, 9), value_embed_blocks=(1, 2, 8, 9, 10), parallel_mlp_blocks=(),
                      mlp_hidden=0, no_x0_blocks=(), no_ngram_blocks=(), no_resid_scale_blocks=(), narrow_qk_blocks=(),
-                     narrow_v_blocks=(), injections="before a block's attention")
+                     narrow_v_blocks=(), doc_copy=False, injections="before a block's attention")
 # The model a preset's rows of one GPU kind and count were timed on, where it is not the preset's present model, by
 # (preset, GPU kind, GPUs): the fields it had then. 1 GPU: STEP_US_PER_TOKEN's and SAMPLED_US_PER_TOKEN's rows; more:
 # MULTI_GPU_US_PER_TOKEN's. --plan names these rows as that model's.
-MEASURED_MODEL = {("record", "H100", 1): BEFORE_ANVIL2, ("record", "H200", 4): BEFORE_ANVIL2}
+# The record's model before the copy feature (doc_copy, adopted 2026-12-01): STEP_US_PER_TOKEN's H200 rows.
+BEFORE_DOC_COPY = dict(doc_copy=False)
+MEASURED_MODEL = {("record", "H100", 1): BEFORE_ANVIL2, ("record", "H200", 1): BEFORE_DOC_COPY,
+                  ("record", "H200", 4): BEFORE_ANVIL2}
 # what --plan says of each kind's rows: the attention kernel they ran with, and where they come from
 STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "FlashAttention-4"}
 STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, main at 46b1702 "

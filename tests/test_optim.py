@@ -362,8 +362,10 @@ def test_value_embedding_and_bigram_tables_are_an_adam_group_of_their_own_at_the
     args = tg.Hyperparameters(**{**TINY, **DECAYED_TABLES})
     model = tg.GPT(tg.ModelConfig.from_args(args))
     adam, _ = tg.build_optimizers(model, args, 0, 1)
-    token, tables, head, scalars, mudd, gates, copy = adam.param_groups  # MUDD's MLPs, its gates', CPLM's pointer last
+    # MUDD's MLPs, its gates', CPLM's pointer, the copy feature's tables last
+    token, tables, head, scalars, mudd, gates, copy, doc_copy = adam.param_groups
     assert [id(p) for p in copy["params"]] == [id(model.copy_qk), id(model.copy_sink)]
+    assert [id(p) for p in doc_copy["params"]] == [id(model.doc_copy_embed), id(model.doc_copy_gains)]
     assert [id(p) for p in mudd["params"]] == [id(model.mudd_w1), id(model.mudd_w2), id(model.mudd_b2)]
     assert [id(p) for p in gates["params"]] == [id(model.mudd_gate_w1), id(model.mudd_gate_w2), id(model.mudd_gate_b2)]
     assert [id(p) for p in token["params"]] == [id(model.embed.weight)]
@@ -373,7 +375,7 @@ def test_value_embedding_and_bigram_tables_are_an_adam_group_of_their_own_at_the
     assert (tables["weight_decay"], tables["betas"]) == (0.5, (0.75, 0.95))
     assert all(g["weight_decay"] == 0.75 and g["betas"] == (0.5, 0.95) for g in (token, head))  # the head's own
     assert scalars["betas"] == (0.9, 0.99)  # DECAYED_TABLES gives the scalars their own
-    bare = tg.Hyperparameters(**{**TINY, "cplm_bands": ()})  # no pointer: no empty group
+    bare = tg.Hyperparameters(**{**TINY, "cplm_bands": (), "doc_copy": False})  # no pointer, no copy: no empty group
     assert len(tg.build_optimizers(tg.GPT(tg.ModelConfig.from_args(bare)), bare, 0, 1)[0].param_groups) == 6
 
 

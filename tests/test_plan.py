@@ -15,7 +15,7 @@ FULL = ["--full_softmax_from", "0"]  # the record preset with the full softmax t
 MEASURED = ["--skip_layers", "", "--no_attn_layers", "6", "--skip_into", "0", "--xsa_blocks", "1,3,4,7",
             "--paired_head_blocks", "0,2,5,9", "--value_embed_blocks", "1,2,8,9,10", "--parallel_mlp_blocks", "",
             "--mlp_hidden", "0", "--no_x0_blocks", "", "--no_ngram_blocks", "", "--no_resid_scale_blocks", "",
-            "--narrow_qk_blocks", "", "--narrow_v_blocks", "", "--num_iterations", "776"]
+            "--narrow_qk_blocks", "", "--narrow_v_blocks", "", "--num_iterations", "776", "--doc_copy", "false"]
 STEPS = [274, 274, 272, 20]  # the record's 840 steps by stage: three of 274 / 274 / 272, the extension's 20
 
 
@@ -52,16 +52,20 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     assert f"trained tokens: {840 * 393216:,}" in out
     assert 840 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
     assert not list(tmp_path.iterdir())  # no log, no checkpoint folder
-    # the H200 rows (--plan_gpu's default) are of the record's present model: no line says otherwise
-    assert "step times of another model:" not in out and "before its present one" not in out
+    # the H200 rows (--plan_gpu's default) are of the record's model before the copy feature (doc_copy): the plan
+    # says so
+    assert line_of(out.splitlines(), "step times of another model:") == (
+        "step times of another model: the times above are --preset record's model's before its present one "
+        "(MEASURED_MODEL); this run's model is not measured (it differs in doc_copy: the model line gives the "
+        "measured model's values)")
     # the H100 rows are of the record's model before ANVIL2's architecture: the plan says so, naming what differs
     assert tg.main(["--plan", "--plan_gpu", "H100"]) == 0
     assert line_of(capsys.readouterr().out.splitlines(), "step times of another model:") == (
         "step times of another model: the times above are --preset record's model's before its present one "
         "(MEASURED_MODEL); this run's model is not measured (it differs in mlp_hidden, no_attn_layers, "
         "value_embed_blocks, paired_head_blocks, xsa_blocks, skip_into, skip_layers, parallel_mlp_blocks, "
-        "no_x0_blocks, no_ngram_blocks, no_resid_scale_blocks, narrow_qk_blocks, narrow_v_blocks, injections: the "
-        "model line gives the measured model's values)")
+        "no_x0_blocks, no_ngram_blocks, no_resid_scale_blocks, narrow_qk_blocks, narrow_v_blocks, doc_copy, "
+        "injections: the model line gives the measured model's values)")
 
 
 def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measured_models(no_gpu, capsys):
@@ -69,7 +73,7 @@ def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measur
     model the H100 rows were timed on (11 blocks x 2 matrices x 768 x 256 fewer weights, 6 FLOPs each per token);
     the measured step times stay that model's, and the line says so where the width, or another model field, is not
     its, and always its injection order, which no run has now (MEASURED_MODEL). The H200 rows are of the record's
-    present model: the line names the fields in which a run differs from it."""
+    model before the copy feature: the line names the fields in which a run differs from it."""
     lines = {}
     for given in (MEASURED, [*MEASURED, "--mlp_hidden", "3072"], [*MEASURED, "--mlp_hidden", "2816"]):
         assert tg.main(["--plan", "--plan_gpu", "H100", *given]) == 0
@@ -105,21 +109,25 @@ def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measur
                    "2, 5, 9), xsa_blocks (1, 3, 4, 7), skip_into 0, skip_layers (), parallel_mlp_blocks (), "
                    "no_x0_blocks (), no_ngram_blocks (), no_resid_scale_blocks (), narrow_qk_blocks (), narrow_v_blocks ()")
     assert line.endswith("; the step times above are --preset record's model's before its present one "
-                         f"(MEASURED_MODEL), {record_then}, injections before a block's attention")
-    # on H200 the measured model is the record's present one; the model before ANVIL2's differs from it in ANVIL2's
-    # architecture and the narrow heads: the plan says the times are not its (the measured model's values named)
+                         f"(MEASURED_MODEL), {record_then}, doc_copy False, injections before a block's attention")
+    # on H200 the measured model is the record's before the copy feature (doc_copy); the model before ANVIL2's
+    # differs from it in ANVIL2's architecture and the narrow heads: the plan says the times are not its (the
+    # measured model's values named)
     assert tg.main(["--plan"]) == 0
-    assert line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden").endswith("(flops_per_token: MFU's count)")
+    assert line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden").endswith(
+        "; the step times above are --preset record's model's before its present one (MEASURED_MODEL), doc_copy False")
     assert tg.main(["--plan", *MEASURED]) == 0
     assert line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden").endswith(
-        "; the step times above are --preset record's model's, MLP hidden 2,816, no_attn_layers (4, 6, 9), "
+        "; the step times above are --preset record's model's before its present one (MEASURED_MODEL), MLP hidden "
+        "2,816, no_attn_layers (4, 6, 9), "
         "value_embed_blocks (1, 2, 8, 10), paired_head_blocks (0, 2, 5), xsa_blocks (1, 3), skip_into 6, skip_layers "
         "(7,), parallel_mlp_blocks (8,), no_x0_blocks (3, 6, 8, 9), no_ngram_blocks (2, 3, 6, 8), "
         "no_resid_scale_blocks (6,), narrow_qk_blocks (0, 1, 2, 5, 8), narrow_v_blocks (1, 8)")
     # MEASURED is that model, field for field (its injection order aside), and the rows of it are H100's and 4 x H200's
     fields = {k: v for k, v in tg.BEFORE_ANVIL2.items() if k != "injections"}
     assert tg.parse_args(MEASURED) == tg.Hyperparameters(**fields, num_iterations=776)
-    assert tg.MEASURED_MODEL == {("record", "H100", 1): tg.BEFORE_ANVIL2, ("record", "H200", 4): tg.BEFORE_ANVIL2}
+    assert tg.MEASURED_MODEL == {("record", "H100", 1): tg.BEFORE_ANVIL2, ("record", "H200", 1): tg.BEFORE_DOC_COPY,
+                                 ("record", "H200", 4): tg.BEFORE_ANVIL2}
 
 
 def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, capsys, monkeypatch):
@@ -235,7 +243,7 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
                           "PyTorch 2.11.0+cu130: the record preset at main 89d6643 with its defaults (CUDA graphs, "
                           "the C++ wrapper), two runs of 80 steps in turns with two of the master's "
                           "(bench/results/abab_graphs_h200_20261130j.md); times as measured for --preset record's "
-                          "model, ")
+                          "model before its present one (MEASURED_MODEL), ")
     assert "FlashAttention-4" in line_of(lines, "public master on H200")
     # the pairing says how the master's times relate to ours (in turns on one machine), and its host-bound stage 1
     assert "the master and ours in turns on one one-GPU machine, A B A B" in line_of(lines, "vs public master")
@@ -244,18 +252,20 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     assert other_r == "0.591" and f"day; with that, R = {other_r}" in line_of(lines, "vs public master")
     assert "8 GPUs not projected: no measured 8/1-GPU step-time ratio on H200" in line_of(lines, "projected time:")
     assert all(row[-1] == "-" for row in stage_rows("\n".join(lines)).values())
-    # the rows are of the record's present model: nothing said; without its narrow heads, said so, naming the fields
-    assert not [line for line in lines if line.startswith("step times of another model")]
+    # the rows are of the record's model before the copy feature: said so; without its narrow heads too, each field
+    # named
+    assert line_of(lines, "step times of another model").endswith(
+        "(it differs in doc_copy: the model line gives the measured model's values)")
     assert line_of(tg.schedule_plan(tg.Schedule(tg.parse_args(["--narrow_qk_blocks", "", "--narrow_v_blocks", ""]))),
                    "step times of another model").endswith(
-        "(it differs in narrow_qk_blocks, narrow_v_blocks: the model line gives the measured model's values)")
+        "(it differs in narrow_qk_blocks, narrow_v_blocks, doc_copy: the model line gives the measured model's values)")
     # the model before ANVIL2's architecture (776 steps): priced at those rows, and said to be another model's
     before = tg.schedule_plan(tg.Schedule(tg.parse_args(MEASURED)))
     before_s = 393216e-6 * (253 * sampled[0] + 252 * sampled[1] + 210 * sampled[2] + 41 * ours[0] + 20 * ours[1])
     assert line_of(before, "projected time:").startswith(f"projected time: 1 x H200 {before_s:.1f} s")
     assert line_of(before, "step times of another model:").startswith(
-        "step times of another model: the times above are --preset record's model's; this run's model is not "
-        "measured (it differs in mlp_hidden, no_attn_layers, ")
+        "step times of another model: the times above are --preset record's model's before its present one "
+        "(MEASURED_MODEL); this run's model is not measured (it differs in mlp_hidden, no_attn_layers, ")
     # the full softmax throughout: stages 1-2 have no H200 row, so no projection and no ratio
     full = tg.schedule_plan(tg.Schedule(tg.parse_args(FULL)))
     assert line_of(full, "projected time:").startswith("projected time: incomplete, stage(s) 1, 2 not in")
@@ -347,7 +357,7 @@ def test_plan_gives_the_schedules_time_from_the_steps_measured_on_four_h200s(no_
     # the record as it is: every field of ANVIL2's architecture named
     record = line_of(tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *FULL]))), "measured on")
     assert f"; {old}, not this run's (it differs in mlp_hidden, no_attn_layers, " in record
-    assert record.endswith(f"no_resid_scale_blocks, narrow_qk_blocks, narrow_v_blocks, injections); {source}")
+    assert record.endswith(f"no_resid_scale_blocks, narrow_qk_blocks, narrow_v_blocks, doc_copy, injections); {source}")
     # one-GPU rows at every shape: no share while they and the four-GPU rows are of two models; with both of one, it
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H200", "record", *shape): 1.5 for shape in RECORD_SHAPES})
     lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *MEASURED, *FULL])))

@@ -59,10 +59,6 @@ PENDING_ADOPTION: set[str] = {
     # ANVIL2's ten-source, per-channel-group MUDD mix before the head: decided by 3 paired seeds on the proxy under the
     # rule (the record preset with --mudd_head_ten true against it without) and the record step with it and without
     "mudd_head_ten",
-    # public pull request 378's document-local copy feature: the master's loss at 0.832 +- 0.035 of its tokens against
-    # the preset's 0.885, but a 5.2% slower step at the last stage's 8-GPU shape (2026-12-01, bench/results/
-    # step_count_h200_20261201.md): a wash; decided by where that step goes (a kernel profile) and a cheaper matcher
-    "doc_copy",
     # public pull request 375's n-gram hashing over normalized token ids: decided by paired seeds on the proxy under the
     # rule (its own proxy needed 16 seeds to resolve -6.2 millinats)
     "ngram_normalize",

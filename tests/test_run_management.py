@@ -95,15 +95,17 @@ def test_parameter_counts_and_memory_estimate_match_a_hand_count():
     lines = tg.size_report(model, args, world_size=2)
     # scalars: 4 x 4 block mixes, the skip, backout, smear, 3 x 4 sublayer weights: 31, padded to 64. MUDD: two MLPs
     # 32 -> 64 -> 16 (W1 128 x 32, W2 32 x 64, b2 32); its gates: W1 128 x 32, W2 (2 x 16) x 64, b2 2 x 16 + 8
+    # the copy feature (doc_copy): an embedding per bucket (31 padded to 32) x 32, a gain per bucket and the two
+    # sites' gains (padded to 40)
     assert model.gate_width == 16
-    mudd, gates = 128 * 32 + 32 * 64 + 32, 128 * 32 + 2 * 16 * 64 + 2 * 16 + 8
-    assert lines[:8] == ["parameters: token embedding 2,048", "parameters: value embeddings 4,096",
+    mudd, gates, copy = 128 * 32 + 32 * 64 + 32, 128 * 32 + 2 * 16 * 64 + 2 * 16 + 8, 32 * 32 + 40
+    assert lines[:9] == ["parameters: token embedding 2,048", "parameters: value embeddings 4,096",
                          "parameters: bigram embedding 64", f"parameters: block matrices {BLOCK_MATRICES:,}",
                          "parameters: LM head 2,048", "parameters: scalars 64", f"parameters: MUDD {mudd:,}",
-                         f"parameters: MUDD gates {gates:,}"]
-    # bf16 tables (token 2048, value 2 x 2048, bigram 64), fp32 blocks, head, scalars and MUDD; each with a gradient
-    # of its own dtype
-    tables, adam_fp32 = 2048 + 4096 + 64, 2048 + 64 + mudd + gates
+                         f"parameters: MUDD gates {gates:,}", f"parameters: document copy {copy:,}"]
+    # bf16 tables (token 2048, value 2 x 2048, bigram 64), fp32 blocks, head, scalars, MUDD and the copy feature's;
+    # each with a gradient of its own dtype
+    tables, adam_fp32 = 2048 + 4096 + 64, 2048 + 64 + mudd + gates + copy
     weights = 2 * (2 * tables + 4 * (BLOCK_MATRICES + adam_fp32))
     # over 2 ranks: fp32 Adam moments (2 x 4 bytes) for all but the block matrices; Muon's two fp32 rails (ANVIL's
     # momentum and slow rail)
@@ -111,7 +113,7 @@ def test_parameter_counts_and_memory_estimate_match_a_hand_count():
     assert tg.memory_estimate(model, args, world_size=2) == {
         "weights + grads": weights, "optimizer shards": optimizer,
         "logits": 8 * 64 * 64, "activations": 32 * 64 * 32 * 4}
-    assert lines[8].startswith("memory per GPU: ~1.0 MiB: weights + grads 0.5")  # MiB below 1 GiB
+    assert lines[9].startswith("memory per GPU: ~1.0 MiB: weights + grads 0.5")  # MiB below 1 GiB
     model.keep_table_grads()  # as the trainer's model: the LM head's and the tables' float32 gradient sums
     assert tg.memory_estimate(model, args, world_size=2)["table gradient sums"] == 4 * (2048 + tables)
 
