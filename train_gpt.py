@@ -4449,7 +4449,8 @@ class GraphRunner:
     instead of the compiled graphs' hundreds of kernels. A shape's first micro-batch runs as usual (its compile,
     which also shows which parameters its backward gives gradients); its second is captured (torch.cuda.graph) and
     then replayed, as is every one after. What a replay reads and writes stays where it was at the capture:
-    - the batch (with doc_copy's matches), the loss weights and the sweep offset: copied into the graph's own tensors before each replay;
+    - the batch (with doc_copy's matches), the loss weights and the sweep offset: copied into the graph's own tensors
+      before each replay;
     - the gradients: autograd adds into an existing .grad in place, so each parameter's gradient is a tensor the
       runner keeps, attached as .grad before each replay where something took it off (an optimizer's zero_grad:
       then it is zeroed first, one launch for all) and copied in where something put another there;

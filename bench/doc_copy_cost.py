@@ -1,6 +1,8 @@
 """Where the copy feature's step time goes (doc_copy, public pull request 378's document-local copy candidates): the
 matcher alone (train_gpt.doc_copy_candidates) and the embeddings' forward and backward with the feature and without,
-each compiled as the model compiles them, on one micro-batch of real documents at the record's shape.
+each compiled as the model compiles them, on one micro-batch of real documents at the record's shape. With the
+feature twice: the matches found inside the embeddings' graph, and given to it (copy_match), as the trainer runs
+them since it finds them a micro-batch ahead (GPT.plan_copy_ahead): what is left on the step's path.
 
     python bench/doc_copy_cost.py --preset record --batch_size 49152 --seq_len 49152 --max_doc_len 2048 \
         --trigram_rows 4622720 --train_files "DATA/fineweb_train_*.bin" [--iters 50]
@@ -40,12 +42,13 @@ def summary(name: str, times: list[float]) -> str:
     return f"{name}: median {statistics.median(times):.3f} ms, mean {statistics.fmean(times):.3f} ms ({len(times)} calls)"
 
 
-def embeddings_step(model: tg.GPT, inputs: torch.Tensor, cu_seqlens: torch.Tensor, weights: list[torch.Tensor]):
+def embeddings_step(model: tg.GPT, inputs: torch.Tensor, cu_seqlens: torch.Tensor, weights: list[torch.Tensor],
+                    copy_match=None):
     """The embeddings' forward and a backward of a fixed linear function of every output (each output against its
-    own random tensor), as the model's loss would send gradients into them."""
+    own random tensor), as the model's loss would send gradients into them; copy_match: the matches given."""
     if model.ngram_log:  # the n-gram table's gradient log starts over: each call is one micro-batch
         model.ngram_log["used"].zero_()
-    x0, ves, bigram, copy = model.embeddings(inputs, cu_seqlens)
+    x0, ves, bigram, copy = model.embeddings(inputs, cu_seqlens, copy_match)
     outs = [x0, bigram, *(v for v in ves if v is not None), *([] if copy is None else [copy])]
     loss = sum((o.float() * w[: o.numel()].view_as(o)).sum() for o, w in zip(outs, weights))
     loss.backward()
@@ -79,13 +82,17 @@ def main():
     gen = torch.Generator(device=device).manual_seed(0)
     weights = [torch.randn(inputs.numel() * args.model_dim, device=device, generator=gen) for _ in range(16)]
     results = {}
-    for on in (True, False):
+    for name, on, given in (("doc_copy True, its matches found inside", True, None),
+                            ("doc_copy True, its matches given", True, (candidate, bucket)),
+                            ("doc_copy False", False, None)):
         model.cfg = dataclasses.replace(cfg, doc_copy=on)
         step = torch.compile(embeddings_step, dynamic=False)
-        results[on] = cuda_ms(lambda: step(model, inputs, cu_seqlens, weights), mine.iters)
-        print(summary(f"embeddings forward + backward, doc_copy {on}", results[on]), flush=True)
-    extra = statistics.median(results[True]) - statistics.median(results[False])
-    print(f"the feature's embedding side: {extra:+.3f} ms a micro-batch (medians)", flush=True)
+        results[name] = cuda_ms(lambda: step(model, inputs, cu_seqlens, weights, given), mine.iters)
+        print(summary(f"embeddings forward + backward, {name}", results[name]), flush=True)
+    base = statistics.median(results["doc_copy False"])
+    for name in list(results)[:2]:
+        print(f"the feature's cost in the embeddings, {name.split(', ')[1]}: "
+              f"{statistics.median(results[name]) - base:+.3f} ms a micro-batch (medians)", flush=True)
 
 
 if __name__ == "__main__":
