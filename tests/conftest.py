@@ -161,6 +161,15 @@ TINY = dict(TINY_RECORD, stages=(tg.Stage(1), tg.Stage(2), tg.Stage(3)), extensi
 FAST = dict(batch_size=2 * 128, val_tokens=1024)
 
 
+def first_stage(args):
+    """(schedule, its first stage with cu_seqlens sized, a CPU loader of that stage's batches)."""
+    files = tg.shard_files(args.train_files, "training")
+    schedule = tg.Schedule(args)
+    stage = schedule.stages[0].with_slots(tg.doc_slots(schedule, files))
+    return schedule, stage, tg.BatchLoader(tg.BatchProducer(files, 0, 1, args.bos_id), lambda i: stage.spec,
+                                           torch.device("cpu"))
+
+
 def compiled_matches_eager(model, *args) -> dict:
     """The model's loss and gradients on args, eager and through torch.compile(fullgraph=True) with AOT's eager
     backend (the same arithmetic, so a graph break or a traced difference shows): asserts they agree (loss to 1e-6,

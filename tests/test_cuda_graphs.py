@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import FAST, TINY_RECORD
+from conftest import FAST, TINY_RECORD, first_stage
 
 
 def with_runner(capture: bool, seen: list):
@@ -21,15 +21,6 @@ def with_runner(capture: bool, seen: list):
         seen.append(runner)
         return model, runner, optimizers, chosen
     return wrapped
-
-
-def first_stage(args):
-    """(schedule, its first stage with cu_seqlens sized, a CPU loader of that stage's batches)."""
-    files = tg.shard_files(args.train_files, "training")
-    schedule = tg.Schedule(args)
-    stage = schedule.stages[0].with_slots(tg.doc_slots(schedule, files))
-    return schedule, stage, tg.BatchLoader(tg.BatchProducer(files, 0, 1, args.bos_id), lambda i: stage.spec,
-                                           torch.device("cpu"))
 
 
 # the record's moving parts at a tiny size: extra targets over three stages and an extension, the embedding tied

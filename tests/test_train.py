@@ -11,7 +11,7 @@ import torch
 
 import kernels
 import train_gpt as tg
-from conftest import FAST, TINY, stages as table
+from conftest import FAST, TINY, first_stage, stages as table
 from distributed import spawn
 
 
@@ -494,10 +494,7 @@ def test_doc_copy_s_matches_found_a_micro_batch_ahead_are_each_forward_s_own(tin
         plan_copy_ahead(key, *a, **k)
         planned.append((key, model.copy_ahead[1]))
     plan_copy_ahead, model.plan_copy_ahead = model.plan_copy_ahead, plan
-    files = tg.shard_files(args.train_files, "training")
-    schedule = tg.Schedule(args)
-    stage = schedule.stages[0].with_slots(tg.doc_slots(schedule, files))
-    loader = tg.BatchLoader(tg.BatchProducer(files, 0, 1, args.bos_id), lambda i: stage.spec, torch.device("cpu"))
+    schedule, stage, loader = first_stage(args)
     for step, with_ahead in ((0, True), (1, True), (2, False), (3, True), (7, True)):
         micro = loader.next()[1]
         tg.train_step(model, spy, optimizers, micro, step, stage, schedule, loader.peek() if with_ahead else None)
