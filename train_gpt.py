@@ -277,8 +277,11 @@ class Hyperparameters:
     # steps, 3 seeds paired on the proxy: +0.0229 +- 0.0051 at 776 steps, +0.0050 +- 0.0042 at 824 (~0.0029 per 1%
     # more steps); the proxy's slope prices equal loss at ~835-838 steps. 840 = 776 x 1.082, 330.3M tokens (0.975 of
     # record #89's 338.8M), chosen from that; run at 840, 3 seeds: -0.0010 +- 0.0037 against 776 steps of the model
-    # before it, the same or lower in each seed (bench/results/preset_h200_20261129g.md)
-    num_iterations: int = 840  # training steps, extension_steps included: the record's 840 for ANVIL2's architecture (record #92, 08/30/26; before it 776)
+    # before it, the same or lower in each seed (bench/results/preset_h200_20261129g.md). With the copy feature
+    # (doc_copy) at 760 steps, 298.8M tokens (0.882 of #89's), 3 seeds (0-2) on the proxy against the master's
+    # finals, one H200, varlen for both: -0.0180 +- 0.0112, lower in every seed; at 740 (interpolated from 680 and
+    # 760) -0.0095 +- 0.0115, an interval over zero (bench/results/step_count_h200_20261201.md); seeds 3-5 to confirm
+    num_iterations: int = 760  # training steps, extension_steps included: chosen on the proxy against the public master (840 before the copy feature, 776 before ANVIL2's architecture)
     # The public master decays over 0.6 of its 1270 + 15 steps to 0.15 (02/10/26); ANVIL2 (record #92, 08/30/26) over
     # 0.8 to 0.2. ANVIL2's shape against our 0.7 to 0.15, 3 paired seeds on the proxy: -0.0028 +- 0.0030 at 776 steps,
     # -0.0054 +- 0.0011 at 840, lower in every seed (bench/results/preset_h200_20261129g.md)
@@ -598,9 +601,8 @@ class Hyperparameters:
 # batches/16 rule, 3 seeds paired on H100s: -0.129 final loss against the previous record preset (12 blocks, our
 # 2025 A/B's subset) at 1.06x its step time on 12 blocks; on 11 blocks 0.99x the time and +0.005 +- 0.021 against 12
 # (an H200; bench/results/public_line_ab_20261126.md, step_time_stages_h100_20261126.md). Its block layout, MLP width,
-# injection sites and order and 840 steps are ANVIL2's architecture (record #92, 08/30/26; on the proxy +0.0050 +-
-# 0.0042 at 824 steps against the model before it at 776, 3 seeds, 840 not yet run:
-# bench/results/arch_h200_20261129f.md).
+# injection sites and order are ANVIL2's architecture (record #92, 08/30/26; on the proxy +0.0050 +- 0.0042 at 824
+# steps against the model before it at 776, 3 seeds: bench/results/arch_h200_20261129f.md).
 # Every preset trains this model. ANVIL2's layout names blocks of 11, so the presets of other depths keep the layout
 # before it (one attention-less block and none removed, no second MLP, every block's injections, MLPs mlp_ratio x
 # model_dim), its block-indexed parts (the attention-less block, the skip, backout, XSA, value tables, paired heads,
@@ -641,9 +643,9 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "and 8), four untied value tables, parallel attention inputs, backout, per-sublayer "
                "residual weights and one gated skip, ANVIL2's update rule (twin momentum rails, six trace-normed quintic "
                "maps, NorMuon's neuron normalization, cautious decay 2.25), Adam every second step, "
-               "multi-token and prefix-token losses, the embedding tied for two stages, 840 steps (776 x 1.082: "
-               "ANVIL2's architecture's equal loss on the proxy priced at ~835-838, confirmed at 840) with a 20-step "
-               "extension, ANVIL2's cooldown over 0.8 of the steps to 0.2; plus "
+               "multi-token and prefix-token losses, the embedding tied for two stages, 760 steps (on the proxy "
+               "0.018 below the public master's final loss, 3 seeds) with a 20-step extension, ANVIL2's cooldown "
+               "over 0.8 of the steps to 0.2; plus "
                "the copy-pointer mixture of public pull request 379 (CPLM) and the document-local copy feature of "
                "public pull request 378; with our fused ReLU² MLP (FP8 forward "
                "and backward) and soft-capped cross-entropy kernels, and Inductor's C++ wrapper: the dataclass "

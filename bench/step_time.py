@@ -15,7 +15,7 @@ tokens by default, accumulated on one GPU): forward, backward, Muon and Adam. Ti
 medians (and means: with --adam_every > 1 the steps alternate) after compile and warm-up steps. --ws
 times the first stage's targets at each window; --stages times every stage of the resolved schedule at
 its own batch, windows, extra targets and tied or untied embedding, then sums the schedule's training time at
-those mean step times (`--num_iterations 840`: that schedule's one-GPU time, beside bench/side_by_side.py's
+those mean step times (`--num_iterations 760`: that schedule's one-GPU time, beside bench/side_by_side.py's
 public schedule time measured in the same session) and prints them as train_gpt.py's STEP_US_PER_TOKEN entries
 (SAMPLED_US_PER_TOKEN's for a stage whose timed steps sample the softmax). --swap times kernels.py as it is (A)
 and with some of its module-level settings replaced (B: tile tables its custom ops read at each call, not compiled

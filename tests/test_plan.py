@@ -8,7 +8,7 @@ import torch
 import train_gpt as tg
 
 RECORD_SHAPES = [(49152, 896, 3), (49152, 2048, 7), (49152, 2048, 11), (49152, 2048, 13)]  # record's stages, extension
-RECORD_CANDIDATES = (16384, 14336, 12288)  # the sampled softmax's rows in stages 1-3 (full from step 774)
+RECORD_CANDIDATES = (16384, 14336, 12288)  # the sampled softmax's rows in stages 1-3 (full from step 701)
 FULL = ["--full_softmax_from", "0"]  # the record preset with the full softmax throughout
 # the record's model before ANVIL2's architecture, the one its one-GPU H100 rows and four-GPU H200 rows were timed on
 # (MEASURED_MODEL: BEFORE_ANVIL2's fields, narrow heads off; its injection order is no longer built); 776 steps
@@ -16,7 +16,7 @@ MEASURED = ["--skip_layers", "", "--no_attn_layers", "6", "--skip_into", "0", "-
             "--paired_head_blocks", "0,2,5,9", "--value_embed_blocks", "1,2,8,9,10", "--parallel_mlp_blocks", "",
             "--mlp_hidden", "0", "--no_x0_blocks", "", "--no_ngram_blocks", "", "--no_resid_scale_blocks", "",
             "--narrow_qk_blocks", "", "--narrow_v_blocks", "", "--num_iterations", "776", "--doc_copy", "false"]
-STEPS = [274, 274, 272, 20]  # the record's 840 steps by stage: three of 274 / 274 / 272, the extension's 20
+STEPS = [247, 247, 246, 20]  # the record's 760 steps by stage: three of 247 / 247 / 246, the extension's 20
 
 
 def stage_rows(out: str) -> dict[str, list[str]]:
@@ -46,11 +46,11 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     rows = stage_rows(out)
     assert list(rows) == ["1", "2", "3", "ext"]
     # steps, batch, micro-batches on 1 / 8 GPUs, micro tokens, document cut, windows, lr, tokens
-    assert rows["1"][1:11] == ["0-273", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "107,741,184"]
-    assert rows["3"][1] == "548-819" and rows["3"][8] == "1408/640"
-    assert rows["ext"][1] == "820-839" and rows["ext"][8] == "1664/768"  # step 840 is the final validation only
-    assert f"trained tokens: {840 * 393216:,}" in out
-    assert 840 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
+    assert rows["1"][1:11] == ["0-246", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "97,124,352"]
+    assert rows["3"][1] == "494-739" and rows["3"][8] == "1408/640"
+    assert rows["ext"][1] == "740-759" and rows["ext"][8] == "1664/768"  # step 760 is the final validation only
+    assert f"trained tokens: {760 * 393216:,}" in out
+    assert 760 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
     assert not list(tmp_path.iterdir())  # no log, no checkpoint folder
     # the H200 rows (--plan_gpu's default) are of the record's model before the copy feature (doc_copy): the plan
     # says so
@@ -193,11 +193,11 @@ MASTER_H200_MS = (295.5, 409.5, 606.0, 604.5)
 
 
 def test_the_record_presets_stages_split_at_the_switch_to_the_full_softmax():
-    """840 steps, the full softmax from round(0.922 x 840) = 774: stage 3 (steps 548-819) samples 226 steps and
-    trains 46 with the full softmax; the extension (820-839) is full although its row carries stage 3's candidates."""
+    """760 steps, the full softmax from round(0.922 x 760) = 701: stage 3 (steps 494-739) samples 207 steps and
+    trains 39 with the full softmax; the extension (740-759) is full although its row carries stage 3's candidates."""
     schedule = tg.Schedule(tg.parse_args([]))
-    assert schedule.full_softmax == 774 and schedule.stages[2].start == 548 and schedule.stages[3].start == 820
-    assert [tg.softmax_steps(schedule, st) for st in schedule.stages] == [(274, 0), (274, 0), (226, 46), (0, 20)]
+    assert schedule.full_softmax == 701 and schedule.stages[2].start == 494 and schedule.stages[3].start == 740
+    assert [tg.softmax_steps(schedule, st) for st in schedule.stages] == [(247, 0), (247, 0), (207, 39), (0, 20)]
     assert [st.candidates for st in schedule.stages] == [*RECORD_CANDIDATES, 12288]
     assert [tg.softmax_steps(tg.Schedule(tg.parse_args(FULL)), st)[0] for st in schedule.stages] == [0, 0, 0, 0]
 
@@ -218,12 +218,12 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     master_tokens = sum(n * b for n, b in zip(master_steps, master_batches))
     assert master_tokens == 338_821_120 and master_s == pytest.approx(564.0, abs=0.05)
     assert tg.public_master_time("H200") == (pytest.approx(master_s), master_tokens)
-    # ours: 274 / 274 / 226 sampled steps in stages 1-3, then 46 full ones in stage 3 and the 20 of the extension
-    ours_s = (274 * 353.05 + 274 * 361.95 + 226 * 362.2 + 46 * 438.0 + 20 * 441.9) / 1000
-    ours_tokens = 840 * 393216
+    # ours: 247 / 247 / 207 sampled steps in stages 1-3, then 39 full ones in stage 3 and the 20 of the extension
+    ours_s = (247 * 353.05 + 247 * 361.95 + 207 * 362.2 + 39 * 438.0 + 20 * 441.9) / 1000
+    ours_tokens = 760 * 393216
     r, t = (ours_s / ours_tokens) / (master_s / master_tokens), ours_s / master_s * 73.8
-    assert ours_tokens == 330_301_440 and ours_s == pytest.approx(306.75, abs=0.05)
-    assert r == pytest.approx(0.558, abs=1e-3) and t == pytest.approx(40.1, abs=0.05)
+    assert ours_tokens == 298_844_160 and ours_s == pytest.approx(277.50, abs=0.05)
+    assert r == pytest.approx(0.558, abs=1e-3) and t == pytest.approx(36.3, abs=0.05)
     lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))  # the record; H200: --plan_gpu's default
     m = re.match(r"vs public master \(H200, .*\): per-token (\d\.\d\d\d)x, projected 8xH100 (\d+\.\d) s \(ours "
                  r"(\d+\.\d) s / its (\d+\.\d) s", line_of(lines, "vs public master"))
@@ -231,11 +231,11 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     assert float(m[1]) == pytest.approx(r, abs=5e-4) and float(m[2]) == pytest.approx(t, abs=0.1)
     assert float(m[3]) == pytest.approx(ours_s, abs=0.2) and float(m[4]) == pytest.approx(564.0, abs=0.05)
     # R itself, unrounded, against the raw ms figures (the tables' 3 decimals move it by less than 1e-3)
-    table_s = 393216e-6 * (274 * sampled[0] + 274 * sampled[1] + 226 * sampled[2] + 46 * ours[0] + 20 * ours[1])
+    table_s = 393216e-6 * (247 * sampled[0] + 247 * sampled[1] + 207 * sampled[2] + 39 * ours[0] + 20 * ours[1])
     assert (table_s / ours_tokens) / (master_s / master_tokens) == pytest.approx(r, abs=1e-3)
     assert line_of(lines, "projected time:").startswith(f"projected time: 1 x H200 {table_s:.1f} s")
-    # stage 3's us/token: the mean of its 226 sampled and 46 full steps
-    assert float(stage_rows("\n".join(lines))["3"][-3]) == pytest.approx((226 * sampled[2] + 46 * ours[0]) / 272,
+    # stage 3's us/token: the mean of its 207 sampled and 39 full steps
+    assert float(stage_rows("\n".join(lines))["3"][-3]) == pytest.approx((207 * sampled[2] + 39 * ours[0]) / 246,
                                                                          abs=5e-4)
     # labelled: the kind, the attention kernel and the sources; no 8-GPU figure without a measured H200 ratio
     assert "projected seconds on H200 (FlashAttention-4)" in lines[0]
@@ -274,7 +274,7 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
 
 def test_a_stage_split_by_the_switch_is_priced_as_the_weighted_sum_and_a_missing_row_leaves_it_out(no_gpu, monkeypatch):
     """Each stage's sampled steps at its SAMPLED_US_PER_TOKEN row, its full ones at its STEP_US_PER_TOKEN row: stage 3
-    (226 sampled, 46 full) needs both, stages 1-2 (all sampled) only the sampled, the extension only the full."""
+    (207 sampled, 39 full) needs both, stages 1-2 (all sampled) only the sampled, the extension only the full."""
     full = {("H100", "record", *shape): us for shape, us in zip(RECORD_SHAPES[2:], (3.0, 3.5))}  # stage 3, extension
     sampled = {("H100", "record", *shape, c): us
                for shape, c, us in zip(RECORD_SHAPES, RECORD_CANDIDATES, (1.0, 1.5, 2.0))}  # stages 1-3
@@ -283,10 +283,10 @@ def test_a_stage_split_by_the_switch_is_priced_as_the_weighted_sum_and_a_missing
     args = tg.parse_args(["--plan_gpu", "H100"])
     lines = tg.schedule_plan(tg.Schedule(args))
     rows = stage_rows("\n".join(lines))
-    seconds = [274 * 1.0, 274 * 1.5, 226 * 2.0 + 46 * 3.0, 20 * 3.5]  # x 393,216 tokens x 1e-6
+    seconds = [247 * 1.0, 247 * 1.5, 207 * 2.0 + 39 * 3.0, 20 * 3.5]  # x 393,216 tokens x 1e-6
     for name, s in zip(["1", "2", "3", "ext"], seconds):
         assert float(rows[name][-2]) == pytest.approx(s * 0.393216, abs=0.05)
-    assert float(rows["3"][-3]) == pytest.approx((226 * 2.0 + 46 * 3.0) / 272, abs=5e-4)  # the stage's mean
+    assert float(rows["3"][-3]) == pytest.approx((207 * 2.0 + 39 * 3.0) / 246, abs=5e-4)  # the stage's mean
     assert line_of(lines, "projected time:").startswith(f"projected time: 1 x H100 {sum(seconds) * 0.393216:.1f} s")
     # without stage 2's sampled row, or without stage 3's full one, that stage is '-' and the projection incomplete
     for table, key, name in ((sampled, ("H100", "record", *RECORD_SHAPES[1], 14336), "2"),

@@ -95,13 +95,13 @@ def test_a_sampled_stage_gives_a_sampled_entry_and_a_mixed_one_none():
 
 
 def test_timed_candidates_follow_the_switch_to_the_full_softmax():
-    """The record preset (840 steps, full from step 774): stage 1's timed steps sample 16,384 rows; stage 3's near
+    """The record preset (760 steps, full from step 701): stage 1's timed steps sample 16,384 rows; stage 3's near
     the switch mix both; the extension, whose row carries stage 3's candidates, trains with the full softmax."""
     schedule = tg.Schedule(tg.parse_args([]))
     first, third, ext = schedule.stages[0], schedule.stages[2], schedule.stages[3]
-    assert schedule.full_softmax == 774 and ext.candidates == 12288
+    assert schedule.full_softmax == 701 and ext.candidates == 12288
     assert step_time.timed_candidates(schedule, first, 3, 12) == 16384
-    assert step_time.timed_candidates(schedule, third, 769, 12) is None
+    assert step_time.timed_candidates(schedule, third, 696, 12) is None
     assert step_time.timed_candidates(schedule, ext, ext.start + 3, 12) == 0
 
 
