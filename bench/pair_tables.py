@@ -9,7 +9,10 @@ line of tokens trained. A run whose last validation comes before its label's ste
 left out, with a warning.
 
     python bench/pair_tables.py results/a_table.md results/b_table.md [...] --base record [--target 2.6709] \
-        [--tie n760,n840 --tie b16n760,b16]
+        [--tie n760,n840 --tie b16n760,b16] [--public_finals 0:2.6704,1:2.6700,2:2.6677 --public_tokens 21176320]
+
+--public_finals stands in for the public code's runs where a page quotes their finals but no table of them is kept:
+each seed's final loss, at --public_tokens trained tokens (the public schedule's under the harness's rule).
 
 The base defaults to the first label found. Runs of one name in two files must agree (the same run): otherwise the
 later file's runs of that name are left out, with a warning."""
@@ -90,9 +93,22 @@ def main():
     parser.add_argument("--tie", action="append", default=[], metavar="LABEL,LABEL[,...]",
                         help="labels of one recipe at several step counts: the tokens at which each seed's finals "
                              "reach its public run's final (repeatable; needs the public code's runs)")
+    parser.add_argument("--public_finals", metavar="SEED:LOSS,...",
+                        help="the public code's final losses by seed, from a page, where no table holds its runs")
+    parser.add_argument("--public_tokens", type=int, help="with --public_finals: the tokens those runs trained")
     a = parser.parse_args()
     results: dict[str, dict[int, tuple]] = {}
     tokens: dict[str, int] = {}
+    if a.public_finals:
+        if not a.public_tokens:
+            parser.error("--public_finals needs --public_tokens (the public runs' trained tokens)")
+        try:
+            finals = {int(seed): float(loss) for seed, loss in (item.split(":") for item in a.public_finals.split(","))}
+        except ValueError:
+            parser.error(f"--public_finals {a.public_finals}: expected SEED:LOSS pairs, e.g. 0:2.6704,1:2.6700")
+        # one validation, the final one, at an arbitrary step: the tables' public runs would say which
+        results.update({f"public master seed {seed}": {1: (loss, 0.0)} for seed, loss in finals.items()})
+        tokens["public master"] = a.public_tokens
     for path in a.tables:
         planned = data_line(path)
         for label, (_, n) in planned.items():
@@ -103,6 +119,8 @@ def main():
                 print(f"warning: {path}: {name!r} stopped at step {max(by_step)} of {steps}; left out",
                       file=sys.stderr)
                 continue
+            if a.public_finals and name.startswith("public"):
+                parser.error(f"{path} holds the public code's runs ({name}): leave out --public_finals")
             if name in results and results[name] != by_step:
                 print(f"warning: {path}: {name!r} differs from the run of that name read before; left out",
                       file=sys.stderr)

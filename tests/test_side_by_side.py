@@ -1039,6 +1039,21 @@ def test_pair_tables_ties_one_recipe_at_two_lengths_from_two_jobs_with_the_publi
     with pytest.raises(SystemExit):
         pt.main()
     assert "--tie needs the public code's runs" in capsys.readouterr().err
+    # the public finals as a page quotes them, where no table of its runs is kept: the same ties
+    third = tmp_path / "c.md"
+    third.write_text("\n".join(["Data: short: 100 steps, 1,000 tokens trained, reads 1 of 9", "",
+                                *fh.format_table(short, {"short": list(short)})]))
+    sys.argv = ["pair_tables.py", str(third), str(second), "--base", "short", "--tie", "short,long",
+                "--public_finals", "0:2.60,1:2.61", "--public_tokens", "2000"]
+    pt.main()
+    out = capsys.readouterr().out
+    assert "| short / long | 0 | 2.6000 | 1,300 (0.650) |" in out and "| short / long | 1 | 2.6100 | 1,270 (0.635) |" in out
+    assert "| public master | 2 | 2.6050 +- " in out  # paired with short's finals too
+    for extra, says in ((["--public_tokens", "2000"], "holds the public code's runs"), ([], "needs --public_tokens")):
+        sys.argv = ["pair_tables.py", str(first), "--public_finals", "0:2.60", *extra]
+        with pytest.raises(SystemExit):
+            pt.main()
+        assert says in capsys.readouterr().err
 
 
 def test_runs_sharing_a_gpu_start_again_once_after_running_out_of_memory_one_fewer_at_a_time(monkeypatch, tmp_path,
