@@ -92,6 +92,15 @@ def fail(msg: str):
     raise SystemExit(f"side_by_side.py: error: {msg}")
 
 
+def check_vocabulary():
+    """Both codes read the GPT-2 vocabulary at start (the public code on import, ours for the prefix-token loss):
+    offline without tiktoken's files every run would stop there, one after another. Checked here, before any run."""
+    try:
+        tg.gpt2_token_bytes()
+    except (OSError, ValueError) as e:
+        fail(f"every run would stop at its start: {e} (the runs inherit this command's environment)")
+
+
 # ------------------------------------------------------------------------------------------------
 # The public source
 
@@ -1307,6 +1316,7 @@ def main():
         fail(f"{e}: the shards hold too few tokens for this schedule once; use a larger --batch_div or "
              "--step_div, or more data")
     print("data plan: " + "; ".join(plans), flush=True)
+    check_vocabulary()
     if a.check_only:
         return
     if a.warm_first:  # each code's first run once, all at the same time: its compile cache fills while they share

@@ -20,6 +20,34 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import side_by_side as fh  # noqa: E402
 
+REAL_CHECK_VOCABULARY = fh.check_vocabulary
+
+
+@pytest.fixture(autouse=True)
+def vocabulary_present(monkeypatch):
+    """The GPT-2 files tiktoken fetches on first use are not part of the tests (offline CI): the harness's check
+    that they load passes here, but in the test of that check."""
+    monkeypatch.setattr(fh, "check_vocabulary", lambda: None)
+
+
+def test_a_missing_vocabulary_stops_the_command_before_any_run_naming_the_fix(monkeypatch, tmp_path):
+    """Offline without tiktoken's GPT-2 files every run of both codes stops at its start: the harness says so once,
+    with the trainer's fix (TIKTOKEN_CACHE_DIR), after the data check and before anything is launched."""
+    def unreachable():
+        raise OSError("the prefix-token loss reads the GPT-2 vocabulary, and tiktoken could not load it (no network); "
+                      "offline, set TIKTOKEN_CACHE_DIR to a folder holding tiktoken's GPT-2 files")
+    monkeypatch.setattr(tg, "gpt2_token_bytes", unreachable)
+    with pytest.raises(SystemExit, match="every run would stop at its start: .*set TIKTOKEN_CACHE_DIR"):
+        REAL_CHECK_VOCABULARY()
+    monkeypatch.setattr(tg, "gpt2_token_bytes", lambda: [b"a"] * 3)
+    REAL_CHECK_VOCABULARY()  # loads: nothing said
+    # main calls it before launching: with the check failing, nothing is launched
+    monkeypatch.setattr(fh, "check_vocabulary", lambda: fh.fail("no vocabulary"))
+    launched = []
+    with pytest.raises(SystemExit, match="no vocabulary"):
+        fake_main(monkeypatch, tmp_path, ["--public_seeds", "0", "--seeds", "0"], launched=launched)
+    assert launched == []
+
 PUBLIC_LIKE = '''import os
 @dataclass
 class Hyperparameters:
