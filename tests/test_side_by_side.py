@@ -30,24 +30,6 @@ def vocabulary_present(monkeypatch):
     monkeypatch.setattr(fh, "check_vocabulary", lambda: None)
 
 
-def test_a_missing_vocabulary_stops_the_command_before_any_run_naming_the_fix(monkeypatch, tmp_path):
-    """Offline without tiktoken's GPT-2 files every run of both codes stops at its start: the harness says so once,
-    with the trainer's fix (TIKTOKEN_CACHE_DIR), after the data check and before anything is launched."""
-    def unreachable():
-        raise OSError("the prefix-token loss reads the GPT-2 vocabulary, and tiktoken could not load it (no network); "
-                      "offline, set TIKTOKEN_CACHE_DIR to a folder holding tiktoken's GPT-2 files")
-    monkeypatch.setattr(tg, "gpt2_token_bytes", unreachable)
-    with pytest.raises(SystemExit, match="every run would stop at its start: .*set TIKTOKEN_CACHE_DIR"):
-        REAL_CHECK_VOCABULARY()
-    monkeypatch.setattr(tg, "gpt2_token_bytes", lambda: [b"a"] * 3)
-    REAL_CHECK_VOCABULARY()  # loads: nothing said
-    # main calls it before launching: with the check failing, nothing is launched
-    monkeypatch.setattr(fh, "check_vocabulary", lambda: fh.fail("no vocabulary"))
-    launched = []
-    with pytest.raises(SystemExit, match="no vocabulary"):
-        fake_main(monkeypatch, tmp_path, ["--public_seeds", "0", "--seeds", "0"], launched=launched)
-    assert launched == []
-
 PUBLIC_LIKE = '''import os
 @dataclass
 class Hyperparameters:
@@ -164,6 +146,25 @@ def fake_main(monkeypatch, tmp_path, argv: list[str], rc: int = 0, launched=None
                                       "--val_files", val, "--work", str(tmp_path / "w"), *argv])
     fh.main()
     return launched
+
+
+def test_a_missing_vocabulary_stops_the_command_before_any_run_naming_the_fix(monkeypatch, tmp_path):
+    """Offline without tiktoken's GPT-2 files every run of both codes stops at its start: the harness says so once,
+    with the trainer's fix (TIKTOKEN_CACHE_DIR), after the data check and before anything is launched."""
+    def unreachable():
+        raise OSError("the prefix-token loss reads the GPT-2 vocabulary, and tiktoken could not load it (no network); "
+                      "offline, set TIKTOKEN_CACHE_DIR to a folder holding tiktoken's GPT-2 files")
+    monkeypatch.setattr(tg, "gpt2_token_bytes", unreachable)
+    with pytest.raises(SystemExit, match="every run would stop at its start: .*set TIKTOKEN_CACHE_DIR"):
+        REAL_CHECK_VOCABULARY()
+    monkeypatch.setattr(tg, "gpt2_token_bytes", lambda: [b"a"] * 3)
+    REAL_CHECK_VOCABULARY()  # loads: nothing said
+    # main calls it before launching: with the check failing, nothing is launched
+    monkeypatch.setattr(fh, "check_vocabulary", lambda: fh.fail("no vocabulary"))
+    launched = []
+    with pytest.raises(SystemExit, match="no vocabulary"):
+        fake_main(monkeypatch, tmp_path, ["--public_seeds", "0", "--seeds", "0"], launched=launched)
+    assert launched == []
 
 
 def test_ours_runs_the_record_preset_on_the_public_attention_and_each_variant_adds_its_flags(monkeypatch, tmp_path):
