@@ -610,7 +610,7 @@ def stage_public(a, work: Path, code: PublicCode) -> Path:
 
 
 # GPU memory one run takes at its peak (one H100): under batches / 16 ours reserves 21.3 GiB (the ours_rule16 logs
-# of bench/results/side_by_side_h100_20261125/) and the public master more (two of three public runs beside a
+# that bench/results/side_by_side_master_h100_20261125.md names) and the public master more (two of three public runs beside a
 # 34 GiB timing run ran out of 80 GB, section 6 of side_by_side_master_h100_20261125.md); the 09/03 protocol's
 # runs 17.5 and 14 GiB (bench/results/fidelity_0903_h100.md).
 RUN_GIB = 24
