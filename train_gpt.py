@@ -3458,28 +3458,26 @@ STEP_US_PER_TOKEN = {
     ("H100", "record", 49152, 2048, 7): 1.565,
     ("H100", "record", 49152, 2048, 11): 1.589,
     ("H100", "record", 49152, 2048, 13): 1.576,
-    # one H200 of a one-GPU machine, alone, 2026-11-30, PyTorch 2.11.0+cu130, FlashAttention-4 (flash-attn-4
-    # 4.0.0b36), the record preset at main 89d6643 with its defaults (CUDA graphs, the C++ wrapper), two runs in turns
-    # with two of the public master (A B A B, bench/side_by_side.py --alternate): `python train_gpt.py --preset record
-    # --num_iterations 80 --full_softmax_from 0.65 --attention fa4 ...`, each stage's mean step from the log's stage
-    # lines, the mean of the two runs: stage 3's full-softmax steps 438.0 ms, the extension's 441.9 ms per 393,216-token
-    # step (bench/results/abab_graphs_h200_20261130j.md; febefb3 with the Python wrapper 445.35 / 450.2 ms,
-    # graphs_abab_h200_20261130i.md; without the graphs 450.6 / 454.8 ms, abab_fa4_h200_20261130e.md). Stages 1-2
-    # have no full-softmax row on it
-    ("H200", "record", 49152, 2048, 11): 1.114,
-    ("H200", "record", 49152, 2048, 13): 1.124,
+    # one H200 of a one-GPU machine, alone, 2026-12-02, PyTorch 2.11.0+cu130, FlashAttention-4 (flash-attn-4
+    # 4.0.0b36), the record preset at main 38da2b3 with its defaults (the copy feature, CUDA graphs, the C++ wrapper),
+    # two runs one after the other: `python train_gpt.py --preset record --num_iterations 80 --full_softmax_from 0.65
+    # --attention fa4 ...`, each stage's mean step from the log's stage lines, the mean of the two runs: stage 3's
+    # full-softmax steps 441.75 ms, the extension's 445.6 ms per 393,216-token step
+    # (bench/results/timing_dcopy_h200_20261202.md; the model before the copy feature, 2026-11-30 on another machine
+    # in turns with the master, 438.0 / 441.9 ms: abab_graphs_h200_20261130j.md). Stages 1-2 have no full-softmax row
+    ("H200", "record", 49152, 2048, 11): 1.123,
+    ("H200", "record", 49152, 2048, 13): 1.133,
 }
 # The sampled softmax's steps (those before Schedule.full_softmax in a stage with candidates): time per token as
 # STEP_US_PER_TOKEN's, keyed as it is plus the stage's candidates (the head's rows a micro-batch); a stage's full
 # softmax steps are priced at its STEP_US_PER_TOKEN row.
 SAMPLED_US_PER_TOKEN = {
-    # the runs of STEP_US_PER_TOKEN's H200 rows (2026-11-30, main 89d6643, CUDA graphs, FA4, A B A B with the master):
-    # stages 1-3's sampled steps, 353.05 / 361.95 / 362.2 ms per 393,216-token step
-    # (bench/results/abab_graphs_h200_20261130j.md; febefb3 with the Python wrapper 361.9 / 369.8 / 369.75 ms,
-    # graphs_abab_h200_20261130i.md; without the graphs 367.1 / 387.6 / 397.7 ms, abab_fa4_h200_20261130e.md)
-    ("H200", "record", 49152, 896, 3, 16384): 0.898,
-    ("H200", "record", 49152, 2048, 7, 14336): 0.920,
-    ("H200", "record", 49152, 2048, 11, 12288): 0.921,
+    # the runs of STEP_US_PER_TOKEN's H200 rows (2026-12-02, main 38da2b3, the copy feature, CUDA graphs, FA4): stages
+    # 1-3's sampled steps, 359.3 / 367.0 / 368.85 ms per 393,216-token step (bench/results/timing_dcopy_h200_20261202.md;
+    # the model before the copy feature, 2026-11-30, 353.05 / 361.95 / 362.2 ms: abab_graphs_h200_20261130j.md)
+    ("H200", "record", 49152, 896, 3, 16384): 0.914,
+    ("H200", "record", 49152, 2048, 7, 14336): 0.933,
+    ("H200", "record", 49152, 2048, 11, 12288): 0.938,
 }
 # The record's model before ANVIL2's architecture (record #92's layout, MLP width, injection sites and order) became
 # it: the fields it had then, and its injections (x0 and the n-gram term) before a block's attention, an order no
@@ -3492,17 +3490,14 @@ BEFORE_ANVIL2 = dict(skip_layers=(), no_attn_layers=(6,), skip_into=0, xsa_block
 # The model a preset's rows of one GPU kind and count were timed on, where it is not the preset's present model, by
 # (preset, GPU kind, GPUs): the fields it had then. 1 GPU: STEP_US_PER_TOKEN's and SAMPLED_US_PER_TOKEN's rows; more:
 # MULTI_GPU_US_PER_TOKEN's. --plan names these rows as that model's.
-# The record's model before the copy feature (doc_copy, adopted 2026-12-01): STEP_US_PER_TOKEN's H200 rows.
-BEFORE_DOC_COPY = dict(doc_copy=False)
-MEASURED_MODEL = {("record", "H100", 1): BEFORE_ANVIL2, ("record", "H200", 1): BEFORE_DOC_COPY,
-                  ("record", "H200", 4): BEFORE_ANVIL2}
+MEASURED_MODEL = {("record", "H100", 1): BEFORE_ANVIL2, ("record", "H200", 4): BEFORE_ANVIL2}
 # what --plan says of each kind's rows: the attention kernel they ran with, and where they come from
 STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "FlashAttention-4"}
 STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, main at 46b1702 "
                           "(bench/results/one_session_h100_20261127c.md)",
-                  "H200": "one H200 of a one-GPU machine, alone, 2026-11-30, PyTorch 2.11.0+cu130: the record preset "
-                          "at main 89d6643 with its defaults (CUDA graphs, the C++ wrapper), two runs of 80 steps in "
-                          "turns with two of the master's (bench/results/abab_graphs_h200_20261130j.md)"}
+                  "H200": "one H200 of a one-GPU machine, alone, 2026-12-02, PyTorch 2.11.0+cu130: the record preset "
+                          "at main 38da2b3 with its defaults (the copy feature, CUDA graphs, the C++ wrapper), two runs "
+                          "of 80 steps (bench/results/timing_dcopy_h200_20261202.md)"}
 # The public master (f411b3d3, record #89's code) on its own schedule: steps and tokens per step of each stage,
 # 423 / 424 / 423 steps at 131,072 / 262,144 / 393,216 tokens, then the 15-step extension at 393,216: 338,821,120
 # tokens (bench/results/public_master_comparison.md rows 32-34 and 47; bench/side_by_side.py's public_stages
@@ -3519,20 +3514,21 @@ PUBLIC_MASTER_STEP_MS = {
                         "(bench/results/public_line.md)",
                  paired="not timed with ours: another machine, another PyTorch"),
     # one H200 of a one-GPU machine, 2026-11-30, PyTorch 2.11.0+cu130, FlashAttention-4 (flash-attn-4 4.0.0b36, in
-    # place of its attention by the harness's patch), in turns with the runs of STEP_US_PER_TOKEN's H200 rows on the
+    # place of its attention by the harness's patch), in turns with the record preset before the copy feature on the
     # same machine (A B A B, bench/side_by_side.py --alternate --public_attention fa4): each stage's median step, the
     # mean of its two runs (299.0 / 292.0, 409.0 / 410.0, 605.0 / 607.0, 615.0 / 594.0 ms; its stage-3 rate, 1.541 us
     # per token, within 1.3% of its stage 2's 1.562) (bench/results/abab_graphs_h200_20261130j.md). Its stage 1 ran
     # unsteadily there, steps of 241-380 ms (the cause not found); on the machine of abab_fa4_h200_20261130e.md that
-    # day, 220.5 / 414.5 / 611.0 / 615.5 (with that stage 1, R = 0.591). With PyTorch's varlen attention: 284.5 /
+    # day, 220.5 / 414.5 / 611.0 / 615.5 (with that stage 1, R = 0.600). With PyTorch's varlen attention: 284.5 /
     # 430.0 / 642.0 / 651.0 ms on 2026-11-29 (abab_h200_20261129h.md), 254.0 / 439.0 / 658.5 / 661.0 on 2026-11-28
     # (bench/results/public_line_history.md)
     "H200": dict(ms=(295.5, 409.5, 606.0, 604.5), attention="FlashAttention-4",
                  source="one H200 of a one-GPU machine, 2026-11-30, PyTorch 2.11.0+cu130, stage medians, mean of two "
                         "runs (bench/results/abab_graphs_h200_20261130j.md)",
-                 paired="the master and ours in turns on one one-GPU machine, A B A B, same PyTorch and attention; "
-                        "its stage 1 ran unsteadily there, steps of 241-380 ms, a median of 295.5 against 220.5 on "
-                        "another machine that day; with that, R = 0.591"),
+                 paired="not in one session with ours: the master on 2026-11-30 in turns with the model before the "
+                        "copy feature, A B A B; ours on another one-GPU machine on 2026-12-02, same PyTorch and "
+                        "attention; its stage 1 ran unsteadily there, steps of 241-380 ms, a median of 295.5 against "
+                        "220.5 on another machine that day; with that, R = 0.600"),
 }
 RECORD_89_SECONDS = 73.8  # public record #89 on 8xH100, its whole schedule
 # Measured on several GPUs of one host: time per token of the whole global batch, by (GPU kind, GPUs, preset,

@@ -52,12 +52,9 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     assert f"trained tokens: {760 * 393216:,}" in out
     assert 760 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
     assert not list(tmp_path.iterdir())  # no log, no checkpoint folder
-    # the H200 rows (--plan_gpu's default) are of the record's model before the copy feature (doc_copy): the plan
-    # says so
-    assert line_of(out.splitlines(), "step times of another model:") == (
-        "step times of another model: the times above are --preset record's model's before its present one "
-        "(MEASURED_MODEL); this run's model is not measured (it differs in doc_copy: the model line gives the "
-        "measured model's values)")
+    # the H200 rows (--plan_gpu's default) are of the record's present model (the copy feature's included): no line
+    # says otherwise
+    assert "step times of another model:" not in out and "before its present one" not in out
     # the H100 rows are of the record's model before ANVIL2's architecture: the plan says so, naming what differs
     assert tg.main(["--plan", "--plan_gpu", "H100"]) == 0
     assert line_of(capsys.readouterr().out.splitlines(), "step times of another model:") == (
@@ -73,7 +70,7 @@ def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measur
     model the H100 rows were timed on (11 blocks x 2 matrices x 768 x 256 fewer weights, 6 FLOPs each per token);
     the measured step times stay that model's, and the line says so where the width, or another model field, is not
     its, and always its injection order, which no run has now (MEASURED_MODEL). The H200 rows are of the record's
-    model before the copy feature: the line names the fields in which a run differs from it."""
+    present model: the line names the fields in which a run differs from it."""
     lines = {}
     for given in (MEASURED, [*MEASURED, "--mlp_hidden", "3072"], [*MEASURED, "--mlp_hidden", "2816"]):
         assert tg.main(["--plan", "--plan_gpu", "H100", *given]) == 0
@@ -110,24 +107,21 @@ def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measur
                    "no_x0_blocks (), no_ngram_blocks (), no_resid_scale_blocks (), narrow_qk_blocks (), narrow_v_blocks ()")
     assert line.endswith("; the step times above are --preset record's model's before its present one "
                          f"(MEASURED_MODEL), {record_then}, doc_copy False, injections before a block's attention")
-    # on H200 the measured model is the record's before the copy feature (doc_copy); the model before ANVIL2's
-    # differs from it in ANVIL2's architecture and the narrow heads: the plan says the times are not its (the
-    # measured model's values named)
+    # on H200 the measured model is the record's present one (the copy feature's included); the model before
+    # ANVIL2's differs from it in ANVIL2's architecture, the narrow heads and the copy feature: the plan says the
+    # times are not its (the measured model's values named)
     assert tg.main(["--plan"]) == 0
-    assert line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden").endswith(
-        "; the step times above are --preset record's model's before its present one (MEASURED_MODEL), doc_copy False")
+    assert line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden").endswith("(flops_per_token: MFU's count)")
     assert tg.main(["--plan", *MEASURED]) == 0
     assert line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden").endswith(
-        "; the step times above are --preset record's model's before its present one (MEASURED_MODEL), MLP hidden "
-        "2,816, no_attn_layers (4, 6, 9), "
+        "; the step times above are --preset record's model's, MLP hidden 2,816, no_attn_layers (4, 6, 9), "
         "value_embed_blocks (1, 2, 8, 10), paired_head_blocks (0, 2, 5), xsa_blocks (1, 3), skip_into 6, skip_layers "
         "(7,), parallel_mlp_blocks (8,), no_x0_blocks (3, 6, 8, 9), no_ngram_blocks (2, 3, 6, 8), "
-        "no_resid_scale_blocks (6,), narrow_qk_blocks (0, 1, 2, 5, 8), narrow_v_blocks (1, 8)")
+        "no_resid_scale_blocks (6,), narrow_qk_blocks (0, 1, 2, 5, 8), narrow_v_blocks (1, 8), doc_copy True")
     # MEASURED is that model, field for field (its injection order aside), and the rows of it are H100's and 4 x H200's
     fields = {k: v for k, v in tg.BEFORE_ANVIL2.items() if k != "injections"}
     assert tg.parse_args(MEASURED) == tg.Hyperparameters(**fields, num_iterations=776)
-    assert tg.MEASURED_MODEL == {("record", "H100", 1): tg.BEFORE_ANVIL2, ("record", "H200", 1): tg.BEFORE_DOC_COPY,
-                                 ("record", "H200", 4): tg.BEFORE_ANVIL2}
+    assert tg.MEASURED_MODEL == {("record", "H100", 1): tg.BEFORE_ANVIL2, ("record", "H200", 4): tg.BEFORE_ANVIL2}
 
 
 def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, capsys, monkeypatch):
@@ -181,14 +175,15 @@ def test_plan_follows_the_schedule_flags_with_staged_batches_and_an_extension(no
     assert f"trained tokens: {total:,}" in lines
 
 
-# Ours alone on one H200 of a one-GPU machine, 2026-11-30, FlashAttention-4, 80 steps of the record preset at main
-# 89d6643 with its defaults (CUDA graphs, the C++ wrapper; --full_softmax_from 0.65): ms per 393,216-token step, each
-# stage's mean from the log's stage lines, the mean of two runs (bench/results/abab_graphs_h200_20261130j.md). The full
-# softmax in stage 3 and the extension; the sampled one at 16,384 / 14,336 / 12,288 rows in stages 1-3
-OURS_H200_MS = (438.0, 441.9)
-OURS_H200_SAMPLED_MS = (353.05, 361.95, 362.2)
-# The public master in turns with those runs on the same machine (A B A B), each stage's median, the mean of its two
-# runs, at its own stages' batches (abab_graphs_h200_20261130j.md)
+# Ours alone on one H200 of a one-GPU machine, 2026-12-02, FlashAttention-4, 80 steps of the record preset at main
+# 38da2b3 with its defaults (the copy feature, CUDA graphs, the C++ wrapper; --full_softmax_from 0.65): ms per
+# 393,216-token step, each stage's mean from the log's stage lines, the mean of two runs
+# (bench/results/timing_dcopy_h200_20261202.md). The full softmax in stage 3 and the extension; the sampled one at
+# 16,384 / 14,336 / 12,288 rows in stages 1-3
+OURS_H200_MS = (441.75, 445.6)
+OURS_H200_SAMPLED_MS = (359.3, 367.0, 368.85)
+# The public master on another one-GPU machine on 2026-11-30, in turns with the record preset before the copy feature
+# (A B A B), each stage's median, the mean of its two runs, at its own stages' batches (abab_graphs_h200_20261130j.md)
 MASTER_H200_MS = (295.5, 409.5, 606.0, 604.5)
 
 
@@ -219,11 +214,11 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     assert master_tokens == 338_821_120 and master_s == pytest.approx(564.0, abs=0.05)
     assert tg.public_master_time("H200") == (pytest.approx(master_s), master_tokens)
     # ours: 247 / 247 / 207 sampled steps in stages 1-3, then 39 full ones in stage 3 and the 20 of the extension
-    ours_s = (247 * 353.05 + 247 * 361.95 + 207 * 362.2 + 39 * 438.0 + 20 * 441.9) / 1000
+    ours_s = (247 * 359.3 + 247 * 367.0 + 207 * 368.85 + 39 * 441.75 + 20 * 445.6) / 1000
     ours_tokens = 760 * 393216
     r, t = (ours_s / ours_tokens) / (master_s / master_tokens), ours_s / master_s * 73.8
-    assert ours_tokens == 298_844_160 and ours_s == pytest.approx(277.50, abs=0.05)
-    assert r == pytest.approx(0.558, abs=1e-3) and t == pytest.approx(36.3, abs=0.05)
+    assert ours_tokens == 298_844_160 and ours_s == pytest.approx(281.89, abs=0.05)
+    assert r == pytest.approx(0.567, abs=1e-3) and t == pytest.approx(36.9, abs=0.05)
     lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))  # the record; H200: --plan_gpu's default
     m = re.match(r"vs public master \(H200, .*\): per-token (\d\.\d\d\d)x, projected 8xH100 (\d+\.\d) s \(ours "
                  r"(\d+\.\d) s / its (\d+\.\d) s", line_of(lines, "vs public master"))
@@ -239,33 +234,37 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
                                                                          abs=5e-4)
     # labelled: the kind, the attention kernel and the sources; no 8-GPU figure without a measured H200 ratio
     assert "projected seconds on H200 (FlashAttention-4)" in lines[0]
-    assert line_of(lines, "ours on H200 (FlashAttention-4): one H200 of a one-GPU machine, alone, 2026-11-30, "
-                          "PyTorch 2.11.0+cu130: the record preset at main 89d6643 with its defaults (CUDA graphs, "
-                          "the C++ wrapper), two runs of 80 steps in turns with two of the master's "
-                          "(bench/results/abab_graphs_h200_20261130j.md); times as measured for --preset record's "
-                          "model before its present one (MEASURED_MODEL), ")
+    assert line_of(lines, "ours on H200 (FlashAttention-4): one H200 of a one-GPU machine, alone, 2026-12-02, "
+                          "PyTorch 2.11.0+cu130: the record preset at main 38da2b3 with its defaults (the copy "
+                          "feature, CUDA graphs, the C++ wrapper), two runs of 80 steps "
+                          "(bench/results/timing_dcopy_h200_20261202.md); times as measured for --preset record's "
+                          "model, ")
     assert "FlashAttention-4" in line_of(lines, "public master on H200")
-    # the pairing says how the master's times relate to ours (in turns on one machine), and its host-bound stage 1
-    assert "the master and ours in turns on one one-GPU machine, A B A B" in line_of(lines, "vs public master")
+    # the pairing says how the master's times relate to ours (not in one session: two machines, two days), and its
+    # host-bound stage 1
+    assert ("not in one session with ours: the master on 2026-11-30 in turns with the model before the copy "
+            "feature, A B A B; ours on another one-GPU machine on 2026-12-02") in line_of(lines, "vs public master")
     other_s = (423 * 220.5 + sum(n * ms for n, ms in zip(master_steps[1:], MASTER_H200_MS[1:]))) / 1000
     other_r = f"{(ours_s / ours_tokens) / (other_s / master_tokens):.3f}"
-    assert other_r == "0.591" and f"day; with that, R = {other_r}" in line_of(lines, "vs public master")
+    assert other_r == "0.600" and f"day; with that, R = {other_r}" in line_of(lines, "vs public master")
     assert "8 GPUs not projected: no measured 8/1-GPU step-time ratio on H200" in line_of(lines, "projected time:")
     assert all(row[-1] == "-" for row in stage_rows("\n".join(lines)).values())
-    # the rows are of the record's model before the copy feature: said so; without its narrow heads too, each field
-    # named
-    assert line_of(lines, "step times of another model").endswith(
-        "(it differs in doc_copy: the model line gives the measured model's values)")
+    # the rows are of the record's present model: nothing said; without its narrow heads, or its copy feature, said
+    # so, naming the fields
+    assert not [line for line in lines if line.startswith("step times of another model")]
     assert line_of(tg.schedule_plan(tg.Schedule(tg.parse_args(["--narrow_qk_blocks", "", "--narrow_v_blocks", ""]))),
                    "step times of another model").endswith(
-        "(it differs in narrow_qk_blocks, narrow_v_blocks, doc_copy: the model line gives the measured model's values)")
+        "(it differs in narrow_qk_blocks, narrow_v_blocks: the model line gives the measured model's values)")
+    assert line_of(tg.schedule_plan(tg.Schedule(tg.parse_args(["--doc_copy", "false"]))),
+                   "step times of another model").endswith(
+        "(it differs in doc_copy: the model line gives the measured model's values)")
     # the model before ANVIL2's architecture (776 steps): priced at those rows, and said to be another model's
     before = tg.schedule_plan(tg.Schedule(tg.parse_args(MEASURED)))
     before_s = 393216e-6 * (253 * sampled[0] + 252 * sampled[1] + 210 * sampled[2] + 41 * ours[0] + 20 * ours[1])
     assert line_of(before, "projected time:").startswith(f"projected time: 1 x H200 {before_s:.1f} s")
     assert line_of(before, "step times of another model:").startswith(
-        "step times of another model: the times above are --preset record's model's before its present one "
-        "(MEASURED_MODEL); this run's model is not measured (it differs in mlp_hidden, no_attn_layers, ")
+        "step times of another model: the times above are --preset record's model's; this run's model is not "
+        "measured (it differs in mlp_hidden, no_attn_layers, ")
     # the full softmax throughout: stages 1-2 have no H200 row, so no projection and no ratio
     full = tg.schedule_plan(tg.Schedule(tg.parse_args(FULL)))
     assert line_of(full, "projected time:").startswith("projected time: incomplete, stage(s) 1, 2 not in")
