@@ -396,6 +396,16 @@ def test_readme_first_screen_has_the_setup_main_job_and_test_commands():
     check_first_screen(README.read_text(), (ROOT / ".ci" / "run").read_text())
 
 
+def test_readme_main_job_gives_the_record_presets_trained_tokens():
+    """The main job's comment names the tokens the record preset trains, in millions, as --plan counts them: a step
+    count or batch change that leaves it stale fails here."""
+    import train_gpt as tg
+    said = re.search(r"the record trains on (\d+)M of those tokens", README.read_text(encoding="utf-8"))
+    assert said, "README's main job no longer says how many of the downloaded tokens the record trains on"
+    schedule = tg.Schedule(tg.parse_args([]))
+    assert int(said[1]) == round(schedule.tokens_before(schedule.args.num_iterations) / 1e6)
+
+
 def test_readme_bench_index_and_topic_summaries_links_resolve():
     """The README, bench/README.md (the index of tools and topics) and every topic summary it links in
     bench/results/: each relative link's file exists, and its heading where it names one."""
