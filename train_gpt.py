@@ -3527,8 +3527,8 @@ PUBLIC_MASTER_STEP_MS = {
                         "runs (bench/results/abab_graphs_h200_20261130j.md)",
                  paired="not in one session with ours: the master on 2026-11-30 in turns with the model before the "
                         "copy feature, A B A B; ours on another one-GPU machine on 2026-12-02, same PyTorch and "
-                        "attention; its stage 1 ran unsteadily there, steps of 241-380 ms, a median of 295.5 against "
-                        "220.5 on another machine that day; with that, R = 0.600"),
+                        "attention; the master's stage 1 ran unsteadily there, steps of 241-380 ms, a median of 295.5 "
+                        "against 220.5 on another machine that day; with that, R = 0.600"),
 }
 RECORD_89_SECONDS = 73.8  # public record #89 on 8xH100, its whole schedule
 # Measured on several GPUs of one host: time per token of the whole global batch, by (GPU kind, GPUs, preset,
