@@ -7,7 +7,10 @@ import torch
 
 import train_gpt as tg
 
-RECORD_SHAPES = [(49152, 896, 3), (49152, 2048, 7), (49152, 2048, 11), (49152, 2048, 13)]  # record's stages, extension
+RECORD_SHAPES = [(49152, 896, 3), (49152, 2048, 7), (49152, 3072, 11), (49152, 3072, 13)]  # record's stages, extension
+# the shapes before the 3,072-token cut in stage 3 (2026-12-02), those of the H100 and four-H200 rows
+CUT_2048 = ["--doc_len_schedule", "896,2048,2048"]
+SHAPES_2048 = [(49152, 896, 3), (49152, 2048, 7), (49152, 2048, 11), (49152, 2048, 13)]
 RECORD_CANDIDATES = (16384, 14336, 12288)  # the sampled softmax's rows in stages 1-3 (full from step 701)
 FULL = ["--full_softmax_from", "0"]  # the record preset with the full softmax throughout
 # the record's model before ANVIL2's architecture, the one its one-GPU H100 rows and four-GPU H200 rows were timed on
@@ -56,7 +59,10 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     # says otherwise
     assert "step times of another model:" not in out and "before its present one" not in out
     # the H100 rows are of the record's model before ANVIL2's architecture: the plan says so, naming what differs
+    # (at their 2,048-token cut in stage 3: at the record's 3,072 no H100 row prices a stage, and nothing is said)
     assert tg.main(["--plan", "--plan_gpu", "H100"]) == 0
+    assert "step times of another model:" not in capsys.readouterr().out
+    assert tg.main(["--plan", "--plan_gpu", "H100", *CUT_2048]) == 0
     assert line_of(capsys.readouterr().out.splitlines(), "step times of another model:") == (
         "step times of another model: the times above are --preset record's model's before its present one "
         "(MEASURED_MODEL); this run's model is not measured (it differs in mlp_hidden, no_attn_layers, "
@@ -73,7 +79,7 @@ def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measur
     present model: the line names the fields in which a run differs from it."""
     lines = {}
     for given in (MEASURED, [*MEASURED, "--mlp_hidden", "3072"], [*MEASURED, "--mlp_hidden", "2816"]):
-        assert tg.main(["--plan", "--plan_gpu", "H100", *given]) == 0
+        assert tg.main(["--plan", "--plan_gpu", "H100", *given, *CUT_2048]) == 0  # the rows' cut
         out = capsys.readouterr().out.splitlines()
         lines[" ".join(given)] = line_of(out, "model: MLP hidden")
         assert line_of(out, "step times of another model:").endswith(
@@ -141,7 +147,7 @@ def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, 
 
 
 def test_plan_says_which_stages_are_unmeasured_rather_than_guessing(no_gpu, monkeypatch):
-    monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H100", "record", 49152, 2048, 11): 1.8})
+    monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H100", "record", 49152, 3072, 11): 1.8})
     lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H100", *FULL])))
     rows = stage_rows("\n".join(lines))
     assert rows["1"][-2:] == ["-", "-"] and rows["3"][-2] != "-"
@@ -176,12 +182,12 @@ def test_plan_follows_the_schedule_flags_with_staged_batches_and_an_extension(no
 
 
 # Ours alone on one H200 of a one-GPU machine, 2026-12-02, FlashAttention-4, 80 steps of the record preset at main
-# 38da2b3 with its defaults (the copy feature, CUDA graphs, the C++ wrapper; --full_softmax_from 0.65): ms per
-# 393,216-token step, each stage's mean from the log's stage lines, the mean of two runs
-# (bench/results/timing_dcopy_h200_20261202.md). The full softmax in stage 3 and the extension; the sampled one at
-# 16,384 / 14,336 / 12,288 rows in stages 1-3
-OURS_H200_MS = (441.75, 445.6)
-OURS_H200_SAMPLED_MS = (359.3, 367.0, 368.85)
+# 2858f83 with its defaults (the copy feature, CUDA graphs, the C++ wrapper; --full_softmax_from 0.65) and the 3,072
+# cut in stage 3 (--doc_len_schedule 896,2048,3072, the preset's since): ms per 393,216-token step, each stage's mean
+# from the log's stage lines, one run (bench/results/timing_doc3072_h200_20261202.md). The full softmax in stage 3 and
+# the extension; the sampled one at 16,384 / 14,336 / 12,288 rows in stages 1-3
+OURS_H200_MS = (441.0, 445.1)
+OURS_H200_SAMPLED_MS = (356.9, 363.6, 366.9)
 # The public master on another one-GPU machine on 2026-11-30, in turns with the record preset before the copy feature
 # (A B A B), each stage's median, the mean of its two runs, at its own stages' batches (abab_graphs_h200_20261130j.md)
 MASTER_H200_MS = (295.5, 409.5, 606.0, 604.5)
@@ -197,7 +203,7 @@ def test_the_record_presets_stages_split_at_the_switch_to_the_full_softmax():
     assert [tg.softmax_steps(tg.Schedule(tg.parse_args(FULL)), st)[0] for st in schedule.stages] == [0, 0, 0, 0]
 
 
-def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s_and_ours_0558(no_gpu):
+def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s_and_ours_0563(no_gpu):
     ours = [tg.STEP_US_PER_TOKEN[("H200", "record", *shape)] for shape in RECORD_SHAPES[2:]]
     assert ours == pytest.approx([ms * 1000 / 393216 for ms in OURS_H200_MS], abs=5e-4)  # rounded to 3 decimals
     # stages 1-2's full softmax was timed on the model before ANVIL2's only: no row (unmeasured, not interpolated)
@@ -217,8 +223,8 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     ours_s = sum(n * ms for n, ms in zip((247, 247, 207, 39, 20), (*OURS_H200_SAMPLED_MS, *OURS_H200_MS))) / 1000
     ours_tokens = 760 * 393216
     r, t = (ours_s / ours_tokens) / (master_s / master_tokens), ours_s / master_s * 73.8
-    assert ours_tokens == 298_844_160 and ours_s == pytest.approx(281.89, abs=0.05)
-    assert r == pytest.approx(0.567, abs=1e-3) and t == pytest.approx(36.9, abs=0.05)
+    assert ours_tokens == 298_844_160 and ours_s == pytest.approx(280.01, abs=0.05)
+    assert r == pytest.approx(0.563, abs=1e-3) and t == pytest.approx(36.6, abs=0.05)
     lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))  # the record; H200: --plan_gpu's default
     m = re.match(r"vs public master \(H200, .*\): per-token (\d\.\d\d\d)x, projected 8xH100 (\d+\.\d) s \(ours "
                  r"(\d+\.\d) s / its (\d+\.\d) s", line_of(lines, "vs public master"))
@@ -235,9 +241,9 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     # labelled: the kind, the attention kernel and the sources; no 8-GPU figure without a measured H200 ratio
     assert "projected seconds on H200 (FlashAttention-4)" in lines[0]
     assert line_of(lines, "ours on H200 (FlashAttention-4): one H200 of a one-GPU machine, alone, 2026-12-02, "
-                          "PyTorch 2.11.0+cu130: the record preset at main 38da2b3 with its defaults (the copy "
-                          "feature, CUDA graphs, the C++ wrapper), two runs of 80 steps "
-                          "(bench/results/timing_dcopy_h200_20261202.md); times as measured for --preset record's "
+                          "PyTorch 2.11.0+cu130: the record preset at main 2858f83 with its defaults (the copy "
+                          "feature, CUDA graphs, the C++ wrapper) and the 3,072-token cut, one run of 80 steps "
+                          "(bench/results/timing_doc3072_h200_20261202.md); times as measured for --preset record's "
                           "model, ")
     assert "FlashAttention-4" in line_of(lines, "public master on H200")
     # the pairing says how the master's times relate to ours (not in one session: two machines, two days), and its
@@ -246,7 +252,7 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
             "feature, A B A B; ours on another one-GPU machine on 2026-12-02") in line_of(lines, "vs public master")
     other_s = (423 * 220.5 + sum(n * ms for n, ms in zip(master_steps[1:], MASTER_H200_MS[1:]))) / 1000
     other_r = f"{(ours_s / ours_tokens) / (other_s / master_tokens):.3f}"
-    assert other_r == "0.600" and f"day; with that, R = {other_r}" in line_of(lines, "vs public master")
+    assert other_r == "0.596" and f"day; with that, R = {other_r}" in line_of(lines, "vs public master")
     assert "8 GPUs not projected: no measured 8/1-GPU step-time ratio on H200" in line_of(lines, "projected time:")
     assert all(row[-1] == "-" for row in stage_rows("\n".join(lines)).values())
     # the rows are of the record's present model: nothing said; without its narrow heads, or its copy feature, said
@@ -300,11 +306,11 @@ def test_a_stage_split_by_the_switch_is_priced_as_the_weighted_sum_and_a_missing
         table[key] = 1.0  # back, for the next case
     # the H100 tables hold the full softmax only: the record preset's sampled stages are unmeasured there
     monkeypatch.undo()
-    h100 = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H100"])))
+    h100 = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H100", *CUT_2048])))  # their cut
     assert line_of(h100, "projected time:").startswith("projected time: incomplete, stage(s) 1, 2, 3 not in")
 
 
-@pytest.mark.parametrize("kind, flags", [("H100", FULL), ("H200", [])])  # H100: full-softmax rows only
+@pytest.mark.parametrize("kind, flags", [("H100", [*FULL, *CUT_2048]), ("H200", [])])  # H100: full softmax, 2,048
 def test_plan_prints_one_line_against_the_public_master_for_each_kind(no_gpu, capsys, kind, flags):
     assert tg.main(["--plan", "--plan_gpu", kind, *flags]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -344,32 +350,34 @@ def test_plan_gives_the_schedules_time_from_the_steps_measured_on_four_h200s(no_
     sampled-softmax steps (the four-GPU rows are of the full softmax): here the record preset with the full one. The
     rows are of the record's model before ANVIL2's architecture (MEASURED_MODEL): the line says so, names what a run's
     model differs in, and gives no share of the one-GPU time where the one-GPU rows are of another model."""
-    four = [tg.MULTI_GPU_US_PER_TOKEN[("H200", 4, "record", *shape)] for shape in RECORD_SHAPES]
+    four = [tg.MULTI_GPU_US_PER_TOKEN[("H200", 4, "record", *shape)] for shape in SHAPES_2048]
     assert four == pytest.approx([ms * 1000 / 393216 for ms in FOUR_H200_MS], abs=5e-4)
     seconds = sum(n * ms for n, ms in zip([253, 252, 251, 20], FOUR_H200_MS)) / 1000
     source = "four H200s of one host, 2026-11-28 (bench/results/x4_h200_20261128b.md)"
     old = "--preset record's model before its present one (MEASURED_MODEL)"
-    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *MEASURED, *FULL])))
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *MEASURED, *FULL, *CUT_2048])))
     m = re.fullmatch(rf"measured on 4 x H200: (\d+\.\d) s \(each stage's 4-GPU step time\); {re.escape(old)}, not "
                      rf"this run's \(it differs in injections\); {re.escape(source)}", line_of(lines, "measured on"))
     assert m and float(m[1]) == pytest.approx(seconds, abs=0.1)
-    # the record as it is: every field of ANVIL2's architecture named
-    record = line_of(tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *FULL]))), "measured on")
+    # the record's model (at the four-GPU runs' 2,048 cut): every field of ANVIL2's architecture named
+    record = line_of(tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *FULL, *CUT_2048]))),
+                     "measured on")
     assert f"; {old}, not this run's (it differs in mlp_hidden, no_attn_layers, " in record
     assert record.endswith(f"no_resid_scale_blocks, narrow_qk_blocks, narrow_v_blocks, doc_copy, injections); {source}")
     # one-GPU rows at every shape: no share while they and the four-GPU rows are of two models; with both of one, it
-    monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H200", "record", *shape): 1.5 for shape in RECORD_SHAPES})
-    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *MEASURED, *FULL])))
+    monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H200", "record", *shape): 1.5 for shape in SHAPES_2048})
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *MEASURED, *FULL, *CUT_2048])))
     assert line_of(lines, "projected time:").startswith("projected time: 1 x H200 ")
     assert "of one GPU's" not in line_of(lines, "measured on")
     monkeypatch.setattr(tg, "MEASURED_MODEL", {})  # as if the four-GPU rows were of the record's present model
-    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *FULL])))
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *FULL, *CUT_2048])))
     seconds = sum(n * ms for n, ms in zip(STEPS, FOUR_H200_MS)) / 1000
     one = sum(STEPS) * 393216 * 1.5e-6
     m = re.fullmatch(r"measured on 4 x H200: (\d+\.\d) s \(each stage's 4-GPU step time, (0\.\d+) of one GPU's\); "
                      rf"--preset record's model; {re.escape(source)}", line_of(lines, "measured on"))
     assert m and float(m[1]) == pytest.approx(seconds, abs=0.1) and float(m[2]) == pytest.approx(seconds / one, abs=1e-3)
     monkeypatch.undo()
-    for flags in (["--plan_gpu", "H100", *FULL], ["--plan_gpu", "H200", "--doc_len_schedule", "896,2048,3072", *FULL],
-                  ["--plan_gpu", "H200"]):  # the last: the record preset as it is, sampled in stages 1-3
+    # the record's 3,072 cut in stage 3 (a shape the four-GPU runs did not time); the last: the record preset as it
+    # is, sampled in stages 1-3
+    for flags in (["--plan_gpu", "H100", *FULL], ["--plan_gpu", "H200", *FULL], ["--plan_gpu", "H200"]):
         assert not [line for line in tg.schedule_plan(tg.Schedule(tg.parse_args(flags))) if "measured on" in line]

@@ -85,12 +85,12 @@ def test_plan_entries_are_train_gpts_table_keys_in_us_per_token():
 def test_a_sampled_stage_gives_a_sampled_entry_and_a_mixed_one_none():
     """A stage timed with the sampled softmax: SAMPLED_US_PER_TOKEN's key (the candidates last); timed steps across
     the switch to the full softmax: no entry; the full softmax: STEP_US_PER_TOKEN's."""
-    rows = [(49152, 896, 3, 16384, 393216, 359.3), (49152, 2048, 11, None, 393216, 420.0),
-            (49152, 2048, 13, 0, 393216, 445.6)]
+    rows = [(49152, 896, 3, 16384, 393216, 356.9), (49152, 3072, 11, None, 393216, 420.0),
+            (49152, 3072, 13, 0, 393216, 445.1)]
     lines = step_time.plan_entries("NVIDIA H200", "record", rows)
-    sampled, full = ("H200", "record", 49152, 896, 3, 16384), ("H200", "record", 49152, 2048, 13)
-    assert lines == [f"    {sampled!r}: 0.914,", f"    {full!r}: 1.133,"]
-    table = ast.literal_eval("{" + "".join(lines) + "}")  # the H200 rows of 2026-12-02 (timing_dcopy_h200_20261202.md)
+    sampled, full = ("H200", "record", 49152, 896, 3, 16384), ("H200", "record", 49152, 3072, 13)
+    assert lines == [f"    {sampled!r}: 0.908,", f"    {full!r}: 1.132,"]
+    table = ast.literal_eval("{" + "".join(lines) + "}")  # the H200 rows of 2026-12-02 (timing_doc3072_h200_20261202.md)
     assert table == {sampled: tg.SAMPLED_US_PER_TOKEN[sampled], full: tg.STEP_US_PER_TOKEN[full]}
 
 
