@@ -10,7 +10,7 @@ import train_gpt as tg
 RECORD_SHAPES = [(49152, 896, 3), (49152, 2048, 7), (49152, 3072, 11), (49152, 3072, 13)]  # record's stages, extension
 # the shapes before the 3,072-token cut in stage 3 (2026-12-02), those of the H100 and four-H200 rows
 CUT_2048 = ["--doc_len_schedule", "896,2048,2048"]
-SHAPES_2048 = [(49152, 896, 3), (49152, 2048, 7), (49152, 2048, 11), (49152, 2048, 13)]
+SHAPES_2048 = [(tokens, min(cut, 2048), window) for tokens, cut, window in RECORD_SHAPES]
 RECORD_CANDIDATES = (16384, 14336, 12288)  # the sampled softmax's rows in stages 1-3 (full from step 701)
 FULL = ["--full_softmax_from", "0"]  # the record preset with the full softmax throughout
 # the record's model before ANVIL2's architecture, the one its one-GPU H100 rows and four-GPU H200 rows were timed on
