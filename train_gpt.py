@@ -266,7 +266,11 @@ class Hyperparameters:
         Stage(11,     doc_len=3072,     lr=1.0,  mtp=(0.0, 0.0),   prefix=0.0,          candidates=12288))
     extension_steps: int = 20  # last steps, after the cooldown: final learning rate, long window extension_window (09/21/25)
     extension_window: int = 13  # long window of the extension, in blocks
-    tied_embed_stages: int = 2  # embeddings read from the LM head for this many stages, then a copy learns (12/22/25)
+    # Tied for the three stages, untied for the extension, as ANVIL2 (record #92) unties at its extension's start: on
+    # the proxy -0.0025 +- 0.0012 at 680 steps against two stages (3 seeds, lower in each), the master's loss at 0.808
+    # of its tokens against 0.815; stage 3's step within 0.2% of the untied one (one H200, 2026-12-02:
+    # bench/results/step_count_h200_20261201.md, timing_tied3_h200_20261202b.md)
+    tied_embed_stages: int = 3  # embeddings read from the LM head for this many stages, then a copy learns (12/22/25)
     # the final validation raises only the long window (09/10/25: 13 blocks), without a YaRN step (the last stage's
     # rotary tables), and keeps the short window, as records #89 and ANVIL2 validate
     final_val_window: int = 20  # the final validation's long window, in blocks (0: the last stage's windows)
@@ -285,8 +289,10 @@ class Hyperparameters:
     # finals, one H200, varlen for both: -0.0180 +- 0.0112, lower in every seed; at 740 (interpolated from 680 and
     # 760) -0.0095 +- 0.0115, an interval over zero (bench/results/step_count_h200_20261201.md); seeds 3-5 against
     # the master's seeds 3-5: -0.0211 +- 0.0111, confirmed. With the 3,072 cut in stage 3 (stages): -0.0245 +- 0.0111
-    # (seeds 0-2), -0.0291 +- 0.0088 (seeds 3-5)
-    num_iterations: int = 760  # training steps, extension_steps included: chosen on the proxy against the public master (840 before the copy feature, 776 before ANVIL2's architecture)
+    # (seeds 0-2), -0.0291 +- 0.0088 (seeds 3-5). With the embedding tied for three stages (tied_embed_stages) at 740
+    # steps, 291.0M tokens (0.859 of #89's): -0.0196 +- 0.0123 (seeds 0-2; 720: -0.0104 +- 0.0124, over zero),
+    # confirmed on seeds 3-5: -0.0224 +- 0.0087 (one H200, 2026-12-02: bench/results/step_count_h200_20261201.md)
+    num_iterations: int = 740  # training steps, extension_steps included: chosen on the proxy against the public master (760 before the embedding tied for three stages, 840 before the copy feature, 776 before ANVIL2's architecture)
     # The public master decays over 0.6 of its 1270 + 15 steps to 0.15 (02/10/26); ANVIL2 (record #92, 08/30/26) over
     # 0.8 to 0.2. ANVIL2's shape against our 0.7 to 0.15, 3 paired seeds on the proxy: -0.0028 +- 0.0030 at 776 steps,
     # -0.0054 +- 0.0011 at 840, lower in every seed (bench/results/preset_h200_20261129g.md)
@@ -648,9 +654,10 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "and 8), four untied value tables, parallel attention inputs, backout, per-sublayer "
                "residual weights and one gated skip, ANVIL2's update rule (twin momentum rails, six trace-normed quintic "
                "maps, NorMuon's neuron normalization, cautious decay 2.25), Adam every second step, "
-               "multi-token and prefix-token losses, the embedding tied for two stages, documents cut at 896 / "
-               "2,048 / 3,072 tokens by stage (ANVIL2's caps), 760 steps (on the proxy 0.025 below the public "
-               "master's final loss, 3 seeds) with a 20-step extension, ANVIL2's cooldown "
+               "multi-token and prefix-token losses, the embedding tied for the three stages (untied for the "
+               "extension, as ANVIL2), documents cut at 896 / 2,048 / 3,072 tokens by stage (ANVIL2's caps), 740 "
+               "steps (on the proxy 0.020 below the public master's final loss, 3 seeds; 0.022 on 3 more) with a "
+               "20-step extension, ANVIL2's cooldown "
                "over 0.8 of the steps to 0.2; plus "
                "the copy-pointer mixture of public pull request 379 (CPLM) and the document-local copy feature of "
                "public pull request 378; with our fused ReLU² MLP (FP8 forward "
@@ -3464,27 +3471,27 @@ STEP_US_PER_TOKEN = {
     ("H100", "record", 49152, 2048, 7): 1.565,
     ("H100", "record", 49152, 2048, 11): 1.589,
     ("H100", "record", 49152, 2048, 13): 1.576,
-    # one H200 of a one-GPU machine, alone, 2026-12-02, PyTorch 2.11.0+cu130, FlashAttention-4 (flash-attn-4
-    # 4.0.0b36), the record preset at main 2858f83 with its defaults (the copy feature, CUDA graphs, the C++ wrapper)
-    # and the 3,072-token cut in stage 3 and the extension: `python train_gpt.py --preset record --num_iterations 80
-    # --full_softmax_from 0.65 --attention fa4 --doc_len_schedule 896,2048,3072 ...`, one run, each stage's mean step
-    # from the log's stage lines: stage 3's full-softmax steps 441.0 ms, the extension's 445.1 ms per 393,216-token
-    # step (bench/results/timing_doc3072_h200_20261202.md; at the 2,048 cut, earlier that day on another machine, two
-    # runs: 441.75 / 445.6 ms). Stages 1-2 have no full-softmax row
-    ("H200", "record", 49152, 3072, 11): 1.122,
-    ("H200", "record", 49152, 3072, 13): 1.132,
+    # one H200 of a one-GPU machine, alone, 2026-12-02 (evening), PyTorch 2.11.0+cu130, FlashAttention-4 (flash-attn-4
+    # 4.0.0b36), the record preset at main 4589d1e with its defaults (the copy feature, CUDA graphs, the C++ wrapper,
+    # the 3,072-token cut) and the embedding tied for three stages: `python train_gpt.py --preset record
+    # --num_iterations 80 --full_softmax_from 0.65 --attention fa4 --tied_embed_stages 3 ...`, one run, each stage's
+    # mean step from the log's stage lines: stage 3's full-softmax steps 445.8 ms, the extension's 449.3 ms per
+    # 393,216-token step (bench/results/timing_tied3_h200_20261202b.md; untied, earlier that day on another machine:
+    # 441.0 / 445.1 ms). Stages 1-2 have no full-softmax row
+    ("H200", "record", 49152, 3072, 11): 1.134,
+    ("H200", "record", 49152, 3072, 13): 1.143,
 }
 # The sampled softmax's steps (those before Schedule.full_softmax in a stage with candidates): time per token as
 # STEP_US_PER_TOKEN's, keyed as it is plus the stage's candidates (the head's rows a micro-batch); a stage's full
 # softmax steps are priced at its STEP_US_PER_TOKEN row.
 SAMPLED_US_PER_TOKEN = {
-    # the run of STEP_US_PER_TOKEN's H200 rows (2026-12-02, main 2858f83, the copy feature, CUDA graphs, FA4, the
-    # 3,072 cut): stages 1-3's sampled steps, 356.9 / 363.6 / 366.9 ms per 393,216-token step
-    # (bench/results/timing_doc3072_h200_20261202.md; the same code at stages 1-2 earlier that day on another
-    # machine, two runs: 359.3 / 367.0 ms, stage 3 at the 2,048 cut 368.85)
-    ("H200", "record", 49152, 896, 3, 16384): 0.908,
-    ("H200", "record", 49152, 2048, 7, 14336): 0.925,
-    ("H200", "record", 49152, 3072, 11, 12288): 0.933,
+    # the run of STEP_US_PER_TOKEN's H200 rows (2026-12-02 evening, main 4589d1e, the embedding tied for three
+    # stages): stages 1-3's sampled steps, 358.3 / 366.1 / 370.1 ms per 393,216-token step
+    # (bench/results/timing_tied3_h200_20261202b.md; the same code at stages 1-2, and stage 3 untied, earlier that
+    # day on another machine: 356.9 / 363.6 / 366.9 ms)
+    ("H200", "record", 49152, 896, 3, 16384): 0.911,
+    ("H200", "record", 49152, 2048, 7, 14336): 0.931,
+    ("H200", "record", 49152, 3072, 11, 12288): 0.941,
 }
 # The record's model before ANVIL2's architecture (record #92's layout, MLP width, injection sites and order) became
 # it: the fields it had then, and its injections (x0 and the n-gram term) before a block's attention, an order no
@@ -3493,7 +3500,7 @@ SAMPLED_US_PER_TOKEN = {
 BEFORE_ANVIL2 = dict(skip_layers=(), no_attn_layers=(6,), skip_into=0, xsa_blocks=(1, 3, 4, 7),
                      paired_head_blocks=(0, 2, 5, 9), value_embed_blocks=(1, 2, 8, 9, 10), parallel_mlp_blocks=(),
                      mlp_hidden=0, no_x0_blocks=(), no_ngram_blocks=(), no_resid_scale_blocks=(), narrow_qk_blocks=(),
-                     narrow_v_blocks=(), doc_copy=False, injections="before a block's attention")
+                     narrow_v_blocks=(), doc_copy=False, tied_embed_stages=2, injections="before a block's attention")
 # The model a preset's rows of one GPU kind and count were timed on, where it is not the preset's present model, by
 # (preset, GPU kind, GPUs): the fields it had then. 1 GPU: STEP_US_PER_TOKEN's and SAMPLED_US_PER_TOKEN's rows; more:
 # MULTI_GPU_US_PER_TOKEN's. --plan names these rows as that model's.
@@ -3503,8 +3510,9 @@ STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "FlashAttention-4"}
 STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, main at 46b1702 "
                           "(bench/results/one_session_h100_20261127c.md)",
                   "H200": "one H200 of a one-GPU machine, alone, 2026-12-02, PyTorch 2.11.0+cu130: the record preset "
-                          "at main 2858f83 with its defaults (the copy feature, CUDA graphs, the C++ wrapper) and the "
-                          "3,072-token cut, one run of 80 steps (bench/results/timing_doc3072_h200_20261202.md)"}
+                          "at main 4589d1e with its defaults (the copy feature, CUDA graphs, the C++ wrapper, the "
+                          "3,072-token cut) and the embedding tied for three stages, one run of 80 steps "
+                          "(bench/results/timing_tied3_h200_20261202b.md)"}
 # The public master (f411b3d3, record #89's code) on its own schedule: steps and tokens per step of each stage,
 # 423 / 424 / 423 steps at 131,072 / 262,144 / 393,216 tokens, then the 15-step extension at 393,216: 338,821,120
 # tokens (bench/results/public_master_comparison.md rows 32-34 and 47; bench/side_by_side.py's public_stages
@@ -3526,7 +3534,7 @@ PUBLIC_MASTER_STEP_MS = {
     # mean of its two runs (299.0 / 292.0, 409.0 / 410.0, 605.0 / 607.0, 615.0 / 594.0 ms; its stage-3 rate, 1.541 us
     # per token, within 1.3% of its stage 2's 1.562) (bench/results/abab_graphs_h200_20261130j.md). Its stage 1 ran
     # unsteadily there, steps of 241-380 ms (the cause not found); on the machine of abab_fa4_h200_20261130e.md that
-    # day, 220.5 / 414.5 / 611.0 / 615.5 (with that stage 1, R = 0.596). With PyTorch's varlen attention: 284.5 /
+    # day, 220.5 / 414.5 / 611.0 / 615.5 (with that stage 1, R = 0.601). With PyTorch's varlen attention: 284.5 /
     # 430.0 / 642.0 / 651.0 ms on 2026-11-29 (abab_h200_20261129h.md), 254.0 / 439.0 / 658.5 / 661.0 on 2026-11-28
     # (bench/results/public_line_history.md)
     "H200": dict(ms=(295.5, 409.5, 606.0, 604.5), attention="FlashAttention-4",
@@ -3535,7 +3543,7 @@ PUBLIC_MASTER_STEP_MS = {
                  paired="not in one session with ours: the master on 2026-11-30 in turns with the model before the "
                         "copy feature, A B A B; ours on another one-GPU machine on 2026-12-02, same PyTorch and "
                         "attention; the master's stage 1 ran unsteadily there, steps of 241-380 ms, a median of 295.5 "
-                        "against 220.5 on another machine that day; with that, R = 0.596"),
+                        "against 220.5 on another machine that day; with that, R = 0.601"),
 }
 RECORD_89_SECONDS = 73.8  # public record #89 on 8xH100, its whole schedule
 # Measured on several GPUs of one host: time per token of the whole global batch, by (GPU kind, GPUs, preset,

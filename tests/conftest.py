@@ -147,6 +147,7 @@ TINY_RECORD = dict(vocab_size=72, bos_id=BOS, num_layers=4, model_dim=64, num_he
                    stages=(tg.Stage(1, doc_len=64, mtp=(0.5, 0.25)), tg.Stage(2, mtp=(0.5, 0.0)),
                            tg.Stage(3, mtp=(0.0, 0.0))),
                    num_iterations=20, extension_steps=4, extension_window=4, final_val_window=5, val_every=10,
+                   tied_embed_stages=2,  # the record's until 2026-12-02 (now 3): the golden losses' model
                    compile=False, warmup_steps=0, device="auto")
 # Most tests: the same model and optimizer on a plain schedule: three stages of windows 1, 2, 3 blocks, no multi-token
 # prediction, no extension, the last stage's window for the final validation, no endgame weight average (its second,

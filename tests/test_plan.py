@@ -11,15 +11,16 @@ RECORD_SHAPES = [(49152, 896, 3), (49152, 2048, 7), (49152, 3072, 11), (49152, 3
 # the shapes before the 3,072-token cut in stage 3 (2026-12-02), those of the H100 and four-H200 rows
 CUT_2048 = ["--doc_len_schedule", "896,2048,2048"]
 SHAPES_2048 = [(tokens, min(cut, 2048), window) for tokens, cut, window in RECORD_SHAPES]
-RECORD_CANDIDATES = (16384, 14336, 12288)  # the sampled softmax's rows in stages 1-3 (full from step 701)
+RECORD_CANDIDATES = (16384, 14336, 12288)  # the sampled softmax's rows in stages 1-3 (full from step 682)
 FULL = ["--full_softmax_from", "0"]  # the record preset with the full softmax throughout
 # the record's model before ANVIL2's architecture, the one its one-GPU H100 rows and four-GPU H200 rows were timed on
 # (MEASURED_MODEL: BEFORE_ANVIL2's fields, narrow heads off; its injection order is no longer built); 776 steps
 MEASURED = ["--skip_layers", "", "--no_attn_layers", "6", "--skip_into", "0", "--xsa_blocks", "1,3,4,7",
             "--paired_head_blocks", "0,2,5,9", "--value_embed_blocks", "1,2,8,9,10", "--parallel_mlp_blocks", "",
             "--mlp_hidden", "0", "--no_x0_blocks", "", "--no_ngram_blocks", "", "--no_resid_scale_blocks", "",
-            "--narrow_qk_blocks", "", "--narrow_v_blocks", "", "--num_iterations", "776", "--doc_copy", "false"]
-STEPS = [247, 247, 246, 20]  # the record's 760 steps by stage: three of 247 / 247 / 246, the extension's 20
+            "--narrow_qk_blocks", "", "--narrow_v_blocks", "", "--num_iterations", "776", "--doc_copy", "false",
+            "--tied_embed_stages", "2"]
+STEPS = [241, 240, 239, 20]  # the record's 740 steps by stage: 241 / 240 / 239, the extension's 20
 
 
 def stage_rows(out: str) -> dict[str, list[str]]:
@@ -49,11 +50,11 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     rows = stage_rows(out)
     assert list(rows) == ["1", "2", "3", "ext"]
     # steps, batch, micro-batches on 1 / 8 GPUs, micro tokens, document cut, windows, lr, tokens
-    assert rows["1"][1:11] == ["0-246", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "97,124,352"]
-    assert rows["3"][1] == "494-739" and rows["3"][8] == "1408/640"
-    assert rows["ext"][1] == "740-759" and rows["ext"][8] == "1664/768"  # step 760 is the final validation only
-    assert f"trained tokens: {760 * 393216:,}" in out
-    assert 760 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
+    assert rows["1"][1:11] == ["0-240", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "94,765,056"]
+    assert rows["3"][1] == "481-719" and rows["3"][8] == "1408/640"
+    assert rows["ext"][1] == "720-739" and rows["ext"][8] == "1664/768"  # step 740 is the final validation only
+    assert f"trained tokens: {740 * 393216:,}" in out
+    assert 740 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
     assert not list(tmp_path.iterdir())  # no log, no checkpoint folder
     # the H200 rows (--plan_gpu's default) are of the record's present model (the copy feature's included): no line
     # says otherwise
@@ -68,7 +69,7 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
         "(MEASURED_MODEL); this run's model is not measured (it differs in mlp_hidden, no_attn_layers, "
         "value_embed_blocks, paired_head_blocks, xsa_blocks, skip_into, skip_layers, parallel_mlp_blocks, "
         "no_x0_blocks, no_ngram_blocks, no_resid_scale_blocks, narrow_qk_blocks, narrow_v_blocks, doc_copy, "
-        "injections: the model line gives the measured model's values)")
+        "tied_embed_stages, injections: the model line gives the measured model's values)")
 
 
 def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measured_models(no_gpu, capsys):
@@ -112,10 +113,11 @@ def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measur
                    "2, 5, 9), xsa_blocks (1, 3, 4, 7), skip_into 0, skip_layers (), parallel_mlp_blocks (), "
                    "no_x0_blocks (), no_ngram_blocks (), no_resid_scale_blocks (), narrow_qk_blocks (), narrow_v_blocks ()")
     assert line.endswith("; the step times above are --preset record's model's before its present one "
-                         f"(MEASURED_MODEL), {record_then}, doc_copy False, injections before a block's attention")
+                         f"(MEASURED_MODEL), {record_then}, doc_copy False, tied_embed_stages 2, injections before a block's "
+                         "attention")
     # on H200 the measured model is the record's present one (the copy feature's included); the model before
-    # ANVIL2's differs from it in ANVIL2's architecture, the narrow heads and the copy feature: the plan says the
-    # times are not its (the measured model's values named)
+    # ANVIL2's differs from it in ANVIL2's architecture, the narrow heads, the copy feature and the embedding tied for
+    # three stages: the plan says the times are not its (the measured model's values named)
     assert tg.main(["--plan"]) == 0
     assert line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden").endswith("(flops_per_token: MFU's count)")
     assert tg.main(["--plan", *MEASURED]) == 0
@@ -123,7 +125,8 @@ def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measur
         "; the step times above are --preset record's model's, MLP hidden 2,816, no_attn_layers (4, 6, 9), "
         "value_embed_blocks (1, 2, 8, 10), paired_head_blocks (0, 2, 5), xsa_blocks (1, 3), skip_into 6, skip_layers "
         "(7,), parallel_mlp_blocks (8,), no_x0_blocks (3, 6, 8, 9), no_ngram_blocks (2, 3, 6, 8), "
-        "no_resid_scale_blocks (6,), narrow_qk_blocks (0, 1, 2, 5, 8), narrow_v_blocks (1, 8), doc_copy True")
+        "no_resid_scale_blocks (6,), narrow_qk_blocks (0, 1, 2, 5, 8), narrow_v_blocks (1, 8), doc_copy True, "
+        "tied_embed_stages 3")
     # MEASURED is that model, field for field (its injection order aside), and the rows of it are H100's and 4 x H200's
     fields = {k: v for k, v in tg.BEFORE_ANVIL2.items() if k != "injections"}
     assert tg.parse_args(MEASURED) == tg.Hyperparameters(**fields, num_iterations=776)
@@ -181,29 +184,29 @@ def test_plan_follows_the_schedule_flags_with_staged_batches_and_an_extension(no
     assert f"trained tokens: {total:,}" in lines
 
 
-# Ours alone on one H200 of a one-GPU machine, 2026-12-02, FlashAttention-4, 80 steps of the record preset at main
-# 2858f83 with its defaults (the copy feature, CUDA graphs, the C++ wrapper; --full_softmax_from 0.65) and the 3,072
-# cut in stage 3 (--doc_len_schedule 896,2048,3072, the preset's since): ms per 393,216-token step, each stage's mean
-# from the log's stage lines, one run (bench/results/timing_doc3072_h200_20261202.md). The full softmax in stage 3 and
-# the extension; the sampled one at 16,384 / 14,336 / 12,288 rows in stages 1-3
-OURS_H200_MS = (441.0, 445.1)
-OURS_H200_SAMPLED_MS = (356.9, 363.6, 366.9)
+# Ours alone on one H200 of a one-GPU machine, 2026-12-02 (evening), FlashAttention-4, 80 steps of the record preset at
+# main 4589d1e with its defaults (the copy feature, CUDA graphs, the C++ wrapper, the 3,072 cut; --full_softmax_from
+# 0.65) and the embedding tied for three stages (--tied_embed_stages 3, the preset's since): ms per 393,216-token step,
+# each stage's mean from the log's stage lines, one run (bench/results/timing_tied3_h200_20261202b.md). The full
+# softmax in stage 3 and the extension; the sampled one at 16,384 / 14,336 / 12,288 rows in stages 1-3
+OURS_H200_MS = (445.8, 449.3)
+OURS_H200_SAMPLED_MS = (358.3, 366.1, 370.1)
 # The public master on another one-GPU machine on 2026-11-30, in turns with the record preset before the copy feature
 # (A B A B), each stage's median, the mean of its two runs, at its own stages' batches (abab_graphs_h200_20261130j.md)
 MASTER_H200_MS = (295.5, 409.5, 606.0, 604.5)
 
 
 def test_the_record_presets_stages_split_at_the_switch_to_the_full_softmax():
-    """760 steps, the full softmax from round(0.922 x 760) = 701: stage 3 (steps 494-739) samples 207 steps and
-    trains 39 with the full softmax; the extension (740-759) is full although its row carries stage 3's candidates."""
+    """740 steps, the full softmax from round(0.922 x 740) = 682: stage 3 (steps 481-719) samples 201 steps and
+    trains 38 with the full softmax; the extension (720-739) is full although its row carries stage 3's candidates."""
     schedule = tg.Schedule(tg.parse_args([]))
-    assert schedule.full_softmax == 701 and schedule.stages[2].start == 494 and schedule.stages[3].start == 740
-    assert [tg.softmax_steps(schedule, st) for st in schedule.stages] == [(247, 0), (247, 0), (207, 39), (0, 20)]
+    assert schedule.full_softmax == 682 and schedule.stages[2].start == 481 and schedule.stages[3].start == 720
+    assert [tg.softmax_steps(schedule, st) for st in schedule.stages] == [(241, 0), (240, 0), (201, 38), (0, 20)]
     assert [st.candidates for st in schedule.stages] == [*RECORD_CANDIDATES, 12288]
     assert [tg.softmax_steps(tg.Schedule(tg.parse_args(FULL)), st)[0] for st in schedule.stages] == [0, 0, 0, 0]
 
 
-def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s_and_ours_0563(no_gpu):
+def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s_and_ours_0567(no_gpu):
     ours = [tg.STEP_US_PER_TOKEN[("H200", "record", *shape)] for shape in RECORD_SHAPES[2:]]
     assert ours == pytest.approx([ms * 1000 / 393216 for ms in OURS_H200_MS], abs=5e-4)  # rounded to 3 decimals
     # stages 1-2's full softmax was timed on the model before ANVIL2's only: no row (unmeasured, not interpolated)
@@ -219,12 +222,12 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     master_tokens = sum(n * b for n, b in zip(master_steps, master_batches))
     assert master_tokens == 338_821_120 and master_s == pytest.approx(564.0, abs=0.05)
     assert tg.public_master_time("H200") == (pytest.approx(master_s), master_tokens)
-    # ours: 247 / 247 / 207 sampled steps in stages 1-3, then 39 full ones in stage 3 and the 20 of the extension
-    ours_s = sum(n * ms for n, ms in zip((247, 247, 207, 39, 20), (*OURS_H200_SAMPLED_MS, *OURS_H200_MS))) / 1000
-    ours_tokens = 760 * 393216
+    # ours: 241 / 240 / 201 sampled steps in stages 1-3, then 38 full ones in stage 3 and the 20 of the extension
+    ours_s = sum(n * ms for n, ms in zip((241, 240, 201, 38, 20), (*OURS_H200_SAMPLED_MS, *OURS_H200_MS))) / 1000
+    ours_tokens = 740 * 393216
     r, t = (ours_s / ours_tokens) / (master_s / master_tokens), ours_s / master_s * 73.8
-    assert ours_tokens == 298_844_160 and ours_s == pytest.approx(280.01, abs=0.05)
-    assert r == pytest.approx(0.563, abs=1e-3) and t == pytest.approx(36.6, abs=0.05)
+    assert ours_tokens == 290_979_840 and ours_s == pytest.approx(274.53, abs=0.05)
+    assert r == pytest.approx(0.567, abs=1e-3) and t == pytest.approx(35.9, abs=0.05)
     lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))  # the record; H200: --plan_gpu's default
     m = re.match(r"vs public master \(H200, .*\): per-token (\d\.\d\d\d)x, projected 8xH100 (\d+\.\d) s \(ours "
                  r"(\d+\.\d) s / its (\d+\.\d) s", line_of(lines, "vs public master"))
@@ -232,18 +235,19 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     assert float(m[1]) == pytest.approx(r, abs=5e-4) and float(m[2]) == pytest.approx(t, abs=0.1)
     assert float(m[3]) == pytest.approx(ours_s, abs=0.2) and float(m[4]) == pytest.approx(564.0, abs=0.05)
     # R itself, unrounded, against the raw ms figures (the tables' 3 decimals move it by less than 1e-3)
-    table_s = 393216e-6 * (247 * sampled[0] + 247 * sampled[1] + 207 * sampled[2] + 39 * ours[0] + 20 * ours[1])
+    table_s = 393216e-6 * (241 * sampled[0] + 240 * sampled[1] + 201 * sampled[2] + 38 * ours[0] + 20 * ours[1])
     assert (table_s / ours_tokens) / (master_s / master_tokens) == pytest.approx(r, abs=1e-3)
     assert line_of(lines, "projected time:").startswith(f"projected time: 1 x H200 {table_s:.1f} s")
-    # stage 3's us/token: the mean of its 207 sampled and 39 full steps
-    assert float(stage_rows("\n".join(lines))["3"][-3]) == pytest.approx((207 * sampled[2] + 39 * ours[0]) / 246,
+    # stage 3's us/token: the mean of its 201 sampled and 38 full steps
+    assert float(stage_rows("\n".join(lines))["3"][-3]) == pytest.approx((201 * sampled[2] + 38 * ours[0]) / 239,
                                                                          abs=5e-4)
     # labelled: the kind, the attention kernel and the sources; no 8-GPU figure without a measured H200 ratio
     assert "projected seconds on H200 (FlashAttention-4)" in lines[0]
     assert line_of(lines, "ours on H200 (FlashAttention-4): one H200 of a one-GPU machine, alone, 2026-12-02, "
-                          "PyTorch 2.11.0+cu130: the record preset at main 2858f83 with its defaults (the copy "
-                          "feature, CUDA graphs, the C++ wrapper) and the 3,072-token cut, one run of 80 steps "
-                          "(bench/results/timing_doc3072_h200_20261202.md); times as measured for --preset record's "
+                          "PyTorch 2.11.0+cu130: the record preset at main 4589d1e with its defaults (the copy "
+                          "feature, CUDA graphs, the C++ wrapper, the 3,072-token cut) and the embedding tied for "
+                          "three stages, one run of 80 steps (bench/results/timing_tied3_h200_20261202b.md); times as "
+                          "measured for --preset record's "
                           "model, ")
     assert "FlashAttention-4" in line_of(lines, "public master on H200")
     # the pairing says how the master's times relate to ours (not in one session: two machines, two days), and its
@@ -252,7 +256,7 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
             "feature, A B A B; ours on another one-GPU machine on 2026-12-02") in line_of(lines, "vs public master")
     other_s = (423 * 220.5 + sum(n * ms for n, ms in zip(master_steps[1:], MASTER_H200_MS[1:]))) / 1000
     other_r = f"{(ours_s / ours_tokens) / (other_s / master_tokens):.3f}"
-    assert other_r == "0.596" and f"day; with that, R = {other_r}" in line_of(lines, "vs public master")
+    assert other_r == "0.601" and f"day; with that, R = {other_r}" in line_of(lines, "vs public master")
     assert "8 GPUs not projected: no measured 8/1-GPU step-time ratio on H200" in line_of(lines, "projected time:")
     assert all(row[-1] == "-" for row in stage_rows("\n".join(lines)).values())
     # the rows are of the record's present model: nothing said; without its narrow heads, or its copy feature, said
@@ -279,7 +283,7 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
 
 def test_a_stage_split_by_the_switch_is_priced_as_the_weighted_sum_and_a_missing_row_leaves_it_out(no_gpu, monkeypatch):
     """Each stage's sampled steps at its SAMPLED_US_PER_TOKEN row, its full ones at its STEP_US_PER_TOKEN row: stage 3
-    (207 sampled, 39 full) needs both, stages 1-2 (all sampled) only the sampled, the extension only the full."""
+    (201 sampled, 38 full) needs both, stages 1-2 (all sampled) only the sampled, the extension only the full."""
     full = {("H100", "record", *shape): us for shape, us in zip(RECORD_SHAPES[2:], (3.0, 3.5))}  # stage 3, extension
     sampled = {("H100", "record", *shape, c): us
                for shape, c, us in zip(RECORD_SHAPES, RECORD_CANDIDATES, (1.0, 1.5, 2.0))}  # stages 1-3
@@ -288,10 +292,10 @@ def test_a_stage_split_by_the_switch_is_priced_as_the_weighted_sum_and_a_missing
     args = tg.parse_args(["--plan_gpu", "H100"])
     lines = tg.schedule_plan(tg.Schedule(args))
     rows = stage_rows("\n".join(lines))
-    seconds = [247 * 1.0, 247 * 1.5, 207 * 2.0 + 39 * 3.0, 20 * 3.5]  # x 393,216 tokens x 1e-6
+    seconds = [241 * 1.0, 240 * 1.5, 201 * 2.0 + 38 * 3.0, 20 * 3.5]  # x 393,216 tokens x 1e-6
     for name, s in zip(["1", "2", "3", "ext"], seconds):
         assert float(rows[name][-2]) == pytest.approx(s * 0.393216, abs=0.05)
-    assert float(rows["3"][-3]) == pytest.approx((207 * 2.0 + 39 * 3.0) / 246, abs=5e-4)  # the stage's mean
+    assert float(rows["3"][-3]) == pytest.approx((201 * 2.0 + 38 * 3.0) / 239, abs=5e-4)  # the stage's mean
     assert line_of(lines, "projected time:").startswith(f"projected time: 1 x H100 {sum(seconds) * 0.393216:.1f} s")
     # without stage 2's sampled row, or without stage 3's full one, that stage is '-' and the projection incomplete
     for table, key, name in ((sampled, ("H100", "record", *RECORD_SHAPES[1], 14336), "2"),
@@ -363,7 +367,8 @@ def test_plan_gives_the_schedules_time_from_the_steps_measured_on_four_h200s(no_
     record = line_of(tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *FULL, *CUT_2048]))),
                      "measured on")
     assert f"; {old}, not this run's (it differs in mlp_hidden, no_attn_layers, " in record
-    assert record.endswith(f"no_resid_scale_blocks, narrow_qk_blocks, narrow_v_blocks, doc_copy, injections); {source}")
+    assert record.endswith(f"no_resid_scale_blocks, narrow_qk_blocks, narrow_v_blocks, doc_copy, tied_embed_stages, "
+                           f"injections); {source}")
     # one-GPU rows at every shape: no share while they and the four-GPU rows are of two models; with both of one, it
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H200", "record", *shape): 1.5 for shape in SHAPES_2048})
     lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *MEASURED, *FULL, *CUT_2048])))

@@ -85,23 +85,23 @@ def test_plan_entries_are_train_gpts_table_keys_in_us_per_token():
 def test_a_sampled_stage_gives_a_sampled_entry_and_a_mixed_one_none():
     """A stage timed with the sampled softmax: SAMPLED_US_PER_TOKEN's key (the candidates last); timed steps across
     the switch to the full softmax: no entry; the full softmax: STEP_US_PER_TOKEN's."""
-    rows = [(49152, 896, 3, 16384, 393216, 356.9), (49152, 3072, 11, None, 393216, 420.0),
-            (49152, 3072, 13, 0, 393216, 445.1)]
+    rows = [(49152, 896, 3, 16384, 393216, 358.3), (49152, 3072, 11, None, 393216, 420.0),
+            (49152, 3072, 13, 0, 393216, 449.3)]
     lines = step_time.plan_entries("NVIDIA H200", "record", rows)
     sampled, full = ("H200", "record", 49152, 896, 3, 16384), ("H200", "record", 49152, 3072, 13)
-    assert lines == [f"    {sampled!r}: 0.908,", f"    {full!r}: 1.132,"]
-    table = ast.literal_eval("{" + "".join(lines) + "}")  # the H200 rows of 2026-12-02 (timing_doc3072_h200_20261202.md)
+    assert lines == [f"    {sampled!r}: 0.911,", f"    {full!r}: 1.143,"]
+    table = ast.literal_eval("{" + "".join(lines) + "}")  # the H200 rows of 2026-12-02 (timing_tied3_h200_20261202b.md)
     assert table == {sampled: tg.SAMPLED_US_PER_TOKEN[sampled], full: tg.STEP_US_PER_TOKEN[full]}
 
 
 def test_timed_candidates_follow_the_switch_to_the_full_softmax():
-    """The record preset (760 steps, full from step 701): stage 1's timed steps sample 16,384 rows; stage 3's near
+    """The record preset (740 steps, full from step 682): stage 1's timed steps sample 16,384 rows; stage 3's near
     the switch mix both; the extension, whose row carries stage 3's candidates, trains with the full softmax."""
     schedule = tg.Schedule(tg.parse_args([]))
     first, third, ext = schedule.stages[0], schedule.stages[2], schedule.stages[3]
-    assert schedule.full_softmax == 701 and ext.candidates == 12288
+    assert schedule.full_softmax == 682 and ext.candidates == 12288
     assert step_time.timed_candidates(schedule, first, 3, 12) == 16384
-    assert step_time.timed_candidates(schedule, third, 696, 12) is None
+    assert step_time.timed_candidates(schedule, third, 677, 12) is None
     assert step_time.timed_candidates(schedule, ext, ext.start + 3, 12) == 0
 
 
