@@ -21,6 +21,9 @@ MEASURED = ["--skip_layers", "", "--no_attn_layers", "6", "--skip_into", "0", "-
             "--narrow_qk_blocks", "", "--narrow_v_blocks", "", "--num_iterations", "776", "--doc_copy", "false",
             "--tied_embed_stages", "2"]
 STEPS = [241, 240, 239, 20]  # the record's 740 steps by stage: 241 / 240 / 239, the extension's 20
+# the same steps by softmax: stages 1-2 and stage 3's first 201 sampled (to step 682), stage 3's last 38 and the
+# extension's full
+S1, S2, S3_SAMPLED, S3_FULL, EXT = *STEPS[:2], 201, STEPS[2] - 201, STEPS[3]
 
 
 def stage_rows(out: str) -> dict[str, list[str]]:
@@ -113,8 +116,8 @@ def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measur
                    "2, 5, 9), xsa_blocks (1, 3, 4, 7), skip_into 0, skip_layers (), parallel_mlp_blocks (), "
                    "no_x0_blocks (), no_ngram_blocks (), no_resid_scale_blocks (), narrow_qk_blocks (), narrow_v_blocks ()")
     assert line.endswith("; the step times above are --preset record's model's before its present one "
-                         f"(MEASURED_MODEL), {record_then}, doc_copy False, tied_embed_stages 2, injections before a block's "
-                         "attention")
+                         f"(MEASURED_MODEL), {record_then}, doc_copy False, tied_embed_stages 2, "
+                         "injections before a block's attention")
     # on H200 the measured model is the record's present one (the copy feature's included); the model before
     # ANVIL2's differs from it in ANVIL2's architecture, the narrow heads, the copy feature and the embedding tied for
     # three stages: the plan says the times are not its (the measured model's values named)
@@ -201,7 +204,8 @@ def test_the_record_presets_stages_split_at_the_switch_to_the_full_softmax():
     trains 38 with the full softmax; the extension (720-739) is full although its row carries stage 3's candidates."""
     schedule = tg.Schedule(tg.parse_args([]))
     assert schedule.full_softmax == 682 and schedule.stages[2].start == 481 and schedule.stages[3].start == 720
-    assert [tg.softmax_steps(schedule, st) for st in schedule.stages] == [(241, 0), (240, 0), (201, 38), (0, 20)]
+    assert [tg.softmax_steps(schedule, st) for st in schedule.stages] == [(S1, 0), (S2, 0), (S3_SAMPLED, S3_FULL),
+                                                                           (0, EXT)]
     assert [st.candidates for st in schedule.stages] == [*RECORD_CANDIDATES, 12288]
     assert [tg.softmax_steps(tg.Schedule(tg.parse_args(FULL)), st)[0] for st in schedule.stages] == [0, 0, 0, 0]
 
@@ -223,7 +227,8 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     assert master_tokens == 338_821_120 and master_s == pytest.approx(564.0, abs=0.05)
     assert tg.public_master_time("H200") == (pytest.approx(master_s), master_tokens)
     # ours: 241 / 240 / 201 sampled steps in stages 1-3, then 38 full ones in stage 3 and the 20 of the extension
-    ours_s = sum(n * ms for n, ms in zip((241, 240, 201, 38, 20), (*OURS_H200_SAMPLED_MS, *OURS_H200_MS))) / 1000
+    split = (S1, S2, S3_SAMPLED, S3_FULL, EXT)
+    ours_s = sum(n * ms for n, ms in zip(split, (*OURS_H200_SAMPLED_MS, *OURS_H200_MS))) / 1000
     ours_tokens = 740 * 393216
     r, t = (ours_s / ours_tokens) / (master_s / master_tokens), ours_s / master_s * 73.8
     assert ours_tokens == 290_979_840 and ours_s == pytest.approx(274.53, abs=0.05)
@@ -235,12 +240,13 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     assert float(m[1]) == pytest.approx(r, abs=5e-4) and float(m[2]) == pytest.approx(t, abs=0.1)
     assert float(m[3]) == pytest.approx(ours_s, abs=0.2) and float(m[4]) == pytest.approx(564.0, abs=0.05)
     # R itself, unrounded, against the raw ms figures (the tables' 3 decimals move it by less than 1e-3)
-    table_s = 393216e-6 * (241 * sampled[0] + 240 * sampled[1] + 201 * sampled[2] + 38 * ours[0] + 20 * ours[1])
+    table_s = 393216e-6 * (S1 * sampled[0] + S2 * sampled[1] + S3_SAMPLED * sampled[2] + S3_FULL * ours[0] +
+                          EXT * ours[1])
     assert (table_s / ours_tokens) / (master_s / master_tokens) == pytest.approx(r, abs=1e-3)
     assert line_of(lines, "projected time:").startswith(f"projected time: 1 x H200 {table_s:.1f} s")
     # stage 3's us/token: the mean of its 201 sampled and 38 full steps
-    assert float(stage_rows("\n".join(lines))["3"][-3]) == pytest.approx((201 * sampled[2] + 38 * ours[0]) / 239,
-                                                                         abs=5e-4)
+    stage3 = (S3_SAMPLED * sampled[2] + S3_FULL * ours[0]) / STEPS[2]
+    assert float(stage_rows("\n".join(lines))["3"][-3]) == pytest.approx(stage3, abs=5e-4)
     # labelled: the kind, the attention kernel and the sources; no 8-GPU figure without a measured H200 ratio
     assert "projected seconds on H200 (FlashAttention-4)" in lines[0]
     assert line_of(lines, "ours on H200 (FlashAttention-4): one H200 of a one-GPU machine, alone, 2026-12-02, "
@@ -292,10 +298,11 @@ def test_a_stage_split_by_the_switch_is_priced_as_the_weighted_sum_and_a_missing
     args = tg.parse_args(["--plan_gpu", "H100"])
     lines = tg.schedule_plan(tg.Schedule(args))
     rows = stage_rows("\n".join(lines))
-    seconds = [241 * 1.0, 240 * 1.5, 201 * 2.0 + 38 * 3.0, 20 * 3.5]  # x 393,216 tokens x 1e-6
+    seconds = [S1 * 1.0, S2 * 1.5, S3_SAMPLED * 2.0 + S3_FULL * 3.0, EXT * 3.5]  # x 393,216 tokens x 1e-6
     for name, s in zip(["1", "2", "3", "ext"], seconds):
         assert float(rows[name][-2]) == pytest.approx(s * 0.393216, abs=0.05)
-    assert float(rows["3"][-3]) == pytest.approx((201 * 2.0 + 38 * 3.0) / 239, abs=5e-4)  # the stage's mean
+    stage3 = (S3_SAMPLED * 2.0 + S3_FULL * 3.0) / STEPS[2]
+    assert float(rows["3"][-3]) == pytest.approx(stage3, abs=5e-4)  # the stage's mean
     assert line_of(lines, "projected time:").startswith(f"projected time: 1 x H100 {sum(seconds) * 0.393216:.1f} s")
     # without stage 2's sampled row, or without stage 3's full one, that stage is '-' and the projection incomplete
     for table, key, name in ((sampled, ("H100", "record", *RECORD_SHAPES[1], 14336), "2"),
