@@ -58,6 +58,8 @@ def load_model(checkpoint: Path, device: torch.device, max_len: int) -> tuple[tg
         first = first if len(first) <= 200 else first[:197] + "..."
         raise ValueError(f"{checkpoint}: its weights do not fit this train_gpt.py's model ({first})") from e
     model.tied_embed = meta["step"] < tg.Schedule(args).untie  # as training would go on
+    if args.ngram_normalize:  # the n-gram rows hashed from normalized ids, as in training
+        model.set_vocabulary(tg.gpt2_token_bytes())
     return tg.to_device(model, device).eval(), args
 
 

@@ -203,8 +203,9 @@ class Hyperparameters:
     # public pull request 375 (on ANVIL2: 1,179 against 1,194 steps; -6.2 +- 1.5 millinats over 16 seeds of its
     # one-GPU proxy): the n-gram rows and signs hashed from normalized token ids (normalized_token_table: NFKC,
     # accents stripped, lowercase, whitespace runs as one space), so " The" / "the" / "THE" share rows; the model
-    # reads and predicts the raw tokens
-    ngram_normalize: bool = False  # PR 375's n-gram hashing over normalized token ids (normalized_token_table)
+    # reads and predicts the raw tokens. On our proxy at 680 steps, 3 paired seeds: -0.0045 +- 0.0037, lower in every
+    # seed (one H200, 2026-12-03: bench/results/nnorm_h200_20261203.md); its cost, one gather of the ids
+    ngram_normalize: bool = True  # PR 375's n-gram hashing over normalized token ids (normalized_token_table); GPT-2's vocabulary only
     ngram_spread: bool = False  # the n-gram table's rows stored in a scattered order (row x NGRAM_SPREAD_MULT mod rows, a bijection: the same model, relabelled), so that each GPU's block of a sharded table holds its share of the bigram channel's rows; in row order the first GPU owns all 377,280 of them and serves about half of every micro-batch's lookups (at 8 GPUs 5x another GPU's rows)
     # backout (10/04/25): a learned multiple of this block's output is subtracted before the head; MUDD mixes it in
     # and the later blocks attend over it (parallel attention inputs, 03/06/26)
@@ -633,6 +634,7 @@ SMOKE = dict(  # the record model at 4 blocks of 128 on a synthetic corpus, size
     skip_layers=(), skip_into=0, mlp_hidden=0, parallel_mlp_blocks=(), no_x0_blocks=(), no_ngram_blocks=(),
     no_resid_scale_blocks=(),
     bigram_rows=4096, bigram_sign_rows=64, cplm_bands=(128, 512), window_block=64,
+    ngram_normalize=False,  # its table is over GPT-2's token texts
     trigram_rows=28_672,  # the record's trigram channel and its row-sparse Adam, 32,768 n-gram rows in all (not 21M)
     # the record's stages without the prefix-token loss (it is over GPT-2's token bytes)
     stages=(Stage(1, doc_len=256, mtp=(0.5, 0.25)), Stage(2, mtp=(0.5, 0.0)), Stage(3, mtp=(0.0, 0.0))),
@@ -648,7 +650,8 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "takes the skip alone, without its attention-side residual weight), after a block's attention and "
                "before its MLP (block 0's n-gram before it); bigram hash embedding "
                "with ANVIL2's hashed trigram channel (21.2M rows in one table, learned by a row-sparse "
-               "Adam, sharded over the GPUs by owner), "
+               "Adam, sharded over the GPUs by owner), both hashed from normalized token ids (public pull "
+               "request 375), "
                "MUDD with its gates, XSA and DC attention, YaRN, smear and value-embedding gates, paired heads, "
                "partial key offset, ANVIL2's narrow heads (Q and K 64 wide in blocks 0, 1, 2, 5 and 8, V too in 1 "
                "and 8), four untied value tables, parallel attention inputs, backout, per-sublayer "
@@ -665,10 +668,10 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "defaults", {}),
     "smoke": ("the record model at a tiny size (4 blocks of 128, a vocabulary of 128 tokens) on a built-in synthetic "
               "corpus (a random Markov chain whose entropy per token, the lowest loss possible, is known): about 3 "
-              "minutes on a 2-core CPU; every technique of the record but the prefix-token loss (over GPT-2's "
-              "tokens) and ANVIL2's 11-block layout (here one attention-less block, none removed, no second MLP, "
-              "every block's injections, after its attention as the record's); a checkpoint every 50 steps, for "
-              "`python sample.py latest`", SMOKE),
+              "minutes on a 2-core CPU; every technique of the record but the prefix-token loss and the n-gram "
+              "hashing over normalized ids (both over GPT-2's tokens) and ANVIL2's 11-block layout (here one "
+              "attention-less block, none removed, no second MLP, every block's injections, after its attention as "
+              "the record's); a checkpoint every 50 steps, for `python sample.py latest`", SMOKE),
     "single": ("the record on one GPU with 32-80 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
                "global batch; the n-gram table at 5.0M rows (trigram_rows 4,622,720, the size of the proxy runs): "
                "14.0 GiB (--plan) of the ~25 GiB the run estimates at start", dict(seq_len=16384, trigram_rows=4_622_720)),
@@ -1669,9 +1672,8 @@ class GPT(nn.Module):
         self.register_buffer("bigram_signs", signs)
         # the prefix-token loss' table (prefix_table), set by the trainer when a stage has that loss
         self.register_buffer("prefix_ids", None, persistent=False)
-        # ngram_normalize's table (normalized_token_table), from the GPT-2 vocabulary
-        self.register_buffer("ngram_ids", normalized_token_table(gpt2_token_bytes(), cfg.vocab_size)
-                             if cfg.ngram_normalize else None, persistent=False)
+        # ngram_normalize's table (normalized_token_table), set from the GPT-2 vocabulary by set_vocabulary
+        self.register_buffer("ngram_ids", None, persistent=False)
         # the token tables' gradient sums in float32 (TableLookup), attached by the trainer: keep_table_grads
         self.register_buffer("lm_head_grad_sum", None, persistent=False)
         self.token_lookups = set()
@@ -1938,11 +1940,21 @@ class GPT(nn.Module):
         return (x0, [tables.get(i) for i in self.value_embed_layers()], self.ngram_embedding(inputs, cu_seqlens),
                 copy)
 
+    def set_vocabulary(self, token_bytes: list[bytes | None]):
+        """With ngram_normalize, its table of normalized ids (normalized_token_table) from the tokens' texts
+        (gpt2_token_bytes). The trainer and sample.py call it before a forward; the model's shapes (--plan) do not
+        need the vocabulary."""
+        if self.cfg.ngram_normalize:
+            self.ngram_ids = normalized_token_table(token_bytes, self.cfg.vocab_size).to(self.bigram_embed.weight.device)
+
     def ngram_indices(self, inputs: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor | None]:
         """Each position's n-gram table row (of the whole table), the bigram channel's then with trigram_rows the
         trigram channel's, and their sign rows (or None)."""
         cfg = self.cfg
-        if self.ngram_ids is not None:  # ngram_normalize: hashed from the normalized ids
+        if cfg.ngram_normalize:  # hashed from the normalized ids
+            if self.ngram_ids is None:
+                raise RuntimeError("ngram_normalize: the model's table of normalized ids is not set: call "
+                                   "model.set_vocabulary(gpt2_token_bytes()) before a forward, or --ngram_normalize false")
             inputs = self.ngram_ids[inputs.long()]
         rows, signs = bigram_indices(inputs, cu_seqlens, cfg.bigram_rows, cfg.bigram_sign_rows)
         if cfg.trigram_rows:
@@ -4416,12 +4428,15 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
         check_memory_fits(args, world_size, torch.cuda.get_device_properties(device).total_memory, chosen)
     torch.manual_seed(args.seed)
     model = to_device(GPT(ModelConfig.from_args(args), chosen, ngram_shard(args, rank, world_size)), device)
-    if any(any(st.prefix_ramp) for st in schedule.stages):  # the prefix-token loss' table (untimed; the record
-        vocab = gpt2_token_bytes()                            # builds it in its timed region, ~0.1 s)
-        if args.vocab_size < len(vocab):
+    prefix = any(any(st.prefix_ramp) for st in schedule.stages)
+    if prefix or args.ngram_normalize:  # the tables from GPT-2's token texts (untimed; the record builds the
+        vocab = gpt2_token_bytes()      # prefix-token loss' in its timed region, ~0.1 s)
+        if prefix and args.vocab_size < len(vocab):
             raise ValueError(f"the prefix-token loss (a stage's prefix > 0) is for GPT-2 tokens: vocab_size="
                              f"{args.vocab_size} is below GPT-2's {len(vocab)}; set the stages' prefix to 0")
-        model.prefix_ids = prefix_table(vocab, args.vocab_size).to(device)
+        if prefix:
+            model.prefix_ids = prefix_table(vocab, args.vocab_size).to(device)
+        model.set_vocabulary(vocab)  # ngram_normalize's table
     orthogonalize, update, compiled, normalized = anvil_orthogonalize, adam_update, model, None
     row_update, segment = row_adam_update, segment_sum
     if args.ngram_plan_ahead and model.ngram_world > 1:  # every rank makes it, in the same order: a collective

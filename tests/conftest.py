@@ -142,6 +142,7 @@ TINY_RECORD = dict(vocab_size=72, bos_id=BOS, num_layers=4, model_dim=64, num_he
                    skip_layers=(), skip_into=0, mlp_hidden=0, parallel_mlp_blocks=(), no_x0_blocks=(),
                    no_ngram_blocks=(), no_resid_scale_blocks=(), narrow_qk_blocks=(), narrow_v_blocks=(),
                    trigram_rows=0, ngram_sparse_adam=False,
+                   ngram_normalize=False,  # over GPT-2's token texts (tests/test_ngram.py turns it on)
                    cplm_bands=(16, 32), window_block=16, batch_size=8 * 128, seq_len=128, val_seq_len=256,
                    val_tokens=4096, max_doc_len=96, max_num_docs=32,
                    stages=(tg.Stage(1, doc_len=64, mtp=(0.5, 0.25)), tg.Stage(2, mtp=(0.5, 0.0)),

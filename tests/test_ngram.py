@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import BOS, TINY
+from conftest import BOS, FAST, TINY
 
 
 def tiny_model(randomize=False, **overrides):
@@ -93,14 +93,16 @@ def test_normalized_token_table_maps_each_token_to_the_first_of_its_normalized_t
         tg.normalized_token_table(vocab, 12)
 
 
-def test_ngram_normalize_hashes_the_normalized_ids_and_reads_the_raw_ones(monkeypatch):
+def test_ngram_normalize_hashes_the_normalized_ids_and_reads_the_raw_ones():
     """With ngram_normalize the n-gram rows and signs are those of the normalized stream, the model's tokens stay
     raw: two streams that differ only in a token's case share every n-gram row."""
     vocab = [bytes([97 + i % 26]) if i % 2 else bytes([65 + i % 26]) for i in range(BOS)]  # upper / lower letters
-    monkeypatch.setattr(tg, "gpt2_token_bytes", lambda: vocab)
     model = tiny_model(ngram_normalize=True)
-    assert model.ngram_ids.tolist()[:BOS] == tg.normalized_token_table(vocab, TINY["vocab_size"]).tolist()[:BOS]
     x, cu = stream()
+    with pytest.raises(RuntimeError, match="table of normalized ids is not set: call model.set_vocabulary"):
+        model.ngram_indices(x, cu)  # built without the vocabulary (as --plan builds it), read before it is set
+    model.set_vocabulary(vocab)
+    assert model.ngram_ids.tolist()[:BOS] == tg.normalized_token_table(vocab, TINY["vocab_size"]).tolist()[:BOS]
     rows, signs = model.ngram_indices(x, cu)
     plain = tiny_model()
     want = plain.ngram_indices(model.ngram_ids[x.long()].to(x.dtype), cu)
@@ -108,6 +110,19 @@ def test_ngram_normalize_hashes_the_normalized_ids_and_reads_the_raw_ones(monkey
     folded = torch.where(x < BOS, model.ngram_ids[x.long()], x).to(x.dtype)
     assert not torch.equal(folded, x) and torch.equal(model.ngram_indices(folded, cu)[0], rows)
     assert not torch.equal(plain.ngram_indices(folded, cu)[0], plain.ngram_indices(x, cu)[0])
+
+
+def test_a_run_with_ngram_normalize_sets_the_table_from_the_vocabulary_at_start(tiny_args, monkeypatch):
+    """The trainer sets the normalized-id table from gpt2_token_bytes before the first step (the model alone, as
+    --plan builds it, does not read the vocabulary): a vocabulary whose texts fold nothing trains as the raw hashing
+    does, to the bit; one that folds letters' cases changes the losses."""
+    kw = dict(FAST, num_iterations=4, val_every=4, warmup_steps=0)
+    plain = tg.train(tiny_args(**kw))
+    monkeypatch.setattr(tg, "gpt2_token_bytes", lambda: [b"t%d" % i for i in range(BOS)])
+    same = tg.train(tiny_args(ngram_normalize=True, **kw))
+    monkeypatch.setattr(tg, "gpt2_token_bytes", lambda: [bytes([65 + i % 26 + 32 * (i % 2)]) for i in range(BOS)])
+    folded = tg.train(tiny_args(ngram_normalize=True, **kw))
+    assert same.train_losses == plain.train_losses and folded.train_losses != plain.train_losses
 
 
 def dense_row_adam(p, g, v, t, lr, beta2, eps, wd):

@@ -59,9 +59,6 @@ PENDING_ADOPTION: set[str] = {
     # ANVIL2's ten-source, per-channel-group MUDD mix before the head: decided by 3 paired seeds on the proxy under the
     # rule (the record preset with --mudd_head_ten true against it without) and the record step with it and without
     "mudd_head_ten",
-    # public pull request 375's n-gram hashing over normalized token ids: decided by paired seeds on the proxy under the
-    # rule (its own proxy needed 16 seeds to resolve -6.2 millinats)
-    "ngram_normalize",
     # ANVIL2's FP8 QKV (kernels.FP8Linear): decided by the record step on one H200 with it and without
     # (bench/step_time.py --fp8_qkv true / false, graph runners on) and 3 paired seeds on the proxy at 840 steps
     "fp8_qkv",
