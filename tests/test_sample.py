@@ -9,7 +9,7 @@ import torch
 
 import sample
 import train_gpt as tg
-from conftest import FAST, TINY, write_corpus
+from conftest import BOS, FAST, TINY, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,3 +113,16 @@ def test_a_model_loaded_for_sampling_reads_its_embedding_where_training_would_ha
     for step, tied in ((2, True), (3, False), (6, False)):
         model, _ = sample.load_model(tmp_path / "ck" / "t" / f"step_{step:06d}", torch.device("cpu"), 64)
         assert model.tied_embed is tied, step
+
+
+def test_a_model_loaded_for_sampling_hashes_its_ngrams_from_normalized_ids_as_training_did(tiny_args, tmp_path,
+                                                                                             monkeypatch):
+    """With ngram_normalize the checkpoint's model gets the normalized-id table from the vocabulary, as the trainer
+    set it (the table is not saved; a forward without it refuses)."""
+    vocab = [bytes([65 + i % 26 + 32 * (i % 2)]) for i in range(BOS)]  # letters in two cases: ids fold
+    monkeypatch.setattr(tg, "gpt2_token_bytes", lambda: vocab)
+    tg.train(tiny_args(**FAST, num_iterations=2, val_every=0, save_every=2, adam_every=1, ngram_normalize=True,
+                       run_id="n", checkpoint_dir=str(tmp_path / "ck")))
+    model, _ = sample.load_model(tmp_path / "ck" / "n" / "step_000002", torch.device("cpu"), 64)
+    assert model.ngram_ids is not None
+    assert torch.equal(model.ngram_ids, tg.normalized_token_table(vocab, TINY["vocab_size"]))
