@@ -88,6 +88,8 @@ _CONFIG_OPTIONS: list[set[str]] = []  # the options readable after the last test
 
 
 VOCAB, BOS = 64, 63  # tiny vocabulary; the last id plays <|endoftext|>
+CASE_FOLDING_VOCAB = [bytes([65 + i % 26 + 32 * (i % 2)]) for i in range(BOS)]  # one-letter texts in two cases:
+# ngram_normalize folds ids that differ only in case (a vocabulary the tiny models can read as GPT-2's)
 
 
 def markov_documents(rng, n_tokens, min_len=5, max_len=300, vocab=VOCAB, bos=BOS):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import BOS, TINY, compiled_matches_eager
+from conftest import BOS, CASE_FOLDING_VOCAB, TINY, compiled_matches_eager
 
 W3, W1 = tg.window_tokens(3, TINY["window_block"]), tg.window_tokens(1, TINY["window_block"])  # (48, 16), (16, 0)
 
@@ -907,7 +907,7 @@ def test_the_pending_model_fields_compile_whole_with_the_eager_arithmetic(flags)
     """torch.compile(fullgraph=True) takes the model with each pending field on (no graph break: the GPU runs
     compile so), loss and gradients as eager."""
     model = tiny_model(randomize=True, **flags)
-    model.set_vocabulary([bytes([65 + i % 26 + 32 * (i % 2)]) for i in range(BOS)])  # ngram_normalize's table
+    model.set_vocabulary(CASE_FOLDING_VOCAB)  # ngram_normalize's table
     compiled_matches_eager(model, *batch(), 128, W3)
 
 

@@ -9,7 +9,7 @@ import torch
 
 import sample
 import train_gpt as tg
-from conftest import BOS, FAST, TINY, write_corpus
+from conftest import BOS, CASE_FOLDING_VOCAB, FAST, TINY, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,7 +119,7 @@ def test_a_model_loaded_for_sampling_hashes_its_ngrams_from_normalized_ids_as_tr
                                                                                              monkeypatch):
     """With ngram_normalize the checkpoint's model gets the normalized-id table from the vocabulary, as the trainer
     set it (the table is not saved; a forward without it refuses)."""
-    vocab = [bytes([65 + i % 26 + 32 * (i % 2)]) for i in range(BOS)]  # letters in two cases: ids fold
+    vocab = CASE_FOLDING_VOCAB  # letters in two cases: ids fold
     monkeypatch.setattr(tg, "gpt2_token_bytes", lambda: vocab)
     tg.train(tiny_args(**FAST, num_iterations=2, val_every=0, save_every=2, adam_every=1, ngram_normalize=True,
                        run_id="n", checkpoint_dir=str(tmp_path / "ck")))
