@@ -192,21 +192,24 @@ class Hyperparameters:
     logit_softcap: float = 23.0  # logits = logit_softcap * sigmoid((z + softcap_shift) / softcap_temp) (09/03/25: 30)
     softcap_temp: float = 7.5  # the softcap's temperature
     softcap_shift: float = 5.0  # asymmetric softcap: 5 with logit_softcap 23 is the 2025-12-26 record's cap (09/03/25: 0)
-    bigram_rows: int = 377_280  # rows of the bigram hash embedding, 0 = off (01/19/26; 377,280 since 05/27/26)
+    # half the n-gram table, as ANVIL2's layout (bigram rows [0, V/2)): on the proxy at 5.0M rows, the even split
+    # against 377,280 bigram rows -0.0028 +- 0.0014 (3 paired seeds, bench/results/learning_decisions.md); ~5% more
+    # distinct rows a step
+    bigram_rows: int = 10_575_360  # rows of the bigram hash embedding, 0 = off (01/19/26; 377,280 from 05/27/26 to the even split of 12/03/26)
     bigram_sign_rows: int = 8_192  # rows of fixed random +-1 signs that multiply bigram rows, 0 = none (05/20/26)
     # the trigram channel of ANVIL2 (modded-nanogpt 2026-08-30: half of its 84.6M-row table): rows after the bigram
     # rows of the same table, hashed from (t-2, t-1, t) within a document, signed from the same sign rows. With the
     # bigram rows 21,150,720 in all, which split over 1, 2, 4 and 8 GPUs (ngram_sparse_adam shards the table). On the
     # proxy: -0.0136 +- 0.0076 at 4.6M rows (3 paired seeds), -0.0138 at 20.8M (2 seeds); 1.015x a step at 4.6M rows
     # on one H200 (bench/results/learning_decisions.md)
-    trigram_rows: int = 20_773_440  # trigram hash rows summed with the bigram lookup, 0 = none: ANVIL2's ~21M-row point of its FineWeb size sweep (record #92, 08/30/26), ~31 of its 36 millinats at a quarter of its 84.6M-row table's memory
+    trigram_rows: int = 10_575_360  # trigram hash rows summed with the bigram lookup, 0 = none: with the bigram rows ANVIL2's ~21M-row point of its FineWeb size sweep (record #92, 08/30/26), ~31 of its 36 millinats at a quarter of its 84.6M-row table's memory
     # public pull request 375 (on ANVIL2: 1,179 against 1,194 steps; -6.2 +- 1.5 millinats over 16 seeds of its
     # one-GPU proxy): the n-gram rows and signs hashed from normalized token ids (normalized_token_table: NFKC,
     # accents stripped, lowercase, whitespace runs as one space), so " The" / "the" / "THE" share rows; the model
     # reads and predicts the raw tokens. On our proxy at 680 steps, 3 paired seeds: -0.0045 +- 0.0037, lower in every
     # seed (one H200, 2026-12-03: bench/results/nnorm_h200_20261203.md); its cost, one gather of the ids
     ngram_normalize: bool = True  # PR 375's n-gram hashing over normalized token ids (normalized_token_table); GPT-2's vocabulary only
-    ngram_spread: bool = False  # the n-gram table's rows stored in a scattered order (row x NGRAM_SPREAD_MULT mod rows, a bijection: the same model, relabelled), so that each GPU's block of a sharded table holds its share of the bigram channel's rows; in row order the first GPU owns all 377,280 of them and serves about half of every micro-batch's lookups (at 8 GPUs 5x another GPU's rows)
+    ngram_spread: bool = False  # the n-gram table's rows stored in a scattered order (row x NGRAM_SPREAD_MULT mod rows, a bijection: the same model, relabelled), so that each GPU's block of a sharded table holds its share of the bigram channel's rows; in row order the first half of the GPUs owns them, and a bigram row recurs more within a step than a trigram row: at 8 GPUs each of that half serves ~33K distinct rows of a 393K-token step, each of the other ~61K (the proxy's text; with 377,280 bigram rows the first GPU served 140K, another ~31K)
     # backout (10/04/25): a learned multiple of this block's output is subtracted before the head; MUDD mixes it in
     # and the later blocks attend over it (parallel attention inputs, 03/06/26)
     backout_layer: int = 7  # the backout block: below the last, after the attention-less one
@@ -673,8 +676,9 @@ PRESETS = {  # name: (what it is, the fields it sets)
               "attention-less block, none removed, no second MLP, every block's injections, after its attention as "
               "the record's); a checkpoint every 50 steps, for `python sample.py latest`", SMOKE),
     "single": ("the record on one GPU with 32-80 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
-               "global batch; the n-gram table at 5.0M rows (trigram_rows 4,622,720, the size of the proxy runs): "
-               "14.0 GiB (--plan) of the ~25 GiB the run estimates at start", dict(seq_len=16384, trigram_rows=4_622_720)),
+               "global batch; the n-gram table at 5.0M rows (2.5M bigram + 2.5M trigram, the size of the proxy runs): "
+               "14.0 GiB (--plan) of the ~25 GiB the run estimates at start",
+               dict(seq_len=16384, bigram_rows=2_500_000, trigram_rows=2_500_000)),
     "medium": ("the record model at GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the "
                "record's learning rates, its block layout before ANVIL2's stretched to 24 blocks (one attention-less "
                "block, none removed, no second MLP, every block's injections, MLPs 4 x 1024), the injections after "
@@ -686,7 +690,7 @@ PRESETS = {  # name: (what it is, the fields it sets)
                     # ANVIL2's layout is the 11 blocks' (its indices): the one before it, the skip into block 13
                     skip_layers=(), skip_into=0, mlp_hidden=0, parallel_mlp_blocks=(), no_x0_blocks=(),
                     no_ngram_blocks=(), no_resid_scale_blocks=(), narrow_qk_blocks=(), narrow_v_blocks=(),
-                    trigram_rows=4_622_720)),  # 5.0M n-gram rows at width 1024: one 80 GB GPU holds the run
+                    bigram_rows=2_500_000, trigram_rows=2_500_000)),  # 5.0M n-gram rows at width 1024: one 80 GB GPU holds the run
 }
 
 
@@ -3512,11 +3516,13 @@ SAMPLED_US_PER_TOKEN = {
 BEFORE_ANVIL2 = dict(skip_layers=(), no_attn_layers=(6,), skip_into=0, xsa_blocks=(1, 3, 4, 7),
                      paired_head_blocks=(0, 2, 5, 9), value_embed_blocks=(1, 2, 8, 9, 10), parallel_mlp_blocks=(),
                      mlp_hidden=0, no_x0_blocks=(), no_ngram_blocks=(), no_resid_scale_blocks=(), narrow_qk_blocks=(),
-                     narrow_v_blocks=(), doc_copy=False, tied_embed_stages=2, injections="before a block's attention")
+                     narrow_v_blocks=(), doc_copy=False, tied_embed_stages=2, bigram_rows=377_280, trigram_rows=0,
+                     injections="before a block's attention")
 # The model a preset's rows of one GPU kind and count were timed on, where it is not the preset's present model, by
 # (preset, GPU kind, GPUs): the fields it had then. 1 GPU: STEP_US_PER_TOKEN's and SAMPLED_US_PER_TOKEN's rows; more:
 # MULTI_GPU_US_PER_TOKEN's. --plan names these rows as that model's.
-MEASURED_MODEL = {("record", "H100", 1): BEFORE_ANVIL2, ("record", "H200", 4): BEFORE_ANVIL2}
+MEASURED_MODEL = {("record", "H100", 1): BEFORE_ANVIL2, ("record", "H200", 4): BEFORE_ANVIL2,
+                  ("record", "H200", 1): dict(bigram_rows=377_280, trigram_rows=20_773_440)}  # before the even split
 # what --plan says of each kind's rows: the attention kernel they ran with, and where they come from
 STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "FlashAttention-4"}
 STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, main at 46b1702 "

@@ -5,7 +5,7 @@ feature twice: the matches found inside the embeddings' graph, and given to it (
 them since it finds them a micro-batch ahead (GPT.plan_copy_ahead): what is left on the step's path.
 
     python bench/doc_copy_cost.py --preset record --batch_size 49152 --seq_len 49152 --max_doc_len 2048 \
-        --trigram_rows 4622720 --train_files "DATA/fineweb_train_*.bin" [--iters 50]
+        --bigram_rows 2500000 --trigram_rows 2500000 --train_files "DATA/fineweb_train_*.bin" [--iters 50]
 
 Prints the median and mean milliseconds of each part over --iters timed calls (CUDA events, after 5 untimed), and
 the difference the feature makes to the embeddings. The rest of the feature's cost in a training step (the second

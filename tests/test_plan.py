@@ -19,7 +19,9 @@ MEASURED = ["--skip_layers", "", "--no_attn_layers", "6", "--skip_into", "0", "-
             "--paired_head_blocks", "0,2,5,9", "--value_embed_blocks", "1,2,8,9,10", "--parallel_mlp_blocks", "",
             "--mlp_hidden", "0", "--no_x0_blocks", "", "--no_ngram_blocks", "", "--no_resid_scale_blocks", "",
             "--narrow_qk_blocks", "", "--narrow_v_blocks", "", "--num_iterations", "776", "--doc_copy", "false",
-            "--tied_embed_stages", "2"]
+            "--tied_embed_stages", "2", "--bigram_rows", "377280", "--trigram_rows", "0"]
+# the n-gram table's split the one-GPU H200 rows were timed with (MEASURED_MODEL), before the even one (2026-12-03)
+H200_SPLIT = ["--bigram_rows", "377280", "--trigram_rows", "20773440"]
 STEPS = [241, 240, 239, 20]  # the record's 740 steps by stage: 241 / 240 / 239, the extension's 20
 # the same steps by softmax: stages 1-2 and stage 3's first 201 sampled (to step 682), stage 3's last 38 and the
 # extension's full
@@ -59,9 +61,14 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     assert f"trained tokens: {740 * 393216:,}" in out
     assert 740 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
     assert not list(tmp_path.iterdir())  # no log, no checkpoint folder
-    # the H200 rows (--plan_gpu's default) are of the record's present model (the copy feature's included): no line
-    # says otherwise
-    assert "step times of another model:" not in out and "before its present one" not in out
+    # the H200 rows (--plan_gpu's default) are of the record's model before the n-gram table's even split: the plan
+    # says so, naming the split's fields; given the split they were timed with, no line says the model differs
+    assert line_of(out.splitlines(), "step times of another model:") == (
+        "step times of another model: the times above are --preset record's model's before its present one "
+        "(MEASURED_MODEL); this run's model is not measured (it differs in bigram_rows, trigram_rows: the model line "
+        "gives the measured model's values)")
+    assert tg.main(["--plan", *H200_SPLIT]) == 0
+    assert "step times of another model:" not in capsys.readouterr().out
     # the H100 rows are of the record's model before ANVIL2's architecture: the plan says so, naming what differs
     # (at their 2,048-token cut in stage 3: at the record's 3,072 no H100 row prices a stage, and nothing is said)
     assert tg.main(["--plan", "--plan_gpu", "H100"]) == 0
@@ -70,9 +77,9 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     assert line_of(capsys.readouterr().out.splitlines(), "step times of another model:") == (
         "step times of another model: the times above are --preset record's model's before its present one "
         "(MEASURED_MODEL); this run's model is not measured (it differs in mlp_hidden, no_attn_layers, "
-        "value_embed_blocks, paired_head_blocks, xsa_blocks, skip_into, skip_layers, parallel_mlp_blocks, "
-        "no_x0_blocks, no_ngram_blocks, no_resid_scale_blocks, narrow_qk_blocks, narrow_v_blocks, doc_copy, "
-        "tied_embed_stages, injections: the model line gives the measured model's values)")
+        "value_embed_blocks, bigram_rows, trigram_rows, paired_head_blocks, xsa_blocks, skip_into, skip_layers, "
+        "parallel_mlp_blocks, no_x0_blocks, no_ngram_blocks, no_resid_scale_blocks, narrow_qk_blocks, "
+        "narrow_v_blocks, doc_copy, tied_embed_stages, injections: the model line gives the measured model's values)")
 
 
 def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measured_models(no_gpu, capsys):
@@ -112,28 +119,31 @@ def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measur
     assert tg.main(["--plan", "--plan_gpu", "H100"]) == 0
     line = line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden")
     assert line.startswith("model: MLP hidden 2,816 (mlp_hidden)")
-    record_then = ("MLP hidden 3,072, no_attn_layers (6,), value_embed_blocks (1, 2, 8, 9, 10), paired_head_blocks (0, "
-                   "2, 5, 9), xsa_blocks (1, 3, 4, 7), skip_into 0, skip_layers (), parallel_mlp_blocks (), "
-                   "no_x0_blocks (), no_ngram_blocks (), no_resid_scale_blocks (), narrow_qk_blocks (), narrow_v_blocks ()")
+    record_then = ("MLP hidden 3,072, no_attn_layers (6,), value_embed_blocks (1, 2, 8, 9, 10), bigram_rows 377280, "
+                   "trigram_rows 0, paired_head_blocks (0, 2, 5, 9), xsa_blocks (1, 3, 4, 7), skip_into 0, "
+                   "skip_layers (), parallel_mlp_blocks (), no_x0_blocks (), no_ngram_blocks (), "
+                   "no_resid_scale_blocks (), narrow_qk_blocks (), narrow_v_blocks ()")
     assert line.endswith("; the step times above are --preset record's model's before its present one "
                          f"(MEASURED_MODEL), {record_then}, doc_copy False, tied_embed_stages 2, "
                          "injections before a block's attention")
-    # on H200 the measured model is the record's present one (the copy feature's included); the model before
-    # ANVIL2's differs from it in ANVIL2's architecture, the narrow heads, the copy feature and the embedding tied for
-    # three stages: the plan says the times are not its (the measured model's values named)
-    assert tg.main(["--plan"]) == 0
+    # on H200 the measured model is the record's present one with the n-gram split before the even one (the copy
+    # feature's included); the model before ANVIL2's differs from it in ANVIL2's architecture, the narrow heads, the
+    # copy feature, the embedding tied for three stages and the trigram channel: the plan says the times are not its
+    # (the measured model's values named)
+    assert tg.main(["--plan", *H200_SPLIT]) == 0
     assert line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden").endswith("(flops_per_token: MFU's count)")
     assert tg.main(["--plan", *MEASURED]) == 0
     assert line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden").endswith(
-        "; the step times above are --preset record's model's, MLP hidden 2,816, no_attn_layers (4, 6, 9), "
-        "value_embed_blocks (1, 2, 8, 10), paired_head_blocks (0, 2, 5), xsa_blocks (1, 3), skip_into 6, skip_layers "
-        "(7,), parallel_mlp_blocks (8,), no_x0_blocks (3, 6, 8, 9), no_ngram_blocks (2, 3, 6, 8), "
-        "no_resid_scale_blocks (6,), narrow_qk_blocks (0, 1, 2, 5, 8), narrow_v_blocks (1, 8), doc_copy True, "
-        "tied_embed_stages 3")
+        "; the step times above are --preset record's model's before its present one (MEASURED_MODEL), MLP hidden "
+        "2,816, no_attn_layers (4, 6, 9), value_embed_blocks (1, 2, 8, 10), trigram_rows 20773440, "
+        "paired_head_blocks (0, 2, 5), xsa_blocks (1, 3), skip_into 6, skip_layers (7,), parallel_mlp_blocks (8,), "
+        "no_x0_blocks (3, 6, 8, 9), no_ngram_blocks (2, 3, 6, 8), no_resid_scale_blocks (6,), narrow_qk_blocks (0, 1, "
+        "2, 5, 8), narrow_v_blocks (1, 8), doc_copy True, tied_embed_stages 3")
     # MEASURED is that model, field for field (its injection order aside), and the rows of it are H100's and 4 x H200's
     fields = {k: v for k, v in tg.BEFORE_ANVIL2.items() if k != "injections"}
     assert tg.parse_args(MEASURED) == tg.Hyperparameters(**fields, num_iterations=776)
-    assert tg.MEASURED_MODEL == {("record", "H100", 1): tg.BEFORE_ANVIL2, ("record", "H200", 4): tg.BEFORE_ANVIL2}
+    assert tg.MEASURED_MODEL == {("record", "H100", 1): tg.BEFORE_ANVIL2, ("record", "H200", 4): tg.BEFORE_ANVIL2,
+                                 ("record", "H200", 1): dict(bigram_rows=377_280, trigram_rows=20_773_440)}
 
 
 def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, capsys, monkeypatch):
@@ -253,8 +263,7 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
                           "PyTorch 2.11.0+cu130: the record preset at main 4589d1e with its defaults (the copy "
                           "feature, CUDA graphs, the C++ wrapper, the 3,072-token cut) and the embedding tied for "
                           "three stages, one run of 80 steps (bench/results/timing_tied3_h200_20261202b.md); times as "
-                          "measured for --preset record's "
-                          "model, ")
+                          "measured for --preset record's model before its present one (MEASURED_MODEL), ")
     assert "FlashAttention-4" in line_of(lines, "public master on H200")
     # the pairing says how the master's times relate to ours (not in one session: two machines, two days), and its
     # host-bound stage 1
@@ -265,13 +274,15 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     assert other_r == "0.601" and f"day; with that, R = {other_r}" in line_of(lines, "vs public master")
     assert "8 GPUs not projected: no measured 8/1-GPU step-time ratio on H200" in line_of(lines, "projected time:")
     assert all(row[-1] == "-" for row in stage_rows("\n".join(lines)).values())
-    # the rows are of the record's present model: nothing said; without its narrow heads, or its copy feature, said
-    # so, naming the fields
-    assert not [line for line in lines if line.startswith("step times of another model")]
-    assert line_of(tg.schedule_plan(tg.Schedule(tg.parse_args(["--narrow_qk_blocks", "", "--narrow_v_blocks", ""]))),
+    # the rows are of the record's model with the n-gram split before the even one: with that split nothing said;
+    # without its narrow heads, or its copy feature, said so, naming the fields
+    plan = tg.schedule_plan(tg.Schedule(tg.parse_args(H200_SPLIT)))
+    assert not [line for line in plan if line.startswith("step times of another model")]
+    assert line_of(tg.schedule_plan(tg.Schedule(tg.parse_args([*H200_SPLIT, "--narrow_qk_blocks", "",
+                                                                "--narrow_v_blocks", ""]))),
                    "step times of another model").endswith(
         "(it differs in narrow_qk_blocks, narrow_v_blocks: the model line gives the measured model's values)")
-    assert line_of(tg.schedule_plan(tg.Schedule(tg.parse_args(["--doc_copy", "false"]))),
+    assert line_of(tg.schedule_plan(tg.Schedule(tg.parse_args([*H200_SPLIT, "--doc_copy", "false"]))),
                    "step times of another model").endswith(
         "(it differs in doc_copy: the model line gives the measured model's values)")
     # the model before ANVIL2's architecture (776 steps): priced at those rows, and said to be another model's
@@ -279,8 +290,8 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     before_s = 393216e-6 * (253 * sampled[0] + 252 * sampled[1] + 210 * sampled[2] + 41 * ours[0] + 20 * ours[1])
     assert line_of(before, "projected time:").startswith(f"projected time: 1 x H200 {before_s:.1f} s")
     assert line_of(before, "step times of another model:").startswith(
-        "step times of another model: the times above are --preset record's model's; this run's model is not "
-        "measured (it differs in mlp_hidden, no_attn_layers, ")
+        "step times of another model: the times above are --preset record's model's before its present one "
+        "(MEASURED_MODEL); this run's model is not measured (it differs in mlp_hidden, no_attn_layers, ")
     # the full softmax throughout: stages 1-2 have no H200 row, so no projection and no ratio
     full = tg.schedule_plan(tg.Schedule(tg.parse_args(FULL)))
     assert line_of(full, "projected time:").startswith("projected time: incomplete, stage(s) 1, 2 not in")

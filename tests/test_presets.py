@@ -72,7 +72,8 @@ PENDING_ADOPTION: set[str] = {
     "muon_fused_normuon",
     # the n-gram table's rows stored scattered (ngram_spread), so every GPU's block holds its share of the bigram
     # channel: the same model relabelled; on two H200s the ranks' waiting 1.94 against 3.13 ms a step, the step within
-    # two processes' spread (2026-12-01); decided by the step on more GPUs, where the first GPU serves ~5x another's rows
+    # two processes' spread (2026-12-01, 377,280 bigram rows); decided by the step on more GPUs, where in row order
+    # the trigram half of the GPUs serves ~1.9x the distinct rows of the bigram half (even split, 2026-12-03)
     "ngram_spread",
     # ANVIL2's period-4 cadence of the value-embedding and n-gram tables (4 from 0.28 of the run, its step 336 of
     # 1194): decided by 3 paired seeds on the proxy at 840 steps (--table_adam_every 4,0.28) and the exposed moving

@@ -28,7 +28,8 @@ def test_presets_set_their_configuration_and_fields_still_override():
     single = tg.parse_args(["--preset", "single"])
     assert single.batch_size == tg.Hyperparameters().batch_size and single.batch_size // single.seq_len == 24
     # and a quarter of the record's n-gram table: 5.0M rows (the proxy's size), ~25 GiB in all on one GPU
-    assert single == dataclasses.replace(record, preset="single", seq_len=16384, trigram_rows=4_622_720)
+    assert single == dataclasses.replace(record, preset="single", seq_len=16384, bigram_rows=2_500_000,
+                                         trigram_rows=2_500_000)
     medium = tg.parse_args(["--preset", "medium", "--num_iterations", "700"])  # above the record's 20 extension steps
     assert (medium.num_layers, medium.model_dim, medium.num_heads, medium.num_iterations) == (24, 1024, 16, 700)
     smoke = tg.parse_args(["--preset", "smoke"])
@@ -135,10 +136,11 @@ def test_flops_parameters_and_memory_follow_the_mlp_width_mlp_hidden_sets():
 
 
 def test_bigram_table_is_an_adam_embedding_in_the_size_report_and_adds_no_matmul_flops():
-    """The record's bigram table (377,280 rows) against the smallest one (2 rows), both without the trigram channel
-    and in the dense Adam (--trigram_rows 0 --ngram_sparse_adam false): only the table's parameters differ (its
-    per-block weights are the MUDD gates' per token), no FLOPs, and it learns in the value tables' Adam group."""
-    args = tg.Hyperparameters(trigram_rows=0, ngram_sparse_adam=False)
+    """A bigram table of 377,280 rows (the records' from 05/27/26 to ANVIL2) against the smallest one (2 rows), both
+    without the trigram channel and in the dense Adam (--trigram_rows 0 --ngram_sparse_adam false): only the table's
+    parameters differ (its per-block weights are the MUDD gates' per token), no FLOPs, and it learns in the value
+    tables' Adam group."""
+    args = tg.Hyperparameters(bigram_rows=377_280, trigram_rows=0, ngram_sparse_adam=False)
     with torch.device("meta"):
         model, base = (tg.GPT(tg.ModelConfig.from_args(a))
                        for a in (args, dataclasses.replace(args, bigram_rows=2, bigram_sign_rows=0)))
@@ -160,11 +162,11 @@ def test_bigram_table_is_an_adam_embedding_in_the_size_report_and_adds_no_matmul
 
 
 def test_the_records_ngram_table_is_sharded_in_the_row_sparse_adams_own_group():
-    """The record's n-gram table (377,280 bigram + 20,773,440 trigram rows, ANVIL2's ~21M-row point): sharded by
-    owner over 8 GPUs into 2,643,840 rows each, alone in the row-sparse Adam's group (beta1 0, the tables' beta2, rate
-    and decay), no FLOPs of its own, and the size report counts this rank's shard."""
+    """The record's n-gram table (10,575,360 bigram + 10,575,360 trigram rows: ANVIL2's ~21M-row point, split as its
+    table): sharded by owner over 8 GPUs into 2,643,840 rows each, alone in the row-sparse Adam's group (beta1 0, the
+    tables' beta2, rate and decay), no FLOPs of its own, and the size report counts this rank's shard."""
     args = tg.Hyperparameters()
-    assert (args.bigram_rows, args.trigram_rows, args.ngram_sparse_adam) == (377_280, 20_773_440, True)
+    assert (args.bigram_rows, args.trigram_rows, args.ngram_sparse_adam) == (10_575_360, 10_575_360, True)
     with torch.device("meta"):
         model = tg.GPT(tg.ModelConfig.from_args(args), ngram_shard=tg.ngram_shard(args, 3, 8))
         base = tg.GPT(tg.ModelConfig.from_args(dataclasses.replace(args, trigram_rows=0, ngram_sparse_adam=False)))
