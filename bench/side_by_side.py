@@ -1271,15 +1271,24 @@ def main():
                              tg.Schedule(tg.parse_args(argv)).stages))
         return runs
 
-    def data_plans(train_files: list[str]) -> list[str]:
-        """Each code's and label's steps, tokens trained and tokens read (the loaders simulated on the host)."""
+    def data_plans(train_files: list[str] | None) -> list[str]:
+        """Each code's and label's steps, tokens trained and tokens read (the loaders simulated on the host); without
+        the shards (None: --report away from the data) the tokens trained from the schedules alone."""
         plans = []
         if a.public_seeds:
-            pub = simulate_public_loader(train_files, pub_stages, a.accum, a.nproc)
-            plans.append(f"public {code.name}: {len(step_plan(pub_stages))} steps, {pub['trained']:,} tokens "
-                         f"trained, reads {pub['read']:,} of the shards' {pub['total']:,}")
+            steps = len(step_plan(pub_stages))
+            if train_files is None:
+                plans.append(f"public {code.name}: {steps} steps, {tokens_at(pub_stages, steps):,} tokens trained")
+            else:
+                pub = simulate_public_loader(train_files, pub_stages, a.accum, a.nproc)
+                plans.append(f"public {code.name}: {steps} steps, {pub['trained']:,} tokens trained, reads "
+                             f"{pub['read']:,} of the shards' {pub['total']:,}")
         for label, extra in variants if a.seeds else []:
             args = tg.parse_args([*ours_common, *extra.split()])
+            if train_files is None:
+                trained = tokens_at(tg.Schedule(args).stages, args.num_iterations)
+                plans.append(f"{label}: {args.num_iterations} steps, {trained:,} tokens trained")
+                continue
             try:
                 ours = simulate_our_loader(train_files, args)
             except DataExhausted as e:
@@ -1300,10 +1309,15 @@ def main():
         conditions = ([f"Conditions: not recorded (not in --work: {', '.join(missing)})"] if missing else
                       conditions_table(runs_conditions(runs, read_monitor_csv(monitored), read_journal(journal),
                                                        a.nproc)))
-        # the Data: line (pair_tables' --tie reads each label's tokens from it) where the shards are here to plan
+        # the Data: line (pair_tables' --tie reads each label's tokens from it): the tokens read where the shards are
+        # here to plan from, else the tokens trained alone
         try:
-            plans = data_plans(tg.shard_files(a.train_files, "training"))
-        except (FileNotFoundError, DataExhausted) as e:
+            files = tg.shard_files(a.train_files, "training")
+        except FileNotFoundError:
+            files = None
+        try:
+            plans = data_plans(files)
+        except DataExhausted as e:
             print(f"no Data: line: {e}", file=sys.stderr)
             plans = []
         report(a, runs, code, [label for label, _ in variants], plans, conditions=conditions)

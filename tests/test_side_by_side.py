@@ -233,7 +233,8 @@ def test_report_rebuilds_the_tables_from_the_logs_of_a_stopped_command_and_runs_
     """--report STAMP: the tables of the runs a command with the same flags started at STAMP, from the logs it left
     (no staging, nothing launched): a public run's stage times and loss, a run cut off in its warm-up (its log without
     a step) and a run that never started (no log), each shown as far as it got; the Data: line (each label's tokens,
-    which pair_tables' --tie reads) only where the shards are there to plan from."""
+    which pair_tables' --tie reads) with the tokens read where the shards are there to plan from, else the tokens
+    trained from the schedules alone."""
     argv = ["--public_seeds", "0", "1", "--seeds", "0", "1", "--alternate", "--step_div", "16", "--batch_div", "1"]
     started = [name for _, name in fake_main(monkeypatch, tmp_path, argv)]
     stamp = started[0].split("_seed")[0].removeprefix("public_master_")
@@ -271,7 +272,14 @@ def test_report_rebuilds_the_tables_from_the_logs_of_a_stopped_command_and_runs_
     capsys.readouterr()
     fh.main()
     out = capsys.readouterr().out
-    assert out == (tmp_path / "table.md").read_text() and "\nData: " not in out
+    assert out == (tmp_path / "table.md").read_text()
+    # the master's 80 steps: 26 / 27 / 26 / 1 of 131,072 / 262,144 / 393,216 / 393,216 tokens; ours 393,216 a step
+    data = next(line for line in out.splitlines() if line.startswith("Data: "))
+    ours_steps = int(re.search(r"; ours: (\d+) steps", data)[1])
+    assert data == (f"Data: public master: 80 steps, {26 * 131072 + 27 * 262144 + 27 * 393216:,} tokens trained; "
+                    f"ours: {ours_steps} steps, {ours_steps * 393216:,} tokens trained")
+    import pair_tables as pt
+    assert pt.trained_tokens(tmp_path / "table.md") == {"public master": 21_102_592, "ours": ours_steps * 393216}
     assert f"Tables rebuilt from the logs of the runs started at {stamp} (--report" in out
     assert f"No log: public master seed 1 ({work / 'public_master' / 'logs' / f'public_master_{stamp}_seed1.txt'}), " \
            f"ours seed 1" in out
