@@ -652,7 +652,7 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "the n-gram embedding in 0, 1, 4, 5 and 9 (the last block's by MUDD; block 6, the skip's target, "
                "takes the skip alone, without its attention-side residual weight), after a block's attention and "
                "before its MLP (block 0's n-gram before it); bigram hash embedding "
-               "with ANVIL2's hashed trigram channel (21.2M rows in one table, learned by a row-sparse "
+               "with ANVIL2's hashed trigram channel (21.2M rows in one table, half each, learned by a row-sparse "
                "Adam, sharded over the GPUs by owner), both hashed from normalized token ids (public pull "
                "request 375), "
                "MUDD with its gates, XSA and DC attention, YaRN, smear and value-embedding gates, paired heads, "
