@@ -119,10 +119,9 @@ def test_a_model_loaded_for_sampling_hashes_its_ngrams_from_normalized_ids_as_tr
                                                                                              monkeypatch):
     """With ngram_normalize the checkpoint's model gets the normalized-id table from the vocabulary, as the trainer
     set it (the table is not saved; a forward without it refuses)."""
-    vocab = CASE_FOLDING_VOCAB  # letters in two cases: ids fold
-    monkeypatch.setattr(tg, "gpt2_token_bytes", lambda: vocab)
+    monkeypatch.setattr(tg, "gpt2_token_bytes", lambda: CASE_FOLDING_VOCAB)  # letters in two cases: ids fold
     tg.train(tiny_args(**FAST, num_iterations=2, val_every=0, save_every=2, adam_every=1, ngram_normalize=True,
                        run_id="n", checkpoint_dir=str(tmp_path / "ck")))
     model, _ = sample.load_model(tmp_path / "ck" / "n" / "step_000002", torch.device("cpu"), 64)
     assert model.ngram_ids is not None
-    assert torch.equal(model.ngram_ids, tg.normalized_token_table(vocab, TINY["vocab_size"]))
+    assert torch.equal(model.ngram_ids, tg.normalized_token_table(CASE_FOLDING_VOCAB, TINY["vocab_size"]))
