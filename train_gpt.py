@@ -259,15 +259,18 @@ class Hyperparameters:
     # tokens, 0.886x the step on one H200 (bench/results/learning_decisions.md). Learning rates x 1 in every stage:
     # x 1.3 (the public line's 1.52 / 1.73 at 262K / 393K tokens a step) beat 1 on the proxy with full-width heads,
     # but with the narrow heads at 840 steps it ended +0.016 above full heads at 1.3 (3 seeds, 2026-11-30), where the
-    # narrow heads at 1 had equalled full heads at 1. Documents cut at 896 / 2,048 / 3,072 tokens, ANVIL2's sequence
-    # caps (its README; the extension keeps the last): on the proxy the 3,072 cut against 2,048 ended -0.0080 +- 0.0024
-    # at 760 steps (seeds 3-5), reached the master's loss at 0.815 of its tokens against 0.832 (seeds 0-2), its step
-    # within two machines' spread of the 2,048 cut's (one H200, 2026-12-02: bench/results/step_count_h200_20261201.md)
+    # narrow heads at 1 had equalled full heads at 1. Documents cut at 896 / 2,048 / 4,096 tokens (the extension keeps
+    # the last); ANVIL2's sequence caps (its README) are 896 / 2,048 / 3,072. On the proxy the 3,072 cut against 2,048
+    # ended -0.0080 +- 0.0024 at 760 steps (seeds 3-5), the master's loss at 0.815 of its tokens against 0.832 (one
+    # H200, 2026-12-02: bench/results/step_count_h200_20261201.md); 4,096 against 3,072 at 680 steps -0.0044 +-
+    # 0.0035 and -0.0034 +- 0.0029 (two sessions, lower in all 6 runs), the master's loss at 0.780 of its tokens
+    # against 0.789, its stage-3 and extension steps 1.003-1.005x the 3,072 cut's (one H200, 2026-12-03, one run
+    # each: bench/results/tie_h200_20261203c.md)
     stages: tuple[Stage, ...] = (  # the schedule table: batch, document cut, window, lr, MTP per stage
         #     window  documents cut at  lr       targets t+2, t+3  prefix-token weight  sampled softmax's rows
         Stage(3,      doc_len=896,      lr=1.0,  mtp=(0.5, 0.25),  prefix=0.25,         candidates=16384),
         Stage(7,      doc_len=2048,     lr=1.0,  mtp=(0.5, 0.0),   prefix=0.25,         candidates=14336),
-        Stage(11,     doc_len=3072,     lr=1.0,  mtp=(0.0, 0.0),   prefix=0.0,          candidates=12288))
+        Stage(11,     doc_len=4096,     lr=1.0,  mtp=(0.0, 0.0),   prefix=0.0,          candidates=12288))
     extension_steps: int = 20  # last steps, after the cooldown: final learning rate, long window extension_window (09/21/25)
     extension_window: int = 13  # long window of the extension, in blocks
     # Tied for the three stages, untied for the extension, as ANVIL2 (record #92) unties at its extension's start: on
@@ -295,7 +298,9 @@ class Hyperparameters:
     # the master's seeds 3-5: -0.0211 +- 0.0111, confirmed. With the 3,072 cut in stage 3 (stages): -0.0245 +- 0.0111
     # (seeds 0-2), -0.0291 +- 0.0088 (seeds 3-5). With the embedding tied for three stages (tied_embed_stages) at 740
     # steps, 291.0M tokens (0.859 of #89's): -0.0196 +- 0.0123 (seeds 0-2; 720: -0.0104 +- 0.0124, over zero),
-    # confirmed on seeds 3-5: -0.0224 +- 0.0087 (one H200, 2026-12-02: bench/results/step_count_h200_20261201.md)
+    # confirmed on seeds 3-5: -0.0224 +- 0.0087 (one H200, 2026-12-02: bench/results/step_count_h200_20261201.md).
+    # With the even n-gram split and the 4,096 cut: 720 steps -0.0196 +- 0.0129 (seeds 0-2, 2026-12-03), so 720 is
+    # chosen; it stays 740 until seeds 3-5 confirm it (bench/results/tie_h200_20261203c.md)
     num_iterations: int = 740  # training steps, extension_steps included: chosen on the proxy against the public master (760 before the embedding tied for three stages, 840 before the copy feature, 776 before ANVIL2's architecture)
     # The public master decays over 0.6 of its 1270 + 15 steps to 0.15 (02/10/26); ANVIL2 (record #92, 08/30/26) over
     # 0.8 to 0.2. ANVIL2's shape against our 0.7 to 0.15, 3 paired seeds on the proxy: -0.0028 +- 0.0030 at 776 steps,
@@ -661,7 +666,7 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "residual weights and one gated skip, ANVIL2's update rule (twin momentum rails, six trace-normed quintic "
                "maps, NorMuon's neuron normalization, cautious decay 2.25), Adam every second step, "
                "multi-token and prefix-token losses, the embedding tied for the three stages (untied for the "
-               "extension, as ANVIL2), documents cut at 896 / 2,048 / 3,072 tokens by stage (ANVIL2's caps), 740 "
+               "extension, as ANVIL2), documents cut at 896 / 2,048 / 4,096 tokens by stage (ANVIL2's 3,072 raised), 740 "
                "steps (on the proxy 0.020 below the public master's final loss, 3 seeds; 0.022 on 3 more) with a "
                "20-step extension, ANVIL2's cooldown "
                "over 0.8 of the steps to 0.2; plus "
@@ -3487,27 +3492,25 @@ STEP_US_PER_TOKEN = {
     ("H100", "record", 49152, 2048, 7): 1.565,
     ("H100", "record", 49152, 2048, 11): 1.589,
     ("H100", "record", 49152, 2048, 13): 1.576,
-    # one H200 of a one-GPU machine, alone, 2026-12-02 (evening), PyTorch 2.11.0+cu130, FlashAttention-4 (flash-attn-4
-    # 4.0.0b36), the record preset at main 4589d1e with its defaults (the copy feature, CUDA graphs, the C++ wrapper,
-    # the 3,072-token cut) and the embedding tied for three stages: `python train_gpt.py --preset record
-    # --num_iterations 80 --full_softmax_from 0.65 --attention fa4 --tied_embed_stages 3 ...`, one run, each stage's
-    # mean step from the log's stage lines: stage 3's full-softmax steps 445.8 ms, the extension's 449.3 ms per
-    # 393,216-token step (bench/results/timing_tied3_h200_20261202b.md; untied, earlier that day on another machine:
-    # 441.0 / 445.1 ms). Stages 1-2 have no full-softmax row
-    ("H200", "record", 49152, 3072, 11): 1.134,
-    ("H200", "record", 49152, 3072, 13): 1.143,
+    # one H200 of a one-GPU machine, alone, 2026-12-03, PyTorch 2.11.0+cu130, FlashAttention-4 (flash-attn-4
+    # 4.0.0b36), the record preset at main 4d94d98 (the even n-gram split) with its defaults: `python train_gpt.py
+    # --preset record --num_iterations 80 --full_softmax_from 0.65 --attention fa4 ...`, twice in a row, the second
+    # with `--doc_len_schedule 896,2048,4096` (the preset's cut since), each stage's mean step from the log's stage
+    # lines: stage 3's full-softmax steps 451.5 ms, the extension's 456.6 ms per 393,216-token step (at the 3,072 cut
+    # 450.0 / 454.3) (bench/results/tie_h200_20261203c.md). Stages 1-2 have no full-softmax row
+    ("H200", "record", 49152, 4096, 11): 1.148,
+    ("H200", "record", 49152, 4096, 13): 1.161,
 }
 # The sampled softmax's steps (those before Schedule.full_softmax in a stage with candidates): time per token as
 # STEP_US_PER_TOKEN's, keyed as it is plus the stage's candidates (the head's rows a micro-batch); a stage's full
 # softmax steps are priced at its STEP_US_PER_TOKEN row.
 SAMPLED_US_PER_TOKEN = {
-    # the run of STEP_US_PER_TOKEN's H200 rows (2026-12-02 evening, main 4589d1e, the embedding tied for three
-    # stages): stages 1-3's sampled steps, 358.3 / 366.1 / 370.1 ms per 393,216-token step
-    # (bench/results/timing_tied3_h200_20261202b.md; the same code at stages 1-2, and stage 3 untied, earlier that
-    # day on another machine: 356.9 / 363.6 / 366.9 ms)
-    ("H200", "record", 49152, 896, 3, 16384): 0.911,
-    ("H200", "record", 49152, 2048, 7, 14336): 0.931,
-    ("H200", "record", 49152, 3072, 11, 12288): 0.941,
+    # the runs of STEP_US_PER_TOKEN's H200 rows (2026-12-03, main 4d94d98): stages 1-2 the mean of both runs (362.4 /
+    # 361.9 and 370.0 / 369.4 ms per 393,216-token step), stage 3 the 4,096 cut's, 375.0 ms (373.4 at 3,072)
+    # (bench/results/tie_h200_20261203c.md)
+    ("H200", "record", 49152, 896, 3, 16384): 0.921,
+    ("H200", "record", 49152, 2048, 7, 14336): 0.940,
+    ("H200", "record", 49152, 4096, 11, 12288): 0.954,
 }
 # The record's model before ANVIL2's architecture (record #92's layout, MLP width, injection sites and order) became
 # it: the fields it had then, and its injections (x0 and the n-gram term) before a block's attention, an order no
@@ -3521,16 +3524,15 @@ BEFORE_ANVIL2 = dict(skip_layers=(), no_attn_layers=(6,), skip_into=0, xsa_block
 # The model a preset's rows of one GPU kind and count were timed on, where it is not the preset's present model, by
 # (preset, GPU kind, GPUs): the fields it had then. 1 GPU: STEP_US_PER_TOKEN's and SAMPLED_US_PER_TOKEN's rows; more:
 # MULTI_GPU_US_PER_TOKEN's. --plan names these rows as that model's.
-MEASURED_MODEL = {("record", "H100", 1): BEFORE_ANVIL2, ("record", "H200", 4): BEFORE_ANVIL2,
-                  ("record", "H200", 1): dict(bigram_rows=377_280, trigram_rows=20_773_440)}  # before the even split
+MEASURED_MODEL = {("record", "H100", 1): BEFORE_ANVIL2, ("record", "H200", 4): BEFORE_ANVIL2}
 # what --plan says of each kind's rows: the attention kernel they ran with, and where they come from
 STEP_US_ATTENTION = {"H100": "FlashAttention-3", "H200": "FlashAttention-4"}
 STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130, main at 46b1702 "
                           "(bench/results/one_session_h100_20261127c.md)",
-                  "H200": "one H200 of a one-GPU machine, alone, 2026-12-02, PyTorch 2.11.0+cu130: the record preset "
-                          "at main 4589d1e with its defaults (the copy feature, CUDA graphs, the C++ wrapper, the "
-                          "3,072-token cut) and the embedding tied for three stages, one run of 80 steps "
-                          "(bench/results/timing_tied3_h200_20261202b.md)"}
+                  "H200": "one H200 of a one-GPU machine, alone, 2026-12-03, PyTorch 2.11.0+cu130: the record preset "
+                          "at main 4d94d98 with its defaults (the even n-gram split) and the 4,096-token cut, one run of "
+                          "80 steps (stages 1-2: the mean of it and one at the 3,072 cut) "
+                          "(bench/results/tie_h200_20261203c.md)"}
 # The public master (f411b3d3, record #89's code) on its own schedule: steps and tokens per step of each stage,
 # 423 / 424 / 423 steps at 131,072 / 262,144 / 393,216 tokens, then the 15-step extension at 393,216: 338,821,120
 # tokens (bench/results/public_master_comparison.md rows 32-34 and 47; bench/side_by_side.py's public_stages
@@ -3552,16 +3554,16 @@ PUBLIC_MASTER_STEP_MS = {
     # mean of its two runs (299.0 / 292.0, 409.0 / 410.0, 605.0 / 607.0, 615.0 / 594.0 ms; its stage-3 rate, 1.541 us
     # per token, within 1.3% of its stage 2's 1.562) (bench/results/abab_graphs_h200_20261130j.md). Its stage 1 ran
     # unsteadily there, steps of 241-380 ms (the cause not found); on the machine of abab_fa4_h200_20261130e.md that
-    # day, 220.5 / 414.5 / 611.0 / 615.5 (with that stage 1, R = 0.601). With PyTorch's varlen attention: 284.5 /
+    # day, 220.5 / 414.5 / 611.0 / 615.5 (with that stage 1, R = 0.607 beside ours of 2026-12-03). With PyTorch's varlen attention: 284.5 /
     # 430.0 / 642.0 / 651.0 ms on 2026-11-29 (abab_h200_20261129h.md), 254.0 / 439.0 / 658.5 / 661.0 on 2026-11-28
     # (bench/results/public_line_history.md)
     "H200": dict(ms=(295.5, 409.5, 606.0, 604.5), attention="FlashAttention-4",
                  source="one H200 of a one-GPU machine, 2026-11-30, PyTorch 2.11.0+cu130, stage medians, mean of two "
                         "runs (bench/results/abab_graphs_h200_20261130j.md)",
                  paired="not in one session with ours: the master on 2026-11-30 in turns with the model before the "
-                        "copy feature, A B A B; ours on another one-GPU machine on 2026-12-02, same PyTorch and "
+                        "copy feature, A B A B; ours on another one-GPU machine on 2026-12-03, same PyTorch and "
                         "attention; the master's stage 1 ran unsteadily there, steps of 241-380 ms, a median of 295.5 "
-                        "against 220.5 on another machine that day; with that, R = 0.601"),
+                        "against 220.5 on another machine that day; with that, R = 0.607"),
 }
 RECORD_89_SECONDS = 73.8  # public record #89 on 8xH100, its whole schedule
 # Measured on several GPUs of one host: time per token of the whole global batch, by (GPU kind, GPUs, preset,

@@ -172,7 +172,7 @@ def test_schedule_is_the_records_at_stage_starts_and_ends_and_linear_inside():
         table(mtp_weights=RECORD)  # the column over the rows --stages gave
     fused = tg.parse_args(["--mtp_weights", "0.5,0.25,0.5,0,0,0"])  # the record preset's fused loss takes them
     assert fused.fused_ce and [row.mtp for row in fused.stages] == [(0.5, 0.25), (0.5, 0.0), (0.0, 0.0)]
-    assert [row.doc_len for row in fused.stages] == [896, 2048, 3072]  # the preset's other columns kept
+    assert [row.doc_len for row in fused.stages] == [896, 2048, 4096]  # the preset's other columns kept
 
 
 @pytest.mark.parametrize("weights", [((0.5,), (0.25,), (0.1, 0.2)), ((0.5,), (-0.1,), (0.0,)), ((math.nan,), (0.0,), (0.0,)),

@@ -7,7 +7,7 @@ import torch
 
 import train_gpt as tg
 
-RECORD_SHAPES = [(49152, 896, 3), (49152, 2048, 7), (49152, 3072, 11), (49152, 3072, 13)]  # record's stages, extension
+RECORD_SHAPES = [(49152, 896, 3), (49152, 2048, 7), (49152, 4096, 11), (49152, 4096, 13)]  # record's stages, extension
 # the shapes before the 3,072-token cut in stage 3 (2026-12-02), those of the H100 and four-H200 rows
 CUT_2048 = ["--doc_len_schedule", "896,2048,2048"]
 SHAPES_2048 = [(tokens, min(cut, 2048), window) for tokens, cut, window in RECORD_SHAPES]
@@ -20,8 +20,8 @@ MEASURED = ["--skip_layers", "", "--no_attn_layers", "6", "--skip_into", "0", "-
             "--mlp_hidden", "0", "--no_x0_blocks", "", "--no_ngram_blocks", "", "--no_resid_scale_blocks", "",
             "--narrow_qk_blocks", "", "--narrow_v_blocks", "", "--num_iterations", "776", "--doc_copy", "false",
             "--tied_embed_stages", "2", "--bigram_rows", "377280", "--trigram_rows", "0"]
-# the n-gram table's split the one-GPU H200 rows were timed with (MEASURED_MODEL), before the even one (2026-12-03)
-H200_SPLIT = ["--bigram_rows", "377280", "--trigram_rows", "20773440"]
+# the n-gram table's split before the even one (2026-12-03), which the one-GPU H200 rows before it were timed with
+OLD_SPLIT = ["--bigram_rows", "377280", "--trigram_rows", "20773440"]
 STEPS = [241, 240, 239, 20]  # the record's 740 steps by stage: 241 / 240 / 239, the extension's 20
 # the same steps by softmax: stages 1-2 and stage 3's first 201 sampled (to step 682), stage 3's last 38 and the
 # extension's full
@@ -61,16 +61,15 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     assert f"trained tokens: {740 * 393216:,}" in out
     assert 740 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
     assert not list(tmp_path.iterdir())  # no log, no checkpoint folder
-    # the H200 rows (--plan_gpu's default) are of the record's model before the n-gram table's even split: the plan
-    # says so, naming the split's fields; given the split they were timed with, no line says the model differs
-    assert line_of(out.splitlines(), "step times of another model:") == (
-        "step times of another model: the times above are --preset record's model's before its present one "
-        "(MEASURED_MODEL); this run's model is not measured (it differs in bigram_rows, trigram_rows: the model line "
-        "gives the measured model's values)")
-    assert tg.main(["--plan", *H200_SPLIT]) == 0
-    assert "step times of another model:" not in capsys.readouterr().out
+    # the H200 rows (--plan_gpu's default) are of the record's present model: no line says the model differs; given
+    # the n-gram split before the even one, the plan says so, naming the split's fields
+    assert "step times of another model:" not in out
+    assert tg.main(["--plan", *OLD_SPLIT]) == 0
+    assert line_of(capsys.readouterr().out.splitlines(), "step times of another model:") == (
+        "step times of another model: the times above are --preset record's model's; this run's model is not "
+        "measured (it differs in bigram_rows, trigram_rows: the model line gives the measured model's values)")
     # the H100 rows are of the record's model before ANVIL2's architecture: the plan says so, naming what differs
-    # (at their 2,048-token cut in stage 3: at the record's 3,072 no H100 row prices a stage, and nothing is said)
+    # (at their 2,048-token cut in stage 3: at the record's 4,096 no H100 row prices a stage, and nothing is said)
     assert tg.main(["--plan", "--plan_gpu", "H100"]) == 0
     assert "step times of another model:" not in capsys.readouterr().out
     assert tg.main(["--plan", "--plan_gpu", "H100", *CUT_2048]) == 0
@@ -126,24 +125,22 @@ def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measur
     assert line.endswith("; the step times above are --preset record's model's before its present one "
                          f"(MEASURED_MODEL), {record_then}, doc_copy False, tied_embed_stages 2, "
                          "injections before a block's attention")
-    # on H200 the measured model is the record's present one with the n-gram split before the even one (the copy
-    # feature's included); the model before ANVIL2's differs from it in ANVIL2's architecture, the narrow heads, the
-    # copy feature, the embedding tied for three stages and the trigram channel: the plan says the times are not its
-    # (the measured model's values named)
-    assert tg.main(["--plan", *H200_SPLIT]) == 0
+    # on H200 the measured model is the record's present one (the copy feature's included); the model before
+    # ANVIL2's differs from it in ANVIL2's architecture, the narrow heads, the copy feature, the embedding tied for
+    # three stages and the n-gram table: the plan says the times are not its (the measured model's values named)
+    assert tg.main(["--plan"]) == 0
     assert line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden").endswith("(flops_per_token: MFU's count)")
     assert tg.main(["--plan", *MEASURED]) == 0
     assert line_of(capsys.readouterr().out.splitlines(), "model: MLP hidden").endswith(
-        "; the step times above are --preset record's model's before its present one (MEASURED_MODEL), MLP hidden "
-        "2,816, no_attn_layers (4, 6, 9), value_embed_blocks (1, 2, 8, 10), trigram_rows 20773440, "
+        "; the step times above are --preset record's model's, MLP hidden 2,816, no_attn_layers (4, 6, 9), "
+        "value_embed_blocks (1, 2, 8, 10), bigram_rows 10575360, trigram_rows 10575360, "
         "paired_head_blocks (0, 2, 5), xsa_blocks (1, 3), skip_into 6, skip_layers (7,), parallel_mlp_blocks (8,), "
         "no_x0_blocks (3, 6, 8, 9), no_ngram_blocks (2, 3, 6, 8), no_resid_scale_blocks (6,), narrow_qk_blocks (0, 1, "
         "2, 5, 8), narrow_v_blocks (1, 8), doc_copy True, tied_embed_stages 3")
     # MEASURED is that model, field for field (its injection order aside), and the rows of it are H100's and 4 x H200's
     fields = {k: v for k, v in tg.BEFORE_ANVIL2.items() if k != "injections"}
     assert tg.parse_args(MEASURED) == tg.Hyperparameters(**fields, num_iterations=776)
-    assert tg.MEASURED_MODEL == {("record", "H100", 1): tg.BEFORE_ANVIL2, ("record", "H200", 4): tg.BEFORE_ANVIL2,
-                                 ("record", "H200", 1): dict(bigram_rows=377_280, trigram_rows=20_773_440)}
+    assert tg.MEASURED_MODEL == {("record", "H100", 1): tg.BEFORE_ANVIL2, ("record", "H200", 4): tg.BEFORE_ANVIL2}
 
 
 def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, capsys, monkeypatch):
@@ -163,7 +160,7 @@ def test_plan_projects_each_measured_stage_and_the_total_from_the_table(no_gpu, 
 
 
 def test_plan_says_which_stages_are_unmeasured_rather_than_guessing(no_gpu, monkeypatch):
-    monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H100", "record", 49152, 3072, 11): 1.8})
+    monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H100", "record", 49152, 4096, 11): 1.8})
     lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H100", *FULL])))
     rows = stage_rows("\n".join(lines))
     assert rows["1"][-2:] == ["-", "-"] and rows["3"][-2] != "-"
@@ -197,13 +194,13 @@ def test_plan_follows_the_schedule_flags_with_staged_batches_and_an_extension(no
     assert f"trained tokens: {total:,}" in lines
 
 
-# Ours alone on one H200 of a one-GPU machine, 2026-12-02 (evening), FlashAttention-4, 80 steps of the record preset at
-# main 4589d1e with its defaults (the copy feature, CUDA graphs, the C++ wrapper, the 3,072 cut; --full_softmax_from
-# 0.65) and the embedding tied for three stages (--tied_embed_stages 3, the preset's since): ms per 393,216-token step,
-# each stage's mean from the log's stage lines, one run (bench/results/timing_tied3_h200_20261202b.md). The full
-# softmax in stage 3 and the extension; the sampled one at 16,384 / 14,336 / 12,288 rows in stages 1-3
-OURS_H200_MS = (445.8, 449.3)
-OURS_H200_SAMPLED_MS = (358.3, 366.1, 370.1)
+# Ours alone on one H200 of a one-GPU machine, 2026-12-03, FlashAttention-4, 80 steps of the record preset at main
+# 4d94d98 with its defaults (the even n-gram split; --full_softmax_from 0.65), twice, the second at the 4,096 cut (the
+# preset's since): ms per 393,216-token step, each stage's mean from the log's stage lines: stages 1-2 the mean of both
+# runs, stage 3 and the extension the 4,096 cut's (bench/results/tie_h200_20261203c.md). The full softmax in stage 3
+# and the extension; the sampled one at 16,384 / 14,336 / 12,288 rows in stages 1-3
+OURS_H200_MS = (451.5, 456.6)
+OURS_H200_SAMPLED_MS = ((362.4 + 361.9) / 2, (370.0 + 369.4) / 2, 375.0)
 # The public master on another one-GPU machine on 2026-11-30, in turns with the record preset before the copy feature
 # (A B A B), each stage's median, the mean of its two runs, at its own stages' batches (abab_graphs_h200_20261130j.md)
 MASTER_H200_MS = (295.5, 409.5, 606.0, 604.5)
@@ -220,7 +217,7 @@ def test_the_record_presets_stages_split_at_the_switch_to_the_full_softmax():
     assert [tg.softmax_steps(tg.Schedule(tg.parse_args(FULL)), st)[0] for st in schedule.stages] == [0, 0, 0, 0]
 
 
-def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s_and_ours_0567(no_gpu):
+def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s_and_ours_0573(no_gpu):
     ours = [tg.STEP_US_PER_TOKEN[("H200", "record", *shape)] for shape in RECORD_SHAPES[2:]]
     assert ours == pytest.approx([ms * 1000 / 393216 for ms in OURS_H200_MS], abs=5e-4)  # rounded to 3 decimals
     # stages 1-2's full softmax was timed on the model before ANVIL2's only: no row (unmeasured, not interpolated)
@@ -241,8 +238,8 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     ours_s = sum(n * ms for n, ms in zip(split, (*OURS_H200_SAMPLED_MS, *OURS_H200_MS))) / 1000
     ours_tokens = 740 * 393216
     r, t = (ours_s / ours_tokens) / (master_s / master_tokens), ours_s / master_s * 73.8
-    assert ours_tokens == 290_979_840 and ours_s == pytest.approx(274.53, abs=0.05)
-    assert r == pytest.approx(0.567, abs=1e-3) and t == pytest.approx(35.9, abs=0.05)
+    assert ours_tokens == 290_979_840 and ours_s == pytest.approx(277.67, abs=0.05)
+    assert r == pytest.approx(0.573, abs=1e-3) and t == pytest.approx(36.3, abs=0.05)
     lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))  # the record; H200: --plan_gpu's default
     m = re.match(r"vs public master \(H200, .*\): per-token (\d\.\d\d\d)x, projected 8xH100 (\d+\.\d) s \(ours "
                  r"(\d+\.\d) s / its (\d+\.\d) s", line_of(lines, "vs public master"))
@@ -259,30 +256,28 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     assert float(stage_rows("\n".join(lines))["3"][-3]) == pytest.approx(stage3, abs=5e-4)
     # labelled: the kind, the attention kernel and the sources; no 8-GPU figure without a measured H200 ratio
     assert "projected seconds on H200 (FlashAttention-4)" in lines[0]
-    assert line_of(lines, "ours on H200 (FlashAttention-4): one H200 of a one-GPU machine, alone, 2026-12-02, "
-                          "PyTorch 2.11.0+cu130: the record preset at main 4589d1e with its defaults (the copy "
-                          "feature, CUDA graphs, the C++ wrapper, the 3,072-token cut) and the embedding tied for "
-                          "three stages, one run of 80 steps (bench/results/timing_tied3_h200_20261202b.md); times as "
-                          "measured for --preset record's model before its present one (MEASURED_MODEL), ")
+    assert line_of(lines, "ours on H200 (FlashAttention-4): one H200 of a one-GPU machine, alone, 2026-12-03, "
+                          "PyTorch 2.11.0+cu130: the record preset at main 4d94d98 with its defaults (the even n-gram "
+                          "split) and the 4,096-token cut, one run of 80 steps (stages 1-2: the mean of it and one at "
+                          "the 3,072 cut) (bench/results/tie_h200_20261203c.md); times as measured for --preset "
+                          "record's model, ")
     assert "FlashAttention-4" in line_of(lines, "public master on H200")
     # the pairing says how the master's times relate to ours (not in one session: two machines, two days), and its
     # host-bound stage 1
     assert ("not in one session with ours: the master on 2026-11-30 in turns with the model before the copy "
-            "feature, A B A B; ours on another one-GPU machine on 2026-12-02") in line_of(lines, "vs public master")
+            "feature, A B A B; ours on another one-GPU machine on 2026-12-03") in line_of(lines, "vs public master")
     other_s = (423 * 220.5 + sum(n * ms for n, ms in zip(master_steps[1:], MASTER_H200_MS[1:]))) / 1000
     other_r = f"{(ours_s / ours_tokens) / (other_s / master_tokens):.3f}"
-    assert other_r == "0.601" and f"day; with that, R = {other_r}" in line_of(lines, "vs public master")
+    assert other_r == "0.607" and f"day; with that, R = {other_r}" in line_of(lines, "vs public master")
     assert "8 GPUs not projected: no measured 8/1-GPU step-time ratio on H200" in line_of(lines, "projected time:")
     assert all(row[-1] == "-" for row in stage_rows("\n".join(lines)).values())
-    # the rows are of the record's model with the n-gram split before the even one: with that split nothing said;
-    # without its narrow heads, or its copy feature, said so, naming the fields
-    plan = tg.schedule_plan(tg.Schedule(tg.parse_args(H200_SPLIT)))
-    assert not [line for line in plan if line.startswith("step times of another model")]
-    assert line_of(tg.schedule_plan(tg.Schedule(tg.parse_args([*H200_SPLIT, "--narrow_qk_blocks", "",
-                                                                "--narrow_v_blocks", ""]))),
+    # the rows are of the record's present model: as it is nothing said; without its narrow heads, or its copy
+    # feature, said so, naming the fields
+    assert not [line for line in lines if line.startswith("step times of another model")]
+    assert line_of(tg.schedule_plan(tg.Schedule(tg.parse_args(["--narrow_qk_blocks", "", "--narrow_v_blocks", ""]))),
                    "step times of another model").endswith(
         "(it differs in narrow_qk_blocks, narrow_v_blocks: the model line gives the measured model's values)")
-    assert line_of(tg.schedule_plan(tg.Schedule(tg.parse_args([*H200_SPLIT, "--doc_copy", "false"]))),
+    assert line_of(tg.schedule_plan(tg.Schedule(tg.parse_args(["--doc_copy", "false"]))),
                    "step times of another model").endswith(
         "(it differs in doc_copy: the model line gives the measured model's values)")
     # the model before ANVIL2's architecture (776 steps): priced at those rows, and said to be another model's
@@ -290,8 +285,8 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     before_s = 393216e-6 * (253 * sampled[0] + 252 * sampled[1] + 210 * sampled[2] + 41 * ours[0] + 20 * ours[1])
     assert line_of(before, "projected time:").startswith(f"projected time: 1 x H200 {before_s:.1f} s")
     assert line_of(before, "step times of another model:").startswith(
-        "step times of another model: the times above are --preset record's model's before its present one "
-        "(MEASURED_MODEL); this run's model is not measured (it differs in mlp_hidden, no_attn_layers, ")
+        "step times of another model: the times above are --preset record's model's; this run's model is not "
+        "measured (it differs in mlp_hidden, no_attn_layers, ")
     # the full softmax throughout: stages 1-2 have no H200 row, so no projection and no ratio
     full = tg.schedule_plan(tg.Schedule(tg.parse_args(FULL)))
     assert line_of(full, "projected time:").startswith("projected time: incomplete, stage(s) 1, 2 not in")
@@ -400,7 +395,7 @@ def test_plan_gives_the_schedules_time_from_the_steps_measured_on_four_h200s(no_
                      rf"--preset record's model; {re.escape(source)}", line_of(lines, "measured on"))
     assert m and float(m[1]) == pytest.approx(seconds, abs=0.1) and float(m[2]) == pytest.approx(seconds / one, abs=1e-3)
     monkeypatch.undo()
-    # the record's 3,072 cut in stage 3 (a shape the four-GPU runs did not time); the last: the record preset as it
+    # the record's 4,096 cut in stage 3 (a shape the four-GPU runs did not time); the last: the record preset as it
     # is, sampled in stages 1-3
     for flags in (["--plan_gpu", "H100", *FULL], ["--plan_gpu", "H200", *FULL], ["--plan_gpu", "H200"]):
         assert not [line for line in tg.schedule_plan(tg.Schedule(tg.parse_args(flags))) if "measured on" in line]

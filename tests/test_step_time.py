@@ -85,12 +85,12 @@ def test_plan_entries_are_train_gpts_table_keys_in_us_per_token():
 def test_a_sampled_stage_gives_a_sampled_entry_and_a_mixed_one_none():
     """A stage timed with the sampled softmax: SAMPLED_US_PER_TOKEN's key (the candidates last); timed steps across
     the switch to the full softmax: no entry; the full softmax: STEP_US_PER_TOKEN's."""
-    rows = [(49152, 896, 3, 16384, 393216, 358.3), (49152, 3072, 11, None, 393216, 420.0),
-            (49152, 3072, 13, 0, 393216, 449.3)]
+    rows = [(49152, 896, 3, 16384, 393216, 362.15), (49152, 4096, 11, None, 393216, 420.0),
+            (49152, 4096, 13, 0, 393216, 456.6)]
     lines = step_time.plan_entries("NVIDIA H200", "record", rows)
-    sampled, full = ("H200", "record", 49152, 896, 3, 16384), ("H200", "record", 49152, 3072, 13)
-    assert lines == [f"    {sampled!r}: 0.911,", f"    {full!r}: 1.143,"]
-    table = ast.literal_eval("{" + "".join(lines) + "}")  # the H200 rows of 2026-12-02 (timing_tied3_h200_20261202b.md)
+    sampled, full = ("H200", "record", 49152, 896, 3, 16384), ("H200", "record", 49152, 4096, 13)
+    assert lines == [f"    {sampled!r}: 0.921,", f"    {full!r}: 1.161,"]
+    table = ast.literal_eval("{" + "".join(lines) + "}")  # the H200 rows of 2026-12-03 (tie_h200_20261203c.md)
     assert table == {sampled: tg.SAMPLED_US_PER_TOKEN[sampled], full: tg.STEP_US_PER_TOKEN[full]}
 
 

@@ -189,9 +189,10 @@ def test_window_stages_split_the_steps_as_the_record_does(N):
     expected = [tg.window_tokens((3, 7, 11)[3 * s // (S + 1)], args.window_block) for s in range(S)]
     expected += [tg.window_tokens(13, args.window_block)] * (N + 1 - S)
     assert [schedule.stage_at(s).windows for s in range(N + 1)] == expected
-    # one batch size throughout; documents cut at 896 / 2,048 / 3,072 tokens (ANVIL2's caps), the extension at 3,072
+    # one batch size throughout; documents cut at 896 / 2,048 / 4,096 tokens (ANVIL2's caps with its 3,072 raised),
+    # the extension at 4,096
     assert [(st.spec.batch_size, st.spec.max_doc_len) for st in schedule.stages] == [
-        (args.batch_size, 896), (args.batch_size, 2048), (args.batch_size, 3072), (args.batch_size, 3072)]
+        (args.batch_size, 896), (args.batch_size, 2048), (args.batch_size, 4096), (args.batch_size, 4096)]
 
 
 # The public record line's schedule after 09/03 (records of 11/2025 to 07/2026): three stages of
