@@ -299,7 +299,7 @@ class Hyperparameters:
     # (seeds 0-2), -0.0291 +- 0.0088 (seeds 3-5). With the embedding tied for three stages (tied_embed_stages) at 740
     # steps, 291.0M tokens (0.859 of #89's): -0.0196 +- 0.0123 (seeds 0-2; 720: -0.0104 +- 0.0124, over zero),
     # confirmed on seeds 3-5: -0.0224 +- 0.0087 (one H200, 2026-12-02: bench/results/step_count_h200_20261201.md).
-    # With the even n-gram split and the 4,096 cut: 720 steps -0.0196 +- 0.0129 (seeds 0-2, 2026-12-03), so 720 is
+    # With the even n-gram split and the 4,096 cut: 720 steps -0.0196 +- 0.0128 (seeds 0-2, 2026-12-03), so 720 is
     # chosen; it stays 740 until seeds 3-5 confirm it (bench/results/tie_h200_20261203c.md)
     num_iterations: int = 740  # training steps, extension_steps included: chosen on the proxy against the public master (760 before the embedding tied for three stages, 840 before the copy feature, 776 before ANVIL2's architecture)
     # The public master decays over 0.6 of its 1270 + 15 steps to 0.15 (02/10/26); ANVIL2 (record #92, 08/30/26) over
@@ -666,10 +666,9 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "residual weights and one gated skip, ANVIL2's update rule (twin momentum rails, six trace-normed quintic "
                "maps, NorMuon's neuron normalization, cautious decay 2.25), Adam every second step, "
                "multi-token and prefix-token losses, the embedding tied for the three stages (untied for the "
-               "extension, as ANVIL2), documents cut at 896 / 2,048 / 4,096 tokens by stage (ANVIL2's 3,072 raised), 740 "
-               "steps (on the proxy 0.020 below the public master's final loss, 3 seeds; 0.022 on 3 more) with a "
-               "20-step extension, ANVIL2's cooldown "
-               "over 0.8 of the steps to 0.2; plus "
+               "extension, as ANVIL2), documents cut at 896 / 2,048 / 4,096 tokens by stage (ANVIL2's caps with "
+               "its 3,072 raised), 740 steps (on the proxy 0.020 below the public master's final loss, 3 seeds; "
+               "0.022 on 3 more) with a 20-step extension, ANVIL2's cooldown over 0.8 of the steps to 0.2; plus "
                "the copy-pointer mixture of public pull request 379 (CPLM) and the document-local copy feature of "
                "public pull request 378; with our fused ReLU² MLP (FP8 forward "
                "and backward) and soft-capped cross-entropy kernels, and Inductor's C++ wrapper: the dataclass "
@@ -3554,9 +3553,9 @@ PUBLIC_MASTER_STEP_MS = {
     # mean of its two runs (299.0 / 292.0, 409.0 / 410.0, 605.0 / 607.0, 615.0 / 594.0 ms; its stage-3 rate, 1.541 us
     # per token, within 1.3% of its stage 2's 1.562) (bench/results/abab_graphs_h200_20261130j.md). Its stage 1 ran
     # unsteadily there, steps of 241-380 ms (the cause not found); on the machine of abab_fa4_h200_20261130e.md that
-    # day, 220.5 / 414.5 / 611.0 / 615.5 (with that stage 1, R = 0.607 beside ours of 2026-12-03). With PyTorch's varlen attention: 284.5 /
-    # 430.0 / 642.0 / 651.0 ms on 2026-11-29 (abab_h200_20261129h.md), 254.0 / 439.0 / 658.5 / 661.0 on 2026-11-28
-    # (bench/results/public_line_history.md)
+    # day, 220.5 / 414.5 / 611.0 / 615.5 (with that stage 1, R = 0.607 beside ours of 2026-12-03). With PyTorch's
+    # varlen attention: 284.5 / 430.0 / 642.0 / 651.0 ms on 2026-11-29 (abab_h200_20261129h.md), 254.0 / 439.0 /
+    # 658.5 / 661.0 on 2026-11-28 (bench/results/public_line_history.md)
     "H200": dict(ms=(295.5, 409.5, 606.0, 604.5), attention="FlashAttention-4",
                  source="one H200 of a one-GPU machine, 2026-11-30, PyTorch 2.11.0+cu130, stage medians, mean of two "
                         "runs (bench/results/abab_graphs_h200_20261130j.md)",
