@@ -651,7 +651,7 @@ def parse_monitor_line(line: str) -> tuple | None:
     return (int(parts[0]), *map(number, parts[1:5]), reasons)
 
 
-MONITOR_CSV_HEADER = "time,load_1min,index,sm_mhz,power_w,temperature_c,utilization_percent,clock_reasons"
+MONITOR_CSV_HEADER = "time,load_1min_per_core,index,sm_mhz,power_w,temperature_c,utilization_percent,clock_reasons"
 
 
 def monitor_csv_line(sample: tuple) -> str:
@@ -660,14 +660,18 @@ def monitor_csv_line(sample: tuple) -> str:
 
 
 def read_monitor_csv(path: Path) -> list[tuple]:
-    """The samples of a GpuMonitor CSV file, as GpuMonitor.samples holds them (a cut-off last row is left out)."""
+    """The samples of a GpuMonitor CSV file, as GpuMonitor.samples holds them (a cut-off last row is left out).
+    A file of before 2026-12-03 held the host's whole load (header load_1min), not per core: read as unknown."""
+    lines = path.read_text().splitlines()
+    whole_load = bool(lines) and lines[0].split(",")[1:2] == ["load_1min"]
     samples = []
-    for line in path.read_text().splitlines()[1:]:
+    for line in lines[1:]:
         cells = line.split(",")
         if len(cells) != 8:
             continue
         num = lambda c, kind=float: None if c == "" else kind(c)
-        samples.append((float(cells[0]), float(cells[1]), int(cells[2]), *(num(c) for c in cells[3:7]),
+        samples.append((float(cells[0]), None if whole_load else float(cells[1]), int(cells[2]),
+                        *(num(c) for c in cells[3:7]),
                         num(cells[7], lambda c: int(c, 16))))
     return samples
 
@@ -704,7 +708,8 @@ class GpuMonitor:
         for line in self.proc.stdout:
             row = parse_monitor_line(line)
             if row is not None:
-                self.samples.append((time.time(), os.getloadavg()[0], *row))
+                # the load per core of the host that samples it: a --report rebuilt on another machine reads it as is
+                self.samples.append((time.time(), os.getloadavg()[0] / (os.cpu_count() or 1), *row))
                 if self.file is not None:
                     self.file.write(monitor_csv_line(self.samples[-1]) + "\n")
                     self.file.flush()
@@ -747,7 +752,7 @@ def run_conditions(samples: list[tuple], start: float, end: float, gpu: int, als
             "power_max": max(values(4), default=None), "temperature_max": max(values(5), default=None),
             "reasons": [name for bit, name in CLOCK_REASONS.items() if bits & bit],
             "others_busiest": max((statistics.median(u) for u in others.values()), default=None),
-            "load_per_core": max(s[1] for s in busy) / (os.cpu_count() or 1)}
+            "load_per_core": max((s[1] for s in busy if s[1] is not None), default=None)}
 
 
 def conditions_table(rows: list[tuple[str, dict | None]], error: str = "") -> list[str]:
@@ -768,7 +773,7 @@ def conditions_table(rows: list[tuple[str, dict | None]], error: str = "") -> li
                      f"({fmt(c['sm_min'], '.0f')}) | {fmt(c['power_max'], '.0f')} | "
                      f"{fmt(c['temperature_max'], '.0f')} | "
                      f"{', '.join(c['reasons']) or 'none'} | {fmt(c['others_busiest'], '.0f')} | "
-                     f"{c['load_per_core']:.2f} |")
+                     f"{fmt(c['load_per_core'], '.2f')} |")
     return lines
 
 

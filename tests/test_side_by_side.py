@@ -294,7 +294,7 @@ def test_report_rebuilds_the_tables_from_the_logs_of_a_stopped_command_and_runs_
     assert next(line for line in out.splitlines() if line.startswith("| ours seed 0 | ")).startswith(
         "| ours seed 0 | - | - |")
     conditions = out.split("Conditions while each run's GPU was busy")[1].splitlines()
-    assert conditions[4].startswith("| public master seed 0 | 0 | 21 | 1980 (1700) | 600 | 50 | SW power cap |")
+    assert conditions[4] == "| public master seed 0 | 0 | 21 | 1980 (1700) | 600 | 50 | SW power cap | - | 1.00 |"
     assert conditions[5].startswith("| ours seed 0 | - | 0 |") and conditions[6].startswith("| public master seed 1 | - |")
     (work / f"runs_{stamp}.tsv").unlink()  # without the journal: said, not guessed
     fh.main()
@@ -663,7 +663,7 @@ def test_monitor_lines_parse_and_a_run_s_conditions_come_from_its_busy_samples(m
     assert c["samples"] == 11 and c["sm_median"] == 1980 and c["sm_min"] == 1600  # the idle compile is left out
     assert c["power_max"] == 680 and c["temperature_max"] == 52 and c["reasons"] == ["SW power cap"]
     assert c["others_busiest"] == 100  # GPU 1 busy in 7 of its 11 samples: median 100
-    assert c["load_per_core"] == pytest.approx(48.0 / (os.cpu_count() or 1))
+    assert c["load_per_core"] == 48.0  # as sampled: the sampling host's load per core
     assert fh.run_conditions(samples, 9.5, 30.5, gpu=1)["others_busiest"] == 100  # GPU 0 while GPU 1 was busy
     assert fh.run_conditions(samples, 0, 15, gpu=0) is None  # no busy sample: nothing to say
     table = fh.conditions_table([("public master seed 0", c), ("ours seed 0", None)])
@@ -688,6 +688,8 @@ def test_the_gpu_monitor_reads_nvidia_smi_while_runs_go_and_says_why_it_cannot(m
         (tmp_path / "nvidia-smi").write_text("#!/bin/sh\n" + script + "\n")
         (tmp_path / "nvidia-smi").chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(fh.os, "getloadavg", lambda: (12.0, 1.0, 1.0))
+    monkeypatch.setattr(fh.os, "cpu_count", lambda: 4)
     monitor = fh.GpuMonitor(period_ms=100, path=tmp_path / "w" / "m.csv")
     deadline = fh.time.time() + 10
     while script and not error and len(monitor.samples) < 6 and fh.time.time() < deadline:
@@ -695,7 +697,7 @@ def test_the_gpu_monitor_reads_nvidia_smi_while_runs_go_and_says_why_it_cannot(m
     fh.time.sleep(0.2)
     if not error:  # each sample is in the file once it has come, before the monitor stops
         lines = (tmp_path / "w" / "m.csv").read_text().splitlines()
-        assert lines[0].startswith("time,load_1min,index") and lines[2].endswith(",1,1755.0,300.0,40.0,7.0,0x4")
+        assert lines[0].startswith("time,load_1min_per_core,index") and lines[2].endswith(",1,1755.0,300.0,40.0,7.0,0x4")
         assert len(lines) == 7
     monitor.stop()
     assert monitor.error.startswith(error)
@@ -703,6 +705,17 @@ def test_the_gpu_monitor_reads_nvidia_smi_while_runs_go_and_says_why_it_cannot(m
         assert len(monitor.samples) == 6 and {s[2] for s in monitor.samples} == {0, 1}
         assert monitor.samples[1][3:] == (1755.0, 300.0, 40.0, 7.0, 4)
         assert fh.read_monitor_csv(tmp_path / "w" / "m.csv") == monitor.samples  # read back as they were
+        # the load divided by the sampling host's 4 cores: a report rebuilt on a host of other cores reads the same
+        assert {float(line.split(",")[1]) for line in lines[1:]} == {3.0}
+        monkeypatch.setattr(fh.os, "cpu_count", lambda: 1000)
+        assert fh.read_monitor_csv(tmp_path / "w" / "m.csv") == monitor.samples
+        # a file of the older format (the host's whole load): its load unknown, the rest as it was
+        (tmp_path / "old.csv").write_text("\n".join(["time,load_1min,index,sm_mhz,power_w,temperature_c,"
+                                                      "utilization_percent,clock_reasons", *lines[1:]]) + "\n")
+        old = fh.read_monitor_csv(tmp_path / "old.csv")
+        assert [s[1] for s in old] == [None] * 6 and [s[2:] for s in old] == [s[2:] for s in monitor.samples]
+        busy = fh.run_conditions(old, 0, fh.time.time() + 1, gpu=0)
+        assert busy["load_per_core"] is None and fh.conditions_table([("x", busy)])[4].endswith("| 7 | - |")
         # the clock limits under the name this driver lists (an older one: clocks_throttle_reasons.active)
         assert (tmp_path / "query").read_text().strip().endswith(",utilization.gpu,clocks_event_reasons.active")
     else:
