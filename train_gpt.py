@@ -299,9 +299,10 @@ class Hyperparameters:
     # (seeds 0-2), -0.0291 +- 0.0088 (seeds 3-5). With the embedding tied for three stages (tied_embed_stages) at 740
     # steps, 291.0M tokens (0.859 of #89's): -0.0196 +- 0.0123 (seeds 0-2; 720: -0.0104 +- 0.0124, over zero),
     # confirmed on seeds 3-5: -0.0224 +- 0.0087 (one H200, 2026-12-02: bench/results/step_count_h200_20261201.md).
-    # With the even n-gram split and the 4,096 cut: 720 steps -0.0196 +- 0.0128 (seeds 0-2, 2026-12-03), so 720 is
-    # chosen; it stays 740 until seeds 3-5 confirm it (bench/results/tie_h200_20261203c.md)
-    num_iterations: int = 740  # training steps, extension_steps included: chosen on the proxy against the public master (760 before the embedding tied for three stages, 840 before the copy feature, 776 before ANVIL2's architecture)
+    # With the even n-gram split and the 4,096 cut, 720 steps, 283.1M tokens (0.836 of #89's): -0.0196 +- 0.0128
+    # (seeds 0-2; 700 interpolated -0.0115 +- 0.0118, over zero; bench/results/tie_h200_20261203c.md), confirmed on
+    # seeds 3-5: -0.0237 +- 0.0094, lower in every seed (one H200, 2026-12-03: bench/results/confirm720_h200_20261203d.md)
+    num_iterations: int = 720  # training steps, extension_steps included: chosen on the proxy against the public master (740 before the even n-gram split and the 4,096 cut, 760 before the embedding tied for three stages, 840 before the copy feature, 776 before ANVIL2's architecture)
     # The public master decays over 0.6 of its 1270 + 15 steps to 0.15 (02/10/26); ANVIL2 (record #92, 08/30/26) over
     # 0.8 to 0.2. ANVIL2's shape against our 0.7 to 0.15, 3 paired seeds on the proxy: -0.0028 +- 0.0030 at 776 steps,
     # -0.0054 +- 0.0011 at 840, lower in every seed (bench/results/preset_h200_20261129g.md)
@@ -328,7 +329,10 @@ class Hyperparameters:
     muon_beta2: float = 0.9  # NorMuon: divide each neuron's update by the root of its mean-square EMA; 0 = off
     muon_weight_decay: float = 2.25  # Muon's cautious weight decay: lr_t x this x p joins the update; 0 = off (11/10/25; ANVIL2's 2.25, the public master's 1.2)
     muon_bf16_comm: bool = False  # block matrices at bf16 values on every rank, the float32 ones kept by their owner's Muon: reduce-scatters and all-gathers in bf16, half the bytes (the public master's bf16 banks and their mantissa state)
-    muon_fused_normuon: bool = False  # NorMuon's neuron normalization compiled into the orthogonalization's graph (normuon_orthogonalize): a Muon group's normalization, a dozen eager launches, goes into the one graph; the same arithmetic up to the fused graph's rounding
+    # NorMuon's normalization fused: 53.5 against 54.4 ms a step at the 8-GPU record's per-GPU shape on two H200s
+    # (bench/results/comm_gate_h200x2_20261201.md); on the proxy at 680 steps +0.0002 +- 0.0018, 3 seeds paired (one
+    # H200, bench/results/confirm720_h200_20261203d.md); one GPU's step not timed with it apart
+    muon_fused_normuon: bool = True  # NorMuon's neuron normalization compiled into the orthogonalization's graph (normuon_orthogonalize): a Muon group's normalization, a dozen eager launches, goes into the one graph; the same arithmetic up to the fused graph's rounding
     # at the 8-GPU record's per-GPU shape on two H200s: 54.4 against 57.0 ms a step, in turns in one process, 3 times; bench/results/comm_gate_h200x2_20261201.md
     ngram_plan_ahead: bool = True  # a sharded n-gram table's pulls and flushes planned one micro-batch ahead (GPT.plan_pull_ahead): the distinct rows and the owners' counts found on a side stream over a group of their own while the GPU runs the micro-batch before, so neither waits on a host sync in the step's path (ANVIL2 swaps its counts off the GPU's queue too)
     anvil_rails: tuple[float, ...] = (0.98, 0.4385, 0.85, 0.43)  # Muon's rails (ANVIL): the slow rail's beta, the fast rail's weight and beta once engaged, and from what fraction of num_iterations (ANVIL2's 0.98, 0.4385, 0.85 from its step 514 of 1194); before it, weight 1 at Muon's momentum
@@ -667,8 +671,8 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "maps, NorMuon's neuron normalization, cautious decay 2.25), Adam every second step, "
                "multi-token and prefix-token losses, the embedding tied for the three stages (untied for the "
                "extension, as ANVIL2), documents cut at 896 / 2,048 / 4,096 tokens by stage (ANVIL2's caps with "
-               "its 3,072 raised), 740 steps (on the proxy 0.020 below the public master's final loss, 3 seeds; "
-               "0.022 on 3 more) with a 20-step extension, ANVIL2's cooldown over 0.8 of the steps to 0.2; plus "
+               "its 3,072 raised), 720 steps (on the proxy 0.020 below the public master's final loss, 3 seeds; "
+               "0.024 on 3 more) with a 20-step extension, ANVIL2's cooldown over 0.8 of the steps to 0.2; plus "
                "the copy-pointer mixture of public pull request 379 (CPLM) and the document-local copy feature of "
                "public pull request 378; with our fused ReLU² MLP (FP8 forward "
                "and backward) and soft-capped cross-entropy kernels, and Inductor's C++ wrapper: the dataclass "
@@ -3530,8 +3534,8 @@ STEP_US_SOURCE = {"H100": "one H100 80GB HBM3, 2026-11-27, PyTorch 2.11.0+cu130,
                           "(bench/results/one_session_h100_20261127c.md)",
                   "H200": "one H200 of a one-GPU machine, alone, 2026-12-03, PyTorch 2.11.0+cu130: the record preset "
                           "at main 4d94d98 with its defaults (the even n-gram split) and the 4,096-token cut, one run of "
-                          "80 steps (stages 1-2: the mean of it and one at the 3,072 cut) "
-                          "(bench/results/tie_h200_20261203c.md)"}
+                          "80 steps (stages 1-2: the mean of it and one at the 3,072 cut), before muon_fused_normuon "
+                          "was on (bench/results/tie_h200_20261203c.md)"}
 # The public master (f411b3d3, record #89's code) on its own schedule: steps and tokens per step of each stage,
 # 423 / 424 / 423 steps at 131,072 / 262,144 / 393,216 tokens, then the 15-step extension at 393,216: 338,821,120
 # tokens (bench/results/public_master_comparison.md rows 32-34 and 47; bench/side_by_side.py's public_stages

@@ -11,7 +11,7 @@ RECORD_SHAPES = [(49152, 896, 3), (49152, 2048, 7), (49152, 4096, 11), (49152, 4
 # the shapes before the 3,072-token cut in stage 3 (2026-12-02), those of the H100 and four-H200 rows
 CUT_2048 = ["--doc_len_schedule", "896,2048,2048"]
 SHAPES_2048 = [(tokens, min(cut, 2048), window) for tokens, cut, window in RECORD_SHAPES]
-RECORD_CANDIDATES = (16384, 14336, 12288)  # the sampled softmax's rows in stages 1-3 (full from step 682)
+RECORD_CANDIDATES = (16384, 14336, 12288)  # the sampled softmax's rows in stages 1-3 (full from step 664)
 FULL = ["--full_softmax_from", "0"]  # the record preset with the full softmax throughout
 # the record's model before ANVIL2's architecture, the one its one-GPU H100 rows and four-GPU H200 rows were timed on
 # (MEASURED_MODEL: BEFORE_ANVIL2's fields, narrow heads off; its injection order is no longer built); 776 steps
@@ -22,10 +22,10 @@ MEASURED = ["--skip_layers", "", "--no_attn_layers", "6", "--skip_into", "0", "-
             "--tied_embed_stages", "2", "--bigram_rows", "377280", "--trigram_rows", "0"]
 # the n-gram table's split before the even one (2026-12-03), which the one-GPU H200 rows before it were timed with
 OLD_SPLIT = ["--bigram_rows", "377280", "--trigram_rows", "20773440"]
-STEPS = [241, 240, 239, 20]  # the record's 740 steps by stage: 241 / 240 / 239, the extension's 20
-# the same steps by softmax: stages 1-2 and stage 3's first 201 sampled (to step 682), stage 3's last 38 and the
+STEPS = [234, 234, 232, 20]  # the record's 720 steps by stage: 234 / 234 / 232, the extension's 20
+# the same steps by softmax: stages 1-2 and stage 3's first 196 sampled (to step 664), stage 3's last 36 and the
 # extension's full
-S1, S2, S3_SAMPLED, S3_FULL, EXT = *STEPS[:2], 201, STEPS[2] - 201, STEPS[3]
+S1, S2, S3_SAMPLED, S3_FULL, EXT = *STEPS[:2], 196, STEPS[2] - 196, STEPS[3]
 
 
 def stage_rows(out: str) -> dict[str, list[str]]:
@@ -55,11 +55,11 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     rows = stage_rows(out)
     assert list(rows) == ["1", "2", "3", "ext"]
     # steps, batch, micro-batches on 1 / 8 GPUs, micro tokens, document cut, windows, lr, tokens
-    assert rows["1"][1:11] == ["0-240", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "94,765,056"]
-    assert rows["3"][1] == "481-719" and rows["3"][8] == "1408/640"
-    assert rows["ext"][1] == "720-739" and rows["ext"][8] == "1664/768"  # step 740 is the final validation only
-    assert f"trained tokens: {740 * 393216:,}" in out
-    assert 740 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
+    assert rows["1"][1:11] == ["0-233", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "92,012,544"]
+    assert rows["3"][1] == "468-699" and rows["3"][8] == "1408/640"
+    assert rows["ext"][1] == "700-719" and rows["ext"][8] == "1664/768"  # step 720 is the final validation only
+    assert f"trained tokens: {720 * 393216:,}" in out
+    assert 720 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
     assert not list(tmp_path.iterdir())  # no log, no checkpoint folder
     # the H200 rows (--plan_gpu's default) are of the record's present model: no line says the model differs; given
     # the n-gram split before the even one, the plan says so, naming the split's fields
@@ -207,10 +207,10 @@ MASTER_H200_MS = (295.5, 409.5, 606.0, 604.5)
 
 
 def test_the_record_presets_stages_split_at_the_switch_to_the_full_softmax():
-    """740 steps, the full softmax from round(0.922 x 740) = 682: stage 3 (steps 481-719) samples 201 steps and
-    trains 38 with the full softmax; the extension (720-739) is full although its row carries stage 3's candidates."""
+    """720 steps, the full softmax from round(0.922 x 720) = 664: stage 3 (steps 468-699) samples 196 steps and
+    trains 36 with the full softmax; the extension (700-719) is full although its row carries stage 3's candidates."""
     schedule = tg.Schedule(tg.parse_args([]))
-    assert schedule.full_softmax == 682 and schedule.stages[2].start == 481 and schedule.stages[3].start == 720
+    assert schedule.full_softmax == 664 and schedule.stages[2].start == 468 and schedule.stages[3].start == 700
     assert [tg.softmax_steps(schedule, st) for st in schedule.stages] == [(S1, 0), (S2, 0), (S3_SAMPLED, S3_FULL),
                                                                            (0, EXT)]
     assert [st.candidates for st in schedule.stages] == [*RECORD_CANDIDATES, 12288]
@@ -233,13 +233,13 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     master_tokens = sum(n * b for n, b in zip(master_steps, master_batches))
     assert master_tokens == 338_821_120 and master_s == pytest.approx(564.0, abs=0.05)
     assert tg.public_master_time("H200") == (pytest.approx(master_s), master_tokens)
-    # ours: 241 / 240 / 201 sampled steps in stages 1-3, then 38 full ones in stage 3 and the 20 of the extension
+    # ours: 234 / 234 / 196 sampled steps in stages 1-3, then 36 full ones in stage 3 and the 20 of the extension
     split = (S1, S2, S3_SAMPLED, S3_FULL, EXT)
     ours_s = sum(n * ms for n, ms in zip(split, (*OURS_H200_SAMPLED_MS, *OURS_H200_MS))) / 1000
-    ours_tokens = 740 * 393216
+    ours_tokens = 720 * 393216
     r, t = (ours_s / ours_tokens) / (master_s / master_tokens), ours_s / master_s * 73.8
-    assert ours_tokens == 290_979_840 and ours_s == pytest.approx(277.67, abs=0.05)
-    assert r == pytest.approx(0.573, abs=1e-3) and t == pytest.approx(36.3, abs=0.05)
+    assert ours_tokens == 283_115_520 and ours_s == pytest.approx(270.14, abs=0.05)
+    assert r == pytest.approx(0.573, abs=1e-3) and t == pytest.approx(35.3, abs=0.05)
     lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))  # the record; H200: --plan_gpu's default
     m = re.match(r"vs public master \(H200, .*\): per-token (\d\.\d\d\d)x, projected 8xH100 (\d+\.\d) s \(ours "
                  r"(\d+\.\d) s / its (\d+\.\d) s", line_of(lines, "vs public master"))
@@ -251,7 +251,7 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
                           EXT * ours[1])
     assert (table_s / ours_tokens) / (master_s / master_tokens) == pytest.approx(r, abs=1e-3)
     assert line_of(lines, "projected time:").startswith(f"projected time: 1 x H200 {table_s:.1f} s")
-    # stage 3's us/token: the mean of its 201 sampled and 38 full steps
+    # stage 3's us/token: the mean of its 196 sampled and 36 full steps
     stage3 = (S3_SAMPLED * sampled[2] + S3_FULL * ours[0]) / STEPS[2]
     assert float(stage_rows("\n".join(lines))["3"][-3]) == pytest.approx(stage3, abs=5e-4)
     # labelled: the kind, the attention kernel and the sources; no 8-GPU figure without a measured H200 ratio
@@ -259,7 +259,8 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     assert line_of(lines, "ours on H200 (FlashAttention-4): one H200 of a one-GPU machine, alone, 2026-12-03, "
                           "PyTorch 2.11.0+cu130: the record preset at main 4d94d98 with its defaults (the even n-gram "
                           "split) and the 4,096-token cut, one run of 80 steps (stages 1-2: the mean of it and one at "
-                          "the 3,072 cut) (bench/results/tie_h200_20261203c.md); times as measured for --preset "
+                          "the 3,072 cut), before muon_fused_normuon was on (bench/results/tie_h200_20261203c.md); "
+                          "times as measured for --preset "
                           "record's model, ")
     assert "FlashAttention-4" in line_of(lines, "public master on H200")
     # the pairing says how the master's times relate to ours (not in one session: two machines, two days), and its
@@ -295,7 +296,7 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
 
 def test_a_stage_split_by_the_switch_is_priced_as_the_weighted_sum_and_a_missing_row_leaves_it_out(no_gpu, monkeypatch):
     """Each stage's sampled steps at its SAMPLED_US_PER_TOKEN row, its full ones at its STEP_US_PER_TOKEN row: stage 3
-    (201 sampled, 38 full) needs both, stages 1-2 (all sampled) only the sampled, the extension only the full."""
+    (196 sampled, 36 full) needs both, stages 1-2 (all sampled) only the sampled, the extension only the full."""
     full = {("H100", "record", *shape): us for shape, us in zip(RECORD_SHAPES[2:], (3.0, 3.5))}  # stage 3, extension
     sampled = {("H100", "record", *shape, c): us
                for shape, c, us in zip(RECORD_SHAPES, RECORD_CANDIDATES, (1.0, 1.5, 2.0))}  # stages 1-3

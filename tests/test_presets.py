@@ -59,17 +59,13 @@ PENDING_ADOPTION: set[str] = {
     # ANVIL2's ten-source, per-channel-group MUDD mix before the head: decided by 3 paired seeds on the proxy under the
     # rule (the record preset with --mudd_head_ten true against it without) and the record step with it and without
     "mudd_head_ten",
-    # ANVIL2's FP8 QKV (kernels.FP8Linear): decided by the record step on one H200 with it and without
-    # (bench/step_time.py --fp8_qkv true / false, graph runners on) and 3 paired seeds on the proxy at 840 steps
+    # ANVIL2's FP8 QKV (kernels.FP8Linear): on the proxy at 680 steps +0.0007 +- 0.0015, 3 seeds paired (one H200,
+    # 2026-12-03, bench/results/confirm720_h200_20261203d.md); decided by the record step on one H200 with it and
+    # without (bench/step_time.py --fp8_qkv true / false, FA4, graph runners on)
     "fp8_qkv",
     # Muon's collectives in bf16 (the float32 matrices kept by their owner): decided on two GPUs at the 8-GPU record's
     # per-GPU shape (bench/comm_time.py, exposed moving data with it and without) and 80 same-seed steps there
     "muon_bf16_comm",
-    # NorMuon's normalization compiled into the orthogonalization's graph (normuon_orthogonalize): at the 8-GPU record's
-    # per-GPU shape on two H200s 53.5 against 54.4 ms a step with the pulls planned ahead (2026-12-01, bench/results/
-    # comm_gate_h200x2_20261201.md); decided by 80 same-seed steps' losses within bf16 noise of main's (its graph
-    # rounds as a fused graph does)
-    "muon_fused_normuon",
     # the n-gram table's rows stored scattered (ngram_spread), so every GPU's block holds its share of the bigram
     # channel: the same model relabelled; on two H200s the ranks' waiting 1.94 against 3.13 ms a step, the step within
     # two processes' spread (2026-12-01, 377,280 bigram rows); decided by the step on more GPUs, where in row order

@@ -234,7 +234,7 @@ def test_plan_prints_the_softmax_column_and_the_switch(monkeypatch):
     assert column == ["16,384", "14,336", "12,288*", "full"]
     column, lines = softmax_column(["--candidates_schedule", "10240,14336,24576"])
     assert column == ["10,240", "14,336", "24,576*", "full"]
-    full_from = round(0.922 * tg.Hyperparameters().num_iterations)  # 682 of the record's 740 steps
+    full_from = round(0.922 * tg.Hyperparameters().num_iterations)  # 664 of the record's 720 steps
     assert any(line.startswith("softmax:") and f"full softmax from step {full_from} " in line for line in lines)
     column, lines = softmax_column(["--candidates_schedule", "10240,14336,24576", "--num_iterations", "1552"])
     assert any(f"full softmax from step {round(0.922 * 1552)} " in line for line in lines)

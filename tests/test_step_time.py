@@ -95,13 +95,14 @@ def test_a_sampled_stage_gives_a_sampled_entry_and_a_mixed_one_none():
 
 
 def test_timed_candidates_follow_the_switch_to_the_full_softmax():
-    """The record preset (740 steps, full from step 682): stage 1's timed steps sample 16,384 rows; stage 3's near
+    """The record preset (720 steps, full from step 664): stage 1's timed steps sample 16,384 rows; stage 3's near
     the switch mix both; the extension, whose row carries stage 3's candidates, trains with the full softmax."""
     schedule = tg.Schedule(tg.parse_args([]))
     first, third, ext = schedule.stages[0], schedule.stages[2], schedule.stages[3]
-    assert schedule.full_softmax == 682 and ext.candidates == 12288
+    assert schedule.full_softmax == 664 and ext.candidates == 12288
     assert step_time.timed_candidates(schedule, first, 3, 12) == 16384
-    assert step_time.timed_candidates(schedule, third, 677, 12) is None
+    assert step_time.timed_candidates(schedule, third, 659, 12) is None
+    assert step_time.timed_candidates(schedule, third, 652, 12) == 12288  # 652-663: all before the switch
     assert step_time.timed_candidates(schedule, ext, ext.start + 3, 12) == 0
 
 
