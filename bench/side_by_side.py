@@ -61,6 +61,7 @@ import subprocess
 import sys
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,6 +235,13 @@ def public_stages(source: str, batch_div: int = 1) -> list[Stage]:
         fail(f"the public stage durations end at step {ends[-1]}, not at num_scheduled_iterations={S}")
     ends.append(S + E)
     return [Stage(a, b, batch // batch_div, msl, win) for (a, b), (_, msl, batch, win) in zip(zip(ends, ends[1:]), rows)]
+
+
+def training_stages(schedule) -> list:
+    """Our schedule's stages over its training steps only: the last one ends at num_iterations, not past the final
+    validation's step as train_gpt.Stage's does (so a stage's end - start is the steps it trains)."""
+    n = schedule.args.num_iterations
+    return [dataclasses.replace(st, end=min(st.end, n)) for st in schedule.stages]
 
 
 def step_plan(stages) -> list:
@@ -1272,8 +1280,7 @@ def main():
                 argv = [*ours_common, *extra.split(), "--seed", str(seed), "--run_id", rid]
                 runs.append((f"{label} seed {seed}", a.work / "logs" / f"{rid}.txt",
                              ["torchrun", "--standalone", f"--nproc_per_node={a.nproc}", str(a.ours.resolve()), *argv],
-                             ROOT, env_ours, seed,
-                             tg.Schedule(tg.parse_args(argv)).stages))
+                             ROOT, env_ours, seed, training_stages(tg.Schedule(tg.parse_args(argv)))))
         return runs
 
     def data_plans(train_files: list[str] | None) -> list[str]:

@@ -151,6 +151,16 @@ def plan_entries(device_name: str, preset: str, rows: list[tuple[int, int, int, 
     return [f"    {key!r}: {us:.3f}," for key, us in seen.items()]
 
 
+def stage_runs(schedule: tg.Schedule) -> list[tuple[str, tg.Stage, int]]:
+    """--stages: each stage's name with its first and last training step, the stage, and its training steps (the
+    last stage's end is the final validation's step, which trains nothing)."""
+    out = []
+    for i, st in enumerate(schedule.stages):
+        steps = sum(tg.softmax_steps(schedule, st))
+        out.append((f"stage {i + 1} (steps {st.start}-{st.start + steps - 1})", st, steps))
+    return out
+
+
 def timed_candidates(schedule: tg.Schedule, stage: tg.Stage, first: int, steps: int) -> int | None:
     """The sampled softmax's rows at the timed steps first .. first + steps - 1 of a stage (Schedule.candidates_at:
     0 for the full softmax, as in the extension after the switch), None where they cross the switch (both)."""
@@ -261,7 +271,7 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, attention: {attention}, "
           f"LM head: {'fp8' if fp8 else 'bf16'}")
     if per_stage:
-        runs = [(f"stage {i + 1} (steps {st.start}-{st.end - 1})", st) for i, st in enumerate(schedule.stages)]
+        runs = [(name, st) for name, st, _ in stage_runs(schedule)]
     else:  # --ws: the first stage's extra targets at each long window
         runs = [(f"ws={ws}", dataclasses.replace(schedule.stages[0], spec=spec,
                                                  windows=tg.window_tokens(ws, args.window_block))) for ws in own.ws]
@@ -305,8 +315,9 @@ def main():
         med, mean = statistics.median(times), statistics.fmean(times)
         if variants:
             times_of[name.rsplit(" ", 1)[0], variants[name]].append(med)
-        whole_ms += (stage.end - stage.start) * mean
-        tokens += (stage.end - stage.start) * spec.batch_size
+        trained = sum(tg.softmax_steps(schedule, stage))
+        whole_ms += trained * mean
+        tokens += trained * spec.batch_size
         plan_rows.append((spec.seq_len, spec.max_doc_len, stage.windows[0] // args.window_block, candidates,
                           spec.batch_size, mean))
         rows = "sampled and full" if candidates is None else f"{candidates:,} rows" if candidates else "full"
@@ -323,7 +334,7 @@ def main():
         print(swap_summary(window, times_of[window, "A"], times_of[window, "B"],
                            own.swap + (["the graph runner (--cuda_graphs)"] if own.graphs_ab else [])), flush=True)
     if per_stage:
-        print(f"schedule: {schedule.stages[-1].end} steps, {tokens:,} tokens: {whole_ms / 1000:.1f} s of training "
+        print(f"schedule: {args.num_iterations} steps, {tokens:,} tokens: {whole_ms / 1000:.1f} s of training "
               f"steps on this GPU at these mean step times", flush=True)
         print("as train_gpt.py's STEP_US_PER_TOKEN / SAMPLED_US_PER_TOKEN (key's last: candidates) entries (--plan's "
               "projection; a stage mixing both softmaxes has none):", *plan_entries(

@@ -618,6 +618,18 @@ def test_allow_repeat_lets_our_timing_run_start_over_on_the_shards_and_nothing_e
         fake_main(monkeypatch, tmp_path / "c", ["--public_seeds", "0", "--seeds", "--allow_repeat"],
                   loaders={"simulate_public_loader": exhausted})
 
+def test_our_stages_in_the_tables_end_at_the_last_training_step():
+    """train_gpt's last stage ends past the final validation's step; the harness's tables count training steps only:
+    the record preset's 720 steps as 234 / 234 / 232 / 20, the extension's 20 (not 21) in its stage column."""
+    schedule = tg.Schedule(tg.parse_args([]))
+    assert schedule.stages[-1].end == 721
+    stages = fh.training_stages(schedule)
+    assert [st.end - st.start for st in stages] == [234, 234, 232, 20]
+    assert [st.start for st in stages] == [st.start for st in schedule.stages]
+    times = {s: 10 * s for s in range(722)}  # 10 ms a step
+    assert [d["steps"] for d in fh.stage_step_ms(times, stages)] == [234, 234, 232, 20]
+
+
 def test_step_times_give_each_stage_its_median_step():
     steps = [0, 100, 200, 300, 400, 500, 700, 900, 1100, 1300, 1500, 1800]  # ms after n steps
     lines = [f"step:{n}/11 train_time:{t}ms step_avg:1ms" for n, t in enumerate(steps) if n]

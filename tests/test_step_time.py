@@ -106,6 +106,17 @@ def test_timed_candidates_follow_the_switch_to_the_full_softmax():
     assert step_time.timed_candidates(schedule, ext, ext.start + 3, 12) == 0
 
 
+def test_stage_runs_count_the_training_steps_and_not_the_final_validations():
+    """The record preset's 720 steps: stages of 234 / 234 / 232 steps and the extension's 20, named by their first and
+    last training step; the last stage's end (721) is the final validation's step and trains nothing."""
+    schedule = tg.Schedule(tg.parse_args([]))
+    runs = step_time.stage_runs(schedule)
+    assert [name for name, _, _ in runs] == ["stage 1 (steps 0-233)", "stage 2 (steps 234-467)",
+                                             "stage 3 (steps 468-699)", "stage 4 (steps 700-719)"]
+    assert [n for _, _, n in runs] == [234, 234, 232, 20] and schedule.stages[-1].end == 721
+    assert sum(n * st.spec.batch_size for _, st, n in runs) == 720 * 393216  # --plan's trained tokens
+
+
 def test_stages_alone_times_the_presets_table_and_with_a_table_times_that_one():
     """`--stages` is this script's per-stage mode and also train_gpt.py's stage table: alone, the preset's stages;
     with a table, that table reaches the trainer (a store_true flag would swallow it and leave the table stray)."""
