@@ -51,6 +51,7 @@ them, each cut-off run as far as its log goes."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import math
 import os
@@ -61,7 +62,6 @@ import subprocess
 import sys
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
