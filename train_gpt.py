@@ -685,7 +685,8 @@ PRESETS = {  # name: (what it is, the fields it sets)
               "the record's); a checkpoint every 50 steps, for `python sample.py latest`", SMOKE),
     "single": ("the record on one GPU with 32-80 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
                "global batch; the n-gram table at 5.0M rows (2.5M bigram + 2.5M trigram, the size of the proxy runs): "
-               "14.0 GiB (--plan) of the ~25 GiB the run estimates at start",
+               "14.0 GiB (--plan) of the ~25 GiB the run estimates at start (every stage's peak 27.0 GiB "
+               "allocated on one H200 capped at 80 GiB, FA4, 2026-12-03)",
                dict(seq_len=16384, bigram_rows=2_500_000, trigram_rows=2_500_000)),
     "medium": ("the record model at GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the "
                "record's learning rates, its block layout before ANVIL2's stretched to 24 blocks (one attention-less "
