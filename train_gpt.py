@@ -301,7 +301,8 @@ class Hyperparameters:
     # confirmed on seeds 3-5: -0.0224 +- 0.0087 (one H200, 2026-12-02: bench/results/step_count_h200_20261201.md).
     # With the even n-gram split and the 4,096 cut, 720 steps, 283.1M tokens (0.836 of #89's): -0.0196 +- 0.0128
     # (seeds 0-2; 700 interpolated -0.0115 +- 0.0118, over zero; bench/results/tie_h200_20261203c.md), confirmed on
-    # seeds 3-5: -0.0237 +- 0.0094, lower in every seed (one H200, 2026-12-03: bench/results/confirm720_h200_20261203d.md)
+    # seeds 3-5: -0.0237 +- 0.0094, lower in every seed (one H200, 2026-12-03:
+    # bench/results/confirm720_h200_20261203d.md)
     num_iterations: int = 720  # training steps, extension_steps included: chosen on the proxy against the public master (740 before the even n-gram split and the 4,096 cut, 760 before the embedding tied for three stages, 840 before the copy feature, 776 before ANVIL2's architecture)
     # The public master decays over 0.6 of its 1270 + 15 steps to 0.15 (02/10/26); ANVIL2 (record #92, 08/30/26) over
     # 0.8 to 0.2. ANVIL2's shape against our 0.7 to 0.15, 3 paired seeds on the proxy: -0.0028 +- 0.0030 at 776 steps,

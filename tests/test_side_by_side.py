@@ -709,7 +709,8 @@ def test_the_gpu_monitor_reads_nvidia_smi_while_runs_go_and_says_why_it_cannot(m
     fh.time.sleep(0.2)
     if not error:  # each sample is in the file once it has come, before the monitor stops
         lines = (tmp_path / "w" / "m.csv").read_text().splitlines()
-        assert lines[0].startswith("time,load_1min_per_core,index") and lines[2].endswith(",1,1755.0,300.0,40.0,7.0,0x4")
+        assert lines[0].startswith("time,load_1min_per_core,index")
+        assert lines[2].endswith(",1,1755.0,300.0,40.0,7.0,0x4")
         assert len(lines) == 7
     monitor.stop()
     assert monitor.error.startswith(error)
