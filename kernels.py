@@ -441,37 +441,6 @@ def fp8_scale_rows(*scales: Tensor) -> Tensor:
     return torch.cat(scales).float()[:, None].repeat(1, FP8_SCALE_ROW)
 
 
-class FP8Linear(torch.autograd.Function):
-    """x @ wᵀ from e4m3 operands: the attention's QKV projection in FP8 (--fp8_qkv; ANVIL2's FP8 QKV, record #92, after
-    public PR #344's idea). x (T, dim) is RMS-normed, so |x| <= sqrt(dim): a scale from that bound, as the FP8 MLP's
-    (no pass over x); w (N, dim) by its absolute maximum; the output's gradient by its own (_grad_operands). The
-    forward keeps x's and w's transposed e4m3 copies for the backward's two matmuls (grad x = g w, grad w = gᵀ x, each
-    operand K-major as _scaled_mm reads it); traced whole by torch.compile, which fuses the casts with their
-    neighbours. Scales in 16-byte rows (fp8_scale_rows): cuBLAS refuses one that is not 16-byte aligned. Off a GPU,
-    _mm_f8's float32 arithmetic on the same e4m3 operands (the CPU tests)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor) -> Tensor:
-        w_s = w.detach().abs().amax().float().clamp_min(1e-30) / E4M3_MAX
-        x_s = math.sqrt(x.size(-1)) / E4M3_MAX
-        rows = fp8_scale_rows(torch.full_like(w_s, x_s).reshape(1), w_s.reshape(1))
-        e4m3 = lambda t: t.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-        x_f8, w_f8 = e4m3(x / x_s), e4m3(w / w_s)  # x divided in its dtype, as the FP8 MLP's
-        ctx.save_for_backward(x_f8.T.contiguous(), w_f8.T.contiguous(), rows)
-        ctx.dtypes = x.dtype, w.dtype
-        return _mm_f8(x_f8, w_f8.T, rows[0, :1], rows[1, :1], x.dtype, fast_accum=True)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
-        x_f8_t, w_f8_t, rows = ctx.saved_tensors
-        x_dtype, w_dtype = ctx.dtypes
-        g_s, _, g_f8, g_f8_t = _grad_operands(grad.contiguous())
-        g_s = fp8_scale_rows(g_s)[0, :1]
-        grad_x = _mm_f8(g_f8, w_f8_t.T, g_s, rows[1, :1], x_dtype)
-        grad_w = _mm_f8(g_f8_t, x_f8_t.T, g_s, rows[0, :1], torch.float32)
-        return grad_x, grad_w.to(w_dtype)
-
-
 @torch.library.custom_op("speedrun::relu2_fp8_grad_pre", mutates_args=())
 def relu2_fp8_grad_pre(g_f8: Tensor, proj_f8_t: Tensor, post_f8: Tensor,
                        scales: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -1225,7 +1194,6 @@ class ModelKernels:
     dc: bool = False  # DC attention's correction as Triton kernels (dc_attention), else written out in PyTorch
     qk_rope: bool = False  # QK-norm, rotary and the key offset as Triton kernels (qk_norm_rope), else Inductor's
     transpose: bool = False  # with fp8_mlp: its operands' transposed copies by the transpose op, else Inductor's
-    fp8_qkv: bool = False  # the attention's QKV projection in FP8 in training (FP8Linear)
 
     @property
     def attn_fn(self):
@@ -1234,8 +1202,7 @@ class ModelKernels:
 
 def choose_kernels(device: torch.device, attention: str = "auto", compiled: bool = False, fp8_head: bool = True,
                    fused_ce: bool = True, fused_mlp: bool = True, fp8_mlp: bool = True, fused_dc: bool = True,
-                   fused_qk_rope: bool = True, fp8_transpose: bool = True, fp8_qkv: bool = False,
-                   log=print) -> ModelKernels:
+                   fused_qk_rope: bool = True, fp8_transpose: bool = True, log=print) -> ModelKernels:
     """The whole model's kernels on `device`: each one asked for where it runs here (the log says why one is off)."""
     fp8 = fp8_head and device.type == "cuda" and fp8_supported(device)  # elsewhere the head is a plain matmul
     if fused_ce and not fp8:
@@ -1249,12 +1216,10 @@ def choose_kernels(device: torch.device, attention: str = "auto", compiled: bool
     if fp8_mlp and not mlp8:
         log("FP8 MLP off: it needs FP8 matmuls and the fused MLP's kernel in Hopper's TMA form (an sm90+ GPU with its "
             "shared memory); the MLP runs in bf16")
-    if fp8_qkv and not fp8:
-        log("FP8 QKV off: it needs FP8 matmuls (with the FP8 head); the QKV projection runs in bf16")
     triton_here = triton is not None and (device.type == "cuda" or INTERPRET)
     return ModelKernels(select_attention(attention, device, compiled, log), fp8, fused_ce and fp8, fits, mlp8,
                         pointer=triton_here, dc=fused_dc and triton_here, qk_rope=fused_qk_rope and triton_here,
-                        transpose=fp8_transpose and mlp8, fp8_qkv=fp8_qkv and fp8)
+                        transpose=fp8_transpose and mlp8)
 
 
 # -----------------------------------------------------------------------------------------------

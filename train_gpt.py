@@ -56,7 +56,7 @@ from torch import Tensor
 
 import kernels  # kernels and custom ops (kernels.py, next to this file; logged with it)
 from kernels import (ATTENTION_BACKENDS, E4M3_MAX, HEAD_GRAD_SCALE, HEAD_W_SCALE, MIXED_WIDTHS, ModelKernels,
-                     FP8Linear, attention_reference, choose_kernels, document_ids, head_x_scale)
+                     attention_reference, choose_kernels, document_ids, head_x_scale)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -231,12 +231,6 @@ class Hyperparameters:
     # from the MUDD gates); ANVIL2 (#92) runs without it. Removed on the proxy: +0.0080 +- 0.0048 (3 seeds, ~2% of the
     # tokens), the step 0.925x (one H200, FA4; bench/results/dc_narrow_2gpu_h200_20261129k.md)
     dc_attention: bool = True  # DC attention in the last block
-    # ANVIL2's mix before the head (record #92, 08/30/26; its "post-loop MUDD", train_gpt.py ~151k characters into
-    # records/track_1_short/2026-08-30_ANVIL2/this_pr/32a48562-*.txt): ten sources instead of the public master's five
-    # (these five, the other value embeddings, the last block's MLP input and the later blocks' shared attention
-    # input), each weight per token and per 64-channel group (a zero-init delta from MUDD's hidden layer, its
-    # mudd_w2g). Its removal cost ANVIL2 +6.1 millinats on FineWeb (its README's ablation, n = 2)
-    mudd_head_ten: bool = False  # ANVIL2's ten-source, per-channel-group MUDD mix before the head (GPT.mudd_head_mix)
     # The document-local copy feature of public pull request 378 (on ANVIL2; 1,132 against 1,194 steps with PR 375's
     # normalized n-gram hashing, step +2.4%): each position's candidate, the token that followed the latest earlier
     # occurrence in its document of its longest matching context (doc_copy_candidates), enters as embed(candidate) x
@@ -405,9 +399,6 @@ class Hyperparameters:
     # (bench/results/host_ops_h200_20261130c.md, triton_ops_h200_20261130d.md); apart not yet timed
     fp8_transpose: bool = True  # the FP8 MLP's transposed input and output gradient by a tiled Triton transpose (kernels.transpose), not inside Inductor's norm kernels
     fused_qk_rope: bool = True  # QK-norm, rotary and the key offset in one Triton kernel each way (kernels.qk_norm_rope) where Triton runs, else Inductor's
-    # ANVIL2's FP8 QKV (record #92; public PR #344's idea): one H200, the 7 QKV projections' matmuls of a record step 23.7
-    # against 35.9 ms in bf16, before their casts (bench/results/fp8_qkv_probe_h200_20261130g.md)
-    fp8_qkv: bool = False  # the attention's QKV projection in FP8 in training (kernels.FP8Linear), with the FP8 head
     attention: str = "auto"  # auto | fa3 | fa4 | varlen | reference
     run_id: str = ""  # default: a fresh uuid (on --resume: the checkpoint's run)
     log_dir: str = "logs"  # logs go to log_dir/<run_id>.txt (rank 0 writes)
@@ -590,11 +581,6 @@ class Hyperparameters:
         if not 0 <= h.backout_layer < h.num_layers - 1:
             raise ValueError(f"backout_layer={h.backout_layer}: a block below the last ({h.num_layers - 1}), whose "
                              "output MUDD mixes in, the later blocks attend over and the head has subtracted")
-        if h.mudd_head_ten and (h.model_dim % MUDD_GROUP or 6 + len(h.value_embed_blocks) > MUDD_COEFS):
-            raise ValueError(f"mudd_head_ten: weighs channel groups of {MUDD_GROUP} (model_dim={h.model_dim}) and "
-                             f"6 + one per value embedding sources, at most {MUDD_COEFS} (value_embed_blocks="
-                             f"{h.value_embed_blocks}): a model_dim multiple of {MUDD_GROUP} and at most "
-                             f"{MUDD_COEFS - 6} value embeddings, or --mudd_head_ten false")
         if "L" not in h.window_pattern[:-2] or skip_into <= h.window_pattern.index("L"):
             raise ValueError(f"window_pattern={h.window_pattern!r}: the MUDD gates need a long-window block (L) "
                              f"before the last two and before the attention-less block the skip goes into "
@@ -952,7 +938,6 @@ class ModelConfig:
     narrow_v_blocks: tuple[int, ...]
     narrow_attn_scale: float
     dc_attention: bool
-    mudd_head_ten: bool
     doc_copy: bool
     tied_embed_stages: int
     max_seq_len: int  # longest sequence the rotary tables must cover
@@ -1413,14 +1398,12 @@ class BlockWeights(NamedTuple):
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn, ve_gate: bool, key_offset: bool, paired: bool,
                  widths: tuple[int, int] | None = None, native_widths: bool = False, fused_dc: bool = False,
-                 fused_qk_rope: bool = False, fp8_qkv: bool = False):
+                 fused_qk_rope: bool = False):
         """widths: the heads' (d_qk, d_v) (ModelConfig.head_widths; default head_dim both); native_widths: attn_fn
         takes Q/K narrower than V as they are (kernels.MIXED_WIDTHS), else they are zero-padded to V's width;
         fused_dc: DC attention's correction (where BlockWeights.dc is set) in kernels.dc_attention; fused_qk_rope:
-        QK-norm, rotary and the key offset in kernels.qk_norm_rope (not written for paired heads with a key offset);
-        fp8_qkv: the QKV projection in FP8 in training (kernels.FP8Linear)."""
+        QK-norm, rotary and the key offset in kernels.qk_norm_rope (not written for paired heads with a key offset)."""
         super().__init__()
-        self.fp8_qkv = fp8_qkv
         self.attn_fn, self.key_offset, self.paired = attn_fn, key_offset, paired  # attn_fn: chosen by build()
         self.native_widths, self.fused_dc = native_widths, fused_dc
         self.fused_qk_rope = fused_qk_rope and not (paired and key_offset)
@@ -1448,8 +1431,7 @@ class CausalSelfAttention(nn.Module):
             w_qkv, w_out = self.qkvo_w[:3].flatten(0, 1), self.qkvo_w[3]
         else:
             w_qkv, w_out = torch.cat([self.qk_w.flatten(0, 1), self.vo_w[0]]), self.vo_w[1]
-        # FP8 in training (its input RMS-normed: the bound of its scale); evaluation in bf16
-        qkv = FP8Linear.apply(x, w_qkv) if self.fp8_qkv and torch.is_grad_enabled() else F.linear(x, w_qkv.type_as(x))
+        qkv = F.linear(x, w_qkv.type_as(x))
         # a narrow Q/K (narrow_qk_blocks) rotates all of its dq dims: the tables' first dq/2 columns, the wide heads'
         # nonzero frequencies (ANVIL2's 64-dim rotary: the same 32 frequencies as its 128-dim one's rotating half)
         rope_qk = rope if dq == self.head_dim else (rope[0][:, : dq // 2], rope[1][:, : dq // 2], rope[2])
@@ -1553,20 +1535,18 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_fn, has_attn: bool, ve_gate: bool, long_window: bool, paired: bool,
                  fused_mlp: bool = False, fp8_mlp: bool = False, widths: tuple[int, int] | None = None,
                  native_widths: bool = False, fused_dc: bool = False, fused_qk_rope: bool = False,
-                 fp8_transpose: bool = False, fp8_qkv: bool = False):
+                 fp8_transpose: bool = False):
         super().__init__()
         self.attn = CausalSelfAttention(cfg, attn_fn, ve_gate=ve_gate, key_offset=long_window, paired=paired,
                                         widths=widths, native_widths=native_widths, fused_dc=fused_dc,
-                                        fused_qk_rope=fused_qk_rope, fp8_qkv=fp8_qkv) if has_attn else None
+                                        fused_qk_rope=fused_qk_rope) if has_attn else None
         self.mlp = MLP(cfg, fused=fused_mlp, fp8=fp8_mlp, fp8_transpose=fp8_transpose)
         # parallel_mlp_blocks: a second MLP of the same kind, set by GPT after every other weight is drawn
         self.parallel_mlp: MLP | None = None
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, w: BlockWeights, attn_in: Tensor | None,
-                cu_seqlens: Tensor, max_seqlen: int, window: int, rope: tuple[Tensor, Tensor, float],
-                mlp_in: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        """attn_in: the attention's normed input when it is not this block's own (parallel attention inputs).
-        mlp_in: also return the MLP's normed input (mudd_head_ten's source)."""
+                cu_seqlens: Tensor, max_seqlen: int, window: int, rope: tuple[Tensor, Tensor, float]) -> Tensor:
+        """attn_in: the attention's normed input when it is not this block's own (parallel attention inputs)."""
         # x0 and the n-gram embedding join after the attention, which reads the (weighted) residual alone: ANVIL2's
         # order (#92; its train_gpt.py in records/track_1_short/2026-08-30_ANVIL2/this_pr/32a48562-*.txt @fd1b14a5,
         # ~148k characters in), the public line's since #73 (PR 230). Without attention, before the MLP
@@ -1582,8 +1562,7 @@ class Block(nn.Module):
             x = x if w.bigram is None else x + w.bigram
         h = norm(x)  # with parallel_mlp both MLPs read it (ANVIL2's `normed`), their outputs summed under one weight
         out = self.mlp(h) if self.parallel_mlp is None else self.mlp(h) + self.parallel_mlp(h)
-        out = w.mlp_resid * x + w.mlp_out * out
-        return (out, h) if mlp_in else out
+        return w.mlp_resid * x + w.mlp_out * out
 
 
 class SkippedBlock(nn.Module):
@@ -1610,10 +1589,6 @@ MUDD_BEFORE_LAST = dict(value_x0=0, value_backout=0, value_x=0, x0=0, backout=0,
 # MLP 1, before the head: x0, backout, the last block's input, the first value embedding, the skip's source block
 MUDD_BEFORE_HEAD = dict(x0=0, backout=0, last_input=0, value_embed=0, skip=0)
 MUDD_INIT = (tuple(MUDD_BEFORE_LAST.values()), tuple(MUDD_BEFORE_HEAD.values()))
-# mudd_head_ten (ANVIL2's): after those five, the other value embeddings (value_embed_blocks[1:]), the last block's
-# MLP input (ANVIL2's `normed`) and the attention input the blocks after backout_layer share (its `_n3_normed`),
-# each weight 0 at the start; each weight per 64-channel group: MUDD's per token plus a delta, 0 at the start
-MUDD_GROUP = 64
 MUDD_SCALE = 0.1  # the MLPs' outputs are 0.1 (W2 GELU(W1 x) + b2), the public master's
 
 
@@ -1641,7 +1616,7 @@ class GPT(nn.Module):
                   long_window=cfg.window_pattern[i] == "L", paired=i in cfg.paired_head_blocks,
                   fused_mlp=kernels.fused_mlp, fp8_mlp=kernels.fp8_mlp, widths=cfg.head_widths(i),
                   native_widths=kernels.attention in MIXED_WIDTHS, fused_dc=kernels.dc,
-                  fused_qk_rope=kernels.qk_rope, fp8_transpose=kernels.transpose, fp8_qkv=kernels.fp8_qkv)
+                  fused_qk_rope=kernels.qk_rope, fp8_transpose=kernels.transpose)
             for i, ve in enumerate(self.value_embed_layers()))
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rotary_min_freq, cfg.yarn_windows)
         self.lm_head_w = nn.Parameter(torch.zeros(cfg.vocab_size, dim))  # zero init (@Grad62304977)
@@ -1717,9 +1692,6 @@ class GPT(nn.Module):
         self.mudd_b2 = nn.Parameter(torch.cat([F.pad(torch.tensor(b, dtype=torch.float) / MUDD_SCALE,
                                                      (0, MUDD_COEFS - len(b))) for b in MUDD_INIT]))
         self.make_mudd_gates()  # drawn after MUDD's first layer, as they were
-        if cfg.mudd_head_ten:  # the per-group deltas' second layer, rows (source, group), padded for 8 shards: zero
-            rows = len(self.head_mix_names()) * (dim // MUDD_GROUP)
-            self.mudd_w2g = nn.Parameter(torch.zeros(rows + -rows % 8, MUDD_DIM))
         if cfg.doc_copy:  # PR 378's tables, rows padded for 8 shards: an embedding per bucket (zero), and the gains:
             # one per bucket (zero), then the two sites' (0.5 before the embedding's norm, 1 before the final norm)
             buckets = DOC_COPY_BUCKETS + -DOC_COPY_BUCKETS % 8
@@ -2153,11 +2125,7 @@ class GPT(nn.Module):
                 else:
                     before_last = x
                     x, w = self.mudd_before_last(x, x0, backout, bigram, own[i, 2:], g, i)
-                block_in = (x, x0, ves[i], w, attn_in, cu_seqlens, max_seqlen, windows[i], rope)
-                if cfg.mudd_head_ten and i == L - 1:  # the last block's MLP input is a source of the head's mix
-                    x, last_mlp_in = block(*block_in, mlp_in=True)
-                else:
-                    x = block(*block_in)
+                x = block(x, x0, ves[i], w, attn_in, cu_seqlens, max_seqlen, windows[i], rope)
             if i == cfg.skip_from:
                 skip = x
             if i == cfg.backout_layer:
@@ -2167,15 +2135,10 @@ class GPT(nn.Module):
                 # its MLP reads the current residual; the public master's layers 8-10 read layer 7's
                 attn_in = norm(x)
         # MUDD before the head: x0, block backout_layer's output, the last block's input, the first value embedding
-        # and the skip's source block's output (mudd_head_ten: five more, per channel group)
-        if cfg.mudd_head_ten:
-            vb = cfg.value_embed_blocks  # in head_mix_names' order
-            x = self.mudd_head_mix(x, [x0, backout, before_last, ves[vb[0]], skip, *(ves[b] for b in vb[1:]),
-                                       last_mlp_in, attn_in])
-        else:
-            c = self.mudd_coefs(x, 1, MUDD_BEFORE_HEAD)
-            x = (x + c["x0"] * x0 + c["backout"] * backout + c["last_input"] * before_last
-                 + c["value_embed"] * ves[cfg.value_embed_blocks[0]].type_as(x) + c["skip"] * skip)
+        # and the skip's source block's output
+        c = self.mudd_coefs(x, 1, MUDD_BEFORE_HEAD)
+        x = (x + c["x0"] * x0 + c["backout"] * backout + c["last_input"] * before_last
+             + c["value_embed"] * ves[cfg.value_embed_blocks[0]].type_as(x) + c["skip"] * skip)
         # Backout (2025-10-04 record, @snimu, @classiclarryd; PRs 138, 140): the early blocks write much that later
         # blocks need as context but the prediction does not; a learned multiple of the residual after block
         # backout_layer is taken out before the final norm and the head: the output of the block after the
@@ -2197,25 +2160,6 @@ class GPT(nn.Module):
         return x, BlockWeights(c["resid"], c["block_x0"], c["attn_out"], c["mlp_resid"], c["mlp_out"], value_mix,
                                c["bigram"] * bigram, g["xsa"][i], g["out"][i], ve_gate, value,
                                (g["dc1"][i], g["dc2"][i]) if self.cfg.dc_attention else None)
-
-    def head_mix_names(self) -> list[str]:
-        """mudd_head_ten's sources in MUDD MLP 1's output order: MUDD_BEFORE_HEAD's, then the others."""
-        more = [f"value_embed_{b}" for b in self.cfg.value_embed_blocks[1:]]
-        return [*MUDD_BEFORE_HEAD, *more, "last_mlp_in", "attn_in"]
-
-    def mudd_head_mix(self, x: Tensor, sources: list[Tensor]) -> Tensor:
-        """mudd_head_ten: x plus each source (x0, backout, the last block's input, the value embeddings, the skip's
-        source, the last MLP's input, the shared attention input) weighed per token and per 64-channel group:
-        MUDD_SCALE (W2 h + b2 + W2g h), h = GELU(W1 x), MUDD MLP 1's layers and the zero-init per-group W2g."""
-        n, G, T = len(sources), x.size(-1) // MUDD_GROUP, x.size(0)  # sources in head_mix_names' order
-        rows = slice(MUDD_COEFS, MUDD_COEFS + n)  # MUDD MLP 1's per-token outputs, then the per-group deltas'
-        out = mudd_mlp(x, self.mudd_w1[MUDD_DIM:], torch.cat([self.mudd_w2[rows], self.mudd_w2g[: n * G]]),
-                       F.pad(self.mudd_b2[rows], (0, n * G)))
-        c = MUDD_SCALE * (out[:, :n, None] + out[:, n:].view(T, n, G))
-        out = x.view(T, G, MUDD_GROUP)
-        for k, src in enumerate(sources):
-            out = out + c[:, k, :, None] * src.type_as(x).view(T, G, MUDD_GROUP)
-        return out.view_as(x)
 
     def mudd_coefs(self, x: Tensor, j: int, names: dict) -> dict[str, Tensor]:
         """MUDD MLP j's per-token weights by name, (T, 1) each: MUDD_SCALE (W2 GELU(W1 x) + b2), as the public
@@ -3789,8 +3733,7 @@ def param_groups_by_role(model: GPT) -> dict[str, list[nn.Parameter]]:
     """Parameters by what they are (the optimizers and the size report split them so)."""
     groups = {"token embedding": [model.embed.weight], "value embeddings": [m.weight for m in model.value_embeds]}
     groups["bigram embedding"] = [model.bigram_embed.weight]
-    mudd = {"MUDD": [model.mudd_w1, model.mudd_w2, model.mudd_b2,
-                     *([model.mudd_w2g] if model.cfg.mudd_head_ten else [])],
+    mudd = {"MUDD": [model.mudd_w1, model.mudd_w2, model.mudd_b2],
             "MUDD gates": [model.mudd_gate_w1, model.mudd_gate_w2, model.mudd_gate_b2]}
     if model.cfg.cplm_bands:
         mudd["copy pointer"] = [model.copy_qk, model.copy_sink]
@@ -4059,7 +4002,7 @@ def run_report(model: GPT, args: Hyperparameters, device: torch.device, world_si
             f"{' (its transposes by kernel)' if k.transpose else ''}, "
             f"cross-entropy: {'fused' if k.fused_ce else 'unfused'}, "
             f"DC attention: {('kernels' if k.dc else 'written out') if args.dc_attention else 'off'}, "
-            f"QK-norm and rotary: {'kernels' if k.qk_rope else 'compiled'}, QKV: {'fp8' if k.fp8_qkv else 'bf16'}, "
+            f"QK-norm and rotary: {'kernels' if k.qk_rope else 'compiled'}, "
             f"compile: {args.compile}, CUDA graphs: {args.cuda_graphs and args.compile and device.type == 'cuda'}, "
             f"parameters: {sum(p.numel() for p in model.parameters()):,}", *size_report(model, args, world_size, device),
             *sampled_softmax_report(Schedule(args))]
@@ -4395,17 +4338,6 @@ def check_fp8_mlp_shapes(hidden: int):
                          "2816 is 176 x 16) or pass --fp8_mlp false")
 
 
-def check_fp8_qkv_shapes(cfg: ModelConfig, micro_tokens: set[int]):
-    """The FP8 QKV projection (--fp8_qkv): cuBLAS' FP8 matmuls take only dimensions divisible by 16, here each
-    attention block's QKV width (heads x (2 d_qk + d_v)) and each stage's micro-batch tokens (the weight gradient's K)."""
-    widths = {cfg.num_heads * (2 * dq + dv) for dq, dv in (cfg.head_widths(i) for i in range(cfg.num_layers))}
-    bad = sorted(n for n in widths | micro_tokens if n % 16)
-    if bad:
-        raise ValueError(f"--fp8_qkv: the FP8 QKV projection's matmuls need its widths (num_heads x (2 d_qk + d_v)) "
-                         f"and the micro-batches' tokens (seq_len, each stage's) divisible by 16, not {bad}: pass "
-                         "--fp8_qkv false")
-
-
 def recompile_limit(schedule: Schedule) -> int:
     """dynamo's limit of graphs per function that this run's planned compiles stay within (fullgraph turns the limit
     into a failure; its default is 8). The model: one graph per stage and mode (training, evaluation), one for the
@@ -4426,13 +4358,11 @@ def build(args: Hyperparameters, device: torch.device, rank: int, world_size: in
     attention backend and LM-head kind chosen for this device; for the run's schedule (default: args')."""
     schedule = Schedule(args) if schedule is None else schedule
     chosen = choose_kernels(device, args.attention, args.compile, args.fp8_head, args.fused_ce, args.fused_mlp,
-                            args.fp8_mlp, args.fused_dc, args.fused_qk_rope, args.fp8_transpose, args.fp8_qkv, log)
+                            args.fp8_mlp, args.fused_dc, args.fused_qk_rope, args.fp8_transpose, log)
     if chosen.fp8_head:
         check_fp8_head_shapes(args.vocab_size, args.model_dim, tuple(row.candidates for row in args.stages))
     if chosen.fp8_mlp:
         check_fp8_mlp_shapes(mlp_width(vars(args)))
-    if chosen.fp8_qkv:
-        check_fp8_qkv_shapes(ModelConfig.from_args(args), {st.spec.seq_len for st in schedule.stages})
     # TF32 tensor cores for the float32 matmuls: DC attention's and CPLM's scores (their bf16 inputs are exact in
     # TF32's 10-bit mantissa; the pointer's query and the DC mix round at 2^-11), no longer on CUDA cores
     if device.type == "cuda":

@@ -768,56 +768,6 @@ def test_mudd_starts_at_its_init_then_each_of_its_weights_changes_the_output_and
     assert g is groups[id(model.mudd_b2)] and g["betas"] == (0.9, 0.99) and g["lr"] == TINY.get("adam_lr", 0.008) * 0.25
 
 
-def test_mudd_head_ten_adds_five_sources_to_the_five_and_weighs_each_channel_group():
-    """mudd_head_ten (ANVIL2's mix before the head): with its new rows and per-group deltas at zero it is the
-    five-source mix, exactly the same model; each source then enters with its weight per token and per 64-channel
-    group, MUDD_SCALE (W2 h + b2 + W2g h); the deltas learn with MUDD's Adam group."""
-    wide = dict(model_dim=2 * tg.MUDD_GROUP, num_heads=4)  # two channel groups
-    five = tiny_model(randomize=True, **wide)
-    ten = tiny_model(mudd_head_ten=True, **wide)
-    missing = ten.load_state_dict(five.state_dict(), strict=False).missing_keys
-    assert missing == ["mudd_w2g"] and ten.mudd_w2g.abs().max() == 0
-    names = ten.head_mix_names()
-    n, G, dim = len(names), 2, 2 * tg.MUDD_GROUP
-    assert names[:5] == list(tg.MUDD_BEFORE_HEAD) and names[5:] == ["value_embed_3", "last_mlp_in", "attn_in"]
-    assert ten.mudd_w2g.shape == (n * G + -(n * G) % 8, tg.MUDD_DIM)
-    rows = slice(tg.MUDD_COEFS + 5, tg.MUDD_COEFS + n)
-    x, y, cu = batch()
-    with torch.no_grad():
-        ten.mudd_w2[rows] = 0  # rows the five-source mix never reads (randomized there)
-        ten.mudd_b2[rows] = 0
-        torch.testing.assert_close(ten(x, y, cu, 128, W3, reduction="none"), five(x, y, cu, 128, W3, reduction="none"))
-        ten.mudd_w2g.normal_(0, 1)
-        ten.mudd_w2[rows] = torch.randn(n - 5, tg.MUDD_DIM)
-        h = torch.randn(128, dim)
-        sources = [torch.randn(128, dim) for _ in range(n)]
-        got = ten.mudd_head_mix(h, sources)
-        hid = torch.nn.functional.gelu(h @ ten.mudd_w1[tg.MUDD_DIM:].T)
-        mu = hid @ ten.mudd_w2[tg.MUDD_COEFS: tg.MUDD_COEFS + n].T + ten.mudd_b2[tg.MUDD_COEFS: tg.MUDD_COEFS + n]
-        want = h.clone()
-        for k, src in enumerate(sources):
-            for grp in range(G):
-                cols = slice(grp * tg.MUDD_GROUP, (grp + 1) * tg.MUDD_GROUP)
-                c = tg.MUDD_SCALE * (mu[:, k] + hid @ ten.mudd_w2g[k * G + grp])
-                want[:, cols] += c[:, None] * src[:, cols]
-        torch.testing.assert_close(got, want)
-        ten.mudd_w2g[(n - 1) * G + 1] += 1  # the attention input's weight in the second group alone
-        moved = ten.mudd_head_mix(h, sources) - got
-        assert moved[:, :tg.MUDD_GROUP].abs().max() == 0 and moved[:, tg.MUDD_GROUP:].abs().max() > 0
-        base = ten(x, y, cu, 128, W3, reduction="none")
-        for k in range(5, n):  # each new source, weighted, changes the model's output
-            ten.mudd_b2[tg.MUDD_COEFS + k] += 3
-            assert not torch.allclose(ten(x, y, cu, 128, W3, reduction="none"), base), names[k]
-            ten.mudd_b2[tg.MUDD_COEFS + k] -= 3
-    ten(x, y, cu, 128, W3).backward()
-    assert ten.mudd_w2g.grad.norm() > 0
-    args = tg.Hyperparameters(**{**TINY, **wide, "mudd_head_ten": True})
-    groups = {id(p): g for g in tg.build_optimizers(ten, args, 0, 1)[0].param_groups for p in g["params"]}
-    assert groups[id(ten.mudd_w2g)] is groups[id(ten.mudd_w1)]
-    with pytest.raises(ValueError, match="mudd_head_ten: weighs channel groups of 64 .model_dim=96"):
-        tg.Hyperparameters(**{**TINY, "mudd_head_ten": True, "model_dim": 96})
-
-
 def brute_force_doc_copy(x: list[int], cu: list[int]) -> tuple[list[int], list[int]]:
     """doc_copy's candidates and buckets by direct search: for each length from the longest, the earlier windows
     of t's document equal to t's last L tokens; the latest one's next token, and 1 + 3 (L's index) + min(count, 3) - 1."""
@@ -901,10 +851,10 @@ def test_doc_copy_gains_gradient_sums_a_buckets_positions_in_float32():
     assert (got - want).abs().max() < 0.01 * want.abs().max()
 
 
-@pytest.mark.parametrize("flags", [dict(doc_copy=True), dict(mudd_head_ten=True, model_dim=128, num_heads=4),
-                                   dict(ngram_normalize=True)], ids=["doc_copy", "mudd_head_ten", "ngram_normalize"])
-def test_the_pending_model_fields_compile_whole_with_the_eager_arithmetic(flags):
-    """torch.compile(fullgraph=True) takes the model with each pending field on (no graph break: the GPU runs
+@pytest.mark.parametrize("flags", [dict(doc_copy=True), dict(ngram_normalize=True)],
+                         ids=["doc_copy", "ngram_normalize"])
+def test_the_copy_feature_and_normalized_hashing_compile_whole_with_the_eager_arithmetic(flags):
+    """torch.compile(fullgraph=True) takes the model with each of these fields on (no graph break: the GPU runs
     compile so), loss and gradients as eager."""
     model = tiny_model(randomize=True, **flags)
     model.set_vocabulary(CASE_FOLDING_VOCAB)  # ngram_normalize's table

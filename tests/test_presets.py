@@ -56,13 +56,6 @@ def test_the_pin_notices_a_changed_stage(monkeypatch):
 RUN_CONTROL = {"seed", "plan", "peak_tflops", "save_every", "markov_corpus", "max_num_docs"}
 # techniques added off, waiting on GPU runs to be adopted into a preset or deleted (each names what decides it)
 PENDING_ADOPTION: set[str] = {
-    # ANVIL2's ten-source, per-channel-group MUDD mix before the head: decided by 3 paired seeds on the proxy under the
-    # rule (the record preset with --mudd_head_ten true against it without) and the record step with it and without
-    "mudd_head_ten",
-    # ANVIL2's FP8 QKV (kernels.FP8Linear): on the proxy at 680 steps +0.0007 +- 0.0015, 3 seeds paired (one H200,
-    # 2026-12-03, bench/results/confirm720_h200_20261203d.md); decided by the record step on one H200 with it and
-    # without (bench/step_time.py --fp8_qkv true / false, FA4, graph runners on)
-    "fp8_qkv",
     # Muon's collectives in bf16 (the float32 matrices kept by their owner): decided on two GPUs at the 8-GPU record's
     # per-GPU shape (bench/comm_time.py, exposed moving data with it and without) and 80 same-seed steps there
     "muon_bf16_comm",
