@@ -253,7 +253,9 @@ class Hyperparameters:
     # tokens, 0.886x the step on one H200 (bench/results/learning_decisions.md). Learning rates x 1 in every stage:
     # x 1.3 (the public line's 1.52 / 1.73 at 262K / 393K tokens a step) beat 1 on the proxy with full-width heads,
     # but with the narrow heads at 840 steps it ended +0.016 above full heads at 1.3 (3 seeds, 2026-11-30), where the
-    # narrow heads at 1 had equalled full heads at 1. Documents cut at 896 / 2,048 / 4,096 tokens (the extension keeps
+    # narrow heads at 1 had equalled full heads at 1; at 689 steps x 1.15 +0.0079 +- 0.0129, x 0.87 +0.0015 +- 0.0036
+    # and a 30-step extension instead of 20 +0.0009 +- 0.0021 (3 seeds, 2026-12-03: bench/results/
+    # plan689_h200_20261203f.md). Documents cut at 896 / 2,048 / 4,096 tokens (the extension keeps
     # the last); ANVIL2's sequence caps (its README) are 896 / 2,048 / 3,072. On the proxy the 3,072 cut against 2,048
     # ended -0.0080 +- 0.0024 at 760 steps (seeds 3-5), the master's loss at 0.815 of its tokens against 0.832 (one
     # H200, 2026-12-02: bench/results/step_count_h200_20261201.md); 4,096 against 3,072 at 680 steps -0.0044 +-
@@ -326,7 +328,8 @@ class Hyperparameters:
     muon_bf16_comm: bool = False  # block matrices at bf16 values on every rank, the float32 ones kept by their owner's Muon: reduce-scatters and all-gathers in bf16, half the bytes (the public master's bf16 banks and their mantissa state)
     # NorMuon's normalization fused: 53.5 against 54.4 ms a step at the 8-GPU record's per-GPU shape on two H200s
     # (bench/results/comm_gate_h200x2_20261201.md); on the proxy at 680 steps +0.0002 +- 0.0018, 3 seeds paired (one
-    # H200, bench/results/confirm720_h200_20261203d.md); one GPU's step not timed with it apart
+    # H200, bench/results/confirm720_h200_20261203d.md); the record step on one H200 1.00x (409.3 against 410.0 / 410.1
+    # ms, varlen, window 11: the GPU, not the host, bounds it there; bench/results/plan689_h200_20261203f.md)
     muon_fused_normuon: bool = True  # NorMuon's neuron normalization compiled into the orthogonalization's graph (normuon_orthogonalize): a Muon group's normalization, a dozen eager launches, goes into the one graph; the same arithmetic up to the fused graph's rounding
     # at the 8-GPU record's per-GPU shape on two H200s: 54.4 against 57.0 ms a step, in turns in one process, 3 times; bench/results/comm_gate_h200x2_20261201.md
     ngram_plan_ahead: bool = True  # a sharded n-gram table's pulls and flushes planned one micro-batch ahead (GPT.plan_pull_ahead): the distinct rows and the owners' counts found on a side stream over a group of their own while the GPU runs the micro-batch before, so neither waits on a host sync in the step's path (ANVIL2 swaps its counts off the GPU's queue too)
