@@ -9,10 +9,12 @@ line of tokens trained. A run whose last validation comes before its label's ste
 left out, with a warning.
 
     python bench/pair_tables.py results/a_table.md results/b_table.md [...] --base record [--target 2.6709] \
-        [--tie n760,n840 --tie b16n760,b16] [--public_finals 0:2.6704,1:2.6700,2:2.6677 --public_tokens 21176320]
+        [--tie n760,n840 --tie b16n760,b16] [--public_finals 0:2.6704,1:2.6700,2:2.6677 --public_tokens 21176320] \
+        [--finals n720@17694720=0:2.6509,1:2.6452]
 
 --public_finals stands in for the public code's runs where a page quotes their finals but no table of them is kept:
-each seed's final loss, at --public_tokens trained tokens (the public schedule's under the harness's rule).
+each seed's final loss, at --public_tokens trained tokens (the public schedule's under the harness's rule). --finals
+does the same for a label of ours (repeatable): LABEL@TOKENS=SEED:LOSS,..., e.g. p680@16711680=0:2.6671,1:2.6621.
 
 The base defaults to the first label found. Runs of one name in two files must agree (the same run): otherwise the
 later file's runs of that name are left out, with a warning."""
@@ -26,6 +28,12 @@ from side_by_side import finals_table, tie_table  # noqa: E402
 
 COLUMN = re.compile(r"^(?P<label>.+) seed (?P<seed>\d+)$")
 TRAINED = re.compile(r"(?:^|; )(?P<label>[^:;]+): (?P<steps>\d+) steps, (?P<tokens>[\d,]+) tokens trained")
+FINALS = re.compile(r"^(?P<label>[^@=]+)@(?P<tokens>\d+)=(?P<pairs>.+)$")
+
+
+def seed_losses(text: str) -> dict[int, float]:
+    """{seed: final loss} from SEED:LOSS pairs, e.g. 0:2.6704,1:2.6700 (ValueError if malformed)."""
+    return {int(seed): float(loss) for seed, loss in (item.split(":") for item in text.split(","))}
 
 
 def data_line(path: Path) -> dict[str, tuple[int, int]]:
@@ -96,6 +104,9 @@ def main():
     parser.add_argument("--public_finals", metavar="SEED:LOSS,...",
                         help="the public code's final losses by seed, from a page, where no table holds its runs")
     parser.add_argument("--public_tokens", type=int, help="with --public_finals: the tokens those runs trained")
+    parser.add_argument("--finals", action="append", default=[], metavar="LABEL@TOKENS=SEED:LOSS,...",
+                        help="a label of ours whose finals a page quotes, where no table holds its runs: their "
+                             "trained tokens and each seed's final loss (repeatable)")
     a = parser.parse_args()
     results: dict[str, dict[int, tuple]] = {}
     tokens: dict[str, int] = {}
@@ -103,12 +114,25 @@ def main():
         if not a.public_tokens:
             parser.error("--public_finals needs --public_tokens (the public runs' trained tokens)")
         try:
-            finals = {int(seed): float(loss) for seed, loss in (item.split(":") for item in a.public_finals.split(","))}
+            finals = seed_losses(a.public_finals)
         except ValueError:
             parser.error(f"--public_finals {a.public_finals}: expected SEED:LOSS pairs, e.g. 0:2.6704,1:2.6700")
         # one validation, the final one, at an arbitrary step: the tables' public runs would say which
         results.update({f"public master seed {seed}": {1: (loss, 0.0)} for seed, loss in finals.items()})
         tokens["public master"] = a.public_tokens
+    quoted = set()  # the labels --finals gives
+    for item in a.finals:
+        m = FINALS.match(item)
+        try:
+            finals = seed_losses(m["pairs"]) if m else None
+        except ValueError:
+            finals = None
+        if not finals or m["label"].startswith("public") or m["label"] in quoted:
+            parser.error(f"--finals {item}: expected LABEL@TOKENS=SEED:LOSS,... once per label of ours, e.g. "
+                         "p680@16711680=0:2.6671,1:2.6621")
+        quoted.add(m["label"])
+        results.update({f"{m['label']} seed {seed}": {1: (loss, 0.0)} for seed, loss in finals.items()})
+        tokens[m["label"]] = int(m["tokens"])
     for path in a.tables:
         planned = data_line(path)
         for label, (_, n) in planned.items():
@@ -121,6 +145,8 @@ def main():
                 continue
             if a.public_finals and name.startswith("public"):
                 parser.error(f"{path} holds the public code's runs ({name}): leave out --public_finals")
+            if COLUMN.match(name)["label"] in quoted:
+                parser.error(f"{path} holds runs of {name}: leave its label out of --finals")
             if name in results and results[name] != by_step:
                 print(f"warning: {path}: {name!r} differs from the run of that name read before; left out",
                       file=sys.stderr)

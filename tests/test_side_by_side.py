@@ -1113,6 +1113,20 @@ def test_pair_tables_ties_one_recipe_at_two_lengths_from_two_jobs_with_the_publi
     out = capsys.readouterr().out
     assert "| short / long | 0 | 2.6000 | 1,300 (0.650) |" in out and "| short / long | 1 | 2.6100 | 1,270 (0.635) |" in out
     assert "| public master | 2 | 2.6050 +- " in out  # paired with short's finals too
+    # the long runs' finals as a page quotes them too (--finals): the same ties from one table
+    sys.argv = ["pair_tables.py", str(third), "--base", "short", "--tie", "short,long", "--public_finals",
+                "0:2.60,1:2.61", "--public_tokens", "2000", "--finals", "long@1600=0:2.50,1:2.50"]
+    pt.main()
+    out = capsys.readouterr().out
+    assert "| short / long | 0 | 2.6000 | 1,300 (0.650) |" in out
+    assert "| short / long | 1 | 2.6100 | 1,270 (0.635) |" in out
+    assert "| long | 2 | 2.5000 +- 0.0000 | -0.2000 +- 0.0000 (2) |" in out
+    for finals, says in (("long=0:2.5", "expected LABEL@TOKENS=SEED:LOSS"), ("long@1600=0:x", "expected LABEL@TOKENS"),
+                         ("short@1000=0:2.7", "holds runs of short seed")):
+        sys.argv = ["pair_tables.py", str(third), "--finals", finals]
+        with pytest.raises(SystemExit):
+            pt.main()
+        assert says in capsys.readouterr().err
     for extra, says in ((["--public_tokens", "2000"], "holds the public code's runs"), ([], "needs --public_tokens")):
         sys.argv = ["pair_tables.py", str(first), "--public_finals", "0:2.60", *extra]
         with pytest.raises(SystemExit):
