@@ -110,6 +110,12 @@ def main():
     a = parser.parse_args()
     results: dict[str, dict[int, tuple]] = {}
     tokens: dict[str, int] = {}
+
+    def add_finals(label: str, finals: dict[int, float], trained: int):
+        """Runs a page quotes: one validation each, the final one, at an arbitrary step (a table would say which)."""
+        results.update({f"{label} seed {seed}": {1: (loss, 0.0)} for seed, loss in finals.items()})
+        tokens[label] = trained
+
     if a.public_finals:
         if not a.public_tokens:
             parser.error("--public_finals needs --public_tokens (the public runs' trained tokens)")
@@ -117,9 +123,7 @@ def main():
             finals = seed_losses(a.public_finals)
         except ValueError:
             parser.error(f"--public_finals {a.public_finals}: expected SEED:LOSS pairs, e.g. 0:2.6704,1:2.6700")
-        # one validation, the final one, at an arbitrary step: the tables' public runs would say which
-        results.update({f"public master seed {seed}": {1: (loss, 0.0)} for seed, loss in finals.items()})
-        tokens["public master"] = a.public_tokens
+        add_finals("public master", finals, a.public_tokens)
     quoted = set()  # the labels --finals gives
     for item in a.finals:
         m = FINALS.match(item)
@@ -131,8 +135,7 @@ def main():
             parser.error(f"--finals {item}: expected LABEL@TOKENS=SEED:LOSS,... once per label of ours, e.g. "
                          "p680@16711680=0:2.6671,1:2.6621")
         quoted.add(m["label"])
-        results.update({f"{m['label']} seed {seed}": {1: (loss, 0.0)} for seed, loss in finals.items()})
-        tokens[m["label"]] = int(m["tokens"])
+        add_finals(m["label"], finals, int(m["tokens"]))
     for path in a.tables:
         planned = data_line(path)
         for label, (_, n) in planned.items():
