@@ -247,10 +247,10 @@ class Hyperparameters:
     skip_from: int = 3  # one skip from this block's output into the first attention-less block (or skip_into)
     skip_into: int = 6  # the attention-less block the skip goes into; 0 = the first one: the record's 6 is ANVIL2's (record #92, 08/30/26; before it 0, block 6 being the only one)
     # schedule: the stages in order (rows of Stage, above), sharing the scheduled steps, then extension_steps more.
-    # Three equal stages at batch_size with 3 / 7 / 11-block windows, short documents in the first (02/10/26),
+    # Three stages of equal steps with 3 / 7 / 11-block windows, short documents in the first (02/10/26),
     # multi-token prediction (12/22/25), the prefix-token loss (07/13/26) and ANVIL2's sampled softmax (08/30/26: the
     # head's rows a micro-batch of 49,152 tokens; full from full_softmax_from); on the proxy +0.0090 +- 0.0073 at equal
-    # tokens, 0.886x the step on one H200 (bench/results/learning_decisions.md). Learning rates x 1 in every stage:
+    # tokens, 0.886x the step on one H200 (bench/results/learning_decisions.md). Learning rates x 1 in stages 2-3:
     # x 1.3 (the public line's 1.52 / 1.73 at 262K / 393K tokens a step) beat 1 on the proxy with full-width heads,
     # but with the narrow heads at 840 steps it ended +0.016 above full heads at 1.3 (3 seeds, 2026-11-30), where the
     # narrow heads at 1 had equalled full heads at 1; at 689 steps x 1.15 +0.0079 +- 0.0129, x 0.87 +0.0015 +- 0.0036
@@ -262,11 +262,17 @@ class Hyperparameters:
     # 0.0035 and -0.0034 +- 0.0029 (two sessions, lower in all 6 runs), the master's loss at 0.780 of its tokens
     # against 0.789, its stage-3 and extension steps 1.003-1.005x the 3,072 cut's (one H200, 2026-12-03, one run
     # each: bench/results/tie_h200_20261203c.md)
+    # Stage 1 at ANVIL2's smaller batch, 262,144 tokens (2/3 of the others'), at the public line's rate for it: x
+    # 0.8786 = 1.52 / 1.73, its multipliers at 262K / 393K tokens a step. On the proxy at 773 steps (the 689 steps'
+    # tokens), against the master's finals: -0.0141 +- 0.0126 (seeds 0-2), -0.0201 +- 0.0121 (3-5); against the
+    # equal-batch stages at equal tokens lower in all 6 seeds, the master's loss at 0.762 of its tokens against 0.780;
+    # its step (varlen, one H200) 0.994x stage 2's time a token, where the equal-batch stage 1 ran 0.980x (FA4)
+    # (one H200, 2026-12-03: bench/results/b16_h200_20261203g.md)
     stages: tuple[Stage, ...] = (  # the schedule table: batch, document cut, window, lr, MTP per stage
-        #     window  documents cut at  lr       targets t+2, t+3  prefix-token weight  sampled softmax's rows
-        Stage(3,      doc_len=896,      lr=1.0,  mtp=(0.5, 0.25),  prefix=0.25,         candidates=16384),
-        Stage(7,      doc_len=2048,     lr=1.0,  mtp=(0.5, 0.0),   prefix=0.25,         candidates=14336),
-        Stage(11,     doc_len=4096,     lr=1.0,  mtp=(0.0, 0.0),   prefix=0.0,          candidates=12288))
+        #     window  batch         documents cut at  lr          targets t+2, t+3  prefix-token weight  sampled rows
+        Stage(3,      batch=262144, doc_len=896,      lr=0.8786,  mtp=(0.5, 0.25),  prefix=0.25,   candidates=16384),
+        Stage(7,                    doc_len=2048,     lr=1.0,     mtp=(0.5, 0.0),   prefix=0.25,   candidates=14336),
+        Stage(11,                   doc_len=4096,     lr=1.0,     mtp=(0.0, 0.0),   prefix=0.0,    candidates=12288))
     extension_steps: int = 20  # last steps, after the cooldown: final learning rate, long window extension_window (09/21/25)
     extension_window: int = 13  # long window of the extension, in blocks
     # Tied for the three stages, untied for the extension, as ANVIL2 (record #92) unties at its extension's start: on
@@ -298,8 +304,10 @@ class Hyperparameters:
     # With the even n-gram split and the 4,096 cut, 720 steps, 283.1M tokens (0.836 of #89's): -0.0196 +- 0.0128
     # (seeds 0-2; 700 interpolated -0.0115 +- 0.0118, over zero; bench/results/tie_h200_20261203c.md), confirmed on
     # seeds 3-5: -0.0237 +- 0.0094, lower in every seed (one H200, 2026-12-03:
-    # bench/results/confirm720_h200_20261203d.md)
-    num_iterations: int = 720  # training steps, extension_steps included: chosen on the proxy against the public master (740 before the even n-gram split and the 4,096 cut, 760 before the embedding tied for three stages, 840 before the copy feature, 776 before ANVIL2's architecture)
+    # bench/results/confirm720_h200_20261203d.md). With stage 1 at 262,144 tokens a step (stages), 773 steps,
+    # 270.9M tokens (0.800 of #89's), the step count fixed beforehand by --plan's 271M line: -0.0141 +- 0.0126
+    # (seeds 0-2), confirmed on seeds 3-5: -0.0201 +- 0.0121 (one H200, 2026-12-03: bench/results/b16_h200_20261203g.md)
+    num_iterations: int = 773  # training steps, extension_steps included: chosen on the proxy against the public master (720 before the smaller first stage, 740 before the even n-gram split and the 4,096 cut, 760 before the embedding tied for three stages, 840 before the copy feature, 776 before ANVIL2's architecture)
     # The public master decays over 0.6 of its 1270 + 15 steps to 0.15 (02/10/26); ANVIL2 (record #92, 08/30/26) over
     # 0.8 to 0.2. ANVIL2's shape against our 0.7 to 0.15, 3 paired seeds on the proxy: -0.0028 +- 0.0030 at 776 steps,
     # -0.0054 +- 0.0011 at 840, lower in every seed (bench/results/preset_h200_20261129g.md)
@@ -447,7 +455,8 @@ class Hyperparameters:
                                  "doc_len >= 0 (0: batch_size, max_doc_len), lr a positive number, prefix >= 0")
             if row.batch and (row.batch % micro or row.batch // micro > h.seq_len):
                 raise ValueError(f"stage {i}: batch={row.batch} must split into batch_size/seq_len={micro} "
-                                 f"micro-batches of at most seq_len={h.seq_len} tokens")
+                                 f"micro-batches of at most seq_len={h.seq_len} tokens: give stage batches that do "
+                                 "(--batch_schedule, one per stage; 0 is batch_size)")
         if h.extension_steps < 0 or (h.extension_steps > 0) != (h.extension_window > 0):
             raise ValueError(f"extension_steps={h.extension_steps} and extension_window={h.extension_window}: both "
                              "zero (no extension), or a number of steps and a long window in blocks")
@@ -661,8 +670,9 @@ PRESETS = {  # name: (what it is, the fields it sets)
                "maps, NorMuon's neuron normalization, cautious decay 2.25), Adam every second step, "
                "multi-token and prefix-token losses, the embedding tied for the three stages (untied for the "
                "extension, as ANVIL2), documents cut at 896 / 2,048 / 4,096 tokens by stage (ANVIL2's caps with "
-               "its 3,072 raised), 720 steps (on the proxy 0.020 below the public master's final loss, 3 seeds; "
-               "0.024 on 3 more) with a 20-step extension, ANVIL2's cooldown over 0.8 of the steps to 0.2; plus "
+               "its 3,072 raised), stage 1 at ANVIL2's 262,144 tokens a step, 773 steps (on the proxy 0.014 below "
+               "the public master's final loss, 3 seeds; 0.020 on 3 more) with a 20-step extension, ANVIL2's "
+               "cooldown over 0.8 of the steps to 0.2; plus "
                "the copy-pointer mixture of public pull request 379 (CPLM) and the document-local copy feature of "
                "public pull request 378; with our fused ReLU² MLP (FP8 forward "
                "and backward) and soft-capped cross-entropy kernels, and Inductor's C++ wrapper: the dataclass "
@@ -673,11 +683,12 @@ PRESETS = {  # name: (what it is, the fields it sets)
               "hashing over normalized ids (both over GPT-2's tokens) and ANVIL2's 11-block layout (here one "
               "attention-less block, none removed, no second MLP, every block's injections, after its attention as "
               "the record's); a checkpoint every 50 steps, for `python sample.py latest`", SMOKE),
-    "single": ("the record on one GPU with 32-80 GB: micro-batches of 16K tokens, 24 accumulation steps, the same "
-               "global batch; the n-gram table at 5.0M rows (2.5M bigram + 2.5M trigram, the size of the proxy runs): "
-               "14.0 GiB (--plan) of the ~25 GiB the run estimates at start (every stage's peak 27.0 GiB "
-               "allocated on one H200 capped at 80 GiB, FA4, 2026-12-03)",
-               dict(seq_len=16384, bigram_rows=2_500_000, trigram_rows=2_500_000)),
+    "single": ("the record on one GPU with 32-80 GB: 32 micro-batches of 12K tokens (8K in stage 1), the same "
+               "global batches; the n-gram table at 5.0M rows (2.5M bigram + 2.5M trigram, the size of the proxy "
+               "runs): 14.0 GiB (--plan) of the run's estimate at start (at 24 micro-batches of 16K, before the "
+               "smaller first stage: every stage's peak 27.0 GiB allocated on one H200 capped at 80 GiB, FA4, "
+               "2026-12-03)",
+               dict(seq_len=12288, bigram_rows=2_500_000, trigram_rows=2_500_000)),
     "medium": ("the record model at GPT-2-medium size (24 blocks x 1024, 16 heads of 64), an untuned start: the "
                "record's learning rates, its block layout before ANVIL2's stretched to 24 blocks (one attention-less "
                "block, none removed, no second MLP, every block's injections, MLPs 4 x 1024), the injections after "

@@ -193,7 +193,7 @@ def test_command_line_overrides_every_kind_of_field():
                           "--run_id", "abc", "--lr_schedule", "1,1.5", "--xsa_blocks", "1,3"])
     assert (args.num_iterations, args.compile, args.stages, args.muon_lr, args.run_id) == \
         (100, False, (tg.Stage(1, lr=1.0), tg.Stage(2, lr=1.5)), 0.1, "abc")  # a new length: new rows
-    assert (args.window_pattern, args.xsa_blocks, args.seq_len, args.preset) == ("SLSSSSSSSSL", (1, 3), 16384, "single")
+    assert (args.window_pattern, args.xsa_blocks, args.seq_len, args.preset) == ("SLSSSSSSSSL", (1, 3), 12288, "single")
     assert (args.narrow_qk_blocks, args.narrow_v_blocks) == ((0, 2, 5, 8), (8,))
     table = tg.parse_args(["--stages", "window=3,batch=131072,doc_len=896,mtp=0.5/0.25;window=7,lr=1.52,mtp=0/0,share=2"])
     assert table.stages == (tg.Stage(3, batch=131072, doc_len=896, mtp=(0.5, 0.25)), tg.Stage(7, lr=1.52, mtp=(0, 0), share=2))

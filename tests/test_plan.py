@@ -12,17 +12,20 @@ RECORD_SHAPES = [(49152, 896, 3), (49152, 2048, 7), (49152, 4096, 11), (49152, 4
 CUT_2048 = ["--doc_len_schedule", "896,2048,2048"]
 SHAPES_2048 = [(tokens, min(cut, 2048), window) for tokens, cut, window in RECORD_SHAPES]
 RECORD_CANDIDATES = (16384, 14336, 12288)  # the sampled softmax's rows in stages 1-3 (full from step 664)
-FULL = ["--full_softmax_from", "0"]  # the record preset with the full softmax throughout
+# the record's schedule before stage 1's smaller batch (2026-12-03), the one every measured row was timed in: 720
+# steps, every stage at batch_size and lr x 1
+EQUAL = ["--batch_schedule", "0,0,0", "--lr_schedule", "1,1,1", "--num_iterations", "720"]
+FULL = [*EQUAL, "--full_softmax_from", "0"]  # that schedule with the full softmax throughout
 # the record's model before ANVIL2's architecture, the one its one-GPU H100 rows and four-GPU H200 rows were timed on
 # (MEASURED_MODEL: BEFORE_ANVIL2's fields, narrow heads off; its injection order is no longer built); 776 steps
 MEASURED = ["--skip_layers", "", "--no_attn_layers", "6", "--skip_into", "0", "--xsa_blocks", "1,3,4,7",
             "--paired_head_blocks", "0,2,5,9", "--value_embed_blocks", "1,2,8,9,10", "--parallel_mlp_blocks", "",
             "--mlp_hidden", "0", "--no_x0_blocks", "", "--no_ngram_blocks", "", "--no_resid_scale_blocks", "",
             "--narrow_qk_blocks", "", "--narrow_v_blocks", "", "--num_iterations", "776", "--doc_copy", "false",
-            "--tied_embed_stages", "2", "--bigram_rows", "377280", "--trigram_rows", "0"]
+            "--tied_embed_stages", "2", "--bigram_rows", "377280", "--trigram_rows", "0", *EQUAL[:4]]
 # the n-gram table's split before the even one (2026-12-03), which the one-GPU H200 rows before it were timed with
 OLD_SPLIT = ["--bigram_rows", "377280", "--trigram_rows", "20773440"]
-STEPS = [234, 234, 232, 20]  # the record's 720 steps by stage: 234 / 234 / 232, the extension's 20
+STEPS = [234, 234, 232, 20]  # EQUAL's 720 steps by stage: 234 / 234 / 232, the extension's 20
 # the same steps by softmax: stages 1-2 and stage 3's first 196 sampled (to step 664), stage 3's last 36 and the
 # extension's full
 S1, S2, S3_SAMPLED, S3_FULL, EXT = *STEPS[:2], 196, STEPS[2] - 196, STEPS[3]
@@ -54,12 +57,19 @@ def test_plan_prints_the_record_schedule_and_exits_without_a_gpu_or_a_log(no_gpu
     out = capsys.readouterr().out
     rows = stage_rows(out)
     assert list(rows) == ["1", "2", "3", "ext"]
-    # steps, batch, micro-batches on 1 / 8 GPUs, micro tokens, document cut, windows, lr, tokens
-    assert rows["1"][1:11] == ["0-233", "393,216", "8", "/", "1", "49,152", "896", "384/128", "1", "92,012,544"]
-    assert rows["3"][1] == "468-699" and rows["3"][8] == "1408/640"
-    assert rows["ext"][1] == "700-719" and rows["ext"][8] == "1664/768"  # step 720 is the final validation only
-    assert f"trained tokens: {720 * 393216:,}" in out
-    assert 720 * 393216 <= 338_800_000  # the record's budget: at most public record #89's 338.8M tokens
+    # steps, batch, micro-batches on 1 / 8 GPUs, micro tokens, document cut, windows, lr, tokens: stage 1 at 2/3 of
+    # the batch (its micro-batches shorter) and the public line's rate there, 1.52 / 1.73
+    assert rows["1"][1:11] == ["0-251", "262,144", "8", "/", "1", "32,768", "896", "384/128", "0.8786",
+                               f"{252 * 262144:,}"]
+    assert rows["2"][1:3] == ["252-502", "393,216"] and rows["2"][9] == "1"
+    assert rows["3"][1] == "503-752" and rows["3"][8] == "1408/640"
+    assert rows["ext"][1] == "753-772" and rows["ext"][8] == "1664/768"  # step 773 is the final validation only
+    tokens = 252 * 262144 + (251 + 250 + 20) * 393216  # 252 / 251 / 250 steps, the extension's 20
+    assert f"trained tokens: {tokens:,}" in out and tokens == 270_925_824
+    assert tokens <= 0.80 * 338_800_000  # issue 64's line: at most 0.80 of public record #89's 338.8M tokens
+    # stage 1's shape has no H200 row: the plan leaves it unmeasured (never interpolated) and projects nothing
+    assert rows["1"][-3:] == ["-", "-", "-"] and rows["2"][-3] != "-"
+    assert line_of(out.splitlines(), "projected time:").startswith("projected time: incomplete, stage(s) 1 not in")
     assert not list(tmp_path.iterdir())  # no log, no checkpoint folder
     # the H200 rows (--plan_gpu's default) are of the record's present model: no line says the model differs; given
     # the n-gram split before the even one, the plan says so, naming the split's fields
@@ -139,7 +149,8 @@ def test_plan_counts_the_models_mlp_width_and_says_the_step_times_are_the_measur
         "2, 5, 8), narrow_v_blocks (1, 8), doc_copy True, tied_embed_stages 3")
     # MEASURED is that model, field for field (its injection order aside), and the rows of it are H100's and 4 x H200's
     fields = {k: v for k, v in tg.BEFORE_ANVIL2.items() if k != "injections"}
-    assert tg.parse_args(MEASURED) == tg.Hyperparameters(**fields, num_iterations=776)
+    assert tg.parse_args(MEASURED) == tg.Hyperparameters(**fields, num_iterations=776,
+                                                         stages=tg.parse_args(EQUAL).stages)
     assert tg.MEASURED_MODEL == {("record", "H100", 1): tg.BEFORE_ANVIL2, ("record", "H200", 4): tg.BEFORE_ANVIL2}
 
 
@@ -172,12 +183,13 @@ def test_plan_says_which_stages_are_unmeasured_rather_than_guessing(no_gpu, monk
     medium = tg.Schedule(tg.parse_args(["--preset", "medium", "--seq_len", "49152"]))
     other = stage_rows("\n".join(tg.schedule_plan(medium)))
     assert all(row[-2:] == ["-", "-"] for row in other.values())
-    # 24 micro-batches a step (the single preset) is not the measured one-micro-batch-per-GPU case on 8 GPUs
-    monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H100", "single", 16384, *shape[1:]): 2.0 for shape in RECORD_SHAPES})
+    # 32 micro-batches a step (the single preset) is not the measured one-micro-batch-per-GPU case on 8 GPUs
+    monkeypatch.setattr(tg, "STEP_US_PER_TOKEN",
+                        {("H100", "single", 12288, *shape[1:]): 2.0 for shape in RECORD_SHAPES})
     single = tg.schedule_plan(tg.Schedule(tg.parse_args(["--preset", "single", "--plan_gpu", "H100", *FULL])))
     assert all(row[-2] != "-" and row[-1] == "-" for row in stage_rows("\n".join(single)).values())
     assert line_of(single, "projected time:").endswith(
-        "8 GPUs not projected: record #89's 8/1-GPU ratio is measured at one micro-batch per GPU, not 3")
+        "8 GPUs not projected: record #89's 8/1-GPU ratio is measured at one micro-batch per GPU, not 4")
 
 
 def test_plan_follows_the_schedule_flags_with_staged_batches_and_an_extension(no_gpu):
@@ -209,7 +221,7 @@ MASTER_H200_MS = (295.5, 409.5, 606.0, 604.5)
 def test_the_record_presets_stages_split_at_the_switch_to_the_full_softmax():
     """720 steps, the full softmax from round(0.922 x 720) = 664: stage 3 (steps 468-699) samples 196 steps and
     trains 36 with the full softmax; the extension (700-719) is full although its row carries stage 3's candidates."""
-    schedule = tg.Schedule(tg.parse_args([]))
+    schedule = tg.Schedule(tg.parse_args(EQUAL))
     assert schedule.full_softmax == 664 and schedule.stages[2].start == 468 and schedule.stages[3].start == 700
     assert [tg.softmax_steps(schedule, st) for st in schedule.stages] == [(S1, 0), (S2, 0), (S3_SAMPLED, S3_FULL),
                                                                            (0, EXT)]
@@ -240,7 +252,7 @@ def test_the_h200_tables_hold_the_measured_step_times_and_give_the_masters_564_s
     r, t = (ours_s / ours_tokens) / (master_s / master_tokens), ours_s / master_s * 73.8
     assert ours_tokens == 283_115_520 and ours_s == pytest.approx(270.14, abs=0.05)
     assert r == pytest.approx(0.573, abs=1e-3) and t == pytest.approx(35.3, abs=0.05)
-    lines = tg.schedule_plan(tg.Schedule(tg.parse_args([])))  # the record; H200: --plan_gpu's default
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(EQUAL)))  # H200: --plan_gpu's default
     m = re.match(r"vs public master \(H200, .*\): per-token (\d\.\d\d\d)x, projected 8xH100 (\d+\.\d) s \(ours "
                  r"(\d+\.\d) s / its (\d+\.\d) s", line_of(lines, "vs public master"))
     assert m, line_of(lines, "vs public master")
@@ -302,7 +314,7 @@ def test_a_stage_split_by_the_switch_is_priced_as_the_weighted_sum_and_a_missing
                for shape, c, us in zip(RECORD_SHAPES, RECORD_CANDIDATES, (1.0, 1.5, 2.0))}  # stages 1-3
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", full)
     monkeypatch.setattr(tg, "SAMPLED_US_PER_TOKEN", sampled)
-    args = tg.parse_args(["--plan_gpu", "H100"])
+    args = tg.parse_args(["--plan_gpu", "H100", *EQUAL])
     lines = tg.schedule_plan(tg.Schedule(args))
     rows = stage_rows("\n".join(lines))
     seconds = [S1 * 1.0, S2 * 1.5, S3_SAMPLED * 2.0 + S3_FULL * 3.0, EXT * 3.5]  # x 393,216 tokens x 1e-6
@@ -328,7 +340,7 @@ def test_a_stage_split_by_the_switch_is_priced_as_the_weighted_sum_and_a_missing
     assert line_of(h100, "projected time:").startswith("projected time: incomplete, stage(s) 1, 2, 3 not in")
 
 
-@pytest.mark.parametrize("kind, flags", [("H100", [*FULL, *CUT_2048]), ("H200", [])])  # H100: full softmax, 2,048
+@pytest.mark.parametrize("kind, flags", [("H100", [*FULL, *CUT_2048]), ("H200", EQUAL)])  # H100: full softmax, 2,048
 def test_plan_prints_one_line_against_the_public_master_for_each_kind(no_gpu, capsys, kind, flags):
     assert tg.main(["--plan", "--plan_gpu", kind, *flags]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -373,7 +385,7 @@ def test_plan_gives_the_schedules_time_from_the_steps_measured_on_four_h200s(no_
     seconds = sum(n * ms for n, ms in zip([253, 252, 251, 20], FOUR_H200_MS)) / 1000
     source = "four H200s of one host, 2026-11-28 (bench/results/x4_h200_20261128b.md)"
     old = "--preset record's model before its present one (MEASURED_MODEL)"
-    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *MEASURED, *FULL, *CUT_2048])))
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *FULL, *MEASURED, *CUT_2048])))
     m = re.fullmatch(rf"measured on 4 x H200: (\d+\.\d) s \(each stage's 4-GPU step time\); {re.escape(old)}, not "
                      rf"this run's \(it differs in injections\); {re.escape(source)}", line_of(lines, "measured on"))
     assert m and float(m[1]) == pytest.approx(seconds, abs=0.1)
@@ -385,7 +397,7 @@ def test_plan_gives_the_schedules_time_from_the_steps_measured_on_four_h200s(no_
                            f"injections); {source}")
     # one-GPU rows at every shape: no share while they and the four-GPU rows are of two models; with both of one, it
     monkeypatch.setattr(tg, "STEP_US_PER_TOKEN", {("H200", "record", *shape): 1.5 for shape in SHAPES_2048})
-    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *MEASURED, *FULL, *CUT_2048])))
+    lines = tg.schedule_plan(tg.Schedule(tg.parse_args(["--plan_gpu", "H200", *FULL, *MEASURED, *CUT_2048])))
     assert line_of(lines, "projected time:").startswith("projected time: 1 x H200 ")
     assert "of one GPU's" not in line_of(lines, "measured on")
     monkeypatch.setattr(tg, "MEASURED_MODEL", {})  # as if the four-GPU rows were of the record's present model

@@ -26,9 +26,11 @@ def test_presets_set_their_configuration_and_fields_still_override():
     assert (record.logit_softcap, record.backout_layer, record.skip_from, record.num_layers) == (23.0, 7, 3, 11)
     assert tg.parse_args(["--preset", "record", "--backout_layer", "5"]).backout_layer == 5
     single = tg.parse_args(["--preset", "single"])
-    assert single.batch_size == tg.Hyperparameters().batch_size and single.batch_size // single.seq_len == 24
-    # and a quarter of the record's n-gram table: 5.0M rows (the proxy's size), ~25 GiB in all on one GPU
-    assert single == dataclasses.replace(record, preset="single", seq_len=16384, bigram_rows=2_500_000,
+    assert single.batch_size == tg.Hyperparameters().batch_size and single.batch_size // single.seq_len == 32
+    # 32 micro-batches split stage 1's 262,144 tokens too (8,192 each; 24 would not), and a quarter of the record's
+    # n-gram table: 5.0M rows (the proxy's size)
+    assert [st.spec.seq_len for st in tg.Schedule(single).stages] == [8192, 12288, 12288, 12288]
+    assert single == dataclasses.replace(record, preset="single", seq_len=12288, bigram_rows=2_500_000,
                                          trigram_rows=2_500_000)
     medium = tg.parse_args(["--preset", "medium", "--num_iterations", "700"])  # above the record's 20 extension steps
     assert (medium.num_layers, medium.model_dim, medium.num_heads, medium.num_iterations) == (24, 1024, 16, 700)
@@ -69,7 +71,7 @@ def _hand_countable_model(**overrides):
         no_attn_layers=(2,), window_pattern="LSSL", value_embed_blocks=(1, 3), paired_head_blocks=(), xsa_blocks=(),
         backout_layer=2, skip_from=1, bigram_rows=2, bigram_sign_rows=0, trigram_rows=0, ngram_sparse_adam=False,
         cplm_bands=(), window_block=8, seq_len=64, val_seq_len=64, batch_size=128,
-        stages=tuple(dataclasses.replace(row, candidates=0) for row in tg.Hyperparameters.stages),
+        stages=tuple(dataclasses.replace(row, candidates=0, batch=0) for row in tg.Hyperparameters.stages),
         skip_layers=(), skip_into=0, mlp_hidden=0, parallel_mlp_blocks=(), no_x0_blocks=(), no_ngram_blocks=(),
         no_resid_scale_blocks=(), narrow_qk_blocks=(), narrow_v_blocks=()), **overrides})
     with torch.device("meta"):

@@ -273,14 +273,17 @@ def test_report_rebuilds_the_tables_from_the_logs_of_a_stopped_command_and_runs_
     fh.main()
     out = capsys.readouterr().out
     assert out == (tmp_path / "table.md").read_text()
-    # the master's 80 steps: 26 / 27 / 26 / 1 of 131,072 / 262,144 / 393,216 / 393,216 tokens; ours 393,216 a step
+    # the master's 80 steps: 26 / 27 / 26 / 1 of 131,072 / 262,144 / 393,216 / 393,216 tokens; ours its record
+    # preset's (stage 1 at 262,144 tokens a step, then 393,216)
     master_tokens = 26 * 131072 + 27 * 262144 + 27 * 393216
     data = next(line for line in out.splitlines() if line.startswith("Data: "))
     ours_steps = int(re.search(r"; ours: (\d+) steps", data)[1])
+    ours_tokens = tg.Schedule(tg.parse_args([])).tokens_before(ours_steps)
+    assert ours_steps == tg.Hyperparameters().num_iterations and ours_tokens == 252 * 262144 + 521 * 393216
     assert data == (f"Data: public master: 80 steps, {master_tokens:,} tokens trained; "
-                    f"ours: {ours_steps} steps, {ours_steps * 393216:,} tokens trained")
+                    f"ours: {ours_steps} steps, {ours_tokens:,} tokens trained")
     import pair_tables as pt
-    assert pt.trained_tokens(tmp_path / "table.md") == {"public master": master_tokens, "ours": ours_steps * 393216}
+    assert pt.trained_tokens(tmp_path / "table.md") == {"public master": master_tokens, "ours": ours_tokens}
     assert f"Tables rebuilt from the logs of the runs started at {stamp} (--report" in out
     assert f"No log: public master seed 1 ({work / 'public_master' / 'logs' / f'public_master_{stamp}_seed1.txt'}), " \
            f"ours seed 1" in out
@@ -620,14 +623,14 @@ def test_allow_repeat_lets_our_timing_run_start_over_on_the_shards_and_nothing_e
 
 def test_our_stages_in_the_tables_end_at_the_last_training_step():
     """train_gpt's last stage ends past the final validation's step; the harness's tables count training steps only:
-    the record preset's 720 steps as 234 / 234 / 232 / 20, the extension's 20 (not 21) in its stage column."""
+    the record preset's 773 steps as 252 / 251 / 250 / 20, the extension's 20 (not 21) in its stage column."""
     schedule = tg.Schedule(tg.parse_args([]))
-    assert schedule.stages[-1].end == 721
+    assert schedule.stages[-1].end == 774
     stages = fh.training_stages(schedule)
-    assert [st.end - st.start for st in stages] == [234, 234, 232, 20]
+    assert [st.end - st.start for st in stages] == [252, 251, 250, 20]
     assert [st.start for st in stages] == [st.start for st in schedule.stages]
-    times = {s: 10 * s for s in range(722)}  # 10 ms a step
-    assert [d["steps"] for d in fh.stage_step_ms(times, stages)] == [234, 234, 232, 20]
+    times = {s: 10 * s for s in range(775)}  # 10 ms a step
+    assert [d["steps"] for d in fh.stage_step_ms(times, stages)] == [252, 251, 250, 20]
 
 
 def test_step_times_give_each_stage_its_median_step():
@@ -849,7 +852,7 @@ def test_every_run_goes_on_nproc_gpus_and_the_table_says_so(monkeypatch, tmp_pat
      r"do not split into --accum 3 x --nproc 4 micro-batches: use --accum 2$"),
     (["--nproc", "8", "--batch_div", "1", "--val_tokens", "917504", "--val_seq_len", "65536"],
      r"\(8 x 1 x 65536 = 524,288\): use --val_tokens 1048576$"),
-    (["--nproc", "8", "--ours_args", "--batch_size 147456"],
+    (["--nproc", "8", "--ours_args", "--batch_size 147456 --batch_schedule 0,0,0"],
      r"ours: its 3 micro-batches per step \(batch_size / seq_len\) do not split over --nproc 8: give it a batch_size"),
 ])
 def test_gpu_counts_and_splits_that_do_not_divide_are_refused_naming_the_fix(monkeypatch, tmp_path, argv, error):

@@ -95,26 +95,28 @@ def test_a_sampled_stage_gives_a_sampled_entry_and_a_mixed_one_none():
 
 
 def test_timed_candidates_follow_the_switch_to_the_full_softmax():
-    """The record preset (720 steps, full from step 664): stage 1's timed steps sample 16,384 rows; stage 3's near
-    the switch mix both; the extension, whose row carries stage 3's candidates, trains with the full softmax."""
+    """The record preset (773 steps, full from step round(0.922 x 773) = 713): stage 1's timed steps sample 16,384
+    rows; stage 3's near the switch mix both; the extension, whose row carries stage 3's candidates, trains with the
+    full softmax."""
     schedule = tg.Schedule(tg.parse_args([]))
     first, third, ext = schedule.stages[0], schedule.stages[2], schedule.stages[3]
-    assert schedule.full_softmax == 664 and ext.candidates == 12288
+    assert schedule.full_softmax == 713 and ext.candidates == 12288
     assert step_time.timed_candidates(schedule, first, 3, 12) == 16384
-    assert step_time.timed_candidates(schedule, third, 659, 12) is None
-    assert step_time.timed_candidates(schedule, third, 652, 12) == 12288  # 652-663: all before the switch
+    assert step_time.timed_candidates(schedule, third, 708, 12) is None
+    assert step_time.timed_candidates(schedule, third, 701, 12) == 12288  # 701-712: all before the switch
     assert step_time.timed_candidates(schedule, ext, ext.start + 3, 12) == 0
 
 
 def test_stage_runs_count_the_training_steps_and_not_the_final_validations():
-    """The record preset's 720 steps: stages of 234 / 234 / 232 steps and the extension's 20, named by their first and
-    last training step; the last stage's end (721) is the final validation's step and trains nothing."""
+    """The record preset's 773 steps: stages of 252 / 251 / 250 steps and the extension's 20, named by their first and
+    last training step; the last stage's end (774) is the final validation's step and trains nothing."""
     schedule = tg.Schedule(tg.parse_args([]))
     runs = step_time.stage_runs(schedule)
-    assert [name for name, _, _ in runs] == ["stage 1 (steps 0-233)", "stage 2 (steps 234-467)",
-                                             "stage 3 (steps 468-699)", "stage 4 (steps 700-719)"]
-    assert [n for _, _, n in runs] == [234, 234, 232, 20] and schedule.stages[-1].end == 721
-    assert sum(n * st.spec.batch_size for _, st, n in runs) == 720 * 393216  # --plan's trained tokens
+    assert [name for name, _, _ in runs] == ["stage 1 (steps 0-251)", "stage 2 (steps 252-502)",
+                                             "stage 3 (steps 503-752)", "stage 4 (steps 753-772)"]
+    assert [n for _, _, n in runs] == [252, 251, 250, 20] and schedule.stages[-1].end == 774
+    # --plan's trained tokens: stage 1 at 262,144 tokens a step, the rest at 393,216
+    assert sum(n * st.spec.batch_size for _, st, n in runs) == 252 * 262144 + 521 * 393216
 
 
 def test_stages_alone_times_the_presets_table_and_with_a_table_times_that_one():

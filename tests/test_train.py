@@ -187,10 +187,12 @@ def test_window_stages_split_the_steps_as_the_record_does(N):
     expected = [tg.window_tokens((3, 7, 11)[3 * s // (S + 1)], args.window_block) for s in range(S)]
     expected += [tg.window_tokens(13, args.window_block)] * (N + 1 - S)
     assert [schedule.stage_at(s).windows for s in range(N + 1)] == expected
-    # one batch size throughout; documents cut at 896 / 2,048 / 4,096 tokens (ANVIL2's caps with its 3,072 raised),
-    # the extension at 4,096
-    assert [(st.spec.batch_size, st.spec.max_doc_len) for st in schedule.stages] == [
-        (args.batch_size, 896), (args.batch_size, 2048), (args.batch_size, 4096), (args.batch_size, 4096)]
+    # stage 1 at ANVIL2's 262,144 tokens a step (its 8 micro-batches of 32,768) and x 0.8786 of the rates, then
+    # batch_size; documents cut at 896 / 2,048 / 4,096 tokens (ANVIL2's caps with its 3,072 raised), the extension at
+    # 4,096
+    assert [(st.spec.batch_size, st.spec.seq_len, st.spec.max_doc_len, st.lr) for st in schedule.stages] == [
+        (262144, 32768, 896, 0.8786), (args.batch_size, args.seq_len, 2048, 1.0),
+        (args.batch_size, args.seq_len, 4096, 1.0), (args.batch_size, args.seq_len, 4096, 1.0)]
 
 
 # The public record line's schedule after 09/03 (records of 11/2025 to 07/2026): three stages of
