@@ -78,7 +78,7 @@ class Stage:
     defaults; mtp's weights joined by '/')."""
     # The row: the table's columns (STAGE_TEXT, below: the --stages text).
     window: int  # long attention window in window_block blocks (the short blocks' is half of it)
-    batch: int = 0  # global batch in tokens; 0: batch_size (the micro-batch count stays, their length grows)
+    batch: int = 0  # global batch in tokens; 0: batch_size (the micro-batch count stays: their length follows the batch)
     doc_len: int = 0  # training documents are cut at this length and the rest dropped; 0: max_doc_len
     lr: float = 1.0  # multiplies both optimizers' learning rates, before the cooldown's decay
     # Multi-token prediction (2025-12-22 record, @varunneal, PR 178): position t is also trained on the tokens at
